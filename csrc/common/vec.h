@@ -1,0 +1,113 @@
+// SIMD helpers shared by the CPU kernels. Included only from <family>_cpu.cpp files, which are
+// compiled once per ISA, so everything here lives in the inline namespace CPU_CAPABILITY.
+//
+// Numerics: every kernel computes in acc_t = at::opmath_type<scalar_t> (float for fp16/bf16/fp32,
+// double for fp64) and rounds to scalar_t once, when it stores.
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+namespace opennpu {
+inline namespace CPU_CAPABILITY {
+
+template <typename scalar_t>
+using acc_t = at::opmath_type<scalar_t>;
+
+template <typename scalar_t>
+using AccVec = at::vec::Vectorized<acc_t<scalar_t>>;
+
+// Moves 2 * AccVec::size() elements of scalar_t between memory and a pair of accumulator
+// vectors (the natural unit for fp16/bf16, whose Vectorized holds twice as many lanes).
+template <typename scalar_t>
+struct VecPair {
+  using Vec = AccVec<scalar_t>;
+  static constexpr int64_t kStep = 2 * Vec::size();
+  static constexpr bool kReduced = !std::is_same_v<scalar_t, acc_t<scalar_t>>;
+
+  static void load(const scalar_t* p, Vec& a, Vec& b) {
+    if constexpr (kReduced) {
+      at::vec::load_to_float<scalar_t>(p, a, b);
+    } else {
+      a = Vec::loadu(p);
+      b = Vec::loadu(p + Vec::size());
+    }
+  }
+  // Loads n <= kStep elements; lanes past n are zero.
+  static void load(const scalar_t* p, Vec& a, Vec& b, int64_t n) {
+    if (n == kStep) return load(p, a, b);
+    if constexpr (kReduced) {
+      auto both = at::vec::Vectorized<scalar_t>::loadu(p, n);
+      auto converted = at::vec::convert_to_float<scalar_t>(both);
+      a = std::get<0>(converted);
+      b = std::get<1>(converted);
+    } else {
+      const int64_t na = std::min<int64_t>(n, Vec::size());
+      a = Vec::loadu(p, na);
+      b = n > Vec::size() ? Vec::loadu(p + Vec::size(), n - Vec::size()) : Vec(0);
+    }
+  }
+  static void store(scalar_t* p, const Vec& a, const Vec& b) {
+    if constexpr (kReduced) {
+      at::vec::convert_from_float<scalar_t>(a, b).store(p);
+    } else {
+      a.store(p);
+      b.store(p + Vec::size());
+    }
+  }
+  static void store(scalar_t* p, const Vec& a, const Vec& b, int64_t n) {
+    if (n == kStep) return store(p, a, b);
+    if constexpr (kReduced) {
+      at::vec::convert_from_float<scalar_t>(a, b).store(p, n);
+    } else {
+      const int64_t na = std::min<int64_t>(n, Vec::size());
+      a.store(p, na);
+      if (n > Vec::size()) b.store(p + Vec::size(), n - Vec::size());
+    }
+  }
+};
+
+// exp for the accumulator type. fp32 and fp64 outputs get ATen's 1-ulp exp (as accurate as the
+// native ops they replace); fp16/bf16 outputs keep 8-11 mantissa bits, so the ~20-ulp polynomial
+// exp_u20 loses nothing after rounding and is several times cheaper.
+template <typename scalar_t>
+inline AccVec<scalar_t> exp_for(const AccVec<scalar_t>& x) {
+  if constexpr (VecPair<scalar_t>::kReduced) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
+}
+
+// 1 / (1 + exp(-z)): saturates to 0 and 1 without NaN for large |z|.
+template <typename scalar_t>
+inline AccVec<scalar_t> sigmoid_for(const AccVec<scalar_t>& z) {
+  using Vec = AccVec<scalar_t>;
+  const Vec one(1);
+  return one / (one + exp_for<scalar_t>(Vec(0) - z));
+}
+
+inline float horizontal_sum(const at::vec::Vectorized<float>& v) {
+  return at::vec::vec_reduce_all<float>([](auto& a, auto& b) { return a + b; }, v);
+}
+inline double horizontal_sum(const at::vec::Vectorized<double>& v) {
+  return at::vec::vec_reduce_all<double>([](auto& a, auto& b) { return a + b; }, v);
+}
+
+// Calls body(begin, len) for the full-width chunks of [0, n) and once more for the tail
+// (len < kStep), so kernels write their loop body once and handle odd sizes.
+template <typename scalar_t, typename Body>
+inline void for_each_step(int64_t n, const Body& body) {
+  constexpr int64_t kStep = VecPair<scalar_t>::kStep;
+  int64_t i = 0;
+  for (; i + kStep <= n; i += kStep) body(i, kStep);
+  if (i < n) body(i, n - i);
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu

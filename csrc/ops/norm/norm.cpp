@@ -1,0 +1,158 @@
+// Entry points of the RMSNorm family: validation, output allocation, CPU registration.
+#include "ops/norm/norm.h"
+
+#include <ATen/ExpandUtils.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include "common/checks.h"
+
+namespace opennpu::norm {
+
+CpuKernel<RmsNormFwdFn> rms_norm_fwd_cpu;
+CpuKernel<AddRmsNormFwdFn> add_rms_norm_fwd_cpu;
+CpuKernel<RmsNormBwdFn> rms_norm_bwd_cpu;
+
+namespace {
+
+at::ScalarType acc_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Checks gamma against the trailing dims of x and returns the keep-dim shape of rstd.
+std::vector<int64_t> check_norm_args(const char* op, const char* x_name, const at::Tensor& x,
+                                     const at::Tensor& gamma, double epsilon) {
+  check_floating(op, x_name, x);
+  check_floating(op, "gamma", gamma);
+  check_same_device(op, "gamma", gamma, x_name, x);
+  const int64_t gdim = gamma.dim();
+  OPENNPU_CHECK_ARG(gdim >= 1 && gdim <= x.dim() &&
+                        x.sizes().slice(x.dim() - gdim).equals(gamma.sizes()),
+                    op, "gamma",
+                    "must have the shape of trailing dims of '", x_name, "' (",
+                    shape_str(x.sizes()), "), e.g. [", x.dim() > 0 ? x.size(-1) : 0,
+                    "], but got ", shape_str(gamma.sizes()));
+  OPENNPU_CHECK_ARG(epsilon >= 0, op, "epsilon", "must be >= 0, but got ", epsilon);
+  std::vector<int64_t> rstd_shape(x.sizes().begin(), x.sizes().end());
+  for (int64_t d = x.dim() - gdim; d < x.dim(); ++d) rstd_shape[d] = 1;
+  return rstd_shape;
+}
+
+// The (x, gamma) dtype pairs Ascend A2/A3 accept: gamma matches x, or gamma is fp32.
+void check_strict_norm_dtypes(const char* op, const char* x_name, const at::Tensor& x,
+                              const at::Tensor& gamma) {
+  check_strict_dtype(op, x_name, x, {at::kHalf, at::kBFloat16, at::kFloat});
+  OPENNPU_CHECK_STRICT(gamma.scalar_type() == x.scalar_type() ||
+                           gamma.scalar_type() == at::kFloat,
+                       op, "gamma", "must have the dtype of '", x_name, "' (", x.scalar_type(),
+                       ") or float32, but got ", gamma.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const char* op, const at::Tensor& self,
+                                                    const at::Tensor& gamma_acc,
+                                                    const std::vector<int64_t>& rstd_shape,
+                                                    double epsilon) {
+  const at::Tensor x = self.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty(rstd_shape, x.options().dtype(acc_dtype(x)));
+  if (x.numel() > 0) rms_norm_fwd_cpu.get(op)(x, gamma_acc, epsilon, y, rstd);
+  return {y, rstd};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> npu_rms_norm(const at::Tensor& self, const at::Tensor& gamma,
+                                                double epsilon) {
+  constexpr const char* op = "npu_rms_norm";
+  auto rstd_shape = check_norm_args(op, "self", self, gamma, epsilon);
+  check_strict_norm_dtypes(op, "self", self, gamma);
+  check_strict_rank(op, "self", self, 1, 8);
+  const at::Tensor gamma_acc = gamma.to(acc_dtype(self)).contiguous();
+  return rms_norm_forward(op, self, gamma_acc, rstd_shape, epsilon);
+}
+
+std::tuple<at::Tensor, at::Tensor> npu_gemma_rms_norm(const at::Tensor& self,
+                                                      const at::Tensor& gamma, double epsilon) {
+  constexpr const char* op = "npu_gemma_rms_norm";
+  auto rstd_shape = check_norm_args(op, "self", self, gamma, epsilon);
+  check_strict_norm_dtypes(op, "self", self, gamma);
+  check_strict_rank(op, "self", self, 1, 8);
+  // Gemma scales by (1 + gamma); the sum is formed in the accumulator dtype, as the golden does.
+  const at::Tensor gamma_acc = gamma.to(acc_dtype(self)).add(1).contiguous();
+  return rms_norm_forward(op, self, gamma_acc, rstd_shape, epsilon);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor& x1,
+                                                                const at::Tensor& x2,
+                                                                const at::Tensor& gamma,
+                                                                double epsilon) {
+  constexpr const char* op = "npu_add_rms_norm";
+  auto rstd_shape = check_norm_args(op, "x1", x1, gamma, epsilon);
+  check_floating(op, "x2", x2);
+  check_same_device(op, "x2", x2, "x1", x1);
+  OPENNPU_CHECK_ARG(x2.scalar_type() == x1.scalar_type(), op, "x2",
+                    "must have the dtype of 'x1' (", x1.scalar_type(), "), but got ",
+                    x2.scalar_type());
+  OPENNPU_CHECK_ARG(x2.dim() <= x1.dim() && at::infer_size(x1.sizes(), x2.sizes()) == x1.sizes(),
+                    op, "x2", "must have (or broadcast to) the shape of 'x1' (",
+                    shape_str(x1.sizes()), "), but got ", shape_str(x2.sizes()));
+  check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16, at::kFloat});
+  OPENNPU_CHECK_STRICT(gamma.scalar_type() == x1.scalar_type(), op, "gamma",
+                       "must have the dtype of 'x1' (", x1.scalar_type(), "), but got ",
+                       gamma.scalar_type());
+  OPENNPU_CHECK_STRICT(x2.sizes().equals(x1.sizes()), op, "x2", "must have the shape of 'x1' (",
+                       shape_str(x1.sizes()), "), but got ", shape_str(x2.sizes()));
+  OPENNPU_CHECK_STRICT(x1.numel() > 0, op, "x1", "must not be empty, but got shape ",
+                       shape_str(x1.sizes()));
+  check_strict_rank(op, "x1", x1, 1, 8);
+
+  const at::Tensor a = x1.contiguous();
+  const at::Tensor b = x2.sizes().equals(x1.sizes()) ? x2.contiguous()
+                                                      : x2.expand(x1.sizes()).contiguous();
+  const at::Tensor gamma_acc = gamma.to(acc_dtype(a)).contiguous();
+  at::Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
+  at::Tensor x = at::empty_like(a, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty(rstd_shape, a.options().dtype(acc_dtype(a)));
+  if (a.numel() > 0) add_rms_norm_fwd_cpu.get(op)(a, b, gamma_acc, epsilon, y, rstd, x);
+  return {y, rstd, x};
+}
+
+std::tuple<at::Tensor, at::Tensor> npu_rms_norm_backward(const at::Tensor& dy,
+                                                         const at::Tensor& self,
+                                                         const at::Tensor& gamma,
+                                                         const at::Tensor& rstd) {
+  constexpr const char* op = "npu_rms_norm_backward";
+  auto rstd_shape = check_norm_args(op, "self", self, gamma, /*epsilon=*/0.0);
+  check_floating(op, "dy", dy);
+  check_same_device(op, "dy", dy, "self", self);
+  OPENNPU_CHECK_ARG(dy.sizes().equals(self.sizes()), op, "dy", "must have the shape of 'self' (",
+                    shape_str(self.sizes()), "), but got ", shape_str(dy.sizes()));
+  check_floating(op, "rstd", rstd);
+  check_same_device(op, "rstd", rstd, "self", self);
+  OPENNPU_CHECK_ARG(rstd.numel() == self.numel() / std::max<int64_t>(gamma.numel(), 1) ||
+                        self.numel() == 0,
+                    op, "rstd", "must hold one value per normalised row of 'self' (shape ",
+                    shape_str(rstd_shape), "), but got shape ", shape_str(rstd.sizes()));
+
+  const auto acc = acc_dtype(self);
+  const at::Tensor x = self.contiguous();
+  const at::Tensor g = dy.to(x.scalar_type()).contiguous();
+  const at::Tensor r = rstd.to(acc).contiguous();
+  const at::Tensor gamma_acc = gamma.to(acc).contiguous();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  at::Tensor dgamma = at::zeros(gamma.sizes(), gamma.options().dtype(acc));
+  if (x.numel() > 0) rms_norm_bwd_cpu.get(op)(g, x, gamma_acc, r, dx, dgamma);
+  return {dx, dgamma};
+}
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_rms_norm", &npu_rms_norm);
+  m.impl("npu_rms_norm_backward", &npu_rms_norm_backward);
+  m.impl("npu_gemma_rms_norm", &npu_gemma_rms_norm);
+  m.impl("npu_add_rms_norm", &npu_add_rms_norm);
+}
+
+}  // namespace opennpu::norm

@@ -1,0 +1,159 @@
+// CPU kernels of the RMSNorm family (compiled once per ISA; see common/cpu_dispatch.h).
+//
+// One row is n contiguous elements. Forward: pass 1 accumulates sum(x^2) in acc_t over the row,
+// pass 2 writes y; the second read hits L1/L2 (a row is at most a few tens of KiB), so memory sees
+// one read of x and one write of y. Backward: pass 1 accumulates sum(dy * gamma * x), pass 2
+// writes dx and adds dy * x * rstd into a per-thread dgamma row, reduced across threads at the end.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/sum.h>
+#include <ATen/ops/zeros.h>
+
+#include <cmath>
+
+#include "common/vec.h"
+#include "ops/norm/norm.h"
+
+namespace opennpu::norm {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+// Rows per parallel chunk: about 16K elements, so small tensors stay on one thread.
+int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n, 1)); }
+
+// Normalises one row; returns its rstd.
+template <typename scalar_t>
+acc_t<scalar_t> rms_norm_row(const scalar_t* x, const acc_t<scalar_t>* gamma, scalar_t* y,
+                             int64_t n, acc_t<scalar_t> eps) {
+  using T = acc_t<scalar_t>;
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  using GammaIO = VecPair<T>;
+  Vec s0(0), s1(0);
+  for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b;
+    IO::load(x + i, a, b, len);
+    s0 = at::vec::fmadd(a, a, s0);
+    s1 = at::vec::fmadd(b, b, s1);
+  });
+  const T rstd = T(1) / std::sqrt(horizontal_sum(s0 + s1) / static_cast<T>(n) + eps);
+  const Vec vrstd(rstd);
+  for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b, ga, gb;
+    IO::load(x + i, a, b, len);
+    GammaIO::load(gamma + i, ga, gb, len);
+    IO::store(y + i, a * vrstd * ga, b * vrstd * gb, len);
+  });
+  return rstd;
+}
+
+void rms_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& gamma, double eps, at::Tensor& y,
+                         at::Tensor& rstd) {
+  const int64_t n = gamma.numel();
+  const int64_t rows = x.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "npu_rms_norm", [&] {
+    using T = acc_t<scalar_t>;
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    const T* pg = gamma.const_data_ptr<T>();
+    scalar_t* py = y.mutable_data_ptr<scalar_t>();
+    T* pr = rstd.mutable_data_ptr<T>();
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        pr[r] = rms_norm_row<scalar_t>(px + r * n, pg, py + r * n, n, static_cast<T>(eps));
+      }
+    });
+  });
+}
+
+void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& gamma,
+                             double eps, at::Tensor& y, at::Tensor& rstd, at::Tensor& x) {
+  const int64_t n = gamma.numel();
+  const int64_t rows = x1.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x1.scalar_type(), "npu_add_rms_norm", [&] {
+        using T = acc_t<scalar_t>;
+        using Vec = AccVec<scalar_t>;
+        using IO = VecPair<scalar_t>;
+        const scalar_t* pa = x1.const_data_ptr<scalar_t>();
+        const scalar_t* pb = x2.const_data_ptr<scalar_t>();
+        const T* pg = gamma.const_data_ptr<T>();
+        scalar_t* py = y.mutable_data_ptr<scalar_t>();
+        scalar_t* px = x.mutable_data_ptr<scalar_t>();
+        T* pr = rstd.mutable_data_ptr<T>();
+        at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            scalar_t* xr = px + r * n;
+            for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+              Vec a0, a1, b0, b1;
+              IO::load(pa + r * n + i, a0, a1, len);
+              IO::load(pb + r * n + i, b0, b1, len);
+              IO::store(xr + i, a0 + b0, a1 + b1, len);
+            });
+            // The norm reads back the stored (rounded) sum, still in L1.
+            pr[r] = rms_norm_row<scalar_t>(xr, pg, py + r * n, n, static_cast<T>(eps));
+          }
+        });
+      });
+}
+
+void rms_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gamma,
+                         const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dgamma) {
+  const int64_t n = gamma.numel();
+  const int64_t rows = x.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "npu_rms_norm_backward", [&] {
+        using T = acc_t<scalar_t>;
+        using Vec = AccVec<scalar_t>;
+        using IO = VecPair<scalar_t>;
+        using AccIO = VecPair<T>;
+        const scalar_t* pdy = dy.const_data_ptr<scalar_t>();
+        const scalar_t* px = x.const_data_ptr<scalar_t>();
+        const T* pg = gamma.const_data_ptr<T>();
+        const T* pr = rstd.const_data_ptr<T>();
+        scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
+        // One dgamma row per thread, summed after the parallel region.
+        at::Tensor partial = at::zeros({at::get_num_threads(), n}, dgamma.options());
+        T* ppart = partial.mutable_data_ptr<T>();
+        at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+          T* dg = ppart + at::get_thread_num() * n;
+          for (int64_t r = begin; r < end; ++r) {
+            const scalar_t* dyr = pdy + r * n;
+            const scalar_t* xr = px + r * n;
+            Vec s0(0), s1(0);
+            for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+              Vec d0, d1, x0, x1, g0, g1;
+              IO::load(dyr + i, d0, d1, len);
+              IO::load(xr + i, x0, x1, len);
+              AccIO::load(pg + i, g0, g1, len);
+              s0 = at::vec::fmadd(d0 * g0, x0, s0);
+              s1 = at::vec::fmadd(d1 * g1, x1, s1);
+            });
+            const T rs = pr[r];
+            const Vec vrs(rs);
+            // x * rstd^3 * mean(dy * gamma * x)
+            const Vec coef(rs * rs * rs * horizontal_sum(s0 + s1) / static_cast<T>(n));
+            for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+              Vec d0, d1, x0, x1, g0, g1, p0, p1;
+              IO::load(dyr + i, d0, d1, len);
+              IO::load(xr + i, x0, x1, len);
+              AccIO::load(pg + i, g0, g1, len);
+              IO::store(pdx + r * n + i, d0 * g0 * vrs - x0 * coef, d1 * g1 * vrs - x1 * coef, len);
+              AccIO::load(dg + i, p0, p1, len);
+              AccIO::store(dg + i, at::vec::fmadd(d0 * x0, vrs, p0), at::vec::fmadd(d1 * x1, vrs, p1),
+                           len);
+            });
+          }
+        });
+        at::Tensor dgamma_flat = dgamma.view({n});
+        at::sum_out(dgamma_flat, partial, /*dim=*/0);
+      });
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(rms_norm_fwd_cpu, &rms_norm_fwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(add_rms_norm_fwd_cpu, &add_rms_norm_fwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(rms_norm_bwd_cpu, &rms_norm_bwd_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::norm

@@ -1,0 +1,59 @@
+"""Import hook that lets `import torch_npu` (and `import torchair`) load opennpu's compatibility
+modules on machines without the real packages.
+
+Installed next to opennpu and activated by opennpu-compat.pth at interpreter start-up, so it must
+stay cheap: standard library only, and nothing is imported until a script asks for torch_npu.
+When the real torch_npu (or torchair) is installed, the hook steps aside and the real package loads.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+
+ALIASES = {
+    "torch_npu": "opennpu.compat.torch_npu",
+    "torchair": "opennpu.compat.torchair",
+}
+
+
+def real_package_origin(name: str) -> str | None:
+    """Where the genuine package `name` is installed, or None when only opennpu provides it."""
+    spec = importlib.machinery.PathFinder.find_spec(name)
+    return None if spec is None else (spec.origin or str(spec.submodule_search_locations))
+
+
+class _AliasLoader(importlib.abc.Loader):
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec):
+        # The alias is the very same module object as its opennpu target.
+        return importlib.import_module(self.target)
+
+    def exec_module(self, module):
+        pass
+
+
+class CompatFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        top, _, rest = fullname.partition(".")
+        if top not in ALIASES:
+            return None
+        if not rest:
+            if real_package_origin(top) is not None:
+                return None  # the real package wins
+        elif getattr(sys.modules.get(top), "__name__", None) != ALIASES[top]:
+            return None  # submodule of a real package
+        target_name = ALIASES[top] + ("." + rest if rest else "")
+        if importlib.util.find_spec(target_name) is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target_name), is_package=True)
+
+
+def install() -> None:
+    if not any(isinstance(f, CompatFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, CompatFinder())

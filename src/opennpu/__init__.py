@@ -1,0 +1,22 @@
+"""opennpu: an open implementation of the torch_npu fused-operator system on CPUs and GPUs.
+
+Importing opennpu registers the ``torch.ops.npu`` operators (C++ kernels, fake kernels, autograd)
+and exposes them as ``opennpu.<name>``; ``import torch_npu`` maps the Ascend names onto them when
+the real torch_npu is not installed.
+"""
+
+from __future__ import annotations
+
+import torch  # noqa: F401  (the operator library links against the loaded torch)
+
+from . import _library
+
+_library.load()
+
+from . import ops  # noqa: E402
+from ._library import cpu_isa  # noqa: E402
+from ._strict import is_strict, set_strict, strict  # noqa: E402
+from .ops import *  # noqa: E402,F401,F403
+
+__version__ = "0.1.0"
+__all__ = ["cpu_isa", "is_strict", "set_strict", "strict", *ops.__all__]

@@ -1,0 +1,38 @@
+"""Bookkeeping shared by the op modules: which ops are differentiable and how.
+
+tests/test_registry.py walks torch.ops.npu and requires every op to appear in exactly one of
+these tables, so a new op cannot ship without a decision about its gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# op name -> "autograd" (a formula is registered) or the reason it has none.
+DIFFERENTIABILITY: dict[str, str] = {}
+
+
+def register_autograd(name: str, backward, setup_context) -> None:
+    torch.library.register_autograd(f"npu::{name}", backward, setup_context=setup_context)
+    DIFFERENTIABILITY[name] = "autograd"
+
+
+def mark_backward_op(name: str, forward: str) -> None:
+    """`name` computes the gradient of `forward`; differentiating it again raises a clear error."""
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{name}: double backward (the gradient of the gradient of {forward}) is not "
+            "supported by opennpu"
+        )
+
+    torch.library.register_autograd(f"npu::{name}", backward, setup_context=setup_context)
+    DIFFERENTIABILITY[name] = f"backward of {forward}; double backward not supported"
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator dtype of the kernels: float64 for float64 inputs, float32 otherwise."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
