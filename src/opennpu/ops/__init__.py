@@ -1,6 +1,8 @@
 """Public wrappers, fake kernels and autograd of every torch.ops.npu op, one module per family."""
 
-from . import norm
+from . import activation, norm, rotary
+from .activation import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
+from .rotary import *  # noqa: F401,F403
 
-__all__ = list(norm.__all__)
+__all__ = [*norm.__all__, *activation.__all__, *rotary.__all__]

@@ -1,0 +1,55 @@
+"""What a benchmark case is, and the helpers the case modules share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+
+
+@dataclass
+class Timed:
+    """The functions of one case, built once its inputs exist.
+
+    `ours` and every baseline are zero-argument calls returning the outputs compared against
+    `reference` (the fp32 oracle); "eager" (the native composition) is the first baseline.
+    """
+
+    ours: Callable[[], Any]
+    baselines: dict[str, Callable[[], Any]]
+    reference: Any
+
+
+@dataclass
+class Case:
+    op: str  # the family name --ops selects, e.g. "rms_norm"
+    direction: str  # "fwd" or "bwd"
+    shape: str
+    dtype: torch.dtype
+    nbytes: int  # effective bytes: each tensor read or written once
+    build: Callable[[], Timed]  # allocates the inputs; called only when the case runs
+    requires: tuple[str, ...] = field(default=())  # the torch.ops.npu ops the case calls
+
+
+def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.randn(*shape, dtype=torch.float32).to(dtype)
+
+
+def autograd_backward(fn: Callable, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor) -> Callable:
+    """A call running the backward of `fn(*inputs)` again on one graph built here, so only the
+    backward is timed. Returns the gradients of all `inputs`."""
+    leaves = tuple(t.detach().requires_grad_() for t in inputs)
+    with torch.enable_grad():
+        out = fn(*leaves)
+    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+
+
+def reference_backward(fn: Callable, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor):
+    """Gradients of an fp32 oracle by autograd, for ops whose oracle has no closed-form backward."""
+    leaves = tuple(t.detach().float().requires_grad_() for t in inputs)
+    with torch.enable_grad():
+        return torch.autograd.grad(fn(*leaves), leaves, grad.float())

@@ -1,0 +1,163 @@
+// Entry points of the activation family: validation, output allocation, CPU registration.
+#include "ops/activation/activation.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
+#include "common/checks.h"
+
+namespace opennpu::activation {
+
+CpuKernel<GluFwdFn> glu_fwd_cpu;
+CpuKernel<GluBwdFn> glu_bwd_cpu;
+CpuKernel<UnaryFwdFn> unary_fwd_cpu;
+CpuKernel<UnaryBwdFn> unary_bwd_cpu;
+
+namespace {
+
+// The [outer, 2, m] view of a GLU input split along `dim`.
+struct GluShape {
+  int64_t outer = 1;
+  int64_t m = 1;
+  std::vector<int64_t> out_sizes;
+};
+
+GluShape glu_shape(const char* op, const at::Tensor& self, int64_t dim) {
+  check_floating(op, "self", self);
+  OPENNPU_CHECK_ARG(self.dim() >= 1, op, "self",
+                    "must have at least 1 dim to split in halves, but got a 0-dim tensor");
+  const int64_t d = wrap_dim(op, "dim", dim, self.dim());
+  OPENNPU_CHECK_ARG(self.size(d) % 2 == 0, op, "self", "must have an even size along dim ", dim,
+                    ", but got shape ", shape_str(self.sizes()));
+  check_strict_dtype(op, "self", self, {at::kHalf, at::kBFloat16, at::kFloat});
+  check_strict_rank(op, "self", self, 1, 8);
+  GluShape s;
+  for (int64_t i = 0; i < d; ++i) s.outer *= self.size(i);
+  s.m = self.size(d) / 2;
+  for (int64_t i = d + 1; i < self.dim(); ++i) s.m *= self.size(i);
+  s.out_sizes.assign(self.sizes().begin(), self.sizes().end());
+  s.out_sizes[d] /= 2;
+  return s;
+}
+
+Act gelu_act(const char* op, int64_t approximate) {
+  OPENNPU_CHECK_ARG(approximate == 0 || approximate == 1, op, "approximate",
+                    "must be 0 (erf GELU) or 1 (tanh GELU), but got ", approximate);
+  return approximate == 1 ? Act::kGeluTanh : Act::kGeluErf;
+}
+
+// grad_output of a GLU backward: floating, on self's device, in the forward output's shape.
+at::Tensor check_glu_grad(const char* op, const char* name, const at::Tensor& grad,
+                          const at::Tensor& self, const GluShape& s) {
+  check_floating(op, name, grad);
+  check_same_device(op, name, grad, "self", self);
+  OPENNPU_CHECK_ARG(grad.sizes().equals(s.out_sizes), op, name,
+                    "must have the forward output's shape ", shape_str(s.out_sizes),
+                    ", but got ", shape_str(grad.sizes()));
+  return grad.to(self.scalar_type()).contiguous();
+}
+
+at::Tensor glu_forward(const char* op, const at::Tensor& self, const GluShape& s, Act act,
+                       bool activate_left, at::Tensor gelu_out) {
+  const at::Tensor x = self.contiguous();
+  at::Tensor out = at::empty(s.out_sizes, x.options());
+  if (out.numel() > 0) glu_fwd_cpu.get(op)(x, s.outer, s.m, act, activate_left, out, gelu_out);
+  return out;
+}
+
+at::Tensor glu_backward(const char* op, const at::Tensor& grad, const at::Tensor& self,
+                        const GluShape& s, Act act, bool activate_left) {
+  const at::Tensor x = self.contiguous();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (dx.numel() > 0) glu_bwd_cpu.get(op)(grad, x, s.outer, s.m, act, activate_left, dx);
+  return dx;
+}
+
+}  // namespace
+
+at::Tensor npu_swiglu(const at::Tensor& self, int64_t dim) {
+  constexpr const char* op = "npu_swiglu";
+  const GluShape s = glu_shape(op, self, dim);
+  return glu_forward(op, self, s, Act::kSilu, /*activate_left=*/true, at::Tensor());
+}
+
+at::Tensor npu_swiglu_backward(const at::Tensor& grad_output, const at::Tensor& self,
+                               int64_t dim) {
+  constexpr const char* op = "npu_swiglu_backward";
+  const GluShape s = glu_shape(op, self, dim);
+  const at::Tensor g = check_glu_grad(op, "grad_output", grad_output, self, s);
+  return glu_backward(op, g, self, s, Act::kSilu, /*activate_left=*/true);
+}
+
+std::tuple<at::Tensor, at::Tensor> npu_geglu(const at::Tensor& self, int64_t dim,
+                                             int64_t approximate, bool activate_left) {
+  constexpr const char* op = "npu_geglu";
+  const GluShape s = glu_shape(op, self, dim);
+  const Act act = gelu_act(op, approximate);
+  at::Tensor gelu = at::empty(s.out_sizes, self.options());
+  at::Tensor out = glu_forward(op, self, s, act, activate_left, gelu);
+  return {out, gelu};
+}
+
+// The gelu input is validated but not read: the derivative is recomputed from self in fp32,
+// which is more accurate than differentiating through the rounded fp16/bf16 gelu output.
+at::Tensor npu_geglu_grad(const at::Tensor& grad_output, const at::Tensor& self,
+                          const at::Tensor& gelu, int64_t dim, int64_t approximate,
+                          bool activate_left) {
+  constexpr const char* op = "npu_geglu_grad";
+  const GluShape s = glu_shape(op, self, dim);
+  const Act act = gelu_act(op, approximate);
+  const at::Tensor g = check_glu_grad(op, "grad_output", grad_output, self, s);
+  OPENNPU_CHECK_ARG(gelu.sizes().equals(s.out_sizes), op, "gelu",
+                    "must have the forward output's shape ", shape_str(s.out_sizes),
+                    ", but got ", shape_str(gelu.sizes()));
+  return glu_backward(op, g, self, s, act, activate_left);
+}
+
+namespace {
+
+at::Tensor fast_gelu_forward(const char* op, const at::Tensor& self) {
+  check_floating(op, "self", self);
+  check_strict_dtype(op, "self", self, {at::kHalf, at::kBFloat16, at::kFloat});
+  check_strict_rank(op, "self", self, 0, 8);
+  const at::Tensor x = self.contiguous();
+  at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (y.numel() > 0) unary_fwd_cpu.get(op)(x, Act::kFastGelu, y);
+  return y;
+}
+
+}  // namespace
+
+at::Tensor fast_gelu(const at::Tensor& self) { return fast_gelu_forward("fast_gelu", self); }
+
+at::Tensor npu_fast_gelu(const at::Tensor& self) {
+  return fast_gelu_forward("npu_fast_gelu", self);
+}
+
+at::Tensor npu_fast_gelu_backward(const at::Tensor& grad, const at::Tensor& self) {
+  constexpr const char* op = "npu_fast_gelu_backward";
+  check_floating(op, "self", self);
+  check_floating(op, "grad", grad);
+  check_same_device(op, "grad", grad, "self", self);
+  OPENNPU_CHECK_ARG(grad.sizes().equals(self.sizes()), op, "grad",
+                    "must have the shape of 'self' ", shape_str(self.sizes()), ", but got ",
+                    shape_str(grad.sizes()));
+  const at::Tensor x = self.contiguous();
+  const at::Tensor g = grad.to(x.scalar_type()).contiguous();
+  at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
+  if (dx.numel() > 0) unary_bwd_cpu.get(op)(g, x, Act::kFastGelu, dx);
+  return dx;
+}
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_swiglu", &npu_swiglu);
+  m.impl("npu_swiglu_backward", &npu_swiglu_backward);
+  m.impl("npu_geglu", &npu_geglu);
+  m.impl("npu_geglu_grad", &npu_geglu_grad);
+  m.impl("fast_gelu", &fast_gelu);
+  m.impl("npu_fast_gelu", &npu_fast_gelu);
+  m.impl("npu_fast_gelu_backward", &npu_fast_gelu_backward);
+}
+
+}  // namespace opennpu::activation

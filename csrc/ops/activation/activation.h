@@ -1,0 +1,38 @@
+// Activation family: npu_swiglu, npu_geglu, fast_gelu / npu_fast_gelu and their gradients.
+//
+// A GLU op splits its input along `dim` into halves A | B. Viewed contiguously, the input is
+// [outer, 2, m] (outer = product of the dims before `dim`, m = half of `dim` times the product of
+// the dims after it), so every `dim` reduces to the same kernel over [outer, 2, m] -> [outer, m].
+// One half is "activated": out = act(H) * O, where H is A when activate_left, else B.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "common/cpu_dispatch.h"
+
+namespace opennpu::activation {
+
+enum class Act {
+  kSilu,      // z * sigmoid(z)
+  kFastGelu,  // z * sigmoid(1.702 z)
+  kGeluTanh,  // z * sigmoid(2 sqrt(2/pi) (z + 0.044715 z^3)) = tanh-approximated GELU, exactly
+  kGeluErf,   // z * Phi(z), the exact GELU
+};
+
+// out[o, j] = act(H[o, j]) * O[o, j]; gelu_out (optional, may be undefined) receives act(H).
+using GluFwdFn = void(const at::Tensor& x, int64_t outer, int64_t m, Act act, bool activate_left,
+                      at::Tensor& out, at::Tensor& gelu_out);
+// dx = [dH, dO] with dH = g * O * act'(H), dO = g * act(H), laid out like x.
+using GluBwdFn = void(const at::Tensor& grad, const at::Tensor& x, int64_t outer, int64_t m,
+                      Act act, bool activate_left, at::Tensor& dx);
+// y = act(x), elementwise over contiguous tensors.
+using UnaryFwdFn = void(const at::Tensor& x, Act act, at::Tensor& y);
+// dx = grad * act'(x).
+using UnaryBwdFn = void(const at::Tensor& grad, const at::Tensor& x, Act act, at::Tensor& dx);
+
+extern CpuKernel<GluFwdFn> glu_fwd_cpu;
+extern CpuKernel<GluBwdFn> glu_bwd_cpu;
+extern CpuKernel<UnaryFwdFn> unary_fwd_cpu;
+extern CpuKernel<UnaryBwdFn> unary_bwd_cpu;
+
+}  // namespace opennpu::activation

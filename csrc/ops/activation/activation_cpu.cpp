@@ -1,0 +1,227 @@
+// CPU kernels of the activation family (compiled once per ISA; see common/cpu_dispatch.h).
+//
+// Every gated activation here except exact GELU has the form z * sigmoid(u(z)), so value and
+// derivative share one exp:  act(z) = z * s,  act'(z) = s + z * s * (1 - s) * u'(z),  s = sigmoid(u).
+// fp16/bf16 use the cheap exp (see exp_for): their outputs keep 8-11 bits, far above its error.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+
+#include "common/vec.h"
+#include "ops/activation/activation.h"
+
+namespace opennpu::activation {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kGrain = int64_t{1} << 14;
+constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
+constexpr double kGeluCubic = 0.044715;
+constexpr double kFastGeluScale = 1.702;
+constexpr double kInvSqrt2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
+
+// u(z) and u'(z) of the sigmoid-gated forms.
+template <Act kAct, typename Vec>
+inline Vec gate_arg(const Vec& z) {
+  using T = typename Vec::value_type;
+  if constexpr (kAct == Act::kSilu) {
+    return z;
+  } else if constexpr (kAct == Act::kFastGelu) {
+    return z * Vec(T(kFastGeluScale));
+  } else {
+    const Vec k(T(2 * kSqrt2OverPi));
+    return k * at::vec::fmadd(z * z * z, Vec(T(kGeluCubic)), z);
+  }
+}
+
+template <Act kAct, typename Vec>
+inline Vec gate_arg_grad(const Vec& z) {
+  using T = typename Vec::value_type;
+  if constexpr (kAct == Act::kSilu) {
+    return Vec(T(1));
+  } else if constexpr (kAct == Act::kFastGelu) {
+    return Vec(T(kFastGeluScale));
+  } else {
+    const Vec k(T(2 * kSqrt2OverPi));
+    return k * at::vec::fmadd(z * z, Vec(T(3 * kGeluCubic)), Vec(T(1)));
+  }
+}
+
+template <Act kAct, typename scalar_t>
+inline AccVec<scalar_t> act_value(const AccVec<scalar_t>& z) {
+  using Vec = AccVec<scalar_t>;
+  using T = acc_t<scalar_t>;
+  if constexpr (kAct == Act::kGeluErf) {
+    return z * Vec(T(0.5)) * (Vec(T(1)) + (z * Vec(T(kInvSqrt2))).erf());
+  } else {
+    return z * sigmoid_for<scalar_t>(gate_arg<kAct>(z));
+  }
+}
+
+template <Act kAct, typename scalar_t>
+inline void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_t>& value,
+                           AccVec<scalar_t>& grad) {
+  using Vec = AccVec<scalar_t>;
+  using T = acc_t<scalar_t>;
+  if constexpr (kAct == Act::kGeluErf) {
+    const Vec cdf = Vec(T(0.5)) * (Vec(T(1)) + (z * Vec(T(kInvSqrt2))).erf());
+    const Vec pdf = Vec(T(kInvSqrt2Pi)) * exp_for<scalar_t>(Vec(T(-0.5)) * z * z);
+    value = z * cdf;
+    grad = at::vec::fmadd(z, pdf, cdf);
+  } else {
+    const Vec s = sigmoid_for<scalar_t>(gate_arg<kAct>(z));
+    value = z * s;
+    grad = at::vec::fmadd(z * s * (Vec(T(1)) - s), gate_arg_grad<kAct>(z), s);
+  }
+}
+
+// Walks the flat output range [begin, end) of an [outer, m] result in runs that stay inside one
+// outer row: body(o, j, len) covers columns j .. j+len of row o.
+template <typename Body>
+inline void for_each_run(int64_t begin, int64_t end, int64_t m, const Body& body) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t o = i / m;
+    const int64_t j = i - o * m;
+    const int64_t len = std::min(m - j, end - i);
+    body(o, j, len);
+    i += len;
+  }
+}
+
+template <Act kAct, typename scalar_t>
+void glu_fwd_impl(const at::Tensor& x, int64_t outer, int64_t m, bool activate_left,
+                  at::Tensor& out, at::Tensor& gelu_out) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  scalar_t* py = out.mutable_data_ptr<scalar_t>();
+  scalar_t* pg = gelu_out.defined() ? gelu_out.mutable_data_ptr<scalar_t>() : nullptr;
+  const int64_t h_off = activate_left ? 0 : m;  // offset of the activated half in a row
+  const int64_t o_off = activate_left ? m : 0;
+  at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
+    for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
+      const scalar_t* h = px + o * 2 * m + h_off + j;
+      const scalar_t* other = px + o * 2 * m + o_off + j;
+      scalar_t* y = py + o * m + j;
+      scalar_t* g = pg ? pg + o * m + j : nullptr;
+      for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
+        Vec h0, h1, b0, b1;
+        IO::load(h + k, h0, h1, l);
+        IO::load(other + k, b0, b1, l);
+        const Vec a0 = act_value<kAct, scalar_t>(h0);
+        const Vec a1 = act_value<kAct, scalar_t>(h1);
+        IO::store(y + k, a0 * b0, a1 * b1, l);
+        if (g) IO::store(g + k, a0, a1, l);
+      });
+    });
+  });
+}
+
+template <Act kAct, typename scalar_t>
+void glu_bwd_impl(const at::Tensor& grad, const at::Tensor& x, int64_t outer, int64_t m,
+                  bool activate_left, at::Tensor& dx) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  const scalar_t* pgrad = grad.const_data_ptr<scalar_t>();
+  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
+  const int64_t h_off = activate_left ? 0 : m;
+  const int64_t o_off = activate_left ? m : 0;
+  at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
+    for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
+      const int64_t row = o * 2 * m + j;
+      const scalar_t* gy = pgrad + o * m + j;
+      for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
+        Vec g0, g1, h0, h1, b0, b1, a0, a1, d0, d1;
+        IO::load(gy + k, g0, g1, l);
+        IO::load(px + row + h_off + k, h0, h1, l);
+        IO::load(px + row + o_off + k, b0, b1, l);
+        act_value_grad<kAct, scalar_t>(h0, a0, d0);
+        act_value_grad<kAct, scalar_t>(h1, a1, d1);
+        IO::store(pdx + row + h_off + k, g0 * b0 * d0, g1 * b1 * d1, l);
+        IO::store(pdx + row + o_off + k, g0 * a0, g1 * a1, l);
+      });
+    });
+  });
+}
+
+template <Act kAct, typename scalar_t>
+void unary_fwd_impl(const at::Tensor& x, at::Tensor& y) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  scalar_t* py = y.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for_each_step<scalar_t>(end - begin, [&](int64_t k, int64_t l) {
+      Vec a, b;
+      IO::load(px + begin + k, a, b, l);
+      IO::store(py + begin + k, act_value<kAct, scalar_t>(a), act_value<kAct, scalar_t>(b), l);
+    });
+  });
+}
+
+template <Act kAct, typename scalar_t>
+void unary_bwd_impl(const at::Tensor& grad, const at::Tensor& x, at::Tensor& dx) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  const scalar_t* pgrad = grad.const_data_ptr<scalar_t>();
+  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
+  at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+    for_each_step<scalar_t>(end - begin, [&](int64_t k, int64_t l) {
+      Vec g0, g1, x0, x1, v0, v1, d0, d1;
+      IO::load(pgrad + begin + k, g0, g1, l);
+      IO::load(px + begin + k, x0, x1, l);
+      act_value_grad<kAct, scalar_t>(x0, v0, d0);
+      act_value_grad<kAct, scalar_t>(x1, v1, d1);
+      IO::store(pdx + begin + k, g0 * d0, g1 * d1, l);
+    });
+  });
+}
+
+// Instantiates `impl<Act, scalar_t>` for the runtime (act, dtype) pair.
+#define OPENNPU_DISPATCH_ACT(act, dtype, name, impl, ...)                                  \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, name, [&] {             \
+    switch (act) {                                                                          \
+      case Act::kSilu:                                                                      \
+        return impl<Act::kSilu, scalar_t>(__VA_ARGS__);                                     \
+      case Act::kFastGelu:                                                                  \
+        return impl<Act::kFastGelu, scalar_t>(__VA_ARGS__);                                 \
+      case Act::kGeluTanh:                                                                  \
+        return impl<Act::kGeluTanh, scalar_t>(__VA_ARGS__);                                 \
+      case Act::kGeluErf:                                                                   \
+        return impl<Act::kGeluErf, scalar_t>(__VA_ARGS__);                                  \
+    }                                                                                       \
+  })
+
+void glu_fwd_kernel(const at::Tensor& x, int64_t outer, int64_t m, Act act, bool activate_left,
+                    at::Tensor& out, at::Tensor& gelu_out) {
+  OPENNPU_DISPATCH_ACT(act, x.scalar_type(), "glu_fwd", glu_fwd_impl, x, outer, m, activate_left,
+                       out, gelu_out);
+}
+
+void glu_bwd_kernel(const at::Tensor& grad, const at::Tensor& x, int64_t outer, int64_t m,
+                    Act act, bool activate_left, at::Tensor& dx) {
+  OPENNPU_DISPATCH_ACT(act, x.scalar_type(), "glu_bwd", glu_bwd_impl, grad, x, outer, m,
+                       activate_left, dx);
+}
+
+void unary_fwd_kernel(const at::Tensor& x, Act act, at::Tensor& y) {
+  OPENNPU_DISPATCH_ACT(act, x.scalar_type(), "act_fwd", unary_fwd_impl, x, y);
+}
+
+void unary_bwd_kernel(const at::Tensor& grad, const at::Tensor& x, Act act, at::Tensor& dx) {
+  OPENNPU_DISPATCH_ACT(act, x.scalar_type(), "act_bwd", unary_bwd_impl, grad, x, dx);
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(glu_fwd_cpu, &glu_fwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(glu_bwd_cpu, &glu_bwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(unary_fwd_cpu, &unary_fwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(unary_bwd_cpu, &unary_bwd_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::activation

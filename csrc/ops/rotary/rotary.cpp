@@ -1,0 +1,171 @@
+// Entry points of npu_rotary_mul: validation, broadcast geometry, CPU registration.
+#include "ops/rotary/rotary.h"
+
+#include <ATen/ExpandUtils.h>
+#include <ATen/ops/empty.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include "common/checks.h"
+
+namespace opennpu::rotary {
+
+CpuKernel<RotaryFwdFn> rotary_fwd_cpu;
+CpuKernel<RotaryBwdFn> rotary_bwd_cpu;
+
+namespace {
+
+Mode parse_mode(const char* op, c10::string_view mode) {
+  if (mode == "half") return Mode::kHalf;
+  if (mode == "interleave") return Mode::kInterleave;
+  // The message torch_npu gives (op-plugin OpUtils.cpp), asserted by its tests.
+  TORCH_CHECK(false, "The rotary_mode of ", op, " should be half or interleave, but got ", mode);
+}
+
+void check_x(const char* op, const char* name, const at::Tensor& x) {
+  check_floating(op, name, x);
+  OPENNPU_CHECK_ARG(x.dim() >= 1 && x.size(-1) % 2 == 0, op, name,
+                    "must have an even last dim D (pairs are rotated), but got shape ",
+                    shape_str(x.sizes()));
+  check_strict_dtype(op, name, x, {at::kHalf, at::kBFloat16, at::kFloat});
+  check_strict_rank(op, name, x, 3, 4);
+  OPENNPU_CHECK_STRICT(x.size(-1) < 896, op, name, "must have D < 896, but got D = ", x.size(-1));
+}
+
+// r1/r2 broadcast to x over the leading dims and match D (or 1) in the last; returned as a
+// contiguous tensor of rank x.dim() with the last dim materialised to D.
+at::Tensor prepare_r(const char* op, const char* name, const at::Tensor& r, const at::Tensor& x) {
+  check_floating(op, name, r);
+  check_same_device(op, name, r, "self", x);
+  bool ok = r.dim() >= 1 && r.dim() <= x.dim();
+  for (int64_t i = 1; ok && i <= r.dim(); ++i) {
+    ok = r.size(-i) == x.size(-i) || r.size(-i) == 1;
+  }
+  OPENNPU_CHECK_ARG(ok, op, name, "must broadcast to the shape of 'self' ", shape_str(x.sizes()),
+                    " (last dim ", x.size(-1), " or 1), but got ", shape_str(r.sizes()));
+  std::vector<int64_t> padded(x.dim() - r.dim(), 1);
+  padded.insert(padded.end(), r.sizes().begin(), r.sizes().end());
+  std::vector<int64_t> full = padded;
+  full.back() = x.size(-1);
+  return r.view(padded).expand(full);
+}
+
+// Strict mode: the broadcast patterns Ascend documents (11SD/B1SD/BNSD, 1S1D/BS1D/BSND,
+// S11D/SB1D/SBND for 4-D; T1D/TND for 3-D), with r1 and r2 of one shape.
+void check_strict_r_pattern(const char* op, const at::Tensor& x, const at::Tensor& r1,
+                            const at::Tensor& r2) {
+  if (!strict_mode()) return;
+  OPENNPU_CHECK_STRICT(r1.sizes().equals(r2.sizes()), op, "r2", "must have the shape of 'r1' ",
+                       shape_str(r1.sizes()), ", but got ", shape_str(r2.sizes()));
+  bool ok = r1.dim() == x.dim();
+  int mask = 0;
+  for (int64_t d = 0; ok && d + 1 < x.dim(); ++d) {
+    const bool kept = r1.size(d) == x.size(d);
+    ok = kept || r1.size(d) == 1;
+    mask = mask * 2 + (kept ? 1 : 0);
+  }
+  ok = ok && r1.size(-1) == x.size(-1);
+  if (ok && x.dim() == 4) ok = mask != 0b000 && mask != 0b011;
+  if (ok && x.dim() == 3) ok = (mask & 0b10) != 0;
+  OPENNPU_CHECK_STRICT(ok, op, "r1",
+                       "must follow a documented layout pattern for 'self' ", shape_str(x.sizes()),
+                       " (4-D: 11SD, B1SD, BNSD, 1S1D, BS1D, BSND, S11D, SB1D, SBND; 3-D: T1D, "
+                       "TND), but got ",
+                       shape_str(r1.sizes()));
+}
+
+// r1/r2 keep x's dtype when both already have it; otherwise both go to the accumulator dtype,
+// so e.g. fp32 cos/sin are never rounded to bf16.
+at::ScalarType r_dtype(const at::Tensor& x, const at::Tensor& r1, const at::Tensor& r2) {
+  if (r1.scalar_type() == x.scalar_type() && r2.scalar_type() == x.scalar_type()) {
+    return x.scalar_type();
+  }
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+std::vector<int64_t> leading(c10::IntArrayRef v) { return {v.begin(), v.end() - 1}; }
+
+}  // namespace
+
+at::Tensor npu_rotary_mul(const at::Tensor& self, const at::Tensor& r1, const at::Tensor& r2,
+                          c10::string_view rotary_mode, const std::optional<at::Tensor>& rotate) {
+  constexpr const char* op = "npu_rotary_mul";
+  const Mode mode = parse_mode(op, rotary_mode);
+  check_x(op, "self", self);
+  check_strict_r_pattern(op, self, r1, r2);
+  const at::ScalarType rt = r_dtype(self, r1, r2);
+  at::Tensor c = prepare_r(op, "r1", r1, self).to(rt);
+  at::Tensor s = prepare_r(op, "r2", r2, self).to(rt);
+
+  if (rotate.has_value() && rotate->defined()) {
+    // rotate(x) = x @ rotate: a GEMM (BLAS through ATen), then the same mul-add, all in acc dtype.
+    const at::Tensor& m = *rotate;
+    check_floating(op, "rotate", m);
+    check_same_device(op, "rotate", m, "self", self);
+    const int64_t D = self.size(-1);
+    OPENNPU_CHECK_ARG(m.dim() == 2 && m.size(0) == D && m.size(1) == D, op, "rotate",
+                      "must be a [D, D] = [", D, ", ", D, "] matrix, but got ",
+                      shape_str(m.sizes()));
+    const auto acc = self.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const at::Tensor xa = self.to(acc);
+    const at::Tensor rx = at::matmul(xa, m.to(acc));
+    return (xa * c.to(acc) + rx * s.to(acc)).to(self.scalar_type()).contiguous();
+  }
+
+  const at::Tensor x = self.stride(-1) == 1 ? self : self.contiguous();
+  c = c.contiguous();
+  s = s.contiguous();
+  RowLayout layout;
+  layout.sizes = leading(x.sizes());
+  layout.x_strides = leading(x.strides());
+  layout.r1_strides = leading(c.expand(x.sizes()).strides());
+  layout.r2_strides = leading(s.expand(x.sizes()).strides());
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() > 0) rotary_fwd_cpu.get(op)(x, c, s, layout, mode, out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_rotary_mul_backward(
+    const at::Tensor& grad, const at::Tensor& self, const at::Tensor& r1, const at::Tensor& r2,
+    c10::string_view rotary_mode) {
+  constexpr const char* op = "npu_rotary_mul_backward";
+  const Mode mode = parse_mode(op, rotary_mode);
+  check_x(op, "self", self);
+  check_floating(op, "grad", grad);
+  check_same_device(op, "grad", grad, "self", self);
+  OPENNPU_CHECK_ARG(grad.sizes().equals(self.sizes()), op, "grad", "must have the shape of 'self' ",
+                    shape_str(self.sizes()), ", but got ", shape_str(grad.sizes()));
+  check_strict_r_pattern(op, self, r1, r2);
+  const at::ScalarType rt = r_dtype(self, r1, r2);
+  const at::Tensor c_b = prepare_r(op, "r1", r1, self);
+  const at::Tensor s_b = prepare_r(op, "r2", r2, self);
+  // Both r tensors in their joint broadcast shape, so one pass fills dr1 and dr2.
+  const auto joint = at::infer_size(c_b.sizes(), s_b.sizes());
+  const at::Tensor c = c_b.expand(joint).to(rt).contiguous();
+  const at::Tensor s = s_b.expand(joint).to(rt).contiguous();
+
+  const auto acc = self.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor x = self.contiguous();
+  const at::Tensor g = grad.to(x.scalar_type()).contiguous();
+  at::Tensor dx = at::empty(x.sizes(), x.options());
+  at::Tensor dc = at::zeros(joint, x.options().dtype(acc));
+  at::Tensor ds = at::zeros(joint, x.options().dtype(acc));
+  if (x.numel() > 0) rotary_bwd_cpu.get(op)(g, x, c, s, mode, dx, dc, ds);
+
+  // Sum over what r1/r2 broadcast along (their own size-1 dims, the last one included).
+  std::vector<int64_t> r1_padded(self.dim() - r1.dim(), 1), r2_padded(self.dim() - r2.dim(), 1);
+  r1_padded.insert(r1_padded.end(), r1.sizes().begin(), r1.sizes().end());
+  r2_padded.insert(r2_padded.end(), r2.sizes().begin(), r2.sizes().end());
+  at::Tensor dr1 = dc.sum_to_size(r1_padded).reshape(r1.sizes()).to(self.scalar_type());
+  at::Tensor dr2 = ds.sum_to_size(r2_padded).reshape(r2.sizes()).to(self.scalar_type());
+  return {dx, dr1, dr2};
+}
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_rotary_mul", &npu_rotary_mul);
+  m.impl("npu_rotary_mul_backward", &npu_rotary_mul_backward);
+}
+
+}  // namespace opennpu::rotary

@@ -1,0 +1,251 @@
+// CPU kernels of npu_rotary_mul (compiled once per ISA; see common/cpu_dispatch.h).
+//
+// Per row of D elements, in acc_t:
+//   half:        y1 = x1*c1 - x2*s1            y2 = x2*c2 + x1*s2        (c = r1, s = r2 rows)
+//   interleave:  y = x*c + swap(x)*sign*s      swap exchanges lanes 2i, 2i+1; sign = (-1, +1, ...)
+// Backward: dx = c*g + rotate^T(s*g) with rotate^T = -rotate, dr1 += x*g, dr2 += rotate(x)*g,
+// summed over the rows that share one r row (the broadcast dims), each r row owned by one thread.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <array>
+
+#include "common/vec.h"
+#include "ops/rotary/rotary.h"
+
+namespace opennpu::rotary {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+// Exchanges neighbouring lanes (2i <-> 2i+1).
+inline Vectorized<float> swap_pairs(const Vectorized<float>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_permute_ps(v, 0xB1);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_permute_ps(v, 0xB1);
+#else
+  std::array<float, Vectorized<float>::size()> a;
+  v.store(a.data());
+  for (size_t i = 0; i + 1 < a.size(); i += 2) std::swap(a[i], a[i + 1]);
+  return Vectorized<float>::loadu(a.data());
+#endif
+}
+
+inline Vectorized<double> swap_pairs(const Vectorized<double>& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_permute_pd(v, 0x55);
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_permute_pd(v, 0x5);
+#else
+  std::array<double, Vectorized<double>::size()> a;
+  v.store(a.data());
+  for (size_t i = 0; i + 1 < a.size(); i += 2) std::swap(a[i], a[i + 1]);
+  return Vectorized<double>::loadu(a.data());
+#endif
+}
+
+// (-1, +1, -1, +1, ...): rotate(x) = swap_pairs(x) * kSign for the interleave mode.
+template <typename Vec>
+inline Vec alternating_sign() {
+  using T = typename Vec::value_type;
+  std::array<T, Vec::size()> a;
+  for (size_t i = 0; i < a.size(); ++i) a[i] = (i % 2 == 0) ? T(-1) : T(1);
+  return Vec::loadu(a.data());
+}
+
+// Element offset of row `row` for a tensor with the given leading-dim strides.
+inline int64_t row_offset(int64_t row, const std::vector<int64_t>& sizes,
+                          const std::vector<int64_t>& strides) {
+  int64_t offset = 0;
+  for (int64_t d = static_cast<int64_t>(sizes.size()) - 1; d >= 0; --d) {
+    const int64_t i = row % sizes[d];
+    row /= sizes[d];
+    offset += i * strides[d];
+  }
+  return offset;
+}
+
+template <typename scalar_t, typename r_t>
+void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int64_t D, Mode mode) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  using RIO = VecPair<r_t>;
+  if (mode == Mode::kHalf) {
+    const int64_t h = D / 2;
+    for_each_step<scalar_t>(h, [&](int64_t k, int64_t l) {
+      Vec a0, a1, b0, b1, c10, c11, c20, c21, s10, s11, s20, s21;
+      IO::load(x + k, a0, a1, l);
+      IO::load(x + h + k, b0, b1, l);
+      RIO::load(c + k, c10, c11, l);
+      RIO::load(c + h + k, c20, c21, l);
+      RIO::load(s + k, s10, s11, l);
+      RIO::load(s + h + k, s20, s21, l);
+      IO::store(y + k, a0 * c10 - b0 * s10, a1 * c11 - b1 * s11, l);
+      IO::store(y + h + k, at::vec::fmadd(a0, s20, b0 * c20), at::vec::fmadd(a1, s21, b1 * c21), l);
+    });
+  } else {
+    const Vec sign = alternating_sign<Vec>();
+    for_each_step<scalar_t>(D, [&](int64_t k, int64_t l) {
+      Vec a0, a1, c0, c1, s0, s1;
+      IO::load(x + k, a0, a1, l);
+      RIO::load(c + k, c0, c1, l);
+      RIO::load(s + k, s0, s1, l);
+      IO::store(y + k, at::vec::fmadd(swap_pairs(a0) * sign, s0, a0 * c0),
+                at::vec::fmadd(swap_pairs(a1) * sign, s1, a1 * c1), l);
+    });
+  }
+}
+
+template <typename scalar_t, typename r_t>
+void rotary_fwd_impl(const at::Tensor& x, const at::Tensor& r1, const at::Tensor& r2,
+                     const RowLayout& layout, Mode mode, at::Tensor& out) {
+  const int64_t D = x.size(-1);
+  const int64_t rows = out.numel() / D;
+  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  const r_t* pc = r1.const_data_ptr<r_t>();
+  const r_t* ps = r2.const_data_ptr<r_t>();
+  scalar_t* py = out.mutable_data_ptr<scalar_t>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / D);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      rotary_row<scalar_t, r_t>(px + row_offset(r, layout.sizes, layout.x_strides),
+                                pc + row_offset(r, layout.sizes, layout.r1_strides),
+                                ps + row_offset(r, layout.sizes, layout.r2_strides),
+                                py + r * D, D, mode);
+    }
+  });
+}
+
+// One row of the backward: writes dx and accumulates into the r row's dr1/dr2 (acc_t).
+template <typename scalar_t, typename r_t>
+void rotary_bwd_row(const scalar_t* g, const scalar_t* x, const r_t* c, const r_t* s,
+                    scalar_t* dx, acc_t<scalar_t>* dc, acc_t<scalar_t>* ds, int64_t D, Mode mode) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  using RIO = VecPair<r_t>;
+  using AIO = VecPair<acc_t<scalar_t>>;
+  if (mode == Mode::kHalf) {
+    const int64_t h = D / 2;
+    for_each_step<scalar_t>(h, [&](int64_t k, int64_t l) {
+      Vec g10, g11, g20, g21, a0, a1, b0, b1, c10, c11, c20, c21, s10, s11, s20, s21;
+      IO::load(g + k, g10, g11, l);
+      IO::load(g + h + k, g20, g21, l);
+      IO::load(x + k, a0, a1, l);
+      IO::load(x + h + k, b0, b1, l);
+      RIO::load(c + k, c10, c11, l);
+      RIO::load(c + h + k, c20, c21, l);
+      RIO::load(s + k, s10, s11, l);
+      RIO::load(s + h + k, s20, s21, l);
+      // dx1 = c1*g1 + s2*g2,  dx2 = c2*g2 - s1*g1
+      IO::store(dx + k, at::vec::fmadd(s20, g20, c10 * g10), at::vec::fmadd(s21, g21, c11 * g11), l);
+      IO::store(dx + h + k, c20 * g20 - s10 * g10, c21 * g21 - s11 * g11, l);
+      Vec p0, p1;
+      // dr1 += x*g;  dr2 += rotate(x)*g = (-x2*g1 | x1*g2)
+      AIO::load(dc + k, p0, p1, l);
+      AIO::store(dc + k, at::vec::fmadd(a0, g10, p0), at::vec::fmadd(a1, g11, p1), l);
+      AIO::load(dc + h + k, p0, p1, l);
+      AIO::store(dc + h + k, at::vec::fmadd(b0, g20, p0), at::vec::fmadd(b1, g21, p1), l);
+      AIO::load(ds + k, p0, p1, l);
+      AIO::store(ds + k, p0 - b0 * g10, p1 - b1 * g11, l);
+      AIO::load(ds + h + k, p0, p1, l);
+      AIO::store(ds + h + k, at::vec::fmadd(a0, g20, p0), at::vec::fmadd(a1, g21, p1), l);
+    });
+  } else {
+    const Vec sign = alternating_sign<Vec>();
+    for_each_step<scalar_t>(D, [&](int64_t k, int64_t l) {
+      Vec g0, g1, a0, a1, c0, c1, s0, s1, p0, p1;
+      IO::load(g + k, g0, g1, l);
+      IO::load(x + k, a0, a1, l);
+      RIO::load(c + k, c0, c1, l);
+      RIO::load(s + k, s0, s1, l);
+      // dx = c*g - rotate(s*g)
+      IO::store(dx + k, c0 * g0 - swap_pairs(s0 * g0) * sign, c1 * g1 - swap_pairs(s1 * g1) * sign, l);
+      AIO::load(dc + k, p0, p1, l);
+      AIO::store(dc + k, at::vec::fmadd(a0, g0, p0), at::vec::fmadd(a1, g1, p1), l);
+      AIO::load(ds + k, p0, p1, l);
+      AIO::store(ds + k, at::vec::fmadd(swap_pairs(a0) * sign, g0, p0),
+                 at::vec::fmadd(swap_pairs(a1) * sign, g1, p1), l);
+    });
+  }
+}
+
+template <typename scalar_t, typename r_t>
+void rotary_bwd_impl(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& r1,
+                     const at::Tensor& r2, Mode mode, at::Tensor& dx, at::Tensor& dr1,
+                     at::Tensor& dr2) {
+  using T = acc_t<scalar_t>;
+  const int64_t nd = x.dim();
+  const int64_t D = x.size(-1);
+  // Split the leading dims: "kept" dims index r rows, "broadcast" dims (r size 1) are summed over.
+  std::vector<int64_t> kept_sizes, kept_x_strides, bcast_sizes, bcast_x_strides;
+  int64_t stride = D;
+  std::vector<int64_t> x_strides(nd - 1);
+  for (int64_t d = nd - 2; d >= 0; --d) {
+    x_strides[d] = stride;
+    stride *= x.size(d);
+  }
+  for (int64_t d = 0; d < nd - 1; ++d) {
+    if (r1.size(d) == x.size(d)) {
+      kept_sizes.push_back(x.size(d));
+      kept_x_strides.push_back(x_strides[d]);
+    } else {
+      bcast_sizes.push_back(x.size(d));
+      bcast_x_strides.push_back(x_strides[d]);
+    }
+  }
+  int64_t inner = 1;
+  for (auto s : bcast_sizes) inner *= s;
+  const int64_t r_rows = r1.numel() / D;
+  const scalar_t* pg = grad.const_data_ptr<scalar_t>();
+  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  const r_t* pc = r1.const_data_ptr<r_t>();
+  const r_t* ps = r2.const_data_ptr<r_t>();
+  scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
+  T* pdc = dr1.mutable_data_ptr<T>();
+  T* pds = dr2.mutable_data_ptr<T>();
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (D * inner));
+  at::parallel_for(0, r_rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t base = row_offset(q, kept_sizes, kept_x_strides);
+      for (int64_t b = 0; b < inner; ++b) {
+        const int64_t off = base + row_offset(b, bcast_sizes, bcast_x_strides);
+        rotary_bwd_row<scalar_t, r_t>(pg + off, px + off, pc + q * D, ps + q * D, pdx + off,
+                                      pdc + q * D, pds + q * D, D, mode);
+      }
+    }
+  });
+}
+
+void rotary_fwd_kernel(const at::Tensor& x, const at::Tensor& r1, const at::Tensor& r2,
+                       const RowLayout& layout, Mode mode, at::Tensor& out) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "npu_rotary_mul", [&] {
+    if (r1.scalar_type() == x.scalar_type()) {
+      rotary_fwd_impl<scalar_t, scalar_t>(x, r1, r2, layout, mode, out);
+    } else {
+      rotary_fwd_impl<scalar_t, acc_t<scalar_t>>(x, r1, r2, layout, mode, out);
+    }
+  });
+}
+
+void rotary_bwd_kernel(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& r1,
+                       const at::Tensor& r2, Mode mode, at::Tensor& dx, at::Tensor& dr1,
+                       at::Tensor& dr2) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "npu_rotary_mul_backward", [&] {
+        if (r1.scalar_type() == x.scalar_type()) {
+          rotary_bwd_impl<scalar_t, scalar_t>(grad, x, r1, r2, mode, dx, dr1, dr2);
+        } else {
+          rotary_bwd_impl<scalar_t, acc_t<scalar_t>>(grad, x, r1, r2, mode, dx, dr1, dr2);
+        }
+      });
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(rotary_fwd_cpu, &rotary_fwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(rotary_bwd_cpu, &rotary_bwd_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::rotary
