@@ -46,8 +46,8 @@ class CompatFinder(importlib.abc.MetaPathFinder):
         if not rest:
             if real_package_origin(top) is not None:
                 return None  # the real package wins
-        elif getattr(sys.modules.get(top), "__name__", None) != ALIASES[top]:
-            return None  # submodule of a real package
+        elif top not in sys.modules or sys.modules[top] is not sys.modules.get(ALIASES[top]):
+            return None  # a submodule of the real package
         target_name = ALIASES[top] + ("." + rest if rest else "")
         if importlib.util.find_spec(target_name) is None:
             return None

@@ -7,11 +7,27 @@ the real torch_npu is not installed.
 
 from __future__ import annotations
 
+import warnings
+
 import torch  # noqa: F401  (the operator library links against the loaded torch)
 
 from . import _library
 
-_library.load()
+try:
+    import _opennpu_compat
+except ImportError:  # running from a source tree without the installed import hook
+    _opennpu_compat = None
+
+_REAL_TORCH_NPU = _opennpu_compat.real_package_origin("torch_npu") if _opennpu_compat else None
+if _REAL_TORCH_NPU is not None:
+    warnings.warn(
+        f"opennpu: Ascend's torch_npu is installed ({_REAL_TORCH_NPU}), so `import torch_npu` "
+        "loads it and opennpu's torch_npu compatibility names stay inactive; opennpu's ops are "
+        "available as opennpu.<name>.",
+        stacklevel=2,
+    )
+
+_library.load(conflicting_package=_REAL_TORCH_NPU)
 
 from . import ops  # noqa: E402
 from ._library import cpu_isa  # noqa: E402

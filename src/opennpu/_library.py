@@ -14,7 +14,7 @@ def library_path() -> Path:
     return Path(__file__).resolve().parent / _LIBRARY_NAME
 
 
-def load() -> None:
+def load(conflicting_package: str | None = None) -> None:
     path = library_path()
     if not path.exists():
         raise ImportError(
@@ -22,7 +22,16 @@ def load() -> None:
             "`pip install --no-build-isolation .` (see README) instead of importing it from the "
             "source tree"
         )
-    torch.ops.load_library(os.fspath(path))
+    try:
+        torch.ops.load_library(os.fspath(path))
+    except (OSError, RuntimeError) as error:
+        if conflicting_package and "npu" in str(error):
+            raise ImportError(
+                "opennpu: cannot register the torch.ops.npu operators because Ascend's torch_npu "
+                f"({conflicting_package}) already defines that namespace in this process. Use "
+                "torch_npu on Ascend machines, or run opennpu in an environment without it."
+            ) from error
+        raise
 
 
 def cpu_isa() -> str:

@@ -1,0 +1,140 @@
+"""Benchmark runner: times opennpu's ops against their baselines and prints one table.
+
+    python -m benchmarks.run [--ops rms_norm,swiglu] [--dtypes fp32,bf16] [--threads 1,2]
+                             [--quick] [--json out.json]
+
+Per case and thread count: our median time (p20-p80), effective GB/s and its fraction of the copy
+bandwidth measured at the start of the same run, the speedup over each baseline (native eager,
+torch.compile of it, and F.rms_norm for rms_norm), and the max abs error of ours and of native
+eager against the fp32 oracle. Method and targets: shared/PERFORMANCE.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import platform
+import sys
+
+import opennpu
+import torch
+from opennpu.testing.timing import has_cpu_kernel, max_abs_error, measure_copy_bandwidth, time_fn
+
+from .cases import OPS, all_cases
+from .common import DTYPE_NAMES, DTYPES, Case
+
+PEERS = ("eager", "compile", "F.rms_norm")  # the speedup columns, in order
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated op families")
+    parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
+    parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
+    parser.add_argument("--quick", action="store_true", help="a small subset of the shapes")
+    parser.add_argument("--min-run-time", type=float, default=None,
+                        help="seconds per timing (default 0.5, 0.2 with --quick)")
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args(argv)
+    args.ops = args.ops.split(",")
+    unknown = set(args.ops) - set(OPS)
+    if unknown:
+        parser.error(f"unknown ops {sorted(unknown)}; choose from {', '.join(OPS)}")
+    args.dtypes = [DTYPES[name] for name in args.dtypes.split(",")]
+    args.threads = [int(n) for n in args.threads.split(",")]
+    if args.min_run_time is None:
+        args.min_run_time = 0.2 if args.quick else 0.5
+    return args
+
+
+def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_time: float):
+    """One result row per thread count."""
+    # Forward passes run without autograd; a backward needs it to build the native graph.
+    mode = torch.no_grad() if case.direction == "fwd" else contextlib.nullcontext()
+    with mode:
+        timed = case.build()
+        # The first calls also warm up: torch.compile compiles here, not while timed.
+        err_ours = max_abs_error(timed.ours(), timed.reference)
+        err_eager = max_abs_error(timed.baselines["eager"](), timed.reference)
+        for fn in timed.baselines.values():
+            fn()
+        rows = []
+        for n in threads:
+            ours = time_fn(timed.ours, n, min_run_time)
+            peers = {name: time_fn(fn, n, min_run_time) for name, fn in timed.baselines.items()}
+            gbps = case.nbytes / ours["median"] / 1e9
+            rows.append({
+                "op": case.op, "direction": case.direction, "shape": case.shape,
+                "dtype": DTYPE_NAMES[case.dtype], "threads": n, "bytes": case.nbytes,
+                "ours": ours, "baselines": peers, "gbps": gbps, "copy_bw_fraction": gbps / copy_bw[n],
+                "speedup": {name: t["median"] / ours["median"] for name, t in peers.items()},
+                "max_abs_err_ours": err_ours, "max_abs_err_eager": err_eager,
+            })
+    return rows
+
+
+HEADER = (f"{'op':<15}{'dir':<4}{'shape':<26}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
+          f"{'GB/s':>7}{'%copy':>7}{'x eager':>9}{'x compile':>10}{'x F.rms':>9}"
+          f"{'err ours':>10}{'err eager':>10}")
+
+
+def format_row(row) -> str:
+    ours = row["ours"]
+    timing = f"{ours['median'] * 1e3:.4g} ({ours['p20'] * 1e3:.4g}-{ours['p80'] * 1e3:.4g})"
+    speedups = [f"{row['speedup'][p]:.2f}x" if p in row["speedup"] else "-" for p in PEERS]
+    return (f"{row['op']:<15}{row['direction']:<4}{row['shape']:<26}{row['dtype']:<6}"
+            f"{row['threads']:>3} {timing:>25}{row['gbps']:>7.1f}{row['copy_bw_fraction']:>7.0%}"
+            f"{speedups[0]:>9}{speedups[1]:>10}{speedups[2]:>9}"
+            f"{row['max_abs_err_ours']:>10.2e}{row['max_abs_err_eager']:>10.2e}")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    copy_bw = {n: measure_copy_bandwidth(n) for n in args.threads}
+    print(f"torch {torch.__version__}, opennpu ISA {opennpu.cpu_isa()}, {platform.platform()}")
+    print("copy bandwidth (read + write): "
+          + ", ".join(f"{n} thread(s) {bw:.1f} GB/s" for n, bw in copy_bw.items()))
+    print(HEADER, flush=True)
+
+    rows, notes = [], []
+    for case in all_cases(args.quick, args.dtypes):
+        if case.op not in args.ops:
+            continue
+        missing = [op for op in case.requires if not has_cpu_kernel(op)]
+        if missing:
+            note = f"skipped {case.op} {case.direction}: no CPU kernel yet for {', '.join(missing)}"
+            if note not in notes:
+                notes.append(note)
+            continue
+        try:
+            case_rows = run_case(case, args.threads, copy_bw, args.min_run_time)
+        except Exception as error:  # report and go on: one broken op must not lose the run
+            notes.append(f"FAILED {case.op} {case.direction} {case.shape} "
+                         f"{DTYPE_NAMES[case.dtype]}: {type(error).__name__}: {error}")
+            print(notes[-1], flush=True)
+            continue
+        finally:
+            gc.collect()  # the large shapes need their memory back before the next case
+        for row in case_rows:
+            print(format_row(row), flush=True)
+        rows.extend(case_rows)
+
+    for note in notes:
+        print(note)
+    if args.json:
+        result = {
+            "torch": torch.__version__, "cpu_isa": opennpu.cpu_isa(),
+            "machine": platform.platform(), "processor": platform.processor(),
+            "copy_bandwidth_gbps": copy_bw, "min_run_time": args.min_run_time,
+            "rows": rows, "notes": notes,
+        }
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 1 if any(note.startswith("FAILED") for note in notes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

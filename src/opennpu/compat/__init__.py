@@ -1,0 +1,38 @@
+"""Compatibility layers: the torch_npu (and later torchair) names mapped onto opennpu.
+
+`import torch_npu` reaches `opennpu.compat.torch_npu` through the import hook in
+`_opennpu_compat` (installed with opennpu) whenever the real torch_npu is not installed.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def op_alias(name: str):
+    """`torch.ops.npu.<name>`, callable as torch_npu calls it.
+
+    torch_npu binds `self` arguments to Python's `input=` keyword too (its tests call
+    `torch_npu.fast_gelu(input=x)`); the dispatcher only knows `self`, so `input` is renamed.
+    """
+    packet = getattr(torch.ops.npu, name)
+    if "self" not in (arg.name for arg in packet.default._schema.arguments):
+        return packet
+
+    @functools.wraps(packet)
+    def call(*args, **kwargs):
+        if "input" in kwargs:
+            kwargs["self"] = kwargs.pop("input")
+        return packet(*args, **kwargs)
+
+    call.__name__ = name
+    call.__qualname__ = name
+    return call
+
+
+def npu_op_names() -> list[str]:
+    """Names of every op registered in torch.ops.npu."""
+    return sorted(n for n in dir(torch.ops.npu) if isinstance(getattr(torch.ops.npu, n, None),
+                                                              torch._ops.OpOverloadPacket))

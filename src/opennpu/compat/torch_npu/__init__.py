@@ -1,0 +1,19 @@
+"""`torch_npu`, provided by opennpu on machines without Ascend's torch_npu.
+
+Every operator of `torch.ops.npu` is exposed under its torch_npu name (`torch_npu.npu_rms_norm`,
+`torch_npu.fast_gelu`, ...) with torch_npu's keywords, so Ascend scripts run unchanged on CPU.
+"""
+
+from __future__ import annotations
+
+import opennpu
+from opennpu.compat import npu_op_names, op_alias
+
+__version__ = f"{opennpu.__version__}+opennpu"
+IS_OPENNPU = True
+
+for _name in npu_op_names():
+    globals()[_name] = op_alias(_name)
+
+__all__ = npu_op_names()
+del _name
