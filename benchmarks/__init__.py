@@ -1,1 +1,4 @@
-"""opennpu's benchmark harness: `python -m benchmarks.run --help` (method: shared/PERFORMANCE.md)."""
+"""opennpu's benchmark harness: `python -m benchmarks.run --help`.
+
+The method and targets are in shared/PERFORMANCE.md.
+"""

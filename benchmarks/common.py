@@ -16,12 +16,12 @@ class Timed:
     """The functions of one case, built once its inputs exist.
 
     `ours` and every baseline are zero-argument calls returning the outputs compared against
-    `reference` (the fp32 oracle); "eager" (the native composition) is the first baseline.
+    `reference()` (the fp32 oracle); "eager" (the native composition) is the first baseline.
     """
 
     ours: Callable[[], Any]
     baselines: dict[str, Callable[[], Any]]
-    reference: Any
+    reference: Callable[[], Any]
 
 
 @dataclass
@@ -31,21 +31,12 @@ class Case:
     shape: str
     dtype: torch.dtype
     nbytes: int  # effective bytes: each tensor read or written once
-    build: Callable[[], Timed]  # allocates the inputs; called only when the case runs
+    build: Callable[[int], Timed]  # build(threads) allocates the inputs when the case runs
     requires: tuple[str, ...] = field(default=())  # the torch.ops.npu ops the case calls
 
 
 def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float32).to(dtype)
-
-
-def autograd_backward(fn: Callable, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor) -> Callable:
-    """A call running the backward of `fn(*inputs)` again on one graph built here, so only the
-    backward is timed. Returns the gradients of all `inputs`."""
-    leaves = tuple(t.detach().requires_grad_() for t in inputs)
-    with torch.enable_grad():
-        out = fn(*leaves)
-    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
 def reference_backward(fn: Callable, inputs: tuple[torch.Tensor, ...], grad: torch.Tensor):

@@ -12,15 +12,16 @@ eager against the fp32 oracle. Method and targets: shared/PERFORMANCE.md.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
+import os
 import platform
 import sys
 
 import opennpu
 import torch
-from opennpu.testing.timing import has_cpu_kernel, max_abs_error, measure_copy_bandwidth, time_fn
+from opennpu.testing.timing import (busy_warning, has_cpu_kernel, max_abs_error,
+                                    measure_copy_bandwidth, num_threads, time_fn)
 
 from .cases import OPS, all_cases
 from .common import DTYPE_NAMES, DTYPES, Case
@@ -39,11 +40,11 @@ def parse_args(argv=None):
                         help="seconds per timing (default 0.5, 0.2 with --quick)")
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
-    args.ops = args.ops.split(",")
-    unknown = set(args.ops) - set(OPS)
-    if unknown:
-        parser.error(f"unknown ops {sorted(unknown)}; choose from {', '.join(OPS)}")
-    args.dtypes = [DTYPES[name] for name in args.dtypes.split(",")]
+    args.ops, dtype_names = args.ops.split(","), args.dtypes.split(",")
+    for given, known in ((args.ops, OPS), (dtype_names, DTYPES)):
+        if unknown := set(given) - set(known):
+            parser.error(f"unknown {sorted(unknown)}; choose from {', '.join(known)}")
+    args.dtypes = [DTYPES[name] for name in dtype_names]
     args.threads = [int(n) for n in args.threads.split(",")]
     if args.min_run_time is None:
         args.min_run_time = 0.2 if args.quick else 0.5
@@ -52,27 +53,34 @@ def parse_args(argv=None):
 
 def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_time: float):
     """One result row per thread count."""
-    # Forward passes run without autograd; a backward needs it to build the native graph.
-    mode = torch.no_grad() if case.direction == "fwd" else contextlib.nullcontext()
-    with mode:
-        timed = case.build()
-        # The first calls also warm up: torch.compile compiles here, not while timed.
-        err_ours = max_abs_error(timed.ours(), timed.reference)
-        err_eager = max_abs_error(timed.baselines["eager"](), timed.reference)
-        for fn in timed.baselines.values():
-            fn()
-        rows = []
-        for n in threads:
+    rows, errors = [], None
+    for n in threads:
+        # Forward passes run without autograd; a backward needs it to build the native graph.
+        # The inputs are rebuilt per thread count because torch.compile's kernels are.
+        mode = torch.no_grad() if case.direction == "fwd" else torch.enable_grad()
+        with mode, num_threads(n):
+            torch.manual_seed(0)
+            timed = case.build(n)
+            # The first calls also warm up: torch.compile compiles here, not while timed.
+            if errors is None:
+                expected = timed.reference()
+                errors = (max_abs_error(timed.ours(), expected),
+                          max_abs_error(timed.baselines["eager"](), expected))
+                del expected
+            for fn in (timed.ours, *timed.baselines.values()):
+                fn()
             ours = time_fn(timed.ours, n, min_run_time)
             peers = {name: time_fn(fn, n, min_run_time) for name, fn in timed.baselines.items()}
-            gbps = case.nbytes / ours["median"] / 1e9
-            rows.append({
-                "op": case.op, "direction": case.direction, "shape": case.shape,
-                "dtype": DTYPE_NAMES[case.dtype], "threads": n, "bytes": case.nbytes,
-                "ours": ours, "baselines": peers, "gbps": gbps, "copy_bw_fraction": gbps / copy_bw[n],
-                "speedup": {name: t["median"] / ours["median"] for name, t in peers.items()},
-                "max_abs_err_ours": err_ours, "max_abs_err_eager": err_eager,
-            })
+        del timed
+        gc.collect()  # the large shapes need their memory back before the next build
+        gbps = case.nbytes / ours["median"] / 1e9
+        rows.append({
+            "op": case.op, "direction": case.direction, "shape": case.shape,
+            "dtype": DTYPE_NAMES[case.dtype], "threads": n, "bytes": case.nbytes,
+            "ours": ours, "baselines": peers, "gbps": gbps, "copy_bw_fraction": gbps / copy_bw[n],
+            "speedup": {name: t["median"] / ours["median"] for name, t in peers.items()},
+            "max_abs_err_ours": errors[0], "max_abs_err_eager": errors[1],
+        })
     return rows
 
 
@@ -93,13 +101,14 @@ def format_row(row) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    notes = [warning] if (warning := busy_warning()) else []
     copy_bw = {n: measure_copy_bandwidth(n) for n in args.threads}
     print(f"torch {torch.__version__}, opennpu ISA {opennpu.cpu_isa()}, {platform.platform()}")
     print("copy bandwidth (read + write): "
           + ", ".join(f"{n} thread(s) {bw:.1f} GB/s" for n, bw in copy_bw.items()))
     print(HEADER, flush=True)
 
-    rows, notes = [], []
+    rows = []
     for case in all_cases(args.quick, args.dtypes):
         if case.op not in args.ops:
             continue
@@ -116,8 +125,6 @@ def main(argv=None) -> int:
                          f"{DTYPE_NAMES[case.dtype]}: {type(error).__name__}: {error}")
             print(notes[-1], flush=True)
             continue
-        finally:
-            gc.collect()  # the large shapes need their memory back before the next case
         for row in case_rows:
             print(format_row(row), flush=True)
         rows.extend(case_rows)
@@ -127,7 +134,7 @@ def main(argv=None) -> int:
     if args.json:
         result = {
             "torch": torch.__version__, "cpu_isa": opennpu.cpu_isa(),
-            "machine": platform.platform(), "processor": platform.processor(),
+            "machine": platform.platform(), "arch": platform.machine(), "cpus": os.cpu_count(),
             "copy_bandwidth_gbps": copy_bw, "min_run_time": args.min_run_time,
             "rows": rows, "notes": notes,
         }

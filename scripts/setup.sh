@@ -11,6 +11,7 @@ cd "$(dirname "$0")/.."
 
 TORCH_VERSION="2.11.0"
 PYTHON="${PYTHON:-python}"
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 say() { printf '[setup] %s\n' "$*" >&2; }
 
 # 1. System build tools.

@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 import torch.nn.functional as F
 from opennpu.testing import reference
-from opennpu.testing.timing import compiled
+from opennpu.testing.timing import autograd_backward, compiled
 
-from ..common import Case, Timed, autograd_backward, randn
+from ..common import Case, Timed, randn
 
 EPS = 1e-6
 npu = torch.ops.npu
 
 
 def shapes(quick: bool):
+    """(T, H) pairs, shared with fast_gelu."""
     tokens = (1, 4096) if quick else (1, 128, 4096, 8192)
     hidden = (4096,) if quick else (4096, 5120, 8192)
     return itertools.product(tokens, hidden)
@@ -34,9 +36,9 @@ def _inputs(t, h, dtype):
     return randn(t, h, dtype=dtype), (1 + 0.1 * torch.randn(h)).to(dtype)
 
 
-def rms_norm_fwd(t, h, dtype):
+def rms_norm_fwd(t, h, dtype, threads):
     x, w = _inputs(t, h, dtype)
-    native_compiled = compiled(reference.native_rms_norm, x, w)
+    native_compiled = compiled(reference.native_rms_norm, x, w, threads=threads)
     return Timed(
         ours=lambda: npu.npu_rms_norm(x, w, EPS)[0],
         baselines={
@@ -44,15 +46,15 @@ def rms_norm_fwd(t, h, dtype):
             "compile": lambda: native_compiled(x, w, EPS),
             "F.rms_norm": lambda: f_rms_norm(x, w),
         },
-        reference=reference.rms_norm(x, w, EPS)[0],
+        reference=lambda: reference.rms_norm(x, w, EPS)[0],
     )
 
 
-def rms_norm_bwd(t, h, dtype):
+def rms_norm_bwd(t, h, dtype, threads):
     x, w = _inputs(t, h, dtype)
     dy = randn(t, h, dtype=dtype)
     rstd = npu.npu_rms_norm(x, w, EPS)[1]
-    native_compiled = compiled(reference.native_rms_norm, x, w)
+    native_compiled = compiled(reference.native_rms_norm, x, w, threads=threads)
     return Timed(
         ours=lambda: npu.npu_rms_norm_backward(dy, x, w, rstd),
         baselines={
@@ -60,35 +62,35 @@ def rms_norm_bwd(t, h, dtype):
             "compile": autograd_backward(native_compiled, (x, w), dy),
             "F.rms_norm": autograd_backward(f_rms_norm, (x, w), dy),
         },
-        reference=reference.rms_norm_backward(dy, x, w, reference.rms_norm(x, w, EPS)[1]),
+        reference=lambda: reference.rms_norm_backward(dy, x, w, reference.rms_norm(x, w, EPS)[1]),
     )
 
 
-def gemma_rms_norm_fwd(t, h, dtype):
+def gemma_rms_norm_fwd(t, h, dtype, threads):
     x, w = _inputs(t, h, dtype)
     w = w - 1  # gemma stores gamma - 1
-    native_compiled = compiled(native_gemma_rms_norm, x, w)
+    native_compiled = compiled(native_gemma_rms_norm, x, w, threads=threads)
     return Timed(
         ours=lambda: npu.npu_gemma_rms_norm(x, w, EPS)[0],
         baselines={
             "eager": lambda: native_gemma_rms_norm(x, w),
             "compile": lambda: native_compiled(x, w),
         },
-        reference=reference.gemma_rms_norm(x, w, EPS)[0],
+        reference=lambda: reference.gemma_rms_norm(x, w, EPS)[0],
     )
 
 
-def add_rms_norm_fwd(t, h, dtype):
+def add_rms_norm_fwd(t, h, dtype, threads):
     x1, w = _inputs(t, h, dtype)
     x2 = randn(t, h, dtype=dtype)
-    native_compiled = compiled(reference.native_add_rms_norm, x1, x2, w)
+    native_compiled = compiled(reference.native_add_rms_norm, x1, x2, w, threads=threads)
     return Timed(
         ours=lambda: npu.npu_add_rms_norm(x1, x2, w, EPS)[::2],  # (y, x1 + x2)
         baselines={
             "eager": lambda: reference.native_add_rms_norm(x1, x2, w, EPS),
             "compile": lambda: native_compiled(x1, x2, w, EPS),
         },
-        reference=reference.add_rms_norm(x1, x2, w, EPS)[::2],
+        reference=lambda: reference.add_rms_norm(x1, x2, w, EPS)[::2],
     )
 
 
@@ -96,13 +98,14 @@ def cases(quick: bool, dtypes):
     for (t, h), dtype in itertools.product(shapes(quick), dtypes):
         e = dtype.itemsize
         shape = f"T={t} H={h}"
-        norm_fwd_bytes = 2 * t * h * e + h * e + 4 * t  # x, y, gamma, rstd (fp32)
-        yield Case("rms_norm", "fwd", shape, dtype, norm_fwd_bytes,
-                   lambda t=t, h=h, d=dtype: rms_norm_fwd(t, h, d), ("npu_rms_norm",))
-        yield Case("rms_norm", "bwd", shape, dtype, 3 * t * h * e + h * e + 4 * t + 4 * h,
-                   lambda t=t, h=h, d=dtype: rms_norm_bwd(t, h, d),
+        fwd_bytes = 2 * t * h * e + h * e + 4 * t  # x, y, gamma and the fp32 rstd
+        bwd_bytes = 3 * t * h * e + h * e + 4 * t + 4 * h  # dy, x, dx, gamma, rstd, fp32 dgamma
+        yield Case("rms_norm", "fwd", shape, dtype, fwd_bytes,
+                   functools.partial(rms_norm_fwd, t, h, dtype), ("npu_rms_norm",))
+        yield Case("rms_norm", "bwd", shape, dtype, bwd_bytes,
+                   functools.partial(rms_norm_bwd, t, h, dtype),
                    ("npu_rms_norm", "npu_rms_norm_backward"))
-        yield Case("gemma_rms_norm", "fwd", shape, dtype, norm_fwd_bytes,
-                   lambda t=t, h=h, d=dtype: gemma_rms_norm_fwd(t, h, d), ("npu_gemma_rms_norm",))
+        yield Case("gemma_rms_norm", "fwd", shape, dtype, fwd_bytes,
+                   functools.partial(gemma_rms_norm_fwd, t, h, dtype), ("npu_gemma_rms_norm",))
         yield Case("add_rms_norm", "fwd", shape, dtype, 4 * t * h * e + h * e + 4 * t,
-                   lambda t=t, h=h, d=dtype: add_rms_norm_fwd(t, h, d), ("npu_add_rms_norm",))
+                   functools.partial(add_rms_norm_fwd, t, h, dtype), ("npu_add_rms_norm",))

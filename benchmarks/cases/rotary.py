@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 from opennpu.testing import reference
-from opennpu.testing.timing import compiled
+from opennpu.testing.timing import autograd_backward, compiled
 
-from ..common import Case, Timed, autograd_backward, randn
+from ..common import Case, Timed, randn
 
 HEADS, HEAD_DIM = 32, 128
 npu = torch.ops.npu
@@ -27,26 +28,26 @@ def _inputs(layout, s, dtype):
     return randn(*x_shape, dtype=dtype), angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-def rotary_fwd(layout, s, dtype):
+def rotary_fwd(layout, s, dtype, threads):
     x, r1, r2 = _inputs(layout, s, dtype)
-    native_compiled = compiled(reference.native_rotary_mul, x, r1, r2)
+    native_compiled = compiled(reference.native_rotary_mul, x, r1, r2, threads=threads)
     return Timed(
         ours=lambda: npu.npu_rotary_mul(x, r1, r2),
         baselines={"eager": lambda: reference.native_rotary_mul(x, r1, r2),
                    "compile": lambda: native_compiled(x, r1, r2)},
-        reference=reference.rotary_mul(x, r1, r2),
+        reference=lambda: reference.rotary_mul(x, r1, r2),
     )
 
 
-def rotary_bwd(layout, s, dtype):
+def rotary_bwd(layout, s, dtype, threads):
     x, r1, r2 = _inputs(layout, s, dtype)
     grad = randn(*x.shape, dtype=dtype)
-    native_compiled = compiled(reference.native_rotary_mul, x, r1, r2)
+    native_compiled = compiled(reference.native_rotary_mul, x, r1, r2, threads=threads)
     return Timed(
         ours=lambda: npu.npu_rotary_mul_backward(grad, x, r1, r2),
         baselines={"eager": autograd_backward(reference.native_rotary_mul, (x, r1, r2), grad),
                    "compile": autograd_backward(native_compiled, (x, r1, r2), grad)},
-        reference=reference.rotary_mul_backward(grad, x, r1, r2),
+        reference=lambda: reference.rotary_mul_backward(grad, x, r1, r2),
     )
 
 
@@ -58,6 +59,6 @@ def cases(quick: bool, dtypes):
         shape = f"{layout} S={s} N={HEADS} D={HEAD_DIM}"
         # fwd reads x, r1, r2 and writes out; bwd reads grad, x, r1, r2 and writes dx, dr1, dr2.
         yield Case("rotary_mul", "fwd", shape, dtype, 2 * x_numel * e + 2 * r_numel * e,
-                   lambda l=layout, s=s, d=dtype: rotary_fwd(l, s, d), ("npu_rotary_mul",))
+                   functools.partial(rotary_fwd, layout, s, dtype), ("npu_rotary_mul",))
         yield Case("rotary_mul", "bwd", shape, dtype, 3 * x_numel * e + 4 * r_numel * e,
-                   lambda l=layout, s=s, d=dtype: rotary_bwd(l, s, d), ("npu_rotary_mul_backward",))
+                   functools.partial(rotary_bwd, layout, s, dtype), ("npu_rotary_mul_backward",))

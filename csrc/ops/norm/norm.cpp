@@ -1,12 +1,13 @@
 // Entry points of the RMSNorm family: validation, output allocation, CPU registration.
 #include "ops/norm/norm.h"
 
-#include <ATen/ExpandUtils.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
+
+#include <limits>
 
 #include "common/checks.h"
 
@@ -51,6 +52,21 @@ void check_strict_norm_dtypes(const char* op, const char* x_name, const at::Tens
                        ") or float32, but got ", gamma.scalar_type());
 }
 
+// With nothing to normalise (gamma has 0 elements) every row's mean of squares is 0/0: rstd is
+// NaN, as in the reference; y is empty anyway.
+void fill_empty_norm_rstd(const at::Tensor& gamma_acc, at::Tensor& rstd) {
+  if (gamma_acc.numel() == 0) rstd.fill_(std::numeric_limits<double>::quiet_NaN());
+}
+
+// x2 broadcasts to x1 (checked without throwing, so the op-named message is the one raised).
+bool broadcasts_to(const at::Tensor& x2, const at::Tensor& x1) {
+  if (x2.dim() > x1.dim()) return false;
+  for (int64_t i = 1; i <= x2.dim(); ++i) {
+    if (x2.size(-i) != 1 && x2.size(-i) != x1.size(-i)) return false;
+  }
+  return true;
+}
+
 std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const char* op, const at::Tensor& self,
                                                     const at::Tensor& gamma_acc,
                                                     const std::vector<int64_t>& rstd_shape,
@@ -58,7 +74,11 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const char* op, const at::Te
   const at::Tensor x = self.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty(rstd_shape, x.options().dtype(acc_dtype(x)));
-  if (x.numel() > 0) rms_norm_fwd_cpu.get(op)(x, gamma_acc, epsilon, y, rstd);
+  if (x.numel() > 0) {
+    rms_norm_fwd_cpu.get(op)(x, gamma_acc, epsilon, y, rstd);
+  } else {
+    fill_empty_norm_rstd(gamma_acc, rstd);
+  }
   return {y, rstd};
 }
 
@@ -96,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor
   OPENNPU_CHECK_ARG(x2.scalar_type() == x1.scalar_type(), op, "x2",
                     "must have the dtype of 'x1' (", x1.scalar_type(), "), but got ",
                     x2.scalar_type());
-  OPENNPU_CHECK_ARG(x2.dim() <= x1.dim() && at::infer_size(x1.sizes(), x2.sizes()) == x1.sizes(),
+  OPENNPU_CHECK_ARG(broadcasts_to(x2, x1),
                     op, "x2", "must have (or broadcast to) the shape of 'x1' (",
                     shape_str(x1.sizes()), "), but got ", shape_str(x2.sizes()));
   check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16, at::kFloat});
@@ -116,7 +136,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor
   at::Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
   at::Tensor x = at::empty_like(a, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty(rstd_shape, a.options().dtype(acc_dtype(a)));
-  if (a.numel() > 0) add_rms_norm_fwd_cpu.get(op)(a, b, gamma_acc, epsilon, y, rstd, x);
+  if (a.numel() > 0) {
+    add_rms_norm_fwd_cpu.get(op)(a, b, gamma_acc, epsilon, y, rstd, x);
+  } else {
+    fill_empty_norm_rstd(gamma_acc, rstd);
+  }
   return {y, rstd, x};
 }
 

@@ -6,6 +6,8 @@ these tables, so a new op cannot ship without a decision about its gradient.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # op name -> "autograd" (a formula is registered) or the reason it has none.
@@ -36,3 +38,16 @@ def mark_backward_op(name: str, forward: str) -> None:
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """The accumulator dtype of the kernels: float64 for float64 inputs, float32 otherwise."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def accepts_input_keyword(fn):
+    """Lets a wrapper whose first parameter is `self` also take it as `input=`, as torch_npu's
+    Python bindings do (its own tests call `torch_npu.fast_gelu(input=x)`)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if "input" in kwargs:
+            kwargs["self"] = kwargs.pop("input")
+        return fn(*args, **kwargs)
+
+    return wrapper

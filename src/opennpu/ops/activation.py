@@ -7,21 +7,24 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import mark_backward_op, register_autograd
+from ._registry import accepts_input_keyword, mark_backward_op, register_autograd
 
 _ops = torch.ops.npu
 
 
+@accepts_input_keyword
 def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """SwiGLU: split ``self`` in halves ``a | b`` along ``dim``; returns ``silu(a) * b``."""
     return _ops.npu_swiglu(self, dim)
 
 
+@accepts_input_keyword
 def npu_swiglu_backward(grad_output, self, dim: int = -1):
     """Gradient of npu_swiglu with respect to its whole input (shape of ``self``)."""
     return _ops.npu_swiglu_backward(grad_output, self, dim)
 
 
+@accepts_input_keyword
 def npu_geglu(self: torch.Tensor, dim: int = -1, approximate: int = 1, activate_left: bool = False):
     """GeGLU: halves ``a | b`` along ``dim``. Returns ``(out, gelu)``.
 
@@ -32,22 +35,26 @@ def npu_geglu(self: torch.Tensor, dim: int = -1, approximate: int = 1, activate_
     return _ops.npu_geglu(self, dim, approximate, activate_left)
 
 
+@accepts_input_keyword
 def npu_geglu_grad(grad_output, self, gelu, dim: int = -1, approximate: int = 1,
                    activate_left: bool = False):
     """Gradient of npu_geglu's ``out`` with respect to ``self``."""
     return _ops.npu_geglu_grad(grad_output, self, gelu, dim, approximate, activate_left)
 
 
+@accepts_input_keyword
 def fast_gelu(self: torch.Tensor) -> torch.Tensor:
     """FastGELU: ``x * sigmoid(1.702 x)`` (an approximation of GELU; it differs from F.gelu)."""
     return _ops.fast_gelu(self)
 
 
+@accepts_input_keyword
 def npu_fast_gelu(self: torch.Tensor) -> torch.Tensor:
     """Same as fast_gelu (torch_npu exposes both names)."""
     return _ops.npu_fast_gelu(self)
 
 
+@accepts_input_keyword
 def npu_fast_gelu_backward(grad, self):
     """``grad * (s + 1.702 x s (1 - s))`` with ``s = sigmoid(1.702 x)``."""
     return _ops.npu_fast_gelu_backward(grad, self)

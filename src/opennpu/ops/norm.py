@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import acc_dtype, mark_backward_op, register_autograd
+from ._registry import accepts_input_keyword, acc_dtype, mark_backward_op, register_autograd
 
 _ops = torch.ops.npu
 
@@ -19,6 +19,7 @@ def _rstd_shape(x: torch.Tensor, gamma: torch.Tensor) -> list:
     return list(x.shape[:lead]) + [1] * gamma.dim()
 
 
+@accepts_input_keyword
 def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
     """RMSNorm over the trailing ``gamma.dim()`` dims of ``self``.
 
@@ -30,6 +31,7 @@ def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6)
     return _ops.npu_rms_norm(self, gamma, epsilon)
 
 
+@accepts_input_keyword
 def npu_rms_norm_backward(dy, self, gamma, rstd):
     """Gradient of npu_rms_norm: returns ``(dx, dgamma)``, dgamma in float32 and gamma's shape.
 
@@ -38,6 +40,7 @@ def npu_rms_norm_backward(dy, self, gamma, rstd):
     return _ops.npu_rms_norm_backward(dy, self, gamma, rstd)
 
 
+@accepts_input_keyword
 def npu_gemma_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6):
     """Gemma's RMSNorm: ``y = self * rstd * (1 + gamma)``; returns ``(y, rstd)`` like npu_rms_norm."""
     return _ops.npu_gemma_rms_norm(self, gamma, epsilon)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import mark_backward_op, register_autograd
+from ._registry import accepts_input_keyword, mark_backward_op, register_autograd
 
 _ops = torch.ops.npu
 
 
+@accepts_input_keyword
 def npu_rotary_mul(self, r1, r2, rotary_mode: str = "half", rotate=None):
     """Apply rotary position embedding.
 
@@ -25,6 +26,7 @@ def npu_rotary_mul(self, r1, r2, rotary_mode: str = "half", rotate=None):
     return _ops.npu_rotary_mul(self, r1, r2, rotary_mode, rotate)
 
 
+@accepts_input_keyword
 def npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode: str = "half"):
     """Returns ``(dx, dr1, dr2)``: ``dx = r1*g + rotate^T(r2*g)``, and ``dr1``/``dr2`` the sums of
     ``x*g`` / ``rotate(x)*g`` over the dims r1/r2 broadcast along (shapes of r1/r2, dtype of x)."""

@@ -1,0 +1,235 @@
+"""`python -m opennpu demo`: every available op next to the native PyTorch code it replaces.
+
+Each row runs one op on the seed documents' example shape (or on a large LLM shape, where timing
+means something) and prints the max abs error of ours and of the native code against the fp32
+oracle, the median times of ours, native eager and torch.compile(native), the speedups, and our
+effective bandwidth as a fraction of the copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from .testing import reference
+from .testing.timing import (autograd_backward, busy_warning, compiled, has_cpu_kernel,
+                             max_abs_error, measure_copy_bandwidth, num_threads, time_fn)
+
+EPS = 1e-6
+F32, BF16 = torch.float32, torch.bfloat16
+DTYPE_NAMES = {F32: "fp32", BF16: "bf16"}
+npu = torch.ops.npu
+
+
+@dataclass
+class Trial:
+    """One row's calls. `ours` returns the outputs `native` computes too (extras dropped)."""
+
+    ours: Callable[[], Any]
+    native: Callable[[], Any]
+    native_compiled: Callable[[], Any]
+    expected: Callable[[], Any]  # the fp32 oracle of those outputs
+    nbytes: int  # every input and output of our op, once
+
+
+def _nbytes(tensors) -> int:
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    return sum(t.nbytes for t in tensors if isinstance(t, torch.Tensor))
+
+
+def forward(op, args, native, native_args, expected, threads, pick=lambda out: out) -> Trial:
+    """torch.ops.npu.<op>(*args) against native(*native_args)."""
+    call = getattr(npu, op)
+    native_compiled = compiled(native, *native_args, threads=threads)
+    return Trial(ours=lambda: pick(call(*args)), native=lambda: native(*native_args),
+                 native_compiled=lambda: native_compiled(*native_args), expected=expected,
+                 nbytes=_nbytes(args) + _nbytes(call(*args)))
+
+
+def backward(op, args, native, inputs, grad, expected, threads) -> Trial:
+    """The backward op alone against autograd through a graph of the native code."""
+    call = getattr(npu, op)
+    native_compiled = compiled(native, *inputs, threads=threads)
+    return Trial(ours=lambda: call(*args), native=autograd_backward(native, inputs, grad),
+                 native_compiled=autograd_backward(native_compiled, inputs, grad),
+                 expected=expected, nbytes=_nbytes(args) + _nbytes(call(*args)))
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape).to(dtype)
+
+
+def ones(n, dtype):
+    return torch.ones(n, dtype=dtype)  # the seeds' RMSNorm weight
+
+
+def rms_norm(shape, dtype, threads):
+    x, w = randn(*shape, dtype=dtype), ones(shape[-1], dtype)
+    return forward("npu_rms_norm", (x, w, EPS), reference.native_rms_norm, (x, w),
+                   lambda: reference.rms_norm(x, w, EPS)[0], threads, pick=lambda out: out[0])
+
+
+def rms_norm_backward(shape, dtype, threads):
+    x, w, dy = randn(*shape, dtype=dtype), ones(shape[-1], dtype), randn(*shape, dtype=dtype)
+    rstd = npu.npu_rms_norm(x, w, EPS)[1]
+    expected_rstd = reference.rms_norm(x, w, EPS)[1]
+    return backward("npu_rms_norm_backward", (dy, x, w, rstd), reference.native_rms_norm, (x, w),
+                    dy, lambda: reference.rms_norm_backward(dy, x, w, expected_rstd), threads)
+
+
+def native_gemma_rms_norm(x, weight):
+    return reference.native_rms_norm(x, 1 + weight)
+
+
+def gemma_rms_norm(shape, dtype, threads):
+    x, w = randn(*shape, dtype=dtype), ones(shape[-1], dtype) - 1  # gemma stores gamma - 1
+    return forward("npu_gemma_rms_norm", (x, w, EPS), native_gemma_rms_norm, (x, w),
+                   lambda: reference.gemma_rms_norm(x, w, EPS)[0], threads, pick=lambda out: out[0])
+
+
+def add_rms_norm(shape, dtype, threads):
+    x1, x2, w = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype), ones(shape[-1], dtype)
+    return forward("npu_add_rms_norm", (x1, x2, w, EPS), reference.native_add_rms_norm,
+                   (x1, x2, w), lambda: reference.add_rms_norm(x1, x2, w, EPS)[::2], threads,
+                   pick=lambda out: out[::2])  # (y, x1 + x2)
+
+
+def swiglu(shape, dtype, threads):
+    x = randn(*shape, dtype=dtype)
+    return forward("npu_swiglu", (x,), reference.native_swiglu, (x,),
+                   lambda: reference.swiglu(x), threads)
+
+
+def swiglu_backward(shape, dtype, threads):
+    x, grad = randn(*shape, dtype=dtype), randn(shape[0], shape[1] // 2, dtype=dtype)
+    return backward("npu_swiglu_backward", (grad, x), reference.native_swiglu, (x,), grad,
+                    lambda: reference.swiglu_backward(grad, x), threads)
+
+
+def geglu(shape, dtype, threads):
+    x = randn(*shape, dtype=dtype)
+    return forward("npu_geglu", (x,), reference.native_geglu, (x,),
+                   lambda: reference.geglu(x)[0], threads, pick=lambda out: out[0])
+
+
+def fast_gelu(native):
+    def build(shape, dtype, threads):
+        x = randn(*shape, dtype=dtype)
+        return forward("npu_fast_gelu", (x,), native, (x,), lambda: reference.fast_gelu(x), threads)
+    return build
+
+
+def fast_gelu_backward(shape, dtype, threads):
+    x, grad = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    return backward("npu_fast_gelu_backward", (grad, x), reference.native_fast_gelu, (x,), grad,
+                    lambda: reference.fast_gelu_backward(grad, x), threads)
+
+
+def _rotary_inputs(shape, dtype):
+    angle = torch.rand(1, shape[1], 1, shape[3]) * 6.283  # r1, r2: [1, S, 1, D]
+    return randn(*shape, dtype=dtype), angle.cos().to(dtype), angle.sin().to(dtype)
+
+
+def rotary_mul(shape, dtype, threads):
+    x, r1, r2 = _rotary_inputs(shape, dtype)
+    return forward("npu_rotary_mul", (x, r1, r2), reference.native_rotary_mul, (x, r1, r2),
+                   lambda: reference.rotary_mul(x, r1, r2), threads)
+
+
+def rotary_mul_backward(shape, dtype, threads):
+    x, r1, r2 = _rotary_inputs(shape, dtype)
+    grad = randn(*shape, dtype=dtype)
+    return backward("npu_rotary_mul_backward", (grad, x, r1, r2), reference.native_rotary_mul,
+                    (x, r1, r2), grad, lambda: reference.rotary_mul_backward(grad, x, r1, r2),
+                    threads)
+
+
+class Example(NamedTuple):
+    op: str
+    direction: str
+    shape: tuple
+    dtype: torch.dtype
+    native: str  # the native code's name; backward rows run autograd through it
+    build: Callable[[tuple, torch.dtype, int], Trial]
+
+
+LLM, GLU, ROPE = (4096, 4096), (4096, 2 * 11008), (2, 8192, 5, 128)
+# The first row of each op is the seed document's example.
+EXAMPLES = [
+    Example("npu_rms_norm", "fwd", (128, 256), F32, "native_rms_norm", rms_norm),
+    Example("npu_rms_norm", "fwd", LLM, BF16, "native_rms_norm", rms_norm),
+    Example("npu_rms_norm_backward", "bwd", LLM, BF16, "native_rms_norm", rms_norm_backward),
+    Example("npu_gemma_rms_norm", "fwd", LLM, BF16, "native_rms_norm(1+w)", gemma_rms_norm),
+    Example("npu_add_rms_norm", "fwd", LLM, BF16, "native_add_rms_norm", add_rms_norm),
+    Example("npu_swiglu", "fwd", (128, 256), F32, "native_swiglu", swiglu),
+    Example("npu_swiglu", "fwd", GLU, BF16, "native_swiglu", swiglu),
+    Example("npu_swiglu_backward", "bwd", GLU, BF16, "native_swiglu", swiglu_backward),
+    Example("npu_geglu", "fwd", GLU, BF16, "native_geglu", geglu),
+    # The seed's native code for fast_gelu is F.gelu, a different function (its error shows it);
+    # the large rows compare with the same function written in torch.
+    Example("npu_fast_gelu", "fwd", (64, 32), F32, "F.gelu", fast_gelu(reference.native_gelu)),
+    Example("npu_fast_gelu", "fwd", (4096, 11008), BF16, "x*sigmoid(1.702x)",
+            fast_gelu(reference.native_fast_gelu)),
+    Example("npu_fast_gelu_backward", "bwd", (4096, 11008), BF16, "x*sigmoid(1.702x)",
+            fast_gelu_backward),
+    Example("npu_rotary_mul", "fwd", ROPE, F32, "native_rotary_mul", rotary_mul),
+    Example("npu_rotary_mul", "fwd", ROPE, BF16, "native_rotary_mul", rotary_mul),
+    Example("npu_rotary_mul_backward", "bwd", ROPE, BF16, "native_rotary_mul", rotary_mul_backward),
+]
+
+ROW = "{:<24}{:<4}{:<15}{:<5}{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}"
+HEADER = ROW.format("op", "dir", "shape", "type", "native", "err ours", "err nat", "ours ms",
+                    "eager ms", "comp ms", "x eager", "x comp", "%copy")
+
+
+def describe(example: Example) -> str:
+    return f"{example.op} {'x'.join(map(str, example.shape))} {DTYPE_NAMES[example.dtype]}"
+
+
+def run_example(example: Example, threads: int, min_run_time: float, copy_bw: float) -> str:
+    """Builds, checks and times one row; returns it formatted."""
+    mode = torch.no_grad() if example.direction == "fwd" else torch.enable_grad()
+    with mode, num_threads(threads):
+        torch.manual_seed(0)
+        trial = example.build(example.shape, example.dtype, threads)
+        expected = trial.expected()
+        err_ours = max_abs_error(trial.ours(), expected)
+        err_native = max_abs_error(trial.native(), expected)
+        del expected
+        trial.native_compiled()  # compiles before it is timed
+        ours, eager, comp = (time_fn(fn, threads, min_run_time)["median"]
+                             for fn in (trial.ours, trial.native, trial.native_compiled))
+    return ROW.format(
+        example.op, example.direction, "x".join(map(str, example.shape)),
+        DTYPE_NAMES[example.dtype], example.native, f"{err_ours:.1e}", f"{err_native:.1e}",
+        f"{ours * 1e3:.3f}", f"{eager * 1e3:.3f}", f"{comp * 1e3:.3f}", f"{eager / ours:.1f}x",
+        f"{comp / ours:.1f}x", f"{trial.nbytes / ours / 1e9 / copy_bw:.0%}")
+
+
+def run(threads: int | None = None, min_run_time: float = 0.2) -> None:
+    threads = threads or torch.get_num_threads()
+    warning = busy_warning()
+    copy_bw = measure_copy_bandwidth(threads)
+    available = [e for e in EXAMPLES if has_cpu_kernel(e.op)]
+    rows = []
+    for i, example in enumerate(available, 1):
+        progress = f"[{i}/{len(available)}] {describe(example)} ..."
+        print(f"\r{progress:<70}", end="", file=sys.stderr, flush=True)
+        rows.append(run_example(example, threads, min_run_time, copy_bw))
+    print(f"\r{'':<70}\r", end="", file=sys.stderr, flush=True)
+
+    print(f"opennpu demo: CPU ({torch.ops.opennpu.cpu_isa()}), {threads} thread(s), copy "
+          f"bandwidth {copy_bw:.1f} GB/s (read + write), torch {torch.__version__}")
+    print(HEADER, *rows, sep="\n")
+    print("err: max |out - fp32 oracle|. Times: medians; bwd rows time the backward alone (ours: "
+          "the backward op;\nnative: autograd through its graph). %copy: our effective GB/s (each "
+          "input and output once)\nover the copy bandwidth; small shapes stay in cache and can "
+          "exceed 100%.")
+    missing = sorted({e.op for e in EXAMPLES} - {e.op for e in available})
+    if missing:
+        print(f"not available yet (no CPU kernel): {', '.join(missing)}")
+    if warning:
+        print(warning)
