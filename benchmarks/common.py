@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -32,7 +32,7 @@ class Case:
     dtype: torch.dtype
     nbytes: int  # effective bytes: each tensor read or written once
     build: Callable[[int], Timed]  # build(threads) allocates the inputs when the case runs
-    requires: tuple[str, ...] = field(default=())  # the torch.ops.npu ops the case calls
+    requires: tuple[str, ...] = ()  # the torch.ops.npu ops the case calls
 
 
 def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:

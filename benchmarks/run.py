@@ -21,7 +21,8 @@ import sys
 import opennpu
 import torch
 from opennpu.testing.timing import (busy_warning, has_cpu_kernel, max_abs_error,
-                                    measure_copy_bandwidth, num_threads, time_fn)
+                                    measure_copy_bandwidth, num_threads, reuse_freed_memory,
+                                    time_fn)
 
 from .cases import OPS, all_cases
 from .common import DTYPE_NAMES, DTYPES, Case
@@ -32,13 +33,17 @@ PEERS = ("eager", "compile", "F.rms_norm")  # the speedup columns, in order
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ops", default=",".join(OPS), help="comma-separated op families")
+    parser.add_argument("--ops", default=",".join(OPS),
+                        help=f"comma-separated, of: {', '.join(OPS)}")
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--quick", action="store_true", help="a small subset of the shapes")
     parser.add_argument("--min-run-time", type=float, default=None,
                         help="seconds per timing (default 0.5, 0.2 with --quick)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="keep glibc's default of returning large blocks to the OS (every "
+                             "call then page-faults its outputs in)")
     args = parser.parse_args(argv)
     args.ops, dtype_names = args.ops.split(","), args.dtypes.split(",")
     for given, known in ((args.ops, OPS), (dtype_names, DTYPES)):
@@ -102,8 +107,11 @@ def format_row(row) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     notes = [warning] if (warning := busy_warning()) else []
+    reused = not args.system_malloc and reuse_freed_memory()
     copy_bw = {n: measure_copy_bandwidth(n) for n in args.threads}
     print(f"torch {torch.__version__}, opennpu ISA {opennpu.cpu_isa()}, {platform.platform()}")
+    print("malloc: freed memory is " + ("reused (no page faults on outputs)" if reused
+                                       else "returned to the OS (outputs page-fault in)"))
     print("copy bandwidth (read + write): "
           + ", ".join(f"{n} thread(s) {bw:.1f} GB/s" for n, bw in copy_bw.items()))
     print(HEADER, flush=True)
@@ -136,6 +144,7 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "cpu_isa": opennpu.cpu_isa(),
             "machine": platform.platform(), "arch": platform.machine(), "cpus": os.cpu_count(),
             "copy_bandwidth_gbps": copy_bw, "min_run_time": args.min_run_time,
+            "malloc_reuses_freed_memory": reused,
             "rows": rows, "notes": notes,
         }
         with open(args.json, "w") as f:

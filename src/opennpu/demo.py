@@ -16,7 +16,8 @@ import torch
 
 from .testing import reference
 from .testing.timing import (autograd_backward, busy_warning, compiled, has_cpu_kernel,
-                             max_abs_error, measure_copy_bandwidth, num_threads, time_fn)
+                             max_abs_error, measure_copy_bandwidth, num_threads,
+                             reuse_freed_memory, time_fn)
 
 EPS = 1e-6
 F32, BF16 = torch.float32, torch.bfloat16
@@ -185,8 +186,8 @@ HEADER = ROW.format("op", "dir", "shape", "type", "native", "err ours", "err nat
                     "eager ms", "comp ms", "x eager", "x comp", "%copy")
 
 
-def describe(example: Example) -> str:
-    return f"{example.op} {'x'.join(map(str, example.shape))} {DTYPE_NAMES[example.dtype]}"
+def shape_name(shape: tuple) -> str:
+    return "x".join(map(str, shape))
 
 
 def run_example(example: Example, threads: int, min_run_time: float, copy_bw: float) -> str:
@@ -200,10 +201,10 @@ def run_example(example: Example, threads: int, min_run_time: float, copy_bw: fl
         err_native = max_abs_error(trial.native(), expected)
         del expected
         trial.native_compiled()  # compiles before it is timed
-        ours, eager, comp = (time_fn(fn, threads, min_run_time)["median"]
+        ours, eager, comp = (time_fn(fn, threads, min_run_time, min_samples=3)["median"]
                              for fn in (trial.ours, trial.native, trial.native_compiled))
     return ROW.format(
-        example.op, example.direction, "x".join(map(str, example.shape)),
+        example.op, example.direction, shape_name(example.shape),
         DTYPE_NAMES[example.dtype], example.native, f"{err_ours:.1e}", f"{err_native:.1e}",
         f"{ours * 1e3:.3f}", f"{eager * 1e3:.3f}", f"{comp * 1e3:.3f}", f"{eager / ours:.1f}x",
         f"{comp / ours:.1f}x", f"{trial.nbytes / ours / 1e9 / copy_bw:.0%}")
@@ -212,11 +213,13 @@ def run_example(example: Example, threads: int, min_run_time: float, copy_bw: fl
 def run(threads: int | None = None, min_run_time: float = 0.2) -> None:
     threads = threads or torch.get_num_threads()
     warning = busy_warning()
+    reuse_freed_memory()  # steady state: outputs reuse freed memory instead of page-faulting
     copy_bw = measure_copy_bandwidth(threads)
     available = [e for e in EXAMPLES if has_cpu_kernel(e.op)]
     rows = []
     for i, example in enumerate(available, 1):
-        progress = f"[{i}/{len(available)}] {describe(example)} ..."
+        progress = (f"[{i}/{len(available)}] {example.op} {shape_name(example.shape)} "
+                    f"{DTYPE_NAMES[example.dtype]} ...")
         print(f"\r{progress:<70}", end="", file=sys.stderr, flush=True)
         rows.append(run_example(example, threads, min_run_time, copy_bw))
     print(f"\r{'':<70}\r", end="", file=sys.stderr, flush=True)

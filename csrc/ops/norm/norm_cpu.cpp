@@ -111,12 +111,30 @@ void rms_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Te
         const T* pg = gamma.const_data_ptr<T>();
         const T* pr = rstd.const_data_ptr<T>();
         scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
-        // One dgamma row per thread, summed after the parallel region.
-        at::Tensor partial = at::zeros({at::get_num_threads(), n}, dgamma.options());
+        // dgamma sums over every row. Each thread adds rows into a block row, and every
+        // kRowsPerBlock rows folds the block into its own partial row; the partial rows are summed
+        // after the parallel region. Two-level summation keeps the fp32 error ~kRowsPerBlock
+        // times smaller than one running sum over thousands of rows.
+        constexpr int64_t kRowsPerBlock = 32;
+        const int64_t threads = at::get_num_threads();
+        at::Tensor partial = at::zeros({threads, n}, dgamma.options());
+        at::Tensor block = at::zeros({threads, n}, dgamma.options());
         T* ppart = partial.mutable_data_ptr<T>();
+        T* pblock = block.mutable_data_ptr<T>();
+        auto fold = [n](T* dst, T* src) {
+          for_each_step<T>(n, [&](int64_t i, int64_t len) {
+            Vec a0, a1, b0, b1;
+            AccIO::load(dst + i, a0, a1, len);
+            AccIO::load(src + i, b0, b1, len);
+            AccIO::store(dst + i, a0 + b0, a1 + b1, len);
+            AccIO::store(src + i, Vec(0), Vec(0), len);
+          });
+        };
         at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-          T* dg = ppart + at::get_thread_num() * n;
+          const int64_t tid = at::get_thread_num();
+          T* dg = pblock + tid * n;
           for (int64_t r = begin; r < end; ++r) {
+            if ((r - begin) % kRowsPerBlock == 0 && r != begin) fold(ppart + tid * n, dg);
             const scalar_t* dyr = pdy + r * n;
             const scalar_t* xr = px + r * n;
             Vec s0(0), s1(0);
@@ -143,6 +161,7 @@ void rms_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Te
                            len);
             });
           }
+          fold(ppart + tid * n, dg);
         });
         at::Tensor dgamma_flat = dgamma.view({n});
         at::sum_out(dgamma_flat, partial, /*dim=*/0);

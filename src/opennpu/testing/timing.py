@@ -8,7 +8,9 @@ bandwidth measured in the same run.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
+import time
 from typing import Any, Callable, Iterator
 
 import torch
@@ -26,17 +28,19 @@ def num_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def time_fn(fn: Callable[[], Any], threads: int, min_run_time: float = 0.5) -> dict[str, float]:
-    """Times `fn()` on `threads` threads: {"median", "p20", "p80"} in seconds per call."""
+def time_fn(fn: Callable[[], Any], threads: int, min_run_time: float = 0.5,
+            min_samples: int = 5) -> dict[str, float]:
+    """Times `fn()` on `threads` threads: {"median", "p20", "p80"} in seconds per call, over at
+    least `min_samples` blocks (slow calls would otherwise give one sample and no spread)."""
     with num_threads(threads):
         timer = benchmark.Timer(stmt="fn()", globals={"fn": fn}, num_threads=threads)
         measurement = timer.blocked_autorange(min_run_time=min_run_time)
-    times = torch.tensor(measurement.times, dtype=torch.float64)
-    return {
-        "median": measurement.median,
-        "p20": torch.quantile(times, 0.2).item(),
-        "p80": torch.quantile(times, 0.8).item(),
-    }
+        samples = list(measurement.times)
+        while len(samples) < min_samples:
+            samples += timer.timeit(measurement.number_per_run).times
+    samples, quantiles = (torch.tensor(v, dtype=torch.float64) for v in (samples, [0.5, 0.2, 0.8]))
+    median, p20, p80 = torch.quantile(samples, quantiles).tolist()
+    return {"median": median, "p20": p20, "p80": p80}
 
 
 def measure_copy_bandwidth(threads: int, nbytes: int = 256 * 2**20,
@@ -80,14 +84,39 @@ def autograd_backward(fn: Callable, inputs: tuple[torch.Tensor, ...],
     return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
 
 
-def busy_warning(threshold: float = 0.75) -> str | None:
-    """A warning when other work is running (1-minute load average above `threshold`): on a
-    2-core machine it takes cores from the timed code and skews multi-threaded timings."""
-    load = os.getloadavg()[0]
-    if load <= threshold:
+def reuse_freed_memory() -> bool:
+    """Makes glibc's malloc keep freed memory for reuse instead of handing large blocks back to
+    the OS, so an op's output is not page-faulted in afresh on every timed call.
+
+    On these VMs faulting in a fresh output costs more than the op itself (about 25 ms per
+    64 MB, against 5 ms to copy it), for ours and every baseline alike. PyTorch's CPU tuning
+    guides get the same steady state from jemalloc or tcmalloc. Affects later allocations only;
+    returns False where it could not be applied.
+    """
+    m_trim_threshold, m_mmap_max = -1, -4  # mallopt parameters from glibc's malloc.h
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def busy_warning(samples: int = 20, interval: float = 0.05) -> str | None:
+    """A warning when other processes are running now: on a 2-core machine they take cores from
+    the timed code and skew multi-threaded timings badly. Samples the runnable-task count of
+    /proc/loadavg (Linux; elsewhere returns None)."""
+    others = 0
+    try:
+        for _ in range(samples):
+            with open("/proc/loadavg") as f:
+                others += int(f.read().split()[3].split("/")[0]) - 1  # minus this process
+            time.sleep(interval)
+    except OSError:
         return None
-    return (f"warning: load average {load:.1f} on {os.cpu_count()} CPUs before this run; "
-            "other work skews these timings")
+    if others / samples < 0.5:
+        return None
+    return (f"warning: on average {others / samples:.1f} other tasks were running on "
+            f"{os.cpu_count()} CPUs when this run started; they skew these timings")
 
 
 def has_cpu_kernel(op: str) -> bool:
