@@ -152,6 +152,24 @@ def test_fast_gelu_low_precision_not_worse_than_native(dtype):
     assert_not_worse_than_native(opennpu.fast_gelu(x), R.native_fast_gelu(x), R.fast_gelu(x))
 
 
+# Saturation: exp overflows for |x| beyond ~88 (the fp16/bf16 path uses a polynomial exp and a
+# reciprocal estimate); results must still follow the reference, NaN and inf included.
+EXTREMES = [-1e4, -1000.0, -100.0, -89.0, -88.0, -30.0, -1.0, 0.0, 1.0, 30.0, 88.0, 100.0, 1e4,
+            float("nan"), float("inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("dtype", [F32, *LOW_DTYPES], ids=dtype_id)
+def test_activations_saturate_like_the_reference(dtype):
+    x = torch.tensor(EXTREMES * 3, dtype=dtype)  # long enough to hit full vectors and a tail
+    assert_close(opennpu.fast_gelu(x), R.fast_gelu(x))
+    assert_close(opennpu.npu_fast_gelu_backward(torch.ones_like(x), x),
+                 R.fast_gelu_backward(torch.ones_like(x), x))
+    pairs = torch.stack([x, torch.full_like(x, 2.0)], dim=-1)  # gate | up
+    for glu in GLU_CASES:
+        for out, ref in zip(glu.ours(pairs), glu.ref(pairs), strict=True):
+            assert_close(out, ref)
+
+
 def test_geglu_approximate_selects_the_gelu_formula():
     # 1 = tanh approximation (default), 0 = exact erf; the two differ visibly at |x| ~ 2.
     x = torch.full((1, 2), 2.0)
