@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <limits>
 
 #include "common/vec.h"
 #include "ops/rotary/rotary.h"
@@ -67,6 +68,43 @@ inline int64_t row_offset(int64_t row, const std::vector<int64_t>& sizes,
   return offset;
 }
 
+// Walks consecutive rows of x, r1 and r2 like an odometer: the divisions of row_offset happen once
+// per parallel chunk instead of once per row (they cost as much as a 128-element row).
+class RowCursor {
+ public:
+  RowCursor(const RowLayout& layout, int64_t first_row) : layout_(layout) {
+    const auto nd = layout.sizes.size();
+    index_.resize(nd);
+    int64_t row = first_row;
+    for (int64_t d = static_cast<int64_t>(nd) - 1; d >= 0; --d) {
+      index_[d] = row % layout.sizes[d];
+      row /= layout.sizes[d];
+    }
+    x = row_offset(first_row, layout.sizes, layout.x_strides);
+    r1 = row_offset(first_row, layout.sizes, layout.r1_strides);
+    r2 = row_offset(first_row, layout.sizes, layout.r2_strides);
+  }
+
+  void next() {
+    for (int64_t d = static_cast<int64_t>(index_.size()) - 1; d >= 0; --d) {
+      x += layout_.x_strides[d];
+      r1 += layout_.r1_strides[d];
+      r2 += layout_.r2_strides[d];
+      if (++index_[d] < layout_.sizes[d]) return;
+      x -= layout_.x_strides[d] * layout_.sizes[d];
+      r1 -= layout_.r1_strides[d] * layout_.sizes[d];
+      r2 -= layout_.r2_strides[d] * layout_.sizes[d];
+      index_[d] = 0;
+    }
+  }
+
+  int64_t x = 0, r1 = 0, r2 = 0;  // current row starts, in elements
+
+ private:
+  const RowLayout& layout_;
+  std::vector<int64_t> index_;
+};
+
 template <typename scalar_t, typename r_t>
 void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int64_t D, Mode mode) {
   using Vec = AccVec<scalar_t>;
@@ -109,11 +147,9 @@ void rotary_fwd_impl(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
   scalar_t* py = out.mutable_data_ptr<scalar_t>();
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / D);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      rotary_row<scalar_t, r_t>(px + row_offset(r, layout.sizes, layout.x_strides),
-                                pc + row_offset(r, layout.sizes, layout.r1_strides),
-                                ps + row_offset(r, layout.sizes, layout.r2_strides),
-                                py + r * D, D, mode);
+    RowCursor row(layout, begin);
+    for (int64_t r = begin; r < end; ++r, row.next()) {
+      rotary_row<scalar_t, r_t>(px + row.x, pc + row.r1, ps + row.r2, py + r * D, D, mode);
     }
   });
 }
@@ -205,14 +241,33 @@ void rotary_bwd_impl(const at::Tensor& grad, const at::Tensor& x, const at::Tens
   scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
   T* pdc = dr1.mutable_data_ptr<T>();
   T* pds = dr2.mutable_data_ptr<T>();
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (D * inner));
+  // Visit order. When the broadcast dims are inner in memory (BSND with 1S1D cos/sin: the heads
+  // of one position are adjacent), one r row's x rows are contiguous: walk r rows, then heads.
+  // When they are outer (BNSD with 11SD), walking heads per r row would jump a whole [S, D]
+  // plane per row; instead take r rows in blocks whose dr1/dr2 rows stay in L2 and sweep each
+  // head's contiguous run of the block.
+  auto min_stride = [](const std::vector<int64_t>& strides) {
+    int64_t m = std::numeric_limits<int64_t>::max();
+    for (auto s : strides) m = std::min(m, s);
+    return m;
+  };
+  const bool bcast_outer = min_stride(bcast_x_strides) > min_stride(kept_x_strides);
+  const int64_t block = bcast_outer ? 64 : 1;
+  const int64_t grain = std::max<int64_t>(block, (int64_t{1} << 14) / (D * inner));
   at::parallel_for(0, r_rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t q = begin; q < end; ++q) {
-      const int64_t base = row_offset(q, kept_sizes, kept_x_strides);
+    std::vector<int64_t> kept_offset(block);
+    for (int64_t q0 = begin; q0 < end; q0 += block) {
+      const int64_t q1 = std::min(end, q0 + block);
+      for (int64_t q = q0; q < q1; ++q) {
+        kept_offset[q - q0] = row_offset(q, kept_sizes, kept_x_strides);
+      }
       for (int64_t b = 0; b < inner; ++b) {
-        const int64_t off = base + row_offset(b, bcast_sizes, bcast_x_strides);
-        rotary_bwd_row<scalar_t, r_t>(pg + off, px + off, pc + q * D, ps + q * D, pdx + off,
-                                      pdc + q * D, pds + q * D, D, mode);
+        const int64_t head = row_offset(b, bcast_sizes, bcast_x_strides);
+        for (int64_t q = q0; q < q1; ++q) {
+          const int64_t off = kept_offset[q - q0] + head;
+          rotary_bwd_row<scalar_t, r_t>(pg + off, px + off, pc + q * D, ps + q * D, pdx + off,
+                                        pdc + q * D, pds + q * D, D, mode);
+        }
       }
     }
   });
