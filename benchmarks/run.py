@@ -1,7 +1,7 @@
 """Benchmark runner: times opennpu's ops against their baselines and prints one table.
 
     python -m benchmarks.run [--ops rms_norm,swiglu] [--dtypes fp32,bf16] [--threads 1,2]
-                             [--quick] [--json out.json]
+                             [--quick] [--shapes 'T=8192 H=4096,S=8192'] [--json out.json]
 
 Per case and thread count: our median time (p20-p80), effective GB/s and its fraction of the copy
 bandwidth measured at the start of the same run, the speedup over each baseline (native eager,
@@ -38,6 +38,9 @@ def parse_args(argv=None):
     parser.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16, fp16")
     parser.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     parser.add_argument("--quick", action="store_true", help="a small subset of the shapes")
+    parser.add_argument("--shapes", default="",
+                        help="comma-separated substrings; run only cases whose shape contains one "
+                             "(e.g. 'T=8192 H=4096,S=8192')")
     parser.add_argument("--min-run-time", type=float, default=None,
                         help="seconds per timing (default 0.5, 0.2 with --quick)")
     parser.add_argument("--json", help="also write the results to this file")
@@ -119,6 +122,8 @@ def main(argv=None) -> int:
     rows = []
     for case in all_cases(args.quick, args.dtypes):
         if case.op not in args.ops:
+            continue
+        if args.shapes and not any(part in case.shape for part in args.shapes.split(",")):
             continue
         missing = [op for op in case.requires if not has_cpu_kernel(op)]
         if missing:

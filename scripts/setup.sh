@@ -54,5 +54,7 @@ if [ "$(cat "$stamp_file" 2>/dev/null)" != "$stamp" ] || [ -z "$(dist_version op
   say "building and installing opennpu"
   "$PYTHON" -m pip install --quiet --no-build-isolation --no-deps .
   mkdir -p build && echo "$stamp" > "$stamp_file"
+  # pyenv finds new console scripts (`opennpu`) only after a rehash.
+  if command -v pyenv >/dev/null 2>&1; then pyenv rehash || true; fi
 fi
 say "ready: $("$PYTHON" -c 'import opennpu, torch; print(f"torch {torch.__version__}, opennpu {opennpu.__version__}, CPU kernels {opennpu.cpu_isa()}")')"

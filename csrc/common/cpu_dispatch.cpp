@@ -12,6 +12,11 @@ CpuIsa cpu_isa() {
     const std::string cap = at::get_cpu_capability();
     if (cap == "AVX512") return CpuIsa::kAvx512;
     if (cap == "AVX2") return CpuIsa::kAvx2;
+#if defined(__x86_64__)
+    // x86-64 builds carry no scalar-only kernels: ATEN_CPU_CAPABILITY=default (ATen's own scalar
+    // kernels) still runs opennpu's AVX2 baseline when the CPU has it.
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
+#endif
     return CpuIsa::kDefault;
   }();
   return isa;

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <limits>
+#include <type_traits>
 
 #include "common/vec.h"
 #include "ops/rotary/rotary.h"
@@ -20,31 +21,20 @@ namespace {
 
 using at::vec::Vectorized;
 
-// Exchanges neighbouring lanes (2i <-> 2i+1).
-inline Vectorized<float> swap_pairs(const Vectorized<float>& v) {
+// Exchanges neighbouring lanes (2i <-> 2i+1): one in-register permute on AVX2/AVX-512.
+template <typename T>
+inline Vectorized<T> swap_pairs(const Vectorized<T>& v) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_permute_ps(v, 0xB1);
+  if constexpr (std::is_same_v<T, float>) return _mm512_permute_ps(v, 0xB1);
+  if constexpr (std::is_same_v<T, double>) return _mm512_permute_pd(v, 0x55);
 #elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_permute_ps(v, 0xB1);
-#else
-  std::array<float, Vectorized<float>::size()> a;
+  if constexpr (std::is_same_v<T, float>) return _mm256_permute_ps(v, 0xB1);
+  if constexpr (std::is_same_v<T, double>) return _mm256_permute_pd(v, 0x5);
+#endif
+  std::array<T, Vectorized<T>::size()> a;
   v.store(a.data());
   for (size_t i = 0; i + 1 < a.size(); i += 2) std::swap(a[i], a[i + 1]);
-  return Vectorized<float>::loadu(a.data());
-#endif
-}
-
-inline Vectorized<double> swap_pairs(const Vectorized<double>& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_permute_pd(v, 0x55);
-#elif defined(CPU_CAPABILITY_AVX2)
-  return _mm256_permute_pd(v, 0x5);
-#else
-  std::array<double, Vectorized<double>::size()> a;
-  v.store(a.data());
-  for (size_t i = 0; i + 1 < a.size(); i += 2) std::swap(a[i], a[i + 1]);
-  return Vectorized<double>::loadu(a.data());
-#endif
+  return Vectorized<T>::loadu(a.data());
 }
 
 // (-1, +1, -1, +1, ...): rotate(x) = swap_pairs(x) * kSign for the interleave mode.

@@ -1,0 +1,67 @@
+"""The kernels of every instruction set opennpu compiles are correct, not only the one this
+machine picks: each ISA runs in a subprocess (ATEN_CPU_CAPABILITY selects it) over all ops, dtypes
+and sizes that exercise full vectors and tails."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import opennpu
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import opennpu
+    from opennpu.testing import reference as R
+    from opennpu.testing.tolerances import assert_close
+
+    assert opennpu.cpu_isa() == sys.argv[1], opennpu.cpu_isa()
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        for rows, n in ((3, 7), (5, 64), (2, 769)):
+            x, g = torch.randn(rows, 2 * n, dtype=dtype), torch.randn(2 * n, dtype=dtype)
+            dy = torch.randn_like(x)
+            y, rstd = opennpu.npu_rms_norm(x, g)
+            assert_close(y, R.rms_norm(x, g)[0])
+            for ours, ref in zip(opennpu.npu_rms_norm_backward(dy, x, g, rstd),
+                                 R.rms_norm_backward(dy, x, g, rstd)):
+                assert_close(ours, ref, dtype=dtype, scale=4)
+            assert_close(opennpu.npu_add_rms_norm(x, dy, g)[0], R.add_rms_norm(x, dy, g)[0])
+            assert_close(opennpu.npu_swiglu(x), R.swiglu(x))
+            gh = torch.randn(rows, n, dtype=dtype)
+            assert_close(opennpu.npu_swiglu_backward(gh, x), R.swiglu_backward(gh, x))
+            for approximate in (0, 1):
+                assert_close(opennpu.npu_geglu(x, -1, approximate)[0], R.geglu(x, -1, approximate)[0])
+            assert_close(opennpu.fast_gelu(x), R.fast_gelu(x))
+            assert_close(opennpu.npu_fast_gelu_backward(dy, x), R.fast_gelu_backward(dy, x))
+            q = torch.randn(2, rows, 3, 2 * n, dtype=dtype)
+            c, s = torch.randn(1, rows, 1, 2 * n, dtype=dtype), torch.randn(1, rows, 1, 2 * n, dtype=dtype)
+            dq = torch.randn_like(q)
+            for mode in ("half", "interleave"):
+                assert_close(opennpu.npu_rotary_mul(q, c, s, mode), R.rotary_mul(q, c, s, mode))
+                for ours, ref in zip(opennpu.npu_rotary_mul_backward(dq, q, c, s, mode),
+                                     R.rotary_mul_backward(dq, q, c, s, mode)):
+                    assert_close(ours, ref, dtype=dtype, scale=4)
+    print("ok")
+    """
+)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 ISAs only")
+@pytest.mark.parametrize("capability,isa", [("avx2", "AVX2"), ("default", "AVX2"),
+                                            ("avx512", "AVX512")])
+def test_every_compiled_isa_matches_the_reference(capability, isa):
+    if isa == "AVX512" and opennpu.cpu_isa() != "AVX512":
+        pytest.skip("this CPU has no AVX-512")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    result = subprocess.run([sys.executable, "-c", SCRIPT, isa], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")
