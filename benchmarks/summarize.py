@@ -1,0 +1,37 @@
+"""Markdown summary of benchmark JSON files (from `python -m benchmarks.run --json ...`).
+
+    python -m benchmarks.summarize benchmarks/results/large.json [--threads 2]
+
+One row per (op, direction, shape, dtype) at the chosen thread count: our median time, the fraction
+of the copy bandwidth measured in the same run, and the speedups over each baseline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.summarize")
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    print("| op | dir | shape | dtype | ours ms | % copy BW | x eager | x compile | x F.rms_norm |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for path in args.files:
+        with open(path) as f:
+            result = json.load(f)
+        for row in result["rows"]:
+            if row["threads"] != args.threads:
+                continue
+            speedup = row["speedup"]
+            cells = [row["op"], row["direction"], row["shape"], row["dtype"],
+                     f"{row['ours']['median'] * 1e3:.3g}", f"{row['copy_bw_fraction']:.0%}",
+                     *(f"{speedup[p]:.2f}x" if p in speedup else "-"
+                       for p in ("eager", "compile", "F.rms_norm"))]
+            print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
