@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "common/checks.h"
+#include "common/dtype.h"
 
 namespace opennpu::norm {
 
@@ -18,10 +19,6 @@ CpuKernel<AddRmsNormFwdFn> add_rms_norm_fwd_cpu;
 CpuKernel<RmsNormBwdFn> rms_norm_bwd_cpu;
 
 namespace {
-
-at::ScalarType acc_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // Checks gamma against the trailing dims of x and returns the keep-dim shape of rstd.
 std::vector<int64_t> check_norm_args(const char* op, const char* x_name, const at::Tensor& x,

@@ -9,6 +9,7 @@
 #include <torch/library.h>
 
 #include "common/checks.h"
+#include "common/dtype.h"
 
 namespace opennpu::rotary {
 
@@ -82,7 +83,7 @@ at::ScalarType r_dtype(const at::Tensor& x, const at::Tensor& r1, const at::Tens
   if (r1.scalar_type() == x.scalar_type() && r2.scalar_type() == x.scalar_type()) {
     return x.scalar_type();
   }
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return acc_dtype(x);
 }
 
 std::vector<int64_t> leading(c10::IntArrayRef v) { return {v.begin(), v.end() - 1}; }
@@ -108,7 +109,7 @@ at::Tensor npu_rotary_mul(const at::Tensor& self, const at::Tensor& r1, const at
     OPENNPU_CHECK_ARG(m.dim() == 2 && m.size(0) == D && m.size(1) == D, op, "rotate",
                       "must be a [D, D] = [", D, ", ", D, "] matrix, but got ",
                       shape_str(m.sizes()));
-    const auto acc = self.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    const auto acc = acc_dtype(self);
     const at::Tensor xa = self.to(acc);
     const at::Tensor rx = at::matmul(xa, m.to(acc));
     return (xa * c.to(acc) + rx * s.to(acc)).to(self.scalar_type()).contiguous();
@@ -146,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_rotary_mul_backward(
   const at::Tensor c = c_b.expand(joint).to(rt).contiguous();
   const at::Tensor s = s_b.expand(joint).to(rt).contiguous();
 
-  const auto acc = self.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const auto acc = acc_dtype(self);
   const at::Tensor x = self.contiguous();
   const at::Tensor g = grad.to(x.scalar_type()).contiguous();
   at::Tensor dx = at::empty(x.sizes(), x.options());
