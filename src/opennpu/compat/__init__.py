@@ -6,9 +6,9 @@
 
 from __future__ import annotations
 
-import functools
-
 import torch
+
+from opennpu.ops._registry import accepts_input_keyword
 
 
 def op_alias(name: str):
@@ -20,15 +20,8 @@ def op_alias(name: str):
     packet = getattr(torch.ops.npu, name)
     if "self" not in (arg.name for arg in packet.default._schema.arguments):
         return packet
-
-    @functools.wraps(packet)
-    def call(*args, **kwargs):
-        if "input" in kwargs:
-            kwargs["self"] = kwargs.pop("input")
-        return packet(*args, **kwargs)
-
-    call.__name__ = name
-    call.__qualname__ = name
+    call = accepts_input_keyword(packet)
+    call.__name__ = call.__qualname__ = name
     return call
 
 
