@@ -7,6 +7,7 @@
 
 #include "common/checks.h"
 #include "common/cpu_dispatch.h"
+#include "common/random.h"
 
 TORCH_LIBRARY(npu, m) {
   // RMSNorm: returns (y, rstd); rstd is float32 with the normalised dims kept as size 1.
@@ -36,6 +37,31 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor");
   // Returns (dx, dr1, dr2); dr1/dr2 are reduced over the dims r1/r2 broadcast along.
   m.def("npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> (Tensor, Tensor, Tensor)");
+
+  // Flash attention: Dropout(Softmax(Mask(scale * (Q K^T + pse)))) V over BSH/SBH/BSND/BNSD/TND,
+  // GQA, sparse modes 0-8. Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed,
+  // offset, numels); the statistics are float32 with 8 copies in the last dim.
+  m.def("npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
+        "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
+        "int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
+        "bool sync=False, str softmax_layout=\"\", Tensor? sink=None, Tensor? dropout_mask=None, "
+        "int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)");
+  // Returns (dq, dk, dv, dpse, dsink); dpse / dsink are empty when pse / sink are absent.
+  m.def("npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
+        "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., "
+        "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int seed=0, "
+        "int offset=0, int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
+        "bool sync=False, str softmax_layout=\"\", Tensor? sink=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Bit-packed dropout keep mask (p = drop probability) of the Philox stream (seed, offset): the
+  // mask npu_fusion_attention uses for the same (seed, offset). uint8, padded to 128 bits.
+  m.def("_npu_dropout_gen_mask.Tensor(Tensor self, int[] size, float p, int seed, int offset, *, "
+        "bool? parallel=True, bool? sync=None) -> Tensor");
 }
 
 // opennpu's own helpers, outside the torch_npu namespace.
@@ -45,4 +71,14 @@ TORCH_LIBRARY(opennpu, m) {
   m.def("is_strict() -> bool", []() { return opennpu::strict_mode(); });
   // The instruction set the CPU kernels run with ("AVX512", "AVX2" or "DEFAULT").
   m.def("cpu_isa() -> str", []() { return std::string(opennpu::cpu_isa_name(opennpu::cpu_isa())); });
+  // The Philox generator of fused ops with dropout: seed, and (seed, offset) of the next draw.
+  m.def("manual_seed(int seed) -> ()", [](int64_t seed) { opennpu::manual_seed(static_cast<uint64_t>(seed)); });
+  m.def("initial_seed() -> int", []() { return static_cast<int64_t>(opennpu::initial_seed()); });
+  m.def("get_rng_state() -> int[]", []() {
+    const auto [seed, offset] = opennpu::rng_state();
+    return std::vector<int64_t>{static_cast<int64_t>(seed), static_cast<int64_t>(offset)};
+  });
+  m.def("set_rng_state(int seed, int offset) -> ()", [](int64_t seed, int64_t offset) {
+    opennpu::set_rng_state(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset));
+  });
 }

@@ -18,7 +18,8 @@ def op_alias(name: str):
     `torch_npu.fast_gelu(input=x)`); the dispatcher only knows `self`, so `input` is renamed.
     """
     packet = getattr(torch.ops.npu, name)
-    if "self" not in (arg.name for arg in packet.default._schema.arguments):
+    schema = getattr(packet, packet.overloads()[0])._schema  # e.g. _npu_dropout_gen_mask.Tensor
+    if "self" not in (arg.name for arg in schema.arguments):
         return packet
     call = accepts_input_keyword(packet)
     call.__name__ = call.__qualname__ = name

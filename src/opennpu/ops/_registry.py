@@ -31,8 +31,40 @@ def mark_backward_op(name: str, forward: str) -> None:
             "supported by opennpu"
         )
 
-    torch.library.register_autograd(f"npu::{name}", backward, setup_context=setup_context)
+    packet = getattr(torch.ops.npu, name)
+    schema = packet.default._schema
+    if any(arg.kwarg_only and isinstance(arg.type, (torch.TensorType, torch.OptionalType))
+           for arg in schema.arguments):
+        # register_autograd refuses keyword-only tensors (npu_fusion_attention_grad has them):
+        # an Autograd kernel that runs the op below autograd and ties its outputs to a node
+        # whose backward raises gives the same behaviour.
+        _register_raising_autograd_kernel(packet, backward)
+    else:
+        torch.library.register_autograd(f"npu::{name}", backward, setup_context=setup_context)
     DIFFERENTIABILITY[name] = f"backward of {forward}; double backward not supported"
+
+
+def _register_raising_autograd_kernel(packet, backward) -> None:
+    class _NoDoubleBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, n_inputs, *tensors):
+            return tuple(t.detach() for t in tensors[n_inputs:])
+
+        @staticmethod
+        def backward(ctx, *grads):
+            backward(ctx, *grads)
+
+    qualname = packet.default._schema.name
+
+    @torch.library.impl(qualname, "Autograd")
+    def _autograd_kernel(*args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            result = packet(*args, **kwargs)
+        needs_grad = [t for t in (*args, *kwargs.values())
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not (torch.is_grad_enabled() and needs_grad):
+            return result
+        return _NoDoubleBackward.apply(len(needs_grad), *needs_grad, *result)
 
 
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -1,0 +1,46 @@
+#include "common/random.h"
+
+#include <mutex>
+
+namespace opennpu {
+namespace {
+
+struct PhiloxState {
+  std::mutex lock;
+  uint64_t seed = 67280421310721ULL;
+  uint64_t offset = 0;
+};
+
+PhiloxState& state() {
+  static PhiloxState s;
+  return s;
+}
+
+}  // namespace
+
+void manual_seed(uint64_t seed) { set_rng_state(seed, 0); }
+
+uint64_t initial_seed() {
+  std::lock_guard<std::mutex> guard(state().lock);
+  return state().seed;
+}
+
+std::pair<uint64_t, uint64_t> rng_state() {
+  std::lock_guard<std::mutex> guard(state().lock);
+  return {state().seed, state().offset};
+}
+
+void set_rng_state(uint64_t seed, uint64_t offset) {
+  std::lock_guard<std::mutex> guard(state().lock);
+  state().seed = seed;
+  state().offset = offset;
+}
+
+std::pair<uint64_t, uint64_t> reserve_philox(uint64_t words) {
+  std::lock_guard<std::mutex> guard(state().lock);
+  const std::pair<uint64_t, uint64_t> drawn{state().seed, state().offset};
+  state().offset += (words + 3) / 4;
+  return drawn;
+}
+
+}  // namespace opennpu

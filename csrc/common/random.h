@@ -1,0 +1,23 @@
+// opennpu's random generator for fused ops with dropout (npu_fusion_attention).
+//
+// Like torch_npu's device generator it hands out Philox (seed, offset) pairs: an op that needs
+// `n` random 32-bit words reserves them, and the offset advances so no two ops share a stream.
+// manual_seed(s) restarts the stream at offset 0, so the first op after it draws with (s, 0) and
+// a run is reproducible. The default seed is PyTorch's Philox default, 67280421310721.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+
+namespace opennpu {
+
+void manual_seed(uint64_t seed);
+uint64_t initial_seed();
+// (seed, offset) of the next draw, without reserving it.
+std::pair<uint64_t, uint64_t> rng_state();
+void set_rng_state(uint64_t seed, uint64_t offset);
+// Reserves `words` 32-bit words (rounded up to whole 4-word Philox blocks); returns their
+// (seed, offset), offset counted in Philox blocks.
+std::pair<uint64_t, uint64_t> reserve_philox(uint64_t words);
+
+}  // namespace opennpu
