@@ -21,7 +21,7 @@ class Timed:
 
     ours: Callable[[], Any]
     baselines: dict[str, Callable[[], Any]]
-    reference: Callable[[], Any]
+    reference: Callable[[], Any] | None  # None where the oracle itself would not fit in memory
 
 
 @dataclass
@@ -33,6 +33,7 @@ class Case:
     nbytes: int  # effective bytes: each tensor read or written once
     build: Callable[[int], Timed]  # build(threads) allocates the inputs when the case runs
     requires: tuple[str, ...] = ()  # the torch.ops.npu ops the case calls
+    flops: int = 0  # compute-bound cases (attention) report GFLOP/s instead of bandwidth
 
 
 def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:

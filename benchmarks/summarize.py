@@ -17,8 +17,9 @@ def main(argv=None) -> None:
     parser.add_argument("files", nargs="+")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
-    print("| op | dir | shape | dtype | ours ms | % copy BW | x eager | x compile | x F.rms_norm |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| op | dir | shape | dtype | ours ms | % copy BW (or GFLOP/s) | x eager | x compile | "
+          "x F.rms_norm | x SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for path in args.files:
         with open(path) as f:
             result = json.load(f)
@@ -27,9 +28,11 @@ def main(argv=None) -> None:
                 continue
             speedup = row["speedup"]
             cells = [row["op"], row["direction"], row["shape"], row["dtype"],
-                     f"{row['ours']['median'] * 1e3:.3g}", f"{row['copy_bw_fraction']:.0%}",
+                     f"{row['ours']['median'] * 1e3:.3g}",
+                     (f"{row['gflops']:.0f} GFLOP/s" if row.get("flops")
+                      else f"{row['copy_bw_fraction']:.0%}"),
                      *(f"{speedup[p]:.2f}x" if p in speedup else "-"
-                       for p in ("eager", "compile", "F.rms_norm"))]
+                       for p in ("eager", "compile", "F.rms_norm", "sdpa"))]
             print("| " + " | ".join(cells) + " |")
 
 

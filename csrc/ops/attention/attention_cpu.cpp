@@ -90,17 +90,30 @@ inline Vectorized<T> softmax_exp(const Vectorized<T>& x) {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// s[j] = (s[j] + pse[j]) * scale over [0, n); pse may be null.
+// s[j] += scale * pse[j] over [0, n): the scores come from (scale * Q) K^T, so this completes
+// scale * (Q K^T + pse).
 template <typename T>
-void scale_scores(T* s, const T* pse, int64_t n, T scale) {
+void add_scaled_pse(T* s, const T* pse, int64_t n, T scale) {
   using Vec = Vectorized<T>;
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) {
-    Vec x = Vec::loadu(s + j);
-    if (pse != nullptr) x = x + Vec::loadu(pse + j);
-    (x * Vec(scale)).store(s + j);
+    at::vec::fmadd(Vec::loadu(pse + j), Vec(scale), Vec::loadu(s + j)).store(s + j);
   }
-  for (; j < n; ++j) s[j] = (s[j] + (pse != nullptr ? pse[j] : T(0))) * scale;
+  for (; j < n; ++j) s[j] += scale * pse[j];
+}
+
+// dst[r, :] = scale * q[r, :] for a block of query rows (row stride ld), so the score GEMM yields
+// scaled logits directly.
+template <typename T>
+void scale_query_rows(const T* q, int64_t ld, int64_t rows, int64_t d, T scale, T* dst) {
+  using Vec = Vectorized<T>;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T* src = q + r * ld;
+    T* out = dst + r * d;
+    int64_t j = 0;
+    for (; j + Vec::size() <= d; j += Vec::size()) (Vec::loadu(src + j) * Vec(scale)).store(out + j);
+    for (; j < d; ++j) out[j] = src[j] * scale;
+  }
 }
 
 template <typename T>
@@ -207,16 +220,15 @@ struct HeadBlock {
     }
   }
 
-  // Turns row r of the raw score tile (keys j0..j0+len) into scaled, masked logits. Returns the
-  // visible sub-range [a, e) of the tile; entries outside it, and user-masked ones, are -inf.
+  // Turns row r of the score tile (keys j0..j0+len, already scale * Q K^T) into the masked
+  // logits. Returns the visible sub-range [a, e); entries outside it and user-masked ones are -inf.
   std::pair<int64_t, int64_t> logits(int64_t r, T* s, int64_t j0, int64_t len, T scale) const {
     const int64_t a = std::clamp<int64_t>(iv[r].lo - j0, 0, len);
     const int64_t e = std::clamp<int64_t>(iv[r].hi + 1 - j0, a, len);
     std::fill(s, s + a, static_cast<T>(kNegInf));
     std::fill(s + e, s + len, static_cast<T>(kNegInf));
     if (a == e) return {a, e};
-    const T* pse = pse_row0 == nullptr ? nullptr : pse_row0 + r * pse_stride_i + j0 + a;
-    scale_scores(s + a, pse, e - a, scale);
+    if (pse_row0 != nullptr) add_scaled_pse(s + a, pse_row0 + r * pse_stride_i + j0 + a, e - a, scale);
     if (mask_row0 != nullptr) {
       const uint8_t* m = mask_row0 + r * p.mask_stride_i + j0;
       for (int64_t j = a; j < e; ++j) {
@@ -295,9 +307,11 @@ struct FwdScratch {
   std::vector<T> acc;
   std::vector<T> factor = std::vector<T>(kKvBlock);
   std::vector<uint8_t> keep = std::vector<uint8_t>(kKvBlock);
+  std::vector<T> q_scaled;
   T m[kQBlock];
   T l[kQBlock];
-  explicit FwdScratch(int64_t dv) : acc(kQBlock * std::max<int64_t>(dv, 1)) {}
+  FwdScratch(int64_t d, int64_t dv)
+      : acc(kQBlock * std::max<int64_t>(dv, 1)), q_scaled(kQBlock * std::max<int64_t>(d, 1)) {}
 };
 
 template <typename T>
@@ -317,7 +331,7 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   const std::vector<Task> tasks = query_block_tasks(p);
 
   run_dynamic(
-      static_cast<int64_t>(tasks.size()), [&] { return FwdScratch<T>(Dv); },
+      static_cast<int64_t>(tasks.size()), [&] { return FwdScratch<T>(D, Dv); },
       [&](FwdScratch<T>& w, int64_t t) {
         const Task& task = tasks[t];
         const HeadBlock<T> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
@@ -327,11 +341,12 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
         std::fill(w.m, w.m + rows, m0);
         std::fill(w.l, w.l + rows, l0);
         std::fill(w.acc.begin(), w.acc.begin() + rows * Dv, T(0));
+        scale_query_rows(hb.q, p.q.stride_s, rows, D, scale, w.q_scaled.data());
 
         for (int64_t j0 = hb.key_lo; j0 <= hb.key_hi; j0 += kKvBlock) {
           const int64_t len = std::min(kKvBlock, hb.key_hi + 1 - j0);
           T* s = w.scores.data();
-          gemm_abt<T>(rows, len, D, hb.q, p.q.stride_s, hb.k + j0 * p.k.stride_s, p.k.stride_s,
+          gemm_abt<T>(rows, len, D, w.q_scaled.data(), D, hb.k + j0 * p.k.stride_s, p.k.stride_s,
                       T(0), s, len);
           for (int64_t r = 0; r < rows; ++r) {
             T* sr = s + r * len;
@@ -376,9 +391,11 @@ struct BwdScratch {
   std::vector<T> ds_tile = std::vector<T>(kQBlock * kKvBlock);  // dP, then dS
   std::vector<T> factor = std::vector<T>(kQBlock * kKvBlock);
   std::vector<uint8_t> keep = std::vector<uint8_t>(kKvBlock);
+  std::vector<T> q_scaled;
   T row_dot[kQBlock];  // rowsum(dO * O)
   T m[kQBlock];
   T inv_l[kQBlock];
+  explicit BwdScratch(int64_t d) : q_scaled(kQBlock * std::max<int64_t>(d, 1)) {}
 };
 
 template <typename T>
@@ -408,7 +425,7 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   const int64_t total_kv = p.tnd ? dk_t.size(1) : 0;  // TND: Tkv rows per head
 
   run_dynamic(
-      p.batch * p.heads_q, [&] { return BwdScratch<T>(); },
+      p.batch * p.heads_q, [&] { return BwdScratch<T>(D); },
       [&](BwdScratch<T>& w, int64_t t) {
         const int64_t b = t / p.heads_q, n = t % p.heads_q;
         const int64_t sq = p.q_len[b], skv = p.kv_len[b];
@@ -424,6 +441,7 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
           const T* dy_blk = dy + b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
           const T* o_blk = o + b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
           T* dq_blk = dq + b * p.q.stride_b + (p.q_start[b] + i0) * p.q.stride_s + n * p.q.stride_n;
+          scale_query_rows(hb.q, p.q.stride_s, rows, D, scale, w.q_scaled.data());
           for (int64_t r = 0; r < rows; ++r) {
             w.row_dot[r] = dot(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
             const int64_t idx = p.stat_index(b, n, i0 + r);
@@ -439,7 +457,7 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
             const int64_t len = std::min(kKvBlock, hb.key_hi + 1 - j0);
             T* pt = w.p_tile.data();
             T* dst = w.ds_tile.data();
-            gemm_abt<T>(rows, len, D, hb.q, p.q.stride_s, hb.k + j0 * p.k.stride_s, p.k.stride_s,
+            gemm_abt<T>(rows, len, D, w.q_scaled.data(), D, hb.k + j0 * p.k.stride_s, p.k.stride_s,
                         T(0), pt, len);
             for (int64_t r = 0; r < rows; ++r) {
               T* pr = pt + r * len;

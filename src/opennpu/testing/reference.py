@@ -174,3 +174,17 @@ def native_rotary_mul(x, r1, r2):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
     x_new = torch.cat((-x2, x1), dim=-1)
     return r1 * x + r2 * x_new
+
+
+def native_flash_attention_seed(query, key, value, atten_mask=None, scale=0.099, layout="BSH"):
+    """Seed 000's TorchFlashAttention.supported_op_exec, as written there: BNSD inputs; the
+    output is BSH ([B, S, N*D]), or BNSD with layout="BNSD". Masked positions get -inf."""
+    qk = torch.matmul(query, key.transpose(2, 3)).mul(scale)
+    if atten_mask is not None:
+        qk.masked_fill_(atten_mask, torch.tensor(-float("inf")))
+    softmax_res = torch.nn.functional.softmax(qk, dim=-1, dtype=torch.float32).to(query.dtype)
+    output = torch.matmul(softmax_res, value)
+    if layout == "BNSD":
+        return output
+    output = output.transpose(1, 2)
+    return output.reshape(output.shape[0], output.shape[1], -1)
