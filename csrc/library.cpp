@@ -40,21 +40,23 @@ TORCH_LIBRARY(npu, m) {
 
   // Flash attention: Dropout(Softmax(Mask(scale * (Q K^T + pse)))) V over BSH/SBH/BSND/BNSD/TND,
   // GQA, sparse modes 0-8. Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed,
-  // offset, numels); the statistics are float32 with 8 copies in the last dim.
+  // offset, numels); the statistics are float32 with 8 copies in the last dim. The three ints are
+  // SymInt (torch_npu says int; Python sees ints either way) so torch.compile(dynamic=True) can
+  // carry numels = B*N*Sq*Skv symbolically instead of specialising on the shapes.
   m.def("npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, str input_layout, "
         "Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, float scale=1., "
         "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
         "int inner_precise=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
         "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
         "bool sync=False, str softmax_layout=\"\", Tensor? sink=None, Tensor? dropout_mask=None, "
-        "int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, int, int, int)");
+        "int seed=0, int offset=0) -> (Tensor, Tensor, Tensor, Tensor, SymInt, SymInt, SymInt)");
   // Returns (dq, dk, dv, dpse, dsink); dpse / dsink are empty when pse / sink are absent.
   m.def("npu_fusion_attention_grad(Tensor query, Tensor key, Tensor value, Tensor dy, int head_num, "
         "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
         "Tensor? softmax_max=None, Tensor? softmax_sum=None, Tensor? softmax_in=None, "
         "Tensor? attention_in=None, float scale_value=1., float keep_prob=1., "
-        "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, int seed=0, "
-        "int offset=0, int numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
+        "int pre_tockens=2147483647, int next_tockens=2147483647, int inner_precise=0, SymInt seed=0, "
+        "SymInt offset=0, SymInt numels=0, int[]? prefix=None, int[]? actual_seq_qlen=None, "
         "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
         "bool sync=False, str softmax_layout=\"\", Tensor? sink=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");

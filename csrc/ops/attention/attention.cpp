@@ -490,7 +490,7 @@ ForwardResult run_forward(const char* op, const Prepared& prep) {
   return r;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, c10::SymInt>
 npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      int64_t head_num, c10::string_view input_layout,
                      const std::optional<at::Tensor>& pse,
@@ -516,7 +516,8 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   ForwardResult r = run_forward(kFwd, prep);
   at::Tensor attention_out = r.out_acc.to(prep.dtype);
   at::Tensor softmax_out = at::empty({0}, query.options());
-  return {attention_out, r.softmax_max, r.softmax_sum, softmax_out, seed, offset, prep.numels};
+  return {attention_out, r.softmax_max, r.softmax_sum, softmax_out, c10::SymInt(seed),
+          c10::SymInt(offset), c10::SymInt(prep.numels)};
 }
 
 // softmax_max / softmax_sum given to the backward must have the forward's shape.
@@ -556,8 +557,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
     const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
     const std::optional<at::Tensor>& /*softmax_in*/,
     const std::optional<at::Tensor>& attention_in, double scale_value, double keep_prob,
-    int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise, int64_t seed,
-    int64_t offset, int64_t numels, at::OptionalIntArrayRef prefix,
+    int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise, c10::SymInt seed_sym,
+    c10::SymInt offset_sym, c10::SymInt numels_sym, at::OptionalIntArrayRef prefix,
     at::OptionalIntArrayRef actual_seq_qlen, at::OptionalIntArrayRef actual_seq_kvlen,
     int64_t sparse_mode, bool /*gen_mask_parallel*/, bool /*sync*/,
     c10::string_view softmax_layout, const std::optional<at::Tensor>& sink) {
@@ -566,6 +567,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
                                  inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
                                  sparse_mode, softmax_layout, sink});
   AttentionProblem& p = prep.p;
+  const int64_t seed = seed_sym.expect_int(), offset = offset_sym.expect_int();
+  const int64_t numels = numels_sym.expect_int();
   OPENNPU_CHECK_ARG(keep_prob >= 1.0 || numels == prep.numels, kBwd, "numels",
                     "must be the forward's mask bit count ", prep.numels, ", but got ", numels);
   configure_dropout(kBwd, prep, seed, offset, std::nullopt);
