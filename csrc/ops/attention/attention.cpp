@@ -4,6 +4,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/PhiloxRNGEngine.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/irange.h>
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cstdlib>
 #include <optional>
 #include <string>
 
@@ -22,6 +24,7 @@ namespace opennpu::attention {
 
 CpuKernel<AttentionFwdFn> attention_fwd_cpu;
 CpuKernel<AttentionBwdFn> attention_bwd_cpu;
+CpuKernel<AttentionFwdFn> attention_fwd_packed_cpu;
 
 uint64_t keep_threshold(double keep_prob) {
   if (keep_prob >= 1.0) return uint64_t{1} << 32;
@@ -169,7 +172,8 @@ struct Prepared {
   AttentionProblem p;
   Layout layout;
   at::ScalarType dtype;
-  at::Tensor q, k, v;  // accumulator dtype, contiguous
+  bool packed = false;  // q, k, v stay fp16/bf16 for attention_fwd_packed_cpu
+  at::Tensor q, k, v;  // accumulator dtype (or fp16/bf16 when packed), contiguous
   at::Tensor pse, mask, sink, dropout_mask;  // kept alive for p's raw pointers
   int64_t seq_q = 0, seq_kv = 0;  // non-TND Sq, Skv (TND: T of q and kv)
   int64_t numels = 0;
@@ -205,7 +209,19 @@ void check_mask_dtype(const char* op, const at::Tensor& mask) {
                     mask.scalar_type());
 }
 
-Prepared prepare(const char* op, const SharedArgs& a) {
+// The fp16/bf16 forward uses half-precision GEMMs where ATen reports the matrix units for them
+// (OPENNPU_ATTENTION_PACKED=0 turns that off, e.g. to compare both paths).
+bool use_packed_forward(const at::Tensor& q, int64_t d, int64_t dv) {
+  const at::ScalarType t = q.scalar_type();
+  if (t != at::kBFloat16 && t != at::kHalf) return false;
+  // VNNI pairs the K dim of Q K^T (the head size); V is packed in panels of 16..64 columns.
+  if (d <= 0 || dv <= 0 || d % 2 != 0 || dv % 16 != 0) return false;
+  const char* env = std::getenv("OPENNPU_ATTENTION_PACKED");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return at::native::cpublas::could_pack(t);
+}
+
+Prepared prepare(const char* op, const SharedArgs& a, bool allow_packed = false) {
   Prepared out;
   AttentionProblem& p = out.p;
   const Layout l = parse_layout(op, std::string(a.input_layout));
@@ -351,7 +367,7 @@ Prepared prepare(const char* op, const SharedArgs& a) {
       }
       OPENNPU_CHECK_ARG(ok, op, "atten_mask",
                         tnd ? "must be [maxSq, maxSkv] for input_layout 'TND' (at least ["
-                            : "must be [B, N, Sq, Skv], [B, 1, Sq, Skv], [1, 1, Sq, Skv] or "
+                            : "must be [B, N, Sq, Skv], [B, 1, Sq, Skv], [1, 1, Sq, Skv], [1, N, Sq, Skv] or "
                               "[Sq, Skv] = [",
                         max_sq, ", ", max_skv, "]), but got ", shape_str(mask.sizes()));
       OPENNPU_CHECK_ARG(a.sparse_mode != kPrefix || mask.dim() == 4, op, "atten_mask",
@@ -400,9 +416,11 @@ Prepared prepare(const char* op, const SharedArgs& a) {
   // Tensors in the accumulator dtype, contiguous in their layout.
   const at::ScalarType acc = acc_dtype(a.query);
   out.dtype = a.query.scalar_type();
-  out.q = a.query.to(acc).contiguous();
-  out.k = a.key.to(acc).contiguous();
-  out.v = a.value.to(acc).contiguous();
+  out.packed = allow_packed && use_packed_forward(a.query, d, vd.dim);
+  const at::ScalarType compute = out.packed ? out.dtype : acc;
+  out.q = a.query.to(compute).contiguous();
+  out.k = a.key.to(compute).contiguous();
+  out.v = a.value.to(compute).contiguous();
   p.q = layout_view(out.q, l, d);
   p.k = layout_view(out.k, l, d);
   p.v = layout_view(out.v, l, vd.dim);
@@ -477,15 +495,17 @@ struct ForwardResult {
 ForwardResult run_forward(const char* op, const Prepared& prep) {
   const auto opts = prep.q.options();
   ForwardResult r;
-  r.out_acc = at::zeros(prep.out_shape, opts);
-  r.softmax_max = at::empty(prep.stats_shape, opts.dtype(at::kFloat));
-  r.softmax_sum = at::empty(prep.stats_shape, opts.dtype(at::kFloat));
+  r.out_acc = at::zeros(prep.out_shape, opts.dtype(acc_dtype(prep.q)));
+  // float32 as the contract says; float64 for float64 inputs so their gradients stay exact.
+  const at::ScalarType stats = prep.dtype == at::kDouble ? at::kDouble : at::kFloat;
+  r.softmax_max = at::empty(prep.stats_shape, opts.dtype(stats));
+  r.softmax_sum = at::empty(prep.stats_shape, opts.dtype(stats));
   // Rows no sequence covers (TND tokens past the last end) keep these values.
   r.softmax_max.fill_(-std::numeric_limits<float>::infinity());
   r.softmax_sum.zero_();
   if (prep.numels > 0 || prep.p.sink != nullptr) {
-    attention_fwd_cpu.get(op)(prep.p, prep.q, prep.k, prep.v, r.out_acc, r.softmax_max,
-                              r.softmax_sum);
+    auto& kernel = prep.packed ? attention_fwd_packed_cpu : attention_fwd_cpu;
+    kernel.get(op)(prep.p, prep.q, prep.k, prep.v, r.out_acc, r.softmax_max, r.softmax_sum);
   }
   return r;
 }
@@ -505,7 +525,8 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   Prepared prep = prepare(kFwd, {query, key, value, head_num, input_layout, pse, padding_mask,
                                  atten_mask, scale, keep_prob, pre_tockens, next_tockens,
                                  inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
-                                 sparse_mode, softmax_layout, sink});
+                                 sparse_mode, softmax_layout, sink},
+                          /*allow_packed=*/true);
   if (keep_prob < 1.0 && !dropout_mask.has_value()) {
     // Reserve one 32-bit Philox word per score (the mask bit count).
     const auto [s, o] = reserve_philox(static_cast<uint64_t>(prep.numels));
@@ -522,11 +543,12 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
 
 // softmax_max / softmax_sum given to the backward must have the forward's shape.
 at::Tensor check_stats(const char* arg, const at::Tensor& t, const Prepared& prep) {
-  OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat && t.sizes().equals(prep.stats_shape), kBwd,
-                    arg, "must be the float32 ", shape_str(prep.stats_shape),
-                    " tensor npu_fusion_attention returned, but got ", t.scalar_type(), " ",
+  OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, kBwd, arg,
+                    "must be float32 (float64 for float64 inputs), but got ", t.scalar_type());
+  OPENNPU_CHECK_ARG(t.sizes().equals(prep.stats_shape), kBwd, arg, "must be the ",
+                    shape_str(prep.stats_shape), " tensor npu_fusion_attention returned, but got ",
                     shape_str(t.sizes()));
-  return t.contiguous();
+  return t.to(prep.dtype == at::kDouble ? at::kDouble : at::kFloat).contiguous();
 }
 
 // dk/dv accumulated per query head -> summed over each group, in key's layout.

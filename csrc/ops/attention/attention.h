@@ -124,6 +124,9 @@ using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
                             at::Tensor& dpse, at::Tensor& dsink);
 
 extern CpuKernel<AttentionFwdFn> attention_fwd_cpu;
+// The same forward with q/k/v in fp16/bf16 and half-precision GEMMs (oneDNN brgemm); only where
+// at::native::cpublas::could_pack(dtype) says the CPU has the matrix units, and D, Dv even.
+extern CpuKernel<AttentionFwdFn> attention_fwd_packed_cpu;
 extern CpuKernel<AttentionBwdFn> attention_bwd_cpu;
 
 }  // namespace opennpu::attention

@@ -17,6 +17,7 @@
 // masks make later query blocks more expensive than earlier ones.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
+#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/addmm_cpu_dispatch.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm_cpu_dispatch.h>
@@ -25,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "common/vec.h"
@@ -160,6 +162,45 @@ void exp_scaled(T* s, int64_t n, T m, T inv_sum) {
   if (j < n) (softmax_exp(Vec::loadu(s + j, n - j) - Vec(m)) * Vec(inv_sum)).store(s + j, n - j);
 }
 
+// s[j] *= scale over [0, n); returns the max of the scaled values (one pass instead of two).
+inline float scale_and_max(float* s, int64_t n, float scale) {
+  using Vec = Vectorized<float>;
+  Vec vmax(kNegInf);
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    const Vec x = Vec::loadu(s + j) * Vec(scale);
+    x.store(s + j);
+    vmax = at::vec::maximum(vmax, x);
+  }
+  float m = at::vec::vec_reduce_all<float>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; j < n; ++j) {
+    s[j] *= scale;
+    m = std::max(m, s[j]);
+  }
+  return m;
+}
+
+// low[j] = round(exp(s[j] - m)) for the P V GEMM; returns the fp32 sum (one pass).
+template <typename scalar_t>
+float exp_sum_round(const float* s, int64_t n, float m, scalar_t* low) {
+  using Vec = Vectorized<float>;
+  Vec vsum(0);
+  int64_t j = 0;
+  for (; j + 2 * Vec::size() <= n; j += 2 * Vec::size()) {
+    const Vec e0 = (Vec::loadu(s + j) - Vec(m)).exp_u20();
+    const Vec e1 = (Vec::loadu(s + j + Vec::size()) - Vec(m)).exp_u20();
+    vsum = vsum + e0 + e1;
+    at::vec::convert_from_float<scalar_t>(e0, e1).store(low + j);
+  }
+  float sum = horizontal_sum(vsum);
+  for (; j < n; ++j) {
+    const float e = std::exp(s[j] - m);
+    sum += e;
+    low[j] = static_cast<scalar_t>(e);
+  }
+  return sum;
+}
+
 template <typename T>
 void scale_row(T* x, int64_t n, T factor) {
   using Vec = Vectorized<T>;
@@ -181,21 +222,23 @@ T dot(const T* a, const T* b, int64_t n) {
 
 // The state of one (batch, head, query block) tile: which keys each row may see, and the
 // pointers of the operands for that head.
-template <typename T>
+// T: the accumulator type (scores, pse); In: the dtype q/k/v are read in (T, or fp16/bf16 for
+// the packed reduced-precision forward).
+template <typename T, typename In = T>
 struct HeadBlock {
   const AttentionProblem& p;
   int64_t b, n, i0, rows;
   int64_t sq, skv;
-  const T* q;   // row i0 of this head
-  const T* k;   // key row 0 of this head's kv head
-  const T* v;
+  const In* q;  // row i0 of this head
+  const In* k;  // key row 0 of this head's kv head
+  const In* v;
   const uint8_t* mask_row0;  // user mask row i0 (null when not read)
   const T* pse_row0;         // pse row i0 (null when absent)
   int64_t pse_stride_i;
   KeyInterval iv[kQBlock];
   int64_t key_lo, key_hi;    // union of the rows' intervals (key_lo > key_hi: nothing visible)
 
-  HeadBlock(const AttentionProblem& prob, const T* q_base, const T* k_base, const T* v_base,
+  HeadBlock(const AttentionProblem& prob, const In* q_base, const In* k_base, const In* v_base,
             const T* pse_base, int64_t b_, int64_t n_, int64_t i0_, int64_t i1_)
       : p(prob), b(b_), n(n_), i0(i0_), rows(i1_ - i0_), sq(prob.q_len[b_]), skv(prob.kv_len[b_]) {
     const int64_t kvh = n / p.group();
@@ -220,14 +263,17 @@ struct HeadBlock {
     }
   }
 
-  // Turns row r of the score tile (keys j0..j0+len, already scale * Q K^T) into the masked
-  // logits. Returns the visible sub-range [a, e); entries outside it and user-masked ones are -inf.
-  std::pair<int64_t, int64_t> logits(int64_t r, T* s, int64_t j0, int64_t len, T scale) const {
+  // Turns row r of the score tile (keys j0..j0+len, scale * Q K^T, or Q K^T when apply_scale)
+  // into the masked logits. Returns the visible sub-range [a, e); entries outside it and
+  // user-masked ones are -inf.
+  std::pair<int64_t, int64_t> logits(int64_t r, T* s, int64_t j0, int64_t len, T scale,
+                                     bool apply_scale = false) const {
     const int64_t a = std::clamp<int64_t>(iv[r].lo - j0, 0, len);
     const int64_t e = std::clamp<int64_t>(iv[r].hi + 1 - j0, a, len);
     std::fill(s, s + a, static_cast<T>(kNegInf));
     std::fill(s + e, s + len, static_cast<T>(kNegInf));
     if (a == e) return {a, e};
+    if (apply_scale) scale_row(s + a, e - a, scale);
     if (pse_row0 != nullptr) add_scaled_pse(s + a, pse_row0 + r * pse_stride_i + j0 + a, e - a, scale);
     if (mask_row0 != nullptr) {
       const uint8_t* m = mask_row0 + r * p.mask_stride_i + j0;
@@ -323,8 +369,8 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   const T* v = v_t.const_data_ptr<T>();
   const T* pse = static_cast<const T*>(p.pse);
   T* out = out_t.data_ptr<T>();
-  float* smax = max_t.data_ptr<float>();
-  float* ssum = sum_t.data_ptr<float>();
+  T* smax = max_t.data_ptr<T>();  // float32, float64 for float64 inputs
+  T* ssum = sum_t.data_ptr<T>();
   const int64_t D = p.head_dim, Dv = p.head_dim_v;
   const T scale = static_cast<T>(p.scale);
   const uint64_t threshold = keep_threshold(p.keep_prob);
@@ -379,8 +425,8 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
           T* dst = o + r * p.out.stride_s;
           for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
           const int64_t idx = p.stat_index(b, n, task.i0 + r);
-          std::fill(smax + 8 * idx, smax + 8 * idx + 8, static_cast<float>(w.m[r]));
-          std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, static_cast<float>(w.l[r]));
+          std::fill(smax + 8 * idx, smax + 8 * idx + 8, w.m[r]);
+          std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, w.l[r]);
         }
       });
 }
@@ -410,8 +456,8 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   const T* dy = dy_t.const_data_ptr<T>();
   const T* o = out_t.const_data_ptr<T>();
   const T* pse = static_cast<const T*>(p.pse);
-  const float* smax = max_t.const_data_ptr<float>();
-  const float* ssum = sum_t.const_data_ptr<float>();
+  const T* smax = max_t.const_data_ptr<T>();
+  const T* ssum = sum_t.const_data_ptr<T>();
   T* dq = dq_t.data_ptr<T>();
   T* dk = dk_t.data_ptr<T>();
   T* dv = dv_t.data_ptr<T>();
@@ -511,6 +557,181 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
       });
 }
 
+// ---------------------------------------------------------------------------------------------
+// fp16/bf16 forward on CPUs with native half-precision matrix units (AMX / AVX512-BF16/FP16, as
+// reported by cpublas::could_pack): both GEMMs run in the input dtype through ATen's oneDNN
+// brgemm with fp32 accumulation. K^T and V are packed once per (batch, kv head, key block) into
+// the VNNI layout the kernel wants; the scores, the online softmax and the output accumulator
+// stay fp32. Only P is rounded to the input dtype before P V, as the native composition rounds
+// it (which also rounds the scores, which stay fp32 here).
+
+// oneDNN's packing (transform) writes panels whose leading dimension is 16, 32, 48 or 64 columns,
+// so B operands are packed, and multiplied, in panels of at most kPanel columns. Key blocks are
+// padded to whole panels with zero K columns / V rows, which the softmax masks out.
+constexpr int64_t kPanel = 64;
+constexpr int64_t pad_keys(int64_t x) { return (x + kPanel - 1) / kPanel * kPanel; }
+
+template <typename scalar_t>
+void attention_fwd_packed_impl(const AttentionProblem& p, const at::Tensor& q_t,
+                               const at::Tensor& k_t, const at::Tensor& v_t, at::Tensor& out_t,
+                               at::Tensor& max_t, at::Tensor& sum_t) {
+  using T = float;
+  const scalar_t* q = q_t.const_data_ptr<scalar_t>();
+  const scalar_t* k = k_t.const_data_ptr<scalar_t>();
+  const scalar_t* v = v_t.const_data_ptr<scalar_t>();
+  const T* pse = static_cast<const T*>(p.pse);
+  T* out = out_t.data_ptr<T>();
+  float* smax = max_t.data_ptr<float>();
+  float* ssum = sum_t.data_ptr<float>();
+  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const T scale = static_cast<T>(p.scale);
+  const uint64_t threshold = keep_threshold(p.keep_prob);
+  const at::ScalarType dtype = q_t.scalar_type();
+
+  // Packed blocks: (batch, kv head, key block) -> slot; each slot holds D x kKvBlock of K^T and
+  // kKvBlock x Dv of V.
+  std::vector<int64_t> first_slot(p.batch + 1, 0);
+  for (int64_t b = 0; b < p.batch; ++b) {
+    first_slot[b + 1] = first_slot[b] + p.heads_kv * ((p.kv_len[b] + kKvBlock - 1) / kKvBlock);
+  }
+  const int64_t slots = first_slot[p.batch];
+  std::vector<scalar_t> packed_k(slots * D * kKvBlock), packed_v(slots * kKvBlock * Dv);
+  auto slot_of = [&](int64_t b, int64_t kvh, int64_t blk) {
+    return first_slot[b] + kvh * ((p.kv_len[b] + kKvBlock - 1) / kKvBlock) + blk;
+  };
+  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+    std::vector<scalar_t> tmp(std::max(D, Dv) * kKvBlock);
+    for (int64_t slot = begin; slot < end; ++slot) {
+      const int64_t b = std::upper_bound(first_slot.begin(), first_slot.end(), slot) - first_slot.begin() - 1;
+      const int64_t blocks = (p.kv_len[b] + kKvBlock - 1) / kKvBlock;
+      const int64_t kvh = (slot - first_slot[b]) / blocks, blk = (slot - first_slot[b]) % blocks;
+      const int64_t j0 = blk * kKvBlock;
+      const int64_t len = std::min(kKvBlock, p.kv_len[b] - j0), len_pad = pad_keys(len);
+      const scalar_t* kb = k + b * p.k.stride_b + (p.kv_start[b] + j0) * p.k.stride_s + kvh * p.k.stride_n;
+      const scalar_t* vb = v + b * p.v.stride_b + (p.kv_start[b] + j0) * p.v.stride_s + kvh * p.v.stride_n;
+      // K^T [D, len_pad] with zero padding columns, packed in kPanel-column panels.
+      for (int64_t d = 0; d < D; ++d) {
+        for (int64_t j = 0; j < len_pad; ++j) tmp[d * len_pad + j] = j < len ? kb[j * p.k.stride_s + d] : scalar_t(0);
+      }
+      for (int64_t c = 0; c < len_pad; c += kPanel) {
+        at::native::cpublas::pack(D, kPanel, len_pad, kPanel, dtype, dtype, tmp.data() + c,
+                                  packed_k.data() + slot * D * kKvBlock + c * D);
+      }
+      // V [len_pad, Dv] with zero padding rows, packed in panels of up to kPanel columns.
+      for (int64_t j = 0; j < len_pad; ++j) {
+        for (int64_t d = 0; d < Dv; ++d) tmp[j * Dv + d] = j < len ? vb[j * p.v.stride_s + d] : scalar_t(0);
+      }
+      for (int64_t c = 0; c < Dv; c += kPanel) {
+        const int64_t w = std::min(kPanel, Dv - c);
+        at::native::cpublas::pack(len_pad, w, Dv, w, dtype, dtype, tmp.data() + c,
+                                  packed_v.data() + slot * kKvBlock * Dv + c * len_pad);
+      }
+    }
+  });
+
+  struct Scratch {
+    FwdScratch<T> f;
+    std::vector<scalar_t> p_low;  // P rounded to the input dtype
+    explicit Scratch(int64_t d, int64_t dv) : f(d, dv), p_low(kQBlock * kKvBlock) {}
+    ~Scratch() { at::native::cpublas::brgemm_release(); }
+  };
+  const std::vector<Task> tasks = query_block_tasks(p);
+  run_dynamic(
+      static_cast<int64_t>(tasks.size()), [&] { return Scratch(D, Dv); },
+      [&](Scratch& sc, int64_t t) {
+        FwdScratch<T>& w = sc.f;
+        const Task& task = tasks[t];
+        const HeadBlock<T, scalar_t> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
+        const int64_t rows = hb.rows, kvh = task.n / p.group();
+        const T m0 = p.sink != nullptr ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf);
+        const T l0 = p.sink != nullptr ? T(1) : T(0);
+        std::fill(w.m, w.m + rows, m0);
+        std::fill(w.l, w.l + rows, l0);
+        std::fill(w.acc.begin(), w.acc.begin() + rows * Dv, T(0));
+        const int64_t blk_lo = hb.key_hi >= hb.key_lo ? hb.key_lo / kKvBlock : 1;
+        const int64_t blk_hi = hb.key_hi >= hb.key_lo ? hb.key_hi / kKvBlock : 0;
+        for (int64_t blk = blk_lo; blk <= blk_hi; ++blk) {
+          const int64_t j0 = blk * kKvBlock;
+          const int64_t len = std::min(kKvBlock, hb.skv - j0), len_pad = pad_keys(len);
+          const int64_t slot = slot_of(task.b, kvh, blk);
+          T* s = w.scores.data();
+          for (int64_t c = 0; c < len_pad; c += kPanel) {
+            at::native::cpublas::brgemm(rows, kPanel, D, p.q.stride_s, kPanel, len_pad, false, hb.q,
+                                        packed_k.data() + slot * D * kKvBlock + c * D, s + c);
+          }
+          bool any = false;
+          for (int64_t r = 0; r < rows; ++r) {
+            T* sr = s + r * len_pad;
+            scalar_t* pl = sc.p_low.data() + r * len_pad;
+            // Plain rows (no pse, no user mask, no dropout) take two fused passes: scale + max,
+            // then exp + sum + rounding for the P V GEMM.
+            const bool plain = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && !p.dropout;
+            T row_m;
+            int64_t a, e;
+            if (plain) {
+              a = std::clamp<int64_t>(hb.iv[r].lo - j0, 0, len_pad);
+              e = std::clamp<int64_t>(hb.iv[r].hi + 1 - j0, a, len_pad);
+              std::fill(sr, sr + a, static_cast<T>(kNegInf));
+              std::fill(sr + e, sr + len_pad, static_cast<T>(kNegInf));
+              row_m = a < e ? scale_and_max(sr + a, e - a, scale) : static_cast<T>(kNegInf);
+            } else {
+              std::tie(a, e) = hb.logits(r, sr, j0, len_pad, scale, /*apply_scale=*/true);
+              row_m = a < e ? row_max(sr + a, e - a) : static_cast<T>(kNegInf);
+            }
+            const T m_new = std::max(w.m[r], row_m);
+            if (m_new == static_cast<T>(kNegInf)) {
+              std::fill(pl, pl + len_pad, scalar_t(0));
+              continue;
+            }
+            any = true;
+            const T alpha = std::exp(w.m[r] - m_new);
+            if (alpha != T(1)) scale_row(w.acc.data() + r * Dv, Dv, alpha);
+            if (plain) {
+              w.l[r] = w.l[r] * alpha + exp_sum_round(sr, len_pad, m_new, pl);
+              w.m[r] = m_new;
+              continue;
+            }
+            const T sum = exp_and_sum(sr, len_pad, m_new);
+            w.l[r] = w.l[r] * alpha + sum;
+            w.m[r] = m_new;
+            if (p.dropout) {
+              dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data(), threshold);
+              std::fill(w.factor.begin() + len, w.factor.begin() + len_pad, T(0));
+              multiply_rows(sr, w.factor.data(), len_pad);
+            }
+            at::vec::convert(sr, pl, len_pad);
+          }
+          for (int64_t c = 0; any && c < Dv; c += kPanel) {
+            const int64_t width = std::min(kPanel, Dv - c);
+            at::native::cpublas::brgemm(rows, width, len_pad, len_pad, width, Dv, true,
+                                        sc.p_low.data(), packed_v.data() + slot * kKvBlock * Dv + c * len_pad,
+                                        w.acc.data() + c);
+          }
+        }
+        const int64_t b = task.b, n = task.n;
+        T* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
+        for (int64_t r = 0; r < rows; ++r) {
+          const T inv = w.l[r] > T(0) ? T(1) / w.l[r] : T(0);
+          const T* a = w.acc.data() + r * Dv;
+          T* dst = o + r * p.out.stride_s;
+          for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
+          const int64_t idx = p.stat_index(b, n, task.i0 + r);
+          std::fill(smax + 8 * idx, smax + 8 * idx + 8, static_cast<float>(w.m[r]));
+          std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, static_cast<float>(w.l[r]));
+        }
+      });
+}
+
+void attention_fwd_packed_kernel(const AttentionProblem& p, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
+                                 at::Tensor& softmax_max, at::Tensor& softmax_sum) {
+  if (q.scalar_type() == at::kBFloat16) {
+    attention_fwd_packed_impl<at::BFloat16>(p, q, k, v, out, softmax_max, softmax_sum);
+  } else {
+    attention_fwd_packed_impl<at::Half>(p, q, k, v, out, softmax_max, softmax_sum);
+  }
+}
+
 void attention_fwd_kernel(const AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, at::Tensor& out, at::Tensor& softmax_max,
                           at::Tensor& softmax_sum) {
@@ -539,6 +760,7 @@ void attention_bwd_kernel(const AttentionProblem& p, const at::Tensor& q, const 
 
 OPENNPU_REGISTER_CPU_KERNEL(attention_fwd_cpu, attention_fwd_kernel);
 OPENNPU_REGISTER_CPU_KERNEL(attention_bwd_cpu, attention_bwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(attention_fwd_packed_cpu, attention_fwd_packed_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::attention

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import DIFFERENTIABILITY, accepts_input_keyword, mark_backward_op, register_autograd
+from ._registry import (DIFFERENTIABILITY, acc_dtype, accepts_input_keyword, mark_backward_op,
+                        register_autograd)
 
 _ops = torch.ops.npu
 
@@ -48,7 +49,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
 
     Returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)``:
     attention_out in query's dtype and layout (head size of value); softmax_max / softmax_sum
-    float32 ``[B, N, Sq, 8]`` (TND ``[T, N, 8]``) with the row max of the logits and the row sum
+    float32 (float64 for float64 inputs) ``[B, N, Sq, 8]`` (TND ``[T, N, 8]``) with the row max of the logits and the row sum
     of ``exp(logit - max)``, 8 copies each; softmax_out empty; numels the number of mask bits.
     Differentiable in query, key, value, pse and sink.
     """
@@ -176,10 +177,11 @@ def _fusion_attention_fake(query, key, value, head_num, input_layout, pse=None,
         ctx = torch.library.get_ctx()
         seed, offset = ctx.new_dynamic_size(), ctx.new_dynamic_size()
     numels = _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
+    stats_dtype = acc_dtype(query.dtype)  # float32 (float64 for float64 inputs)
     return (
         query.new_empty(out_shape),
-        query.new_empty(stats_shape, dtype=torch.float32),
-        query.new_empty(stats_shape, dtype=torch.float32),
+        query.new_empty(stats_shape, dtype=stats_dtype),
+        query.new_empty(stats_shape, dtype=stats_dtype),
         query.new_empty([0]),
         seed,
         offset,
