@@ -1,0 +1,339 @@
+"""Fusion attention: npu_fusion_attention (+ npu_fusion_attention_grad) and _npu_dropout_gen_mask.
+
+Contract: shared/spec/torch_npu_api.md section 1.10; seed 000 section
+torch_npu.npu_fusion_attention (TorchFlashAttention vs NPUFlashAttention). The oracle is
+opennpu.testing.reference.attention_reference in float64, with the complete visibility mask built
+independently by reference.full_visibility_mask from the sparse-mode rules.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from op_helpers import (
+    LOW_DTYPES,
+    SETTINGS,
+    assert_not_worse_than_native,
+    check_compiled_matches_eager,
+    dtype_id,
+    leaf_copies,
+    max_err,
+    opcheck,
+    randn,
+)
+
+import opennpu
+from opennpu.testing import reference as R
+from opennpu.testing.tolerances import assert_close
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+MAX = 2147483647
+LAYOUTS = ("BSH", "SBH", "BSND", "BNSD")
+# The compressed placeholders torch_npu passes for the modes that do not read the mask.
+CAUSAL_2048 = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+PREFIX_3072 = torch.triu(torch.ones(3072, 2048, dtype=torch.bool), diagonal=1)
+READS_MASK = (0, 1, 5)
+
+fa = opennpu.npu_fusion_attention
+fa_grad = opennpu.npu_fusion_attention_grad
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def make_qkv(b, nq, nkv, sq, skv, d, dv=None, layout="BNSD", dtype=F32):
+    """q, k, v in `layout`, made as BNSD tensors and converted."""
+    bnsd = (torch.randn(b, nq, sq, d, dtype=dtype), torch.randn(b, nkv, skv, d, dtype=dtype),
+            torch.randn(b, nkv, skv, dv or d, dtype=dtype))
+    return [R.attention_from_bnsd(t, layout).contiguous() for t in bnsd]
+
+
+def make_tnd(tq, tkv, nq, nkv, d, dv=None, dtype=F32):
+    return [torch.randn(tq, nq, d, dtype=dtype), torch.randn(tkv, nkv, d, dtype=dtype),
+            torch.randn(tkv, nkv, dv or d, dtype=dtype)]
+
+
+def spans(ends):
+    """[(start, length)] of torch_npu's cumulative ends (trailing zeros = unused batches)."""
+    out, prev = [], 0
+    for end in ends:
+        if end < prev:
+            out.append((prev, 0))
+        else:
+            out.append((prev, end - prev))
+            prev = end
+    return out
+
+
+def dims(q, k, n, layout, qlen=None, kvlen=None):
+    """(B, Sq, Skv) of a non-TND call, or the per-sequence lengths of a TND call."""
+    if layout == "TND":
+        return [s for _, s in spans(qlen)], [s for _, s in spans(kvlen)]
+    b, s = {"BSH": (0, 1), "SBH": (1, 0), "BSND": (0, 1), "BNSD": (0, 2)}[layout]
+    return q.shape[b], q.shape[s], k.shape[s]
+
+
+def expected_numels(q, k, n, layout, qlen=None, kvlen=None):
+    if layout == "TND":
+        sq, skv = dims(q, k, n, layout, qlen, kvlen)
+        return n * sum(a * b for a, b in zip(sq, skv))
+    b, sq, skv = dims(q, k, n, layout)
+    return b * n * sq * skv
+
+
+def mask_for(mode, user_mask):
+    """The atten_mask tensor torch_npu users pass for `mode`: the real mask where it is read,
+    the compressed placeholder otherwise."""
+    if mode in READS_MASK:
+        return user_mask
+    return PREFIX_3072 if mode == 6 else CAUSAL_2048
+
+
+def tnd_full_masks(mode, qlen, kvlen, user_mask=None, pre=MAX, nxt=MAX, prefix=None):
+    """Per-sequence [1, sq, skv] masks of a TND call; modes 7/8 are modes 3/2 except the last /
+    first non-empty sequence, which is mode 4."""
+    sp_q, sp_k = spans(qlen), spans(kvlen)
+    nonempty = [i for i, (_, s) in enumerate(sp_q) if s > 0]
+    masks = []
+    for i, ((_, sq), (_, skv)) in enumerate(zip(sp_q, sp_k)):
+        m = mode
+        if mode == 7:
+            m = 4 if i == nonempty[-1] else 3
+        elif mode == 8:
+            m = 4 if i == nonempty[0] else 2
+        um = user_mask[:sq, :skv] if user_mask is not None else None
+        pf = [prefix[i]] if prefix is not None else None
+        masks.append(R.full_visibility_mask(m, sq, skv, 1, 1, um, pre, nxt, pf)[0])
+    return masks
+
+
+def unpack_bits(mask, numels):
+    """Bit k (little-endian within each byte) of a _npu_dropout_gen_mask tensor, as 0/1 int64."""
+    bits = (mask.long()[:, None] >> torch.arange(8)) & 1
+    return bits.flatten()[:numels]
+
+
+def keep_from_bits(bits, b, n, sq, skv):
+    return bits.view(b, n, sq, skv)
+
+
+def tnd_keep_from_bits(bits, n, qlen, kvlen):
+    """Per-sequence [n, sq, skv] keep masks: sequences one after another, each (n, i, j)."""
+    out, pos = [], 0
+    for (_, sq), (_, skv) in zip(spans(qlen), spans(kvlen)):
+        count = n * sq * skv
+        out.append(bits[pos:pos + count].view(n, sq, skv))
+        pos += count
+    return out
+
+
+def stats_expected(ref_stat, layout, softmax_layout=""):
+    """The reference's [B, N, Sq] (TND: token-major [T, N]) statistic in the op's storage,
+    replicated 8 times: TND with softmax_layout "" stores [N, T, 8] memory viewed as [T, N, 8]."""
+    if layout == "TND" and softmax_layout == "":
+        t, n = ref_stat.shape
+        ref_stat = ref_stat.t().contiguous().view(t, n)
+    return ref_stat.unsqueeze(-1).expand(*ref_stat.shape, 8)
+
+
+def check_stats(smax, ssum, ref_max, ref_sum, layout, softmax_layout="", scale=4.0):
+    for name, got, ref in (("softmax_max", smax, ref_max), ("softmax_sum", ssum, ref_sum)):
+        want = stats_expected(ref, layout, softmax_layout)
+        assert got.dtype == F32, f"{name}: dtype {got.dtype}"
+        assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
+        assert torch.equal(got, got[..., :1].expand_as(got)), f"{name}: the 8 copies differ"
+        assert_close(got, want, dtype=F32, scale=scale, msg=name)
+
+
+def check_attention(q, k, v, n, layout, *, mask_full=None, keep=None, grads=True, out_scale=1.0,
+                    grad_scale=4.0, stats_scale=4.0, pse=None, sink=None, **kw):
+    """npu_fusion_attention(q, k, v, n, layout, pse=pse, sink=sink, **kw) against the float64
+    reference: attention_out, softmax_max / softmax_sum (8 copies), the 7-tuple's other entries
+    and (grads=True) the autograd gradients of q, k, v (and pse, sink). `mask_full` is the
+    reference's complete visibility mask; `keep` its dropout keep mask. Returns the op's tuple."""
+    inputs = [t for t in (q, k, v, pse, sink) if t is not None]
+    leaves = [t.detach().clone().requires_grad_(grads) for t in inputs]
+    lq, lk, lv = leaves[:3]
+    lpse = leaves[3] if pse is not None else None
+    lsink = leaves[-1] if sink is not None else None
+    res = fa(lq, lk, lv, n, layout, pse=lpse, sink=lsink, **kw)
+    assert isinstance(res, tuple) and len(res) == 7
+    out, smax, ssum, sout, seed, offset, numels = res
+
+    ref_leaves = leaf_copies(leaves, F64)
+    rq, rk, rv = ref_leaves[:3]
+    ref_out, ref_max, ref_sum = R.attention_reference(
+        rq, rk, rv, n, layout, pse=ref_leaves[3] if pse is not None else None,
+        sink=ref_leaves[-1] if sink is not None else None, mask_full=mask_full,
+        scale=kw.get("scale", 1.0), keep=keep, keep_prob=kw.get("keep_prob", 1.0),
+        actual_seq_qlen=kw.get("actual_seq_qlen"), actual_seq_kvlen=kw.get("actual_seq_kvlen"))
+
+    assert out.dtype == q.dtype and out.shape == ref_out.shape, (out.dtype, out.shape)
+    assert not out.isnan().any(), "NaN in attention_out"
+    assert_close(out, ref_out, scale=out_scale, msg="attention_out")
+    check_stats(smax, ssum, ref_max, ref_sum, layout, kw.get("softmax_layout", ""), stats_scale)
+    assert sout.shape == (0,)
+    assert all(type(x) is int for x in (seed, offset, numels))
+    assert numels == expected_numels(q, k, n, layout, kw.get("actual_seq_qlen"),
+                                     kw.get("actual_seq_kvlen"))
+    if grads:
+        dy = torch.randn_like(out)
+        ours = torch.autograd.grad(out, leaves, dy)
+        want = torch.autograd.grad(ref_out, ref_leaves, dy.double(), allow_unused=True)
+        names = ["dq", "dk", "dv"] + (["dpse"] if pse is not None else []) + (
+            ["dsink"] if sink is not None else [])
+        for name, g, w, t in zip(names, ours, want, inputs):
+            assert g.shape == t.shape and g.dtype == t.dtype, (name, g.shape, g.dtype)
+            assert not g.isnan().any(), f"{name}: NaN"
+            w = torch.zeros_like(g, dtype=F64) if w is None else w
+            # fp64 gradients are recomputed from the float32 softmax statistics (the contract's
+            # dtype), so they are float32-accurate: compare them with the float32 tolerance.
+            tol_dtype = F32 if g.dtype in (F64, F32) else g.dtype
+            assert_close(g, w, dtype=tol_dtype, scale=grad_scale, msg=name)
+    return res
+
+
+def _raises(fn, *pieces):
+    """fn raises RuntimeError whose message contains every piece, in order."""
+    with pytest.raises(RuntimeError, match=".*".join(map(re.escape, pieces))):
+        fn()
+
+
+# ----------------------------------------------------------------------------- parity per dtype
+
+
+def test_matches_reference(dtype):
+    # BSH with GQA (4 query heads on 2 kv heads), Dv < D, Sq != Skv, across a 128-row query tile
+    q, k, v = make_qkv(2, 4, 2, 131, 77, 32, 16, "BSH", dtype)
+    check_attention(q, k, v, 4, "BSH", scale=0.18)
+
+
+def test_matches_reference_masked(dtype):
+    q, k, v = make_qkv(2, 4, 2, 83, 129, 16, 16, "BNSD", dtype)
+    user = torch.rand(2, 1, 83, 129) < 0.3
+    check_attention(q, k, v, 4, "BNSD", scale=0.25, atten_mask=user,
+                    mask_full=R.full_visibility_mask(0, 83, 129, 2, 1, user))
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("masked", [False, True], ids=["full", "masked"])
+def test_low_precision_not_worse_than_native(dtype, masked):
+    # The seed's eager composition in the low dtype (fp32 softmax, low-precision matmuls) is the
+    # baseline; the fused op computes in fp32 and rounds once.
+    q, k, v = (torch.randn(2, 4, 128, 64, dtype=dtype) for _ in range(3))
+    mask = torch.randn(1, 1, 128, 128) >= 0 if masked else None
+    to_bsh = lambda t: R.attention_from_bnsd(t, "BSH").contiguous()  # noqa: E731
+    out = fa(to_bsh(q), to_bsh(k), to_bsh(v), 4, "BSH", atten_mask=mask, scale=0.125)[0]
+    ref = R.attention_reference(q, k, v, 4, "BNSD", mask_full=mask, scale=0.125)[0]
+    ref = R.attention_from_bnsd(ref, "BSH")
+    assert_close(out, ref)
+    native = R.native_flash_attention_seed(q, k, v, mask, scale=0.125)
+    assert_not_worse_than_native(out, native, ref)
+
+
+def test_low_precision_rounds_once():
+    # fp16/bf16 are computed in fp32: the output is the fp32 result rounded once
+    q, k, v = make_qkv(2, 2, 2, 40, 50, 16, 16, "BSND", BF16)
+    ours = fa(q, k, v, 2, "BSND", scale=0.3)[0]
+    in_fp32 = fa(q.float(), k.float(), v.float(), 2, "BSND", scale=0.3)[0]
+    torch.testing.assert_close(ours, in_fp32.to(BF16), rtol=0, atol=0)
+
+
+# ----------------------------------------------------------------------------- layouts & sizes
+
+HEADS = [(4, 4), (4, 2), (4, 1)]
+SIZES = [  # (B, Sq, Skv, D, Dv)
+    (1, 1, 1, 8, 8),
+    (2, 7, 83, 16, 8),
+    (2, 83, 7, 16, 16),
+    (1, 129, 257, 32, 24),
+    (1, 257, 129, 64, 64),
+]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"N{h[0]}-{h[1]}")
+@pytest.mark.parametrize("size", SIZES, ids=lambda s: "B{}-Sq{}-Skv{}-D{}-Dv{}".format(*s))
+def test_layouts_gqa_sizes(layout, heads, size):
+    b, sq, skv, d, dv = size
+    q, k, v = make_qkv(b, *heads, sq, skv, d, dv, layout)
+    user = torch.rand(sq, skv) < 0.25  # [Sq, Skv] mask, mode 0
+    check_attention(q, k, v, heads[0], layout, scale=d ** -0.5, atten_mask=user,
+                    mask_full=R.full_visibility_mask(0, sq, skv, user_mask=user),
+                    grad_scale=8.0)
+
+
+@pytest.mark.parametrize("heads", [(4, 2), (3, 3)], ids=["gqa", "mha"])
+def test_every_layout_gives_the_same_attention(heads):
+    # one problem in all five layouts: the results agree after converting them back
+    q, k, v = make_qkv(2, heads[0], heads[1], 9, 11, 8, 4, "BNSD")
+    dy = torch.randn(2, heads[0], 9, 4)
+    base = fa(q, k, v, heads[0], "BNSD", scale=0.3)
+    base_g = fa_grad(q, k, v, dy, heads[0], "BNSD", scale_value=0.3)
+    for layout in ("BSH", "SBH", "BSND"):
+        lq, lk, lv, ldy = (R.attention_from_bnsd(t, layout).contiguous() for t in (q, k, v, dy))
+        res = fa(lq, lk, lv, heads[0], layout, scale=0.3)
+        assert_close(R.attention_to_bnsd(res[0], layout, 4), base[0], msg=layout)
+        torch.testing.assert_close(res[1], base[1], rtol=0, atol=0)  # stats are always BNS8
+        g = fa_grad(lq, lk, lv, ldy, heads[0], layout, scale_value=0.3)
+        for name, got, want, d in zip(("dq", "dk", "dv"), g, base_g, (8, 8, 4)):
+            assert_close(R.attention_to_bnsd(got, layout, d), want, msg=f"{layout} {name}")
+    # TND: batch folded into tokens, one sequence per batch
+    tq, tk, tv, tdy = (t.permute(0, 2, 1, 3).flatten(0, 1) for t in (q, k, v, dy))
+    res = fa(tq, tk, tv, heads[0], "TND", scale=0.3, actual_seq_qlen=[9, 18],
+             actual_seq_kvlen=[11, 22], softmax_layout="TND")
+    assert_close(res[0], base[0].permute(0, 2, 1, 3).flatten(0, 1))
+    assert_close(res[1], base[1].permute(0, 2, 1, 3).flatten(0, 1))
+    g = fa_grad(tq, tk, tv, tdy, heads[0], "TND", scale_value=0.3, actual_seq_qlen=[9, 18],
+                actual_seq_kvlen=[11, 22])
+    for name, got, want in zip(("dq", "dk", "dv"), g, base_g):
+        assert_close(got, want.permute(0, 2, 1, 3).flatten(0, 1), msg=f"TND {name}")
+
+
+def test_layout_string_is_case_insensitive():
+    q, k, v = make_qkv(1, 2, 2, 5, 6, 8, 8, "BSH")
+    torch.testing.assert_close(fa(q, k, v, 2, "bsh")[0], fa(q, k, v, 2, "BSH")[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sq,skv,mode", [(129, 600, 0), (7, 1100, 3), (600, 600, 2), (3, 600, 4)])
+def test_keys_across_512_tiles(sq, skv, mode):
+    # more than one 512-key tile per row (online softmax rescaling), with and without masks
+    q, k, v = make_qkv(1, 2, 1, sq, skv, 16, 16, "BSND")
+    user = torch.rand(1, 1, sq, skv) < 0.2
+    kw = dict(pre_tockens=400, next_tockens=30) if mode == 4 else {}
+    full = R.full_visibility_mask(mode, sq, skv, 1, 1, user, kw.get("pre_tockens", MAX),
+                                  kw.get("next_tockens", MAX))
+    check_attention(q, k, v, 2, "BSND", scale=0.25, atten_mask=mask_for(mode, user),
+                    sparse_mode=mode, mask_full=full, grad_scale=8.0, **kw)
+
+
+@pytest.mark.parametrize("case", ["B0", "Sq0", "Skv0"])
+def test_empty(case):
+    b, sq, skv = {"B0": (0, 5, 6), "Sq0": (2, 0, 6), "Skv0": (2, 5, 0)}[case]
+    q, k, v = make_qkv(b, 2, 2, sq, skv, 8, 8, "BSH")
+    res = check_attention(q, k, v, 2, "BSH", scale=0.5)
+    assert res[6] == 0
+    if case == "Skv0":  # rows that see no key: zeros, max -inf, sum 0
+        assert res[0].abs().max() == 0
+        assert (res[1] == float("-inf")).all() and (res[2] == 0).all()
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BNSD"])
+def test_non_contiguous_inputs(layout):
+    # q, k, v sliced out of one fused projection; the mask a transposed view
+    b, n, s, d = 2, 2, 9, 8
+    if layout == "BSH":
+        qkv = torch.randn(b, s, 3 * n * d)
+        q, k, v = qkv[..., : n * d], qkv[..., n * d: 2 * n * d], qkv[..., 2 * n * d:]
+    else:
+        qkv = torch.randn(b, s, 3, n, d).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+    assert not q.is_contiguous()
+    mask = (torch.rand(s, s) < 0.3).t()
+    assert not mask.is_contiguous()
+    check_attention(q, k, v, n, layout, scale=0.3, atten_mask=mask,
+                    mask_full=R.full_visibility_mask(0, s, s, user_mask=mask))
