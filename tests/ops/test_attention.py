@@ -337,3 +337,243 @@ def test_non_contiguous_inputs(layout):
     assert not mask.is_contiguous()
     check_attention(q, k, v, n, layout, scale=0.3, atten_mask=mask,
                     mask_full=R.full_visibility_mask(0, s, s, user_mask=mask))
+
+
+# ----------------------------------------------------------------------------- sparse modes
+
+SPARSE_CASES = [  # (mode, pre_tockens, next_tockens, prefix)
+    (0, MAX, MAX, None),
+    (0, 5, 3, None),
+    (0, 0, 0, None),  # the diagonal only
+    (0, 10, -3, None),  # negative next: the band sits below the diagonal
+    (0, -2, 9, None),  # negative pre: above it
+    (1, 2, 1, None),  # pre/next ignored
+    (2, 2, 1, None),
+    (3, 2, 1, None),
+    (4, MAX, MAX, None),
+    (4, 6, 2, None),
+    (4, 30, -4, None),
+    (4, 0, MAX, None),
+    (5, MAX, MAX, [0, 40]),
+    (5, 3, 1, [17, 500]),  # prefix beyond Skv: every key
+    (6, MAX, MAX, [5, 0]),
+    (6, MAX, MAX, [60, 1]),
+]
+SEQ_PAIRS = [(83, 83), (40, 129), (129, 40)]  # Sq == Skv, fewer queries, more queries
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES,
+                         ids=lambda c: f"mode{c[0]}-pre{c[1]}-next{c[2]}-prefix{c[3]}".replace(
+                             str(MAX), "max"))
+@pytest.mark.parametrize("seqs", SEQ_PAIRS, ids=lambda s: f"Sq{s[0]}-Skv{s[1]}")
+def test_sparse_modes(case, seqs):
+    mode, pre, nxt, prefix = case
+    sq, skv = seqs
+    q, k, v = make_qkv(2, 2, 1, sq, skv, 16, 8, "BNSD")
+    user = torch.rand(2, 1, sq, skv) < 0.3
+    full = R.full_visibility_mask(mode, sq, skv, 2, 1, user, pre, nxt, prefix)
+    check_attention(q, k, v, 2, "BNSD", scale=0.25, atten_mask=mask_for(mode, user),
+                    sparse_mode=mode, pre_tockens=pre, next_tockens=nxt, prefix=prefix,
+                    mask_full=full, grad_scale=8.0)
+
+
+@pytest.mark.parametrize("mode", range(7))
+def test_without_mask_everything_is_visible(mode):
+    # atten_mask None: sparse_mode, pre/next and prefix are ignored (as in torch_npu)
+    q, k, v = make_qkv(2, 2, 2, 20, 33, 8, 8, "BSH")
+    res = fa(q, k, v, 2, "BSH", scale=0.3, sparse_mode=mode, pre_tockens=1, next_tockens=0,
+             prefix=[1, 1])
+    plain = fa(q, k, v, 2, "BSH", scale=0.3)
+    torch.testing.assert_close(res[0], plain[0], rtol=0, atol=0)
+    assert_close(res[0], R.attention_reference(q, k, v, 2, "BSH", scale=0.3)[0])
+
+
+@pytest.mark.parametrize("mode", [2, 3, 4, 6])
+def test_compressed_modes_do_not_read_the_mask(mode):
+    q, k, v = make_qkv(1, 2, 2, 30, 45, 8, 8, "BSND")
+    kw = dict(sparse_mode=mode, scale=0.3, pre_tockens=7, next_tockens=2, prefix=[4])
+    want = fa(q, k, v, 2, "BSND", atten_mask=mask_for(mode, None), **kw)
+    for other in (~mask_for(mode, None), torch.ones(1, dtype=torch.uint8),
+                  torch.zeros(30, 45, dtype=torch.bool)):
+        got = fa(q, k, v, 2, "BSND", atten_mask=other, **kw)
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    full = R.full_visibility_mask(mode, 30, 45, 1, 1, None, 7, 2, [4])
+    assert_close(want[0], R.attention_reference(q, k, v, 2, "BSND", mask_full=full, scale=0.3)[0])
+
+
+@pytest.mark.parametrize("shape", ["BNSS", "B1SS", "11SS", "SS"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8], ids=dtype_id)
+def test_mask_shapes_and_dtypes(shape, mask_dtype):
+    b, n, sq, skv = 2, 4, 11, 13
+    mshape = {"BNSS": (b, n, sq, skv), "B1SS": (b, 1, sq, skv), "11SS": (1, 1, sq, skv),
+              "SS": (sq, skv)}[shape]
+    user = torch.rand(mshape) < 0.4
+    q, k, v = make_qkv(b, n, 2, sq, skv, 8, 8, "SBH")
+    for mode in (0, 1):
+        check_attention(q, k, v, n, "SBH", scale=0.3, atten_mask=user.to(mask_dtype),
+                        sparse_mode=mode, pre_tockens=4, next_tockens=2,
+                        mask_full=R.full_visibility_mask(mode, sq, skv, b, n, user, 4, 2))
+
+
+@pytest.mark.parametrize("shape", ["BNSS", "B1SS"])
+def test_prefix_mode_5_mask_shapes(shape):
+    b, n, sq, skv = 2, 2, 9, 14
+    user = torch.rand((b, n if shape == "BNSS" else 1, sq, skv)) < 0.3
+    q, k, v = make_qkv(b, n, n, sq, skv, 8, 8, "BSND")
+    check_attention(q, k, v, n, "BSND", scale=0.3, atten_mask=user.to(torch.uint8),
+                    sparse_mode=5, prefix=[2, 8],
+                    mask_full=R.full_visibility_mask(5, sq, skv, b, n, user, prefix=[2, 8]))
+
+
+def test_expanded_mask():
+    # a zero-stride (expanded) BNSS mask reads like the mask it expands
+    q, k, v = make_qkv(2, 3, 3, 6, 7, 8, 8, "BNSD")
+    user = torch.rand(1, 1, 6, 7) < 0.4
+    a = fa(q, k, v, 3, "BNSD", atten_mask=user.expand(2, 3, 6, 7))[0]
+    b = fa(q, k, v, 3, "BNSD", atten_mask=user)[0]
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", ["mask rows", "mode3 Sq>Skv", "empty band", "mode4 above",
+                                  "all masked"])
+def test_fully_masked_rows_give_zeros(case):
+    b, n, sq, skv = 2, 2, 12, 9
+    user = torch.rand(b, 1, sq, skv) < 0.3
+    kw = {}
+    if case == "mask rows":
+        user[:, :, ::3] = True  # every third row sees nothing
+        mode = 1
+    elif case == "mode3 Sq>Skv":  # bottom-right causal: the first Sq - Skv rows see nothing
+        mode = 3
+    elif case == "empty band":  # i <= j <= i - 1 is empty for every row
+        mode, kw = 0, dict(pre_tockens=0, next_tockens=-1)
+    elif case == "mode4 above":  # the band j >= i + shift + 5 ends past Skv for late rows
+        mode, kw = 4, dict(pre_tockens=-5, next_tockens=MAX)
+    else:
+        user[:] = True
+        mode = 0
+    full = R.full_visibility_mask(mode, sq, skv, b, 1, user, kw.get("pre_tockens", MAX),
+                                  kw.get("next_tockens", MAX))
+    dead = full.expand(b, n, sq, skv).all(-1)
+    assert dead.any()
+    q, k, v = make_qkv(b, n, n, sq, skv, 8, 8, "BNSD")
+    out, smax, ssum = check_attention(q, k, v, n, "BNSD", scale=0.3, sparse_mode=mode,
+                                      atten_mask=mask_for(mode, user), mask_full=full, **kw)[:3]
+    assert out[dead].abs().max() == 0
+    assert (smax[dead] == float("-inf")).all() and (ssum[dead] == 0).all()
+    assert torch.isfinite(smax[~dead]).all() and (ssum[~dead] >= 1).all()
+
+
+# ----------------------------------------------------------------------------- TND (varlen)
+
+TND_CASES = {  # name: (actual_seq_qlen, actual_seq_kvlen, extra q tokens past the last end)
+    "plain": ([5, 12, 30], [7, 20, 29], 0),
+    "empty-and-trailing-zeros": ([3, 3, 40, 0, 0], [5, 5, 90, 0, 0], 0),
+    "empty-kv": ([4, 10], [0, 9], 0),
+    "leading-empty": ([0, 6, 20], [0, 8, 20], 0),
+    "tokens-past-end": ([6, 11], [6, 13], 4),
+    "one-long": ([129], [257], 0),
+    "crosses-tiles": ([129, 200, 300], [300, 320, 340], 2),
+}
+tnd_cases = pytest.mark.parametrize("case", list(TND_CASES))
+
+
+def tnd_inputs(case, nq=4, nkv=2, d=16, dv=8, dtype=F32):
+    qlen, kvlen, extra = TND_CASES[case]
+    tq = max(qlen) + extra
+    tkv = max(kvlen) + (3 if extra else 0)
+    return make_tnd(tq, tkv, nq, nkv, d, dv, dtype), qlen, kvlen
+
+
+@tnd_cases
+@pytest.mark.parametrize("softmax_layout", ["", "TND"], ids=["NTD", "TND"])
+def test_tnd_matches_reference(case, softmax_layout):
+    (q, k, v), qlen, kvlen = tnd_inputs(case)
+    res = check_attention(q, k, v, 4, "TND", scale=0.25, actual_seq_qlen=qlen,
+                          actual_seq_kvlen=kvlen, softmax_layout=softmax_layout, grad_scale=8.0)
+    covered = sum(s for _, s in spans(qlen))
+    assert (res[0][covered:] == 0).all()  # tokens no sequence covers
+
+
+@tnd_cases
+def test_tnd_equals_per_sequence_bnsd_calls(case):
+    (q, k, v), qlen, kvlen = tnd_inputs(case, dtype=BF16)
+    out, smax, ssum = fa(q, k, v, 4, "TND", scale=0.25, actual_seq_qlen=qlen,
+                         actual_seq_kvlen=kvlen, softmax_layout="TND")[:3]
+    out_ntd, smax_ntd, ssum_ntd = fa(q, k, v, 4, "TND", scale=0.25, actual_seq_qlen=qlen,
+                                     actual_seq_kvlen=kvlen)[:3]
+    torch.testing.assert_close(out_ntd, out, rtol=0, atol=0)
+    t = q.shape[0]
+    # the default ("") statistics are N-major: memory [N, T, 8] reinterpreted as [T, N, 8]
+    for ntd, tnd in ((smax_ntd, smax), (ssum_ntd, ssum)):
+        assert ntd.shape == tnd.shape == (t, 4, 8)
+        torch.testing.assert_close(ntd.reshape(4, t, 8).transpose(0, 1), tnd, rtol=0, atol=0)
+    for (qs, sq), (ks, skv) in zip(spans(qlen), spans(kvlen)):
+        if sq == 0:
+            continue
+        as_bnsd = lambda x, s, n: x[s:s + n].permute(1, 0, 2)[None]  # noqa: E731
+        one = fa(as_bnsd(q, qs, sq), as_bnsd(k, ks, skv), as_bnsd(v, ks, skv), 4, "BNSD",
+                 scale=0.25)
+        torch.testing.assert_close(out[qs:qs + sq], one[0][0].transpose(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(smax[qs:qs + sq], one[1][0].transpose(0, 1), rtol=0, atol=0)
+        torch.testing.assert_close(ssum[qs:qs + sq], one[2][0].transpose(0, 1), rtol=0, atol=0)
+
+
+TND_SPARSE = [  # (mode, pre, next, prefix)
+    (0, MAX, MAX, None), (0, 4, 2, None), (1, 1, 1, None), (2, MAX, MAX, None),
+    (3, MAX, MAX, None), (4, 7, 3, None), (4, 2, -1, None), (6, MAX, MAX, [3, 0, 50, 2, 0]),
+    (7, MAX, MAX, None), (7, 9, 4, None), (8, MAX, MAX, None), (8, 3, 0, None),
+]
+
+
+@pytest.mark.parametrize("case", TND_SPARSE,
+                         ids=lambda c: f"mode{c[0]}-pre{c[1]}-next{c[2]}".replace(str(MAX), "max"))
+@pytest.mark.parametrize("lens", [
+    ([0, 12, 12, 40, 0], [0, 20, 20, 35, 0]),  # empty first, empty middle, trailing zero
+    ([30, 31, 50, 80, 90], [10, 40, 60, 60, 100]),  # Sq > Skv, Skv > Sq, an empty key range
+], ids=["with-empty", "ragged"])
+def test_tnd_sparse_modes(case, lens):
+    mode, pre, nxt, prefix = case
+    qlen, kvlen = lens
+    q, k, v = make_tnd(max(qlen) + 2, max(kvlen), 4, 1, 8, 8)
+    max_sq = max(s for _, s in spans(qlen))
+    max_skv = max(s for _, s in spans(kvlen))
+    user = torch.rand(max_sq + 3, max_skv + 5) < 0.3  # larger than [maxSq, maxSkv] is allowed
+    masks = tnd_full_masks(mode, qlen, kvlen, user, pre, nxt, prefix)
+    check_attention(q, k, v, 4, "TND", scale=0.3, atten_mask=mask_for(mode, user),
+                    sparse_mode=mode, pre_tockens=pre, next_tockens=nxt, prefix=prefix,
+                    actual_seq_qlen=qlen, actual_seq_kvlen=kvlen, mask_full=masks,
+                    softmax_layout="TND", grad_scale=8.0)
+
+
+@pytest.mark.parametrize("mode", [7, 8])
+def test_tnd_split_modes_band_sequence(mode):
+    # 7: the last non-empty sequence is the band, 8: the first; the others are causal
+    qlen, kvlen = [0, 10, 25, 25, 0], [0, 16, 30, 30, 0]
+    q, k, v = make_tnd(25, 30, 2, 2, 8, 8)
+    kw = dict(scale=0.3, atten_mask=CAUSAL_2048, pre_tockens=3, next_tockens=1,
+              actual_seq_qlen=qlen, actual_seq_kvlen=kvlen)
+    got = fa(q, k, v, 2, "TND", sparse_mode=mode, **kw)[0]
+    band = fa(q, k, v, 2, "TND", sparse_mode=4, **kw)[0]
+    causal = fa(q, k, v, 2, "TND", sparse_mode=3 if mode == 7 else 2, **kw)[0]
+    band_rows, other_rows = (slice(10, 25), slice(0, 10)) if mode == 7 else (slice(0, 10),
+                                                                           slice(10, 25))
+    torch.testing.assert_close(got[band_rows], band[band_rows], rtol=0, atol=0)
+    torch.testing.assert_close(got[other_rows], causal[other_rows], rtol=0, atol=0)
+    assert max_err(band[band_rows], causal[band_rows]) > 1e-3  # the modes differ there
+
+
+def test_tnd_without_mask_ignores_sparse_mode():
+    q, k, v = make_tnd(20, 24, 2, 1, 8, 8)
+    kw = dict(actual_seq_qlen=[8, 20], actual_seq_kvlen=[10, 24], scale=0.3)
+    plain = fa(q, k, v, 2, "TND", **kw)[0]
+    for mode in (2, 3, 4, 6, 7, 8):
+        got = fa(q, k, v, 2, "TND", sparse_mode=mode, pre_tockens=0, next_tockens=0,
+                 prefix=[0, 0], **kw)[0]
+        torch.testing.assert_close(got, plain, rtol=0, atol=0)
+
+
+def test_tnd_dtype(dtype):
+    (q, k, v), qlen, kvlen = tnd_inputs("empty-and-trailing-zeros", dtype=dtype)
+    check_attention(q, k, v, 4, "TND", scale=0.25, actual_seq_qlen=qlen, actual_seq_kvlen=kvlen,
+                    grad_scale=8.0)
