@@ -192,7 +192,7 @@ def check_attention(q, k, v, n, layout, *, mask_full=None, keep=None, grads=True
             w = torch.zeros_like(g, dtype=F64) if w is None else w
             # fp64 gradients are recomputed from the float32 softmax statistics (the contract's
             # dtype), so they are float32-accurate: compare them with the float32 tolerance.
-            tol_dtype = F32 if g.dtype in (F64, F32) else g.dtype
+            tol_dtype = F32 if q.dtype in (F64, F32) else q.dtype
             assert_close(g, w, dtype=tol_dtype, scale=grad_scale, msg=name)
     return res
 
@@ -577,3 +577,193 @@ def test_tnd_dtype(dtype):
     (q, k, v), qlen, kvlen = tnd_inputs("empty-and-trailing-zeros", dtype=dtype)
     check_attention(q, k, v, 4, "TND", scale=0.25, actual_seq_qlen=qlen, actual_seq_kvlen=kvlen,
                     grad_scale=8.0)
+
+
+# ----------------------------------------------------------------------------- pse and sink
+
+PSE_SHAPES = ["BNSS", "1NSS", "B1SS", "11SS", "BN1S", "111S"]
+
+
+@pytest.mark.parametrize("pattern", PSE_SHAPES)
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_pse_broadcast_shapes(pattern, dtype):
+    b, n, sq, skv = 2, 4, 10, 13
+    shape = tuple(1 if c == "1" else s for c, s in zip(pattern, (b, n, sq, skv)))
+    pse = randn(*shape, dtype=dtype)
+    q, k, v = make_qkv(b, n, 2, sq, skv, 8, 8, "BSH", dtype)
+    user = torch.rand(sq, skv) < 0.3
+    check_attention(q, k, v, n, "BSH", pse=pse, scale=0.3, atten_mask=user,
+                    mask_full=R.full_visibility_mask(0, sq, skv, user_mask=user),
+                    grad_scale=8.0)
+
+
+def test_pse_is_added_before_scaling():
+    # scale * (QK^T + pse), not scale * QK^T + pse
+    q, k, v = make_qkv(1, 2, 2, 5, 6, 8, 8, "BNSD")
+    pse = randn(1, 2, 5, 6)
+    got = fa(q, k, v, 2, "BNSD", pse=pse, scale=0.5)
+    assert_close(got[0], R.attention_reference(q, k, v, 2, "BNSD", pse=pse, scale=0.5)[0])
+    kt = k.transpose(-1, -2)
+    assert_close(got[1][..., 0], (0.5 * (q @ kt + pse)).amax(-1))
+    assert max_err(got[1][..., 0], (0.5 * (q @ kt) + pse).amax(-1)) > 1e-2
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "SBH"])
+@pytest.mark.parametrize("dtype", [F32, F16], ids=dtype_id)
+def test_sink(layout, dtype):
+    b, n, sq, skv = 2, 4, 9, 12
+    q, k, v = make_qkv(b, n, 2, sq, skv, 8, 8, layout, dtype)
+    sink = torch.randn(n) * 2  # float32 whatever the inputs' dtype
+    user = torch.rand(b, 1, sq, skv) < 0.3
+    user[:, :, 2] = True  # a row that sees no key still has the sink: output 0, sum 1
+    full = R.full_visibility_mask(1, sq, skv, b, 1, user)
+    res = check_attention(q, k, v, n, layout, sink=sink, scale=0.3, atten_mask=user,
+                          sparse_mode=1, mask_full=full, grad_scale=8.0)
+    out, smax, ssum = (R.attention_to_bnsd(res[0], layout, 8), res[1][..., 0], res[2][..., 0])
+    assert (out[:, :, 2] == 0).all()
+    assert (smax[:, :, 2] == sink[None]).all() and (ssum[:, :, 2] == 1).all()
+    # the sink only takes probability mass: each row is the row without it times
+    # S / (S + exp(sink)), S = sum exp(logits) = softmax_sum * exp(softmax_max) of the plain call
+    plain = fa(q, k, v, n, layout, scale=0.3, atten_mask=user, sparse_mode=1)
+    s = plain[2][..., 0].double() * plain[1][..., 0].double().exp()
+    ratio = s / (s + sink.double()[None, :, None].exp())
+    want = R.attention_to_bnsd(plain[0], layout, 8).double() * ratio[..., None]
+    assert_close(out, want, scale=2)
+
+
+def test_sink_tnd():
+    (q, k, v), qlen, kvlen = tnd_inputs("empty-and-trailing-zeros")
+    check_attention(q, k, v, 4, "TND", sink=torch.randn(4), scale=0.25, actual_seq_qlen=qlen,
+                    actual_seq_kvlen=kvlen, softmax_layout="TND", grad_scale=8.0)
+
+
+def test_pse_and_sink_with_gqa_and_causal():
+    q, k, v = make_qkv(2, 4, 1, 33, 40, 16, 8, "BSND")
+    pse = randn(1, 4, 33, 40)
+    full = R.full_visibility_mask(3, 33, 40)
+    check_attention(q, k, v, 4, "BSND", pse=pse, sink=torch.randn(4), scale=0.25,
+                    atten_mask=CAUSAL_2048, sparse_mode=3, mask_full=full, grad_scale=8.0)
+
+
+# ----------------------------------------------------------------------------- gradients
+
+
+def gradcheck(fn, inputs, **kw):
+    return torch.autograd.gradcheck(fn, inputs, **kw)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gradcheck_float64(layout):
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 2, 1, 3, 4, 3, 2, layout, F64))
+    pse = randn(1, 2, 3, 4, dtype=F64, requires_grad=True)
+    user = torch.tensor([[0, 1, 0, 0], [1, 1, 1, 1], [0, 0, 1, 0]], dtype=torch.bool)
+
+    def fn(q, k, v, pse):
+        return fa(q, k, v, 2, layout, pse=pse, atten_mask=user, scale=0.7)[0]
+
+    assert gradcheck(fn, (q, k, v, pse))
+
+
+@pytest.mark.parametrize("mode", [3, 7])
+def test_gradcheck_float64_tnd(mode):
+    q, k, v = (t.requires_grad_() for t in make_tnd(7, 9, 2, 2, 3, 2, F64))
+
+    def fn(q, k, v):
+        return fa(q, k, v, 2, "TND", atten_mask=CAUSAL_2048, sparse_mode=mode, scale=0.7,
+                  pre_tockens=1, next_tockens=0, actual_seq_qlen=[2, 2, 7],
+                  actual_seq_kvlen=[3, 3, 8])[0]
+
+    assert gradcheck(fn, (q, k, v))
+
+
+def test_gradcheck_sink():
+    # sink is float32 by contract: a coarser step keeps its finite differences meaningful
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 3, 4, 3, 3, "BNSD", F64))
+    sink = torch.tensor([0.5, -1.0], requires_grad=True)
+
+    def fn(q, k, v, sink):
+        return fa(q, k, v, 2, "BNSD", sink=sink, scale=0.7)[0]
+
+    with pytest.warns(UserWarning, match="double precision"):
+        assert gradcheck(fn, (q, k, v, sink), eps=1e-3, atol=1e-4, rtol=1e-3)
+
+
+def test_grad_op_matches_autograd_and_recomputes_without_stats():
+    q, k, v = make_qkv(2, 4, 2, 37, 41, 16, 8, "BSH")
+    pse = randn(2, 1, 37, 41)
+    user = torch.rand(2, 4, 37, 41) < 0.3
+    kw = dict(pse=pse, atten_mask=user, pre_tockens=9, next_tockens=4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, pse)]
+    res = fa(*leaves[:3], 4, "BSH", pse=leaves[3], atten_mask=user, scale=0.25, pre_tockens=9,
+             next_tockens=4)
+    dy = torch.randn_like(res[0])
+    auto = torch.autograd.grad(res[0], leaves, dy)
+    direct = fa_grad(q, k, v, dy, 4, "BSH", softmax_max=res[1].detach(),
+                     softmax_sum=res[2].detach(), attention_in=res[0].detach(),
+                     scale_value=0.25, **kw)
+    assert len(direct) == 5
+    for name, a, g in zip(("dq", "dk", "dv", "dpse"), auto, direct):
+        torch.testing.assert_close(g, a, rtol=0, atol=0, msg=name)
+    assert direct[4].shape == (0,) and direct[4].dtype == F32  # no sink: empty dsink
+    for given in ({}, {"softmax_max": res[1].detach()}, {"attention_in": res[0].detach()}):
+        recomputed = fa_grad(q, k, v, dy, 4, "BSH", scale_value=0.25, **given, **kw)
+        for name, a, g in zip(("dq", "dk", "dv", "dpse"), auto, recomputed):
+            assert_close(g, a, msg=f"{name} {sorted(given)}")
+    full = R.full_visibility_mask(0, 37, 41, 2, 4, user, 9, 4)
+    ref_leaves = leaf_copies(leaves, F64)
+    ref = R.attention_reference(*ref_leaves[:3], 4, "BSH", pse=ref_leaves[3], mask_full=full,
+                                scale=0.25)[0]
+    want = torch.autograd.grad(ref, ref_leaves, dy.double())
+    for name, g, w in zip(("dq", "dk", "dv", "dpse"), direct, want):
+        assert_close(g, w, scale=8, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=dtype_id)
+def test_grad_op_output_contract(dtype):
+    q, k, v = make_qkv(2, 4, 2, 6, 7, 8, 4, "BNSD", dtype)
+    dy = randn(2, 4, 6, 4, dtype=dtype)
+    dq, dk, dv, dpse, dsink = fa_grad(q, k, v, dy, 4, "BNSD", scale_value=0.3)
+    for g, t in ((dq, q), (dk, k), (dv, v)):
+        assert g.shape == t.shape and g.dtype == dtype and g.is_contiguous()
+    assert dpse.shape == (0,) and dsink.shape == (0,) and dsink.dtype == F32
+    pse = randn(1, 4, 1, 7, dtype=dtype)
+    sink = torch.randn(4)
+    *_, dpse, dsink = fa_grad(q, k, v, dy, 4, "BNSD", pse=pse, sink=sink, scale_value=0.3)
+    assert dpse.shape == pse.shape and dpse.dtype == dtype
+    assert dsink.shape == (4,) and dsink.dtype == F32
+
+
+@pytest.mark.parametrize("layout", ["BSH", "TND"])
+def test_grad_op_with_tnd_softmax_layouts(layout):
+    # the backward reads the statistics in the softmax_layout they were produced in
+    (q, k, v), qlen, kvlen = tnd_inputs("empty-and-trailing-zeros")
+    kw = dict(actual_seq_qlen=qlen, actual_seq_kvlen=kvlen, scale=0.25)
+    grads = []
+    for sl in ("", "TND"):
+        res = fa(q, k, v, 4, "TND", softmax_layout=sl, **kw)
+        dy = torch.ones_like(res[0])
+        grads.append(fa_grad(q, k, v, dy, 4, "TND", softmax_max=res[1], softmax_sum=res[2],
+                             attention_in=res[0], scale_value=0.25, softmax_layout=sl,
+                             actual_seq_qlen=qlen, actual_seq_kvlen=kvlen))
+    for a, b in zip(grads[0][:3], grads[1][:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_autograd_only_requested_inputs():
+    q, k, v = make_qkv(1, 2, 2, 5, 6, 8, 8, "BSH")
+    q.requires_grad_()
+    out = fa(q, k, v, 2, "BSH")[0]
+    (gq,) = torch.autograd.grad(out.sum(), [q])
+    assert gq.shape == q.shape and k.grad is None and v.grad is None
+
+
+def test_double_backward_is_a_clear_error():
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 5, 6, 8, 8, "BSH", F64))
+    out = fa(q, k, v, 2, "BSH")[0]
+    (gq,) = torch.autograd.grad(out.sum(), [q], create_graph=True)
+    with pytest.raises(RuntimeError, match="npu_fusion_attention_grad: double backward"):
+        gq.sum().backward()
+    dy = torch.randn_like(out)
+    dq = fa_grad(q, k, v, dy, 2, "BSH")[0]
+    with pytest.raises(RuntimeError, match="npu_fusion_attention_grad: double backward"):
+        dq.sum().backward()
