@@ -767,3 +767,199 @@ def test_double_backward_is_a_clear_error():
     dq = fa_grad(q, k, v, dy, 2, "BSH")[0]
     with pytest.raises(RuntimeError, match="npu_fusion_attention_grad: double backward"):
         dq.sum().backward()
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def gen_keep(q, numels, keep_prob, seed, offset):
+    mask = opennpu._npu_dropout_gen_mask(q, [numels], 1 - keep_prob, seed, offset)
+    return unpack_bits(mask, numels)
+
+
+@pytest.mark.parametrize("layout", ["BSH", "BNSD"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_dropout_uses_the_gen_mask_bits(layout, dtype):
+    b, n, sq, skv = 2, 4, 37, 45
+    q, k, v = make_qkv(b, n, 2, sq, skv, 16, 8, layout, dtype)
+    user = torch.rand(b, 1, sq, skv) < 0.2
+    opennpu.manual_seed(1234)
+    numels = b * n * sq * skv
+    keep = gen_keep(q, numels, 0.7, 1234, 0).view(b, n, sq, skv)
+    assert 0.6 < keep.float().mean() < 0.8
+    res = check_attention(q, k, v, n, layout, scale=0.25, keep_prob=0.7, atten_mask=user,
+                          mask_full=R.full_visibility_mask(0, sq, skv, b, 1, user), keep=keep,
+                          grad_scale=8.0, stats_scale=4.0)
+    assert res[4:] == (1234, 0, numels)
+    # the generator moved on by one Philox word per score (4 words per offset step)
+    assert opennpu.get_rng_state() == (1234, (numels + 3) // 4)
+
+
+def test_dropout_backward_op_regenerates_the_mask():
+    q, k, v = make_qkv(2, 2, 2, 20, 30, 8, 8, "BSND")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    opennpu.manual_seed(7)
+    out, smax, ssum, _, seed, offset, numels = fa(*leaves, 2, "BSND", keep_prob=0.5, scale=0.3)
+    dy = torch.randn_like(out)
+    auto = torch.autograd.grad(out, leaves, dy)
+    kw = dict(scale_value=0.3, keep_prob=0.5, seed=seed, offset=offset, numels=numels)
+    direct = fa_grad(q, k, v, dy, 2, "BSND", softmax_max=smax, softmax_sum=ssum,
+                     attention_in=out.detach(), **kw)
+    recomputed = fa_grad(q, k, v, dy, 2, "BSND", **kw)
+    for a, g, r in zip(auto, direct, recomputed):
+        torch.testing.assert_close(g, a, rtol=0, atol=0)
+        assert_close(r, a)
+    # another (seed, offset) is another mask: different gradients
+    other = fa_grad(q, k, v, dy, 2, "BSND", **{**kw, "offset": offset + 1000})
+    assert max_err(other[0], auto[0]) > 1e-2
+    # the gradient generation does not draw from the generator
+    assert opennpu.get_rng_state() == (7, (numels + 3) // 4)
+
+
+def test_dropout_is_reproducible_and_advances():
+    q, k, v = make_qkv(1, 2, 2, 16, 24, 8, 8, "BSH")
+    numels = 2 * 16 * 24
+    opennpu.manual_seed(99)
+    assert opennpu.initial_seed() == 99 and opennpu.get_rng_state() == (99, 0)
+    first = fa(q, k, v, 2, "BSH", keep_prob=0.6)
+    state = opennpu.get_rng_state()
+    assert state == (99, (numels + 3) // 4)
+    second = fa(q, k, v, 2, "BSH", keep_prob=0.6)
+    assert second[4:6] == state
+    assert max_err(first[0], second[0]) > 1e-2  # a fresh mask
+    opennpu.manual_seed(99)
+    again = fa(q, k, v, 2, "BSH", keep_prob=0.6)
+    torch.testing.assert_close(again[0], first[0], rtol=0, atol=0)
+    assert again[4:] == first[4:]
+    opennpu.set_rng_state(state)
+    torch.testing.assert_close(fa(q, k, v, 2, "BSH", keep_prob=0.6)[0], second[0], rtol=0,
+                               atol=0)
+    # the second draw is the gen-mask stream at the advanced offset
+    keep = gen_keep(q, numels, 0.6, 99, state[1]).view(1, 2, 16, 24)
+    want = R.attention_reference(q, k, v, 2, "BSH", keep=keep, keep_prob=0.6)[0]
+    assert_close(second[0], want)
+    opennpu.manual_seed(100)
+    assert max_err(fa(q, k, v, 2, "BSH", keep_prob=0.6)[0], first[0]) > 1e-2
+
+
+def test_keep_prob_one_draws_nothing():
+    q, k, v = make_qkv(1, 2, 2, 6, 7, 8, 8, "BSH")
+    opennpu.manual_seed(5)
+    res = fa(q, k, v, 2, "BSH", keep_prob=1.0, seed=11, offset=3,
+             dropout_mask=torch.zeros(16, dtype=torch.uint8))  # ignored without dropout
+    assert res[4:6] == (11, 3)  # the values passed in
+    assert opennpu.get_rng_state() == (5, 0)
+    torch.testing.assert_close(res[0], fa(q, k, v, 2, "BSH")[0], rtol=0, atol=0)
+
+
+def test_explicit_dropout_mask():
+    b, n, sq, skv = 2, 2, 10, 13
+    q, k, v = make_qkv(b, n, n, sq, skv, 8, 8, "BNSD")
+    numels = b * n * sq * skv
+    opennpu.manual_seed(3)
+    mask = opennpu._npu_dropout_gen_mask(q, [numels], 0.25, 123, 8)
+    keep = unpack_bits(mask, numels).view(b, n, sq, skv)
+    res = check_attention(q, k, v, n, "BNSD", scale=0.3, keep_prob=0.75, dropout_mask=mask,
+                          seed=123, offset=8, keep=keep, grad_scale=8.0)
+    assert res[4:] == (123, 8, numels)
+    assert opennpu.get_rng_state() == (3, 0)  # nothing drawn
+    # any bit pattern is used as given (the forward reads the mask, it does not regenerate it)
+    bits = torch.randint(0, 256, (numels // 8 + 1,), dtype=torch.uint8)
+    got = fa(q, k, v, n, "BNSD", keep_prob=0.75, dropout_mask=bits, seed=1, offset=2)[0]
+    want = R.attention_reference(q, k, v, n, "BNSD", keep_prob=0.75,
+                                 keep=unpack_bits(bits, numels).view(b, n, sq, skv))[0]
+    assert_close(got, want)
+
+
+def test_dropout_tnd_numbering():
+    # TND mask bits: sequences one after another, each (n, i, j)
+    (q, k, v), qlen, kvlen = tnd_inputs("empty-and-trailing-zeros", nq=2, nkv=1)
+    numels = expected_numels(q, k, 2, "TND", qlen, kvlen)
+    opennpu.manual_seed(21)
+    keep = tnd_keep_from_bits(gen_keep(q, numels, 0.8, 21, 0), 2, qlen, kvlen)
+    masks = tnd_full_masks(3, qlen, kvlen)
+    res = check_attention(q, k, v, 2, "TND", scale=0.25, keep_prob=0.8, atten_mask=CAUSAL_2048,
+                          sparse_mode=3, actual_seq_qlen=qlen, actual_seq_kvlen=kvlen,
+                          mask_full=masks, keep=keep, grad_scale=8.0)
+    assert res[4:] == (21, 0, numels)
+
+
+def test_dropout_with_sink_and_pse():
+    b, n, sq, skv = 1, 2, 9, 11
+    q, k, v = make_qkv(b, n, 1, sq, skv, 8, 8, "BSH")
+    opennpu.manual_seed(8)
+    keep = gen_keep(q, b * n * sq * skv, 0.6, 8, 0).view(b, n, sq, skv)
+    check_attention(q, k, v, n, "BSH", scale=0.3, keep_prob=0.6, keep=keep, pse=randn(1, n, 1, 11),
+                    sink=torch.randn(n), grad_scale=8.0)
+
+
+def test_dropout_keeps_about_keep_prob():
+    # the fraction of kept probabilities follows keep_prob; kept ones are scaled by 1/keep_prob
+    q = torch.ones(1, 1, 1, 1)
+    k = torch.zeros(1, 1, 20000, 1)  # uniform attention over 20000 keys
+    v = torch.ones(1, 1, 20000, 1)
+    for keep_prob in (0.9, 0.5, 0.1):
+        opennpu.manual_seed(4)
+        out = fa(q, k, v, 1, "BNSD", keep_prob=keep_prob)[0]
+        # out = (kept count / 20000) / keep_prob: about 1
+        assert abs(out.item() - 1) < 0.05, (keep_prob, out.item())
+
+
+# ----------------------------------------------------------------------------- _npu_dropout_gen_mask
+
+
+def test_gen_mask_size_padding_and_bit_order():
+    x = torch.empty(0)
+    for size, numels in (([5], 5), ([3, 5, 7], 105), ([128], 128), ([129], 129), ([], 1),
+                         ([0], 0), ([2, 0], 0)):
+        mask = opennpu._npu_dropout_gen_mask(x, size, 0.0, 1, 0)
+        assert mask.dtype == torch.uint8 and mask.dim() == 1
+        assert mask.numel() == (numels + 127) // 128 * 16, size
+        bits = unpack_bits(mask, mask.numel() * 8)
+        assert (bits[:numels] == 1).all() and (bits[numels:] == 0).all(), size
+    assert (opennpu._npu_dropout_gen_mask(x, [300], 1.0, 1, 0) == 0).all()
+    # little-endian bits: with 3 elements kept the first byte is 0b00000111
+    assert opennpu._npu_dropout_gen_mask(x, [3], 0.0, 1, 0)[0].item() == 7
+
+
+def test_gen_mask_stream():
+    x = torch.empty(0)
+    a = unpack_bits(opennpu._npu_dropout_gen_mask(x, [4000], 0.3, 77, 0), 4000)
+    assert abs(a.float().mean().item() - 0.7) < 0.05
+    # deterministic; offset counts 4-element Philox blocks; another seed is another stream
+    torch.testing.assert_close(
+        unpack_bits(opennpu._npu_dropout_gen_mask(x, [4000], 0.3, 77, 0), 4000), a)
+    b = unpack_bits(opennpu._npu_dropout_gen_mask(x, [3996], 0.3, 77, 1), 3996)
+    torch.testing.assert_close(b, a[4:])
+    c = unpack_bits(opennpu._npu_dropout_gen_mask(x, [4000], 0.3, 78, 0), 4000)
+    assert (c != a).float().mean() > 0.2
+    # a higher drop probability only drops more (one threshold on the same draws)
+    d = unpack_bits(opennpu._npu_dropout_gen_mask(x, [4000], 0.6, 77, 0), 4000)
+    assert (d <= a).all() and d.sum() < a.sum()
+    # the generator is not used
+    opennpu.manual_seed(1)
+    opennpu._npu_dropout_gen_mask(x, [4000], 0.3, 77, 0)
+    assert opennpu.get_rng_state() == (1, 0)
+
+
+def test_gen_mask_fraction_large():
+    mask = opennpu._npu_dropout_gen_mask(torch.empty(0), [1 << 20], 0.15, 2024, 5)
+    kept = unpack_bits(mask, 1 << 20).float().mean().item()
+    assert abs(kept - 0.85) < 0.003  # 8 standard deviations
+
+
+def test_gen_mask_input_keyword_and_torch_npu_alias():
+    import torch_npu
+
+    x = torch.empty(0)
+    a = torch_npu._npu_dropout_gen_mask(input=x, size=[50], p=0.5, seed=3, offset=0)
+    torch.testing.assert_close(a, opennpu._npu_dropout_gen_mask(x, [50], 0.5, 3, 0))
+
+
+def test_gen_mask_rejects_bad_input():
+    x = torch.empty(0)
+    for p in (-0.1, 1.5):
+        _raises(lambda: opennpu._npu_dropout_gen_mask(x, [8], p, 1, 0),
+                "_npu_dropout_gen_mask: argument 'p' must be a drop probability in [0, 1]")
+    _raises(lambda: opennpu._npu_dropout_gen_mask(x, [4, -1], 0.5, 1, 0),
+            "_npu_dropout_gen_mask: argument 'size' must have non-negative sizes")
