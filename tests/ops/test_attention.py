@@ -963,3 +963,117 @@ def test_gen_mask_rejects_bad_input():
                 "_npu_dropout_gen_mask: argument 'p' must be a drop probability in [0, 1]")
     _raises(lambda: opennpu._npu_dropout_gen_mask(x, [4, -1], 0.5, 1, 0),
             "_npu_dropout_gen_mask: argument 'size' must have non-negative sizes")
+
+
+# ----------------------------------------------------------------------------- seed 000
+
+
+def trans_bnsd2bsh(tensor):
+    """Seed 000's trans_BNSD2BSH."""
+    tensor = torch.transpose(tensor, 1, 2)
+    return torch.reshape(tensor, (tensor.shape[0], tensor.shape[1], -1))
+
+
+def test_seed_torch_flash_attention_vs_npu_fusion_attention():
+    # TorchFlashAttention.supported_op_exec vs NPUFlashAttention.npu_exec, the seed's shapes
+    query = torch.randn(1, 32, 128, 128, dtype=F16)
+    key = torch.randn(1, 32, 128, 128, dtype=F16)
+    value = torch.randn(1, 32, 128, 128, dtype=F16)
+    atten_mask = torch.randn(1, 1, 128, 128, dtype=F16) >= 0
+    q_npu, k_npu, v_npu = (trans_bnsd2bsh(t) for t in (query, key, value))
+    native = R.native_flash_attention_seed(query, key, value, atten_mask=atten_mask)
+    result, softmax_max, softmax_sum, softmax_out, seed, offset, numels = fa(
+        q_npu, k_npu, v_npu, head_num=32, input_layout="BSH", scale=0.099, atten_mask=atten_mask)
+    assert result.shape == native.shape == (1, 128, 4096) and result.dtype == F16
+    assert softmax_max.shape == softmax_sum.shape == (1, 32, 128, 8)
+    assert softmax_out.numel() == 0 and (seed, offset, numels) == (0, 0, 32 * 128 * 128)
+    ref = trans_bnsd2bsh(R.attention_reference(query, key, value, 32, "BNSD",
+                                               mask_full=atten_mask, scale=0.099)[0])
+    assert_close(result, ref)
+    assert_close(result, native, scale=4)  # the native fp16 composition agrees ...
+    assert_not_worse_than_native(result, native, ref)  # ... and is no closer to the oracle
+
+
+def test_seed_backward_fp32():
+    # the same composition in fp32 with autograd vs npu_fusion_attention's gradients
+    b, n, s, d = 1, 8, 128, 64
+    bnsd = [randn(b, n, s, d, requires_grad=True) for _ in range(3)]
+    atten_mask = torch.randn(1, 1, s, s) >= 0
+    native = R.native_flash_attention_seed(*bnsd, atten_mask=atten_mask)
+    bsh = [trans_bnsd2bsh(t.detach()).requires_grad_() for t in bnsd]
+    ours = fa(*bsh, head_num=n, input_layout="BSH", scale=0.099, atten_mask=atten_mask)[0]
+    assert_close(ours, native, scale=2)
+    dy = torch.randn_like(ours)
+    want = torch.autograd.grad(native, bnsd, dy)
+    got = torch.autograd.grad(ours, bsh, dy)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert_close(g, trans_bnsd2bsh(w), scale=4, msg=name)
+
+
+def test_torch_npu_alias():
+    import torch_npu
+
+    q, k, v = make_qkv(1, 2, 2, 5, 6, 8, 8, "BSH")
+    got = torch_npu.npu_fusion_attention(q, k, v, head_num=2, input_layout="BSH", scale=0.3)
+    want = fa(q, k, v, 2, "BSH", scale=0.3)
+    torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+    dy = torch.randn_like(got[0])
+    g = torch_npu.npu_fusion_attention_grad(q, k, v, dy, 2, "BSH", scale_value=0.3)
+    torch.testing.assert_close(g[0], fa_grad(q, k, v, dy, 2, "BSH", scale_value=0.3)[0])
+
+
+# ----------------------------------------------------------------------------- opcheck
+
+
+def test_opcheck_npu_fusion_attention():
+    samples = []
+    q, k, v = (t.requires_grad_() for t in make_qkv(2, 4, 2, 6, 7, 8, 4, "BSH"))
+    samples.append(((q, k, v, 4, "BSH"), dict(pse=randn(1, 4, 6, 7, requires_grad=True),
+                                              atten_mask=torch.rand(6, 7) < 0.3, scale=0.3)))
+    q, k, v = make_qkv(1, 2, 1, 5, 9, 8, 8, "BNSD")
+    samples.append(((q, k, v, 2, "BNSD"), dict(atten_mask=CAUSAL_2048[:8, :8], sparse_mode=3,
+                                               sink=torch.randn(2, requires_grad=True))))
+    q, k, v = (t.requires_grad_() for t in make_tnd(9, 11, 2, 2, 8, 8))
+    samples.append(((q, k, v, 2, "TND"), dict(actual_seq_qlen=[4, 9], actual_seq_kvlen=[5, 11],
+                                              softmax_layout="TND")))
+    # dropout through an explicit mask does not touch the generator
+    q, k, v = (t.requires_grad_() for t in make_qkv(1, 2, 2, 4, 5, 8, 8, "BSND"))
+    mask = opennpu._npu_dropout_gen_mask(q, [40], 0.2, 9, 0)
+    samples.append(((q, k, v, 2, "BSND"), dict(keep_prob=0.8, dropout_mask=mask, seed=9)))
+    opcheck(torch.ops.npu.npu_fusion_attention.default, samples)
+
+
+def test_opcheck_npu_fusion_attention_grad():
+    q, k, v = make_qkv(2, 4, 2, 6, 7, 8, 4, "SBH")
+    res = fa(q, k, v, 4, "SBH", scale=0.3)
+    dy = torch.randn_like(res[0])
+    stats = dict(softmax_max=res[1], softmax_sum=res[2], attention_in=res[0])
+    pse = randn(2, 1, 1, 7)
+    samples = [((q, k, v, dy, 4, "SBH"), dict(scale_value=0.3, **stats)),
+               ((q, k, v, dy, 4, "SBH"), dict(pse=pse, sink=torch.randn(4),
+                                              keep_prob=0.5, seed=1, offset=0, numels=2 * 4 * 6 * 7))]
+    opcheck(torch.ops.npu.npu_fusion_attention_grad.default, samples)
+
+
+def test_opcheck_dropout_gen_mask():
+    x = torch.empty(3)
+    samples = [((x, [100], 0.3, 5, 0), {}), ((x, [2, 7, 9], 0.0, 1, 2), {})]
+    opcheck(torch.ops.npu._npu_dropout_gen_mask.Tensor, samples)
+
+
+# ----------------------------------------------------------------------------- torch.compile
+
+
+def test_compile_fullgraph_dynamic_matches_eager():
+    def block(q, k, v, pse, mask):
+        out, smax, ssum, *_ = opennpu.npu_fusion_attention(
+            q, k, v, 4, "BSH", pse=pse, atten_mask=mask, scale=0.25, pre_tockens=6,
+            next_tockens=2)
+        return out * 2, smax
+
+    def make_inputs(shape):
+        b, s = shape
+        q, k, v = (t.requires_grad_() for t in make_qkv(b, 4, 2, s, s + 3, 8, 8, "BSH"))
+        return [q, k, v, randn(1, 4, 1, s + 3, requires_grad=True), torch.rand(s, s + 3) < 0.3]
+
+    check_compiled_matches_eager(block, make_inputs, [(2, 5), (3, 9)])
