@@ -183,7 +183,8 @@ def check_attention(q, k, v, n, layout, *, mask_full=None, keep=None, grads=True
     if grads:
         dy = torch.randn_like(out)
         ours = torch.autograd.grad(out, leaves, dy)
-        want = torch.autograd.grad(ref_out, ref_leaves, dy.double(), allow_unused=True)
+        want = (torch.autograd.grad(ref_out, ref_leaves, dy.double(), allow_unused=True)
+                if ref_out.requires_grad else [None] * len(leaves))  # no token is attended
         names = ["dq", "dk", "dv"] + (["dpse"] if pse is not None else []) + (
             ["dsink"] if sink is not None else [])
         for name, g, w, t in zip(names, ours, want, inputs):
@@ -415,10 +416,12 @@ def test_mask_shapes_and_dtypes(shape, mask_dtype):
                         mask_full=R.full_visibility_mask(mode, sq, skv, b, n, user, 4, 2))
 
 
-@pytest.mark.parametrize("shape", ["BNSS", "B1SS"])
+@pytest.mark.parametrize("shape", ["BNSS", "B1SS", "11SS"])
 def test_prefix_mode_5_mask_shapes(shape):
+    # torch_npu documents BNSS / B1SS; opennpu also broadcasts a 11SS mask
     b, n, sq, skv = 2, 2, 9, 14
-    user = torch.rand((b, n if shape == "BNSS" else 1, sq, skv)) < 0.3
+    mshape = {"BNSS": (b, n, sq, skv), "B1SS": (b, 1, sq, skv), "11SS": (1, 1, sq, skv)}[shape]
+    user = torch.rand(mshape) < 0.3
     q, k, v = make_qkv(b, n, n, sq, skv, 8, 8, "BSND")
     check_attention(q, k, v, n, "BSND", scale=0.3, atten_mask=user.to(torch.uint8),
                     sparse_mode=5, prefix=[2, 8],
@@ -1077,3 +1080,308 @@ def test_compile_fullgraph_dynamic_matches_eager():
         return [q, k, v, randn(1, 4, 1, s + 3, requires_grad=True), torch.rand(s, s + 3) < 0.3]
 
     check_compiled_matches_eager(block, make_inputs, [(2, 5), (3, 9)])
+
+
+# ----------------------------------------------------------------------------- bad input
+
+QB, KB, VB = make_qkv(2, 4, 2, 5, 6, 8, 8, "BNSD")  # BNSD: B 2, N 4 (kv 2), Sq 5, Skv 6, D 8
+QH, KH, VH = make_qkv(2, 4, 2, 5, 6, 8, 8, "BSH")
+QT, KT, VT = make_tnd(10, 12, 4, 2, 8, 8)
+TND_LENS = dict(actual_seq_qlen=[4, 10], actual_seq_kvlen=[5, 12])
+
+
+def call(op, q=None, k=None, v=None, n=4, layout="BNSD", **kw):
+    """The forward (op "fwd") or the grad op ("bwd", with a matching dy) on the BNSD defaults."""
+    q = QB if q is None else q
+    k = KB if k is None else k
+    v = VB if v is None else v
+    if op == "fwd":
+        return lambda: fa(q, k, v, n, layout, **kw)
+    if "scale" in kw:
+        kw["scale_value"] = kw.pop("scale")
+    for unused in ("dropout_mask",):
+        kw.pop(unused, None)
+    dy_shape = list(q.shape)
+    return lambda: fa_grad(q, k, v, torch.zeros(dy_shape), n, layout, **kw)
+
+
+OPS = pytest.mark.parametrize("op", ["fwd", "bwd"])
+
+
+def name(op):
+    return "npu_fusion_attention" if op == "fwd" else "npu_fusion_attention_grad"
+
+
+@OPS
+def test_rejects_bad_layout(op):
+    _raises(call(op, layout="BHS"), f"{name(op)}: argument 'input_layout' must be one of 'BSH', "
+            "'SBH', 'BSND', 'BNSD', 'TND', but got 'BHS'")
+    _raises(call(op, QH, KH, VH, layout="BNSD"),
+            f"{name(op)}: argument 'query' must be 4-D for input_layout 'BNSD', but got shape "
+            "[2, 5, 32]")
+    _raises(call(op, QB, KB, VB, layout="BSH"), f"{name(op)}: argument 'query' must be 3-D")
+
+
+@OPS
+def test_rejects_bad_head_num(op):
+    _raises(call(op, QH, KH, VH, n=3, layout="BSH"),
+            f"{name(op)}: argument 'query' must have a hidden size (last dim) divisible by its "
+            "head count 3, but got shape [2, 5, 32]")
+    _raises(call(op, n=3), f"{name(op)}: argument 'head_num' must equal the head count of "
+            "'query' (4), but got 3")
+    _raises(call(op, n=0), f"{name(op)}: argument 'head_num' must be > 0, but got 0")
+    _raises(call(op, QT, KT, VT, n=2, layout="TND", **TND_LENS),
+            f"{name(op)}: argument 'head_num' must equal the head count of 'query' (4)")
+
+
+@OPS
+def test_rejects_kv_heads_not_dividing_head_num(op):
+    k, v = randn(2, 3, 6, 8), randn(2, 3, 6, 8)
+    _raises(call(op, QB, k, v), f"{name(op)}: argument 'key' must have a head count that "
+            "divides head_num 4 (grouped-query attention), but got 3 heads")
+    # BSH: key's hidden size 24 = 3 heads of D 8
+    _raises(call(op, QH, randn(2, 6, 24), randn(2, 6, 24), layout="BSH"),
+            f"{name(op)}: argument 'key' must have a head count that divides head_num 4")
+    _raises(call(op, QH, randn(2, 6, 20), randn(2, 6, 20), layout="BSH"),
+            f"{name(op)}: argument 'key' must have a hidden size divisible by the query head "
+            "size 8, but got shape [2, 6, 20]")
+
+
+@OPS
+def test_rejects_inconsistent_qkv(op):
+    _raises(call(op, QB, randn(2, 2, 6, 4), VB),
+            f"{name(op)}: argument 'key' must have the head size of 'query' (8), but got 4")
+    _raises(call(op, QB, KB, randn(2, 2, 7, 8)),
+            f"{name(op)}: argument 'value' must have the batch, sequence and head counts of 'key'")
+    _raises(call(op, QB, randn(3, 2, 6, 8), randn(3, 2, 6, 8)),
+            f"{name(op)}: argument 'key' must have the batch size of 'query' (2), but got 3")
+    _raises(call(op, QB, KB.double(), VB),
+            f"{name(op)}: argument 'key' must have the dtype of 'query' (Float), but got Double")
+    _raises(call(op, QB, KB, VB.half()),
+            f"{name(op)}: argument 'value' must have the dtype of 'query' (Float), but got Half")
+    _raises(call(op, QB.int(), KB.int(), VB.int()), f"{name(op)}: argument 'query' must be "
+            "float16, bfloat16 or float32, but got Int")
+
+
+@OPS
+def test_rejects_bad_keep_prob(op):
+    for kp in (0.0, 1.5, -0.2):
+        _raises(call(op, keep_prob=kp), f"{name(op)}: argument 'keep_prob' must be in (0, 1], "
+                f"but got {kp:g}")
+
+
+@OPS
+def test_rejects_bad_tnd_lengths(op):
+    tnd = dict(q=QT, k=KT, v=VT, layout="TND")
+    _raises(call(op, **tnd), f"{name(op)}: argument 'actual_seq_qlen' is required for "
+            "input_layout 'TND'")
+    _raises(call(op, **tnd, actual_seq_qlen=[4, 10]),
+            f"{name(op)}: argument 'actual_seq_kvlen' is required for input_layout 'TND'")
+    _raises(call(op, **tnd, actual_seq_qlen=[], actual_seq_kvlen=[]),
+            f"{name(op)}: argument 'actual_seq_qlen' is required")
+    _raises(call(op, **tnd, actual_seq_qlen=[4, 10], actual_seq_kvlen=[12]),
+            f"{name(op)}: argument 'actual_seq_kvlen' must have as many entries as "
+            "actual_seq_qlen (2), but got 1")
+    _raises(call(op, **tnd, actual_seq_qlen=[6, 4], actual_seq_kvlen=[5, 12]),
+            f"{name(op)}: argument 'actual_seq_qlen' must be non-decreasing cumulative sequence "
+            "ends without the leading 0")
+    _raises(call(op, **tnd, actual_seq_qlen=[4, 0, 10], actual_seq_kvlen=[5, 6, 12]),
+            f"{name(op)}: argument 'actual_seq_qlen' must be non-decreasing cumulative sequence "
+            "ends (a trailing run of zeros")
+    _raises(call(op, **tnd, actual_seq_qlen=[4, 10], actual_seq_kvlen=[5, 13]),
+            f"{name(op)}: argument 'actual_seq_kvlen' ends at 13 tokens, more than the tensor's "
+            "T = 12")
+
+
+@OPS
+def test_rejects_bad_sparse_mode(op):
+    mask = CAUSAL_2048
+    for mode in (9, -1):
+        _raises(call(op, atten_mask=mask, sparse_mode=mode),
+                f"{name(op)}: argument 'sparse_mode' must be in [0, 8], but got {mode}")
+    for mode in (7, 8):
+        _raises(call(op, atten_mask=mask, sparse_mode=mode), f"{name(op)}: argument "
+                f"'sparse_mode' {mode} (split varlen) needs input_layout 'TND', but got 'BNSD'")
+    _raises(call(op, QT, KT, VT, layout="TND", atten_mask=torch.zeros(4, 6, dtype=torch.bool),
+                 sparse_mode=5, prefix=[1, 1], **TND_LENS),
+            f"{name(op)}: argument 'sparse_mode' 5 (prefix, uncompressed) is not available with "
+            "input_layout 'TND'")
+
+
+@OPS
+def test_rejects_bad_prefix(op):
+    user = torch.zeros(2, 1, 5, 6, dtype=torch.bool)
+    for mode, mask in ((5, user), (6, PREFIX_3072)):
+        _raises(call(op, atten_mask=mask, sparse_mode=mode), f"{name(op)}: argument 'prefix' "
+                f"must list one prefix length per batch (2) for sparse_mode {mode}, but got None")
+        _raises(call(op, atten_mask=mask, sparse_mode=mode, prefix=[1]),
+                f"{name(op)}: argument 'prefix' must list one prefix length per batch (2)")
+        _raises(call(op, atten_mask=mask, sparse_mode=mode, prefix=[1, -1]),
+                f"{name(op)}: argument 'prefix' must be >= 0")
+
+
+@OPS
+def test_rejects_bad_mask(op):
+    _raises(call(op, atten_mask=torch.zeros(5, 6)),
+            f"{name(op)}: argument 'atten_mask' must be bool or uint8 (True / 1 = masked out), "
+            "but got Float")
+    _raises(call(op, atten_mask=torch.zeros(5, 6, dtype=torch.int32), sparse_mode=2),
+            f"{name(op)}: argument 'atten_mask' must be bool or uint8")
+    for shape in ((5, 7), (6, 5), (2, 4, 6), (2, 3, 5, 6), (3, 1, 5, 6), (1, 1, 1, 5, 6)):
+        _raises(call(op, atten_mask=torch.zeros(shape, dtype=torch.bool)),
+                f"{name(op)}: argument 'atten_mask' must be [B, N, Sq, Skv], [B, 1, Sq, Skv], "
+                "[1, 1, Sq, Skv] or [Sq, Skv] = [5, 6]), but got")
+    _raises(call(op, atten_mask=torch.zeros(5, 6, dtype=torch.bool), sparse_mode=5,
+                 prefix=[1, 1]),
+            f"{name(op)}: argument 'atten_mask' must be [B, N, Sq, Skv] or [B, 1, Sq, Skv] for "
+            "sparse_mode 5, but got [5, 6]")
+    for shape in ((5, 7), (6, 6), (1, 1, 6, 7)):  # TND: [maxSq, maxSkv] = [6, 7] or larger
+        _raises(call(op, QT, KT, VT, layout="TND", atten_mask=torch.zeros(shape, dtype=torch.bool),
+                     **TND_LENS),
+                f"{name(op)}: argument 'atten_mask' must be [maxSq, maxSkv] for input_layout "
+                "'TND' (at least [6, 7]), but got")
+
+
+@OPS
+def test_rejects_bad_pse(op):
+    for shape in ((2, 4, 5, 7), (2, 3, 5, 6), (2, 4, 4, 6), (3, 4, 5, 6), (4, 5, 6)):
+        _raises(call(op, pse=randn(*shape)), f"{name(op)}: argument 'pse' must be [B or 1, N or "
+                "1, Sq or 1, Skv] = [2, 4, 5, 6], but got")
+    _raises(call(op, pse=torch.zeros(2, 4, 5, 6, dtype=torch.int32)),
+            f"{name(op)}: argument 'pse' must be float16, bfloat16 or float32, but got Int")
+    _raises(call(op, QT, KT, VT, layout="TND", pse=randn(1, 4, 1, 12), **TND_LENS),
+            f"{name(op)}: argument 'pse' is not supported with input_layout 'TND'")
+
+
+@OPS
+def test_rejects_bad_sink(op):
+    for sink in (torch.zeros(4, dtype=F16), torch.zeros(4, dtype=F64), torch.zeros(5),
+                 torch.zeros(1, 4)):
+        _raises(call(op, sink=sink),
+                f"{name(op)}: argument 'sink' must be a float32 [head_num] = [4] tensor, but got")
+
+
+@OPS
+def test_rejects_padding_mask_and_bad_softmax_layout(op):
+    _raises(call(op, padding_mask=torch.zeros(2, 1, 5, 6)),
+            f"{name(op)}: argument 'padding_mask' is not supported (torch_npu reserves it)")
+    _raises(call(op, QH, KH, VH, layout="BSH", softmax_layout="TND"),
+            f"{name(op)}: argument 'softmax_layout' \"TND\" needs input_layout 'TND', but got "
+            "'BSH'")
+    _raises(call(op, QT, KT, VT, layout="TND", softmax_layout="NTD", **TND_LENS),
+            f"{name(op)}: argument 'softmax_layout' must be \"\" or \"TND\", but got \"NTD\"")
+    _raises(call(op, inner_precise=3), f"{name(op)}: argument 'inner_precise' must be 0, 1 or 2")
+
+
+def test_forward_rejects_bad_dropout_mask():
+    numels = 2 * 4 * 5 * 6
+    _raises(lambda: fa(QB, KB, VB, 4, "BNSD", keep_prob=0.5,
+                       dropout_mask=torch.zeros(numels // 8 - 1, dtype=torch.uint8)),
+            f"npu_fusion_attention: argument 'dropout_mask' must hold numels = {numels} bits "
+            f"({numels // 8} bytes), but got {numels // 8 - 1} bytes")
+    _raises(lambda: fa(QB, KB, VB, 4, "BNSD", keep_prob=0.5,
+                       dropout_mask=torch.zeros(numels, dtype=torch.bool)),
+            "npu_fusion_attention: argument 'dropout_mask' must be the uint8 bit mask of "
+            "_npu_dropout_gen_mask, but got Bool")
+
+
+def test_grad_rejects_bad_arguments():
+    res = fa(QB, KB, VB, 4, "BNSD")
+    dy = torch.zeros_like(res[0])
+    g = lambda **kw: lambda: fa_grad(QB, KB, VB, kw.pop("dy", dy), 4, "BNSD", **kw)  # noqa: E731
+    _raises(g(dy=torch.zeros(2, 4, 5, 7)), "npu_fusion_attention_grad: argument 'dy' must have "
+            "the shape of attention_out [2, 4, 5, 8], but got [2, 4, 5, 7]")
+    stats = dict(softmax_max=res[1], softmax_sum=res[2], attention_in=res[0])
+    _raises(g(**{**stats, "softmax_max": res[1][..., :4]}), "npu_fusion_attention_grad: "
+            "argument 'softmax_max' must be the float32 [2, 4, 5, 8] tensor npu_fusion_attention "
+            "returned, but got Float [2, 4, 5, 4]")
+    _raises(g(**{**stats, "softmax_sum": res[2].double()}),
+            "npu_fusion_attention_grad: argument 'softmax_sum' must be the float32")
+    _raises(g(**{**stats, "attention_in": res[0][:1]}), "npu_fusion_attention_grad: argument "
+            "'attention_in' must be the forward's attention_out [2, 4, 5, 8], but got [1, 4, 5, 8]")
+    _raises(g(keep_prob=0.5, numels=7), "npu_fusion_attention_grad: argument 'numels' must be "
+            "the forward's mask bit count 240, but got 7")
+    fa_grad(QB, KB, VB, dy, 4, "BNSD", numels=7)  # numels only matters with dropout
+
+
+@pytest.mark.parametrize("case", ["D 769", "Dv > D", "head_num 257", "fp64", "mask not 2048"])
+def test_strict_mode_rejects_ascend_unsupported(case):
+    calls = {
+        "D 769": (lambda: fa(*make_qkv(1, 1, 1, 2, 2, 769), 1, "BNSD"), "'query'"),
+        "Dv > D": (lambda: fa(*make_qkv(1, 1, 1, 2, 2, 8, 16), 1, "BNSD"), "'value'"),
+        "head_num 257": (lambda: fa(*make_qkv(1, 257, 1, 2, 2, 1), 257, "BNSD"), "'head_num'"),
+        "fp64": (lambda: fa(*make_qkv(1, 1, 1, 2, 2, 8, dtype=F64), 1, "BNSD"), "'query'"),
+        "mask not 2048": (lambda: fa(*make_qkv(1, 1, 1, 2, 2, 8), 1, "BNSD", sparse_mode=2,
+                                     atten_mask=torch.ones(2, 2, dtype=torch.bool).triu(1)),
+                          "'atten_mask'"),
+    }
+    fn, arg = calls[case]
+    fn()  # accepted by default
+    with opennpu.strict(True):
+        _raises(fn, f"npu_fusion_attention: argument {arg}", "(strict mode: Ascend constraint)")
+
+
+def test_strict_mode_accepts_documented_usage():
+    with opennpu.strict(True):
+        q, k, v = make_qkv(1, 4, 2, 16, 16, 64, 32, "BSH", BF16)
+        fa(q, k, v, 4, "BSH", atten_mask=CAUSAL_2048, sparse_mode=3)
+        fa(q, k, v, 4, "BSH", atten_mask=PREFIX_3072, sparse_mode=6, prefix=[3])
+        fa(q, k, v, 4, "BSH", atten_mask=torch.rand(16, 16) < 0.5)
+
+
+# ----------------------------------------------------------------------------- hypothesis
+
+
+@settings(**SETTINGS)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    b=st.integers(1, 3), nkv=st.integers(1, 2), group=st.integers(1, 3),
+    sq=st.integers(1, 70), skv=st.integers(1, 70), d=st.integers(1, 24), dv_less=st.integers(0, 8),
+    mode=st.sampled_from([None, 0, 1, 2, 3, 4, 5, 6]),
+    pre=st.integers(-5, 80), nxt=st.integers(-5, 80), prefix=st.integers(0, 80),
+    pse=st.booleans(), sink=st.booleans(),
+)
+def test_hypothesis_sweep(layout, b, nkv, group, sq, skv, d, dv_less, mode, pre, nxt, prefix,
+                          pse, sink):
+    n = nkv * group
+    dv = max(1, d - dv_less)
+    q, k, v = make_qkv(b, n, nkv, sq, skv, d, dv, layout)
+    kw = dict(scale=d ** -0.5)
+    full = None
+    if mode is not None:
+        user = torch.rand(b, 1, sq, skv) < 0.3
+        prefixes = [prefix] * b
+        kw.update(atten_mask=mask_for(mode, user), sparse_mode=mode, pre_tockens=pre,
+                  next_tockens=nxt, prefix=prefixes)
+        full = R.full_visibility_mask(mode, sq, skv, b, 1, user, pre, nxt, prefixes)
+    check_attention(q, k, v, n, layout, mask_full=full, grad_scale=8.0,
+                    pse=randn(1, n, 1, skv) if pse else None,
+                    sink=torch.randn(n) if sink else None, **kw)
+
+
+@settings(**SETTINGS)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 40)), min_size=1, max_size=5),
+    trailing=st.integers(0, 2), extra=st.integers(0, 3), nkv=st.integers(1, 2),
+    group=st.integers(1, 2), mode=st.sampled_from([None, 0, 2, 3, 4, 6, 7, 8]),
+    pre=st.integers(-3, 50), nxt=st.integers(-3, 50), softmax_layout=st.sampled_from(["", "TND"]),
+)
+def test_hypothesis_tnd_sweep(lens, trailing, extra, nkv, group, mode, pre, nxt, softmax_layout):
+    qlen, kvlen, tq, tk = [], [], 0, 0
+    for a, c in lens:
+        tq, tk = tq + a, tk + c
+        qlen.append(tq)
+        kvlen.append(tk)
+    qlen, kvlen = qlen + [0] * trailing, kvlen + [0] * trailing
+    n = nkv * group
+    q, k, v = make_tnd(tq + extra, tk + extra, n, nkv, 8, 4)
+    kw = dict(scale=0.3, actual_seq_qlen=qlen, actual_seq_kvlen=kvlen,
+              softmax_layout=softmax_layout)
+    masks = None
+    if mode is not None and tq > 0:
+        user = torch.rand(max(a for a, _ in lens) + 1, max(c for _, c in lens) + 1) < 0.3
+        prefix = [3] * len(qlen)
+        kw.update(atten_mask=mask_for(mode, user), sparse_mode=mode, pre_tockens=pre,
+                  next_tockens=nxt, prefix=prefix)
+        masks = tnd_full_masks(mode, qlen, kvlen, user, pre, nxt, prefix)
+    check_attention(q, k, v, n, "TND", mask_full=masks, grad_scale=8.0, **kw)
