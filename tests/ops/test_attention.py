@@ -117,10 +117,6 @@ def unpack_bits(mask, numels):
     return bits.flatten()[:numels]
 
 
-def keep_from_bits(bits, b, n, sq, skv):
-    return bits.view(b, n, sq, skv)
-
-
 def tnd_keep_from_bits(bits, n, qlen, kvlen):
     """Per-sequence [n, sq, skv] keep masks: sequences one after another, each (n, i, j)."""
     out, pos = [], 0
@@ -767,9 +763,9 @@ def test_grad_op_output_contract(dtype):
     assert dsink.shape == (4,) and dsink.dtype == F32
 
 
-@pytest.mark.parametrize("layout", ["BSH", "TND"])
-def test_grad_op_with_tnd_softmax_layouts(layout):
-    # the backward reads the statistics in the softmax_layout they were produced in
+def test_grad_op_with_tnd_softmax_layouts():
+    # the backward reads the statistics in the softmax_layout they were produced in (and a
+    # mismatched layout really is read differently)
     (q, k, v), qlen, kvlen = tnd_inputs("empty-and-trailing-zeros")
     kw = dict(actual_seq_qlen=qlen, actual_seq_kvlen=kvlen, scale=0.25)
     grads = []
@@ -781,6 +777,11 @@ def test_grad_op_with_tnd_softmax_layouts(layout):
                              actual_seq_qlen=qlen, actual_seq_kvlen=kvlen))
     for a, b in zip(grads[0][:3], grads[1][:3]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    res = fa(q, k, v, 4, "TND", **kw)  # N-major statistics read as T-major
+    wrong = fa_grad(q, k, v, torch.ones_like(res[0]), 4, "TND", softmax_max=res[1],
+                    softmax_sum=res[2], attention_in=res[0], scale_value=0.25,
+                    softmax_layout="TND", actual_seq_qlen=qlen, actual_seq_kvlen=kvlen)
+    assert max_err(wrong[0], grads[0][0]) > 1e-3
 
 
 def test_autograd_only_requested_inputs():
@@ -939,7 +940,7 @@ def test_dropout_keeps_about_keep_prob():
         assert abs(out.item() - 1) < 0.05, (keep_prob, out.item())
 
 
-# ----------------------------------------------------------------------------- _npu_dropout_gen_mask
+# ----------------------------------------------------------------------------- gen mask
 
 
 def test_gen_mask_size_padding_and_bit_order():
@@ -1107,8 +1108,8 @@ def test_opcheck_npu_fusion_attention_grad():
     stats = dict(softmax_max=res[1], softmax_sum=res[2], attention_in=res[0])
     pse = randn(2, 1, 1, 7)
     samples = [((q, k, v, dy, 4, "SBH"), dict(scale_value=0.3, **stats)),
-               ((q, k, v, dy, 4, "SBH"), dict(pse=pse, sink=torch.randn(4),
-                                              keep_prob=0.5, seed=1, offset=0, numels=2 * 4 * 6 * 7))]
+               ((q, k, v, dy, 4, "SBH"), dict(pse=pse, sink=torch.randn(4), keep_prob=0.5,
+                                              seed=1, offset=0, numels=2 * 4 * 6 * 7))]
     opcheck(torch.ops.npu.npu_fusion_attention_grad.default, samples)
 
 
