@@ -696,12 +696,13 @@ def test_gradcheck_float64(layout):
 
 @pytest.mark.parametrize("mode", [3, 7])
 def test_gradcheck_float64_tnd(mode):
-    q, k, v = (t.requires_grad_() for t in make_tnd(7, 9, 2, 2, 3, 2, F64))
+    # GQA, an empty sequence and a key token no sequence uses
+    q, k, v = (t.requires_grad_() for t in make_tnd(5, 7, 2, 1, 3, 2, F64))
 
     def fn(q, k, v):
         return fa(q, k, v, 2, "TND", atten_mask=CAUSAL_2048, sparse_mode=mode, scale=0.7,
-                  pre_tockens=1, next_tockens=0, actual_seq_qlen=[2, 2, 7],
-                  actual_seq_kvlen=[3, 3, 8])[0]
+                  pre_tockens=1, next_tockens=0, actual_seq_qlen=[2, 2, 5],
+                  actual_seq_kvlen=[3, 3, 6])[0]
 
     assert gradcheck(fn, (q, k, v), fast_mode=mode == 7)
 
@@ -1123,6 +1124,8 @@ def test_opcheck_dropout_gen_mask():
 
 
 def test_compile_fullgraph_dynamic_matches_eager():
+    # Fails as of e65e750: the schema returns numels as `int`, so the fake kernel's symbolic
+    # B*N*Sq*Skv is guarded to a constant and every new shape recompiles (2 frames, not 1).
     def block(q, k, v, pse, mask):
         out, smax, ssum, *_ = opennpu.npu_fusion_attention(
             q, k, v, 4, "BSH", pse=pse, atten_mask=mask, scale=0.25, pre_tockens=6,
