@@ -176,9 +176,192 @@ def native_rotary_mul(x, r1, r2):
     return r1 * x + r2 * x_new
 
 
+# ----------------------------------------------------------------------------- fusion attention
+
+
+def attention_to_bnsd(x, layout, head_dim=None):
+    """A q/k/v-shaped tensor in `layout` (BSH, SBH, BSND, BNSD) viewed as [B, N, S, D].
+
+    BSH/SBH need the head size `head_dim` to split H = N * D."""
+    if layout == "BSH":
+        return x.unflatten(2, (-1, head_dim)).transpose(1, 2)
+    if layout == "SBH":
+        return x.unflatten(2, (-1, head_dim)).permute(1, 2, 0, 3)
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BNSD":
+        return x
+    raise ValueError(f"layout {layout!r}")
+
+
+def attention_from_bnsd(x, layout):
+    """The inverse of attention_to_bnsd: [B, N, S, D] -> `layout`."""
+    if layout == "BSH":
+        return x.transpose(1, 2).flatten(2)
+    if layout == "SBH":
+        return x.permute(2, 0, 1, 3).flatten(2)
+    if layout == "BSND":
+        return x.transpose(1, 2)
+    if layout == "BNSD":
+        return x
+    raise ValueError(f"layout {layout!r}")
+
+
+def _attention_bnsd(q, k, v, *, pse, mask_full, scale, sink, keep, keep_prob):
+    """(out [B, N, Sq, Dv], softmax_max [B, N, Sq], softmax_sum [B, N, Sq]) for BNSD operands of
+    the accumulator dtype; k/v may have fewer heads (GQA)."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2)
+    if pse is not None:
+        s = s + pse
+    s = s * scale
+    b, n, sq, skv = s.shape
+    masked = (torch.zeros(b, n, sq, skv, dtype=torch.bool) if mask_full is None
+              else mask_full.expand(b, n, sq, skv))
+    s = s.masked_fill(masked, float("-inf"))
+    if sink is not None:  # one extra logit per head, no value row
+        s = torch.cat([s, sink.to(s.dtype)[None, :, None, None].expand(b, n, sq, 1)], dim=-1)
+        alive = torch.ones(b, n, sq, dtype=torch.bool)
+    else:
+        alive = ~masked.all(dim=-1)  # rows that see at least one key
+    # Rows that see nothing: a finite stand-in keeps softmax (and its gradient) free of NaN; the
+    # row is zeroed afterwards.
+    safe = s.masked_fill(~alive[..., None], 0.0)
+    row_max = (safe.amax(dim=-1, keepdim=True) if safe.shape[-1] > 0
+               else safe.new_zeros(b, n, sq, 1))
+    e = torch.exp(safe - row_max)
+    row_sum = e.sum(dim=-1, keepdim=True)
+    p = e / row_sum * alive[..., None]
+    if sink is not None:
+        p = p[..., :skv]
+    if keep is not None:
+        p = p * keep.to(p.dtype) / keep_prob
+    out = p @ v
+    neg_inf = torch.full_like(row_max, float("-inf"))
+    softmax_max = torch.where(alive[..., None], row_max, neg_inf).squeeze(-1)
+    softmax_sum = (row_sum * alive[..., None]).squeeze(-1)
+    return out, softmax_max.detach(), softmax_sum.detach()
+
+
+def attention_reference(q, k, v, head_num, layout, *, pse=None, mask_full=None, scale=1.0,
+                        sink=None, keep=None, keep_prob=1.0, actual_seq_qlen=None,
+                        actual_seq_kvlen=None):
+    """(attention_out, softmax_max, softmax_sum) of npu_fusion_attention.
+
+    out = Dropout(softmax(Mask(scale * (Q K^T + pse))), keep_prob) V per head; query head n uses
+    key/value head n // (Nq // Nkv). `mask_full` is the complete bool visibility mask (True =
+    masked out) broadcastable to [B, N, Sq, Skv], e.g. from full_visibility_mask; `keep` the
+    0/1 dropout keep mask [B, N, Sq, Skv] (kept values are scaled by 1 / keep_prob); `sink`
+    [N] one extra logit per softmax row. A row that sees no key gives 0, softmax_max -inf and
+    softmax_sum 0.
+
+    out is in `layout` (head size of value); the statistics are [B, N, Sq] (one copy, not 8).
+    TND ([T, N, D]): actual_seq_qlen / actual_seq_kvlen are the cumulative ends (no leading 0,
+    a trailing run of zeros ends the list), `mask_full` and `keep` are lists with one
+    [N, sq_i, skv_i]-broadcastable tensor (or None) per sequence; tokens past the last end give
+    0 output, and the statistics are [T, N] (token-major).
+    """
+    qf, kf, vf = _up(q), _up(k), _up(v)
+    pf = _up(pse) if pse is not None else None
+    sk = _up(sink) if sink is not None else None
+    if layout == "TND":
+        return _attention_tnd(qf, kf, vf, head_num, pf, mask_full, scale, sk, keep, keep_prob,
+                              actual_seq_qlen, actual_seq_kvlen)
+    d = q.shape[-1] // head_num if layout in ("BSH", "SBH") else q.shape[-1]
+    kv_heads = k.shape[-1] // d if layout in ("BSH", "SBH") else None
+    qb = attention_to_bnsd(qf, layout, d)
+    kb = attention_to_bnsd(kf, layout, d)
+    vb = attention_to_bnsd(vf, layout, v.shape[-1] // kv_heads if kv_heads else None)
+    out, smax, ssum = _attention_bnsd(qb, kb, vb, pse=pf, mask_full=mask_full, scale=scale,
+                                      sink=sk, keep=keep, keep_prob=keep_prob)
+    return attention_from_bnsd(out, layout), smax, ssum
+
+
+def _cumulative_to_spans(ends):
+    """[(start, length)] of cumulative ends; a trailing run of zeros marks batches not computed."""
+    spans, prev = [], 0
+    for end in ends:
+        if end < prev:  # the trailing zeros
+            spans.append((prev, 0))
+            continue
+        spans.append((prev, end - prev))
+        prev = end
+    return spans
+
+
+def _attention_tnd(q, k, v, head_num, pse, mask_full, scale, sink, keep, keep_prob, qlen, kvlen):
+    assert pse is None, "pse is not supported with TND"
+    t, n = q.shape[0], head_num
+    outs, maxes, sums = [], [], []
+    covered = 0
+    for b, ((qs, sq), (ks, skv)) in enumerate(zip(_cumulative_to_spans(qlen),
+                                                  _cumulative_to_spans(kvlen))):
+        if sq == 0:
+            continue
+        qb = q[qs:qs + sq].permute(1, 0, 2)[None]
+        kb = k[ks:ks + skv].permute(1, 0, 2)[None]
+        vb = v[ks:ks + skv].permute(1, 0, 2)[None]
+        m = mask_full[b] if mask_full is not None else None
+        kp = keep[b] if keep is not None else None
+        out, smax, ssum = _attention_bnsd(qb, kb, vb, pse=None, mask_full=m, scale=scale,
+                                          sink=sink, keep=kp, keep_prob=keep_prob)
+        outs.append(out[0].permute(1, 0, 2))
+        maxes.append(smax[0].t())
+        sums.append(ssum[0].t())
+        covered = qs + sq
+    rest = t - covered
+    outs.append(q.new_zeros(rest, n, v.shape[-1]))
+    maxes.append(torch.full((rest, n), float("-inf"), dtype=q.dtype))
+    sums.append(torch.zeros(rest, n, dtype=q.dtype))
+    return torch.cat(outs), torch.cat(maxes), torch.cat(sums)
+
+
+def full_visibility_mask(sparse_mode, sq, skv, b=1, n=1, user_mask=None, pre=2147483647,
+                         next=2147483647, prefix=None):  # noqa: A002 (torch_npu's name)
+    """The complete bool mask [b, n, sq, skv] (True = masked out) npu_fusion_attention applies
+    for `sparse_mode` when an atten_mask is given (modes 0-6; the TND modes 7/8 are modes 2-4
+    per sequence). `user_mask` is the mask's content, used only where the mode reads it (0, 1,
+    5), broadcastable to [b, n, sq, skv]. Built with triu/tril from the documented rules:
+    0 user | outside the band i - pre <= j <= i + next; 1 user; 2 j > i; 3 j > i + shift;
+    4 outside the band around i + shift; 5 user | (j > i + shift and j >= prefix[b]); 6 as 5
+    without user; shift = skv - sq."""
+    shift = skv - sq
+    ones = torch.ones(sq, skv, dtype=torch.bool)
+    lim = sq + skv + 1  # diagonals beyond this are all or nothing
+
+    def above(c):  # j > i + c
+        return torch.triu(ones, diagonal=max(min(c + 1, lim), -lim))
+
+    def below(c):  # j < i - c
+        return torch.tril(ones, diagonal=max(min(-c - 1, lim), -lim))
+
+    user = torch.zeros(b, n, sq, skv, dtype=torch.bool)
+    if user_mask is not None and sparse_mode in (0, 1, 5):  # the other modes do not read it
+        user = user | user_mask.bool()
+    if sparse_mode == 0:
+        rule = above(next) | below(pre)
+    elif sparse_mode == 1:
+        rule = torch.zeros_like(ones)
+    elif sparse_mode == 2:
+        rule = above(0)
+    elif sparse_mode == 3:
+        rule = above(shift)
+    elif sparse_mode == 4:
+        rule = above(shift + next) | below(pre - shift)
+    elif sparse_mode in (5, 6):
+        cols = torch.arange(skv)
+        rule = torch.stack([above(shift) & (cols >= prefix[i])[None] for i in range(b)])[:, None]
+    else:
+        raise ValueError(f"sparse_mode {sparse_mode}")
+    return user | rule
+
+
 def native_flash_attention_seed(query, key, value, atten_mask=None, scale=0.099, layout="BSH"):
-    """Seed 000's TorchFlashAttention.supported_op_exec, as written there: BNSD inputs; the
-    output is BSH ([B, S, N*D]), or BNSD with layout="BNSD". Masked positions get -inf."""
+    """Seed 000's TorchFlashAttention.supported_op_exec: BNSD inputs; the output is BSH
+    ([B, S, N*D]), or BNSD with layout="BNSD"; masked positions get -inf. It runs in the inputs'
+    dtype (the seed casts the fp32 softmax to float16, its dtype; here to query's dtype)."""
     qk = torch.matmul(query, key.transpose(2, 3)).mul(scale)
     if atten_mask is not None:
         qk.masked_fill_(atten_mask, torch.tensor(-float("inf")))
