@@ -136,10 +136,12 @@ def stats_expected(ref_stat, layout, softmax_layout=""):
     return ref_stat.unsqueeze(-1).expand(*ref_stat.shape, 8)
 
 
-def check_stats(smax, ssum, ref_max, ref_sum, layout, softmax_layout="", scale=4.0):
+def check_stats(smax, ssum, ref_max, ref_sum, layout, softmax_layout="", scale=4.0, dtype=F32):
+    """The statistics are float32 (float64 for float64 inputs, an opennpu extension)."""
+    stats_dtype = F64 if dtype == F64 else F32
     for name, got, ref in (("softmax_max", smax, ref_max), ("softmax_sum", ssum, ref_sum)):
         want = stats_expected(ref, layout, softmax_layout)
-        assert got.dtype == F32, f"{name}: dtype {got.dtype}"
+        assert got.dtype == stats_dtype, f"{name}: dtype {got.dtype}"
         assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(want.shape)}"
         assert torch.equal(got, got[..., :1].expand_as(got)), f"{name}: the 8 copies differ"
         assert_close(got, want, dtype=F32, scale=scale, msg=name)
@@ -171,7 +173,8 @@ def check_attention(q, k, v, n, layout, *, mask_full=None, keep=None, grads=True
     assert out.dtype == q.dtype and out.shape == ref_out.shape, (out.dtype, out.shape)
     assert not out.isnan().any(), "NaN in attention_out"
     assert_close(out, ref_out, scale=out_scale, msg="attention_out")
-    check_stats(smax, ssum, ref_max, ref_sum, layout, kw.get("softmax_layout", ""), stats_scale)
+    check_stats(smax, ssum, ref_max, ref_sum, layout, kw.get("softmax_layout", ""), stats_scale,
+                dtype=q.dtype)
     assert sout.shape == (0,)
     assert all(type(x) is int for x in (seed, offset, numels))
     assert numels == expected_numels(q, k, n, layout, kw.get("actual_seq_qlen"),
@@ -187,10 +190,7 @@ def check_attention(q, k, v, n, layout, *, mask_full=None, keep=None, grads=True
             assert g.shape == t.shape and g.dtype == t.dtype, (name, g.shape, g.dtype)
             assert not g.isnan().any(), f"{name}: NaN"
             w = torch.zeros_like(g, dtype=F64) if w is None else w
-            # fp64 gradients are recomputed from the float32 softmax statistics (the contract's
-            # dtype), so they are float32-accurate: compare them with the float32 tolerance.
-            tol_dtype = F32 if q.dtype in (F64, F32) else q.dtype
-            assert_close(g, w, dtype=tol_dtype, scale=grad_scale, msg=name)
+            assert_close(g, w, dtype=q.dtype, scale=grad_scale, msg=name)
     return res
 
 
@@ -232,8 +232,10 @@ def test_low_precision_not_worse_than_native(dtype, masked):
     assert_not_worse_than_native(out, native, ref)
 
 
-def test_low_precision_rounds_once():
-    # fp16/bf16 are computed in fp32: the output is the fp32 result rounded once
+def test_low_precision_rounds_once(monkeypatch):
+    # Without half-precision matrix units (or with them turned off), fp16/bf16 are computed in
+    # fp32: the output is the fp32 result rounded once.
+    monkeypatch.setenv("OPENNPU_ATTENTION_PACKED", "0")
     q, k, v = make_qkv(2, 2, 2, 40, 50, 16, 16, "BSND", BF16)
     ours = fa(q, k, v, 2, "BSND", scale=0.3)[0]
     in_fp32 = fa(q.float(), k.float(), v.float(), 2, "BSND", scale=0.3)[0]
@@ -1288,7 +1290,7 @@ def test_rejects_bad_mask(op):
     for shape in ((5, 7), (6, 5), (2, 4, 6), (2, 3, 5, 6), (3, 1, 5, 6), (1, 1, 1, 5, 6)):
         _raises(call(op, atten_mask=torch.zeros(shape, dtype=torch.bool)),
                 f"{name(op)}: argument 'atten_mask' must be [B, N, Sq, Skv], [B, 1, Sq, Skv], "
-                "[1, 1, Sq, Skv] or [Sq, Skv] = [5, 6]), but got")
+                "[1, 1, Sq, Skv], [1, N, Sq, Skv] or [Sq, Skv] (with [Sq, Skv] = [5, 6]), but got")
     _raises(call(op, atten_mask=torch.zeros(5, 6, dtype=torch.bool), sparse_mode=5,
                  prefix=[1, 1]),
             f"{name(op)}: argument 'atten_mask' must be [B, N, Sq, Skv] or [B, 1, Sq, Skv] for "
@@ -1351,10 +1353,11 @@ def test_grad_rejects_bad_arguments():
             "the shape of attention_out [2, 4, 5, 8], but got [2, 4, 5, 7]")
     stats = dict(softmax_max=res[1], softmax_sum=res[2], attention_in=res[0])
     _raises(g(**{**stats, "softmax_max": res[1][..., :4]}), "npu_fusion_attention_grad: "
-            "argument 'softmax_max' must be the float32 [2, 4, 5, 8] tensor npu_fusion_attention "
-            "returned, but got Float [2, 4, 5, 4]")
-    _raises(g(**{**stats, "softmax_sum": res[2].double()}),
-            "npu_fusion_attention_grad: argument 'softmax_sum' must be the float32")
+            "argument 'softmax_max' must be the [2, 4, 5, 8] tensor npu_fusion_attention "
+            "returned, but got [2, 4, 5, 4]")
+    _raises(g(**{**stats, "softmax_sum": res[2].half()}),
+            "npu_fusion_attention_grad: argument 'softmax_sum' must be float32 (float64 for "
+            "float64 inputs), but got Half")
     _raises(g(**{**stats, "attention_in": res[0][:1]}), "npu_fusion_attention_grad: argument "
             "'attention_in' must be the forward's attention_out [2, 4, 5, 8], but got [1, 4, 5, 8]")
     _raises(g(keep_prob=0.5, numels=7), "npu_fusion_attention_grad: argument 'numels' must be "

@@ -368,7 +368,7 @@ Prepared prepare(const char* op, const SharedArgs& a, bool allow_packed = false)
       OPENNPU_CHECK_ARG(ok, op, "atten_mask",
                         tnd ? "must be [maxSq, maxSkv] for input_layout 'TND' (at least ["
                             : "must be [B, N, Sq, Skv], [B, 1, Sq, Skv], [1, 1, Sq, Skv], [1, N, Sq, Skv] or "
-                              "[Sq, Skv] = [",
+                              "[Sq, Skv] (with [Sq, Skv] = [",
                         max_sq, ", ", max_skv, "]), but got ", shape_str(mask.sizes()));
       OPENNPU_CHECK_ARG(a.sparse_mode != kPrefix || mask.dim() == 4, op, "atten_mask",
                         "must be [B, N, Sq, Skv] or [B, 1, Sq, Skv] for sparse_mode 5, but got ",
