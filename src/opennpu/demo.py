@@ -20,8 +20,8 @@ from .testing.timing import (autograd_backward, busy_warning, compiled, has_cpu_
                              reuse_freed_memory, time_fn)
 
 EPS = 1e-6
-F32, BF16 = torch.float32, torch.bfloat16
-DTYPE_NAMES = {F32: "fp32", BF16: "bf16"}
+F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
+DTYPE_NAMES = {F32: "fp32", BF16: "bf16", F16: "fp16"}
 npu = torch.ops.npu
 
 
@@ -148,6 +148,25 @@ def rotary_mul_backward(shape, dtype, threads):
                     threads)
 
 
+def fusion_attention(shape, dtype, threads):
+    """Seed 000's flash attention: BSH, scale 0.099, a [1, 1, S, S] mask (True = masked out);
+    the seed's random mask on its own shape, a causal one on the long sequence."""
+    b, n, s, d = shape
+    q, k, v = (randn(b, n, s, d, dtype=dtype) for _ in range(3))
+    mask = (torch.randn(1, 1, s, s) >= 0) if s <= 128 else torch.ones(1, 1, s, s, dtype=torch.bool).triu(1)
+
+    def to_bsh(t):
+        return t.transpose(1, 2).reshape(b, s, n * d)
+
+    args = (to_bsh(q), to_bsh(k), to_bsh(v), n, "BSH", None, None, mask, 0.099)
+    trial = forward("npu_fusion_attention", args, reference.native_flash_attention_seed,
+                    (q, k, v, mask),
+                    lambda: reference.native_flash_attention_seed(q.float(), k.float(), v.float(), mask),
+                    threads, pick=lambda out: out[0])
+    trial.nbytes = 0  # compute-bound: no bandwidth fraction
+    return trial
+
+
 class Example(NamedTuple):
     op: str
     direction: str
@@ -158,6 +177,7 @@ class Example(NamedTuple):
 
 
 LLM, GLU, ROPE = (4096, 4096), (4096, 2 * 11008), (2, 8192, 5, 128)
+ATTN_SEED, ATTN_LONG = (1, 32, 128, 128), (1, 32, 2048, 128)
 # The first row of each op is the seed document's example.
 EXAMPLES = [
     Example("npu_rms_norm", "fwd", (128, 256), F32, "native_rms_norm", rms_norm),
@@ -179,6 +199,8 @@ EXAMPLES = [
     Example("npu_rotary_mul", "fwd", ROPE, F32, "native_rotary_mul", rotary_mul),
     Example("npu_rotary_mul", "fwd", ROPE, BF16, "native_rotary_mul", rotary_mul),
     Example("npu_rotary_mul_backward", "bwd", ROPE, BF16, "native_rotary_mul", rotary_mul_backward),
+    Example("npu_fusion_attention", "fwd", ATTN_SEED, F16, "TorchFlashAttention", fusion_attention),
+    Example("npu_fusion_attention", "fwd", ATTN_LONG, BF16, "TorchFlashAttention", fusion_attention),
 ]
 
 ROW = "{:<24}{:<4}{:<15}{:<5}{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}"
@@ -207,7 +229,7 @@ def run_example(example: Example, threads: int, min_run_time: float, copy_bw: fl
         example.op, example.direction, shape_name(example.shape),
         DTYPE_NAMES[example.dtype], example.native, f"{err_ours:.1e}", f"{err_native:.1e}",
         f"{ours * 1e3:.3f}", f"{eager * 1e3:.3f}", f"{comp * 1e3:.3f}", f"{eager / ours:.1f}x",
-        f"{comp / ours:.1f}x", f"{trial.nbytes / ours / 1e9 / copy_bw:.0%}")
+        f"{comp / ours:.1f}x", f"{trial.nbytes / ours / 1e9 / copy_bw:.0%}" if trial.nbytes else "-")
 
 
 def run(threads: int | None = None, min_run_time: float = 0.2) -> None:
