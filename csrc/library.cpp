@@ -36,6 +36,12 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor");
   // Returns (dx, dr1, dr2); dr1/dr2 are reduced over the dims r1/r2 broadcast along.
   m.def("npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> (Tensor, Tensor, Tensor)");
+
+  // Confusion transpose: transpose_first ? self.permute(perm).view(shape) : self.view(shape).permute(perm),
+  // always a new contiguous tensor.
+  m.def("npu_confusion_transpose(Tensor self, int[] perm, int[] shape, bool transpose_first) -> Tensor");
+  // Gradient of npu_confusion_transpose: called with the input's shape and !transpose_first; returns `shape`.
+  m.def("npu_confusion_transpose_backward(Tensor grad, int[] perm, SymInt[] shape, bool transpose_first) -> Tensor");
 }
 
 // opennpu's own helpers, outside the torch_npu namespace.
