@@ -148,6 +148,25 @@ def rotary_mul_backward(shape, dtype, threads):
                     threads)
 
 
+def _seed_example_two(data):
+    return reference.native_confusion_transpose_2(data).contiguous()  # materialised, as the op's
+
+
+def confusion_transpose(example: int):
+    """Seed 000's npu_confusion_transpose examples on BCHW data: one permutes then reshapes, two
+    views then transposes."""
+    def build(shape, dtype, threads):
+        data = randn(*shape, dtype=dtype)
+        b, c, h, w = shape
+        if example == 1:
+            args, native = ((0, 2, 1, 3), (h, b, c * w), True), reference.native_confusion_transpose_1
+        else:
+            args, native = ((1, 0), (b, h * c * w), False), _seed_example_two
+        return forward("npu_confusion_transpose", (data, *args), native, (data,),
+                       lambda: reference.confusion_transpose(data, *args), threads)
+    return build
+
+
 class Example(NamedTuple):
     op: str
     direction: str
@@ -158,6 +177,7 @@ class Example(NamedTuple):
 
 
 LLM, GLU, ROPE = (4096, 4096), (4096, 2 * 11008), (2, 8192, 5, 128)
+SEED_BCHW = (64, 3, 64, 128)
 # The first row of each op is the seed document's example.
 EXAMPLES = [
     Example("npu_rms_norm", "fwd", (128, 256), F32, "native_rms_norm", rms_norm),
@@ -179,6 +199,13 @@ EXAMPLES = [
     Example("npu_rotary_mul", "fwd", ROPE, F32, "native_rotary_mul", rotary_mul),
     Example("npu_rotary_mul", "fwd", ROPE, BF16, "native_rotary_mul", rotary_mul),
     Example("npu_rotary_mul_backward", "bwd", ROPE, BF16, "native_rotary_mul", rotary_mul_backward),
+    Example("npu_confusion_transpose", "fwd", SEED_BCHW, F32, "permute().reshape()",
+            confusion_transpose(1)),
+    Example("npu_confusion_transpose", "fwd", SEED_BCHW, F32, "view().transpose()",
+            confusion_transpose(2)),
+    # BCHW = (8, 4096, 32, 128) read as BSND: example one's permutation is BSND -> BNSD.
+    Example("npu_confusion_transpose", "fwd", (8, 4096, 32, 128), BF16, "permute().reshape()",
+            confusion_transpose(1)),
 ]
 
 ROW = "{:<24}{:<4}{:<15}{:<5}{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}"

@@ -175,6 +175,20 @@ def test_copy_paths(shape, perm, dtype):
     check(make(x_shape, dtype), perm, target, True)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shape,perm,dtype", [
+    ((4096, 4096), (1, 0), torch.uint8), ((2048, 4096), (1, 0), torch.bfloat16),
+    ((2048, 2048), (1, 0), F32), ((1024, 2048), (1, 0), F64),
+    ((4, 1024, 32, 64), (0, 2, 1, 3), torch.int16), ((16, 1024, 1024), (0, 1, 2), F32),
+    ((2049, 2047), (1, 0), F32),
+], ids=["u8-2d", "bf16-2d", "f32-2d", "f64-2d", "runs", "identity", "unaligned"])
+def test_large_outputs(shape, perm, dtype):
+    # Outputs of 16 MiB and more are written with streaming stores where whole lines are (through
+    # a staging buffer for 1, 2 and 8-byte units); the unaligned one keeps ordinary stores.
+    x = make(shape, dtype)
+    check(x, list(perm), [shape[p] for p in perm], True)
+
+
 @pytest.mark.parametrize("shape,perm,target", [
     ((0, 3), (1, 0), (3, 0)), ((2, 0, 4), (2, 0, 1), (4, 0)), ((0,), (0,), (0, 5)),
 ], ids=["0x3", "2x0x4", "0"])
