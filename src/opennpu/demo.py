@@ -159,7 +159,8 @@ def confusion_transpose(example: int):
         data = randn(*shape, dtype=dtype)
         b, c, h, w = shape
         if example == 1:
-            args, native = ((0, 2, 1, 3), (h, b, c * w), True), reference.native_confusion_transpose_1
+            args = ((0, 2, 1, 3), (h, b, c * w), True)
+            native = reference.native_confusion_transpose_1
         else:
             args, native = ((1, 0), (b, h * c * w), False), _seed_example_two
         return forward("npu_confusion_transpose", (data, *args), native, (data,),

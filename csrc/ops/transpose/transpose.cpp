@@ -181,8 +181,8 @@ at::Tensor npu_confusion_transpose_backward(const at::Tensor& grad, c10::IntArra
   const int64_t numel = numel_of(shape);
   OPENNPU_CHECK_ARG(grad.numel() == numel, op, "grad",
                     "must hold as many elements as 'shape' ", shape_str(shape), " (",
-                    numel < 0 ? std::string("overflow") : std::to_string(numel), "), but got shape ",
-                    shape_str(grad.sizes()), " (", grad.numel(), " elements)");
+                    numel < 0 ? std::string("overflow") : std::to_string(numel),
+                    "), but got shape ", shape_str(grad.sizes()), " (", grad.numel(), " elements)");
   if (transpose_first) {
     const auto p = check_perm(op, perm, grad.dim(), described("grad", grad.sizes()));
     std::vector<int64_t> inv(p.size());

@@ -8,18 +8,21 @@
 // - Short runs (the innermost dim stays innermost, e.g. BSND -> BNSD, (0, 2, 1, 3)): one copy per
 //   run, in tiles over the output-innermost dim A and the dim B with the smallest source stride,
 //   so both sides touch a few KiB contiguously per stream.
-// - Element transpose (the innermost dim moves, e.g. a 2-D (1, 0)): tiles of one 64-byte line
-//   per output row (16 fp32) by 4 KiB of each source row, moved as square blocks transposed in
-//   SIMD registers (AVX-512 16x16 for 4-byte units; AVX2/SSE2 shuffles otherwise).
+// - Element transpose (the innermost dim moves, e.g. a 2-D (1, 0)): tiles over A and B moved as
+//   square blocks transposed in SIMD registers: on AVX-512 16 x 16 for 4-byte units and 32 x 32
+//   for 2-byte units (rows of one 64-byte line), otherwise AVX2/SSE2 shuffles.
 //
-// Outputs of 16 MiB and more are written with non-temporal (streaming) stores wherever every
-// store covers whole 64-byte lines: such an output does not stay in cache anyway, and streaming
-// saves the read-for-ownership of each output line (a third of the memory traffic of a copy).
-// Smaller outputs use ordinary stores, so the next op finds them in cache.
+// Outputs of 16 MiB and more are written with non-temporal (streaming) stores of whole 64-byte
+// lines: such an output does not stay in cache anyway, and streaming saves the read-for-ownership
+// of each output line (a third of the memory traffic of a copy). Blocks narrower than a line go
+// through an L1 staging buffer, as do output rows that are not line-aligned (their partial end
+// lines are stored normally). Run copies stream only into pages already mapped (see
+// page_resident). Smaller outputs use ordinary stores, so the next op finds them in cache.
 //
-// Why not ATen: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on BSND -> BNSD fp32
-// and 8-45% on 2-D transposes (its blocked 2-D transpose path is single-threaded) on the
-// development machine; this kernel is used for every plan.
+// Why not ATen: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on BSND -> BNSD and
+// 8-45% on 2-D transposes (its blocked 2-D path is single-threaded) on the development machine,
+// below this kernel on every plan measured, so it is used for every plan. Tile shapes were
+// measured there (2 vCPUs, AVX-512, 2 MiB L2 per core).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -53,6 +56,10 @@ constexpr int64_t kPlainTileRows = 2048;
 constexpr int64_t kTileBytes = 16 << 10;
 // Short-run tiles: runs per side such that each side covers about this many bytes.
 constexpr int64_t kRunTileSideBytes = 2048;
+// Streaming into rows that are not line-aligned: tiles of this many bytes per output row, and
+// about kStagedTileBytes in all.
+constexpr int64_t kStagedRowBytes = 2048;
+constexpr int64_t kStagedTileBytes = 256 << 10;
 // Work below this many bytes per parallel chunk stays on one thread.
 constexpr int64_t kParallelBytes = 64 << 10;
 // Outputs at least this large are written with streaming stores where lines are whole.
@@ -128,33 +135,64 @@ struct Block {
 #ifdef OPENNPU_TRANSPOSE_SIMD
 
 #ifdef CPU_CAPABILITY_AVX512
+// out[c] = column c of the 16 x 16 matrix of 32-bit lanes whose rows are r[0..15].
+inline void transpose_16x16(const __m512 r[16], __m512 out[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i+1 interleaved
+    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+  }
+  for (int q = 0; q < 4; ++q) {  // u[4q + j], lane L: rows 4q..4q+3 of column 4L + j
+    u[4 * q + 0] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
+    u[4 * q + 1] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
+    u[4 * q + 2] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
+    u[4 * q + 3] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
+  }
+  for (int j = 0; j < 4; ++j) {  // column 4L + j gathers lane L of u[j], u[4+j], u[8+j], u[12+j]
+    const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
+    const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
+    const __m512 w0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
+    const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
+    out[j] = _mm512_shuffle_f32x4(v0, w0, 0x88);
+    out[4 + j] = _mm512_shuffle_f32x4(v0, w0, 0xDD);
+    out[8 + j] = _mm512_shuffle_f32x4(v1, w1, 0x88);
+    out[12 + j] = _mm512_shuffle_f32x4(v1, w1, 0xDD);
+  }
+}
+
 template <>
 struct Block<4> {
   static constexpr int kV = 16;
   template <bool kStream>
   static void run(const char* src, int64_t ld_src, char* dst, int64_t ld_dst) {
-    __m512 r[16], t[16], u[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src + i * ld_src));
-    for (int i = 0; i < 8; ++i) {  // per 128-bit lane: rows 2i, 2i+1 interleaved
-      t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-      t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    __m512 r[16], out[16];
+    for (int i = 0; i < 16; ++i) {
+      r[i] = _mm512_loadu_ps(reinterpret_cast<const float*>(src + i * ld_src));
     }
-    for (int q = 0; q < 4; ++q) {  // u[4q + j], lane L: rows 4q..4q+3 of column 4L + j
-      u[4 * q + 0] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0x44);
-      u[4 * q + 1] = _mm512_shuffle_ps(t[4 * q], t[4 * q + 2], 0xEE);
-      u[4 * q + 2] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0x44);
-      u[4 * q + 3] = _mm512_shuffle_ps(t[4 * q + 1], t[4 * q + 3], 0xEE);
+    transpose_16x16(r, out);
+    for (int c = 0; c < 16; ++c) store<kStream>(dst + c * ld_dst, out[c]);
+  }
+};
+
+// 32 x 32 units of 16 bits: rows 2i and 2i+1 interleaved form 32-bit units (one per column), so
+// the block is two 16 x 16 transposes of 32-bit units, each giving 16 whole 64-byte output rows.
+template <>
+struct Block<2> {
+  static constexpr int kV = 32;
+  template <bool kStream>
+  static void run(const char* src, int64_t ld_src, char* dst, int64_t ld_dst) {
+    __m512 lo[16], hi[16], out[16];
+    for (int i = 0; i < 16; ++i) {
+      const __m512i a = _mm512_loadu_si512(src + (2 * i) * ld_src);
+      const __m512i b = _mm512_loadu_si512(src + (2 * i + 1) * ld_src);
+      // lane k = 4L + m of lo[i]: rows (2i, 2i+1) of column 8L + m; of hi[i]: column 8L + 4 + m
+      lo[i] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(a, b));
+      hi[i] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(a, b));
     }
-    for (int j = 0; j < 4; ++j) {  // column 4L + j gathers lane L of u[j], u[4+j], u[8+j], u[12+j]
-      const __m512 v0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44);
-      const __m512 v1 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
-      const __m512 w0 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
-      const __m512 w1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
-      store<kStream>(dst + j * ld_dst, _mm512_shuffle_f32x4(v0, w0, 0x88));
-      store<kStream>(dst + (4 + j) * ld_dst, _mm512_shuffle_f32x4(v0, w0, 0xDD));
-      store<kStream>(dst + (8 + j) * ld_dst, _mm512_shuffle_f32x4(v1, w1, 0x88));
-      store<kStream>(dst + (12 + j) * ld_dst, _mm512_shuffle_f32x4(v1, w1, 0xDD));
-    }
+    transpose_16x16(lo, out);
+    for (int k = 0; k < 16; ++k) store<kStream>(dst + (8 * (k / 4) + k % 4) * ld_dst, out[k]);
+    transpose_16x16(hi, out);
+    for (int k = 0; k < 16; ++k) store<kStream>(dst + (8 * (k / 4) + 4 + k % 4) * ld_dst, out[k]);
   }
 };
 #else
@@ -164,7 +202,9 @@ struct Block<4> {
   template <bool kStream>
   static void run(const char* src, int64_t ld_src, char* dst, int64_t ld_dst) {
     __m256 r[8], t[8], u[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(src + i * ld_src));
+    for (int i = 0; i < 8; ++i) {
+      r[i] = _mm256_loadu_ps(reinterpret_cast<const float*>(src + i * ld_src));
+    }
     for (int i = 0; i < 4; ++i) {  // t[2i], t[2i+1]: rows 2i and 2i+1 interleaved
       t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
       t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
@@ -189,7 +229,9 @@ struct Block<8> {
   template <bool kStream>
   static void run(const char* src, int64_t ld_src, char* dst, int64_t ld_dst) {
     __m256d r[4];
-    for (int i = 0; i < 4; ++i) r[i] = _mm256_loadu_pd(reinterpret_cast<const double*>(src + i * ld_src));
+    for (int i = 0; i < 4; ++i) {
+      r[i] = _mm256_loadu_pd(reinterpret_cast<const double*>(src + i * ld_src));
+    }
     const __m256d lo01 = _mm256_unpacklo_pd(r[0], r[1]);  // columns 0 | 2 of rows 0, 1
     const __m256d hi01 = _mm256_unpackhi_pd(r[0], r[1]);  // columns 1 | 3
     const __m256d lo23 = _mm256_unpacklo_pd(r[2], r[3]);
@@ -201,13 +243,16 @@ struct Block<8> {
   }
 };
 
+#ifndef CPU_CAPABILITY_AVX512
 template <>
 struct Block<2> {
   static constexpr int kV = 8;
   template <bool kStream>
   static void run(const char* src, int64_t ld_src, char* dst, int64_t ld_dst) {
     __m128i r[8], s[8], q[8];
-    for (int i = 0; i < 8; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+    for (int i = 0; i < 8; ++i) {
+      r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+    }
     for (int i = 0; i < 4; ++i) {  // 32-bit units: (row 2i, row 2i+1) of columns 0-3 | 4-7
       s[2 * i] = _mm_unpacklo_epi16(r[2 * i], r[2 * i + 1]);
       s[2 * i + 1] = _mm_unpackhi_epi16(r[2 * i], r[2 * i + 1]);
@@ -224,6 +269,7 @@ struct Block<2> {
     }
   }
 };
+#endif
 
 template <>
 struct Block<1> {
@@ -231,7 +277,9 @@ struct Block<1> {
   template <bool kStream>
   static void run(const char* src, int64_t ld_src, char* dst, int64_t ld_dst) {
     __m128i r[16], lo[8], hi[8], c[16];
-    for (int i = 0; i < 16; ++i) r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+    for (int i = 0; i < 16; ++i) {
+      r[i] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * ld_src));
+    }
     for (int k = 0; k < 8; ++k) {  // 16-bit units (row 2k, row 2k+1): columns 0-7 | 8-15
       lo[k] = _mm_unpacklo_epi8(r[2 * k], r[2 * k + 1]);
       hi[k] = _mm_unpackhi_epi8(r[2 * k], r[2 * k + 1]);
@@ -243,9 +291,10 @@ struct Block<1> {
       c[12 + k] = _mm_unpackhi_epi16(hi[2 * k], hi[2 * k + 1]);
     }
     for (int g = 0; g < 4; ++g) {
-      const __m128i lo01 = _mm_unpacklo_epi32(c[4 * g], c[4 * g + 1]);      // cols 4g, 4g+1; rows 0-7
-      const __m128i hi01 = _mm_unpackhi_epi32(c[4 * g], c[4 * g + 1]);      // cols 4g+2, 4g+3
-      const __m128i lo23 = _mm_unpacklo_epi32(c[4 * g + 2], c[4 * g + 3]);  // rows 8-15
+      // lo01: columns 4g, 4g+1 of rows 0-7; hi01: columns 4g+2, 4g+3; lo23, hi23: rows 8-15
+      const __m128i lo01 = _mm_unpacklo_epi32(c[4 * g], c[4 * g + 1]);
+      const __m128i hi01 = _mm_unpackhi_epi32(c[4 * g], c[4 * g + 1]);
+      const __m128i lo23 = _mm_unpacklo_epi32(c[4 * g + 2], c[4 * g + 3]);
       const __m128i hi23 = _mm_unpackhi_epi32(c[4 * g + 2], c[4 * g + 3]);
       store<kStream>(dst + (4 * g + 0) * ld_dst, _mm_unpacklo_epi64(lo01, lo23));
       store<kStream>(dst + (4 * g + 1) * ld_dst, _mm_unpackhi_epi64(lo01, lo23));
@@ -315,6 +364,57 @@ void transpose_tile(const char* src, int64_t ld_src, char* dst, int64_t ld_dst, 
     }
   }
   scalar_block<kBytes>(src + a * ld_src, ld_src, kBytes, dst + a * kBytes, ld_dst, na - a, nb);
+}
+
+// Streams one line from any address to a line-aligned destination.
+inline void stream_line_from(char* dst, const char* src) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
+#elif defined(OPENNPU_TRANSPOSE_SIMD)
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst),
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32),
+                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32)));
+#else
+  std::memcpy(dst, src, kLine);
+#endif
+}
+
+// n bytes to any dst: whole lines streamed, the partial line at each end stored normally.
+inline void write_streaming(char* dst, const char* src, int64_t n) {
+  const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % kLine);
+  const int64_t head = std::min(n, (kLine - misalign) % kLine);
+  std::memcpy(dst, src, head);
+  int64_t i = head;
+  for (; i + kLine <= n; i += kLine) stream_line_from(dst + i, src + i);
+  std::memcpy(dst + i, src + i, n - i);
+}
+
+// Streaming with output rows that are not line-aligned (n_a * kBytes not a multiple of a line):
+// each kV x na piece (na * kBytes <= kStagedRowBytes) is transposed into an L1 staging buffer,
+// then each output row is written with write_streaming. Tiles advance along A, so the line a
+// tile leaves partial is completed by the next one while it is still in cache.
+template <int kBytes>
+void transpose_tile_staged(const char* src, int64_t ld_src, char* dst, int64_t ld_dst,
+                           int64_t na, int64_t nb) {
+  constexpr int kV = Block<kBytes>::kV;
+  int64_t b = 0;
+  if constexpr (kV > 0) {
+    alignas(64) char stage[kV * kStagedRowBytes];
+    const int64_t na_blocks = na / kV * kV;
+    for (; b + kV <= nb; b += kV) {
+      for (int64_t a = 0; a < na_blocks; a += kV) {
+        Block<kBytes>::template run<false>(src + a * ld_src + b * kBytes, ld_src,
+                                           stage + a * kBytes, kStagedRowBytes);
+      }
+      scalar_block<kBytes>(src + na_blocks * ld_src + b * kBytes, ld_src, kBytes,
+                           stage + na_blocks * kBytes, kStagedRowBytes, na - na_blocks, kV);
+      for (int r = 0; r < kV; ++r) {
+        write_streaming(dst + (b + r) * ld_dst, stage + r * kStagedRowBytes, na * kBytes);
+      }
+    }
+  }
+  scalar_block<kBytes>(src + b * kBytes, ld_src, kBytes, dst + b * ld_dst, ld_dst, na, nb - b);
 }
 
 // Copies one run; kStream: dst and bytes are multiples of a line (streaming stores).
@@ -400,6 +500,7 @@ struct Tiling {
   int64_t n_b, s_b, o_b;  // size, source and output strides of B (1, 0, 0 when there is none)
   int64_t t_a, t_b;       // tile sides
   bool b_fastest = false;  // tile order: along B first (else along A first)
+  bool staged = false;     // streaming into rows that are not line-aligned
   std::vector<int64_t> batch_sizes, batch_src, batch_dst;  // every other dim
 };
 
@@ -424,7 +525,8 @@ void copy_tiles(const char* src, char* dst, const Tiling& g, int64_t run_bytes) 
           const int64_t na = std::min(g.t_a, g.n_a - a0), nb = std::min(g.t_b, g.n_b - b0);
           const char* s =
               src + offset_of(batch, g.batch_sizes, g.batch_src) + a0 * g.s_a + b0 * g.s_b;
-          char* d = dst + offset_of(batch, g.batch_sizes, g.batch_dst) + b0 * g.o_b + a0 * run_bytes;
+          char* d =
+              dst + offset_of(batch, g.batch_sizes, g.batch_dst) + b0 * g.o_b + a0 * run_bytes;
           if (runs) {
             for (int64_t b = 0; b < nb; ++b) {
               for (int64_t a = 0; a < na; ++a) {
@@ -432,6 +534,8 @@ void copy_tiles(const char* src, char* dst, const Tiling& g, int64_t run_bytes) 
                                   run_bytes);
               }
             }
+          } else if (unit_stride_b && kStream && g.staged) {
+            transpose_tile_staged<kBytes>(s, g.s_a, d, g.o_b, na, nb);
           } else if (unit_stride_b) {
             transpose_tile<kBytes, kStream>(s, g.s_a, d, g.o_b, na, nb);
           } else {
@@ -512,6 +616,12 @@ void permute_copy_impl(const char* src, char* dst, const CopyPlan& plan) {
   if (kCanStream && big && Block<kBytes>::kV > 0 && (g.n_a * kBytes) % kLine == 0) {
     g.t_a = std::min(kBand, g.n_a);
     g.t_b = std::min(kStreamTileRowBytes / kBytes, g.n_b);
+    copy_tiles<kBytes, kCanStream>(src, dst, g, run_bytes);
+  } else if (kCanStream && big && Block<kBytes>::kV > 0) {
+    g.t_a = std::min(kStagedRowBytes / kBytes, g.n_a);
+    const int64_t depth = std::max<int64_t>(Block<kBytes>::kV, kStagedTileBytes / (g.t_a * kBytes));
+    g.t_b = std::min(depth, g.n_b);
+    g.staged = true;
     copy_tiles<kBytes, kCanStream>(src, dst, g, run_bytes);
   } else {
     g.t_a = std::min(kPlainTileRows, g.n_a);
