@@ -406,6 +406,16 @@ def test_compile_fullgraph_dynamic_matches_eager():
 # ----------------------------------------------------------------------------- bad input
 
 
+def test_compile_reports_a_bad_perm_clearly():
+    def fn(x):  # the fake kernel indexes shape by perm: it checks perm first
+        return FWD(x, (0, 5), (3, 4), False)
+
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=re.escape("npu_confusion_transpose: argument 'perm'")):
+        torch.compile(fn, fullgraph=True, backend="aot_eager")(make((4, 3)))
+    torch._dynamo.reset()
+
+
 def test_rejects_perm_that_is_not_a_permutation():
     x = make((2, 3, 4))
     _raises(lambda: FWD(x, [0, 0, 1], [2, 12], True), "npu_confusion_transpose: argument 'perm'",

@@ -13,9 +13,14 @@ from ._registry import accepts_input_keyword, mark_backward_op, register_autogra
 _ops = torch.ops.npu
 
 
-def _wrap(perm, rank: int) -> list:
-    """perm with negative dims wrapped (validation with clear messages happens in the kernel)."""
-    return [p + rank if p < 0 else p for p in perm]
+def _checked_perm(op: str, perm, rank: int, of: str) -> list:
+    """perm with negative dims wrapped, checked as the C++ entry point checks it, so that fake
+    tensors (torch.compile) raise the same message instead of an IndexError."""
+    wrapped = [p + rank if p < 0 else p for p in perm]
+    if len(perm) != rank or sorted(wrapped) != list(range(rank)):
+        raise RuntimeError(f"{op}: argument 'perm' must be a permutation of the dims of {of} "
+                           f"({rank} dims), but got {list(perm)}")
+    return wrapped
 
 
 @accepts_input_keyword
@@ -49,9 +54,12 @@ def npu_confusion_transpose_backward(grad: torch.Tensor, perm, shape, transpose_
 
 @torch.library.register_fake("npu::npu_confusion_transpose")
 def _confusion_transpose_fake(self, perm, shape, transpose_first):
+    op = "npu_confusion_transpose"
     if transpose_first:
+        _checked_perm(op, perm, self.dim(), "'self'")
         return self.new_empty(shape)
-    return self.new_empty([shape[p] for p in _wrap(perm, len(shape))])
+    perm = _checked_perm(op, perm, len(shape), f"'shape' {list(shape)}")
+    return self.new_empty([shape[p] for p in perm])
 
 
 @torch.library.register_fake("npu::npu_confusion_transpose_backward")
