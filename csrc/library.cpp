@@ -64,6 +64,12 @@ TORCH_LIBRARY(npu, m) {
   // mask npu_fusion_attention uses for the same (seed, offset). uint8, padded to 128 bits.
   m.def("_npu_dropout_gen_mask.Tensor(Tensor self, int[] size, float p, int seed, int offset, *, "
         "bool? parallel=True, bool? sync=None) -> Tensor");
+
+  // Confusion transpose: transpose_first ? self.permute(perm).view(shape) : self.view(shape).permute(perm),
+  // always a new contiguous tensor.
+  m.def("npu_confusion_transpose(Tensor self, int[] perm, int[] shape, bool transpose_first) -> Tensor");
+  // Gradient of npu_confusion_transpose: called with the input's shape and !transpose_first; returns `shape`.
+  m.def("npu_confusion_transpose_backward(Tensor grad, int[] perm, SymInt[] shape, bool transpose_first) -> Tensor");
 }
 
 // opennpu's own helpers, outside the torch_npu namespace.

@@ -49,6 +49,14 @@ SCRIPT = textwrap.dedent(
                 for ours, ref in zip(opennpu.npu_rotary_mul_backward(dq, q, c, s, mode),
                                      R.rotary_mul_backward(dq, q, c, s, mode)):
                     assert_close(ours, ref, dtype=dtype, scale=4)
+    # confusion transpose: every unit size (1, 2, 4, 8 bytes, and 16-byte runs), SIMD blocks + tails
+    for dtype in (torch.int8, torch.bfloat16, torch.float32, torch.float64, torch.complex128):
+        big = (2048, 4096 // dtype.itemsize)  # a 16 MiB output: the streaming-store paths
+        for shape, perm in (((37, 70), (1, 0)), ((3, 19, 5, 33), (0, 2, 1, 3)), ((9, 17, 6), (2, 0, 1)),
+                            (big, (1, 0)), ((4, 32, 2048 // dtype.itemsize, 64), (0, 2, 1, 3))):
+            x = torch.randn(shape).to(dtype)
+            out = opennpu.npu_confusion_transpose(x, perm, [shape[p] for p in perm], True)
+            assert torch.equal(out, x.permute(perm).contiguous()), (dtype, shape, perm)
     print("ok")
     """
 )

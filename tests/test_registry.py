@@ -32,6 +32,7 @@ def test_the_expected_ops_are_registered():
         "fast_gelu", "npu_fast_gelu", "npu_fast_gelu_backward",
         "npu_rotary_mul", "npu_rotary_mul_backward",
         "npu_fusion_attention", "npu_fusion_attention_grad", "_npu_dropout_gen_mask",
+        "npu_confusion_transpose", "npu_confusion_transpose_backward",
     }
     assert expected <= set(OPS)
 

@@ -148,6 +148,26 @@ def rotary_mul_backward(shape, dtype, threads):
                     threads)
 
 
+def _seed_example_two(data):
+    return reference.native_confusion_transpose_2(data).contiguous()  # materialised, as the op's
+
+
+def confusion_transpose(example: int):
+    """Seed 000's npu_confusion_transpose examples on BCHW data: one permutes then reshapes, two
+    views then transposes."""
+    def build(shape, dtype, threads):
+        data = randn(*shape, dtype=dtype)
+        b, c, h, w = shape
+        if example == 1:
+            args = ((0, 2, 1, 3), (h, b, c * w), True)
+            native = reference.native_confusion_transpose_1
+        else:
+            args, native = ((1, 0), (b, h * c * w), False), _seed_example_two
+        return forward("npu_confusion_transpose", (data, *args), native, (data,),
+                       lambda: reference.confusion_transpose(data, *args), threads)
+    return build
+
+
 def fusion_attention(shape, dtype, threads):
     """Seed 000's flash attention: BSH, scale 0.099, a [1, 1, S, S] mask (True = masked out);
     the seed's random mask on its own shape, a causal one on the long sequence."""
@@ -178,6 +198,7 @@ class Example(NamedTuple):
 
 LLM, GLU, ROPE = (4096, 4096), (4096, 2 * 11008), (2, 8192, 5, 128)
 ATTN_SEED, ATTN_LONG = (1, 32, 128, 128), (1, 32, 2048, 128)
+SEED_BCHW = (64, 3, 64, 128)
 # The first row of each op is the seed document's example.
 EXAMPLES = [
     Example("npu_rms_norm", "fwd", (128, 256), F32, "native_rms_norm", rms_norm),
@@ -199,6 +220,13 @@ EXAMPLES = [
     Example("npu_rotary_mul", "fwd", ROPE, F32, "native_rotary_mul", rotary_mul),
     Example("npu_rotary_mul", "fwd", ROPE, BF16, "native_rotary_mul", rotary_mul),
     Example("npu_rotary_mul_backward", "bwd", ROPE, BF16, "native_rotary_mul", rotary_mul_backward),
+    Example("npu_confusion_transpose", "fwd", SEED_BCHW, F32, "permute().reshape()",
+            confusion_transpose(1)),
+    Example("npu_confusion_transpose", "fwd", SEED_BCHW, F32, "view().transpose()",
+            confusion_transpose(2)),
+    # BCHW = (8, 4096, 32, 128) read as BSND: example one's permutation is BSND -> BNSD.
+    Example("npu_confusion_transpose", "fwd", (8, 4096, 32, 128), BF16, "permute().reshape()",
+            confusion_transpose(1)),
     Example("npu_fusion_attention", "fwd", ATTN_SEED, F16, "TorchFlashAttention", fusion_attention),
     Example("npu_fusion_attention", "fwd", ATTN_LONG, BF16, "TorchFlashAttention", fusion_attention),
 ]

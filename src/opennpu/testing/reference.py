@@ -371,3 +371,39 @@ def native_flash_attention_seed(query, key, value, atten_mask=None, scale=0.099,
         return output
     output = output.transpose(1, 2)
     return output.reshape(output.shape[0], output.shape[1], -1)
+
+
+# ----------------------------------------------------------------------------- confusion transpose
+# Pure data movement: the oracle is exact in every dtype, so these run in the input dtype.
+
+
+def confusion_transpose(x, perm, shape, transpose_first):
+    """The contract's composition, materialised: permute then view, or view then permute."""
+    if transpose_first:
+        return x.permute(perm).contiguous().view(shape)
+    return x.reshape(shape).permute(perm).contiguous()
+
+
+def confusion_transpose_backward(grad, perm, shape, transpose_first):
+    """The contract's backward: inv[perm[i]] = i; flag False: grad.view([shape[perm[i]]...])
+    .permute(inv); True: grad.permute(inv).reshape(shape). Result shape `shape`."""
+    perm = [p % len(perm) for p in perm]
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    if transpose_first:
+        return grad.permute(inv).reshape(shape).contiguous()
+    return grad.reshape([shape[p] for p in perm]).permute(inv).contiguous()
+
+
+def native_confusion_transpose_1(data):
+    """Seed 000, npu_confusion_transpose example one: BCHW -> (H, B, C*W) through a permute."""
+    batch, channel, height, width = data.shape
+    return torch.permute(data, (0, 2, 1, 3)).reshape(height, batch, channel * width)
+
+
+def native_confusion_transpose_2(data):
+    """Seed 000, example two: (B, H*C*W) transposed. Returns a view, as the seed does; the npu
+    op materialises it (compare with `.contiguous()` of this)."""
+    batch, channel, height, width = data.shape
+    return data.view(batch, height * channel * width).transpose(1, 0)
