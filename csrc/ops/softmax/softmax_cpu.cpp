@@ -1,0 +1,327 @@
+// CPU kernels of npu_scaled_masked_softmax (compiled once per ISA; see common/cpu_dispatch.h).
+//
+// Rows of W elements, one memory pass each. Every row is described by a prefix: columns
+// [0, prefix) follow the mask bytes (or are all unmasked when the row has none), columns
+// [prefix, W) are all masked. That one shape covers every case cheaply:
+//   a mask with a byte per column    bytes, prefix = W
+//   a mask with one byte per row     no bytes, prefix = W (unmasked) or 0 (fully masked)
+//   fixed_triu_mask                  no bytes, prefix = min(i + 1, W), i = the row's index in dim -2
+// The masked suffix never reads x: its value is the constant exp(-10000 - max) / sum.
+//
+// Forward, per row, in acc_t: pass 1 loads x (and the mask bytes), forms s = x * scale or -10000
+// into a per-thread row buffer and tracks the max; pass 2 turns the buffer into exp(s - max) and
+// sums it; pass 3 scales by 1 / sum and stores y. Only pass 1 reads memory and only pass 3 writes
+// it; the buffer (at most W floats) stays in L1/L2.
+// Backward, per row: pass 1 accumulates sum(dy * y) over all W columns (masked ones included,
+// as autograd through masked_fill does), pass 2 writes dx = scale * y * (dy - sum) with masked
+// columns set to 0; pass 2 re-reads dy and y from cache.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "common/vec.h"
+#include "ops/softmax/softmax.h"
+
+namespace opennpu::softmax {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+using at::vec::Vectorized;
+
+// Rows per parallel chunk: about 16K elements, so small tensors stay on one thread.
+int64_t grain_rows(int64_t w) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(w, 1));
+}
+
+// Sets the lanes of (a, b) whose mask byte is nonzero to `fill`. `m` holds len <= kStep bytes
+// (kStep = 2 * Vec::size()); bytes past len are never read.
+template <typename T>
+inline void mask_fill(const uint8_t* m, int64_t len, Vectorized<T>& a, Vectorized<T>& b,
+                      const Vectorized<T>& fill) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t kSize = Vec::size();
+  T buf[2 * kSize];
+  T f[kSize];
+  fill.store(f);
+  a.store(buf);
+  b.store(buf + kSize);
+  for (int64_t i = 0; i < len; ++i) {
+    if (m[i] != 0) buf[i] = f[0];
+  }
+  a = Vec::loadu(buf);
+  b = Vec::loadu(buf + kSize);
+}
+
+#if defined(CPU_CAPABILITY_AVX512)
+// 32 mask bytes -> a 32-bit lane mask in one test instruction; a masked move per vector.
+template <>
+inline void mask_fill<float>(const uint8_t* m, int64_t len, Vectorized<float>& a,
+                             Vectorized<float>& b, const Vectorized<float>& fill) {
+  const __m256i bytes =
+      len >= 32 ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m))
+                : _mm256_maskz_loadu_epi8(static_cast<__mmask32>((uint32_t{1} << len) - 1), m);
+  const __mmask32 k = _mm256_test_epi8_mask(bytes, bytes);
+  a = _mm512_mask_mov_ps(a, static_cast<__mmask16>(k), fill);
+  b = _mm512_mask_mov_ps(b, static_cast<__mmask16>(k >> 16), fill);
+}
+#elif defined(CPU_CAPABILITY_AVX2)
+// 16 mask bytes -> "keep" bytes (0xFF where the byte is 0), sign-extended to 32-bit lanes.
+template <>
+inline void mask_fill<float>(const uint8_t* m, int64_t len, Vectorized<float>& a,
+                             Vectorized<float>& b, const Vectorized<float>& fill) {
+  __m128i bytes;
+  if (len >= 16) {
+    bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(m));
+  } else {
+    alignas(16) uint8_t tail[16] = {};
+    std::memcpy(tail, m, static_cast<size_t>(len));
+    bytes = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+  }
+  const __m128i keep = _mm_cmpeq_epi8(bytes, _mm_setzero_si128());
+  const __m256 keep_a = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(keep));
+  const __m256 keep_b = _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(keep, 8)));
+  a = _mm256_blendv_ps(fill, a, keep_a);
+  b = _mm256_blendv_ps(fill, b, keep_b);
+}
+#endif
+
+// Lanes >= len of (a, b) become `fill` (the partial last step of a row).
+template <typename T>
+inline void fill_tail(int64_t len, Vectorized<T>& a, Vectorized<T>& b, const Vectorized<T>& fill) {
+  using Vec = Vectorized<T>;
+  const Vec idx = Vec::arange(T(0), T(1));
+  a = Vec::blendv(fill, a, idx < Vec(static_cast<T>(len)));
+  b = Vec::blendv(fill, b, (idx + Vec(static_cast<T>(Vec::size()))) < Vec(static_cast<T>(len)));
+}
+
+// One row's mask: columns [0, prefix) are masked where bytes[j] != 0 (none when bytes is null),
+// columns [prefix, W) are all masked.
+struct RowMask {
+  const uint8_t* bytes;
+  int64_t prefix;
+};
+
+// Walks consecutive rows like an odometer over the (coalesced) leading dims, so the divisions
+// that locate a row's mask happen once per parallel chunk.
+class MaskCursor {
+ public:
+  MaskCursor(const MaskLayout& layout, const uint8_t* mask, int64_t w, int64_t first_row)
+      : layout_(layout), mask_(mask), w_(w) {
+    if (layout.kind == MaskLayout::Kind::kTriu) {
+      triu_row_ = first_row % layout.triu_rows;
+      return;
+    }
+    index_.resize(layout.sizes.size());
+    int64_t row = first_row;
+    for (int64_t d = static_cast<int64_t>(index_.size()) - 1; d >= 0; --d) {
+      index_[d] = row % layout.sizes[d];
+      row /= layout.sizes[d];
+      offset_ += index_[d] * layout.strides[d];
+    }
+  }
+
+  RowMask row() const {
+    if (layout_.kind == MaskLayout::Kind::kTriu) return {nullptr, std::min(triu_row_ + 1, w_)};
+    if (layout_.col_stride == 0) return {nullptr, mask_[offset_] != 0 ? 0 : w_};
+    return {mask_ + offset_, w_};
+  }
+
+  void next() {
+    if (layout_.kind == MaskLayout::Kind::kTriu) {
+      if (++triu_row_ == layout_.triu_rows) triu_row_ = 0;
+      return;
+    }
+    for (int64_t d = static_cast<int64_t>(index_.size()) - 1; d >= 0; --d) {
+      offset_ += layout_.strides[d];
+      if (++index_[d] < layout_.sizes[d]) return;
+      offset_ -= layout_.strides[d] * layout_.sizes[d];
+      index_[d] = 0;
+    }
+  }
+
+ private:
+  const MaskLayout& layout_;
+  const uint8_t* mask_;
+  int64_t w_;
+  std::vector<int64_t> index_;
+  int64_t offset_ = 0;
+  int64_t triu_row_ = 0;
+};
+
+// A per-thread row buffer of at least n acc_t values, 64-byte aligned, padded to whole steps.
+template <typename T>
+class RowBuffer {
+ public:
+  explicit RowBuffer(int64_t n) : storage_(static_cast<size_t>(n) + 64 / sizeof(T)) {
+    auto p = reinterpret_cast<uintptr_t>(storage_.data());
+    data_ = reinterpret_cast<T*>((p + 63) & ~uintptr_t{63});
+  }
+  T* data() { return data_; }
+
+ private:
+  std::vector<T> storage_;
+  T* data_;
+};
+
+template <typename scalar_t>
+int64_t padded_width(int64_t w) {
+  constexpr int64_t kStep = VecPair<scalar_t>::kStep;
+  return (w + kStep - 1) / kStep * kStep;
+}
+
+template <typename scalar_t, bool kMaskBytes>
+void softmax_fwd_row(const scalar_t* x, RowMask rm, int64_t w, acc_t<scalar_t> scale,
+                     acc_t<scalar_t>* buf, scalar_t* y) {
+  using T = acc_t<scalar_t>;
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  constexpr int64_t kStep = IO::kStep;
+  constexpr T kFill = static_cast<T>(kMaskFill);
+  const T kNegInf = -std::numeric_limits<T>::infinity();
+  const int64_t p = rm.prefix;
+
+  // Pass 1: s = x * scale (or -10000 where masked) into buf, lanes past p padded with -inf.
+  const Vec vscale(scale), vfill(kFill), vneginf(kNegInf);
+  Vec mx0(kNegInf), mx1(kNegInf);
+  for_each_step<scalar_t>(p, [&](int64_t i, int64_t len) {
+    Vec a, b;
+    IO::load(x + i, a, b, len);
+    a = a * vscale;
+    b = b * vscale;
+    if constexpr (kMaskBytes) mask_fill<T>(rm.bytes + i, len, a, b, vfill);
+    if (len < kStep) fill_tail<T>(len, a, b, vneginf);
+    a.store(buf + i);
+    b.store(buf + i + Vec::size());
+    mx0 = at::vec::maximum(mx0, a);
+    mx1 = at::vec::maximum(mx1, b);
+  });
+  T mx = at::vec::vec_reduce_all<T>(
+      [](const Vec& u, const Vec& v) { return at::vec::maximum(u, v); }, at::vec::maximum(mx0, mx1));
+  if (p < w && mx < kFill) mx = kFill;  // the masked suffix; a NaN max stays NaN
+  if (!std::isfinite(mx)) {
+    // A NaN, +inf, or (with nothing masked) an all -inf row: softmax is NaN throughout, as in
+    // torch.softmax (exp_u20 would not propagate the NaN by itself).
+    std::fill_n(y, w, static_cast<scalar_t>(std::numeric_limits<T>::quiet_NaN()));
+    return;
+  }
+
+  // Pass 2: buf = exp(s - max) over whole steps (padding lanes give exp(-inf) = 0), and the sum.
+  const Vec vmx(mx);
+  Vec s0(0), s1(0);
+  const int64_t padded = (p + kStep - 1) / kStep * kStep;
+  for (int64_t i = 0; i < padded; i += kStep) {
+    const Vec e0 = exp_for<scalar_t>(Vec::loadu(buf + i) - vmx);
+    const Vec e1 = exp_for<scalar_t>(Vec::loadu(buf + i + Vec::size()) - vmx);
+    e0.store(buf + i);
+    e1.store(buf + i + Vec::size());
+    s0 = s0 + e0;
+    s1 = s1 + e1;
+  }
+  T sum = horizontal_sum(s0 + s1);
+  const T suffix_e = p < w ? std::exp(kFill - mx) : T(0);
+  sum += static_cast<T>(w - p) * suffix_e;
+  const T inv = T(1) / sum;
+
+  // Pass 3: y = e / sum; the masked suffix is one constant.
+  const Vec vinv(inv);
+  for_each_step<scalar_t>(p, [&](int64_t i, int64_t len) {
+    IO::store(y + i, Vec::loadu(buf + i) * vinv, Vec::loadu(buf + i + Vec::size()) * vinv, len);
+  });
+  if (p < w) std::fill_n(y + p, w - p, static_cast<scalar_t>(suffix_e * inv));
+}
+
+template <typename scalar_t, bool kMaskBytes>
+void softmax_bwd_row(const scalar_t* dy, const scalar_t* y, RowMask rm, int64_t w,
+                     acc_t<scalar_t> scale, scalar_t* dx) {
+  using T = acc_t<scalar_t>;
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  const int64_t p = rm.prefix;
+  if (p > 0) {
+    // Pass 1: sum(dy * y) over the whole row (partial steps load zeros past the end).
+    Vec s0(0), s1(0);
+    for_each_step<scalar_t>(w, [&](int64_t i, int64_t len) {
+      Vec d0, d1, y0, y1;
+      IO::load(dy + i, d0, d1, len);
+      IO::load(y + i, y0, y1, len);
+      s0 = at::vec::fmadd(d0, y0, s0);
+      s1 = at::vec::fmadd(d1, y1, s1);
+    });
+    // Pass 2: dx = scale * y * (dy - dot), 0 where masked.
+    const Vec vdot(horizontal_sum(s0 + s1)), vscale(scale), zero(0);
+    for_each_step<scalar_t>(p, [&](int64_t i, int64_t len) {
+      Vec d0, d1, y0, y1;
+      IO::load(dy + i, d0, d1, len);
+      IO::load(y + i, y0, y1, len);
+      Vec g0 = vscale * y0 * (d0 - vdot);
+      Vec g1 = vscale * y1 * (d1 - vdot);
+      if constexpr (kMaskBytes) mask_fill<T>(rm.bytes + i, len, g0, g1, zero);
+      IO::store(dx + i, g0, g1, len);
+    });
+  }
+  if (p < w) std::fill_n(dx + p, w - p, static_cast<scalar_t>(0));
+}
+
+void softmax_fwd_kernel(const at::Tensor& x, const uint8_t* mask, const MaskLayout& layout,
+                        double scale, at::Tensor& y) {
+  const int64_t w = x.size(-1);
+  const int64_t rows = x.numel() / w;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "npu_scaled_masked_softmax", [&] {
+        using T = acc_t<scalar_t>;
+        const scalar_t* px = x.const_data_ptr<scalar_t>();
+        scalar_t* py = y.mutable_data_ptr<scalar_t>();
+        const T s = static_cast<T>(scale);
+        at::parallel_for(0, rows, grain_rows(w), [&](int64_t begin, int64_t end) {
+          RowBuffer<T> buf(padded_width<scalar_t>(w));
+          MaskCursor cursor(layout, mask, w, begin);
+          for (int64_t r = begin; r < end; ++r, cursor.next()) {
+            const RowMask rm = cursor.row();
+            if (rm.bytes != nullptr) {
+              softmax_fwd_row<scalar_t, true>(px + r * w, rm, w, s, buf.data(), py + r * w);
+            } else {
+              softmax_fwd_row<scalar_t, false>(px + r * w, rm, w, s, buf.data(), py + r * w);
+            }
+          }
+        });
+      });
+}
+
+void softmax_bwd_kernel(const at::Tensor& dy, const at::Tensor& y, const uint8_t* mask,
+                        const MaskLayout& layout, double scale, at::Tensor& dx) {
+  const int64_t w = y.size(-1);
+  const int64_t rows = y.numel() / w;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, y.scalar_type(), "npu_scaled_masked_softmax_backward", [&] {
+        using T = acc_t<scalar_t>;
+        const scalar_t* pdy = dy.const_data_ptr<scalar_t>();
+        const scalar_t* py = y.const_data_ptr<scalar_t>();
+        scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
+        const T s = static_cast<T>(scale);
+        at::parallel_for(0, rows, grain_rows(w), [&](int64_t begin, int64_t end) {
+          MaskCursor cursor(layout, mask, w, begin);
+          for (int64_t r = begin; r < end; ++r, cursor.next()) {
+            const RowMask rm = cursor.row();
+            const int64_t o = r * w;
+            if (rm.bytes != nullptr) {
+              softmax_bwd_row<scalar_t, true>(pdy + o, py + o, rm, w, s, pdx + o);
+            } else {
+              softmax_bwd_row<scalar_t, false>(pdy + o, py + o, rm, w, s, pdx + o);
+            }
+          }
+        });
+      });
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(softmax_fwd_cpu, &softmax_fwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(softmax_bwd_cpu, &softmax_bwd_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::softmax
