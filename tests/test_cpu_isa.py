@@ -49,6 +49,13 @@ SCRIPT = textwrap.dedent(
                 for ours, ref in zip(opennpu.npu_rotary_mul_backward(dq, q, c, s, mode),
                                      R.rotary_mul_backward(dq, q, c, s, mode)):
                     assert_close(ours, ref, dtype=dtype, scale=4)
+            mask = torch.rand(rows, 1, 2 * n) < 0.3  # against q [2, rows, 3, 2n]
+            for m in (mask, mask[..., :1], mask.to(torch.uint8)):
+                for triu in (False, True):
+                    y = opennpu.npu_scaled_masked_softmax(q, m, 0.7, triu)
+                    assert_close(y, R.scaled_masked_softmax(q, m, 0.7, triu))
+                    assert_close(opennpu.npu_scaled_masked_softmax_backward(dq, y, m, 0.7, triu),
+                                 R.scaled_masked_softmax_backward(dq, y, m, 0.7, triu))
     print("ok")
     """
 )

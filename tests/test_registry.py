@@ -22,6 +22,7 @@ def test_the_expected_ops_are_registered():
         "npu_swiglu", "npu_swiglu_backward", "npu_geglu", "npu_geglu_grad",
         "fast_gelu", "npu_fast_gelu", "npu_fast_gelu_backward",
         "npu_rotary_mul", "npu_rotary_mul_backward",
+        "npu_scaled_masked_softmax", "npu_scaled_masked_softmax_backward",
     }
     assert expected <= set(OPS)
 
