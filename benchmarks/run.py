@@ -92,7 +92,7 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
     return rows
 
 
-HEADER = (f"{'op':<15}{'dir':<4}{'shape':<26}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
+HEADER = (f"{'op':<22}{'dir':<4}{'shape':<26}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
           f"{'GB/s':>7}{'%copy':>7}{'x eager':>9}{'x compile':>10}{'x F.rms':>9}"
           f"{'err ours':>10}{'err eager':>10}")
 
@@ -101,7 +101,7 @@ def format_row(row) -> str:
     ours = row["ours"]
     timing = f"{ours['median'] * 1e3:.4g} ({ours['p20'] * 1e3:.4g}-{ours['p80'] * 1e3:.4g})"
     speedups = [f"{row['speedup'][p]:.2f}x" if p in row["speedup"] else "-" for p in PEERS]
-    return (f"{row['op']:<15}{row['direction']:<4}{row['shape']:<26}{row['dtype']:<6}"
+    return (f"{row['op']:<22}{row['direction']:<4}{row['shape']:<26}{row['dtype']:<6}"
             f"{row['threads']:>3} {timing:>25}{row['gbps']:>7.1f}{row['copy_bw_fraction']:>7.0%}"
             f"{speedups[0]:>9}{speedups[1]:>10}{speedups[2]:>9}"
             f"{row['max_abs_err_ours']:>10.2e}{row['max_abs_err_eager']:>10.2e}")

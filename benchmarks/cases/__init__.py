@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from . import activation, norm, rotary
+from . import activation, norm, rotary, softmax
 
 # The families --ops accepts, in the order the table lists them.
-OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "swiglu", "geglu", "fast_gelu", "rotary_mul")
+OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "swiglu", "geglu", "fast_gelu", "rotary_mul",
+       "scaled_masked_softmax")
 
 
 def all_cases(quick: bool, dtypes):
     """Every case of every family, grouped by op and direction (shapes keep their order)."""
-    cases = [c for module in (norm, activation, rotary) for c in module.cases(quick, dtypes)]
+    modules = (norm, activation, rotary, softmax)
+    cases = [c for module in modules for c in module.cases(quick, dtypes)]
     return sorted(cases, key=lambda c: (OPS.index(c.op), c.direction != "fwd"))

@@ -190,6 +190,22 @@ def test_non_contiguous_inputs(layout):
     assert_close(dx, R.scaled_masked_softmax_backward(dy, y, mask, 0.9))
 
 
+@pytest.mark.parametrize("b,w", [(4, 256), (1, 1000)], ids=["aligned-rows", "unaligned-rows"])
+def test_large_outputs(b, w):
+    # Outputs of 16 MB and more are written with non-temporal stores where a row starts on a
+    # 64-byte boundary (every row at w=256; every other row at w=1000 in fp32). Every 7th row
+    # (both alignments) is checked against the reference, to keep the test quick.
+    x, mask, dy = randn(b, 4, 1056, w), make_mask(1, 1, 1056, w), randn(b, 4, 1056, w)
+    assert x.nbytes >= 16 << 20
+    rows = slice(None, None, 7)
+    for m, triu in [(mask, False), (R.triu_mask(x), True)]:
+        y = opennpu.npu_scaled_masked_softmax(x, mask, 0.3, triu)
+        assert_close(y[..., rows, :], R.scaled_masked_softmax(x[..., rows, :], m[..., rows, :], 0.3))
+        dx = opennpu.npu_scaled_masked_softmax_backward(dy, y, mask, 0.3, triu)
+        assert_close(dx[..., rows, :], R.scaled_masked_softmax_backward(
+            dy[..., rows, :], y[..., rows, :], m[..., rows, :], 0.3))
+
+
 # ----------------------------------------------------------------------------- mask semantics
 
 

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "common/vec.h"
@@ -99,6 +100,59 @@ inline void fill_tail(int64_t len, Vectorized<T>& a, Vectorized<T>& b, const Vec
   b = Vec::blendv(fill, b, (idx + Vec(static_cast<T>(Vec::size()))) < Vec(static_cast<T>(len)));
 }
 
+// Prefetches the cache lines of one step (kStep elements) starting at p into L1, so the next row
+// streams in while this one computes.
+template <typename scalar_t>
+inline void prefetch_step(const scalar_t* p) {
+  constexpr int64_t kBytes = VecPair<scalar_t>::kStep * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t b = 0; b < kBytes; b += 64) {
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
+  }
+}
+
+// Stores one full step (kStep elements) with non-temporal stores; p must be aligned to the
+// vector width. For outputs far larger than the caches this skips reading the destination lines
+// before they are overwritten (a third of the traffic of a read-one-write-one kernel).
+template <typename scalar_t>
+inline void stream_step(scalar_t* p, const AccVec<scalar_t>& a, const AccVec<scalar_t>& b) {
+  using Vec = AccVec<scalar_t>;
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    _mm512_stream_ps(p, a);
+    _mm512_stream_ps(p + Vec::size(), b);
+    return;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
+    const __m512i packed = at::vec::convert_from_float<scalar_t>(a, b);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), packed);
+    return;
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    _mm256_stream_ps(p, a);
+    _mm256_stream_ps(p + Vec::size(), b);
+    return;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
+    const __m256i packed = at::vec::convert_from_float<scalar_t>(a, b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
+    return;
+  }
+#endif
+  VecPair<scalar_t>::store(p, a, b);
+}
+
+// Orders this thread's non-temporal stores before whatever follows the kernel.
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// Whether a row starting at p can take stream_step for each full step.
+template <typename scalar_t>
+inline bool stream_aligned(const scalar_t* p) {
+  return reinterpret_cast<uintptr_t>(p) % 64 == 0;
+}
+
 // One row's mask: columns [0, prefix) are masked where bytes[j] != 0 (none when bytes is null),
 // columns [prefix, W) are all masked.
 struct RowMask {
@@ -174,15 +228,42 @@ int64_t padded_width(int64_t w) {
   return (w + kStep - 1) / kStep * kStep;
 }
 
+// Where one row reads and writes. `ahead` points kAheadBytes or more past the row's first input
+// (clamped to the last row), and is prefetched while the row computes; `stream` selects
+// non-temporal stores for the full steps of the output.
+template <typename scalar_t>
+struct RowIO {
+  const scalar_t* in;   // forward: x; backward: dy
+  const scalar_t* in2;  // backward: y
+  scalar_t* out;
+  int64_t ahead;  // element offset from `in` (and `in2`) of the rows to prefetch
+  bool stream;
+};
+
+// How far ahead rows are prefetched: whole rows, at least this many bytes.
+constexpr int64_t kAheadBytes = 4096;
+
+// Outputs at least this large are written with non-temporal stores (they would not stay in the
+// caches anyway, and skipping the read of every destination line saves a third of the traffic).
+constexpr int64_t kStreamBytes = int64_t{16} << 20;
+
+template <typename scalar_t>
+int64_t ahead_rows(int64_t w) {
+  const int64_t row_bytes = std::max<int64_t>(w, 1) * static_cast<int64_t>(sizeof(scalar_t));
+  return (kAheadBytes + row_bytes - 1) / row_bytes;
+}
+
 template <typename scalar_t, bool kMaskBytes>
-void softmax_fwd_row(const scalar_t* x, RowMask rm, int64_t w, acc_t<scalar_t> scale,
-                     acc_t<scalar_t>* buf, scalar_t* y) {
+void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<scalar_t> scale,
+                     acc_t<scalar_t>* buf) {
   using T = acc_t<scalar_t>;
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
   constexpr int64_t kStep = IO::kStep;
   constexpr T kFill = static_cast<T>(kMaskFill);
   const T kNegInf = -std::numeric_limits<T>::infinity();
+  const scalar_t* x = io.in;
+  scalar_t* y = io.out;
   const int64_t p = rm.prefix;
 
   // Pass 1: s = x * scale (or -10000 where masked) into buf, lanes past p padded with -inf.
@@ -210,11 +291,13 @@ void softmax_fwd_row(const scalar_t* x, RowMask rm, int64_t w, acc_t<scalar_t> s
     return;
   }
 
-  // Pass 2: buf = exp(s - max) over whole steps (padding lanes give exp(-inf) = 0), and the sum.
+  // Pass 2: buf = exp(s - max) over whole steps (padding lanes give exp(-inf) = 0), and the sum;
+  // the rows ahead stream into the cache meanwhile.
   const Vec vmx(mx);
   Vec s0(0), s1(0);
   const int64_t padded = (p + kStep - 1) / kStep * kStep;
   for (int64_t i = 0; i < padded; i += kStep) {
+    prefetch_step(x + io.ahead + i);
     const Vec e0 = exp_for<scalar_t>(Vec::loadu(buf + i) - vmx);
     const Vec e1 = exp_for<scalar_t>(Vec::loadu(buf + i + Vec::size()) - vmx);
     e0.store(buf + i);
@@ -225,22 +308,30 @@ void softmax_fwd_row(const scalar_t* x, RowMask rm, int64_t w, acc_t<scalar_t> s
   T sum = horizontal_sum(s0 + s1);
   const T suffix_e = p < w ? std::exp(kFill - mx) : T(0);
   sum += static_cast<T>(w - p) * suffix_e;
-  const T inv = T(1) / sum;
+  const Vec vinv(T(1) / sum);
 
   // Pass 3: y = e / sum; the masked suffix is one constant.
-  const Vec vinv(inv);
   for_each_step<scalar_t>(p, [&](int64_t i, int64_t len) {
-    IO::store(y + i, Vec::loadu(buf + i) * vinv, Vec::loadu(buf + i + Vec::size()) * vinv, len);
+    const Vec a = Vec::loadu(buf + i) * vinv;
+    const Vec b = Vec::loadu(buf + i + Vec::size()) * vinv;
+    if (io.stream && len == kStep) {
+      stream_step(y + i, a, b);
+    } else {
+      IO::store(y + i, a, b, len);
+    }
   });
-  if (p < w) std::fill_n(y + p, w - p, static_cast<scalar_t>(suffix_e * inv));
+  if (p < w) std::fill_n(y + p, w - p, static_cast<scalar_t>(suffix_e / sum));
 }
 
 template <typename scalar_t, bool kMaskBytes>
-void softmax_bwd_row(const scalar_t* dy, const scalar_t* y, RowMask rm, int64_t w,
-                     acc_t<scalar_t> scale, scalar_t* dx) {
+void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<scalar_t> scale) {
   using T = acc_t<scalar_t>;
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
+  constexpr int64_t kStep = IO::kStep;
+  const scalar_t* dy = io.in;
+  const scalar_t* y = io.in2;
+  scalar_t* dx = io.out;
   const int64_t p = rm.prefix;
   if (p > 0) {
     // Pass 1: sum(dy * y) over the whole row (partial steps load zeros past the end).
@@ -252,19 +343,47 @@ void softmax_bwd_row(const scalar_t* dy, const scalar_t* y, RowMask rm, int64_t 
       s0 = at::vec::fmadd(d0, y0, s0);
       s1 = at::vec::fmadd(d1, y1, s1);
     });
-    // Pass 2: dx = scale * y * (dy - dot), 0 where masked.
+    // Pass 2 (from cache): dx = scale * y * (dy - dot), 0 where masked.
     const Vec vdot(horizontal_sum(s0 + s1)), vscale(scale), zero(0);
     for_each_step<scalar_t>(p, [&](int64_t i, int64_t len) {
+      prefetch_step(dy + io.ahead + i);
+      prefetch_step(y + io.ahead + i);
       Vec d0, d1, y0, y1;
       IO::load(dy + i, d0, d1, len);
       IO::load(y + i, y0, y1, len);
       Vec g0 = vscale * y0 * (d0 - vdot);
       Vec g1 = vscale * y1 * (d1 - vdot);
       if constexpr (kMaskBytes) mask_fill<T>(rm.bytes + i, len, g0, g1, zero);
-      IO::store(dx + i, g0, g1, len);
+      if (io.stream && len == kStep) {
+        stream_step(dx + i, g0, g1);
+      } else {
+        IO::store(dx + i, g0, g1, len);
+      }
     });
   }
   if (p < w) std::fill_n(dx + p, w - p, static_cast<scalar_t>(0));
+}
+
+// Runs row(io, rm) for every row with the I/O pointers of each row, in parallel chunks; each
+// chunk gets its own `row = make_row()` (which may own scratch memory).
+template <typename scalar_t, typename MakeRow>
+void for_each_row(const scalar_t* in, const scalar_t* in2, scalar_t* out, int64_t rows, int64_t w,
+                  const uint8_t* mask, const MaskLayout& layout, const MakeRow& make_row) {
+  const bool big = rows * w * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
+  const int64_t ahead = ahead_rows<scalar_t>(w);
+  at::parallel_for(0, rows, grain_rows(w), [&](int64_t begin, int64_t end) {
+    auto row = make_row();
+    MaskCursor cursor(layout, mask, w, begin);
+    for (int64_t r = begin; r < end; ++r, cursor.next()) {
+      const int64_t o = r * w;
+      // the rows to prefetch; clamped so the address stays inside the tensor
+      const int64_t ahead_offset = (std::min(r + ahead, rows - 1) - r) * w;
+      const RowIO<scalar_t> io{in + o, in2 == nullptr ? nullptr : in2 + o, out + o, ahead_offset,
+                               big && stream_aligned(out + o)};
+      row(io, cursor.row());
+    }
+    if (big) stream_fence();
+  });
 }
 
 void softmax_fwd_kernel(const at::Tensor& x, const uint8_t* mask, const MaskLayout& layout,
@@ -274,21 +393,20 @@ void softmax_fwd_kernel(const at::Tensor& x, const uint8_t* mask, const MaskLayo
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "npu_scaled_masked_softmax", [&] {
         using T = acc_t<scalar_t>;
-        const scalar_t* px = x.const_data_ptr<scalar_t>();
-        scalar_t* py = y.mutable_data_ptr<scalar_t>();
         const T s = static_cast<T>(scale);
-        at::parallel_for(0, rows, grain_rows(w), [&](int64_t begin, int64_t end) {
-          RowBuffer<T> buf(padded_width<scalar_t>(w));
-          MaskCursor cursor(layout, mask, w, begin);
-          for (int64_t r = begin; r < end; ++r, cursor.next()) {
-            const RowMask rm = cursor.row();
-            if (rm.bytes != nullptr) {
-              softmax_fwd_row<scalar_t, true>(px + r * w, rm, w, s, buf.data(), py + r * w);
-            } else {
-              softmax_fwd_row<scalar_t, false>(px + r * w, rm, w, s, buf.data(), py + r * w);
-            }
-          }
-        });
+        for_each_row<scalar_t>(
+            x.const_data_ptr<scalar_t>(), nullptr, y.mutable_data_ptr<scalar_t>(), rows, w, mask,
+            layout, [&] {
+              // the chunk's row buffer, owned by the returned closure
+              return [&, buf = std::make_shared<RowBuffer<T>>(padded_width<scalar_t>(w))](
+                         const RowIO<scalar_t>& io, RowMask rm) {
+                if (rm.bytes != nullptr) {
+                  softmax_fwd_row<scalar_t, true>(io, rm, w, s, buf->data());
+                } else {
+                  softmax_fwd_row<scalar_t, false>(io, rm, w, s, buf->data());
+                }
+              };
+            });
       });
 }
 
@@ -299,22 +417,18 @@ void softmax_bwd_kernel(const at::Tensor& dy, const at::Tensor& y, const uint8_t
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, y.scalar_type(), "npu_scaled_masked_softmax_backward", [&] {
         using T = acc_t<scalar_t>;
-        const scalar_t* pdy = dy.const_data_ptr<scalar_t>();
-        const scalar_t* py = y.const_data_ptr<scalar_t>();
-        scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
         const T s = static_cast<T>(scale);
-        at::parallel_for(0, rows, grain_rows(w), [&](int64_t begin, int64_t end) {
-          MaskCursor cursor(layout, mask, w, begin);
-          for (int64_t r = begin; r < end; ++r, cursor.next()) {
-            const RowMask rm = cursor.row();
-            const int64_t o = r * w;
-            if (rm.bytes != nullptr) {
-              softmax_bwd_row<scalar_t, true>(pdy + o, py + o, rm, w, s, pdx + o);
-            } else {
-              softmax_bwd_row<scalar_t, false>(pdy + o, py + o, rm, w, s, pdx + o);
-            }
-          }
-        });
+        for_each_row<scalar_t>(
+            dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(),
+            dx.mutable_data_ptr<scalar_t>(), rows, w, mask, layout, [&] {
+              return [&](const RowIO<scalar_t>& io, RowMask rm) {
+                if (rm.bytes != nullptr) {
+                  softmax_bwd_row<scalar_t, true>(io, rm, w, s);
+                } else {
+                  softmax_bwd_row<scalar_t, false>(io, rm, w, s);
+                }
+              };
+            });
       });
 }
 
