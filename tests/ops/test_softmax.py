@@ -144,6 +144,13 @@ def test_empty(shape):
         assert dx.shape == x.shape
 
 
+@pytest.mark.parametrize("mask_shape", [(37,), (1,), ()], ids=["W", "1", "scalar"])
+def test_one_dim_x(mask_shape):
+    x = randn(37)
+    check_forward(x, make_mask(*mask_shape, p=0.5), 1.5)
+    check_backward(x, make_mask(*mask_shape, p=0.5), 1.5)
+
+
 def test_single_element_rows_are_one():
     x = randn(5, 1)
     assert (opennpu.npu_scaled_masked_softmax(x, make_mask(5, 1, p=0.5)) == 1).all()
