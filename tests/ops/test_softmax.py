@@ -197,11 +197,11 @@ def test_non_contiguous_inputs(layout):
     assert_close(dx, R.scaled_masked_softmax_backward(dy, y, mask, 0.9))
 
 
-@pytest.mark.parametrize("b,w", [(4, 256), (1, 1000)], ids=["aligned-rows", "unaligned-rows"])
+@pytest.mark.parametrize("b,w", [(4, 272), (1, 1000)], ids=["whole-lines", "partial-lines"])
 def test_large_outputs(b, w):
-    # Outputs of 16 MB and more are written with non-temporal stores where a row starts on a
-    # 64-byte boundary (every row at w=256; every other row at w=1000 in fp32). Every 7th row
-    # (both alignments) is checked against the reference, to keep the test quick.
+    # Outputs of 16 MB and more whose rows are whole cache lines (w=272 in fp32, whose last step
+    # is partial with 512-bit vectors) are written with non-temporal stores; w=1000 is not.
+    # Every 7th row is checked against the reference, to keep the test quick.
     x, mask, dy = randn(b, 4, 1056, w), make_mask(1, 1, 1056, w), randn(b, 4, 1056, w)
     assert x.nbytes >= 16 << 20
     rows = slice(None, None, 7)
@@ -243,6 +243,22 @@ def test_fully_masked_rows_are_uniform(dtype, mask_shape):
     # the fully masked rows get no gradient at all
     dx = check_backward(x, mask, 0.5)
     assert (dx[1] == 0).all() and (dx[0, 1, 2] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=dtype_id)
+@pytest.mark.parametrize("fixed_triu_mask", [False, True], ids=["mask", "triu"])
+def test_masked_positions_with_probability_get_zero_gradient(dtype, fixed_triu_mask):
+    # With x * scale near -10000 the masked positions hold a real share of the probability (they
+    # are not 0 as usual); their gradient must still be exactly 0.
+    x = -10000 + 3 * randn(2, 3, 9, 40, dtype=dtype)
+    mask = make_mask(1, 3, 9, 40, p=0.4)
+    y = opennpu.npu_scaled_masked_softmax(x, mask, 1.0, fixed_triu_mask)
+    masked = (R.triu_mask(x) if fixed_triu_mask else mask).expand_as(x)
+    assert (y[masked] > 1e-3).any()
+    dy = torch.randn_like(y)
+    dx = opennpu.npu_scaled_masked_softmax_backward(dy, y, mask, 1.0, fixed_triu_mask)
+    assert (dx[masked] == 0).all()
+    assert_close(dx, R.scaled_masked_softmax_backward(dy, y, masked, 1.0))
 
 
 def test_unmasked_values_below_the_fill_lose_to_masked_ones():

@@ -1,12 +1,14 @@
 // CPU kernels of npu_scaled_masked_softmax (compiled once per ISA; see common/cpu_dispatch.h).
 //
-// Rows of W elements, one memory pass each. Every row is described by a prefix: columns
-// [0, prefix) follow the mask bytes (or are all unmasked when the row has none), columns
-// [prefix, W) are all masked. That one shape covers every case cheaply:
-//   a mask with a byte per column    bytes, prefix = W
-//   a mask with one byte per row     no bytes, prefix = W (unmasked) or 0 (fully masked)
-//   fixed_triu_mask                  no bytes, prefix = min(i + 1, W), i = the row's index in dim -2
-// The masked suffix never reads x: its value is the constant exp(-10000 - max) / sum.
+// Rows of W elements, one memory pass each. Every row is described by a bound: columns
+// [0, bound) follow the mask bytes (or are all unmasked when the row has none), columns
+// [bound, W) are all masked. That one shape covers every case cheaply:
+//   a mask with a byte per column    bytes, bound = W
+//   a mask with one byte per row     no bytes, bound = W (unmasked) or 0 (fully masked)
+//   fixed_triu_mask                  no bytes, bound = min(i + 1, W), i = the row's index in dim -2
+// The vector passes run over the bound rounded up to whole steps (masking the columns past it by
+// their index, so rows need no partial loads); the rest of the row never reads x: its value is
+// the constant exp(-10000 - max) / sum.
 //
 // Forward, per row, in acc_t: pass 1 loads x (and the mask bytes), forms s = x * scale or -10000
 // into a per-thread row buffer and tracks the max; pass 2 turns the buffer into exp(s - max) and
@@ -91,7 +93,8 @@ inline void mask_fill<float>(const uint8_t* m, int64_t len, Vectorized<float>& a
 }
 #endif
 
-// Lanes >= len of (a, b) become `fill` (the partial last step of a row).
+// Lanes >= len of (a, b) become `fill` (the partial last step of a row, or the columns past a
+// row's bound).
 template <typename T>
 inline void fill_tail(int64_t len, Vectorized<T>& a, Vectorized<T>& b, const Vectorized<T>& fill) {
   using Vec = Vectorized<T>;
@@ -147,17 +150,17 @@ inline void stream_fence() {
 #endif
 }
 
-// Whether a row starting at p can take stream_step for each full step.
+// Whether p is aligned for stream_step (with rows of whole cache lines, so is every row).
 template <typename scalar_t>
 inline bool stream_aligned(const scalar_t* p) {
   return reinterpret_cast<uintptr_t>(p) % 64 == 0;
 }
 
-// One row's mask: columns [0, prefix) are masked where bytes[j] != 0 (none when bytes is null),
-// columns [prefix, W) are all masked.
+// One row's mask: columns [0, bound) are masked where bytes[j] != 0 (none when bytes is null),
+// columns [bound, W) are all masked.
 struct RowMask {
   const uint8_t* bytes;
-  int64_t prefix;
+  int64_t bound;
 };
 
 // Walks consecutive rows like an odometer over the (coalesced) leading dims, so the divisions
@@ -253,6 +256,29 @@ int64_t ahead_rows(int64_t w) {
   return (kAheadBytes + row_bytes - 1) / row_bytes;
 }
 
+// The columns the vector passes of a row cover: its bound rounded up to whole steps, within W.
+template <typename scalar_t>
+int64_t vector_columns(int64_t bound, int64_t w) {
+  constexpr int64_t kStep = VecPair<scalar_t>::kStep;
+  return std::min((bound + kStep - 1) / kStep * kStep, w);
+}
+
+// y[from, w) = value, rounded to scalar_t as the vector stores round; `from` is a whole number of
+// steps, and `stream` continues the row's non-temporal stores (a cache line must not be written
+// partly by streaming and partly by ordinary stores).
+template <typename scalar_t>
+void fill_columns(scalar_t* y, int64_t from, int64_t w, acc_t<scalar_t> value, bool stream) {
+  using Vec = AccVec<scalar_t>;
+  const Vec v(value);
+  for_each_step<scalar_t>(w - from, [&](int64_t i, int64_t len) {
+    if (stream && len == VecPair<scalar_t>::kStep) {
+      stream_step(y + from + i, v, v);
+    } else {
+      VecPair<scalar_t>::store(y + from + i, v, v, len);
+    }
+  });
+}
+
 template <typename scalar_t, bool kMaskBytes>
 void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<scalar_t> scale,
                      acc_t<scalar_t>* buf) {
@@ -264,7 +290,8 @@ void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
   const T kNegInf = -std::numeric_limits<T>::infinity();
   const scalar_t* x = io.in;
   scalar_t* y = io.out;
-  const int64_t p = rm.prefix;
+  const int64_t bound = rm.bound;
+  const int64_t p = vector_columns<scalar_t>(bound, w);
 
   // Pass 1: s = x * scale (or -10000 where masked) into buf, lanes past p padded with -inf.
   const Vec vscale(scale), vfill(kFill), vneginf(kNegInf);
@@ -275,6 +302,7 @@ void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
     a = a * vscale;
     b = b * vscale;
     if constexpr (kMaskBytes) mask_fill<T>(rm.bytes + i, len, a, b, vfill);
+    if (i + len > bound) fill_tail<T>(bound - i, a, b, vfill);
     if (len < kStep) fill_tail<T>(len, a, b, vneginf);
     a.store(buf + i);
     b.store(buf + i + Vec::size());
@@ -283,11 +311,11 @@ void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
   });
   T mx = at::vec::vec_reduce_all<T>(
       [](const Vec& u, const Vec& v) { return at::vec::maximum(u, v); }, at::vec::maximum(mx0, mx1));
-  if (p < w && mx < kFill) mx = kFill;  // the masked suffix; a NaN max stays NaN
+  if (bound < w && mx < kFill) mx = kFill;  // the masked suffix; a NaN max stays NaN
   if (!std::isfinite(mx)) {
     // A NaN, +inf, or (with nothing masked) an all -inf row: softmax is NaN throughout, as in
     // torch.softmax (exp_u20 would not propagate the NaN by itself).
-    std::fill_n(y, w, static_cast<scalar_t>(std::numeric_limits<T>::quiet_NaN()));
+    fill_columns<scalar_t>(y, 0, w, std::numeric_limits<T>::quiet_NaN(), io.stream);
     return;
   }
 
@@ -320,7 +348,7 @@ void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
       IO::store(y + i, a, b, len);
     }
   });
-  if (p < w) std::fill_n(y + p, w - p, static_cast<scalar_t>(suffix_e / sum));
+  if (p < w) fill_columns<scalar_t>(y, p, w, suffix_e / sum, io.stream);
 }
 
 template <typename scalar_t, bool kMaskBytes>
@@ -332,8 +360,9 @@ void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
   const scalar_t* dy = io.in;
   const scalar_t* y = io.in2;
   scalar_t* dx = io.out;
-  const int64_t p = rm.prefix;
-  if (p > 0) {
+  const int64_t bound = rm.bound;
+  const int64_t p = vector_columns<scalar_t>(bound, w);
+  if (bound > 0) {
     // Pass 1: sum(dy * y) over the whole row (partial steps load zeros past the end).
     Vec s0(0), s1(0);
     for_each_step<scalar_t>(w, [&](int64_t i, int64_t len) {
@@ -354,6 +383,7 @@ void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
       Vec g0 = vscale * y0 * (d0 - vdot);
       Vec g1 = vscale * y1 * (d1 - vdot);
       if constexpr (kMaskBytes) mask_fill<T>(rm.bytes + i, len, g0, g1, zero);
+      if (i + len > bound) fill_tail<T>(bound - i, g0, g1, zero);
       if (io.stream && len == kStep) {
         stream_step(dx + i, g0, g1);
       } else {
@@ -361,7 +391,7 @@ void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
       }
     });
   }
-  if (p < w) std::fill_n(dx + p, w - p, static_cast<scalar_t>(0));
+  if (p < w) fill_columns<scalar_t>(dx, p, w, T(0), io.stream);
 }
 
 // Runs row(io, rm) for every row with the I/O pointers of each row, in parallel chunks; each
@@ -369,7 +399,11 @@ void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
 template <typename scalar_t, typename MakeRow>
 void for_each_row(const scalar_t* in, const scalar_t* in2, scalar_t* out, int64_t rows, int64_t w,
                   const uint8_t* mask, const MaskLayout& layout, const MakeRow& make_row) {
-  const bool big = rows * w * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
+  // Streaming needs rows of whole cache lines: every line is then written by streaming stores
+  // alone (a partial step at a row's end covers whole lines too).
+  const int64_t row_bytes = w * static_cast<int64_t>(sizeof(scalar_t));
+  const bool stream =
+      rows * row_bytes >= kStreamBytes && row_bytes % 64 == 0 && stream_aligned(out);
   const int64_t ahead = ahead_rows<scalar_t>(w);
   at::parallel_for(0, rows, grain_rows(w), [&](int64_t begin, int64_t end) {
     auto row = make_row();
@@ -379,10 +413,10 @@ void for_each_row(const scalar_t* in, const scalar_t* in2, scalar_t* out, int64_
       // the rows to prefetch; clamped so the address stays inside the tensor
       const int64_t ahead_offset = (std::min(r + ahead, rows - 1) - r) * w;
       const RowIO<scalar_t> io{in + o, in2 == nullptr ? nullptr : in2 + o, out + o, ahead_offset,
-                               big && stream_aligned(out + o)};
+                               stream};
       row(io, cursor.row());
     }
-    if (big) stream_fence();
+    if (stream) stream_fence();
   });
 }
 
