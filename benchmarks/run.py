@@ -97,7 +97,7 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
     return rows
 
 
-HEADER = (f"{'op':<20}{'dir':<4}{'shape':<26}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
+HEADER = (f"{'op':<22}{'dir':<4}{'shape':<26}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
           f"{'GB/s':>7}{'%copy':>7}{'x eager':>9}{'x compile':>10}{'x F.rms':>9}{'x sdpa':>8}"
           f"{'err ours':>10}{'err eager':>10}")
 
@@ -109,7 +109,7 @@ def format_row(row) -> str:
     # Compute-bound cases show GFLOP/s in the GB/s column and no bandwidth fraction.
     rate, fraction = ((f"{row['gflops']:>6.0f}F", f"{'-':>7}") if row["flops"]
                       else (f"{row['gbps']:>7.1f}", f"{row['copy_bw_fraction']:>7.0%}"))
-    return (f"{row['op']:<20}{row['direction']:<4}{row['shape']:<26}{row['dtype']:<6}"
+    return (f"{row['op']:<22}{row['direction']:<4}{row['shape']:<26}{row['dtype']:<6}"
             f"{row['threads']:>3} {timing:>25}{rate}{fraction}"
             f"{speedups[0]:>9}{speedups[1]:>10}{speedups[2]:>9}{speedups[3]:>8}"
             f"{row['max_abs_err_ours']:>10.2e}{row['max_abs_err_eager']:>10.2e}")

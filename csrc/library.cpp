@@ -38,6 +38,12 @@ TORCH_LIBRARY(npu, m) {
   // Returns (dx, dr1, dr2); dr1/dr2 are reduced over the dims r1/r2 broadcast along.
   m.def("npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> (Tensor, Tensor, Tensor)");
 
+  // softmax(where(mask, -10000, x * scale), dim=-1); mask True = masked out, broadcast to x;
+  // fixed_triu_mask=True masks columns j > i (triu(ones(H, W), 1)) and ignores `mask`.
+  m.def("npu_scaled_masked_softmax(Tensor x, Tensor mask, Scalar scale=1, bool fixed_triu_mask=False) -> Tensor");
+  // dx = scale * y * (dy - sum_last(dy * y)), 0 at masked positions; dtype of y_grad.
+  m.def("npu_scaled_masked_softmax_backward(Tensor y_grad, Tensor y, Tensor mask, Scalar scale, bool fixed_triu_mask) -> Tensor");
+
   // Flash attention: Dropout(Softmax(Mask(scale * (Q K^T + pse)))) V over BSH/SBH/BSND/BNSD/TND,
   // GQA, sparse modes 0-8. Returns (attention_out, softmax_max, softmax_sum, softmax_out, seed,
   // offset, numels); the statistics are float32 with 8 copies in the last dim. The three ints are

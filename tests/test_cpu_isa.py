@@ -49,6 +49,14 @@ SCRIPT = textwrap.dedent(
                 for ours, ref in zip(opennpu.npu_rotary_mul_backward(dq, q, c, s, mode),
                                      R.rotary_mul_backward(dq, q, c, s, mode)):
                     assert_close(ours, ref, dtype=dtype, scale=4)
+            mask = torch.rand(rows, 1, 2 * n) < 0.3  # against q [2, rows, 3, 2n]
+            for m in (mask, mask[..., :1], mask.to(torch.uint8)):
+                for triu in (False, True):
+                    y = opennpu.npu_scaled_masked_softmax(q, m, 0.7, triu)
+                    assert_close(y, R.scaled_masked_softmax(q, m, 0.7, triu))
+                    assert_close(opennpu.npu_scaled_masked_softmax_backward(dq, y, m, 0.7, triu),
+                                 R.scaled_masked_softmax_backward(dq, y, m, 0.7, triu))
+
     # confusion transpose: every unit size (1, 2, 4, 8 bytes, and 16-byte runs), SIMD blocks + tails
     for dtype in (torch.int8, torch.bfloat16, torch.float32, torch.float64, torch.complex128):
         big = (2048, 4096 // dtype.itemsize)  # a 16 MiB output: the streaming-store paths

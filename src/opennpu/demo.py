@@ -148,6 +148,36 @@ def rotary_mul_backward(shape, dtype, threads):
                     threads)
 
 
+SOFTMAX_SCALE = 0.8
+
+
+def _softmax_inputs(shape, dtype):
+    """Seed 000: x [B, N, S, W] and a [1, 1, S, W] mask from randn >= 1."""
+    return randn(*shape, dtype=dtype), torch.randn(1, 1, *shape[-2:]) >= 1
+
+
+def scaled_masked_softmax(shape, dtype, threads):
+    x, mask = _softmax_inputs(shape, dtype)
+    return forward("npu_scaled_masked_softmax", (x, mask, SOFTMAX_SCALE),
+                   reference.native_scaled_masked_softmax, (x, mask, SOFTMAX_SCALE),
+                   lambda: reference.scaled_masked_softmax(x, mask, SOFTMAX_SCALE), threads)
+
+
+def scaled_masked_softmax_backward(shape, dtype, threads):
+    x, mask = _softmax_inputs(shape, dtype)
+    dy = randn(*shape, dtype=dtype)
+    y = npu.npu_scaled_masked_softmax(x, mask, SOFTMAX_SCALE)
+    expected_y = reference.scaled_masked_softmax(x, mask, SOFTMAX_SCALE)
+
+    def native(t):
+        return reference.native_scaled_masked_softmax(t, mask, SOFTMAX_SCALE)
+
+    return backward("npu_scaled_masked_softmax_backward", (dy, y, mask, SOFTMAX_SCALE, False),
+                    native, (x,), dy,
+                    lambda: reference.scaled_masked_softmax_backward(dy, expected_y, mask,
+                                                                     SOFTMAX_SCALE), threads)
+
+
 def _seed_example_two(data):
     return reference.native_confusion_transpose_2(data).contiguous()  # materialised, as the op's
 
@@ -199,6 +229,7 @@ class Example(NamedTuple):
 LLM, GLU, ROPE = (4096, 4096), (4096, 2 * 11008), (2, 8192, 5, 128)
 ATTN_SEED, ATTN_LONG = (1, 32, 128, 128), (1, 32, 2048, 128)
 SEED_BCHW = (64, 3, 64, 128)
+SOFTMAX = (64, 8, 128, 256)
 # The first row of each op is the seed document's example.
 EXAMPLES = [
     Example("npu_rms_norm", "fwd", (128, 256), F32, "native_rms_norm", rms_norm),
@@ -229,9 +260,15 @@ EXAMPLES = [
             confusion_transpose(1)),
     Example("npu_fusion_attention", "fwd", ATTN_SEED, F16, "TorchFlashAttention", fusion_attention),
     Example("npu_fusion_attention", "fwd", ATTN_LONG, BF16, "TorchFlashAttention", fusion_attention),
+    Example("npu_scaled_masked_softmax", "fwd", SOFTMAX, F32, "seed (-inf fill)",
+            scaled_masked_softmax),
+    Example("npu_scaled_masked_softmax", "fwd", SOFTMAX, BF16, "seed (-inf fill)",
+            scaled_masked_softmax),
+    Example("npu_scaled_masked_softmax_backward", "bwd", SOFTMAX, BF16, "seed (-inf fill)",
+            scaled_masked_softmax_backward),
 ]
 
-ROW = "{:<24}{:<4}{:<15}{:<5}{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}"
+ROW = "{:<36}{:<4}{:<15}{:<5}{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}"
 HEADER = ROW.format("op", "dir", "shape", "type", "native", "err ours", "err nat", "ours ms",
                     "eager ms", "comp ms", "x eager", "x comp", "%copy")
 

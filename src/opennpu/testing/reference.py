@@ -407,3 +407,42 @@ def native_confusion_transpose_2(data):
     op materialises it (compare with `.contiguous()` of this)."""
     batch, channel, height, width = data.shape
     return data.view(batch, height * channel * width).transpose(1, 0)
+
+
+# ----------------------------------------------------------------------------- scaled masked softmax
+
+MASK_FILL = -10000.0  # torch_npu's golden fills masked positions with -10000, not -inf
+
+
+def triu_mask(x):
+    """fixed_triu_mask's mask over x's last two dims: True (masked) where column j > row i."""
+    h, w = x.shape[-2:]
+    return torch.ones(h, w, dtype=torch.bool, device=x.device).triu(diagonal=1)
+
+
+def _softmax_mask(x, mask, fixed_triu_mask):
+    return triu_mask(x) if fixed_triu_mask else mask.bool()
+
+
+def scaled_masked_softmax(x, mask, scale=1.0, fixed_triu_mask=False):
+    """softmax((x * scale).masked_fill(mask, -10000), dim=-1); mask True (nonzero) = masked out."""
+    s = (_up(x) * scale).masked_fill(_softmax_mask(x, mask, fixed_triu_mask), MASK_FILL)
+    return torch.softmax(s, dim=-1)
+
+
+def scaled_masked_softmax_backward(y_grad, y, mask, scale, fixed_triu_mask=False):
+    """scale * y * (dy - sum_last(dy * y)), zero at masked positions."""
+    dy, yf = _up(y_grad), _up(y)
+    dx = scale * yf * (dy - (dy * yf).sum(dim=-1, keepdim=True))
+    return dx.masked_fill(_softmax_mask(y, mask, fixed_triu_mask), 0.0)
+
+
+def native_scaled_masked_softmax(x, mask, scale=1.0):
+    """Seed 000's 'torch原生' code for npu_scaled_masked_softmax (-inf fill: NaN rows where the
+    mask covers a whole row, unlike torch_npu's -10000)."""
+    return torch.softmax((x * scale).masked_fill(mask, -1 * torch.inf), dim=-1)
+
+
+def native_scaled_masked_softmax_golden(x, mask, scale=1.0):
+    """The contract's composition (torch_npu's golden, -10000 fill) in the input dtype."""
+    return torch.softmax((x * scale).masked_fill(mask, MASK_FILL), dim=-1)
