@@ -360,6 +360,35 @@ struct FwdScratch {
       : acc(kQBlock * std::max<int64_t>(dv, 1)), q_scaled(kQBlock * std::max<int64_t>(d, 1)) {}
 };
 
+// The online-softmax state of a task's rows before any key: the sink (when given) is the first
+// logit each row has seen, with exp(sink - max) = 1 in the running sum.
+template <typename T>
+void start_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
+                FwdScratch<T>& w) {
+  const bool sink = p.sink != nullptr;
+  std::fill(w.m, w.m + rows, sink ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf));
+  std::fill(w.l, w.l + rows, sink ? T(1) : T(0));
+  std::fill(w.acc.begin(), w.acc.begin() + rows * dv, T(0));
+}
+
+// out = acc / l for the task's rows, and the 8-copy statistics. A row that saw no key (and has no
+// sink) has l = 0: its output is 0, not NaN.
+template <typename T, typename Stat>
+void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
+                 const FwdScratch<T>& w, T* out, Stat* smax, Stat* ssum) {
+  const int64_t b = task.b, n = task.n;
+  T* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
+  for (int64_t r = 0; r < rows; ++r) {
+    const T inv = w.l[r] > T(0) ? T(1) / w.l[r] : T(0);
+    const T* a = w.acc.data() + r * dv;
+    T* dst = o + r * p.out.stride_s;
+    for (int64_t d = 0; d < dv; ++d) dst[d] = a[d] * inv;
+    const int64_t idx = p.stat_index(b, n, task.i0 + r);
+    std::fill(smax + 8 * idx, smax + 8 * idx + 8, static_cast<Stat>(w.m[r]));
+    std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, static_cast<Stat>(w.l[r]));
+  }
+}
+
 template <typename T>
 void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const at::Tensor& k_t,
                         const at::Tensor& v_t, at::Tensor& out_t, at::Tensor& max_t,
@@ -382,11 +411,7 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
         const Task& task = tasks[t];
         const HeadBlock<T> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
         const int64_t rows = hb.rows;
-        const T m0 = p.sink != nullptr ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf);
-        const T l0 = p.sink != nullptr ? T(1) : T(0);  // the sink's own exp(sink - max)
-        std::fill(w.m, w.m + rows, m0);
-        std::fill(w.l, w.l + rows, l0);
-        std::fill(w.acc.begin(), w.acc.begin() + rows * Dv, T(0));
+        start_rows(p, task, rows, Dv, w);
         scale_query_rows(hb.q, p.q.stride_s, rows, D, scale, w.q_scaled.data());
 
         for (int64_t j0 = hb.key_lo; j0 <= hb.key_hi; j0 += kKvBlock) {
@@ -416,18 +441,7 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
                      w.acc.data(), Dv);
         }
 
-        const int64_t b = task.b, n = task.n;
-        T* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
-        for (int64_t r = 0; r < rows; ++r) {
-          // A row that sees no key (and has no sink) has l = 0: its output is 0, not NaN.
-          const T inv = w.l[r] > T(0) ? T(1) / w.l[r] : T(0);
-          const T* a = w.acc.data() + r * Dv;
-          T* dst = o + r * p.out.stride_s;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
-          const int64_t idx = p.stat_index(b, n, task.i0 + r);
-          std::fill(smax + 8 * idx, smax + 8 * idx + 8, w.m[r]);
-          std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, w.l[r]);
-        }
+        finish_rows(p, task, rows, Dv, w, out, smax, ssum);
       });
 }
 
@@ -643,11 +657,7 @@ void attention_fwd_packed_impl(const AttentionProblem& p, const at::Tensor& q_t,
         const Task& task = tasks[t];
         const HeadBlock<T, scalar_t> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
         const int64_t rows = hb.rows, kvh = task.n / p.group();
-        const T m0 = p.sink != nullptr ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf);
-        const T l0 = p.sink != nullptr ? T(1) : T(0);
-        std::fill(w.m, w.m + rows, m0);
-        std::fill(w.l, w.l + rows, l0);
-        std::fill(w.acc.begin(), w.acc.begin() + rows * Dv, T(0));
+        start_rows(p, task, rows, Dv, w);
         const int64_t blk_lo = hb.key_hi >= hb.key_lo ? hb.key_lo / kKvBlock : 1;
         const int64_t blk_hi = hb.key_hi >= hb.key_lo ? hb.key_hi / kKvBlock : 0;
         for (int64_t blk = blk_lo; blk <= blk_hi; ++blk) {
@@ -708,17 +718,7 @@ void attention_fwd_packed_impl(const AttentionProblem& p, const at::Tensor& q_t,
                                         w.acc.data() + c);
           }
         }
-        const int64_t b = task.b, n = task.n;
-        T* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
-        for (int64_t r = 0; r < rows; ++r) {
-          const T inv = w.l[r] > T(0) ? T(1) / w.l[r] : T(0);
-          const T* a = w.acc.data() + r * Dv;
-          T* dst = o + r * p.out.stride_s;
-          for (int64_t d = 0; d < Dv; ++d) dst[d] = a[d] * inv;
-          const int64_t idx = p.stat_index(b, n, task.i0 + r);
-          std::fill(smax + 8 * idx, smax + 8 * idx + 8, static_cast<float>(w.m[r]));
-          std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, static_cast<float>(w.l[r]));
-        }
+        finish_rows(p, task, rows, Dv, w, out, smax, ssum);
       });
 }
 
