@@ -7,8 +7,11 @@
 //   a mask with one byte per row     no bytes, bound = W (unmasked) or 0 (fully masked)
 //   fixed_triu_mask                  no bytes, bound = min(i + 1, W), i = the row's index in dim -2
 // The vector passes run over the bound rounded up to whole steps (masking the columns past it by
-// their index, so rows need no partial loads); the rest of the row never reads x: its value is
-// the constant exp(-10000 - max) / sum.
+// their index, so a bound never ends a pass with a partial step; only an odd W does); the rest of
+// the row never reads x: its value is the constant exp(-10000 - max) / sum.
+//
+// Large outputs (16 MB and more, rows of whole cache lines) are written with non-temporal stores,
+// and while a row computes, the rows 4 KB ahead are prefetched.
 //
 // Forward, per row, in acc_t: pass 1 loads x (and the mask bytes), forms s = x * scale or -10000
 // into a per-thread row buffer and tracks the max; pass 2 turns the buffer into exp(s - max) and
