@@ -42,6 +42,8 @@ def parse_args(argv=None):
     parser.add_argument("--shapes", default="",
                         help="comma-separated substrings; run only cases whose shape contains one "
                              "(e.g. 'T=8192 H=4096,S=8192')")
+    parser.add_argument("--dirs", default="",
+                        help="comma-separated directions to run (fwd, bwd, f+b); default all")
     parser.add_argument("--min-run-time", type=float, default=None,
                         help="seconds per timing (default 0.5, 0.2 with --quick)")
     parser.add_argument("--json", help="also write the results to this file")
@@ -132,6 +134,8 @@ def main(argv=None) -> int:
         if case.op not in args.ops:
             continue
         if args.shapes and not any(part in case.shape for part in args.shapes.split(",")):
+            continue
+        if args.dirs and case.direction not in args.dirs.split(","):
             continue
         missing = [op for op in case.requires if not has_cpu_kernel(op)]
         if missing:
