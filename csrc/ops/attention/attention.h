@@ -6,7 +6,8 @@
 // start and how many there are, plus element strides between heads and rows. The head dimension
 // is always contiguous. Inputs arrive in the accumulator dtype (fp32, or fp64 for fp64 inputs):
 // fp16/bf16 tensors are converted once up front, which costs O(S*D) next to the O(S^2*D) work, so
-// the kernels are templated on the accumulator type only and every GEMM is a BLAS call.
+// the kernels are templated on the accumulator type only and every GEMM is a BLAS call. The one
+// exception is attention_fwd_packed_cpu, which takes fp16/bf16 as they are (see below).
 #pragma once
 
 #include <ATen/core/Tensor.h>
