@@ -19,10 +19,11 @@
 // lines are stored normally). Run copies stream only into pages already mapped (see
 // page_resident). Smaller outputs use ordinary stores, so the next op finds them in cache.
 //
-// Why not ATen: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on BSND -> BNSD and
-// 8-45% on 2-D transposes (its blocked 2-D path is single-threaded) on the development machine,
-// below this kernel on every plan measured, so it is used for every plan. Tile shapes were
-// measured there (2 vCPUs, AVX-512, 2 MiB L2 per core).
+// ATen or this kernel: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on large
+// BSND -> BNSD copies and 8-45% on 2-D transposes (its blocked 2-D path is single-threaded) on
+// the development machine, well below this kernel, but it was 5-30% faster on short-run copies
+// whose output stays in cache (< 16 MiB): the entry point (transpose.cpp) hands exactly those
+// to ATen. Tile shapes were measured there (2 vCPUs, AVX-512, 2 MiB L2 per core).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -44,8 +45,7 @@ namespace opennpu::transpose {
 inline namespace CPU_CAPABILITY {
 namespace {
 
-// A run at least this long is copied by itself (no tiling), in chunks of kChunkBytes.
-constexpr int64_t kLongRunBytes = 32 << 10;
+// Long runs (kLongRunBytes, transpose.h) are copied in chunks of this size.
 constexpr int64_t kChunkBytes = 64 << 10;
 // Element transpose tiles with streaming stores: one 64-byte line of each output row (kBand
 // source rows) by this many bytes of each source row, visited along A first.
@@ -55,15 +55,15 @@ constexpr int64_t kStreamTileRowBytes = 4096;
 constexpr int64_t kPlainTileRows = 2048;
 constexpr int64_t kTileBytes = 16 << 10;
 // Short-run tiles: runs per side such that each side covers about this many bytes.
-constexpr int64_t kRunTileSideBytes = 2048;
+constexpr int64_t kRunTileSideBytes = 8192;
 // Streaming into rows that are not line-aligned: tiles of this many bytes per output row, and
 // about kStagedTileBytes in all.
 constexpr int64_t kStagedRowBytes = 2048;
 constexpr int64_t kStagedTileBytes = 256 << 10;
+// Runs up to this long are copied inline rather than by memcpy.
+constexpr int64_t kInlineRunBytes = 1024;
 // Work below this many bytes per parallel chunk stays on one thread.
 constexpr int64_t kParallelBytes = 64 << 10;
-// Outputs at least this large are written with streaming stores where lines are whole.
-constexpr int64_t kStreamMinBytes = 16 << 20;
 constexpr int64_t kLine = 64;
 
 template <int kBytes>
@@ -417,7 +417,8 @@ void transpose_tile_staged(const char* src, int64_t ld_src, char* dst, int64_t l
   scalar_block<kBytes>(src + b * kBytes, ld_src, kBytes, dst + b * ld_dst, ld_dst, na, nb - b);
 }
 
-// Copies one run; kStream: dst and bytes are multiples of a line (streaming stores).
+// Copies one run; kStream: dst and bytes are multiples of a line (streaming stores). Short runs
+// are copied inline (a call to memcpy per run of a few hundred bytes costs more than the copy).
 template <bool kStream>
 inline void copy_run(char* dst, const char* src, int64_t bytes) {
 #ifdef OPENNPU_TRANSPOSE_SIMD
@@ -429,6 +430,16 @@ inline void copy_run(char* dst, const char* src, int64_t bytes) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), hi);
     }
     return;
+  } else {
+    if (bytes <= kInlineRunBytes) {
+      int64_t i = 0;
+      for (; i + 32 <= bytes; i += 32) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+      }
+      std::memcpy(dst + i, src + i, bytes - i);
+      return;
+    }
   }
 #endif
   std::memcpy(dst, src, bytes);
