@@ -17,11 +17,6 @@
 
 namespace opennpu::transpose {
 
-// A run at least this long is copied by itself, in chunks, without tiling.
-constexpr int64_t kLongRunBytes = 32 << 10;
-// Outputs at least this large are written with streaming (non-temporal) stores where they can.
-constexpr int64_t kStreamMinBytes = 16 << 20;
-
 struct CopyPlan {
   int64_t unit = 1;  // bytes per moved element: 1, 2, 4 or 8
   int64_t run = 1;   // units per run: contiguous in both the source and the output
