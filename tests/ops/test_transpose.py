@@ -179,11 +179,12 @@ def test_copy_paths(shape, perm, dtype):
 @pytest.mark.parametrize("shape,perm,dtype", [
     ((4096, 4096), (1, 0), torch.uint8), ((2048, 4096), (1, 0), torch.bfloat16),
     ((2048, 2048), (1, 0), F32), ((1024, 2048), (1, 0), F64),
-    ((4, 1024, 32, 64), (0, 2, 1, 3), torch.int16), ((16, 1024, 1024), (0, 1, 2), F32),
+    ((4, 1024, 32, 64), (0, 2, 1, 3), torch.int16), ((4, 1024, 360, 3), (0, 2, 1, 3), F32),
+    ((16, 1024, 1024), (0, 1, 2), F32),
     ((2049, 2047), (1, 0), F32), ((2049, 4099), (1, 0), torch.bfloat16),
     ((4099, 4097), (1, 0), torch.uint8),
-], ids=["u8-2d", "bf16-2d", "f32-2d", "f64-2d", "runs", "identity", "f32-odd", "bf16-odd",
-        "u8-odd"])
+], ids=["u8-2d", "bf16-2d", "f32-2d", "f64-2d", "runs", "runs12B", "identity", "f32-odd",
+        "bf16-odd", "u8-odd"])
 def test_large_outputs(shape, perm, dtype):
     # Outputs of 16 MiB and more are written with streaming stores for whole lines (straight from
     # the SIMD blocks, or through a staging buffer); odd sizes give output rows that are not

@@ -18,10 +18,21 @@ CpuKernel<PermuteCopyFn> permute_copy_cpu;
 
 namespace {
 
+// What a shape belongs to, for messages (formatted only when a check fails).
+struct Named {
+  const char* name;
+  c10::IntArrayRef shape;
+};
+
+std::ostream& operator<<(std::ostream& out, const Named& n) {
+  if (std::string(n.name) == "shape") return out << "'shape' " << n.shape;
+  return out << "'" << n.name << "' (shape " << n.shape << ")";
+}
+
 // `perm` is a permutation of [0, rank) (negative dims count from the end, as in torch.permute);
 // returns it with the negative dims wrapped. `of` names what perm permutes, for the messages.
 std::vector<int64_t> check_perm(const char* op, c10::IntArrayRef perm, int64_t rank,
-                                const std::string& of) {
+                                const Named& of) {
   OPENNPU_CHECK_ARG(static_cast<int64_t>(perm.size()) == rank, op, "perm", "must have ", rank,
                     " entries (one per dim of ", of, "), but got ", perm.size(), ": ", perm);
   std::vector<int64_t> wrapped(perm.begin(), perm.end());
@@ -49,7 +60,7 @@ int64_t numel_of(c10::IntArrayRef shape) {
 
 // Every size >= 0 and prod(shape) == numel; `of` describes where numel comes from.
 void check_shape(const char* op, const char* arg, c10::IntArrayRef shape, int64_t numel,
-                 const std::string& of) {
+                 const Named& of) {
   for (int64_t s : shape) {
     OPENNPU_CHECK_ARG(s >= 0, op, arg, "must hold sizes >= 0 (every size given; -1 is not ",
                       "inferred), but got ", shape);
@@ -58,10 +69,6 @@ void check_shape(const char* op, const char* arg, c10::IntArrayRef shape, int64_
   OPENNPU_CHECK_ARG(n == numel, op, arg, "must hold as many elements as ", of, " (", numel,
                     "), but got ", shape, " (", n < 0 ? std::string("overflow") : std::to_string(n),
                     " elements)");
-}
-
-std::string described(const char* name, c10::IntArrayRef shape) {
-  return std::string("'") + name + "' (shape " + shape_str(shape) + ")";
 }
 
 // The bytes-moving unit: the widest of 8, 4, 2, 1 bytes that divides the element size.
@@ -159,13 +166,13 @@ std::vector<int64_t> permuted(c10::IntArrayRef shape, const std::vector<int64_t>
 at::Tensor npu_confusion_transpose(const at::Tensor& self, c10::IntArrayRef perm,
                                    c10::IntArrayRef shape, bool transpose_first) {
   constexpr const char* op = "npu_confusion_transpose";
-  check_shape(op, "shape", shape, self.numel(), described("self", self.sizes()));
+  check_shape(op, "shape", shape, self.numel(), Named{"self", self.sizes()});
   if (transpose_first) {
-    const auto p = check_perm(op, perm, self.dim(), described("self", self.sizes()));
+    const auto p = check_perm(op, perm, self.dim(), Named{"self", self.sizes()});
     return confusion_transpose(op, self, p, shape, true, shape);
   }
   const auto p = check_perm(op, perm, static_cast<int64_t>(shape.size()),
-                            "'shape' " + shape_str(shape));
+                            Named{"shape", shape});
   return confusion_transpose(op, self, p, shape, false, permuted(shape, p));
 }
 
@@ -182,15 +189,16 @@ at::Tensor npu_confusion_transpose_backward(const at::Tensor& grad, c10::IntArra
   OPENNPU_CHECK_ARG(grad.numel() == numel, op, "grad",
                     "must hold as many elements as 'shape' ", shape_str(shape), " (",
                     numel < 0 ? std::string("overflow") : std::to_string(numel),
-                    "), but got shape ", shape_str(grad.sizes()), " (", grad.numel(), " elements)");
+                    "), but got shape ", shape_str(grad.sizes()), " (", grad.numel(),
+                    " elements)");
   if (transpose_first) {
-    const auto p = check_perm(op, perm, grad.dim(), described("grad", grad.sizes()));
+    const auto p = check_perm(op, perm, grad.dim(), Named{"grad", grad.sizes()});
     std::vector<int64_t> inv(p.size());
     for (size_t i = 0; i < p.size(); ++i) inv[p[i]] = static_cast<int64_t>(i);
     return confusion_transpose(op, grad, inv, shape, true, shape);
   }
   const auto p = check_perm(op, perm, static_cast<int64_t>(shape.size()),
-                            "'shape' " + shape_str(shape));
+                            Named{"shape", shape});
   std::vector<int64_t> inv(p.size());
   for (size_t i = 0; i < p.size(); ++i) inv[p[i]] = static_cast<int64_t>(i);
   const auto viewed = permuted(shape, p);  // the forward output's shape

@@ -19,10 +19,12 @@
 // lines are stored normally). Run copies stream only into pages already mapped (see
 // page_resident). Smaller outputs use ordinary stores, so the next op finds them in cache.
 //
-// Why not ATen: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on BSND -> BNSD and
-// 8-45% on 2-D transposes (its blocked 2-D path is single-threaded) on the development machine,
-// below this kernel on every plan measured, so it is used for every plan. Tile shapes were
-// measured there (2 vCPUs, AVX-512, 2 MiB L2 per core).
+// Why not ATen: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on large BSND -> BNSD
+// copies and 8-45% on 2-D transposes (its blocked 2-D path is single-threaded) on the development
+// machine, well below this kernel. On short-run copies whose output stays in cache (seed example
+// one) the two are within a few percent, this kernel ahead on 4 of 5 shapes measured (called
+// below the autograd layer), so this kernel runs every plan. Tile shapes were measured there
+// (2 vCPUs, AVX-512, 2 MiB L2 per core).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -55,15 +57,17 @@ constexpr int64_t kStreamTileRowBytes = 4096;
 constexpr int64_t kPlainTileRows = 2048;
 constexpr int64_t kTileBytes = 16 << 10;
 // Short-run tiles: runs per side such that each side covers about this many bytes.
-constexpr int64_t kRunTileSideBytes = 2048;
+constexpr int64_t kRunTileSideBytes = 8192;
 // Streaming into rows that are not line-aligned: tiles of this many bytes per output row, and
 // about kStagedTileBytes in all.
 constexpr int64_t kStagedRowBytes = 2048;
 constexpr int64_t kStagedTileBytes = 256 << 10;
-// Work below this many bytes per parallel chunk stays on one thread.
-constexpr int64_t kParallelBytes = 64 << 10;
+// Runs up to this long are copied inline rather than by memcpy.
+constexpr int64_t kInlineRunBytes = 1024;
 // Outputs at least this large are written with streaming stores where lines are whole.
 constexpr int64_t kStreamMinBytes = 16 << 20;
+// Work below this many bytes per parallel chunk stays on one thread.
+constexpr int64_t kParallelBytes = 64 << 10;
 constexpr int64_t kLine = 64;
 
 template <int kBytes>
@@ -417,7 +421,8 @@ void transpose_tile_staged(const char* src, int64_t ld_src, char* dst, int64_t l
   scalar_block<kBytes>(src + b * kBytes, ld_src, kBytes, dst + b * ld_dst, ld_dst, na, nb - b);
 }
 
-// Copies one run; kStream: dst and bytes are multiples of a line (streaming stores).
+// Copies one run; kStream: dst and bytes are multiples of a line (streaming stores). Short runs
+// are copied inline (a call to memcpy per run of a few hundred bytes costs more than the copy).
 template <bool kStream>
 inline void copy_run(char* dst, const char* src, int64_t bytes) {
 #ifdef OPENNPU_TRANSPOSE_SIMD
@@ -429,6 +434,16 @@ inline void copy_run(char* dst, const char* src, int64_t bytes) {
       _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + i + 32), hi);
     }
     return;
+  } else {
+    if (bytes <= kInlineRunBytes) {
+      int64_t i = 0;
+      for (; i + 32 <= bytes; i += 32) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
+                            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
+      }
+      std::memcpy(dst + i, src + i, bytes - i);
+      return;
+    }
   }
 #endif
   std::memcpy(dst, src, bytes);
