@@ -255,8 +255,8 @@ EXAMPLES = [
             confusion_transpose(1)),
     Example("npu_confusion_transpose", "fwd", SEED_BCHW, F32, "view().transpose()",
             confusion_transpose(2)),
-    # BCHW = (8, 4096, 32, 128) read as BSND: example one's permutation is BSND -> BNSD.
-    Example("npu_confusion_transpose", "fwd", (8, 4096, 32, 128), BF16, "permute().reshape()",
+    # BCHW = (4, 4096, 32, 128) read as BSND: example one's permutation is BSND -> BNSD.
+    Example("npu_confusion_transpose", "fwd", (4, 4096, 32, 128), BF16, "permute().reshape()",
             confusion_transpose(1)),
     Example("npu_fusion_attention", "fwd", ATTN_SEED, F16, "TorchFlashAttention", fusion_attention),
     Example("npu_fusion_attention", "fwd", ATTN_LONG, BF16, "TorchFlashAttention", fusion_attention),

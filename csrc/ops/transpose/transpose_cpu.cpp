@@ -17,7 +17,7 @@
 // of each output line (a third of the memory traffic of a copy). Blocks narrower than a line go
 // through an L1 staging buffer, as do output rows that are not line-aligned (their partial end
 // lines are stored normally). Run copies stream only into pages already mapped (see
-// page_resident). Smaller outputs use ordinary stores, so the next op finds them in cache.
+// pages_resident). Smaller outputs use ordinary stores, so the next op finds them in cache.
 //
 // Why not ATen: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on large BSND -> BNSD
 // copies and 8-45% on 2-D transposes (its blocked 2-D path is single-threaded) on the development
@@ -472,19 +472,24 @@ int64_t offset_of(int64_t i, const std::vector<int64_t>& sizes,
 
 bool line_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kLine == 0; }
 
-// Whether the page holding `p` is mapped already. A large output that glibc has just mapped
-// afresh is zeroed by the kernel on first touch, which leaves its lines in cache; streaming
-// stores then have to evict them, and plain stores are faster for sequential runs. The last page
-// of the output is probed (the allocator's chunk header touches the first one).
-bool page_resident(const char* p) {
+// Whether the output [p, p + n) is mapped already. A large output that glibc has just mapped
+// (or handed back by trimming the heap) is zeroed by the kernel on first touch, which leaves its
+// lines in cache; streaming stores then have to evict them, and plain stores are faster for
+// sequential runs. Interior pages are probed: malloc itself touches the first and the last page
+// (its chunk header, and the header of the free space that follows).
+bool pages_resident(const char* p, int64_t n) {
 #ifdef __linux__
   static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  unsigned char resident = 0;
-  void* start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(p) & ~(page - 1));
-  if (mincore(start, 1, &resident) != 0) return true;
-  return (resident & 1) != 0;
+  for (int64_t quarter = 1; quarter <= 3; ++quarter) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(p + n / 4 * quarter);
+    unsigned char resident = 0;
+    if (mincore(reinterpret_cast<void*>(at & ~(page - 1)), 1, &resident) != 0) return true;
+    if ((resident & 1) == 0) return false;
+  }
+  return true;
 #else
   (void)p;
+  (void)n;
   return true;
 #endif
 }
@@ -578,7 +583,7 @@ void permute_copy_impl(const char* src, char* dst, const CopyPlan& plan) {
 
   // Run copies write the output sequentially: stream only into pages that are mapped already.
   const bool stream_runs = kCanStream && big && run_bytes % kLine == 0 &&
-                           page_resident(dst + total - 1);
+                           pages_resident(dst, total);
   if (k == 0 || run_bytes >= kLongRunBytes) {
     if (stream_runs) {
       copy_long_runs<kCanStream>(src, dst, plan.sizes, src_strides, run_bytes);
