@@ -53,6 +53,12 @@ void check_same_device(const char* op, const char* arg, const at::Tensor& t,
                     "' (", ref.device(), "), but got ", t.device());
 }
 
+void check_same_shape(const char* op, const char* arg, const at::Tensor& t, const char* ref_arg,
+                      const at::Tensor& ref) {
+  OPENNPU_CHECK_ARG(t.sizes().equals(ref.sizes()), op, arg, "must have the shape of '", ref_arg,
+                    "' ", shape_str(ref.sizes()), ", but got ", shape_str(t.sizes()));
+}
+
 int64_t wrap_dim(const char* op, const char* arg, int64_t dim, int64_t ndim) {
   const int64_t lo = ndim > 0 ? -ndim : -1;
   const int64_t hi = ndim > 0 ? ndim - 1 : 0;

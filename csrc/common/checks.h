@@ -46,6 +46,10 @@ void check_floating(const char* op, const char* arg, const at::Tensor& t);
 void check_same_device(const char* op, const char* arg, const at::Tensor& t,
                        const char* ref_arg, const at::Tensor& ref);
 
+// t has the shape of ref (e.g. a gradient and the tensor it belongs to).
+void check_same_shape(const char* op, const char* arg, const at::Tensor& t, const char* ref_arg,
+                      const at::Tensor& ref);
+
 // Wraps a possibly negative dim into [0, ndim), or fails naming the argument.
 int64_t wrap_dim(const char* op, const char* arg, int64_t dim, int64_t ndim);
 

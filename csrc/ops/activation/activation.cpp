@@ -140,9 +140,7 @@ at::Tensor npu_fast_gelu_backward(const at::Tensor& grad, const at::Tensor& self
   check_floating(op, "self", self);
   check_floating(op, "grad", grad);
   check_same_device(op, "grad", grad, "self", self);
-  OPENNPU_CHECK_ARG(grad.sizes().equals(self.sizes()), op, "grad",
-                    "must have the shape of 'self' ", shape_str(self.sizes()), ", but got ",
-                    shape_str(grad.sizes()));
+  check_same_shape(op, "grad", grad, "self", self);
   const at::Tensor x = self.contiguous();
   const at::Tensor g = grad.to(x.scalar_type()).contiguous();
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);

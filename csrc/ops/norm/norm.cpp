@@ -149,8 +149,7 @@ std::tuple<at::Tensor, at::Tensor> npu_rms_norm_backward(const at::Tensor& dy,
   auto rstd_shape = check_norm_args(op, "self", self, gamma, /*epsilon=*/0.0);
   check_floating(op, "dy", dy);
   check_same_device(op, "dy", dy, "self", self);
-  OPENNPU_CHECK_ARG(dy.sizes().equals(self.sizes()), op, "dy", "must have the shape of 'self' (",
-                    shape_str(self.sizes()), "), but got ", shape_str(dy.sizes()));
+  check_same_shape(op, "dy", dy, "self", self);
   check_floating(op, "rstd", rstd);
   check_same_device(op, "rstd", rstd, "self", self);
   OPENNPU_CHECK_ARG(rstd.numel() == self.numel() / std::max<int64_t>(gamma.numel(), 1) ||

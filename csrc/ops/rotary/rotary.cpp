@@ -136,8 +136,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_rotary_mul_backward(
   check_x(op, "self", self);
   check_floating(op, "grad", grad);
   check_same_device(op, "grad", grad, "self", self);
-  OPENNPU_CHECK_ARG(grad.sizes().equals(self.sizes()), op, "grad", "must have the shape of 'self' ",
-                    shape_str(self.sizes()), ", but got ", shape_str(grad.sizes()));
+  check_same_shape(op, "grad", grad, "self", self);
   check_strict_r_pattern(op, self, r1, r2);
   const at::ScalarType rt = r_dtype(self, r1, r2);
   const at::Tensor c_b = prepare_r(op, "r1", r1, self);

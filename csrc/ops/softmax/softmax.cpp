@@ -137,9 +137,7 @@ at::Tensor npu_scaled_masked_softmax_backward(const at::Tensor& y_grad, const at
   check_input(op, "y_grad", y_grad);
   check_input(op, "y", y);
   check_same_device(op, "y", y, "y_grad", y_grad);
-  OPENNPU_CHECK_ARG(y.sizes().equals(y_grad.sizes()), op, "y",
-                    "must have the shape of 'y_grad' ", shape_str(y_grad.sizes()), ", but got ",
-                    shape_str(y.sizes()));
+  check_same_shape(op, "y", y, "y_grad", y_grad);
   const double s = check_scale(op, scale);
   check_strict_dtype(op, "y_grad", y_grad, {at::kHalf, at::kBFloat16, at::kFloat});
   OPENNPU_CHECK_STRICT(y.scalar_type() == y_grad.scalar_type(), op, "y",
