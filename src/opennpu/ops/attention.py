@@ -211,11 +211,8 @@ def _dropout_gen_mask_fake(self, size, p, seed, offset, *, parallel=True, sync=N
 
 # ----------------------------------------------------------------------------- autograd
 
-# Positions of the schema's arguments in `inputs`.
-_ARGS = ("query", "key", "value", "head_num", "input_layout", "pse", "padding_mask",
-         "atten_mask", "scale", "keep_prob", "pre_tockens", "next_tockens", "inner_precise",
-         "prefix", "actual_seq_qlen", "actual_seq_kvlen", "sparse_mode", "gen_mask_parallel",
-         "sync", "softmax_layout", "sink", "dropout_mask", "seed", "offset")
+# Names of the schema's arguments, in the order of `inputs`.
+_ARGS = tuple(arg.name for arg in _ops.npu_fusion_attention.default._schema.arguments)
 
 
 def _fusion_attention_setup(ctx, inputs, output):
