@@ -235,11 +235,32 @@ def test_low_precision_not_worse_than_native(dtype, masked):
 def test_low_precision_rounds_once(monkeypatch):
     # Without half-precision matrix units (or with them turned off), fp16/bf16 are computed in
     # fp32: the output is the fp32 result rounded once.
-    monkeypatch.setenv("OPENNPU_ATTENTION_PACKED", "0")
+    monkeypatch.setenv("OPENNPU_ATTENTION_HALF_GEMM", "0")
     q, k, v = make_qkv(2, 2, 2, 40, 50, 16, 16, "BSND", BF16)
     ours = fa(q, k, v, 2, "BSND", scale=0.3)[0]
     in_fp32 = fa(q.float(), k.float(), v.float(), 2, "BSND", scale=0.3)[0]
     torch.testing.assert_close(ours, in_fp32.to(BF16), rtol=0, atol=0)
+
+
+# Where the CPU multiplies fp16/bf16 natively (AMX / AVX512-BF16/FP16), they stay in their dtype:
+# brgemm on packed K^T / V when D is even and Dv a multiple of 16, MKL's half-precision GEMMs
+# otherwise (elsewhere both cases run in fp32). Skv = 1029 spans two 512-key blocks and an odd
+# tail, which the brgemm packing pads with a zero key.
+HALF_GEMM_SHAPES = [(32, 32), (32, 16), (33, 32), (32, 24)]  # (D, Dv)
+
+
+@pytest.mark.parametrize("d,dv", HALF_GEMM_SHAPES, ids=lambda x: str(x))
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+def test_half_precision_gemm_paths(dtype, d, dv):
+    sq, skv = 21, 1029
+    q, k, v = make_qkv(2, 4, 2, sq, skv, d, dv, "BSH", dtype)
+    user = torch.rand(sq, skv) < 0.2
+    check_attention(q, k, v, 4, "BSH", scale=d ** -0.5, atten_mask=user, grad_scale=8.0,
+                    mask_full=R.full_visibility_mask(0, sq, skv, user_mask=user))
+    # causal with pse, bottom-right aligned (Sq != Skv): rows see different numbers of blocks
+    pse = torch.randn(2, 4, sq, skv, dtype=dtype)
+    check_attention(q, k, v, 4, "BSH", scale=d ** -0.5, atten_mask=CAUSAL_2048, sparse_mode=3,
+                    pse=pse, grad_scale=8.0, mask_full=R.full_visibility_mask(3, sq, skv))
 
 
 # ----------------------------------------------------------------------------- layouts & sizes

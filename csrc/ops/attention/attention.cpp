@@ -4,7 +4,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/PhiloxRNGEngine.h>
-#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/irange.h>
@@ -16,6 +15,7 @@
 #include <optional>
 #include <string>
 
+#include "common/blas.h"
 #include "common/checks.h"
 #include "common/dtype.h"
 #include "common/random.h"
@@ -24,7 +24,6 @@ namespace opennpu::attention {
 
 CpuKernel<AttentionFwdFn> attention_fwd_cpu;
 CpuKernel<AttentionBwdFn> attention_bwd_cpu;
-CpuKernel<AttentionFwdFn> attention_fwd_packed_cpu;
 
 uint64_t keep_threshold(double keep_prob) {
   if (keep_prob >= 1.0) return uint64_t{1} << 32;
@@ -172,8 +171,7 @@ struct Prepared {
   AttentionProblem p;
   Layout layout;
   at::ScalarType dtype;
-  bool packed = false;  // q, k, v stay fp16/bf16 for attention_fwd_packed_cpu
-  at::Tensor q, k, v;  // accumulator dtype (or fp16/bf16 when packed), contiguous
+  at::Tensor q, k, v;  // compute dtype (see use_half_gemm), contiguous
   at::Tensor pse, mask, sink, dropout_mask;  // kept alive for p's raw pointers
   int64_t seq_q = 0, seq_kv = 0;  // non-TND Sq, Skv (TND: T of q and kv)
   int64_t numels = 0;
@@ -209,19 +207,18 @@ void check_mask_dtype(const char* op, const at::Tensor& mask) {
                     mask.scalar_type());
 }
 
-// The fp16/bf16 forward uses half-precision GEMMs where ATen reports the matrix units for them
-// (OPENNPU_ATTENTION_PACKED=0 turns that off, e.g. to compare both paths).
-bool use_packed_forward(const at::Tensor& q, int64_t d, int64_t dv) {
-  const at::ScalarType t = q.scalar_type();
+// fp16/bf16 inputs stay in their dtype, for half-precision GEMMs with fp32 accumulation, where the
+// CPU has matrix units for them and PyTorch's MKL provides those GEMMs (blas::half_gemm_available);
+// elsewhere they are converted to fp32 once. OPENNPU_ATTENTION_HALF_GEMM=0 turns them off, e.g.
+// to compare both paths.
+bool use_half_gemm(at::ScalarType t) {
   if (t != at::kBFloat16 && t != at::kHalf) return false;
-  // VNNI pairs the K dim of Q K^T (the head size); V is packed in panels of 16..64 columns.
-  if (d <= 0 || dv <= 0 || d % 2 != 0 || dv % 16 != 0) return false;
-  const char* env = std::getenv("OPENNPU_ATTENTION_PACKED");
+  const char* env = std::getenv("OPENNPU_ATTENTION_HALF_GEMM");
   if (env != nullptr && std::string(env) == "0") return false;
-  return at::native::cpublas::could_pack(t);
+  return blas::half_gemm_available(t);
 }
 
-Prepared prepare(const char* op, const SharedArgs& a, bool allow_packed = false) {
+Prepared prepare(const char* op, const SharedArgs& a) {
   Prepared out;
   AttentionProblem& p = out.p;
   const Layout l = parse_layout(op, std::string(a.input_layout));
@@ -416,8 +413,7 @@ Prepared prepare(const char* op, const SharedArgs& a, bool allow_packed = false)
   // Tensors in the accumulator dtype, contiguous in their layout.
   const at::ScalarType acc = acc_dtype(a.query);
   out.dtype = a.query.scalar_type();
-  out.packed = allow_packed && use_packed_forward(a.query, d, vd.dim);
-  const at::ScalarType compute = out.packed ? out.dtype : acc;
+  const at::ScalarType compute = use_half_gemm(out.dtype) ? out.dtype : acc;
   out.q = a.query.to(compute).contiguous();
   out.k = a.key.to(compute).contiguous();
   out.v = a.value.to(compute).contiguous();
@@ -489,13 +485,16 @@ void configure_dropout(const char* op, Prepared& prep, int64_t seed, int64_t off
 }
 
 struct ForwardResult {
-  at::Tensor out_acc, softmax_max, softmax_sum;
+  at::Tensor out;  // in the compute dtype (prep.q's)
+  at::Tensor softmax_max, softmax_sum;
 };
 
 ForwardResult run_forward(const char* op, const Prepared& prep) {
   const auto opts = prep.q.options();
   ForwardResult r;
-  r.out_acc = at::zeros(prep.out_shape, opts.dtype(acc_dtype(prep.q)));
+  // The kernel writes every row, except TND tokens past the last sequence end, which stay 0.
+  const bool runs = prep.numels > 0 || prep.p.sink != nullptr;
+  r.out = runs && !prep.p.tnd ? at::empty(prep.out_shape, opts) : at::zeros(prep.out_shape, opts);
   // float32 as the contract says; float64 for float64 inputs so their gradients stay exact.
   const at::ScalarType stats = prep.dtype == at::kDouble ? at::kDouble : at::kFloat;
   r.softmax_max = at::empty(prep.stats_shape, opts.dtype(stats));
@@ -503,9 +502,8 @@ ForwardResult run_forward(const char* op, const Prepared& prep) {
   // Rows no sequence covers (TND tokens past the last end) keep these values.
   r.softmax_max.fill_(-std::numeric_limits<float>::infinity());
   r.softmax_sum.zero_();
-  if (prep.numels > 0 || prep.p.sink != nullptr) {
-    auto& kernel = prep.packed ? attention_fwd_packed_cpu : attention_fwd_cpu;
-    kernel.get(op)(prep.p, prep.q, prep.k, prep.v, r.out_acc, r.softmax_max, r.softmax_sum);
+  if (runs) {
+    attention_fwd_cpu.get(op)(prep.p, prep.q, prep.k, prep.v, r.out, r.softmax_max, r.softmax_sum);
   }
   return r;
 }
@@ -525,8 +523,7 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   Prepared prep = prepare(kFwd, {query, key, value, head_num, input_layout, pse, padding_mask,
                                  atten_mask, scale, keep_prob, pre_tockens, next_tockens,
                                  inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
-                                 sparse_mode, softmax_layout, sink},
-                          /*allow_packed=*/true);
+                                 sparse_mode, softmax_layout, sink});
   if (keep_prob < 1.0 && !dropout_mask.has_value()) {
     // Reserve one 32-bit Philox word per score (the mask bit count).
     const auto [s, o] = reserve_philox(static_cast<uint64_t>(prep.numels));
@@ -535,7 +532,7 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
   }
   configure_dropout(kFwd, prep, seed, offset, dropout_mask);
   ForwardResult r = run_forward(kFwd, prep);
-  at::Tensor attention_out = r.out_acc.to(prep.dtype);
+  at::Tensor attention_out = r.out.to(prep.dtype);
   at::Tensor softmax_out = at::empty({0}, query.options());
   return {attention_out, r.softmax_max, r.softmax_sum, softmax_out, c10::SymInt(seed),
           c10::SymInt(offset), c10::SymInt(prep.numels)};
@@ -599,26 +596,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
                     "must have the shape of attention_out ", shape_str(prep.out_shape),
                     ", but got ", shape_str(dy.sizes()));
   const at::ScalarType acc = acc_dtype(query);
-  const at::Tensor dy_acc = dy.to(acc).contiguous();
+  const at::ScalarType compute = prep.q.scalar_type();  // acc, or fp16/bf16 (use_half_gemm)
+  const at::Tensor dy_in = dy.to(compute).contiguous();
 
   // The probabilities are recomputed from the forward's statistics; without them (or without
   // attention_in) the forward runs once more here.
-  at::Tensor smax, ssum, out_acc;
+  at::Tensor smax, ssum, out_in;
   if (softmax_max.has_value() && softmax_sum.has_value() && attention_in.has_value()) {
     smax = check_stats("softmax_max", *softmax_max, prep);
     ssum = check_stats("softmax_sum", *softmax_sum, prep);
     OPENNPU_CHECK_ARG(attention_in->sizes().equals(prep.out_shape), kBwd, "attention_in",
                       "must be the forward's attention_out ", shape_str(prep.out_shape),
                       ", but got ", shape_str(attention_in->sizes()));
-    out_acc = attention_in->to(acc).contiguous();
+    out_in = attention_in->to(compute).contiguous();
   } else {
     ForwardResult r = run_forward(kBwd, prep);
     smax = r.softmax_max;
     ssum = r.softmax_sum;
-    out_acc = r.out_acc;
+    out_in = r.out;
   }
 
-  const auto opts = prep.q.options();
+  const auto opts = prep.q.options().dtype(acc);
   at::Tensor dq = at::zeros(prep.q.sizes(), opts);
   const std::vector<int64_t> k_heads =
       p.tnd ? std::vector<int64_t>{p.heads_q, prep.seq_kv, p.head_dim}
@@ -634,7 +632,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
   at::Tensor dsink_parts;
   if (sink.has_value()) dsink_parts = at::zeros({p.batch, p.heads_q}, opts.dtype(at::kFloat));
   if (prep.numels > 0) {
-    attention_bwd_cpu.get(kBwd)(p, prep.q, prep.k, prep.v, dy_acc, out_acc, smax, ssum, dq,
+    attention_bwd_cpu.get(kBwd)(p, prep.q, prep.k, prep.v, dy_in, out_in, smax, ssum, dq,
                                 dk_heads, dv_heads, dpse_acc, dsink_parts);
   }
 

@@ -4,10 +4,11 @@
 // The host side (attention.cpp) validates the torch_npu arguments and turns every layout (BSH,
 // SBH, BSND, BNSD, TND) into one description, AttentionProblem: per batch, where each head's rows
 // start and how many there are, plus element strides between heads and rows. The head dimension
-// is always contiguous. Inputs arrive in the accumulator dtype (fp32, or fp64 for fp64 inputs):
-// fp16/bf16 tensors are converted once up front, which costs O(S*D) next to the O(S^2*D) work, so
-// the kernels are templated on the accumulator type only and every GEMM is a BLAS call. The one
-// exception is attention_fwd_packed_cpu, which takes fp16/bf16 as they are (see below).
+// is always contiguous. The kernels accumulate in fp32 (fp64 for fp64 inputs). fp16/bf16 inputs
+// reach them in their own dtype where the CPU multiplies half precision natively (AMX,
+// AVX512-BF16/FP16: see use_half_gemm in attention.cpp), so every GEMM runs at half-precision
+// speed; elsewhere they are converted to fp32 once up front, which costs O(S*D) next to the
+// O(S^2*D) work. Every GEMM is a BLAS call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -110,14 +111,16 @@ uint64_t keep_threshold(double keep_prob);
 void philox_keep_bits(uint64_t seed, uint64_t offset, int64_t first, int64_t count,
                       uint64_t threshold, uint8_t* keep);
 
-// Forward: out (accumulator dtype, layout p.out), softmax_max/softmax_sum (float32, 8 copies).
+// q, k, v (and dy, out in the backward) are fp32, fp64, or fp16/bf16 (see above).
+// Forward: out (q's dtype, layout p.out), softmax_max/softmax_sum (float32, 8 copies).
 using AttentionFwdFn = void(const AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, at::Tensor& out, at::Tensor& softmax_max,
                             at::Tensor& softmax_sum);
 
 // Backward: dq in layout p.q; dk_heads / dv_heads are per query head ([B, Nq, Skv, D] or
-// [Nq, Tkv, D], contiguous, accumulator dtype), summed over each group by the caller; dpse (if
-// defined) is [B, Nq, Sp, Skv] with Sp in {1, Sq}; dsink (if defined) is [B, Nq] float32 partials.
+// [Nq, Tkv, D], contiguous), summed over each group by the caller; all three in the accumulator
+// dtype. dpse (if defined) is [B, Nq, Sp, Skv] with Sp in {1, Sq}; dsink (if defined) is [B, Nq]
+// float32 partials.
 using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& dy, const at::Tensor& out,
                             const at::Tensor& softmax_max, const at::Tensor& softmax_sum,
@@ -125,9 +128,6 @@ using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
                             at::Tensor& dpse, at::Tensor& dsink);
 
 extern CpuKernel<AttentionFwdFn> attention_fwd_cpu;
-// The same forward with q/k/v in fp16/bf16 and half-precision GEMMs (oneDNN brgemm); only where
-// at::native::cpublas::could_pack(dtype) says the CPU has the matrix units, and D, Dv even.
-extern CpuKernel<AttentionFwdFn> attention_fwd_packed_cpu;
 extern CpuKernel<AttentionBwdFn> attention_bwd_cpu;
 
 }  // namespace opennpu::attention

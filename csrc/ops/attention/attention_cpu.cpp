@@ -1,7 +1,7 @@
 // Flash-style CPU kernels of npu_fusion_attention and its gradient.
 //
 // Forward: one task per (batch, query head, block of kQBlock query rows). A task walks the key
-// blocks its rows can see, computes the score tile Q K^T with one BLAS GEMM, applies scale, pse
+// blocks its rows can see, computes the score tile scale * Q K^T with one BLAS GEMM, applies pse
 // and the visibility rules, and folds the tile into the running softmax (online max and sum,
 // rescaling the output accumulator when the max grows), then adds P V with a second GEMM. Memory
 // per thread is one kQBlock x kKvBlock tile plus the kQBlock x Dv accumulator: no Sq x Skv buffer
@@ -13,14 +13,14 @@
 // accumulates dV += P'^T dO, dP = dO V^T, dS = P * (dP' - rowsum(dO * O)) * scale,
 // dQ += dS K and dK += dS^T Q, where P' and dP' carry the dropout keep mask / keep_prob.
 //
+// fp16/bf16 inputs are multiplied as they are (MKL's half-precision GEMMs, fp32 accumulation);
+// see kRoundsOperands for what is rounded.
+//
 // Tasks are handed out dynamically (an atomic counter), heaviest first, because causal and band
 // masks make later query blocks more expensive than earlier ones.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
-#include <ATen/ops/addmm_cpu_dispatch.h>
-#include <ATen/ops/from_blob.h>
-#include <ATen/ops/mm_cpu_dispatch.h>
 
 #include <algorithm>
 #include <atomic>
@@ -29,8 +29,10 @@
 #include <tuple>
 #include <vector>
 
+#include "common/blas.h"
 #include "common/vec.h"
 #include "ops/attention/attention.h"
+#include "ops/transpose/transpose.h"
 
 namespace opennpu::attention {
 inline namespace CPU_CAPABILITY {
@@ -40,44 +42,6 @@ using at::vec::Vectorized;
 
 constexpr int64_t kQBlock = 128;
 constexpr int64_t kKvBlock = 512;
-
-// Row-major tile GEMMs through ATen's CPU matmul (at::cpu::mm_out / addmm_out call the BLAS,
-// MKL in PyTorch's x86 builds, without a trip through the dispatcher). Operands are wrapped in
-// place with from_blob: a [rows, cols] block with leading dimension ld is strides {ld, 1}.
-template <typename T>
-at::Tensor wrap(const T* data, int64_t rows, int64_t cols, int64_t ld) {
-  return at::from_blob(const_cast<T*>(data), {rows, cols}, {ld, 1},
-                       at::TensorOptions().dtype(c10::CppTypeToScalarType<T>::value));
-}
-
-// C = A B + beta C, with beta 0 (C overwritten) or 1 (accumulate).
-template <typename T>
-void gemm(const at::Tensor& a, const at::Tensor& b, T beta, T* c, int64_t m, int64_t n, int64_t ldc) {
-  at::Tensor out = wrap(c, m, n, ldc);
-  if (beta == T(0)) {
-    at::cpu::mm_out(out, a, b);
-  } else {
-    at::cpu::addmm_out(out, out, a, b, 1, 1);
-  }
-}
-// C[m, n] = A[m, k] B[n, k]^T + beta C
-template <typename T>
-void gemm_abt(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
-              T beta, T* c, int64_t ldc) {
-  gemm<T>(wrap(a, m, k, lda), wrap(b, n, k, ldb).t(), beta, c, m, n, ldc);
-}
-// C[m, n] = A[m, k] B[k, n] + beta C
-template <typename T>
-void gemm_ab(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
-             T beta, T* c, int64_t ldc) {
-  gemm<T>(wrap(a, m, k, lda), wrap(b, k, n, ldb), beta, c, m, n, ldc);
-}
-// C[m, n] = A[k, m]^T B[k, n] + beta C
-template <typename T>
-void gemm_atb(int64_t m, int64_t n, int64_t k, const T* a, int64_t lda, const T* b, int64_t ldb,
-              T beta, T* c, int64_t ldc) {
-  gemm<T>(wrap(a, k, m, lda).t(), wrap(b, k, n, ldb), beta, c, m, n, ldc);
-}
 
 // exp of the softmax: ATen's exp_u20 polynomial for fp32 (relative error ~1e-6, far below the
 // rounding of anything computed from a weighted sum of values; it maps -inf to 0), exact for fp64.
@@ -104,20 +68,6 @@ void add_scaled_pse(T* s, const T* pse, int64_t n, T scale) {
   for (; j < n; ++j) s[j] += scale * pse[j];
 }
 
-// dst[r, :] = scale * q[r, :] for a block of query rows (row stride ld), so the score GEMM yields
-// scaled logits directly.
-template <typename T>
-void scale_query_rows(const T* q, int64_t ld, int64_t rows, int64_t d, T scale, T* dst) {
-  using Vec = Vectorized<T>;
-  for (int64_t r = 0; r < rows; ++r) {
-    const T* src = q + r * ld;
-    T* out = dst + r * d;
-    int64_t j = 0;
-    for (; j + Vec::size() <= d; j += Vec::size()) (Vec::loadu(src + j) * Vec(scale)).store(out + j);
-    for (; j < d; ++j) out[j] = src[j] * scale;
-  }
-}
-
 template <typename T>
 T row_max(const T* s, int64_t n) {
   using Vec = Vectorized<T>;
@@ -129,20 +79,21 @@ T row_max(const T* s, int64_t n) {
   return m;
 }
 
-// s[j] = exp(s[j] - m) (masked -inf entries become 0); returns the sum.
+// s[j] = exp(scale * s[j] - m) (masked -inf entries become 0; scale > 0, 1 when the scores are
+// scaled already); returns the sum. One fma: the scaled logit is never rounded on its own.
 template <typename T>
-T exp_and_sum(T* s, int64_t n, T m) {
+T exp_and_sum(T* s, int64_t n, T m, T scale = T(1)) {
   using Vec = Vectorized<T>;
   Vec vsum(0);
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec e = softmax_exp(Vec::loadu(s + j) - Vec(m));
+    const Vec e = softmax_exp(at::vec::fmadd(Vec::loadu(s + j), Vec(scale), Vec(-m)));
     e.store(s + j);
     vsum = vsum + e;
   }
   T sum = horizontal_sum(vsum);
   if (j < n) {
-    const Vec e = softmax_exp(Vec::loadu(s + j, n - j) - Vec(m));
+    const Vec e = softmax_exp(at::vec::fmadd(Vec::loadu(s + j, n - j), Vec(scale), Vec(-m)));
     e.store(s + j, n - j);
     T tail[Vec::size()];
     e.store(tail, n - j);
@@ -162,39 +113,22 @@ void exp_scaled(T* s, int64_t n, T m, T inv_sum) {
   if (j < n) (softmax_exp(Vec::loadu(s + j, n - j) - Vec(m)) * Vec(inv_sum)).store(s + j, n - j);
 }
 
-// s[j] *= scale over [0, n); returns the max of the scaled values (one pass instead of two).
-inline float scale_and_max(float* s, int64_t n, float scale) {
-  using Vec = Vectorized<float>;
-  Vec vmax(kNegInf);
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec x = Vec::loadu(s + j) * Vec(scale);
-    x.store(s + j);
-    vmax = at::vec::maximum(vmax, x);
-  }
-  float m = at::vec::vec_reduce_all<float>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
-  for (; j < n; ++j) {
-    s[j] *= scale;
-    m = std::max(m, s[j]);
-  }
-  return m;
-}
-
-// low[j] = round(exp(s[j] - m)) for the P V GEMM; returns the fp32 sum (one pass).
+// low[j] = round(exp(scale * s[j] - m)) for the P V GEMM (scale as in exp_and_sum); returns the
+// fp32 sum (one pass).
 template <typename scalar_t>
-float exp_sum_round(const float* s, int64_t n, float m, scalar_t* low) {
+float exp_sum_round(const float* s, int64_t n, float m, scalar_t* low, float scale = 1.0f) {
   using Vec = Vectorized<float>;
   Vec vsum(0);
   int64_t j = 0;
   for (; j + 2 * Vec::size() <= n; j += 2 * Vec::size()) {
-    const Vec e0 = (Vec::loadu(s + j) - Vec(m)).exp_u20();
-    const Vec e1 = (Vec::loadu(s + j + Vec::size()) - Vec(m)).exp_u20();
+    const Vec e0 = at::vec::fmadd(Vec::loadu(s + j), Vec(scale), Vec(-m)).exp_u20();
+    const Vec e1 = at::vec::fmadd(Vec::loadu(s + j + Vec::size()), Vec(scale), Vec(-m)).exp_u20();
     vsum = vsum + e0 + e1;
     at::vec::convert_from_float<scalar_t>(e0, e1).store(low + j);
   }
   float sum = horizontal_sum(vsum);
   for (; j < n; ++j) {
-    const float e = std::exp(s[j] - m);
+    const float e = std::exp(std::fma(s[j], scale, -m));
     sum += e;
     low[j] = static_cast<scalar_t>(e);
   }
@@ -222,9 +156,8 @@ T dot(const T* a, const T* b, int64_t n) {
 
 // The state of one (batch, head, query block) tile: which keys each row may see, and the
 // pointers of the operands for that head.
-// T: the accumulator type (scores, pse); In: the dtype q/k/v are read in (T, or fp16/bf16 for
-// the packed reduced-precision forward).
-template <typename T, typename In = T>
+// T: the accumulator type (scores, pse); In: the dtype q/k/v are read in (T, or fp16/bf16).
+template <typename T, typename In>
 struct HeadBlock {
   const AttentionProblem& p;
   int64_t b, n, i0, rows;
@@ -263,7 +196,7 @@ struct HeadBlock {
     }
   }
 
-  // Turns row r of the score tile (keys j0..j0+len, scale * Q K^T, or Q K^T when apply_scale)
+  // Turns row r of the score tile (keys j0..j0+len: scale * Q K^T, or Q K^T when apply_scale)
   // into the masked logits. Returns the visible sub-range [a, e); entries outside it and
   // user-masked ones are -inf.
   std::pair<int64_t, int64_t> logits(int64_t r, T* s, int64_t j0, int64_t len, T scale,
@@ -347,128 +280,321 @@ std::vector<Task> query_block_tasks(const AttentionProblem& p) {
   return tasks;
 }
 
-template <typename T>
+// fp16/bf16 inputs (In) keep their dtype: every GEMM multiplies them as they are, with fp32
+// accumulation and fp32 results, and the softmax, the statistics and every accumulator stay fp32.
+// The probabilities P (and, in the backward, dS) are rounded to In once, right before the GEMM
+// that consumes them, as the native fp16/bf16 composition rounds them too (it also rounds the
+// scores and each intermediate, which stay fp32 here).
+template <typename T, typename In>
+constexpr bool kRoundsOperands = !std::is_same_v<T, In>;
+
+template <typename T, typename In>
 struct FwdScratch {
-  std::vector<T> scores = std::vector<T>(kQBlock * kKvBlock);
-  std::vector<T> acc;
-  std::vector<T> factor = std::vector<T>(kKvBlock);
-  std::vector<uint8_t> keep = std::vector<uint8_t>(kKvBlock);
-  std::vector<T> q_scaled;
+  blas::TileBuffer<T> scores{kQBlock * kKvBlock};
+  blas::TileBuffer<In> p_low{kRoundsOperands<T, In> ? kQBlock * kKvBlock : 0};
+  blas::TileBuffer<T> acc;
+  blas::TileBuffer<T> factor{kKvBlock};
+  blas::TileBuffer<uint8_t> keep{kKvBlock};
   T m[kQBlock];
   T l[kQBlock];
-  FwdScratch(int64_t d, int64_t dv)
-      : acc(kQBlock * std::max<int64_t>(dv, 1)), q_scaled(kQBlock * std::max<int64_t>(d, 1)) {}
+  blas::TileBuffer<T> row_out;  // one output row before rounding
+  explicit FwdScratch(int64_t dv)
+      : acc(kQBlock * std::max<int64_t>(dv, 1)), row_out(std::max<int64_t>(dv, 1)) {}
 };
 
 // The online-softmax state of a task's rows before any key: the sink (when given) is the first
 // logit each row has seen, with exp(sink - max) = 1 in the running sum.
-template <typename T>
+template <typename T, typename In>
 void start_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
-                FwdScratch<T>& w) {
+                FwdScratch<T, In>& w) {
   const bool sink = p.sink != nullptr;
   std::fill(w.m, w.m + rows, sink ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf));
   std::fill(w.l, w.l + rows, sink ? T(1) : T(0));
-  std::fill(w.acc.begin(), w.acc.begin() + rows * dv, T(0));
+  std::fill(w.acc.data(), w.acc.data() + rows * dv, T(0));
 }
 
-// out = acc / l for the task's rows, and the 8-copy statistics. A row that saw no key (and has no
-// sink) has l = 0: its output is 0, not NaN.
-template <typename T, typename Stat>
+// out = acc / l for the task's rows (rounded once to the output dtype In), and the 8-copy
+// statistics. A row that saw no key (and has no sink) has l = 0: its output is 0, not NaN.
+template <typename T, typename In>
 void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
-                 const FwdScratch<T>& w, T* out, Stat* smax, Stat* ssum) {
+                 FwdScratch<T, In>& w, In* out, T* smax, T* ssum) {
   const int64_t b = task.b, n = task.n;
-  T* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
+  In* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
   for (int64_t r = 0; r < rows; ++r) {
     const T inv = w.l[r] > T(0) ? T(1) / w.l[r] : T(0);
     const T* a = w.acc.data() + r * dv;
-    T* dst = o + r * p.out.stride_s;
-    for (int64_t d = 0; d < dv; ++d) dst[d] = a[d] * inv;
+    In* dst = o + r * p.out.stride_s;
+    if constexpr (kRoundsOperands<T, In>) {
+      at::vec::map([inv](Vectorized<T> x) { return x * Vectorized<T>(inv); }, w.row_out.data(), a, dv);
+      at::vec::convert(w.row_out.data(), dst, dv);
+    } else {
+      at::vec::map([inv](Vectorized<T> x) { return x * Vectorized<T>(inv); }, dst, a, dv);
+    }
     const int64_t idx = p.stat_index(b, n, task.i0 + r);
-    std::fill(smax + 8 * idx, smax + 8 * idx + 8, static_cast<Stat>(w.m[r]));
-    std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, static_cast<Stat>(w.l[r]));
+    std::fill(smax + 8 * idx, smax + 8 * idx + 8, w.m[r]);
+    std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, w.l[r]);
   }
 }
 
-template <typename T>
-void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const at::Tensor& k_t,
-                        const at::Tensor& v_t, at::Tensor& out_t, at::Tensor& max_t,
-                        at::Tensor& sum_t) {
-  const T* q = q_t.const_data_ptr<T>();
-  const T* k = k_t.const_data_ptr<T>();
-  const T* v = v_t.const_data_ptr<T>();
+// The forward's two tile GEMMs through BLAS (blas::gemm) straight from q, k and v: the score
+// tile comes out scaled (scale is the GEMM's alpha).
+template <typename T, typename In>
+struct BlasTiles {
+  static constexpr bool kScaled = true;
+  const AttentionProblem& p;
+  static int64_t width(int64_t len) { return len; }
+  void release() const {}
+  // s[rows, len] = scale * Q K^T for keys j0..j0+len (block blk)
+  void scores(const HeadBlock<T, In>& hb, int64_t /*blk*/, int64_t j0, int64_t len, T* s) const {
+    blas::gemm<In, T>(false, true, hb.rows, len, p.head_dim, static_cast<T>(p.scale), hb.q,
+                      p.q.stride_s, hb.k + j0 * p.k.stride_s, p.k.stride_s, T(0), s, len);
+  }
+  // acc[rows, Dv] += P V
+  void add_pv(const HeadBlock<T, In>& hb, int64_t /*blk*/, int64_t j0, int64_t len,
+              const In* probs, T* acc) const {
+    blas::gemm<In, T>(false, false, hb.rows, p.head_dim_v, len, T(1), probs, len,
+                      hb.v + j0 * p.v.stride_s, p.v.stride_s, T(1), acc, p.head_dim_v);
+  }
+};
+
+// The same GEMMs on half-precision matrix units through oneDNN's brgemm (ATen's cpublas), which
+// takes its B operand in the VNNI layout: B[k, n] at ((k / 2) * ldb + n) * 2 + k % 2. K^T and V
+// are packed once per (batch, kv head, key block) before the tasks start, each key block padded
+// to an even length with zero keys (which the softmax masks out):
+// - K^T [D, len] in VNNI is [D / 2][len][2]: the 32-bit pairs (k[j, 2i], k[j, 2i + 1]) of K
+//   transposed, a 4-byte-unit transpose with the confusion-transpose kernel, done in panels of
+//   64 keys. Needs D even.
+// - V [len, Dv] goes through oneDNN's own transform (cpublas::pack), whose output rows must be
+//   16, 32, 48 or 64 columns: V is packed, and multiplied, in panels of 64 columns. Needs Dv a
+//   multiple of 16.
+// brgemm has no alpha, so the scores come out unscaled and the softmax pass scales them.
+template <typename In>
+struct BrgemmTiles {
+  using T = float;
+  static constexpr bool kScaled = false;
+  static constexpr int64_t kPanel = 64;
+  static constexpr int64_t kKeyPanel = 512;
+  const AttentionProblem& p;
+  std::vector<int64_t> first_slot;  // slot of (b, kv head 0, block 0)
+  blas::TileBuffer<In> packed_k, packed_v;
+
+  static int64_t width(int64_t len) { return len + (len & 1); }
+  static bool supports(const AttentionProblem& p, at::ScalarType dtype) {
+    return p.head_dim % 2 == 0 && p.head_dim_v % 16 == 0 && at::native::cpublas::could_pack(dtype);
+  }
+  int64_t blocks(int64_t b) const { return (p.kv_len[b] + kKvBlock - 1) / kKvBlock; }
+  int64_t slot(int64_t b, int64_t kvh, int64_t blk) const {
+    return first_slot[b] + kvh * blocks(b) + blk;
+  }
+
+  BrgemmTiles(const AttentionProblem& prob, const In* k, const In* v, at::ScalarType dtype)
+      : p(prob), first_slot(prob.batch + 1, 0) {
+    for (int64_t b = 0; b < p.batch; ++b) first_slot[b + 1] = first_slot[b] + p.heads_kv * blocks(b);
+    const int64_t slots = first_slot[p.batch], D = p.head_dim, Dv = p.head_dim_v;
+    packed_k = blas::TileBuffer<In>(slots * D * kKvBlock);
+    packed_v = blas::TileBuffer<In>(slots * kKvBlock * Dv);
+    const auto& transpose = transpose::permute_copy_cpu.get("npu_fusion_attention");
+    at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
+      std::vector<In> tmp(std::max(D, Dv) * (kKvBlock + 1));
+      for (int64_t sl = begin; sl < end; ++sl) {
+        const int64_t b = std::upper_bound(first_slot.begin(), first_slot.end(), sl) - first_slot.begin() - 1;
+        const int64_t kvh = (sl - first_slot[b]) / blocks(b), blk = (sl - first_slot[b]) % blocks(b);
+        const int64_t j0 = blk * kKvBlock, len = std::min(kKvBlock, p.kv_len[b] - j0);
+        const int64_t len_pad = width(len);
+        const In* kb = k + b * p.k.stride_b + (p.kv_start[b] + j0) * p.k.stride_s + kvh * p.k.stride_n;
+        const In* vb = v + b * p.v.stride_b + (p.kv_start[b] + j0) * p.v.stride_s + kvh * p.v.stride_n;
+        // K^T in panels of kKeyPanel keys, each [D / 2][keys][2]: 4-byte units [keys, D / 2] ->
+        // [D / 2, keys]. The last panel may be narrower; an odd one gets a zero key.
+        In* kdst = packed_k.data() + sl * D * kKvBlock;
+        const char* ksrc = reinterpret_cast<const char*>(kb);
+        const int64_t full = len / kKeyPanel, tail = len % kKeyPanel, unit_ld = p.k.stride_s / 2;
+        if (full > 0) {
+          transpose(ksrc, reinterpret_cast<char*>(kdst),
+                    {4, 1, {full, D / 2, kKeyPanel}, {kKeyPanel * unit_ld, 1, unit_ld}});
+        }
+        if (tail > 0) {
+          In* tail_dst = kdst + full * kKeyPanel * D;
+          const char* tail_src = ksrc + full * kKeyPanel * p.k.stride_s * sizeof(In);
+          const int64_t tail_pad = width(tail);
+          In* staged = tail == tail_pad ? tail_dst : tmp.data();
+          transpose(tail_src, reinterpret_cast<char*>(staged), {4, 1, {D / 2, tail}, {1, unit_ld}});
+          if (staged != tail_dst) {
+            for (int64_t i = 0; i < D / 2; ++i) {
+              std::copy(staged + 2 * i * tail, staged + 2 * (i + 1) * tail, tail_dst + 2 * i * tail_pad);
+              tail_dst[2 * i * tail_pad + 2 * tail] = In(0);
+              tail_dst[2 * i * tail_pad + 2 * tail + 1] = In(0);
+            }
+          }
+        }
+        // V: rows copied to [len_pad, Dv] (zero row when padded), then packed panel by panel.
+        for (int64_t j = 0; j < len; ++j) std::copy(vb + j * p.v.stride_s, vb + j * p.v.stride_s + Dv, tmp.data() + j * Dv);
+        if (len_pad > len) std::fill(tmp.data() + len * Dv, tmp.data() + len_pad * Dv, In(0));
+        for (int64_t c = 0; c < Dv; c += kPanel) {
+          const int64_t w = std::min(kPanel, Dv - c);
+          at::native::cpublas::pack(len_pad, w, Dv, w, dtype, dtype, tmp.data() + c,
+                                    packed_v.data() + sl * kKvBlock * Dv + c * len_pad);
+        }
+      }
+    });
+  }
+
+  void release() const { at::native::cpublas::brgemm_release(); }
+  // s[rows, width(len)] = Q K^T (unscaled) for key block blk, one kKeyPanel-key panel at a time
+  // (a panel of K^T, 16 KiB at D = 128, stays in L1 while all the rows pass).
+  void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, T* s) const {
+    const int64_t ld = width(len), D = p.head_dim;
+    const In* kb = packed_k.data() + slot(hb.b, hb.n / p.group(), blk) * D * kKvBlock;
+    for (int64_t c = 0; c < ld; c += kKeyPanel) {
+      const int64_t w = std::min(kKeyPanel, ld - c);
+      at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, w, ld, false, hb.q, kb + c * D, s + c);
+    }
+  }
+  // acc[rows, Dv] += P V, P [rows, width(len)]
+  void add_pv(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, const In* probs,
+              T* acc) const {
+    const int64_t w = width(len), Dv = p.head_dim_v;
+    const In* vb = packed_v.data() + slot(hb.b, hb.n / p.group(), blk) * kKvBlock * Dv;
+    for (int64_t c = 0; c < Dv; c += kPanel) {
+      const int64_t cols = std::min(kPanel, Dv - c);
+      at::native::cpublas::brgemm(hb.rows, cols, w, w, cols, Dv, true, probs, vb + c * w, acc + c);
+    }
+  }
+};
+
+// T: the accumulator (fp32, or fp64 for fp64 inputs); In: the dtype q/k/v are read and the
+// output written in. Tiles: BlasTiles or BrgemmTiles.
+template <typename T, typename In, typename Tiles>
+void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, const In* v,
+                         const Tiles& tiles, In* out, T* smax, T* ssum) {
   const T* pse = static_cast<const T*>(p.pse);
-  T* out = out_t.data_ptr<T>();
-  T* smax = max_t.data_ptr<T>();  // float32, float64 for float64 inputs
-  T* ssum = sum_t.data_ptr<T>();
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const int64_t Dv = p.head_dim_v;
   const T scale = static_cast<T>(p.scale);
   const uint64_t threshold = keep_threshold(p.keep_prob);
   const std::vector<Task> tasks = query_block_tasks(p);
+  struct Scratch : FwdScratch<T, In> {
+    const Tiles& tiles;
+    Scratch(int64_t dv, const Tiles& t) : FwdScratch<T, In>(dv), tiles(t) {}
+    ~Scratch() { tiles.release(); }
+  };
 
   run_dynamic(
-      static_cast<int64_t>(tasks.size()), [&] { return FwdScratch<T>(D, Dv); },
-      [&](FwdScratch<T>& w, int64_t t) {
+      static_cast<int64_t>(tasks.size()), [&] { return Scratch(Dv, tiles); },
+      [&](Scratch& w, int64_t t) {
         const Task& task = tasks[t];
-        const HeadBlock<T> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
+        const HeadBlock<T, In> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
         const int64_t rows = hb.rows;
+        // When the GEMM left the scores unscaled, rows with neither pse nor a user mask fold
+        // scale into the exp pass (max(scale * s) = scale * max(s) for scale > 0); the others
+        // are scaled first.
+        const bool fuse_scale = !Tiles::kScaled && hb.pse_row0 == nullptr &&
+                                hb.mask_row0 == nullptr && scale > T(0);
+        const T exp_scale = fuse_scale ? scale : T(1);
         start_rows(p, task, rows, Dv, w);
-        scale_query_rows(hb.q, p.q.stride_s, rows, D, scale, w.q_scaled.data());
 
-        for (int64_t j0 = hb.key_lo; j0 <= hb.key_hi; j0 += kKvBlock) {
-          const int64_t len = std::min(kKvBlock, hb.key_hi + 1 - j0);
+        const int64_t blk_hi = hb.key_lo <= hb.key_hi ? hb.key_hi / kKvBlock : -1;
+        for (int64_t blk = std::max<int64_t>(hb.key_lo, 0) / kKvBlock; blk <= blk_hi; ++blk) {
+          const int64_t j0 = blk * kKvBlock, len = std::min(kKvBlock, hb.skv - j0);
+          const int64_t width = Tiles::width(len);  // row length of the tiles (len, or padded)
           T* s = w.scores.data();
-          gemm_abt<T>(rows, len, D, w.q_scaled.data(), D, hb.k + j0 * p.k.stride_s, p.k.stride_s,
-                      T(0), s, len);
+          tiles.scores(hb, blk, j0, len, s);
           for (int64_t r = 0; r < rows; ++r) {
-            T* sr = s + r * len;
-            const auto [a, e] = hb.logits(r, sr, j0, len, scale);
-            const T m_new = std::max(w.m[r], a < e ? row_max(sr + a, e - a) : static_cast<T>(kNegInf));
+            T* sr = s + r * width;
+            In* pl = w.p_low.data() + r * width;
+            const auto [a, e] = hb.logits(r, sr, j0, width, scale, !Tiles::kScaled && !fuse_scale);
+            T row_m = static_cast<T>(kNegInf);
+            if (a < e) row_m = row_max(sr + a, e - a) * exp_scale;
+            const T m_new = std::max(w.m[r], row_m);
             if (m_new == static_cast<T>(kNegInf)) {  // nothing visible yet: contributes nothing
-              std::fill(sr, sr + len, T(0));
+              if constexpr (kRoundsOperands<T, In>) {
+                std::fill(pl, pl + width, In(0));
+              } else {
+                std::fill(sr, sr + width, T(0));
+              }
               continue;
             }
             const T alpha = std::exp(w.m[r] - m_new);  // 0 when the row had no max yet
-            const T sum = exp_and_sum(sr, len, m_new);
+            if (alpha != T(1)) scale_row(w.acc.data() + r * Dv, Dv, alpha);
+            if constexpr (kRoundsOperands<T, In>) {
+              if (!p.dropout) {  // exp, sum and rounding in one pass
+                w.l[r] = w.l[r] * alpha + exp_sum_round(sr, width, m_new, pl, exp_scale);
+                w.m[r] = m_new;
+                continue;
+              }
+            }
+            const T sum = exp_and_sum(sr, width, m_new, exp_scale);
             w.l[r] = w.l[r] * alpha + sum;
             w.m[r] = m_new;
-            if (alpha != T(1)) scale_row(w.acc.data() + r * Dv, Dv, alpha);
             if (p.dropout) {
               dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data(), threshold);
               multiply_rows(sr, w.factor.data(), len);
             }
+            if constexpr (kRoundsOperands<T, In>) at::vec::convert(sr, pl, width);
           }
-          gemm_ab<T>(rows, Dv, len, s, len, hb.v + j0 * p.v.stride_s, p.v.stride_s, T(1),
-                     w.acc.data(), Dv);
+          if constexpr (kRoundsOperands<T, In>) {
+            tiles.add_pv(hb, blk, j0, len, w.p_low.data(), w.acc.data());
+          } else {
+            tiles.add_pv(hb, blk, j0, len, s, w.acc.data());
+          }
         }
 
         finish_rows(p, task, rows, Dv, w, out, smax, ssum);
       });
 }
 
-template <typename T>
+template <typename T, typename In>
+void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const at::Tensor& k_t,
+                        const at::Tensor& v_t, at::Tensor& out_t, at::Tensor& max_t,
+                        at::Tensor& sum_t) {
+  const In* q = q_t.const_data_ptr<In>();
+  const In* k = k_t.const_data_ptr<In>();
+  const In* v = v_t.const_data_ptr<In>();
+  In* out = out_t.data_ptr<In>();
+  T* smax = max_t.data_ptr<T>();  // float32, float64 for float64 inputs
+  T* ssum = sum_t.data_ptr<T>();
+  if constexpr (kRoundsOperands<T, In>) {
+    if (BrgemmTiles<In>::supports(p, q_t.scalar_type())) {
+      const BrgemmTiles<In> tiles(p, k, v, q_t.scalar_type());
+      return attention_fwd_tiles<T, In>(p, q, k, v, tiles, out, smax, ssum);
+    }
+  }
+  attention_fwd_tiles<T, In>(p, q, k, v, BlasTiles<T, In>{p}, out, smax, ssum);
+}
+
+// rowsum(dO * O) of one row, in the accumulator type.
+template <typename T, typename In>
+T dot_rows(const In* a, const In* b, int64_t n) {
+  if constexpr (kRoundsOperands<T, In>) {
+    return at::vec::map2_reduce_all<In>([](auto x, auto y) { return x * y; },
+                                        [](auto x, auto y) { return x + y; }, a, b, n);
+  } else {
+    return dot(a, b, n);
+  }
+}
+
+template <typename T, typename In>
 struct BwdScratch {
-  std::vector<T> p_tile = std::vector<T>(kQBlock * kKvBlock);   // P (then P' with dropout)
-  std::vector<T> ds_tile = std::vector<T>(kQBlock * kKvBlock);  // dP, then dS
-  std::vector<T> factor = std::vector<T>(kQBlock * kKvBlock);
-  std::vector<uint8_t> keep = std::vector<uint8_t>(kKvBlock);
-  std::vector<T> q_scaled;
+  blas::TileBuffer<T> p_tile{kQBlock * kKvBlock};   // P (then P' with dropout)
+  blas::TileBuffer<T> ds_tile{kQBlock * kKvBlock};  // dP, then dS
+  blas::TileBuffer<T> factor{kQBlock * kKvBlock};
+  blas::TileBuffer<uint8_t> keep{kKvBlock};
+  blas::TileBuffer<In> p_low{kRoundsOperands<T, In> ? kQBlock * kKvBlock : 0};
+  blas::TileBuffer<In> ds_low{kRoundsOperands<T, In> ? kQBlock * kKvBlock : 0};
   T row_dot[kQBlock];  // rowsum(dO * O)
   T m[kQBlock];
   T inv_l[kQBlock];
-  explicit BwdScratch(int64_t d) : q_scaled(kQBlock * std::max<int64_t>(d, 1)) {}
 };
 
-template <typename T>
+template <typename T, typename In>
 void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const at::Tensor& k_t,
                         const at::Tensor& v_t, const at::Tensor& dy_t, const at::Tensor& out_t,
                         const at::Tensor& max_t, const at::Tensor& sum_t, at::Tensor& dq_t,
                         at::Tensor& dk_t, at::Tensor& dv_t, at::Tensor& dpse_t,
                         at::Tensor& dsink_t) {
-  const T* q = q_t.const_data_ptr<T>();
-  const T* k = k_t.const_data_ptr<T>();
-  const T* v = v_t.const_data_ptr<T>();
-  const T* dy = dy_t.const_data_ptr<T>();
-  const T* o = out_t.const_data_ptr<T>();
+  const In* q = q_t.const_data_ptr<In>();
+  const In* k = k_t.const_data_ptr<In>();
+  const In* v = v_t.const_data_ptr<In>();
+  const In* dy = dy_t.const_data_ptr<In>();
+  const In* o = out_t.const_data_ptr<In>();
   const T* pse = static_cast<const T*>(p.pse);
   const T* smax = max_t.const_data_ptr<T>();
   const T* ssum = sum_t.const_data_ptr<T>();
@@ -485,8 +611,8 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   const int64_t total_kv = p.tnd ? dk_t.size(1) : 0;  // TND: Tkv rows per head
 
   run_dynamic(
-      p.batch * p.heads_q, [&] { return BwdScratch<T>(D); },
-      [&](BwdScratch<T>& w, int64_t t) {
+      p.batch * p.heads_q, [&] { return BwdScratch<T, In>(); },
+      [&](BwdScratch<T, In>& w, int64_t t) {
         const int64_t b = t / p.heads_q, n = t % p.heads_q;
         const int64_t sq = p.q_len[b], skv = p.kv_len[b];
         // This head's private dk/dv rows (see AttentionBwdFn).
@@ -496,17 +622,17 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
         T* dpse_h = dpse == nullptr ? nullptr : dpse + (b * p.heads_q + n) * dpse_rows * skv;
         double dsink_acc = 0;
         for (int64_t i0 = 0; i0 < sq; i0 += kQBlock) {
-          const HeadBlock<T> hb(p, q, k, v, pse, b, n, i0, std::min(i0 + kQBlock, sq));
+          const HeadBlock<T, In> hb(p, q, k, v, pse, b, n, i0, std::min(i0 + kQBlock, sq));
           const int64_t rows = hb.rows;
-          const T* dy_blk = dy + b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
-          const T* o_blk = o + b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
+          const int64_t out_row0 = b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
+          const In* dy_blk = dy + out_row0;
+          const In* o_blk = o + out_row0;
           T* dq_blk = dq + b * p.q.stride_b + (p.q_start[b] + i0) * p.q.stride_s + n * p.q.stride_n;
-          scale_query_rows(hb.q, p.q.stride_s, rows, D, scale, w.q_scaled.data());
           for (int64_t r = 0; r < rows; ++r) {
-            w.row_dot[r] = dot(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
+            w.row_dot[r] = dot_rows<T>(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
             const int64_t idx = p.stat_index(b, n, i0 + r);
-            const T l = static_cast<T>(ssum[8 * idx]);
-            w.m[r] = static_cast<T>(smax[8 * idx]);
+            const T l = ssum[8 * idx];
+            w.m[r] = smax[8 * idx];
             w.inv_l[r] = l > T(0) ? T(1) / l : T(0);
             if (p.sink != nullptr && l > T(0)) {
               // d loss / d sink = -p_sink * rowsum(dO * O), p_sink = exp(sink - max) / sum.
@@ -515,9 +641,10 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
           }
           for (int64_t j0 = hb.key_lo; j0 <= hb.key_hi; j0 += kKvBlock) {
             const int64_t len = std::min(kKvBlock, hb.key_hi + 1 - j0);
+            const In* k_blk = hb.k + j0 * p.k.stride_s;
             T* pt = w.p_tile.data();
             T* dst = w.ds_tile.data();
-            gemm_abt<T>(rows, len, D, w.q_scaled.data(), D, hb.k + j0 * p.k.stride_s, p.k.stride_s,
+            blas::gemm<In, T>(false, true, rows, len, D, scale, hb.q, p.q.stride_s, k_blk, p.k.stride_s,
                         T(0), pt, len);
             for (int64_t r = 0; r < rows; ++r) {
               T* pr = pt + r * len;
@@ -529,8 +656,8 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
               }
             }
             // dP = dO V^T
-            gemm_abt<T>(rows, len, Dv, dy_blk, p.out.stride_s, hb.v + j0 * p.v.stride_s,
-                        p.v.stride_s, T(0), dst, len);
+            blas::gemm<In, T>(false, true, rows, len, Dv, T(1), dy_blk, p.out.stride_s,
+                        hb.v + j0 * p.v.stride_s, p.v.stride_s, T(0), dst, len);
             if (p.dropout) {
               for (int64_t r = 0; r < rows; ++r) {
                 dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data() + r * len,
@@ -560,185 +687,38 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
               }
             }
             if (p.dropout) multiply_rows(pt, w.factor.data(), rows * len);  // P' for dV
+            const In* probs;
+            const In* dscores;
+            if constexpr (kRoundsOperands<T, In>) {
+              at::vec::convert(pt, w.p_low.data(), rows * len);
+              at::vec::convert(dst, w.ds_low.data(), rows * len);
+              probs = w.p_low.data();
+              dscores = w.ds_low.data();
+            } else {
+              probs = pt;
+              dscores = dst;
+            }
             // dV += P'^T dO;  dQ += dS K;  dK += dS^T Q
-            gemm_atb<T>(len, Dv, rows, pt, len, dy_blk, p.out.stride_s, T(1), dv_h + j0 * Dv, Dv);
-            gemm_ab<T>(rows, D, len, dst, len, hb.k + j0 * p.k.stride_s, p.k.stride_s, T(1), dq_blk,
-                       p.q.stride_s);
-            gemm_atb<T>(len, D, rows, dst, len, hb.q, p.q.stride_s, T(1), dk_h + j0 * D, D);
+            blas::gemm<In, T>(true, false, len, Dv, rows, T(1), probs, len, dy_blk, p.out.stride_s, T(1),
+                        dv_h + j0 * Dv, Dv);
+            blas::gemm<In, T>(false, false, rows, D, len, T(1), dscores, len, k_blk, p.k.stride_s, T(1),
+                        dq_blk, p.q.stride_s);
+            blas::gemm<In, T>(true, false, len, D, rows, T(1), dscores, len, hb.q, p.q.stride_s, T(1),
+                        dk_h + j0 * D, D);
           }
         }
         if (dsink != nullptr) dsink[b * p.heads_q + n] = static_cast<float>(dsink_acc);
       });
 }
 
-// ---------------------------------------------------------------------------------------------
-// fp16/bf16 forward on CPUs with native half-precision matrix units (AMX / AVX512-BF16/FP16, as
-// reported by cpublas::could_pack): both GEMMs run in the input dtype through ATen's oneDNN
-// brgemm with fp32 accumulation. K^T and V are packed once per (batch, kv head, key block) into
-// the VNNI layout the kernel wants; the scores, the online softmax and the output accumulator
-// stay fp32. Only P is rounded to the input dtype before P V, as the native composition rounds
-// it (which also rounds the scores, which stay fp32 here).
-
-// oneDNN's packing (transform) writes panels whose leading dimension is 16, 32, 48 or 64 columns,
-// so B operands are packed, and multiplied, in panels of at most kPanel columns. Key blocks are
-// padded to whole panels with zero K columns / V rows, which the softmax masks out.
-constexpr int64_t kPanel = 64;
-constexpr int64_t pad_keys(int64_t x) { return (x + kPanel - 1) / kPanel * kPanel; }
-
-template <typename scalar_t>
-void attention_fwd_packed_impl(const AttentionProblem& p, const at::Tensor& q_t,
-                               const at::Tensor& k_t, const at::Tensor& v_t, at::Tensor& out_t,
-                               at::Tensor& max_t, at::Tensor& sum_t) {
-  using T = float;
-  const scalar_t* q = q_t.const_data_ptr<scalar_t>();
-  const scalar_t* k = k_t.const_data_ptr<scalar_t>();
-  const scalar_t* v = v_t.const_data_ptr<scalar_t>();
-  const T* pse = static_cast<const T*>(p.pse);
-  T* out = out_t.data_ptr<T>();
-  float* smax = max_t.data_ptr<float>();
-  float* ssum = sum_t.data_ptr<float>();
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  const T scale = static_cast<T>(p.scale);
-  const uint64_t threshold = keep_threshold(p.keep_prob);
-  const at::ScalarType dtype = q_t.scalar_type();
-
-  // Packed blocks: (batch, kv head, key block) -> slot; each slot holds D x kKvBlock of K^T and
-  // kKvBlock x Dv of V.
-  std::vector<int64_t> first_slot(p.batch + 1, 0);
-  for (int64_t b = 0; b < p.batch; ++b) {
-    first_slot[b + 1] = first_slot[b] + p.heads_kv * ((p.kv_len[b] + kKvBlock - 1) / kKvBlock);
-  }
-  const int64_t slots = first_slot[p.batch];
-  std::vector<scalar_t> packed_k(slots * D * kKvBlock), packed_v(slots * kKvBlock * Dv);
-  auto slot_of = [&](int64_t b, int64_t kvh, int64_t blk) {
-    return first_slot[b] + kvh * ((p.kv_len[b] + kKvBlock - 1) / kKvBlock) + blk;
-  };
-  at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
-    std::vector<scalar_t> tmp(std::max(D, Dv) * kKvBlock);
-    for (int64_t slot = begin; slot < end; ++slot) {
-      const int64_t b = std::upper_bound(first_slot.begin(), first_slot.end(), slot) - first_slot.begin() - 1;
-      const int64_t blocks = (p.kv_len[b] + kKvBlock - 1) / kKvBlock;
-      const int64_t kvh = (slot - first_slot[b]) / blocks, blk = (slot - first_slot[b]) % blocks;
-      const int64_t j0 = blk * kKvBlock;
-      const int64_t len = std::min(kKvBlock, p.kv_len[b] - j0), len_pad = pad_keys(len);
-      const scalar_t* kb = k + b * p.k.stride_b + (p.kv_start[b] + j0) * p.k.stride_s + kvh * p.k.stride_n;
-      const scalar_t* vb = v + b * p.v.stride_b + (p.kv_start[b] + j0) * p.v.stride_s + kvh * p.v.stride_n;
-      // K^T [D, len_pad] with zero padding columns, packed in kPanel-column panels.
-      for (int64_t d = 0; d < D; ++d) {
-        for (int64_t j = 0; j < len_pad; ++j) tmp[d * len_pad + j] = j < len ? kb[j * p.k.stride_s + d] : scalar_t(0);
-      }
-      for (int64_t c = 0; c < len_pad; c += kPanel) {
-        at::native::cpublas::pack(D, kPanel, len_pad, kPanel, dtype, dtype, tmp.data() + c,
-                                  packed_k.data() + slot * D * kKvBlock + c * D);
-      }
-      // V [len_pad, Dv] with zero padding rows, packed in panels of up to kPanel columns.
-      for (int64_t j = 0; j < len_pad; ++j) {
-        for (int64_t d = 0; d < Dv; ++d) tmp[j * Dv + d] = j < len ? vb[j * p.v.stride_s + d] : scalar_t(0);
-      }
-      for (int64_t c = 0; c < Dv; c += kPanel) {
-        const int64_t w = std::min(kPanel, Dv - c);
-        at::native::cpublas::pack(len_pad, w, Dv, w, dtype, dtype, tmp.data() + c,
-                                  packed_v.data() + slot * kKvBlock * Dv + c * len_pad);
-      }
-    }
-  });
-
-  struct Scratch {
-    FwdScratch<T> f;
-    std::vector<scalar_t> p_low;  // P rounded to the input dtype
-    explicit Scratch(int64_t d, int64_t dv) : f(d, dv), p_low(kQBlock * kKvBlock) {}
-    ~Scratch() { at::native::cpublas::brgemm_release(); }
-  };
-  const std::vector<Task> tasks = query_block_tasks(p);
-  run_dynamic(
-      static_cast<int64_t>(tasks.size()), [&] { return Scratch(D, Dv); },
-      [&](Scratch& sc, int64_t t) {
-        FwdScratch<T>& w = sc.f;
-        const Task& task = tasks[t];
-        const HeadBlock<T, scalar_t> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
-        const int64_t rows = hb.rows, kvh = task.n / p.group();
-        start_rows(p, task, rows, Dv, w);
-        const int64_t blk_lo = hb.key_hi >= hb.key_lo ? hb.key_lo / kKvBlock : 1;
-        const int64_t blk_hi = hb.key_hi >= hb.key_lo ? hb.key_hi / kKvBlock : 0;
-        for (int64_t blk = blk_lo; blk <= blk_hi; ++blk) {
-          const int64_t j0 = blk * kKvBlock;
-          const int64_t len = std::min(kKvBlock, hb.skv - j0), len_pad = pad_keys(len);
-          const int64_t slot = slot_of(task.b, kvh, blk);
-          T* s = w.scores.data();
-          for (int64_t c = 0; c < len_pad; c += kPanel) {
-            at::native::cpublas::brgemm(rows, kPanel, D, p.q.stride_s, kPanel, len_pad, false, hb.q,
-                                        packed_k.data() + slot * D * kKvBlock + c * D, s + c);
-          }
-          bool any = false;
-          for (int64_t r = 0; r < rows; ++r) {
-            T* sr = s + r * len_pad;
-            scalar_t* pl = sc.p_low.data() + r * len_pad;
-            // Plain rows (no pse, no user mask, no dropout) take two fused passes: scale + max,
-            // then exp + sum + rounding for the P V GEMM.
-            const bool plain = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && !p.dropout;
-            T row_m;
-            int64_t a, e;
-            if (plain) {
-              a = std::clamp<int64_t>(hb.iv[r].lo - j0, 0, len_pad);
-              e = std::clamp<int64_t>(hb.iv[r].hi + 1 - j0, a, len_pad);
-              std::fill(sr, sr + a, static_cast<T>(kNegInf));
-              std::fill(sr + e, sr + len_pad, static_cast<T>(kNegInf));
-              row_m = a < e ? scale_and_max(sr + a, e - a, scale) : static_cast<T>(kNegInf);
-            } else {
-              std::tie(a, e) = hb.logits(r, sr, j0, len_pad, scale, /*apply_scale=*/true);
-              row_m = a < e ? row_max(sr + a, e - a) : static_cast<T>(kNegInf);
-            }
-            const T m_new = std::max(w.m[r], row_m);
-            if (m_new == static_cast<T>(kNegInf)) {
-              std::fill(pl, pl + len_pad, scalar_t(0));
-              continue;
-            }
-            any = true;
-            const T alpha = std::exp(w.m[r] - m_new);
-            if (alpha != T(1)) scale_row(w.acc.data() + r * Dv, Dv, alpha);
-            if (plain) {
-              w.l[r] = w.l[r] * alpha + exp_sum_round(sr, len_pad, m_new, pl);
-              w.m[r] = m_new;
-              continue;
-            }
-            const T sum = exp_and_sum(sr, len_pad, m_new);
-            w.l[r] = w.l[r] * alpha + sum;
-            w.m[r] = m_new;
-            if (p.dropout) {
-              dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data(), threshold);
-              std::fill(w.factor.begin() + len, w.factor.begin() + len_pad, T(0));
-              multiply_rows(sr, w.factor.data(), len_pad);
-            }
-            at::vec::convert(sr, pl, len_pad);
-          }
-          for (int64_t c = 0; any && c < Dv; c += kPanel) {
-            const int64_t width = std::min(kPanel, Dv - c);
-            at::native::cpublas::brgemm(rows, width, len_pad, len_pad, width, Dv, true,
-                                        sc.p_low.data(), packed_v.data() + slot * kKvBlock * Dv + c * len_pad,
-                                        w.acc.data() + c);
-          }
-        }
-        finish_rows(p, task, rows, Dv, w, out, smax, ssum);
-      });
-}
-
-void attention_fwd_packed_kernel(const AttentionProblem& p, const at::Tensor& q,
-                                 const at::Tensor& k, const at::Tensor& v, at::Tensor& out,
-                                 at::Tensor& softmax_max, at::Tensor& softmax_sum) {
-  if (q.scalar_type() == at::kBFloat16) {
-    attention_fwd_packed_impl<at::BFloat16>(p, q, k, v, out, softmax_max, softmax_sum);
-  } else {
-    attention_fwd_packed_impl<at::Half>(p, q, k, v, out, softmax_max, softmax_sum);
-  }
-}
-
 void attention_fwd_kernel(const AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, at::Tensor& out, at::Tensor& softmax_max,
                           at::Tensor& softmax_sum) {
-  if (q.scalar_type() == at::kDouble) {
-    attention_fwd_impl<double>(p, q, k, v, out, softmax_max, softmax_sum);
-  } else {
-    attention_fwd_impl<float>(p, q, k, v, out, softmax_max, softmax_sum);
+  switch (q.scalar_type()) {
+    case at::kDouble: return attention_fwd_impl<double, double>(p, q, k, v, out, softmax_max, softmax_sum);
+    case at::kBFloat16: return attention_fwd_impl<float, at::BFloat16>(p, q, k, v, out, softmax_max, softmax_sum);
+    case at::kHalf: return attention_fwd_impl<float, at::Half>(p, q, k, v, out, softmax_max, softmax_sum);
+    default: return attention_fwd_impl<float, float>(p, q, k, v, out, softmax_max, softmax_sum);
   }
 }
 
@@ -747,12 +727,19 @@ void attention_bwd_kernel(const AttentionProblem& p, const at::Tensor& q, const 
                           const at::Tensor& softmax_max, const at::Tensor& softmax_sum,
                           at::Tensor& dq, at::Tensor& dk_heads, at::Tensor& dv_heads,
                           at::Tensor& dpse, at::Tensor& dsink) {
-  if (q.scalar_type() == at::kDouble) {
-    attention_bwd_impl<double>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq, dk_heads,
-                               dv_heads, dpse, dsink);
-  } else {
-    attention_bwd_impl<float>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq, dk_heads,
-                              dv_heads, dpse, dsink);
+  switch (q.scalar_type()) {
+    case at::kDouble:
+      return attention_bwd_impl<double, double>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq,
+                                                dk_heads, dv_heads, dpse, dsink);
+    case at::kBFloat16:
+      return attention_bwd_impl<float, at::BFloat16>(p, q, k, v, dy, out, softmax_max, softmax_sum,
+                                                     dq, dk_heads, dv_heads, dpse, dsink);
+    case at::kHalf:
+      return attention_bwd_impl<float, at::Half>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq,
+                                                 dk_heads, dv_heads, dpse, dsink);
+    default:
+      return attention_bwd_impl<float, float>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq,
+                                              dk_heads, dv_heads, dpse, dsink);
   }
 }
 
@@ -760,7 +747,6 @@ void attention_bwd_kernel(const AttentionProblem& p, const at::Tensor& q, const 
 
 OPENNPU_REGISTER_CPU_KERNEL(attention_fwd_cpu, attention_fwd_kernel);
 OPENNPU_REGISTER_CPU_KERNEL(attention_bwd_cpu, attention_bwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(attention_fwd_packed_cpu, attention_fwd_packed_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::attention
