@@ -40,8 +40,11 @@ namespace {
 
 using at::vec::Vectorized;
 
-constexpr int64_t kQBlock = 128;
+constexpr int64_t kQBlock = 256;
 constexpr int64_t kKvBlock = 512;
+// How far a block's row max may exceed the reference its exps are taken against (see
+// attention_fwd_tiles) before the row is recomputed against the new max.
+constexpr float kStaleMaxSlack = 8.0f;
 
 // exp of the softmax: ATen's exp_u20 polynomial for fp32 (relative error ~1e-6, far below the
 // rounding of anything computed from a weighted sum of values; it maps -inf to 0), exact for fp64.
@@ -79,60 +82,49 @@ T row_max(const T* s, int64_t n) {
   return m;
 }
 
-// s[j] = exp(scale * s[j] - m) (masked -inf entries become 0; scale > 0, 1 when the scores are
-// scaled already); returns the sum. One fma: the scaled logit is never rounded on its own.
-template <typename T>
-T exp_and_sum(T* s, int64_t n, T m, T scale = T(1)) {
+// out[j] = exp(scale * s[j] - m), rounded to Out (T, or fp16/bf16 for the P V GEMM; out may be
+// s itself); returns the sum in T and sets raw_max = max(s[j]), in the same pass. Masked -inf
+// entries become 0. scale > 0, or 1 when the scores are scaled already; one fma, so the scaled
+// logit is never rounded on its own.
+template <typename T, typename Out>
+T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
   using Vec = Vectorized<T>;
-  Vec vsum(0);
+  using Pair = VecPair<Out>;
+  static_assert(std::is_same_v<acc_t<Out>, T>);
+  Vec vsum(0), vmax(static_cast<T>(kNegInf));
   int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    const Vec e = softmax_exp(at::vec::fmadd(Vec::loadu(s + j), Vec(scale), Vec(-m)));
-    e.store(s + j);
-    vsum = vsum + e;
+  for (; j + Pair::kStep <= n; j += Pair::kStep) {
+    const Vec x0 = Vec::loadu(s + j), x1 = Vec::loadu(s + j + Vec::size());
+    vmax = at::vec::maximum(vmax, at::vec::maximum(x0, x1));
+    const Vec e0 = softmax_exp(at::vec::fmadd(x0, Vec(scale), Vec(-m)));
+    const Vec e1 = softmax_exp(at::vec::fmadd(x1, Vec(scale), Vec(-m)));
+    vsum = vsum + e0 + e1;
+    Pair::store(out + j, e0, e1);
   }
   T sum = horizontal_sum(vsum);
-  if (j < n) {
-    const Vec e = softmax_exp(at::vec::fmadd(Vec::loadu(s + j, n - j), Vec(scale), Vec(-m)));
-    e.store(s + j, n - j);
-    T tail[Vec::size()];
-    e.store(tail, n - j);
-    for (int64_t t = 0; t < n - j; ++t) sum += tail[t];
+  raw_max = at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
+  for (; j < n; ++j) {
+    raw_max = std::max(raw_max, s[j]);
+    const T e = std::exp(std::fma(s[j], scale, -m));
+    sum += e;
+    out[j] = static_cast<Out>(e);
   }
   return sum;
 }
 
-// s[j] = exp(s[j] - m) * inv_sum: the probabilities the forward produced, recomputed.
+// s[j] = exp(scale * s[j] - m) * inv_sum: the probabilities the forward produced, recomputed
+// (scale as in exp_sum_max).
 template <typename T>
-void exp_scaled(T* s, int64_t n, T m, T inv_sum) {
+void exp_scaled(T* s, int64_t n, T m, T inv_sum, T scale = T(1)) {
   using Vec = Vectorized<T>;
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) {
-    (softmax_exp(Vec::loadu(s + j) - Vec(m)) * Vec(inv_sum)).store(s + j);
+    (softmax_exp(at::vec::fmadd(Vec::loadu(s + j), Vec(scale), Vec(-m))) * Vec(inv_sum)).store(s + j);
   }
-  if (j < n) (softmax_exp(Vec::loadu(s + j, n - j) - Vec(m)) * Vec(inv_sum)).store(s + j, n - j);
-}
-
-// low[j] = round(exp(scale * s[j] - m)) for the P V GEMM (scale as in exp_and_sum); returns the
-// fp32 sum (one pass).
-template <typename scalar_t>
-float exp_sum_round(const float* s, int64_t n, float m, scalar_t* low, float scale = 1.0f) {
-  using Vec = Vectorized<float>;
-  Vec vsum(0);
-  int64_t j = 0;
-  for (; j + 2 * Vec::size() <= n; j += 2 * Vec::size()) {
-    const Vec e0 = at::vec::fmadd(Vec::loadu(s + j), Vec(scale), Vec(-m)).exp_u20();
-    const Vec e1 = at::vec::fmadd(Vec::loadu(s + j + Vec::size()), Vec(scale), Vec(-m)).exp_u20();
-    vsum = vsum + e0 + e1;
-    at::vec::convert_from_float<scalar_t>(e0, e1).store(low + j);
+  if (j < n) {
+    const Vec x = Vec::loadu(s + j, n - j);
+    (softmax_exp(at::vec::fmadd(x, Vec(scale), Vec(-m))) * Vec(inv_sum)).store(s + j, n - j);
   }
-  float sum = horizontal_sum(vsum);
-  for (; j < n; ++j) {
-    const float e = std::exp(std::fma(s[j], scale, -m));
-    sum += e;
-    low[j] = static_cast<scalar_t>(e);
-  }
-  return sum;
 }
 
 template <typename T>
@@ -262,19 +254,20 @@ struct Task {
   int64_t b, n, i0, i1;
 };
 
-// (batch, head, query block) tasks, later (more expensive under causal masks) blocks first.
+// (batch, head, query block) tasks, head after head, so that the threads taking a head's blocks
+// one after another find its K and V in cache (scheduled the other way round, every task fetched
+// them from memory again, which cost ~5% of the fp32 forward in MKL's operand packing). Within a
+// head the later (under causal masks more expensive) blocks come first, so the run ends with the
+// cheapest tasks.
 std::vector<Task> query_block_tasks(const AttentionProblem& p) {
-  int64_t max_blocks = 0;
-  for (int64_t b = 0; b < p.batch; ++b) {
-    max_blocks = std::max(max_blocks, (p.q_len[b] + kQBlock - 1) / kQBlock);
-  }
   std::vector<Task> tasks;
-  for (int64_t blk = max_blocks - 1; blk >= 0; --blk) {
-    for (int64_t b = 0; b < p.batch; ++b) {
-      const int64_t i0 = blk * kQBlock;
-      if (i0 >= p.q_len[b]) continue;
-      const int64_t i1 = std::min(i0 + kQBlock, p.q_len[b]);
-      for (int64_t n = 0; n < p.heads_q; ++n) tasks.push_back({b, n, i0, i1});
+  for (int64_t b = 0; b < p.batch; ++b) {
+    const int64_t blocks = (p.q_len[b] + kQBlock - 1) / kQBlock;
+    for (int64_t n = 0; n < p.heads_q; ++n) {
+      for (int64_t blk = blocks - 1; blk >= 0; --blk) {
+        const int64_t i0 = blk * kQBlock;
+        tasks.push_back({b, n, i0, std::min(i0 + kQBlock, p.q_len[b])});
+      }
     }
   }
   return tasks;
@@ -291,12 +284,15 @@ constexpr bool kRoundsOperands = !std::is_same_v<T, In>;
 template <typename T, typename In>
 struct FwdScratch {
   blas::TileBuffer<T> scores{kQBlock * kKvBlock};
-  blas::TileBuffer<In> p_low{kRoundsOperands<T, In> ? kQBlock * kKvBlock : 0};
+  blas::TileBuffer<In> probs{kQBlock * kKvBlock};  // P, the A operand of P V
   blas::TileBuffer<T> acc;
   blas::TileBuffer<T> factor{kKvBlock};
   blas::TileBuffer<uint8_t> keep{kKvBlock};
+  // Per row: the reference the exps are taken against (see attention_fwd_tiles), the sum of
+  // exp(logit - m), and the true maximum so far (top >= m).
   T m[kQBlock];
   T l[kQBlock];
+  T top[kQBlock];
   blas::TileBuffer<T> row_out;  // one output row before rounding
   explicit FwdScratch(int64_t dv)
       : acc(kQBlock * std::max<int64_t>(dv, 1)), row_out(std::max<int64_t>(dv, 1)) {}
@@ -309,12 +305,14 @@ void start_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64
                 FwdScratch<T, In>& w) {
   const bool sink = p.sink != nullptr;
   std::fill(w.m, w.m + rows, sink ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf));
+  std::copy(w.m, w.m + rows, w.top);
   std::fill(w.l, w.l + rows, sink ? T(1) : T(0));
   std::fill(w.acc.data(), w.acc.data() + rows * dv, T(0));
 }
 
 // out = acc / l for the task's rows (rounded once to the output dtype In), and the 8-copy
-// statistics. A row that saw no key (and has no sink) has l = 0: its output is 0, not NaN.
+// statistics: the true row max and the sum rebased to it. A row that saw no key (and has no
+// sink) has l = 0: its output is 0, not NaN.
 template <typename T, typename In>
 void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
                  FwdScratch<T, In>& w, In* out, T* smax, T* ssum) {
@@ -331,22 +329,23 @@ void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int6
       at::vec::map([inv](Vectorized<T> x) { return x * Vectorized<T>(inv); }, dst, a, dv);
     }
     const int64_t idx = p.stat_index(b, n, task.i0 + r);
-    std::fill(smax + 8 * idx, smax + 8 * idx + 8, w.m[r]);
-    std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, w.l[r]);
+    const T rebased = w.top[r] == w.m[r] ? w.l[r] : w.l[r] * std::exp(w.m[r] - w.top[r]);
+    std::fill(smax + 8 * idx, smax + 8 * idx + 8, w.top[r]);
+    std::fill(ssum + 8 * idx, ssum + 8 * idx + 8, rebased);
   }
 }
 
-// The forward's two tile GEMMs through BLAS (blas::gemm) straight from q, k and v: the score
-// tile comes out scaled (scale is the GEMM's alpha).
+// The forward's two tile GEMMs through BLAS (blas::gemm) straight from q, k and v. The scores
+// come out unscaled (the softmax pass scales them): with alpha = scale, MKL scales while it
+// packs the operands, which made its packing ~40% slower.
 template <typename T, typename In>
 struct BlasTiles {
-  static constexpr bool kScaled = true;
   const AttentionProblem& p;
   static int64_t width(int64_t len) { return len; }
   void release() const {}
-  // s[rows, len] = scale * Q K^T for keys j0..j0+len (block blk)
+  // s[rows, len] = Q K^T for keys j0..j0+len (block blk)
   void scores(const HeadBlock<T, In>& hb, int64_t /*blk*/, int64_t j0, int64_t len, T* s) const {
-    blas::gemm<In, T>(false, true, hb.rows, len, p.head_dim, static_cast<T>(p.scale), hb.q,
+    blas::gemm<In, T>(false, true, hb.rows, len, p.head_dim, T(1), hb.q,
                       p.q.stride_s, hb.k + j0 * p.k.stride_s, p.k.stride_s, T(0), s, len);
   }
   // acc[rows, Dv] += P V
@@ -367,11 +366,9 @@ struct BlasTiles {
 // - V [len, Dv] goes through oneDNN's own transform (cpublas::pack), whose output rows must be
 //   16, 32, 48 or 64 columns: V is packed, and multiplied, in panels of 64 columns. Needs Dv a
 //   multiple of 16.
-// brgemm has no alpha, so the scores come out unscaled and the softmax pass scales them.
 template <typename In>
 struct BrgemmTiles {
   using T = float;
-  static constexpr bool kScaled = false;
   static constexpr int64_t kPanel = 64;
   static constexpr int64_t kKeyPanel = 512;
   const AttentionProblem& p;
@@ -483,11 +480,10 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
         const Task& task = tasks[t];
         const HeadBlock<T, In> hb(p, q, k, v, pse, task.b, task.n, task.i0, task.i1);
         const int64_t rows = hb.rows;
-        // When the GEMM left the scores unscaled, rows with neither pse nor a user mask fold
-        // scale into the exp pass (max(scale * s) = scale * max(s) for scale > 0); the others
-        // are scaled first.
-        const bool fuse_scale = !Tiles::kScaled && hb.pse_row0 == nullptr &&
-                                hb.mask_row0 == nullptr && scale > T(0);
+        // The score tiles are unscaled. Rows with neither pse nor a user mask fold scale into
+        // the exp pass (max(scale * s) = scale * max(s) for scale > 0); the others are scaled
+        // first, by logits().
+        const bool fuse_scale = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && scale > T(0);
         const T exp_scale = fuse_scale ? scale : T(1);
         start_rows(p, task, rows, Dv, w);
 
@@ -499,42 +495,45 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
           tiles.scores(hb, blk, j0, len, s);
           for (int64_t r = 0; r < rows; ++r) {
             T* sr = s + r * width;
-            In* pl = w.p_low.data() + r * width;
-            const auto [a, e] = hb.logits(r, sr, j0, width, scale, !Tiles::kScaled && !fuse_scale);
+            In* pr = w.probs.data() + r * width;
+            const auto [a, e] = hb.logits(r, sr, j0, width, scale, /*apply_scale=*/!fuse_scale);
             T row_m = static_cast<T>(kNegInf);
-            if (a < e) row_m = row_max(sr + a, e - a) * exp_scale;
-            const T m_new = std::max(w.m[r], row_m);
-            if (m_new == static_cast<T>(kNegInf)) {  // nothing visible yet: contributes nothing
-              if constexpr (kRoundsOperands<T, In>) {
-                std::fill(pl, pl + width, In(0));
-              } else {
-                std::fill(sr, sr + width, T(0));
+            bool row_m_known = false;
+            if (fuse_scale && !p.dropout && w.m[r] != static_cast<T>(kNegInf)) {
+              // One pass instead of two: the exps are taken against the reference m the row
+              // already has while the block's max is found. Kept unless the max exceeds m by
+              // more than kStaleMaxSlack (P up to e^8, harmless in fp32 and to fp16/bf16's
+              // relative rounding); finish_rows rebases the statistics to the true max.
+              T raw_max;
+              const T sum = exp_sum_max(sr, width, w.m[r], scale, pr, raw_max);
+              row_m = raw_max * scale;
+              if (row_m <= w.m[r] + kStaleMaxSlack) {
+                w.l[r] += sum;
+                w.top[r] = std::max(w.top[r], row_m);
+                continue;
               }
+              row_m_known = true;  // too far above m: redo this row against the new max
+            }
+            if (!row_m_known && a < e) row_m = row_max(sr + a, e - a) * exp_scale;
+            const T m_new = std::max(w.top[r], row_m);
+            if (m_new == static_cast<T>(kNegInf)) {  // nothing visible yet: contributes nothing
+              std::fill(pr, pr + width, In(0));
               continue;
             }
             const T alpha = std::exp(w.m[r] - m_new);  // 0 when the row had no max yet
             if (alpha != T(1)) scale_row(w.acc.data() + r * Dv, Dv, alpha);
-            if constexpr (kRoundsOperands<T, In>) {
-              if (!p.dropout) {  // exp, sum and rounding in one pass
-                w.l[r] = w.l[r] * alpha + exp_sum_round(sr, width, m_new, pl, exp_scale);
-                w.m[r] = m_new;
-                continue;
-              }
-            }
-            const T sum = exp_and_sum(sr, width, m_new, exp_scale);
-            w.l[r] = w.l[r] * alpha + sum;
-            w.m[r] = m_new;
-            if (p.dropout) {
+            T raw_max;
+            if (!p.dropout) {
+              w.l[r] = w.l[r] * alpha + exp_sum_max(sr, width, m_new, exp_scale, pr, raw_max);
+            } else {
+              w.l[r] = w.l[r] * alpha + exp_sum_max(sr, width, m_new, exp_scale, sr, raw_max);
               dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data(), threshold);
               multiply_rows(sr, w.factor.data(), len);
+              at::vec::convert(sr, pr, width);
             }
-            if constexpr (kRoundsOperands<T, In>) at::vec::convert(sr, pl, width);
+            w.m[r] = w.top[r] = m_new;
           }
-          if constexpr (kRoundsOperands<T, In>) {
-            tiles.add_pv(hb, blk, j0, len, w.p_low.data(), w.acc.data());
-          } else {
-            tiles.add_pv(hb, blk, j0, len, s, w.acc.data());
-          }
+          tiles.add_pv(hb, blk, j0, len, w.probs.data(), w.acc.data());
         }
 
         finish_rows(p, task, rows, Dv, w, out, smax, ssum);
@@ -624,6 +623,8 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
         for (int64_t i0 = 0; i0 < sq; i0 += kQBlock) {
           const HeadBlock<T, In> hb(p, q, k, v, pse, b, n, i0, std::min(i0 + kQBlock, sq));
           const int64_t rows = hb.rows;
+          const bool fuse_scale = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && scale > T(0);
+          const T exp_scale = fuse_scale ? scale : T(1);
           const int64_t out_row0 = b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
           const In* dy_blk = dy + out_row0;
           const In* o_blk = o + out_row0;
@@ -644,20 +645,21 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
             const In* k_blk = hb.k + j0 * p.k.stride_s;
             T* pt = w.p_tile.data();
             T* dst = w.ds_tile.data();
-            blas::gemm<In, T>(false, true, rows, len, D, scale, hb.q, p.q.stride_s, k_blk, p.k.stride_s,
-                        T(0), pt, len);
+            // Q K^T, unscaled (see BlasTiles); scale is folded as in the forward.
+            blas::gemm<In, T>(false, true, rows, len, D, T(1), hb.q, p.q.stride_s, k_blk, p.k.stride_s,
+                              T(0), pt, len);
             for (int64_t r = 0; r < rows; ++r) {
               T* pr = pt + r * len;
-              const auto [a, e] = hb.logits(r, pr, j0, len, scale);
+              const auto [a, e] = hb.logits(r, pr, j0, len, scale, /*apply_scale=*/!fuse_scale);
               if (a == e || w.inv_l[r] == T(0)) {
                 std::fill(pr, pr + len, T(0));
               } else {
-                exp_scaled(pr, len, w.m[r], w.inv_l[r]);
+                exp_scaled(pr, len, w.m[r], w.inv_l[r], exp_scale);
               }
             }
             // dP = dO V^T
             blas::gemm<In, T>(false, true, rows, len, Dv, T(1), dy_blk, p.out.stride_s,
-                        hb.v + j0 * p.v.stride_s, p.v.stride_s, T(0), dst, len);
+                              hb.v + j0 * p.v.stride_s, p.v.stride_s, T(0), dst, len);
             if (p.dropout) {
               for (int64_t r = 0; r < rows; ++r) {
                 dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data() + r * len,
