@@ -361,8 +361,7 @@ struct BlasTiles {
 // are packed once per (batch, kv head, key block) before the tasks start, each key block padded
 // to an even length with zero keys (which the softmax masks out):
 // - K^T [D, len] in VNNI is [D / 2][len][2]: the 32-bit pairs (k[j, 2i], k[j, 2i + 1]) of K
-//   transposed, a 4-byte-unit transpose with the confusion-transpose kernel, done in panels of
-//   64 keys. Needs D even.
+//   transposed, one 4-byte-unit transpose with the confusion-transpose kernel. Needs D even.
 // - V [len, Dv] goes through oneDNN's own transform (cpublas::pack), whose output rows must be
 //   16, 32, 48 or 64 columns: V is packed, and multiplied, in panels of 64 columns. Needs Dv a
 //   multiple of 16.
@@ -370,7 +369,6 @@ template <typename In>
 struct BrgemmTiles {
   using T = float;
   static constexpr int64_t kPanel = 64;
-  static constexpr int64_t kKeyPanel = 512;
   const AttentionProblem& p;
   std::vector<int64_t> first_slot;  // slot of (b, kv head 0, block 0)
   blas::TileBuffer<In> packed_k, packed_v;
@@ -400,27 +398,16 @@ struct BrgemmTiles {
         const int64_t len_pad = width(len);
         const In* kb = k + b * p.k.stride_b + (p.kv_start[b] + j0) * p.k.stride_s + kvh * p.k.stride_n;
         const In* vb = v + b * p.v.stride_b + (p.kv_start[b] + j0) * p.v.stride_s + kvh * p.v.stride_n;
-        // K^T in panels of kKeyPanel keys, each [D / 2][keys][2]: 4-byte units [keys, D / 2] ->
-        // [D / 2, keys]. The last panel may be narrower; an odd one gets a zero key.
+        // K^T: 4-byte units [len, D / 2] -> [D / 2, len]; an odd len gets a zero key.
         In* kdst = packed_k.data() + sl * D * kKvBlock;
-        const char* ksrc = reinterpret_cast<const char*>(kb);
-        const int64_t full = len / kKeyPanel, tail = len % kKeyPanel, unit_ld = p.k.stride_s / 2;
-        if (full > 0) {
-          transpose(ksrc, reinterpret_cast<char*>(kdst),
-                    {4, 1, {full, D / 2, kKeyPanel}, {kKeyPanel * unit_ld, 1, unit_ld}});
-        }
-        if (tail > 0) {
-          In* tail_dst = kdst + full * kKeyPanel * D;
-          const char* tail_src = ksrc + full * kKeyPanel * p.k.stride_s * sizeof(In);
-          const int64_t tail_pad = width(tail);
-          In* staged = tail == tail_pad ? tail_dst : tmp.data();
-          transpose(tail_src, reinterpret_cast<char*>(staged), {4, 1, {D / 2, tail}, {1, unit_ld}});
-          if (staged != tail_dst) {
-            for (int64_t i = 0; i < D / 2; ++i) {
-              std::copy(staged + 2 * i * tail, staged + 2 * (i + 1) * tail, tail_dst + 2 * i * tail_pad);
-              tail_dst[2 * i * tail_pad + 2 * tail] = In(0);
-              tail_dst[2 * i * tail_pad + 2 * tail + 1] = In(0);
-            }
+        In* staged = len == len_pad ? kdst : tmp.data();
+        transpose(reinterpret_cast<const char*>(kb), reinterpret_cast<char*>(staged),
+                  {4, 1, {D / 2, len}, {1, p.k.stride_s / 2}});
+        if (staged != kdst) {
+          for (int64_t i = 0; i < D / 2; ++i) {
+            std::copy(staged + 2 * i * len, staged + 2 * (i + 1) * len, kdst + 2 * i * len_pad);
+            kdst[2 * i * len_pad + 2 * len] = In(0);
+            kdst[2 * i * len_pad + 2 * len + 1] = In(0);
           }
         }
         // V: rows copied to [len_pad, Dv] (zero row when padded), then packed panel by panel.
@@ -436,24 +423,26 @@ struct BrgemmTiles {
   }
 
   void release() const { at::native::cpublas::brgemm_release(); }
-  // s[rows, width(len)] = Q K^T (unscaled) for key block blk, one kKeyPanel-key panel at a time
-  // (a panel of K^T, 16 KiB at D = 128, stays in L1 while all the rows pass).
-  void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, T* s) const {
-    const int64_t ld = width(len), D = p.head_dim;
-    const In* kb = packed_k.data() + slot(hb.b, hb.n / p.group(), blk) * D * kKvBlock;
-    for (int64_t c = 0; c < ld; c += kKeyPanel) {
-      const int64_t w = std::min(kKeyPanel, ld - c);
-      at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, w, ld, false, hb.q, kb + c * D, s + c);
-    }
+  // Padded length of key block blk of batch b: the leading dimension of its packed K^T.
+  int64_t block_width(int64_t b, int64_t blk) const {
+    return width(std::min(kKvBlock, p.kv_len[b] - blk * kKvBlock));
   }
-  // acc[rows, Dv] += P V, P [rows, width(len)]
+  // s[rows, width(len)] = Q K^T (unscaled) for the first len keys of key block blk
+  void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, T* s) const {
+    const int64_t w = width(len), D = p.head_dim;
+    const In* kb = packed_k.data() + slot(hb.b, hb.n / p.group(), blk) * D * kKvBlock;
+    at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, block_width(hb.b, blk), w, false,
+                                hb.q, kb, s);
+  }
+  // acc[rows, Dv] += P V, P [rows, width(len)] over the first len keys of key block blk
   void add_pv(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, const In* probs,
               T* acc) const {
-    const int64_t w = width(len), Dv = p.head_dim_v;
+    const int64_t w = width(len), Dv = p.head_dim_v, panel_rows = block_width(hb.b, blk);
     const In* vb = packed_v.data() + slot(hb.b, hb.n / p.group(), blk) * kKvBlock * Dv;
     for (int64_t c = 0; c < Dv; c += kPanel) {
       const int64_t cols = std::min(kPanel, Dv - c);
-      at::native::cpublas::brgemm(hb.rows, cols, w, w, cols, Dv, true, probs, vb + c * w, acc + c);
+      at::native::cpublas::brgemm(hb.rows, cols, w, w, cols, Dv, true, probs, vb + c * panel_rows,
+                                  acc + c);
     }
   }
 };
@@ -489,7 +478,8 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
 
         const int64_t blk_hi = hb.key_lo <= hb.key_hi ? hb.key_hi / kKvBlock : -1;
         for (int64_t blk = std::max<int64_t>(hb.key_lo, 0) / kKvBlock; blk <= blk_hi; ++blk) {
-          const int64_t j0 = blk * kKvBlock, len = std::min(kKvBlock, hb.skv - j0);
+          // Keys past the last one any row of the task sees (causal masks) are not computed.
+          const int64_t j0 = blk * kKvBlock, len = std::min(kKvBlock, hb.key_hi + 1 - j0);
           const int64_t width = Tiles::width(len);  // row length of the tiles (len, or padded)
           T* s = w.scores.data();
           tiles.scores(hb, blk, j0, len, s);
@@ -497,6 +487,14 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             T* sr = s + r * width;
             In* pr = w.probs.data() + r * width;
             const auto [a, e] = hb.logits(r, sr, j0, width, scale, /*apply_scale=*/!fuse_scale);
+            // exp(sc * s - m_ref) over the visible keys [a, e) into out, 0 elsewhere; the sum.
+            T raw_max;
+            const auto exp_row = [&, a = a, e = e](T m_ref, T sc, auto* dst) {
+              using Out = std::remove_pointer_t<decltype(dst)>;
+              std::fill(dst, dst + a, Out(0));
+              std::fill(dst + e, dst + width, Out(0));
+              return exp_sum_max(sr + a, e - a, m_ref, sc, dst + a, raw_max);
+            };
             T row_m = static_cast<T>(kNegInf);
             bool row_m_known = false;
             if (fuse_scale && !p.dropout && w.m[r] != static_cast<T>(kNegInf)) {
@@ -504,8 +502,7 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
               // already has while the block's max is found. Kept unless the max exceeds m by
               // more than kStaleMaxSlack (P up to e^8, harmless in fp32 and to fp16/bf16's
               // relative rounding); finish_rows rebases the statistics to the true max.
-              T raw_max;
-              const T sum = exp_sum_max(sr, width, w.m[r], scale, pr, raw_max);
+              const T sum = exp_row(w.m[r], scale, pr);
               row_m = raw_max * scale;
               if (row_m <= w.m[r] + kStaleMaxSlack) {
                 w.l[r] += sum;
@@ -522,11 +519,10 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             }
             const T alpha = std::exp(w.m[r] - m_new);  // 0 when the row had no max yet
             if (alpha != T(1)) scale_row(w.acc.data() + r * Dv, Dv, alpha);
-            T raw_max;
             if (!p.dropout) {
-              w.l[r] = w.l[r] * alpha + exp_sum_max(sr, width, m_new, exp_scale, pr, raw_max);
+              w.l[r] = w.l[r] * alpha + exp_row(m_new, exp_scale, pr);
             } else {
-              w.l[r] = w.l[r] * alpha + exp_sum_max(sr, width, m_new, exp_scale, sr, raw_max);
+              w.l[r] = w.l[r] * alpha + exp_row(m_new, exp_scale, sr);
               dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data(), threshold);
               multiply_rows(sr, w.factor.data(), len);
               at::vec::convert(sr, pr, width);
