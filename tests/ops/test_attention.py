@@ -346,6 +346,36 @@ def test_large_logits_are_stable(dtype):
     assert res[1].min() > 400  # the logits really are large
 
 
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
+def test_row_max_references(dtype):
+    # The forward takes a row's exps against the max it already has (later key blocks) or the
+    # max of the row above (first block), redoing the row when its own max is too far off. Rows
+    # whose scale drifts slowly keep the reference (their true max above or below it), rows
+    # alternating between tiny and large logits redo it; the statistics must still be the true
+    # max and the sum relative to it.
+    sq, skv, d = 40, 700, 16
+    q, k, v = make_qkv(1, 2, 2, sq, skv, d, d, "BNSD", dtype)
+    drift = torch.linspace(0.5, 2.0, sq)[:, None]
+    jumps = torch.where(torch.arange(sq) % 2 == 0, 0.05, 6.0)[:, None]
+    rows = torch.stack([drift, jumps])[None]  # head 0 drifts, head 1 jumps
+    q = (q.float() * rows).to(dtype)
+    check_attention(q, k, v, 2, "BNSD", scale=0.5, grads=False, stats_scale=8.0)
+    # The backward recomputes P from those statistics. The large logits make dk large (~12), so
+    # its error is judged against the native composition's rather than an absolute tolerance.
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fa(*leaves, 2, "BNSD", scale=0.5)[0]
+    dy = torch.randn_like(out)
+    ours = torch.autograd.grad(out, leaves, dy)
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref_out = R.attention_reference(*ref_leaves, 2, "BNSD", scale=0.5)[0]
+    want = torch.autograd.grad(ref_out, ref_leaves, dy.double())
+    native_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    native_out = R.native_flash_attention_seed(*native_leaves, None, scale=0.5, layout="BNSD")
+    native = torch.autograd.grad(native_out, native_leaves, dy)
+    for got, w, nat in zip(ours, want, native):
+        assert_not_worse_than_native(got, nat, w)
+
+
 def test_ignored_flags():
     # gen_mask_parallel, sync and inner_precise do not change the result
     q, k, v = make_qkv(1, 2, 2, 6, 7, 8, 8, "BSH")

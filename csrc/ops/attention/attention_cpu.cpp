@@ -497,19 +497,25 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             };
             T row_m = static_cast<T>(kNegInf);
             bool row_m_known = false;
-            if (fuse_scale && !p.dropout && w.m[r] != static_cast<T>(kNegInf)) {
-              // One pass instead of two: the exps are taken against the reference m the row
-              // already has while the block's max is found. Kept unless the max exceeds m by
-              // more than kStaleMaxSlack (P up to e^8, harmless in fp32 and to fp16/bf16's
-              // relative rounding); finish_rows rebases the statistics to the true max.
-              const T sum = exp_row(w.m[r], scale, pr);
+            // One pass instead of two: the exps are taken against a reference while the block's
+            // max is found, and kept unless that max exceeds the reference by more than
+            // kStaleMaxSlack (P up to e^8: harmless in fp32 and to fp16/bf16's relative
+            // rounding). The reference is the row's m from earlier blocks, or in its first block
+            // the max of the row above, which must then also be within kStaleMaxSlack above the
+            // row's max (so P, with its largest entry >= e^-8, stays clear of fp16's
+            // subnormals). finish_rows rebases the statistics to the true max.
+            const bool first = w.m[r] == static_cast<T>(kNegInf);
+            const T m_ref = first && r > 0 ? w.top[r - 1] : w.m[r];
+            if (fuse_scale && !p.dropout && m_ref != static_cast<T>(kNegInf)) {
+              const T sum = exp_row(m_ref, scale, pr);
               row_m = raw_max * scale;
-              if (row_m <= w.m[r] + kStaleMaxSlack) {
-                w.l[r] += sum;
+              if (row_m <= m_ref + kStaleMaxSlack && (!first || row_m >= m_ref - kStaleMaxSlack)) {
+                w.l[r] = first ? sum : w.l[r] + sum;
+                w.m[r] = m_ref;
                 w.top[r] = std::max(w.top[r], row_m);
                 continue;
               }
-              row_m_known = true;  // too far above m: redo this row against the new max
+              row_m_known = true;  // too far from the reference: redo against the row's max
             }
             if (!row_m_known && a < e) row_m = row_max(sr + a, e - a) * exp_scale;
             const T m_new = std::max(w.top[r], row_m);
