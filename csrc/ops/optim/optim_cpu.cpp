@@ -67,6 +67,18 @@ T* buffer(const Slot& s, int i, int64_t offset) {
   return s.buf[i] == nullptr ? nullptr : static_cast<T*>(s.buf[i]) + offset;
 }
 
+// m and v as stored: rounded to the parameter's dtype (nothing to do for fp32). LAMB and AdamP
+// compute the update once in the pass that writes the moments and again, from memory, in a
+// second pass; both must see the same values.
+template <typename T>
+inline void as_stored(AccVec<T>& a, AccVec<T>& b) {
+  if constexpr (VecPair<T>::kReduced) {
+    const auto rounded = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+    a = std::get<0>(rounded);
+    b = std::get<1>(rounded);
+  }
+}
+
 // The gradient as the update sees it: unscaled (AMP) and negated for maximize.
 template <typename Vec>
 inline Vec effective_grad(Vec g, const Vec& scale, bool scaled, bool maximize) {
@@ -299,12 +311,16 @@ void lamb_piece(const Slot& s, int64_t b, int64_t n, const LambArgs& a, LambPhas
     IO::load(v + k, V[0], V[1], l);
     Vec G[2];
     if (moments) IO::load(g + k, G[0], G[1], l);
-    for (int h = 0; h < 2; ++h) {
-      if (moments) {
+    if (moments) {
+      for (int h = 0; h < 2; ++h) {
         const Vec gh = effective_grad(G[h], gscale, scaled, false);
         M[h] = M[h] * beta1 + w1 * gh;
         V[h] = V[h] * beta2 + w2 * gh * gh;
       }
+      as_stored<T>(M[0], M[1]);
+      as_stored<T>(V[0], V[1]);
+    }
+    for (int h = 0; h < 2; ++h) {
       Vec u = M[h] / (V[h].sqrt() + eps);
       if (a.weight_decay != 0) u = u + wd * P[h];
       if (phase == LambPhase::kMoments) {
@@ -383,10 +399,16 @@ void adamp_moments_piece(const Slot& s, int64_t b, int64_t n, const AdampArgs& a
       IO::load(g + k, G[0], G[1], l);
       IO::load(m + k, M[0], M[1], l);
       IO::load(v + k, V[0], V[1], l);
+      Vec GH[2];
       for (int h = 0; h < 2; ++h) {
-        const Vec gh = effective_grad(G[h], gscale, scaled, false);
-        M[h] = M[h] * beta1 + w1 * gh;
-        V[h] = V[h] * beta2 + w2 * gh * gh;
+        GH[h] = effective_grad(G[h], gscale, scaled, false);
+        M[h] = M[h] * beta1 + w1 * GH[h];
+        V[h] = V[h] * beta2 + w2 * GH[h] * GH[h];
+      }
+      as_stored<T>(M[0], M[1]);
+      as_stored<T>(V[0], V[1]);
+      for (int h = 0; h < 2; ++h) {
+        const Vec& gh = GH[h];
         const Vec q = adamp_perturb(M[h], V[h], gh, beta1, w1, bc2_sqrt, eps, a.nesterov);
         gp = at::vec::fmadd(gh, P[h], gp);
         gg = at::vec::fmadd(gh, gh, gg);
