@@ -111,10 +111,13 @@ def format_row(row) -> str:
     # Compute-bound cases show GFLOP/s in the GB/s column and no bandwidth fraction.
     rate, fraction = ((f"{row['gflops']:>6.0f}F", f"{'-':>7}") if row["flops"]
                       else (f"{row['gbps']:>7.1f}", f"{row['copy_bw_fraction']:>7.0%}"))
+    # Peers without a column of their own (the optimizer baselines) follow the table's columns.
+    others = "".join(f"  x {name}: {x:.2f}" for name, x in row["speedup"].items()
+                     if name not in PEERS)
     return (f"{row['op']:<22}{row['direction']:<4}{row['shape']:<26}{row['dtype']:<6}"
             f"{row['threads']:>3} {timing:>25}{rate}{fraction}"
             f"{speedups[0]:>9}{speedups[1]:>10}{speedups[2]:>9}{speedups[3]:>8}"
-            f"{row['max_abs_err_ours']:>10.2e}{row['max_abs_err_eager']:>10.2e}")
+            f"{row['max_abs_err_ours']:>10.2e}{row['max_abs_err_eager']:>10.2e}{others}")
 
 
 def main(argv=None) -> int:

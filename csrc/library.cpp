@@ -80,6 +80,47 @@ TORCH_LIBRARY(npu, m) {
 
 // opennpu's own helpers, outside the torch_npu namespace.
 TORCH_LIBRARY(opennpu, m) {
+  // Fused optimizer steps (csrc/ops/optim), the engine of opennpu.optim / torch_npu.optim. Each
+  // call updates the parameters of one param group, of any mix of dtypes, in one multi-threaded
+  // pass: params[i] with its state tensors at index i; gradients are read from params[i].grad and
+  // parameters without one are skipped. state_steps are float32 counters, incremented here.
+  // grad_scale multiplies every gradient as it is read (AMP unscaling fused into the step).
+  m.def("_fused_adam_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] max_exp_avg_sqs, Tensor(e!)[] state_steps, *, float lr, float beta1, "
+        "float beta2, float weight_decay, float eps, bool amsgrad, bool maximize, "
+        "bool decoupled_weight_decay, float grad_scale=1.) -> ()");
+  // fresh_buffers: indices whose momentum buffer is new (set to the gradient, not decayed).
+  m.def("_fused_sgd_(Tensor(a!)[] params, Tensor(b!)[] momentum_buffers, int[] fresh_buffers, *, "
+        "float lr, float momentum, float dampening, float weight_decay, bool nesterov, "
+        "bool maximize, float grad_scale=1.) -> ()");
+  // torch.optim.RMSprop, or with tf_style=True NpuFusedRMSpropTF's TF/timm variant.
+  m.def("_fused_rmsprop_(Tensor(a!)[] params, Tensor(b!)[] square_avgs, Tensor(c!)[] grad_avgs, "
+        "Tensor(d!)[] momentum_buffers, Tensor(e!)[] state_steps, *, float lr, float alpha, "
+        "float eps, float weight_decay, float momentum, bool centered, bool maximize, "
+        "bool tf_style=False, bool lr_in_momentum=False, bool decoupled_decay=False, "
+        "float grad_scale=1.) -> ()");
+  m.def("_fused_adadelta_(Tensor(a!)[] params, Tensor(b!)[] square_avgs, "
+        "Tensor(c!)[] acc_deltas, Tensor(d!)[] state_steps, *, float lr, float rho, float eps, "
+        "float weight_decay, bool maximize, float grad_scale=1.) -> ()");
+  // LAMB with per-tensor trust ratios (two passes), or plain (use_trust_ratio=False, one pass).
+  m.def("_fused_lamb_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] state_steps, *, float lr, float beta1, float beta2, float eps, "
+        "float weight_decay, bool use_trust_ratio, float grad_scale=1.) -> ()");
+  m.def("_fused_bert_adam_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, "
+        "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] state_steps, *, float lr, float beta1, "
+        "float beta2, float eps, float weight_decay, float max_grad_norm, str schedule, "
+        "float warmup, float t_total, float grad_scale=1.) -> ()");
+  m.def("_fused_adamp_(Tensor(a!)[] params, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+        "Tensor(d!)[] state_steps, *, float lr, float beta1, float beta2, float eps, "
+        "float weight_decay, float delta, float wd_ratio, bool nesterov, "
+        "float grad_scale=1.) -> ()");
+  // The norm of all of params' gradients as one vector (float32 0-dim; inf = max |g|).
+  m.def("_fused_grad_norm(Tensor[] params, float norm_type=2.) -> Tensor");
+  // params[i].grad *= scale.
+  m.def("_fused_scale_grads_(Tensor(a!)[] params, float scale) -> ()");
+  // GradScaler.unscale_ in one pass: grads *= inv_scale; found_inf = 1 if any is inf or NaN.
+  m.def("_fused_unscale_grads_(Tensor(a!)[] params, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+
   // Strict mode: also enforce the documented Ascend limits (shapes, dtypes, ranks).
   m.def("set_strict(bool enabled) -> ()", [](bool enabled) { opennpu::set_strict_mode(enabled); });
   m.def("is_strict() -> bool", []() { return opennpu::strict_mode(); });

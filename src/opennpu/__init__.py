@@ -29,7 +29,7 @@ if _REAL_TORCH_NPU is not None:
 
 _library.load(conflicting_package=_REAL_TORCH_NPU)
 
-from . import ops  # noqa: E402
+from . import ops, optim  # noqa: E402
 from ._library import cpu_isa  # noqa: E402
 from ._strict import is_strict, set_strict, strict  # noqa: E402
 from .ops import *  # noqa: E402,F401,F403

@@ -17,3 +17,5 @@ for _name in npu_op_names():
 
 __all__ = npu_op_names()
 del _name
+
+from . import optim  # noqa: E402  (torch_npu.optim.NpuFusedAdamW, ...)

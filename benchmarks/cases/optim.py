@@ -1,0 +1,92 @@
+"""Fused optimizers: NpuFusedAdamW.step and clip_grad_norm_fused_.
+
+Parameter lists: GPT-2 small (124 M parameters in 148 tensors) and 10,000 small tensors (1 to 2048
+elements each, about 10 M in all). Baselines: torch.optim.AdamW with foreach=False (torch's CPU
+default), foreach=True and fused=True; and, as the measurement behind the list-vs-flat-buffer
+decision (README), our own kernel stepping one flat buffer holding every parameter (torch_npu's
+combined-buffer layout, without the one-off cost of combining). clip_grad_norm_fused_ is timed
+against torch.nn.utils.clip_grad_norm_(foreach=True), both clipping (a read and a write pass).
+
+Effective bytes of a step: p, g, exp_avg, exp_avg_sq read and p, exp_avg, exp_avg_sq written, 7
+tensors of the parameters' dtype; of a clip: the gradients read and written once.
+"""
+
+from __future__ import annotations
+
+import torch
+from opennpu import optim
+
+from ..common import Case, Timed
+
+
+def gpt2_small_shapes(vocab=50257, positions=1024, width=768, layers=12):
+    shapes = [(vocab, width), (positions, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
+                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),
+                   (width,)]
+    return shapes + [(width,), (width,)]
+
+
+def small_shapes(count=10_000, largest=2048):
+    gen = torch.Generator().manual_seed(0)
+    return [(int(n),) for n in torch.randint(1, largest + 1, (count,), generator=gen)]
+
+
+PARAM_LISTS = {
+    "GPT-2 small 124M params": gpt2_small_shapes,
+    "10k small tensors": small_shapes,
+}
+
+
+def _params(shapes, dtype):
+    params = [torch.nn.Parameter(torch.randn(s).to(dtype)) for s in shapes]
+    for p in params:
+        p.grad = (torch.randn(p.shape) * 1e-2).to(dtype)
+    return params
+
+
+def _flat(params):
+    """One parameter and gradient holding all of them: torch_npu's combined buffer."""
+    flat = torch.nn.Parameter(torch.cat([p.detach().flatten() for p in params]))
+    flat.grad = torch.cat([p.grad.flatten() for p in params])
+    return flat
+
+
+def adamw_step(shapes, dtype, threads):
+    params = _params(shapes, dtype)
+    ours = optim.NpuFusedAdamW(params, lr=1e-4)
+    flat_opt = optim.NpuFusedAdamW([_flat(params)], lr=1e-4)
+    peers = {name: torch.optim.AdamW(params, lr=1e-4, **kw) for name, kw in (
+        ("foreach=False", dict(foreach=False)), ("foreach=True", dict(foreach=True)),
+        ("fused=True", dict(fused=True)))}
+    return Timed(ours=ours.step,
+                 baselines={**{name: opt.step for name, opt in peers.items()},
+                            "flat buffer": flat_opt.step},
+                 reference=None)
+
+
+def clip(shapes, dtype, threads):
+    params = _params(shapes, dtype)
+    ours = optim.NpuFusedAdamW(params)
+    return Timed(
+        ours=lambda: ours.clip_grad_norm_fused_(1e-3),
+        baselines={"clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(params, 1e-3,
+                                                                             foreach=True)},
+        reference=None)
+
+
+def cases(quick: bool, dtypes):
+    out = []
+    for label, make_shapes in PARAM_LISTS.items():
+        if quick and label.startswith("GPT-2"):
+            continue  # 124 M parameters: minutes with every baseline
+        shapes = make_shapes()
+        numel = sum(torch.Size(s).numel() for s in shapes)
+        for dtype in dtypes:
+            size = torch.empty((), dtype=dtype).element_size()
+            out.append(Case("adamw", "step", label, dtype, 7 * numel * size,
+                            lambda n, s=shapes, d=dtype: adamw_step(s, d, n)))
+            out.append(Case("clip_grad_norm", "clip", label, dtype, 2 * numel * size,
+                            lambda n, s=shapes, d=dtype: clip(s, d, n)))
+    return out
