@@ -18,6 +18,19 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_gemma_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   // Residual add + RMSNorm: returns (y, rstd, x1 + x2).
   m.def("npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
+  // add_rms_norm with the normalised output twice: returns (y1 float32, y2 in x1's dtype, rstd, x).
+  m.def("npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor, Tensor)");
+
+  // Symmetric dynamic quantisation: scale = rowmax(|x * smooth|) / DTYPE_MAX, y = round(x * smooth
+  // / scale); returns (y int8, or int32 holding 8 int4 each for dst_type=quint4x2, scale float32).
+  m.def("npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None, "
+        "int? dst_type=None, str quant_mode=\"pertoken\", float dst_type_max=0.0) -> (Tensor, Tensor)");
+  // x = x1 + x2, y = RMSNorm(x) * gamma (+ beta), then up to two dynamic quantisations of
+  // y * smooth_scale_k; returns (y1, y2, x, scale1, scale2), 0-dim tensors for a disabled branch.
+  m.def("npu_add_rms_norm_dynamic_quant(Tensor x1, Tensor x2, Tensor gamma, *, "
+        "Tensor? smooth_scale1=None, Tensor? smooth_scale2=None, Tensor? beta=None, "
+        "float epsilon=1e-06, bool[2]? output_mask=None, int? y_dtype=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // SwiGLU over halves of `dim`: silu(first) * second.
   m.def("npu_swiglu(Tensor self, int dim=-1) -> Tensor");

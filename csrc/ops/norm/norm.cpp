@@ -1,4 +1,4 @@
-// Entry points of the RMSNorm family: validation, output allocation, CPU registration.
+// Entry points of the RMSNorm family (npu_add_rms_norm_cast included): validation, output allocation, CPU registration.
 #include "ops/norm/norm.h"
 
 #include <ATen/ops/add.h>
@@ -17,6 +17,7 @@ namespace opennpu::norm {
 CpuKernel<RmsNormFwdFn> rms_norm_fwd_cpu;
 CpuKernel<AddRmsNormFwdFn> add_rms_norm_fwd_cpu;
 CpuKernel<RmsNormBwdFn> rms_norm_bwd_cpu;
+CpuKernel<AddRmsNormCastFwdFn> add_rms_norm_cast_fwd_cpu;
 
 namespace {
 
@@ -102,12 +103,12 @@ std::tuple<at::Tensor, at::Tensor> npu_gemma_rms_norm(const at::Tensor& self,
   return rms_norm_forward(op, self, gamma_acc, rstd_shape, epsilon);
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor& x1,
-                                                                const at::Tensor& x2,
-                                                                const at::Tensor& gamma,
-                                                                double epsilon) {
-  constexpr const char* op = "npu_add_rms_norm";
-  auto rstd_shape = check_norm_args(op, "x1", x1, gamma, epsilon);
+namespace {
+
+// Validates npu_add_rms_norm's x1 / x2 (also used by npu_add_rms_norm_cast) and returns
+// (x1, x2 broadcast to x1's shape), both contiguous.
+std::pair<at::Tensor, at::Tensor> check_add_inputs(const char* op, const at::Tensor& x1,
+                                                   const at::Tensor& x2, const at::Tensor& gamma) {
   check_floating(op, "x2", x2);
   check_same_device(op, "x2", x2, "x1", x1);
   OPENNPU_CHECK_ARG(x2.scalar_type() == x1.scalar_type(), op, "x2",
@@ -116,19 +117,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor
   OPENNPU_CHECK_ARG(broadcasts_to(x2, x1),
                     op, "x2", "must have (or broadcast to) the shape of 'x1' (",
                     shape_str(x1.sizes()), "), but got ", shape_str(x2.sizes()));
-  check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16, at::kFloat});
   OPENNPU_CHECK_STRICT(gamma.scalar_type() == x1.scalar_type(), op, "gamma",
                        "must have the dtype of 'x1' (", x1.scalar_type(), "), but got ",
                        gamma.scalar_type());
   OPENNPU_CHECK_STRICT(x2.sizes().equals(x1.sizes()), op, "x2", "must have the shape of 'x1' (",
                        shape_str(x1.sizes()), "), but got ", shape_str(x2.sizes()));
+  check_strict_rank(op, "x1", x1, 1, 8);
+  at::Tensor b = x2.sizes().equals(x1.sizes()) ? x2.contiguous()
+                                                : x2.expand(x1.sizes()).contiguous();
+  return {x1.contiguous(), std::move(b)};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor& x1,
+                                                                const at::Tensor& x2,
+                                                                const at::Tensor& gamma,
+                                                                double epsilon) {
+  constexpr const char* op = "npu_add_rms_norm";
+  auto rstd_shape = check_norm_args(op, "x1", x1, gamma, epsilon);
+  check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16, at::kFloat});
   OPENNPU_CHECK_STRICT(x1.numel() > 0, op, "x1", "must not be empty, but got shape ",
                        shape_str(x1.sizes()));
-  check_strict_rank(op, "x1", x1, 1, 8);
-
-  const at::Tensor a = x1.contiguous();
-  const at::Tensor b = x2.sizes().equals(x1.sizes()) ? x2.contiguous()
-                                                      : x2.expand(x1.sizes()).contiguous();
+  const auto [a, b] = check_add_inputs(op, x1, x2, gamma);
   const at::Tensor gamma_acc = gamma.to(acc_dtype(a)).contiguous();
   at::Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
   at::Tensor x = at::empty_like(a, at::MemoryFormat::Contiguous);
@@ -139,6 +150,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor
     fill_empty_norm_rstd(gamma_acc, rstd);
   }
   return {y, rstd, x};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm_cast(
+    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& gamma, double epsilon) {
+  constexpr const char* op = "npu_add_rms_norm_cast";
+  auto rstd_shape = check_norm_args(op, "x1", x1, gamma, epsilon);
+  // torch_npu takes fp16/bf16 only (the op exists to fuse the cast of a low-precision result).
+  check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16});
+  const auto [a, b] = check_add_inputs(op, x1, x2, gamma);
+  const auto acc = acc_dtype(a);
+  const at::Tensor gamma_acc = gamma.to(acc).contiguous();
+  at::Tensor y1 = at::empty(a.sizes(), a.options().dtype(acc));
+  at::Tensor y2 = at::empty_like(a, at::MemoryFormat::Contiguous);
+  at::Tensor x = at::empty_like(a, at::MemoryFormat::Contiguous);
+  at::Tensor rstd = at::empty(rstd_shape, a.options().dtype(acc));
+  if (a.numel() > 0) {
+    add_rms_norm_cast_fwd_cpu.get(op)(a, b, gamma_acc, epsilon, y1, y2, rstd, x);
+  } else {
+    fill_empty_norm_rstd(gamma_acc, rstd);
+  }
+  return {y1, y2, rstd, x};
 }
 
 std::tuple<at::Tensor, at::Tensor> npu_rms_norm_backward(const at::Tensor& dy,
@@ -173,6 +205,7 @@ TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_rms_norm_backward", &npu_rms_norm_backward);
   m.impl("npu_gemma_rms_norm", &npu_gemma_rms_norm);
   m.impl("npu_add_rms_norm", &npu_add_rms_norm);
+  m.impl("npu_add_rms_norm_cast", &npu_add_rms_norm_cast);
 }
 
 }  // namespace opennpu::norm

@@ -1,4 +1,6 @@
-// RMSNorm family: npu_rms_norm (+ backward), npu_gemma_rms_norm, npu_add_rms_norm.
+// RMSNorm family: npu_rms_norm (+ backward), npu_gemma_rms_norm, npu_add_rms_norm,
+// npu_add_rms_norm_cast. The row kernels themselves are in norm_rows.h (shared with the fused
+// norm + quantisation ops of csrc/ops/quant).
 //
 // Host-side declarations shared by norm.cpp (validation, entry points, registration) and the
 // per-device kernels. The kernels see a row-major [rows, n] view: n = gamma.numel() is the
@@ -22,6 +24,11 @@ using RmsNormFwdFn = void(const at::Tensor& x, const at::Tensor& gamma, double e
 using AddRmsNormFwdFn = void(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& gamma,
                              double eps, at::Tensor& y, at::Tensor& rstd, at::Tensor& x);
 
+// add_rms_norm with y stored twice: y1 in the accumulator dtype (float32), y2 in x1's dtype.
+using AddRmsNormCastFwdFn = void(const at::Tensor& x1, const at::Tensor& x2,
+                                 const at::Tensor& gamma, double eps, at::Tensor& y1,
+                                 at::Tensor& y2, at::Tensor& rstd, at::Tensor& x);
+
 // dx = rstd * dy * gamma - x * rstd^3 * sum(dy * gamma * x) / n;  dgamma = sum_rows(dy * x * rstd).
 // dy, x, dx: [rows, n]; rstd: [rows]; dgamma: [n] accumulator dtype.
 using RmsNormBwdFn = void(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gamma,
@@ -30,5 +37,6 @@ using RmsNormBwdFn = void(const at::Tensor& dy, const at::Tensor& x, const at::T
 extern CpuKernel<RmsNormFwdFn> rms_norm_fwd_cpu;
 extern CpuKernel<AddRmsNormFwdFn> add_rms_norm_fwd_cpu;
 extern CpuKernel<RmsNormBwdFn> rms_norm_bwd_cpu;
+extern CpuKernel<AddRmsNormCastFwdFn> add_rms_norm_cast_fwd_cpu;
 
 }  // namespace opennpu::norm

@@ -13,39 +13,11 @@
 
 #include "common/vec.h"
 #include "ops/norm/norm.h"
+#include "ops/norm/norm_rows.h"
 
 namespace opennpu::norm {
 inline namespace CPU_CAPABILITY {
 namespace {
-
-// Rows per parallel chunk: about 16K elements, so small tensors stay on one thread.
-int64_t grain_rows(int64_t n) { return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n, 1)); }
-
-// Normalises one row; returns its rstd.
-template <typename scalar_t>
-acc_t<scalar_t> rms_norm_row(const scalar_t* x, const acc_t<scalar_t>* gamma, scalar_t* y,
-                             int64_t n, acc_t<scalar_t> eps) {
-  using T = acc_t<scalar_t>;
-  using Vec = AccVec<scalar_t>;
-  using IO = VecPair<scalar_t>;
-  using GammaIO = VecPair<T>;
-  Vec s0(0), s1(0);
-  for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
-    Vec a, b;
-    IO::load(x + i, a, b, len);
-    s0 = at::vec::fmadd(a, a, s0);
-    s1 = at::vec::fmadd(b, b, s1);
-  });
-  const T rstd = T(1) / std::sqrt(horizontal_sum(s0 + s1) / static_cast<T>(n) + eps);
-  const Vec vrstd(rstd);
-  for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
-    Vec a, b, ga, gb;
-    IO::load(x + i, a, b, len);
-    GammaIO::load(gamma + i, ga, gb, len);
-    IO::store(y + i, a * vrstd * ga, b * vrstd * gb, len);
-  });
-  return rstd;
-}
 
 void rms_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& gamma, double eps, at::Tensor& y,
                          at::Tensor& rstd) {
@@ -91,6 +63,47 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
             });
             // The norm reads back the stored (rounded) sum, still in L1.
             pr[r] = rms_norm_row<scalar_t>(xr, pg, py + r * n, n, static_cast<T>(eps));
+          }
+        });
+      });
+}
+
+// npu_add_rms_norm_cast: add_rms_norm's row (sum rounded to x1's dtype, then normalised), with
+// y stored twice from the same accumulator vectors: y1 in the accumulator dtype, y2 in x1's.
+void add_rms_norm_cast_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2,
+                                  const at::Tensor& gamma, double eps, at::Tensor& y1,
+                                  at::Tensor& y2, at::Tensor& rstd, at::Tensor& x) {
+  const int64_t n = gamma.numel();
+  const int64_t rows = x1.numel() / n;
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x1.scalar_type(), "npu_add_rms_norm_cast", [&] {
+        using T = acc_t<scalar_t>;
+        using Vec = AccVec<scalar_t>;
+        using IO = VecPair<scalar_t>;
+        const scalar_t* pa = x1.const_data_ptr<scalar_t>();
+        const scalar_t* pb = x2.const_data_ptr<scalar_t>();
+        const T* pg = gamma.const_data_ptr<T>();
+        T* py1 = y1.mutable_data_ptr<T>();
+        scalar_t* py2 = y2.mutable_data_ptr<scalar_t>();
+        scalar_t* px = x.mutable_data_ptr<scalar_t>();
+        T* pr = rstd.mutable_data_ptr<T>();
+        at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+          for (int64_t r = begin; r < end; ++r) {
+            scalar_t* xr = px + r * n;
+            T* y1r = py1 + r * n;
+            scalar_t* y2r = py2 + r * n;
+            for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+              Vec a0, a1, b0, b1;
+              IO::load(pa + r * n + i, a0, a1, len);
+              IO::load(pb + r * n + i, b0, b1, len);
+              IO::store(xr + i, a0 + b0, a1 + b1, len);
+            });
+            pr[r] = rms_norm_row_to<scalar_t>(
+                xr, pg, n, static_cast<T>(eps),
+                [&](int64_t i, const Vec& a, const Vec& b, int64_t len) {
+                  VecPair<T>::store(y1r + i, a, b, len);
+                  IO::store(y2r + i, a, b, len);
+                });
           }
         });
       });
@@ -173,6 +186,7 @@ void rms_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Te
 OPENNPU_REGISTER_CPU_KERNEL(rms_norm_fwd_cpu, &rms_norm_fwd_kernel);
 OPENNPU_REGISTER_CPU_KERNEL(add_rms_norm_fwd_cpu, &add_rms_norm_fwd_kernel);
 OPENNPU_REGISTER_CPU_KERNEL(rms_norm_bwd_cpu, &rms_norm_bwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(add_rms_norm_cast_fwd_cpu, &add_rms_norm_cast_fwd_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::norm

@@ -44,6 +44,17 @@ def mark_backward_op(name: str, forward: str) -> None:
     DIFFERENTIABILITY[name] = f"backward of {forward}; double backward not supported"
 
 
+def mark_not_differentiable(name: str, reason: str) -> None:
+    """`name` has no gradient (torch_npu registers none either): it runs normally under autograd,
+    and a backward through its outputs raises an error naming the op and `reason`."""
+
+    def backward(ctx, *grads):
+        raise RuntimeError(f"{name} is not differentiable: {reason}")
+
+    _register_raising_autograd_kernel(getattr(torch.ops.npu, name), backward)
+    DIFFERENTIABILITY[name] = f"not differentiable: {reason}"
+
+
 def _register_raising_autograd_kernel(packet, backward) -> None:
     class _NoDoubleBackward(torch.autograd.Function):
         @staticmethod

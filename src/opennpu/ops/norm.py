@@ -1,4 +1,5 @@
-"""RMSNorm family: npu_rms_norm, npu_rms_norm_backward, npu_gemma_rms_norm, npu_add_rms_norm.
+"""RMSNorm family: npu_rms_norm, npu_rms_norm_backward, npu_gemma_rms_norm, npu_add_rms_norm,
+npu_add_rms_norm_cast.
 
 Numerics (all dtypes): sum(x^2) is accumulated in float32 (float64 for float64 inputs), rstd is
 1 / sqrt(mean(x^2) + epsilon), and y = x * rstd * gamma is formed in float32 and rounded once to
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import accepts_input_keyword, acc_dtype, mark_backward_op, register_autograd
+from ._registry import (accepts_input_keyword, acc_dtype, mark_backward_op, mark_not_differentiable,
+                        register_autograd)
 
 _ops = torch.ops.npu
 
@@ -55,6 +57,18 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon: float = 1e-6):
     return _ops.npu_add_rms_norm(x1, x2, gamma, epsilon)
 
 
+def npu_add_rms_norm_cast(x1, x2, gamma, epsilon: float = 1e-6):
+    """npu_add_rms_norm with the normalised output also in float32: returns ``(y1, y2, rstd, x)``.
+
+    ``y1`` is ``x / rms * gamma`` in float32 (not rounded through x1's dtype), ``y2`` the same
+    rounded once to x1's dtype (equal to npu_add_rms_norm's ``y``), ``rstd`` float32 keep-dim,
+    ``x = x1 + x2`` rounded to x1's dtype (normalised as rounded, like npu_add_rms_norm). It
+    stands for ``npu_add_rms_norm(...)`` followed by ``y.float()``, without the second pass.
+    Not differentiable (torch_npu registers no gradient for it).
+    """
+    return _ops.npu_add_rms_norm_cast(x1, x2, gamma, epsilon)
+
+
 # ----------------------------------------------------------------------------- fake kernels
 
 
@@ -76,6 +90,17 @@ def _add_rms_norm_fake(x1, x2, gamma, epsilon=1e-6):
     return (
         x1.new_empty(x1.shape),
         x1.new_empty(_rstd_shape(x1, gamma), dtype=acc_dtype(x1.dtype)),
+        x1.new_empty(x1.shape),
+    )
+
+
+@torch.library.register_fake("npu::npu_add_rms_norm_cast")
+def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
+    acc = acc_dtype(x1.dtype)
+    return (
+        x1.new_empty(x1.shape, dtype=acc),
+        x1.new_empty(x1.shape),
+        x1.new_empty(_rstd_shape(x1, gamma), dtype=acc),
         x1.new_empty(x1.shape),
     )
 
@@ -140,5 +165,8 @@ register_autograd("npu_rms_norm", _rms_norm_bwd, _rms_norm_setup)
 register_autograd("npu_gemma_rms_norm", _gemma_rms_norm_bwd, _rms_norm_setup)
 register_autograd("npu_add_rms_norm", _add_rms_norm_bwd, _add_rms_norm_setup)
 mark_backward_op("npu_rms_norm_backward", "npu_rms_norm")
+mark_not_differentiable("npu_add_rms_norm_cast",
+                        "torch_npu registers no gradient for it; use npu_add_rms_norm to train")
 
-__all__ = ["npu_rms_norm", "npu_rms_norm_backward", "npu_gemma_rms_norm", "npu_add_rms_norm"]
+__all__ = ["npu_rms_norm", "npu_rms_norm_backward", "npu_gemma_rms_norm", "npu_add_rms_norm",
+           "npu_add_rms_norm_cast"]

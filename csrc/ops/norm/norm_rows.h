@@ -1,0 +1,68 @@
+// Row kernels of the RMSNorm family, shared by csrc/ops/norm/norm_cpu.cpp and the fused
+// norm + quantisation ops in csrc/ops/quant/quant_cpu.cpp. Included only from *_cpu.cpp files
+// (compiled once per ISA), so everything lives in the inline namespace CPU_CAPABILITY.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "common/vec.h"
+
+namespace opennpu::norm {
+inline namespace CPU_CAPABILITY {
+
+// Rows per parallel chunk: about 16K elements, so small tensors stay on one thread.
+inline int64_t grain_rows(int64_t n) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n, 1));
+}
+
+// sum(x^2) over one row of n elements, accumulated in acc_t.
+template <typename scalar_t>
+acc_t<scalar_t> sum_of_squares(const scalar_t* x, int64_t n) {
+  using Vec = AccVec<scalar_t>;
+  Vec s0(0), s1(0);
+  for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b;
+    VecPair<scalar_t>::load(x + i, a, b, len);
+    s0 = at::vec::fmadd(a, a, s0);
+    s1 = at::vec::fmadd(b, b, s1);
+  });
+  return horizontal_sum(s0 + s1);
+}
+
+// 1 / sqrt(sum_sq / n + eps).
+template <typename T>
+T rstd_of(T sum_sq, int64_t n, T eps) {
+  return T(1) / std::sqrt(sum_sq / static_cast<T>(n) + eps);
+}
+
+// Normalises one row and hands each step's y = x * rstd * gamma (two accumulator vectors, `len`
+// valid lanes) to store(i, a, b, len); returns rstd. Callers store y in one or more dtypes.
+template <typename scalar_t, typename Store>
+acc_t<scalar_t> rms_norm_row_to(const scalar_t* x, const acc_t<scalar_t>* gamma, int64_t n,
+                                acc_t<scalar_t> eps, const Store& store) {
+  using T = acc_t<scalar_t>;
+  using Vec = AccVec<scalar_t>;
+  const T rstd = rstd_of<T>(sum_of_squares(x, n), n, eps);
+  const Vec vrstd(rstd);
+  for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b, ga, gb;
+    VecPair<scalar_t>::load(x + i, a, b, len);
+    VecPair<T>::load(gamma + i, ga, gb, len);
+    store(i, a * vrstd * ga, b * vrstd * gb, len);
+  });
+  return rstd;
+}
+
+// y = x * rstd * gamma in x's dtype; returns rstd.
+template <typename scalar_t>
+acc_t<scalar_t> rms_norm_row(const scalar_t* x, const acc_t<scalar_t>* gamma, scalar_t* y,
+                             int64_t n, acc_t<scalar_t> eps) {
+  return rms_norm_row_to<scalar_t>(x, gamma, n, eps, [&](int64_t i, const auto& a, const auto& b,
+                                                          int64_t len) {
+    VecPair<scalar_t>::store(y + i, a, b, len);
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::norm

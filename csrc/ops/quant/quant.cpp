@@ -1,0 +1,251 @@
+// Entry points of the quantisation family: validation, output allocation, CPU registration.
+#include "ops/quant/quant.h"
+
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/accumulate.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <string_view>
+
+#include "common/checks.h"
+
+namespace opennpu::quant {
+
+CpuKernel<DynamicQuantFn> dynamic_quant_cpu;
+CpuKernel<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant_cpu;
+
+namespace {
+
+// The `int?` dtype codes torch.ops passes for torch.int8, torch.quint4x2 and torch.int4.
+constexpr int64_t kInt8Code = static_cast<int64_t>(at::kChar);
+constexpr int64_t kQuint4x2Code = static_cast<int64_t>(at::kQUInt4x2);
+constexpr int64_t kInt4Code = static_cast<int64_t>(c10::ScalarType::Int4);
+
+// int8 unless `dtype` names a 4-bit type (quint4x2, or torch.int4): then int4 packed in int32.
+bool parse_int4(const char* op, const char* arg, std::optional<int64_t> dtype) {
+  if (!dtype.has_value() || *dtype == kInt8Code) return false;
+  if (*dtype == kQuint4x2Code || *dtype == kInt4Code) return true;
+  const bool known = *dtype >= 0 && *dtype < static_cast<int64_t>(c10::ScalarType::NumOptions);
+  OPENNPU_CHECK_ARG(false, op, arg,
+                    "must be None, torch.int8 or torch.quint4x2 (int4 packed eight per int32); "
+                    "float8 and hifloat8 outputs are not supported by opennpu, but got ",
+                    known ? c10::toString(static_cast<c10::ScalarType>(*dtype)) : "dtype code ",
+                    known ? "" : std::to_string(*dtype));
+  return false;
+}
+
+QuantSpec make_spec(bool int4, double dst_type_max) {
+  const float code_max = int4 ? 7.f : 127.f;
+  return QuantSpec{dst_type_max != 0.0 ? static_cast<float>(dst_type_max) : code_max,
+                   int4 ? -8.f : -128.f, code_max, int4};
+}
+
+void check_int4_width(const char* op, const char* x_name, const at::Tensor& x, bool int4,
+                      const char* dtype_arg) {
+  if (!int4) return;
+  const int64_t n = x.dim() > 0 ? x.size(-1) : 1;
+  OPENNPU_CHECK_ARG(n % 8 == 0, op, x_name, "must have a last dim divisible by 8 for int4 output (",
+                    dtype_arg, "=torch.quint4x2), but got shape ", shape_str(x.sizes()));
+}
+
+// A 1-D float vector of length n (gamma, beta, smooth scales), as contiguous float32.
+at::Tensor check_row_vector(const char* op, const char* arg, const at::Tensor& t,
+                            const char* x_name, const at::Tensor& x, int64_t n) {
+  check_floating(op, arg, t);
+  check_same_device(op, arg, t, x_name, x);
+  OPENNPU_CHECK_ARG(t.dim() == 1 && t.size(0) == n, op, arg, "must have shape [", n,
+                    "] (the last dim of '", x_name, "'), but got ", shape_str(t.sizes()));
+  OPENNPU_CHECK_STRICT(t.scalar_type() == x.scalar_type(), op, arg, "must have the dtype of '",
+                       x_name, "' (", x.scalar_type(), "), but got ", t.scalar_type());
+  return t.to(at::kFloat).contiguous();
+}
+
+// Output shape of the codes: x's shape, with the last dim / 8 for int4 (int32 words).
+std::vector<int64_t> code_shape(const at::Tensor& x, bool int4) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  if (int4 && !shape.empty()) shape.back() /= 8;
+  return shape;
+}
+
+std::vector<int64_t> leading_shape(const at::Tensor& x) {
+  return std::vector<int64_t>(x.sizes().begin(), x.sizes().end() - (x.dim() > 0 ? 1 : 0));
+}
+
+at::Tensor as_kernel_input(const at::Tensor& t) {
+  return (t.scalar_type() == at::kDouble ? t.to(at::kFloat) : t).contiguous();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
+    const at::Tensor& input, const std::optional<at::Tensor>& smooth_scales,
+    const std::optional<at::Tensor>& group_index, std::optional<int64_t> dst_type,
+    std::string_view quant_mode, double dst_type_max) {
+  constexpr const char* op = "npu_dynamic_quant";
+  check_floating(op, "input", input);
+  OPENNPU_CHECK_ARG(input.dim() >= 1, op, "input", "must have at least 1 dim, but got a 0-dim tensor");
+  check_strict_dtype(op, "input", input, {at::kHalf, at::kBFloat16});
+  check_strict_rank(op, "input", input, 2, 8);
+  const bool int4 = parse_int4(op, "dst_type", dst_type);
+  check_int4_width(op, "input", input, int4, "dst_type");
+  OPENNPU_CHECK_ARG(quant_mode == "pertoken" || quant_mode == "pertensor", op, "quant_mode",
+                    "must be \"pertoken\" or \"pertensor\" (\"perchannel\" is not supported by "
+                    "opennpu yet), but got \"", quant_mode, "\"");
+  const bool per_tensor = quant_mode == "pertensor";
+  const float code_max = int4 ? 7.f : 127.f;
+  OPENNPU_CHECK_ARG(dst_type_max == 0.0 || (dst_type_max > 0.0 && dst_type_max <= code_max), op,
+                    "dst_type_max", "must be 0 (use ", code_max, ", the output type's maximum) or in (0, ",
+                    code_max, "], but got ", dst_type_max);
+
+  const int64_t n = input.size(-1);
+  const int64_t rows = c10::multiply_integers(input.sizes().slice(0, input.dim() - 1));
+  at::Tensor smooth, group_ends;
+  if (group_index.has_value()) {
+    const at::Tensor& gi = *group_index;
+    OPENNPU_CHECK_ARG(smooth_scales.has_value(), op, "group_index",
+                      "needs smooth_scales ([groups, ", n, "]), but smooth_scales is None");
+    OPENNPU_CHECK_ARG(!per_tensor, op, "group_index",
+                      "works only with quant_mode=\"pertoken\", but quant_mode is \"", quant_mode,
+                      "\"");
+    OPENNPU_CHECK_ARG(gi.scalar_type() == at::kInt || gi.scalar_type() == at::kLong, op,
+                      "group_index", "must be int32 (or int64), but got ", gi.scalar_type());
+    OPENNPU_CHECK_STRICT(gi.scalar_type() == at::kInt, op, "group_index",
+                         "must be int32, but got ", gi.scalar_type());
+    check_same_device(op, "group_index", gi, "input", input);
+    OPENNPU_CHECK_ARG(gi.dim() == 1 && gi.numel() >= 1, op, "group_index",
+                      "must be 1-D with at least one group, but got shape ", shape_str(gi.sizes()));
+    const at::Tensor& sm = *smooth_scales;
+    check_floating(op, "smooth_scales", sm);
+    check_same_device(op, "smooth_scales", sm, "input", input);
+    OPENNPU_CHECK_ARG(sm.dim() == 2 && sm.size(0) == gi.numel() && sm.size(1) == n, op,
+                      "smooth_scales", "must have shape [", gi.numel(), ", ", n,
+                      "] ([len(group_index), last dim of 'input']) with group_index, but got ",
+                      shape_str(sm.sizes()));
+    OPENNPU_CHECK_STRICT(sm.size(0) <= 1024, op, "smooth_scales",
+                         "must have at most 1024 groups, but got ", sm.size(0));
+    OPENNPU_CHECK_STRICT(sm.scalar_type() == input.scalar_type(), op, "smooth_scales",
+                         "must have the dtype of 'input' (", input.scalar_type(), "), but got ",
+                         sm.scalar_type());
+    group_ends = gi.to(at::kLong).contiguous();
+    const int64_t* ends = group_ends.const_data_ptr<int64_t>();
+    int64_t previous = 0;
+    for (int64_t g = 0; g < group_ends.numel(); ++g) {
+      OPENNPU_CHECK_ARG(ends[g] >= previous && ends[g] <= rows, op, "group_index",
+                        "must be non-decreasing row counts in [0, ", rows,
+                        "] (cumulative ends of each group's rows), but element ", g, " is ",
+                        ends[g], previous > 0 ? " after " : "", previous > 0 ? std::to_string(previous) : "");
+      previous = ends[g];
+    }
+    OPENNPU_CHECK_ARG(previous == rows, op, "group_index",
+                      "must end at the number of rows of 'input' (", rows,
+                      "), so that every row has a group, but its last element is ", previous);
+    smooth = sm.to(at::kFloat).contiguous();
+  } else if (smooth_scales.has_value()) {
+    smooth = check_row_vector(op, "smooth_scales", *smooth_scales, "input", input, n);
+  }
+
+  const at::Tensor x = as_kernel_input(input);
+  at::Tensor y = at::empty(code_shape(input, int4), input.options().dtype(int4 ? at::kInt : at::kChar));
+  at::Tensor scale = per_tensor ? at::empty({1}, input.options().dtype(at::kFloat))
+                                : at::empty(leading_shape(input), input.options().dtype(at::kFloat));
+  if (rows == 0) {
+    if (per_tensor) scale.fill_(1.0);
+    return {y, scale};
+  }
+  if (n == 0) {  // nothing to quantise: every (empty) row's max is 0, its scale 1
+    scale.fill_(1.0);
+    return {y, scale};
+  }
+  dynamic_quant_cpu.get(op)(x.view({rows, n}), smooth, group_ends, per_tensor,
+                            make_spec(int4, dst_type_max), y, scale);
+  return {y, scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+npu_add_rms_norm_dynamic_quant(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& gamma,
+                               const std::optional<at::Tensor>& smooth_scale1,
+                               const std::optional<at::Tensor>& smooth_scale2,
+                               const std::optional<at::Tensor>& beta, double epsilon,
+                               std::optional<std::array<bool, 2>> output_mask,
+                               std::optional<int64_t> y_dtype) {
+  constexpr const char* op = "npu_add_rms_norm_dynamic_quant";
+  check_floating(op, "x1", x1);
+  check_floating(op, "x2", x2);
+  check_same_device(op, "x2", x2, "x1", x1);
+  OPENNPU_CHECK_ARG(x1.dim() >= 1, op, "x1", "must have at least 1 dim, but got a 0-dim tensor");
+  OPENNPU_CHECK_ARG(x2.scalar_type() == x1.scalar_type(), op, "x2",
+                    "must have the dtype of 'x1' (", x1.scalar_type(), "), but got ",
+                    x2.scalar_type());
+  OPENNPU_CHECK_ARG(x2.sizes().equals(x1.sizes()), op, "x2", "must have the shape of 'x1' (",
+                    shape_str(x1.sizes()), "), but got ", shape_str(x2.sizes()));
+  check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16});
+  check_strict_rank(op, "x1", x1, 2, 8);
+  OPENNPU_CHECK_STRICT(x1.numel() > 0, op, "x1", "must not be empty, but got shape ",
+                       shape_str(x1.sizes()));
+  OPENNPU_CHECK_ARG(epsilon >= 0, op, "epsilon", "must be >= 0, but got ", epsilon);
+  const int64_t n = x1.size(-1);
+  const at::Tensor g = check_row_vector(op, "gamma", gamma, "x1", x1, n);
+  const at::Tensor b = beta.has_value() ? check_row_vector(op, "beta", *beta, "x1", x1, n)
+                                        : at::Tensor();
+  const at::Tensor s1 = smooth_scale1.has_value()
+                            ? check_row_vector(op, "smooth_scale1", *smooth_scale1, "x1", x1, n)
+                            : at::Tensor();
+  const at::Tensor s2 = smooth_scale2.has_value()
+                            ? check_row_vector(op, "smooth_scale2", *smooth_scale2, "x1", x1, n)
+                            : at::Tensor();
+  // Which branches run: output_mask when given; otherwise branch 1, and branch 2 only when both
+  // smooth scales are given (torch_npu's rule).
+  bool branch1 = true, branch2 = s1.defined() && s2.defined();
+  if (output_mask.has_value()) {
+    branch1 = (*output_mask)[0];
+    branch2 = (*output_mask)[1];
+    OPENNPU_CHECK_ARG(branch1 || branch2, op, "output_mask",
+                      "must enable at least one branch, but got [False, False]");
+    OPENNPU_CHECK_ARG(branch1 || !s1.defined(), op, "output_mask",
+                      "must be True at index 0 when smooth_scale1 is given, but got [False, ",
+                      branch2 ? "True" : "False", "]");
+    OPENNPU_CHECK_ARG(branch2 || !s2.defined(), op, "output_mask",
+                      "must be True at index 1 when smooth_scale2 is given, but got [",
+                      branch1 ? "True" : "False", ", False]");
+  }
+  const bool int4 = parse_int4(op, "y_dtype", y_dtype);
+  check_int4_width(op, "x1", x1, int4, "y_dtype");
+
+  const auto code_dtype = int4 ? at::kInt : at::kChar;
+  const auto f32 = x1.options().dtype(at::kFloat);
+  // A disabled branch returns 0-dim tensors (one element, zero), as torch_npu does.
+  auto codes = [&](bool on) {
+    return on ? at::empty(code_shape(x1, int4), x1.options().dtype(code_dtype))
+              : at::zeros({}, x1.options().dtype(code_dtype));
+  };
+  auto scales = [&](bool on) {
+    return on ? at::empty(leading_shape(x1), f32) : at::zeros({}, f32);
+  };
+  at::Tensor y1 = codes(branch1), y2 = codes(branch2);
+  at::Tensor scale1 = scales(branch1), scale2 = scales(branch2);
+  at::Tensor x_out = at::empty(x1.sizes(), x1.options());
+  if (x1.numel() == 0) {
+    if (n == 0) {  // rows with nothing in them: scale 1, as for an all-zero row
+      if (branch1) scale1.fill_(1.0);
+      if (branch2) scale2.fill_(1.0);
+    }
+    return {y1, y2, x_out, scale1, scale2};
+  }
+  const at::Tensor a = as_kernel_input(x1), c = as_kernel_input(x2);
+  at::Tensor x_kernel = x1.scalar_type() == at::kDouble ? at::empty(a.sizes(), a.options()) : x_out;
+  add_rms_norm_dynamic_quant_cpu.get(op)(a, c, g, b, s1, s2, epsilon, branch1, branch2,
+                                         make_spec(int4, 0.0), y1, y2, x_kernel, scale1, scale2);
+  if (x1.scalar_type() == at::kDouble) at::add_out(x_out, x1, x2);  // the exact fp64 sum
+  return {y1, y2, x_out, scale1, scale2};
+}
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_dynamic_quant", &npu_dynamic_quant);
+  m.impl("npu_add_rms_norm_dynamic_quant", &npu_add_rms_norm_dynamic_quant);
+}
+
+}  // namespace opennpu::quant

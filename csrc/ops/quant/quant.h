@@ -1,0 +1,48 @@
+// Quantisation family: npu_dynamic_quant and npu_add_rms_norm_dynamic_quant.
+//
+// Why a folder of its own: both ops end in the same per-row symmetric quantiser (rowmax of |v|,
+// scale = rowmax / DTYPE_MAX, round half to even, clamp, int8 or packed int4), which lives once in
+// quant_cpu.cpp. The fused op's RMSNorm part reuses the RMSNorm family's row kernels
+// (csrc/ops/norm/norm_rows.h) instead of copying them.
+//
+// Kernels see row-major [rows, n] contiguous views. Floating inputs are float16, bfloat16 or
+// float32 (float64 is converted to float32 by the entry points); every auxiliary vector (smooth
+// scales, gamma, beta) arrives as contiguous float32. Outputs: codes as int8 [rows, n], or int32
+// [rows, n / 8] holding eight int4 codes each, lowest bits first; scales float32.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "common/cpu_dispatch.h"
+
+namespace opennpu::quant {
+
+// How codes are produced: v -> clamp(round_half_even(v / scale), lo, hi) with
+// scale = rowmax(|v|) / qmax (a zero scale is replaced by 1), stored as int8 or packed int4.
+struct QuantSpec {
+  float qmax;  // DTYPE_MAX: 127 (int8), 7 (int4), or dst_type_max
+  float lo, hi;  // the code range: [-128, 127] or [-8, 7]
+  bool int4;  // pack eight codes per int32
+};
+
+// npu_dynamic_quant. smooth: undefined, [n], or [groups, n] with group_ends (int64 [groups],
+// non-decreasing, last = rows: group g covers rows [group_ends[g-1], group_ends[g])).
+// per_tensor: one scale for the whole tensor (scale has 1 element), else one per row.
+using DynamicQuantFn = void(const at::Tensor& x, const at::Tensor& smooth,
+                            const at::Tensor& group_ends, bool per_tensor, const QuantSpec& spec,
+                            at::Tensor& y, at::Tensor& scale);
+
+// npu_add_rms_norm_dynamic_quant. x = x1 + x2 in float32 (stored rounded to x_out),
+// y = x * rstd * gamma (+ beta); branch k quantises y * smooth_k (or y) into (y_k, scale_k).
+// beta / smooth1 / smooth2 may be undefined; outputs of a disabled branch are not touched.
+using AddRmsNormDynamicQuantFn = void(const at::Tensor& x1, const at::Tensor& x2,
+                                      const at::Tensor& gamma, const at::Tensor& beta,
+                                      const at::Tensor& smooth1, const at::Tensor& smooth2,
+                                      double eps, bool branch1, bool branch2,
+                                      const QuantSpec& spec, at::Tensor& y1, at::Tensor& y2,
+                                      at::Tensor& x_out, at::Tensor& scale1, at::Tensor& scale2);
+
+extern CpuKernel<DynamicQuantFn> dynamic_quant_cpu;
+extern CpuKernel<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant_cpu;
+
+}  // namespace opennpu::quant

@@ -1,0 +1,288 @@
+// CPU kernels of the quantisation family (compiled once per ISA; see common/cpu_dispatch.h).
+//
+// Per row, in fp32: pass 1 finds rowmax(|v|) (v = x, or x * smooth), pass 2 recomputes v and
+// writes its codes; the row is still in L1/L2, so memory sees one read of x and one write of y.
+// Codes are clamp(round(v / scale), lo, hi) with round half to even, the rounding of torch.round
+// that torch_npu's goldens use (vroundps / vrndscaleps with _MM_FROUND_TO_NEAREST_INT). The
+// division is a real division, not a multiplication by 1 / scale, so ties land exactly where the
+// golden's `v / scale` puts them.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "common/vec.h"
+#include "ops/norm/norm_rows.h"
+#include "ops/quant/quant.h"
+
+namespace opennpu::quant {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+using FloatIO = VecPair<float>;
+
+// fp16, bf16 and fp32 (the entry points convert fp64 to fp32).
+#define OPENNPU_QUANT_DISPATCH(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+float reduce_max(const Vec& v) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
+}
+
+// rowmax(|x * smooth|) (smooth may be null) over n elements.
+template <typename src_t>
+float row_absmax(const src_t* x, const float* smooth, int64_t n) {
+  Vec m0(0), m1(0);
+  for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b;
+    VecPair<src_t>::load(x + i, a, b, len);
+    if (smooth != nullptr) {
+      Vec sa, sb;
+      FloatIO::load(smooth + i, sa, sb, len);
+      a = a * sa;
+      b = b * sb;
+    }
+    m0 = at::vec::maximum(m0, a.abs());
+    m1 = at::vec::maximum(m1, b.abs());
+  });
+  return reduce_max(at::vec::maximum(m0, m1));
+}
+
+// scale = rowmax / DTYPE_MAX; an all-zero row gets scale 1 (its codes are 0 either way), as the
+// torch_npu golden does, so scale is never 0 and dequantisation never divides by it.
+float scale_of(float absmax, const QuantSpec& spec) {
+  const float s = absmax / spec.qmax;
+  return s == 0.f ? 1.f : s;
+}
+
+// Stores the first len <= Vec::size() lanes of q (integral floats within [-128, 127]) as int8.
+inline void store_codes(int8_t* out, const Vec& q, int64_t len) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(q));
+  if (len == Vec::size()) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
+    return;
+  }
+  alignas(16) int8_t tmp[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), bytes);
+  std::memcpy(out, tmp, len);
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i ints = _mm256_cvttps_epi32(q);
+  const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ints),
+                                        _mm256_extracti128_si256(ints, 1));
+  const __m128i bytes = _mm_packs_epi16(words, words);
+  if (len == Vec::size()) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), bytes);
+    return;
+  }
+  alignas(16) int8_t tmp[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), bytes);
+  std::memcpy(out, tmp, len);
+#else
+  float tmp[Vec::size()];
+  q.store(tmp);
+  for (int64_t i = 0; i < len; ++i) out[i] = static_cast<int8_t>(tmp[i]);
+#endif
+}
+
+// codes[i] = clamp(round_half_even(v_i / scale), lo, hi), v = x (* smooth).
+template <typename src_t>
+void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
+                  const QuantSpec& spec, int8_t* codes) {
+  const Vec vscale(scale), lo(spec.lo), hi(spec.hi);
+  auto code = [&](const Vec& v) {
+    return at::vec::minimum(at::vec::maximum((v / vscale).round(), lo), hi);
+  };
+  for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b;
+    VecPair<src_t>::load(x + i, a, b, len);
+    if (smooth != nullptr) {
+      Vec sa, sb;
+      FloatIO::load(smooth + i, sa, sb, len);
+      a = a * sa;
+      b = b * sb;
+    }
+    store_codes(codes + i, code(a), std::min<int64_t>(len, Vec::size()));
+    if (len > Vec::size()) store_codes(codes + i + Vec::size(), code(b), len - Vec::size());
+  });
+}
+
+// Packs n (a multiple of 8) int4 codes held in int8 into n / 8 int32, code k of each group at
+// bits [4k, 4k + 4): lowest bits first, as torch_npu's quint4x2 outputs. (Little-endian hosts.)
+inline void pack_int4(const int8_t* codes, int64_t n, int32_t* out) {
+  for (int64_t j = 0; j < n / 8; ++j) {
+    uint64_t v;
+    std::memcpy(&v, codes + 8 * j, 8);
+    v &= 0x0F0F0F0F0F0F0F0FULL;                  // one nibble per byte
+    v = (v | (v >> 4)) & 0x00FF00FF00FF00FFULL;  // two per 16 bits
+    v = (v | (v >> 8)) & 0x0000FFFF0000FFFFULL;  // four per 32 bits
+    v = (v | (v >> 16)) & 0x00000000FFFFFFFFULL;  // eight in the low 32 bits
+    const auto word = static_cast<uint32_t>(v);
+    std::memcpy(out + j, &word, sizeof(word));
+  }
+}
+
+// Where row r's codes go: straight into the int8 output, or through `scratch` into packed int4.
+struct CodeSink {
+  const QuantSpec& spec;
+  at::Tensor& y;
+  int64_t n;
+
+  int8_t* row(int64_t r, std::vector<int8_t>& scratch) const {
+    if (!spec.int4) return y.mutable_data_ptr<int8_t>() + r * n;
+    scratch.resize(n);
+    return scratch.data();
+  }
+  void finish(int64_t r, const std::vector<int8_t>& scratch) const {
+    if (spec.int4) pack_int4(scratch.data(), n, y.mutable_data_ptr<int32_t>() + r * (n / 8));
+  }
+};
+
+void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
+                          const at::Tensor& group_ends, bool per_tensor, const QuantSpec& spec,
+                          at::Tensor& y, at::Tensor& scale) {
+  const int64_t rows = x.size(0);
+  const int64_t n = x.size(1);
+  const float* ps = smooth.defined() ? smooth.const_data_ptr<float>() : nullptr;
+  const int64_t* pg = group_ends.defined() ? group_ends.const_data_ptr<int64_t>() : nullptr;
+  const int64_t groups = group_ends.defined() ? group_ends.numel() : 0;
+  float* pscale = scale.mutable_data_ptr<float>();
+  const CodeSink sink{spec, y, n};
+  // Row r's smooth vector: the one of its group (group g ends before group_ends[g]).
+  auto smooth_row = [&](int64_t r) -> const float* {
+    if (pg == nullptr) return ps;
+    return ps + (std::upper_bound(pg, pg + groups, r) - pg) * n;
+  };
+  OPENNPU_QUANT_DISPATCH(x.scalar_type(), "npu_dynamic_quant", [&] {
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    const int64_t grain = norm::grain_rows(n);
+    if (per_tensor) {
+      const float absmax = at::parallel_reduce(
+          0, rows, grain, 0.f,
+          [&](int64_t begin, int64_t end, float m) {
+            for (int64_t r = begin; r < end; ++r) {
+              m = std::max(m, row_absmax<scalar_t>(px + r * n, smooth_row(r), n));
+            }
+            return m;
+          },
+          [](float a, float b) { return std::max(a, b); });
+      const float s = scale_of(absmax, spec);
+      pscale[0] = s;
+      at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+        std::vector<int8_t> scratch;
+        for (int64_t r = begin; r < end; ++r) {
+          quantize_row<scalar_t>(px + r * n, smooth_row(r), n, s, spec, sink.row(r, scratch));
+          sink.finish(r, scratch);
+        }
+      });
+      return;
+    }
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      std::vector<int8_t> scratch;
+      for (int64_t r = begin; r < end; ++r) {
+        const float* sm = smooth_row(r);
+        const float s = scale_of(row_absmax<scalar_t>(px + r * n, sm, n), spec);
+        pscale[r] = s;
+        quantize_row<scalar_t>(px + r * n, sm, n, s, spec, sink.row(r, scratch));
+        sink.finish(r, scratch);
+      }
+    });
+  });
+}
+
+void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x2,
+                                       const at::Tensor& gamma, const at::Tensor& beta,
+                                       const at::Tensor& smooth1, const at::Tensor& smooth2,
+                                       double eps, bool branch1, bool branch2,
+                                       const QuantSpec& spec, at::Tensor& y1, at::Tensor& y2,
+                                       at::Tensor& x_out, at::Tensor& scale1,
+                                       at::Tensor& scale2) {
+  const int64_t n = gamma.numel();
+  const int64_t rows = x1.numel() / n;
+  const float* pg = gamma.const_data_ptr<float>();
+  const float* pb = beta.defined() ? beta.const_data_ptr<float>() : nullptr;
+  const float* ps1 = smooth1.defined() ? smooth1.const_data_ptr<float>() : nullptr;
+  const float* ps2 = smooth2.defined() ? smooth2.const_data_ptr<float>() : nullptr;
+  float* psc1 = branch1 ? scale1.mutable_data_ptr<float>() : nullptr;
+  float* psc2 = branch2 ? scale2.mutable_data_ptr<float>() : nullptr;
+  const CodeSink sink1{spec, y1, n}, sink2{spec, y2, n};
+  OPENNPU_QUANT_DISPATCH(x1.scalar_type(), "npu_add_rms_norm_dynamic_quant", [&] {
+    using IO = VecPair<scalar_t>;
+    const scalar_t* pa = x1.const_data_ptr<scalar_t>();
+    const scalar_t* pbx = x2.const_data_ptr<scalar_t>();
+    scalar_t* px = x_out.mutable_data_ptr<scalar_t>();
+    at::parallel_for(0, rows, norm::grain_rows(n), [&](int64_t begin, int64_t end) {
+      // Per thread: the fp32 row (x, then branch 1's input in place) and branch 2's input.
+      std::vector<float> rowbuf(2 * n);
+      float* in1 = rowbuf.data();
+      float* in2 = in1 + n;
+      std::vector<int8_t> scratch;
+      for (int64_t r = begin; r < end; ++r) {
+        // x = x1 + x2 in fp32 (the golden's sum); x_out is that sum rounded to x1's dtype.
+        for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+          Vec a0, a1, b0, b1;
+          IO::load(pa + r * n + i, a0, a1, len);
+          IO::load(pbx + r * n + i, b0, b1, len);
+          a0 = a0 + b0;
+          a1 = a1 + b1;
+          IO::store(px + r * n + i, a0, a1, len);
+          FloatIO::store(in1 + i, a0, a1, len);
+        });
+        // y = x * rstd * gamma (+ beta) from the RMSNorm family's row kernel; each step of y
+        // becomes the branches' inputs (y * smooth_k) and their running rowmax.
+        Vec m1a(0), m1b(0), m2a(0), m2b(0);
+        norm::rms_norm_row_to<float>(
+            in1, pg, n, static_cast<float>(eps),
+            [&](int64_t i, Vec a, Vec b, int64_t len) {
+              if (pb != nullptr) {
+                Vec ba, bb;
+                FloatIO::load(pb + i, ba, bb, len);
+                a = a + ba;
+                b = b + bb;
+              }
+              auto branch = [&](const float* sm, float* dst, Vec& ma, Vec& mb) {
+                Vec va = a, vb = b;
+                if (sm != nullptr) {
+                  Vec sa, sb;
+                  FloatIO::load(sm + i, sa, sb, len);
+                  va = va * sa;
+                  vb = vb * sb;
+                }
+                FloatIO::store(dst + i, va, vb, len);  // lanes past len are 0: max unaffected
+                ma = at::vec::maximum(ma, va.abs());
+                mb = at::vec::maximum(mb, vb.abs());
+              };
+              // Branch 2 first: branch 1 overwrites in1[i..] (x), which this step has read.
+              if (branch2) branch(ps2, in2, m2a, m2b);
+              if (branch1) branch(ps1, in1, m1a, m1b);
+            });
+        if (branch1) {
+          const float s = scale_of(reduce_max(at::vec::maximum(m1a, m1b)), spec);
+          psc1[r] = s;
+          quantize_row<float>(in1, nullptr, n, s, spec, sink1.row(r, scratch));
+          sink1.finish(r, scratch);
+        }
+        if (branch2) {
+          const float s = scale_of(reduce_max(at::vec::maximum(m2a, m2b)), spec);
+          psc2[r] = s;
+          quantize_row<float>(in2, nullptr, n, s, spec, sink2.row(r, scratch));
+          sink2.finish(r, scratch);
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(dynamic_quant_cpu, &dynamic_quant_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(add_rms_norm_dynamic_quant_cpu, &add_rms_norm_dynamic_quant_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::quant
