@@ -98,6 +98,54 @@ def add_rms_norm(shape, dtype, threads):
                    pick=lambda out: out[::2])  # (y, x1 + x2)
 
 
+def add_rms_norm_cast(shape, dtype, threads):
+    x1, x2, w = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype), ones(shape[-1], dtype)
+    return forward("npu_add_rms_norm_cast", (x1, x2, w, EPS), reference.native_add_rms_norm_cast,
+                   (x1, x2, w), lambda: [reference.add_rms_norm_cast(x1, x2, w, EPS)[i]
+                                         for i in (0, 1, 3)],
+                   threads, pick=lambda out: (out[0], out[1], out[3]))  # (y1 fp32, y2, x)
+
+
+def _smooth(n, dtype):
+    return (torch.rand(n) + 0.5).to(dtype)
+
+
+def dynamic_quant(shape, dtype, threads):
+    """Per-token int8 with smooth scales (codes and scales against the golden's fp32 math)."""
+    x, smooth = randn(*shape, dtype=dtype), _smooth(shape[-1], dtype)
+    native = reference.native_dynamic_quant
+    native_compiled = compiled(native, x, smooth, threads=threads)
+
+    def ours():
+        return npu.npu_dynamic_quant(x, smooth_scales=smooth)
+
+    return Trial(ours=ours, native=lambda: native(x, smooth),
+                 native_compiled=lambda: native_compiled(x, smooth),
+                 expected=lambda: reference.dynamic_quant(x, smooth),
+                 nbytes=_nbytes((x, smooth)) + _nbytes(ours()))
+
+
+def add_rms_norm_dynamic_quant(shape, dtype, threads):
+    """Seed 003's fusion: npu_add_rms_norm + npu_dynamic_quant(smooth) in one op, branch 1 only."""
+    x1, x2, w = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype), ones(shape[-1], dtype)
+    smooth = _smooth(shape[-1], dtype)
+    native = reference.native_add_rms_norm_dynamic_quant
+    native_compiled = compiled(native, x1, x2, w, smooth, threads=threads)
+
+    def call():
+        return npu.npu_add_rms_norm_dynamic_quant(x1, x2, w, smooth_scale1=smooth, epsilon=EPS,
+                                                  output_mask=[True, False])
+
+    def expected():
+        y1, _, x, s1, _ = reference.add_rms_norm_dynamic_quant(x1, x2, w, smooth, epsilon=EPS)
+        return y1, x, s1
+
+    return Trial(ours=lambda: (lambda o: (o[0], o[2], o[3]))(call()),
+                 native=lambda: native(x1, x2, w, smooth),
+                 native_compiled=lambda: native_compiled(x1, x2, w, smooth), expected=expected,
+                 nbytes=_nbytes((x1, x2, w, smooth)) + _nbytes(call()))
+
+
 def swiglu(shape, dtype, threads):
     x = randn(*shape, dtype=dtype)
     return forward("npu_swiglu", (x,), reference.native_swiglu, (x,),
@@ -237,6 +285,10 @@ EXAMPLES = [
     Example("npu_rms_norm_backward", "bwd", LLM, BF16, "native_rms_norm", rms_norm_backward),
     Example("npu_gemma_rms_norm", "fwd", LLM, BF16, "native_rms_norm(1+w)", gemma_rms_norm),
     Example("npu_add_rms_norm", "fwd", LLM, BF16, "native_add_rms_norm", add_rms_norm),
+    Example("npu_add_rms_norm_cast", "fwd", LLM, BF16, "add_rms_norm+.float()", add_rms_norm_cast),
+    Example("npu_dynamic_quant", "fwd", LLM, BF16, "x*s,amax,round,clamp", dynamic_quant),
+    Example("npu_add_rms_norm_dynamic_quant", "fwd", LLM, BF16, "add_rms_norm+quant",
+            add_rms_norm_dynamic_quant),
     Example("npu_swiglu", "fwd", (128, 256), F32, "native_swiglu", swiglu),
     Example("npu_swiglu", "fwd", GLU, BF16, "native_swiglu", swiglu),
     Example("npu_swiglu_backward", "bwd", GLU, BF16, "native_swiglu", swiglu_backward),

@@ -62,6 +62,116 @@ def native_add_rms_norm(x1, x2, weight, eps=1e-6):
     return native_rms_norm(x, weight, eps), x
 
 
+def add_rms_norm_cast(x1, x2, gamma, epsilon=1e-6):
+    """(y1, y2, rstd, x): add_rms_norm's y twice (float32 and, once rounded, x1's dtype)."""
+    y, rstd, x = add_rms_norm(x1, x2, gamma, epsilon)
+    return y, y, rstd, x
+
+
+def native_add_rms_norm_cast(x1, x2, weight, eps=1e-6):
+    """npu_add_rms_norm followed by .to(float32), the pair torchair fuses into the cast op."""
+    y, x = native_add_rms_norm(x1, x2, weight, eps)
+    return y.float(), y, x
+
+
+# ----------------------------------------------------------------------------- quantisation
+# The quantiser written out step by step: scale = rowmax(|v|) / DTYPE_MAX (0 -> 1), codes =
+# clamp(round(v / scale)) with torch.round (half to even), all in float32.
+
+INT8_RANGE, INT4_RANGE = (-128, 127), (-8, 7)
+
+
+def quantize(v, qmax=127.0, code_range=INT8_RANGE, per_tensor=False):
+    """(codes as int8 in v's shape, scale float32): symmetric quantisation of float32 v per row
+    (last dim) or over the whole tensor."""
+    v = v.float()
+    absmax = v.abs().amax() if per_tensor else v.abs().amax(dim=-1, keepdim=True)
+    scale = absmax / qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    codes = torch.round(v / scale).clamp(*code_range).to(torch.int8)
+    return codes, (scale.reshape(1) if per_tensor else scale.squeeze(-1))
+
+
+def is_int4(dtype) -> bool:
+    return dtype in (torch.quint4x2, torch.int4, 16, 40)
+
+
+def pack_int4(codes):
+    """int8 codes in [-8, 7], last dim a multiple of 8 -> int32 words, code k in bits [4k, 4k+4)."""
+    nibbles = (codes.to(torch.int64) & 0xF).unflatten(-1, (-1, 8))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    words = (nibbles << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int4(words):
+    """The inverse of pack_int4: int32 words -> int8 codes (last dim x 8), sign-extended."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64)
+    nibbles = (words.to(torch.int64).unsqueeze(-1) >> shifts) & 0xF
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles).flatten(-2).to(torch.int8)
+
+
+def smoothed(x, smooth_scales=None, group_index=None):
+    """x * smooth in float32; with group_index, rows [ends[g-1], ends[g]) use smooth_scales[g]."""
+    v = _up(x).float()
+    if smooth_scales is None:
+        return v
+    sm = smooth_scales.float()
+    if group_index is None:
+        return v * sm
+    rows = v.reshape(-1, v.shape[-1])
+    ends = group_index.tolist()
+    group_of_row = torch.searchsorted(torch.tensor(ends), torch.arange(rows.shape[0]), right=True)
+    return (rows * sm[group_of_row]).reshape(v.shape)
+
+
+def dynamic_quant(x, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
+                  dst_type_max=0.0):
+    """(codes int8 unpacked, scale) of npu_dynamic_quant."""
+    int4 = is_int4(dst_type)
+    qmax = dst_type_max or (7.0 if int4 else 127.0)
+    return quantize(smoothed(x, smooth_scales, group_index), qmax,
+                    INT4_RANGE if int4 else INT8_RANGE, per_tensor=quant_mode == "pertensor")
+
+
+def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=None, beta=None,
+                               epsilon=1e-6, output_mask=None, y_dtype=None):
+    """(y1, y2, x, scale1, scale2) with codes unpacked and None for a disabled branch. The sum
+    is formed in float32 (torch_npu's golden for this op) and normalised unrounded."""
+    x = x1.float() + x2.float()
+    rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+    y = x * rstd * gamma.float()
+    if beta is not None:
+        y = y + beta.float()
+    if output_mask is None:
+        on = (True, smooth_scale1 is not None and smooth_scale2 is not None)
+    else:
+        on = tuple(bool(m) for m in output_mask)
+    code_range = INT4_RANGE if is_int4(y_dtype) else INT8_RANGE
+    qmax = 7.0 if is_int4(y_dtype) else 127.0
+    outs = []
+    for enabled, smooth in zip(on, (smooth_scale1, smooth_scale2)):
+        v = y if smooth is None else y * smooth.float()
+        outs.append(quantize(v, qmax, code_range) if enabled else (None, None))
+    return outs[0][0], outs[1][0], x, outs[0][1], outs[1][1]
+
+
+def native_dynamic_quant(x, smooth_scales=None):
+    """npu_dynamic_quant's eager composition (float32 math, int8 codes, per-row scale)."""
+    v = x.float() if smooth_scales is None else x.float() * smooth_scales.float()
+    scale = v.abs().amax(dim=-1, keepdim=True) / 127
+    y = torch.round(v / scale).clamp(-128, 127).to(torch.int8)
+    return y, scale.squeeze(-1)
+
+
+def native_add_rms_norm_dynamic_quant(x1, x2, weight, smooth_scales=None, eps=1e-6):
+    """The pair torchair fuses: npu_add_rms_norm's native code, then npu_dynamic_quant's, on
+    branch 1. Returns (y1, x, scale1)."""
+    y, x = native_add_rms_norm(x1, x2, weight, eps)
+    codes, scale = native_dynamic_quant(y, smooth_scales)
+    return codes, x, scale
+
+
 # ----------------------------------------------------------------------------- activations
 
 

@@ -1,0 +1,120 @@
+"""Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast.
+
+Baselines are the compositions the fused ops replace (opennpu.testing.reference): the golden's
+float32 quantiser (x * smooth, rowmax, divide, round, clamp, cast) and, for the fused op, torchair's
+pattern npu_add_rms_norm -> npu_dynamic_quant written in torch; each in eager and torch.compile.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch
+from opennpu.testing import reference
+from opennpu.testing.timing import compiled
+
+from ..common import Case, Timed, randn
+from .norm import shapes
+
+EPS = 1e-6
+npu = torch.ops.npu
+
+
+def _smooth(h, dtype):
+    return (torch.rand(h) + 0.5).to(dtype)
+
+
+def dynamic_quant_fwd(t, h, dtype, int4, threads):
+    x, smooth = randn(t, h, dtype=dtype), _smooth(h, dtype)
+    dst_type = torch.quint4x2 if int4 else None
+    native = functools.partial(native_dynamic_quant, int4=int4)
+    native_compiled = compiled(native, x, smooth, threads=threads)
+
+    # int4 words are not comparable by magnitude (one code in the top nibble moves a word by
+    # 2^28), so only the int8 rows report errors against the oracle.
+    return Timed(
+        ours=lambda: npu.npu_dynamic_quant(x, smooth_scales=smooth, dst_type=dst_type),
+        baselines={"eager": lambda: native(x, smooth), "compile": lambda: native_compiled(x, smooth)},
+        reference=None if int4 else lambda: reference.dynamic_quant(x, smooth),
+    )
+
+
+def native_dynamic_quant(x, smooth, int4=False):
+    """The golden's quantiser in torch; for int4 it also packs eight codes per int32."""
+    if not int4:
+        return reference.native_dynamic_quant(x, smooth)
+    v = x.float() * smooth.float()
+    scale = v.abs().amax(dim=-1, keepdim=True) / 7
+    codes = torch.round(v / scale).clamp(-8, 7).to(torch.int32)
+    nibbles = (codes & 0xF).unflatten(-1, (-1, 8))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=x.device)
+    return (nibbles << shifts).sum(dim=-1, dtype=torch.int32), scale.squeeze(-1)
+
+
+def add_rms_norm_dynamic_quant_fwd(t, h, dtype, threads):
+    x1, x2, smooth = randn(t, h, dtype=dtype), randn(t, h, dtype=dtype), _smooth(h, dtype)
+    w = (1 + 0.1 * torch.randn(h)).to(dtype)
+    native = reference.native_add_rms_norm_dynamic_quant
+    native_compiled = compiled(native, x1, x2, w, smooth, threads=threads)
+
+    def ours():  # (y1, x, scale1), as the native pair returns them
+        y1, _, x, s1, _ = npu.npu_add_rms_norm_dynamic_quant(
+            x1, x2, w, smooth_scale1=smooth, epsilon=EPS, output_mask=[True, False])
+        return y1, x, s1
+
+    def expected():
+        y1, _, x, s1, _ = reference.add_rms_norm_dynamic_quant(x1, x2, w, smooth, epsilon=EPS)
+        return y1, x, s1
+
+    return Timed(
+        ours=ours,
+        baselines={"eager": lambda: native(x1, x2, w, smooth, EPS),
+                   "compile": lambda: native_compiled(x1, x2, w, smooth, EPS)},
+        reference=expected,
+    )
+
+
+def add_rms_norm_cast_fwd(t, h, dtype, threads):
+    x1, x2 = randn(t, h, dtype=dtype), randn(t, h, dtype=dtype)
+    w = (1 + 0.1 * torch.randn(h)).to(dtype)
+    native = reference.native_add_rms_norm_cast
+    native_compiled = compiled(native, x1, x2, w, threads=threads)
+
+    def ours():  # (y1 fp32, y2, x)
+        y1, y2, _, x = npu.npu_add_rms_norm_cast(x1, x2, w, EPS)
+        return y1, y2, x
+
+    def expected():
+        y1, y2, _, x = reference.add_rms_norm_cast(x1, x2, w, EPS)
+        return y1, y2, x
+
+    return Timed(
+        ours=ours,
+        baselines={"eager": lambda: native(x1, x2, w, EPS),
+                   "compile": lambda: native_compiled(x1, x2, w, EPS)},
+        reference=expected,
+    )
+
+
+def cases(quick: bool, dtypes):
+    for (t, h), dtype in itertools.product(shapes(quick), dtypes):
+        e = dtype.itemsize
+        shape = f"T={t} H={h}"
+        # x read, smooth read, codes written (1 byte, or half a byte for int4), fp32 scale
+        q_bytes = t * h * e + h * e + t * h + 4 * t
+        yield Case("dynamic_quant", "fwd", shape, dtype, q_bytes,
+                   functools.partial(dynamic_quant_fwd, t, h, dtype, False), ("npu_dynamic_quant",))
+        yield Case("dynamic_quant", "fwd", shape + " int4", dtype, q_bytes - t * h // 2,
+                   functools.partial(dynamic_quant_fwd, t, h, dtype, True), ("npu_dynamic_quant",))
+        # x1, x2 read, x written, codes written, gamma and smooth read, fp32 scale
+        fused_bytes = 3 * t * h * e + t * h + 2 * h * e + 4 * t
+        yield Case("add_rms_norm_dynamic_quant", "fwd", shape, dtype, fused_bytes,
+                   functools.partial(add_rms_norm_dynamic_quant_fwd, t, h, dtype),
+                   ("npu_add_rms_norm_dynamic_quant",))
+        if dtype != torch.float32:  # torch_npu's cast op is for fp16/bf16 inputs
+            # x1, x2 read; y1 (fp32), y2, x written; gamma read; fp32 rstd
+            cast_bytes = 4 * t * h * e + 4 * t * h + h * e + 4 * t
+            yield Case("add_rms_norm_cast", "fwd", shape, dtype, cast_bytes,
+                       functools.partial(add_rms_norm_cast_fwd, t, h, dtype),
+                       ("npu_add_rms_norm_cast",))
