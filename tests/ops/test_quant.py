@@ -87,7 +87,7 @@ def test_dynamic_quant_rounds_ties_half_to_even():
         assert scale.tolist() == [2.0]
         assert y.tolist() == [expected], dtype
     # int4: scale = 14 / 7 = 2
-    y, scale = opennpu.npu_dynamic_quant(torch.tensor([[14, 1, 3, 5, 7, -1, -3, -5]]),
+    y, scale = opennpu.npu_dynamic_quant(torch.tensor([[14, 1, 3, 5, 7, -1, -3, -5]], dtype=F32),
                                          dst_type=INT4)
     assert scale.tolist() == [2.0]
     assert R.unpack_int4(y).tolist() == [[7, 0, 2, 2, 4, 0, -2, -2]]
@@ -144,16 +144,16 @@ def test_int4_pack_unpack_round_trip():
 
 
 def test_int4_layout_is_lowest_bits_first():
-    # codes 1..7, -8 -> nibbles 1..8 from the lowest: 0x87654321 (negative as int32)
-    x = torch.tensor([[1, 2, 3, 4, 5, 6, 7, -8]], dtype=F32) * 3
-    y, scale = opennpu.npu_dynamic_quant(x, dst_type=INT4, dst_type_max=8.0)
+    # codes 1..7, -7 -> nibbles 1..7, 9 from the lowest: 0x97654321 (negative as int32)
+    x = torch.tensor([[1, 2, 3, 4, 5, 6, 7, -7]], dtype=F32) * 3
+    y, scale = opennpu.npu_dynamic_quant(x, dst_type=INT4)
     assert scale.item() == 3.0
-    assert y.tolist() == [[0x87654321 - 2**32]]
+    assert y.tolist() == [[0x97654321 - 2**32]]
     # torch_npu's test view: bytes of the word, low nibble first within each byte
     as_bytes = y.view(torch.uint8).view(-1, 1)
     low = ((as_bytes & 0x0F) << 4).view(torch.int8) >> 4
     high = (as_bytes & 0xF0).view(torch.int8) >> 4
-    assert torch.cat([low, high], dim=-1).flatten().tolist() == [1, 2, 3, 4, 5, 6, 7, -8]
+    assert torch.cat([low, high], dim=-1).flatten().tolist() == [1, 2, 3, 4, 5, 6, 7, -7]
 
 
 def test_int4_output_is_the_packing_of_the_reference_codes():
@@ -274,8 +274,9 @@ def check_fused(args, kwargs):
         codes = codes_of(y, y_dtype)
         assert codes.shape == x1.shape and s.shape == x1.shape[:-1] and s.dtype == F32
         diff = (codes.int() - y_ref.int()).abs()
-        assert diff.max().item() <= 1 if diff.numel() else True
-        assert diff.float().mean().item() < 0.01 if diff.numel() else True
+        if diff.numel():  # off by one only next to a tie, and rarely
+            assert diff.max().item() <= 1
+            assert diff.count_nonzero().item() <= max(1, diff.numel() // 100)
         torch.testing.assert_close(s, s_ref, rtol=2e-6, atol=0)
     return outs
 

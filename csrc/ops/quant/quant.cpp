@@ -220,10 +220,10 @@ npu_add_rms_norm_dynamic_quant(const at::Tensor& x1, const at::Tensor& x2, const
   // A disabled branch returns 0-dim tensors (one element, zero), as torch_npu does.
   auto codes = [&](bool on) {
     return on ? at::empty(code_shape(x1, int4), x1.options().dtype(code_dtype))
-              : at::zeros({}, x1.options().dtype(code_dtype));
+              : at::zeros(c10::IntArrayRef{}, x1.options().dtype(code_dtype));
   };
   auto scales = [&](bool on) {
-    return on ? at::empty(leading_shape(x1), f32) : at::zeros({}, f32);
+    return on ? at::empty(leading_shape(x1), f32) : at::zeros(c10::IntArrayRef{}, f32);
   };
   at::Tensor y1 = codes(branch1), y2 = codes(branch2);
   at::Tensor scale1 = scales(branch1), scale2 = scales(branch2);

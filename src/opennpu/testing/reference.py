@@ -138,11 +138,11 @@ def add_rms_norm_dynamic_quant(x1, x2, gamma, smooth_scale1=None, smooth_scale2=
                                epsilon=1e-6, output_mask=None, y_dtype=None):
     """(y1, y2, x, scale1, scale2) with codes unpacked and None for a disabled branch. The sum
     is formed in float32 (torch_npu's golden for this op) and normalised unrounded."""
-    x = x1.float() + x2.float()
+    x = _up(x1) + _up(x2)
     rstd = torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
-    y = x * rstd * gamma.float()
+    y = x * rstd * _up(gamma)
     if beta is not None:
-        y = y + beta.float()
+        y = y + _up(beta)
     if output_mask is None:
         on = (True, smooth_scale1 is not None and smooth_scale2 is not None)
     else:
