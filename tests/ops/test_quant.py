@@ -356,13 +356,14 @@ def test_fused_non_contiguous():
 def test_fused_equals_the_unfused_pair_torchair_replaces(dtype):
     # Seed 003: npu_add_rms_norm followed by npu_dynamic_quant(smooth_scales=s) becomes
     # npu_add_rms_norm_dynamic_quant(..., smooth_scale1=s, output_mask=[True, False]). The pair
-    # rounds y to the low dtype in between, so codes may move by one step, scales by that rounding.
+    # rounds the sum and y to the low dtype in between (bf16: 2^-9 each, up to ~0.5 code steps at
+    # 127 plus the scale's own rounding), so codes may move by a step (two for bf16).
     args, kwargs = make_fused((8, 4, 128), dtype, smooth1=True)
     y, _, x = opennpu.npu_add_rms_norm(*args)
     codes, scale = opennpu.npu_dynamic_quant(y, smooth_scales=kwargs["smooth_scale1"])
     y1, _, x_out, s1, _ = opennpu.npu_add_rms_norm_dynamic_quant(
         *args, **kwargs, output_mask=[True, False])
-    assert (y1.int() - codes.int()).abs().max().item() <= 1
+    assert (y1.int() - codes.int()).abs().max().item() <= (2 if dtype == BF16 else 1)
     torch.testing.assert_close(s1, scale, rtol=1e-2, atol=0)
     assert torch.equal(x_out, x)
 

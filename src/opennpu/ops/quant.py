@@ -30,7 +30,7 @@ def _is_int4(dtype) -> bool:
 
 
 def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None,
-                      quant_mode: str = "pertoken", dst_type_max: float = 0.0):
+                      quant_mode: str = "pertoken", dst_type_max: float | None = None):
     """Symmetric dynamic quantisation. Returns ``(y, scale)``.
 
     ``scale = rowmax(|input * smooth_scales|) / DTYPE_MAX`` per row (``quant_mode="pertoken"``,
@@ -41,16 +41,18 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     first (the last dim must divide by 8). ``smooth_scales``: ``[H]``, or ``[G, H]`` with
     ``group_index`` (int32 ``[G]``, non-decreasing cumulative row ends, the last = number of rows;
     rows ``[group_index[g-1], group_index[g])`` use ``smooth_scales[g]``, MoE style).
-    ``dst_type_max`` (default 0: 127 / 7) replaces DTYPE_MAX when given. An all-zero row gets
+    ``dst_type_max`` (default 0: 127 / 7) replaces DTYPE_MAX when non-zero. An all-zero row gets
     scale 1. Not differentiable.
     """
+    # Float defaults stay out of the call (None = the schema's default): under torch.compile a
+    # keyword-only float default is traced as a symbolic input and restarts the analysis.
+    extra = {} if dst_type_max is None else {"dst_type_max": dst_type_max}
     return _ops.npu_dynamic_quant(input, smooth_scales=smooth_scales, group_index=group_index,
-                                  dst_type=dst_type, quant_mode=quant_mode,
-                                  dst_type_max=dst_type_max)
+                                  dst_type=dst_type, quant_mode=quant_mode, **extra)
 
 
 def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_scale2=None,
-                                   beta=None, epsilon: float = 1e-6, output_mask=None,
+                                   beta=None, epsilon: float | None = None, output_mask=None,
                                    y_dtype=None):
     """Residual add, RMSNorm and up to two dynamic quantisations in one pass over each row.
 
@@ -61,11 +63,13 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
     of shape ``x1.shape[:-1]``. ``output_mask=[b1, b2]`` picks the branches (not both False; a
     given smooth scale needs its branch on); without it branch 1 always runs and branch 2 only
     when both smooth scales are given. A disabled branch returns 0-dim tensors (one zero each).
-    gamma, beta and the smooth scales are 1-D of x1's last dim. Not differentiable.
+    gamma, beta and the smooth scales are 1-D of x1's last dim. ``epsilon`` defaults to 1e-6.
+    Not differentiable.
     """
+    extra = {} if epsilon is None else {"epsilon": epsilon}  # see npu_dynamic_quant
     return _ops.npu_add_rms_norm_dynamic_quant(
         x1, x2, gamma, smooth_scale1=smooth_scale1, smooth_scale2=smooth_scale2, beta=beta,
-        epsilon=epsilon, output_mask=output_mask, y_dtype=y_dtype)
+        output_mask=output_mask, y_dtype=y_dtype, **extra)
 
 
 # ----------------------------------------------------------------------------- fake kernels

@@ -85,7 +85,10 @@ def quantize(v, qmax=127.0, code_range=INT8_RANGE, per_tensor=False):
     """(codes as int8 in v's shape, scale float32): symmetric quantisation of float32 v per row
     (last dim) or over the whole tensor."""
     v = v.float()
-    absmax = v.abs().amax() if per_tensor else v.abs().amax(dim=-1, keepdim=True)
+    if per_tensor:  # (an empty tensor's max is 0, so its scale is 1)
+        absmax = v.abs().amax() if v.numel() else v.new_zeros(())
+    else:
+        absmax = v.abs().amax(dim=-1, keepdim=True)
     scale = absmax / qmax
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
     codes = torch.round(v / scale).clamp(*code_range).to(torch.int8)
