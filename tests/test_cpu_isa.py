@@ -34,6 +34,20 @@ SCRIPT = textwrap.dedent(
                                  R.rms_norm_backward(dy, x, g, rstd)):
                 assert_close(ours, ref, dtype=dtype, scale=4)
             assert_close(opennpu.npu_add_rms_norm(x, dy, g)[0], R.add_rms_norm(x, dy, g)[0])
+            assert_close(opennpu.npu_add_rms_norm_cast(x, dy, g)[0], R.add_rms_norm(x, dy, g)[0],
+                         dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+            # quantisation: codes and scales bit-exact (int8, packed int4, smooth scales)
+            sm = torch.rand(2 * n, dtype=dtype) + 0.5
+            for dst in (None, torch.quint4x2):
+                if dst is not None and (2 * n) % 8:
+                    continue
+                yq, sq = opennpu.npu_dynamic_quant(x, smooth_scales=sm, dst_type=dst)
+                cq, sref = R.dynamic_quant(x, sm, dst_type=dst)
+                assert torch.equal(R.unpack_int4(yq) if dst else yq, cq) and torch.equal(sq, sref)
+            y1, _, _, s1, _ = opennpu.npu_add_rms_norm_dynamic_quant(x, dy, g, smooth_scale1=sm)
+            c1, _, _, r1, _ = R.add_rms_norm_dynamic_quant(x, dy, g, sm)
+            assert (y1.int() - c1.int()).abs().max() <= 1
+            torch.testing.assert_close(s1, r1, rtol=2e-6, atol=0)
             assert_close(opennpu.npu_swiglu(x), R.swiglu(x))
             gh = torch.randn(rows, n, dtype=dtype)
             assert_close(opennpu.npu_swiglu_backward(gh, x), R.swiglu_backward(gh, x))
