@@ -93,6 +93,24 @@ def test_dynamic_quant_rounds_ties_half_to_even():
     assert R.unpack_int4(y).tolist() == [[7, 0, 2, 2, 4, 0, -2, -2]]
 
 
+def test_dynamic_quant_near_ties_match_the_true_division():
+    # Values within a few ulps of (k + 1/2) * scale, for many scales: the kernel multiplies by
+    # 1 / scale and must divide for real wherever that could round differently.
+    gen = torch.Generator().manual_seed(1)
+    scales = torch.rand(256, 1, generator=gen) * 10 + 1e-3
+    k = torch.randint(-127, 127, (256, 255), generator=gen).float()
+    ulps = torch.randint(-6, 7, (256, 255), generator=gen).float()
+    v = (k + 0.5) * scales
+    v = v + ulps * torch.finfo(torch.float32).eps * v.abs()
+    x = torch.cat([127 * scales, v], dim=1)  # row max 127 * scale
+    for dst_type in (None, INT4):
+        xs = x if dst_type is None else torch.cat([x[:, :1] * 7 / 127, v[:, :255] * 7 / 127,
+                                                   v[:, :8] * 0], dim=1)
+        check_dynamic_quant(xs, dst_type=dst_type)
+    check_dynamic_quant(x, dst_type_max=101.0)
+    check_dynamic_quant(x * 1e-38)  # subnormal scales: no finite inverse, divided throughout
+
+
 def test_dynamic_quant_all_zero_row_gets_scale_one():
     x = torch.zeros(3, 16)
     x[1] = torch.linspace(-1, 1, 16)

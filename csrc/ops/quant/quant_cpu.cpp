@@ -3,13 +3,14 @@
 // Per row, in fp32: pass 1 finds rowmax(|v|) (v = x, or x * smooth), pass 2 recomputes v and
 // writes its codes; the row is still in L1/L2, so memory sees one read of x and one write of y.
 // Codes are clamp(round(v / scale), lo, hi) with round half to even, the rounding of torch.round
-// that torch_npu's goldens use (vroundps / vrndscaleps with _MM_FROUND_TO_NEAREST_INT). The
-// division is a real division, not a multiplication by 1 / scale, so ties land exactly where the
-// golden's `v / scale` puts them.
+// that torch_npu's goldens use (vroundps / vrndscaleps with _MM_FROUND_TO_NEAREST_INT), of the
+// correctly rounded float32 quotient v / scale, so ties land exactly where the golden's
+// `v / scale` puts them (quantize_row multiplies by 1 / scale and divides only near ties).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -92,12 +93,29 @@ inline void store_codes(int8_t* out, const Vec& q, int64_t len) {
 }
 
 // codes[i] = clamp(round_half_even(v_i / scale), lo, hi), v = x (* smooth).
+//
+// The division is the golden's, bit for bit, without paying a vector divide per element:
+// t = v * (1 / scale) is within 2 ulps of v / scale, and |t| <= ~127 here, so 2 ulps are at most
+// 2^-16. Unless t lies within 2^-15 of a half-integer, v / scale rounds to the same integer as t;
+// the vectors with such a lane (about one in a thousand, and every exact tie) are divided for real.
 template <typename src_t>
 void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
                   const QuantSpec& spec, int8_t* codes) {
   const Vec vscale(scale), lo(spec.lo), hi(spec.hi);
+  const float inverse = 1.f / scale;
+  const bool by_inverse = std::isfinite(inverse);  // a subnormal scale has no finite inverse
+  const Vec vinverse(inverse), half(0.5f), near_tie(1.f / 32768);
+  constexpr int kNoLane = (1 << Vec::size()) - 1;  // zero_mask() when no lane is set
   auto code = [&](const Vec& v) {
-    return at::vec::minimum(at::vec::maximum((v / vscale).round(), lo), hi);
+    Vec t;
+    if (by_inverse) {
+      t = v * vinverse;
+      const Vec near = (t - t.floor() - half).abs() < near_tie;
+      if (near.zero_mask() != kNoLane) t = Vec::blendv(t, v / vscale, near);
+    } else {
+      t = v / vscale;
+    }
+    return at::vec::minimum(at::vec::maximum(t.round(), lo), hi);
   };
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     Vec a, b;
