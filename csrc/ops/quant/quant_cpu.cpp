@@ -92,15 +92,30 @@ inline void store_codes(int8_t* out, const Vec& q, int64_t len) {
 #endif
 }
 
+// Prefetches the cache lines of elements [i, i + VecPair::kStep) of one or two rows.
+inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, int64_t i) {
+  constexpr int64_t kLine = 64;
+  const int64_t bytes = VecPair<float>::kStep * elem_size;
+  for (int64_t off = 0; off < bytes; off += kLine) {
+    __builtin_prefetch(static_cast<const char*>(row) + i * elem_size + off);
+    if (row2 != nullptr) __builtin_prefetch(static_cast<const char*>(row2) + i * elem_size + off);
+  }
+}
+
 // codes[i] = clamp(round_half_even(v_i / scale), lo, hi), v = x (* smooth).
 //
 // The division is the golden's, bit for bit, without paying a vector divide per element:
 // t = v * (1 / scale) is within 2 ulps of v / scale, and |t| <= ~127 here, so 2 ulps are at most
 // 2^-16. Unless t lies within 2^-15 of a half-integer, v / scale rounds to the same integer as t;
 // the vectors with such a lane (about one in a thousand, and every exact tie) are divided for real.
+//
+// `next` (optional, up to two rows) are the rows the caller reads next: their cache lines are
+// prefetched one step at a time, so the next row's first pass finds them in cache and memory
+// streams while this row computes (without it, every row waits for memory, then computes).
 template <typename src_t>
 void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
-                  const QuantSpec& spec, int8_t* codes) {
+                  const QuantSpec& spec, int8_t* codes, const void* next = nullptr,
+                  const void* next2 = nullptr, int64_t next_elem_size = 0) {
   const Vec vscale(scale), lo(spec.lo), hi(spec.hi);
   const float inverse = 1.f / scale;
   const bool by_inverse = std::isfinite(inverse);  // a subnormal scale has no finite inverse
@@ -118,6 +133,7 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
     return at::vec::minimum(at::vec::maximum(t.round(), lo), hi);
   };
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
+    if (next != nullptr) prefetch_step(next, next2, next_elem_size, i);
     Vec a, b;
     VecPair<src_t>::load(x + i, a, b, len);
     if (smooth != nullptr) {
@@ -195,7 +211,9 @@ void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
       at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
         std::vector<int8_t> scratch;
         for (int64_t r = begin; r < end; ++r) {
-          quantize_row<scalar_t>(px + r * n, smooth_row(r), n, s, spec, sink.row(r, scratch));
+          quantize_row<scalar_t>(px + r * n, smooth_row(r), n, s, spec, sink.row(r, scratch),
+                                 r + 1 < end ? px + (r + 1) * n : nullptr, nullptr,
+                                 sizeof(scalar_t));
           sink.finish(r, scratch);
         }
       });
@@ -207,7 +225,9 @@ void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
         const float* sm = smooth_row(r);
         const float s = scale_of(row_absmax<scalar_t>(px + r * n, sm, n), spec);
         pscale[r] = s;
-        quantize_row<scalar_t>(px + r * n, sm, n, s, spec, sink.row(r, scratch));
+        quantize_row<scalar_t>(px + r * n, sm, n, s, spec, sink.row(r, scratch),
+                               r + 1 < end ? px + (r + 1) * n : nullptr, nullptr,
+                               sizeof(scalar_t));
         sink.finish(r, scratch);
       }
     });
@@ -280,16 +300,22 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
               if (branch2) branch(ps2, in2, m2a, m2b);
               if (branch1) branch(ps1, in1, m1a, m1b);
             });
+        // The first quantisation pass prefetches the next row of x1 and x2.
+        const bool more = r + 1 < end;
+        const scalar_t* next1 = more ? pa + (r + 1) * n : nullptr;
+        const scalar_t* next2 = more ? pbx + (r + 1) * n : nullptr;
         if (branch1) {
           const float s = scale_of(reduce_max(at::vec::maximum(m1a, m1b)), spec);
           psc1[r] = s;
-          quantize_row<float>(in1, nullptr, n, s, spec, sink1.row(r, scratch));
+          quantize_row<float>(in1, nullptr, n, s, spec, sink1.row(r, scratch), next1, next2,
+                              sizeof(scalar_t));
           sink1.finish(r, scratch);
         }
         if (branch2) {
           const float s = scale_of(reduce_max(at::vec::maximum(m2a, m2b)), spec);
           psc2[r] = s;
-          quantize_row<float>(in2, nullptr, n, s, spec, sink2.row(r, scratch));
+          quantize_row<float>(in2, nullptr, n, s, spec, sink2.row(r, scratch),
+                              branch1 ? nullptr : next1, next2, sizeof(scalar_t));
           sink2.finish(r, scratch);
         }
       }
