@@ -92,6 +92,41 @@ inline void store_codes(int8_t* out, const Vec& q, int64_t len) {
 #endif
 }
 
+// Packs the first len (a multiple of 8) lanes of q (integral floats within [-8, 7]) as int4,
+// eight per int32, lane k of each eight in bits [4k, 4k + 4): lowest bits first, as torch_npu's
+// quint4x2 outputs. Each lane's nibble is shifted into place and the eight are OR-ed together.
+inline void store_int4(int32_t* out, const Vec& q, int64_t len) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i shifts = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
+  __m512i v = _mm512_sllv_epi32(
+      _mm512_and_si512(_mm512_cvttps_epi32(q), _mm512_set1_epi32(0xF)), shifts);
+  v = _mm512_or_si512(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));  // pairs
+  v = _mm512_or_si512(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));  // fours
+  v = _mm512_or_si512(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // eights
+  out[0] = _mm_cvtsi128_si32(_mm512_castsi512_si128(v));
+  if (len > 8) out[1] = _mm_cvtsi128_si32(_mm512_extracti32x4_epi32(v, 2));
+#elif defined(CPU_CAPABILITY_AVX2)
+  (void)len;  // always 8: one word
+  const __m256i shifts = _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+  __m256i v = _mm256_sllv_epi32(
+      _mm256_and_si256(_mm256_cvttps_epi32(q), _mm256_set1_epi32(0xF)), shifts);
+  v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, _MM_SHUFFLE(2, 3, 0, 1)));
+  v = _mm256_or_si256(v, _mm256_shuffle_epi32(v, _MM_SHUFFLE(1, 0, 3, 2)));
+  v = _mm256_or_si256(v, _mm256_permute2x128_si256(v, v, 1));
+  out[0] = _mm256_cvtsi256_si32(v);
+#else
+  float tmp[Vec::size()];
+  q.store(tmp);
+  for (int64_t j = 0; j < len; j += 8) {
+    uint32_t word = 0;
+    for (int k = 0; k < 8; ++k) {
+      word |= (static_cast<uint32_t>(static_cast<int32_t>(tmp[j + k])) & 0xFu) << (4 * k);
+    }
+    out[j / 8] = static_cast<int32_t>(word);
+  }
+#endif
+}
+
 // Prefetches the cache lines of elements [i, i + VecPair::kStep) of one or two rows.
 inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, int64_t i) {
   constexpr int64_t kLine = 64;
@@ -102,7 +137,8 @@ inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, 
   }
 }
 
-// codes[i] = clamp(round_half_even(v_i / scale), lo, hi), v = x (* smooth).
+// Codes clamp(round_half_even(v_i / scale), lo, hi), v = x (* smooth), into `out`: int8 codes,
+// or int32 words of eight int4 codes (spec.int4).
 //
 // The division is the golden's, bit for bit, without paying a vector divide per element:
 // t = v * (1 / scale) is within 2 ulps of v / scale, and |t| <= ~127 here, so 2 ulps are at most
@@ -114,7 +150,7 @@ inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, 
 // streams while this row computes (without it, every row waits for memory, then computes).
 template <typename src_t>
 void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
-                  const QuantSpec& spec, int8_t* codes, const void* next = nullptr,
+                  const QuantSpec& spec, void* out, const void* next = nullptr,
                   const void* next2 = nullptr, int64_t next_elem_size = 0) {
   const Vec vscale(scale), lo(spec.lo), hi(spec.hi);
   const float inverse = 1.f / scale;
@@ -142,39 +178,28 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
       a = a * sa;
       b = b * sb;
     }
-    store_codes(codes + i, code(a), std::min<int64_t>(len, Vec::size()));
-    if (len > Vec::size()) store_codes(codes + i + Vec::size(), code(b), len - Vec::size());
+    const int64_t len_a = std::min<int64_t>(len, Vec::size());
+    if (spec.int4) {  // i and len are multiples of 8 (n is)
+      int32_t* words = static_cast<int32_t*>(out) + i / 8;
+      store_int4(words, code(a), len_a);
+      if (len > Vec::size()) store_int4(words + Vec::size() / 8, code(b), len - Vec::size());
+    } else {
+      int8_t* codes = static_cast<int8_t*>(out) + i;
+      store_codes(codes, code(a), len_a);
+      if (len > Vec::size()) store_codes(codes + Vec::size(), code(b), len - Vec::size());
+    }
   });
 }
 
-// Packs n (a multiple of 8) int4 codes held in int8 into n / 8 int32, code k of each group at
-// bits [4k, 4k + 4): lowest bits first, as torch_npu's quint4x2 outputs. (Little-endian hosts.)
-inline void pack_int4(const int8_t* codes, int64_t n, int32_t* out) {
-  for (int64_t j = 0; j < n / 8; ++j) {
-    uint64_t v;
-    std::memcpy(&v, codes + 8 * j, 8);
-    v &= 0x0F0F0F0F0F0F0F0FULL;                  // one nibble per byte
-    v = (v | (v >> 4)) & 0x00FF00FF00FF00FFULL;  // two per 16 bits
-    v = (v | (v >> 8)) & 0x0000FFFF0000FFFFULL;  // four per 32 bits
-    v = (v | (v >> 16)) & 0x00000000FFFFFFFFULL;  // eight in the low 32 bits
-    const auto word = static_cast<uint32_t>(v);
-    std::memcpy(out + j, &word, sizeof(word));
-  }
-}
-
-// Where row r's codes go: straight into the int8 output, or through `scratch` into packed int4.
+// Row r's codes in the output: int8 [rows, n], or int32 [rows, n / 8] for int4.
 struct CodeSink {
   const QuantSpec& spec;
   at::Tensor& y;
   int64_t n;
 
-  int8_t* row(int64_t r, std::vector<int8_t>& scratch) const {
-    if (!spec.int4) return y.mutable_data_ptr<int8_t>() + r * n;
-    scratch.resize(n);
-    return scratch.data();
-  }
-  void finish(int64_t r, const std::vector<int8_t>& scratch) const {
-    if (spec.int4) pack_int4(scratch.data(), n, y.mutable_data_ptr<int32_t>() + r * (n / 8));
+  void* row(int64_t r) const {
+    if (spec.int4) return y.mutable_data_ptr<int32_t>() + r * (n / 8);
+    return y.mutable_data_ptr<int8_t>() + r * n;
   }
 };
 
@@ -209,26 +234,22 @@ void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
       const float s = scale_of(absmax, spec);
       pscale[0] = s;
       at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-        std::vector<int8_t> scratch;
         for (int64_t r = begin; r < end; ++r) {
-          quantize_row<scalar_t>(px + r * n, smooth_row(r), n, s, spec, sink.row(r, scratch),
+          quantize_row<scalar_t>(px + r * n, smooth_row(r), n, s, spec, sink.row(r),
                                  r + 1 < end ? px + (r + 1) * n : nullptr, nullptr,
                                  sizeof(scalar_t));
-          sink.finish(r, scratch);
         }
       });
       return;
     }
     at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      std::vector<int8_t> scratch;
       for (int64_t r = begin; r < end; ++r) {
         const float* sm = smooth_row(r);
         const float s = scale_of(row_absmax<scalar_t>(px + r * n, sm, n), spec);
         pscale[r] = s;
-        quantize_row<scalar_t>(px + r * n, sm, n, s, spec, sink.row(r, scratch),
+        quantize_row<scalar_t>(px + r * n, sm, n, s, spec, sink.row(r),
                                r + 1 < end ? px + (r + 1) * n : nullptr, nullptr,
                                sizeof(scalar_t));
-        sink.finish(r, scratch);
       }
     });
   });
@@ -260,7 +281,6 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
       std::vector<float> rowbuf(2 * n);
       float* in1 = rowbuf.data();
       float* in2 = in1 + n;
-      std::vector<int8_t> scratch;
       for (int64_t r = begin; r < end; ++r) {
         // x = x1 + x2 in fp32 (the golden's sum); x_out is that sum rounded to x1's dtype.
         for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
@@ -307,16 +327,14 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
         if (branch1) {
           const float s = scale_of(reduce_max(at::vec::maximum(m1a, m1b)), spec);
           psc1[r] = s;
-          quantize_row<float>(in1, nullptr, n, s, spec, sink1.row(r, scratch), next1, next2,
+          quantize_row<float>(in1, nullptr, n, s, spec, sink1.row(r), next1, next2,
                               sizeof(scalar_t));
-          sink1.finish(r, scratch);
         }
         if (branch2) {
           const float s = scale_of(reduce_max(at::vec::maximum(m2a, m2b)), spec);
           psc2[r] = s;
-          quantize_row<float>(in2, nullptr, n, s, spec, sink2.row(r, scratch),
+          quantize_row<float>(in2, nullptr, n, s, spec, sink2.row(r),
                               branch1 ? nullptr : next1, next2, sizeof(scalar_t));
-          sink2.finish(r, scratch);
         }
       }
     });
