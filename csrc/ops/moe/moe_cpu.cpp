@@ -65,19 +65,22 @@ void softmax_row(const scalar_t* x, int64_t e, acc_t<scalar_t>* p) {
     m = std::isnan(p[i]) || p[i] > m ? p[i] : m;
   }
   // A NaN max makes every exp NaN, as torch.softmax gives; so does a row of -inf (-inf - -inf).
+  // Every exp, the tail's included, is the vector one: equal logits must give equal
+  // probabilities, or a tie would not go to the lower expert.
   const Vec vm(m);
   Vec vsum(0);
-  i = 0;
-  for (; i + Vec::size() <= e; i += Vec::size()) {
-    const Vec ex = (Vec::loadu(p + i) - vm).exp();
-    ex.store(p + i);
-    vsum = vsum + ex;
+  T sum = 0;
+  for (i = 0; i < e; i += Vec::size()) {
+    const int64_t n = std::min<int64_t>(Vec::size(), e - i);
+    const Vec ex = (Vec::loadu(p + i, n) - vm).exp();
+    ex.store(p + i, n);
+    if (n == Vec::size()) {
+      vsum = vsum + ex;
+    } else {
+      for (int64_t j = 0; j < n; ++j) sum += p[i + j];
+    }
   }
-  T sum = horizontal_sum(vsum);
-  for (; i < e; ++i) {
-    p[i] = std::exp(p[i] - m);
-    sum += p[i];
-  }
+  sum += horizontal_sum(vsum);
   const Vec vs(sum);
   i = 0;
   for (; i + Vec::size() <= e; i += Vec::size()) (Vec::loadu(p + i) / vs).store(p + i);
