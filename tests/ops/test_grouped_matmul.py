@@ -246,7 +246,7 @@ def test_bad_inputs():
            [randn(2, 8), randn(3, 8)], [randn(8, 4), randn(8, 4)], group_list=cumsum([2, 2]),
            split_item=2, group_type=0)
     with opennpu.strict():
-        raises("'group_type' must be given .* strict mode", [x], [w], group_list=gl, split_item=3)
+        raises("'group_type' must be given .*strict mode", [x], [w], group_list=gl, split_item=3)
 
 
 # ----------------------------------------------------------------------------- opcheck, compile

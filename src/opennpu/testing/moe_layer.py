@@ -25,7 +25,7 @@ def npu_moe_layer(x, w_gate, w13, w2, k, renormalize=True):
     tokens, experts = x.shape[0], w13.shape[0]
     logits = x @ w_gate
     probs, expert_idx, row_idx = _ops.npu_moe_gating_top_k_softmax(logits, None, k)
-    scales = probs.float()
+    scales = probs.to(torch.promote_types(probs.dtype, torch.float32))
     if renormalize:
         scales = scales / scales.sum(dim=-1, keepdim=True)
     expanded_x, expanded_row_idx, expanded_expert_idx = _ops.npu_moe_init_routing(

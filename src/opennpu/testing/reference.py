@@ -557,7 +557,7 @@ def native_moe_layer(x, w_gate, w13, w2, k, renormalize=True):
     tokens, hidden = x.shape
     experts, inter = w13.shape[0], w13.shape[-1] // 2
     logits = x @ w_gate
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32))
     weights, chosen = torch.topk(probs, k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
