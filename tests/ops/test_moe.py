@@ -506,3 +506,24 @@ def test_moe_ops_are_not_differentiable():
                                            torch.arange(10, dtype=I32), None, 0)
     with pytest.raises(RuntimeError, match="npu_moe_finalize_routing: not differentiable"):
         out.sum().backward()
+
+
+def test_readme_snippet_through_torch_npu():
+    # The README's MoE example, spelled as an Ascend script (small shapes), equals the plain loop.
+    import torch_npu
+
+    T, H, I, E, k = 12, 32, 24, 8, 2
+    x = randn(T, H)
+    w_gate, w13, w2 = moe_weights(H, I, E, F32)
+    probs, expert_idx, row_idx = torch_npu.npu_moe_gating_top_k_softmax(x @ w_gate, k=k)
+    scales = probs.float() / probs.float().sum(-1, keepdim=True)
+    expanded_x, expanded_row_idx, expanded_expert_idx = torch_npu.npu_moe_init_routing(
+        x, row_idx, expert_idx, active_num=T)
+    group_list = torch_npu.npu_moe_compute_expert_tokens(expanded_expert_idx, E)
+    h = torch_npu.npu_grouped_matmul([expanded_x], [w13], group_list=group_list, split_item=3,
+                                     group_type=0)[0]
+    h = torch_npu.npu_grouped_matmul([torch_npu.npu_swiglu(h)], [w2], group_list=group_list,
+                                     split_item=3, group_type=0)[0]
+    out = torch_npu.npu_moe_finalize_routing(h, None, None, None, scales, expanded_row_idx,
+                                             expert_idx)
+    assert_close(out, R.native_moe_layer(x, w_gate, w13, w2, k), scale=10)
