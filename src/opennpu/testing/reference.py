@@ -446,3 +446,137 @@ def native_scaled_masked_softmax(x, mask, scale=1.0):
 def native_scaled_masked_softmax_golden(x, mask, scale=1.0):
     """The contract's composition (torch_npu's golden, -10000 fill) in the input dtype."""
     return torch.softmax((x * scale).masked_fill(mask, MASK_FILL), dim=-1)
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+# Index outputs are exact (int32 / int64 as the op returns them); float outputs are the fp32 oracle.
+
+
+def moe_gating_top_k_softmax(x, finished=None, k=1):
+    """(y, expert_idx, row_idx) of softmax(x) over the last dim. The ranking is torch_npu's
+    golden: a stable descending sort (ties to the lower expert) of the probabilities as rounded
+    to x's dtype; y holds the unrounded fp32 probabilities of the chosen experts."""
+    p = torch.softmax(_up(x), dim=-1)
+    ranked = p.to(x.dtype).to(p.dtype) if x.dtype in (torch.float16, torch.bfloat16) else p
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
+    y = p.gather(-1, order)
+    expert_idx = order.to(torch.int32)
+    if finished is not None:
+        expert_idx = expert_idx.masked_fill(finished.unsqueeze(-1), x.shape[-1])
+    rows = x.numel() // max(x.shape[-1], 1)
+    row_idx = torch.arange(rows * k, dtype=torch.int32).view(k, rows).t().reshape(y.shape)
+    return y, expert_idx, row_idx
+
+
+def native_moe_gating(x, k):
+    """The eager composition gating replaces: topk of the softmax, in x's dtype."""
+    return torch.topk(torch.softmax(x, dim=-1), k, dim=-1)
+
+
+def moe_init_routing(x, row_idx, expert_idx, active_num):
+    """torch_npu's golden: a stable sort of expert_idx (row-major), expanded_row_idx the inverse
+    of the sorted row_idx, expanded_x the first min(active_num, N) * k gathered rows of x."""
+    n, k = expert_idx.shape
+    sorted_experts, order = torch.sort(expert_idx.reshape(-1).long(), stable=True)
+    dst_to_src = row_idx.reshape(-1).long()[order]
+    expanded_row_idx = torch.empty(n * k, dtype=torch.int32)
+    expanded_row_idx[dst_to_src] = torch.arange(n * k, dtype=torch.int32)
+    expanded_x = x[dst_to_src[:min(active_num, n) * k] % max(n, 1)]
+    return expanded_x, expanded_row_idx, sorted_experts.to(torch.int32)
+
+
+def moe_compute_expert_tokens(sorted_experts, num_expert):
+    """out[e] = the number of entries <= e."""
+    bounds = torch.arange(num_expert, dtype=torch.long)
+    return torch.searchsorted(sorted_experts.long(), bounds, right=True).to(sorted_experts.dtype)
+
+
+def moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst, expert, drop_pad_mode=0):
+    """out[i] = skip1[i] + skip2[i] + sum_j scales[i, j] * (rows[src(i, j)] + bias[expert[i, j]]),
+    src -1 (drop-pad modes) = a zero row."""
+    h = rows.shape[-1]
+    flat = _up(rows).reshape(-1, h)
+    if scales is not None:
+        n, k = scales.shape
+    elif expert is not None:
+        n, k = expert.shape
+    elif skip1 is not None or skip2 is not None:
+        n = (skip1 if skip1 is not None else skip2).shape[0]
+        k = src_to_dst.numel() // max(n, 1)
+    else:
+        n, k = src_to_dst.numel(), 1
+    src = src_to_dst.long().view(n, k) if drop_pad_mode >= 2 else src_to_dst.long().view(k, n).t()
+    terms = torch.cat([flat, flat.new_zeros(1, h)])[src.clamp(min=-1) % (flat.shape[0] + 1)]
+    terms = torch.where((src >= 0).unsqueeze(-1), terms, 0.0)  # [n, k, h]
+    if bias is not None:
+        terms = terms + _up(bias).to(flat.dtype)[expert.long()]
+    if scales is not None:
+        terms = terms * _up(scales).to(flat.dtype).unsqueeze(-1)
+    out = terms.sum(dim=1)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + _up(skip)
+    return out
+
+
+def grouped_matmul(x, weight, bias=None, group_list=None, split_item=0, group_list_type=0):
+    """npu_grouped_matmul's non-quantised paths, one matmul per group in fp32 (fp64 stays)."""
+    single_weight = len(weight) == 1 and weight[0].dim() == 3
+    ws = list(weight[0].unbind(0)) if single_weight else list(weight)
+    bs = [None] * len(ws)
+    if bias:
+        bs = list(bias[0].unbind(0)) if single_weight else list(bias)
+    if group_list is not None and len(x) == 1:
+        values = [int(v) for v in group_list]
+        sizes = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
+        xs = list(x[0][:sum(sizes)].split(sizes))
+        tail = x[0].shape[0] - sum(sizes)
+    else:
+        xs, tail = list(x), 0
+    ys = []
+    for xg, w, b in zip(xs, ws, bs):
+        y = _up(xg) @ _up(w)
+        ys.append(y if b is None else y + _up(b))
+    if split_item >= 2:
+        out = torch.cat([y.reshape(-1, y.shape[-1]) for y in ys]) if ys else \
+            _up(x[0]).new_zeros(0, ws[0].shape[-1] if ws else weight[0].shape[-1])
+        return [torch.cat([out, out.new_zeros(tail, out.shape[-1])])]
+    return ys
+
+
+def moe_layer(x, w_gate, w13, w2, k, renormalize=True):
+    """fp32 oracle of a Mixtral-style MoE layer: softmax top-k routing (optionally renormalised),
+    expert e computes (silu(x @ w1_e) * (x @ w3_e)) @ w2_e with w13 = [w1 | w3] as [E, H, 2I]
+    and w2 [E, I, H]; outputs are weighted by the routing probabilities and summed."""
+    return native_moe_layer(_up(x), _up(w_gate), _up(w13), _up(w2), k, renormalize)
+
+
+def native_moe_layer(x, w_gate, w13, w2, k, renormalize=True):
+    """A plain PyTorch MoE layer (the Hugging Face Mixtral loop): gate, softmax in fp32, top-k,
+    then per expert: gather its tokens, run its FFN, index_add_ the weighted rows back."""
+    tokens, hidden = x.shape
+    experts, inter = w13.shape[0], w13.shape[-1] // 2
+    logits = x @ w_gate
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32))
+    weights, chosen = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(chosen, experts).permute(2, 1, 0)  # [E, k, T]
+    for e in range(experts):
+        slot, token = torch.where(mask[e])
+        if token.numel() == 0:
+            continue
+        h = x[token] @ w13[e]
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, token, (h @ w2[e]) * weights[token, slot, None])
+    return out
+
+
+def native_moe_finalize_routing(rows, skip1, scales, src_to_dst):
+    """The eager composition finalize replaces (dropless, column-major rows, no bias):
+    skip1 + sum_j scales[:, j] * rows[src_to_dst[j * N + i]], in rows' dtype."""
+    n, k = scales.shape
+    terms = rows[src_to_dst.long()].view(k, n, rows.shape[-1])
+    return skip1 + (terms * scales.t().unsqueeze(-1).to(rows.dtype)).sum(0)
