@@ -9,6 +9,7 @@ import torch
 from ._registry import DIFFERENTIABILITY
 
 _ops = torch.ops.npu
+_ops.npu_ffn  # resolves the op, so that dir(torch.ops.npu) (the torch_npu alias list) has it
 
 _GLU = ("geglu", "swiglu", "reglu")
 
