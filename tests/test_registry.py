@@ -34,6 +34,7 @@ def test_the_expected_ops_are_registered():
         "npu_fusion_attention", "npu_fusion_attention_grad", "_npu_dropout_gen_mask",
         "npu_confusion_transpose", "npu_confusion_transpose_backward",
         "npu_scaled_masked_softmax", "npu_scaled_masked_softmax_backward",
+        "npu_ffn",
     }
     assert expected <= set(OPS)
 
