@@ -84,6 +84,11 @@ inline Vec load_from(const G* src, int64_t n) {
   if constexpr (std::is_same_v<G, float>) {
     return Vec::loadu(src, n);
   } else {
+    if (n == kV) {  // the full-width load (loadu with a count goes through a buffer)
+      Vec v;
+      at::vec::load_to_float<G>(src, v);
+      return v;
+    }
     const auto reduced = at::vec::Vectorized<G>::loadu(src, n);
     return std::get<0>(at::vec::convert_to_float<G>(reduced));
   }
