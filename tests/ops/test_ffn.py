@@ -13,7 +13,9 @@ import re
 import pytest
 import torch
 import torch._dynamo.testing
-from op_helpers import dtype_id, max_err, opcheck
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from op_helpers import SETTINGS, dtype_id, max_err, opcheck
 
 import opennpu
 from opennpu.testing import reference as R
@@ -240,6 +242,16 @@ def test_inner_precise_accepts_0_and_1():
 def test_output_dtype_is_ignored_outside_the_quantised_path():
     x, w1, w2, _ = ffn_inputs(4, 16, 16, "relu", BF16)
     assert opennpu.npu_ffn(x, w1, w2, "relu", output_dtype=torch.float16).dtype == BF16
+
+
+@settings(**SETTINGS)
+@given(tokens=st.lists(st.integers(0, 40), min_size=1, max_size=5),
+       k1=st.integers(1, 70), i=st.integers(1, 90), activation=st.sampled_from(ACTIVATIONS),
+       dtype=st.sampled_from(FLOAT_DTYPES), experts=st.booleans())
+def test_hypothesis_shape_sweep(tokens, k1, i, activation, dtype, experts):
+    x, w1, w2, kw = ffn_inputs(sum(tokens), k1, i, activation, dtype,
+                               experts=tokens if experts else None)
+    run_and_check(x, w1, w2, activation, dtype, **kw)
 
 
 # ----------------------------------------------------------------------------- weight-only

@@ -550,7 +550,7 @@ def ffn(x, weight1, weight2, activation, *, expert_tokens=None, expert_tokens_in
         if round_intermediate:
             h = h.to(x.dtype).to(cd)
         out[offsets[e]:offsets[e + 1]] = h @ w2 + (b2.to(cd) if b2 is not None else 0)
-    return out.reshape(*lead, -1)
+    return out.reshape(*lead, weight2.shape[-1])
 
 
 def native_ffn(x, weight1, weight2, activation, *, expert_tokens=None, bias1=None, bias2=None):
