@@ -71,6 +71,15 @@ TORCH_LIBRARY(npu, m) {
   m.def("_npu_dropout_gen_mask.Tensor(Tensor self, int[] size, float p, int seed, int offset, *, "
         "bool? parallel=True, bool? sync=None) -> Tensor");
 
+  // FFN: act(x @ W1 + b1) @ W2 + b2, dense or with experts (rows split by expert_tokens counts or
+  // expert_tokens_index cumulative ends), plus the int8 (scale, offset, deq_scale1/2) and
+  // weight-only int8 (antiquant_scale/offset) paths. Inference only: no autograd formula.
+  m.def("npu_ffn(Tensor x, Tensor weight1, Tensor weight2, str activation, *, int[]? expert_tokens=None, "
+        "int[]? expert_tokens_index=None, Tensor? bias1=None, Tensor? bias2=None, Tensor? scale=None, "
+        "Tensor? offset=None, Tensor? deq_scale1=None, Tensor? deq_scale2=None, "
+        "Tensor? antiquant_scale1=None, Tensor? antiquant_scale2=None, Tensor? antiquant_offset1=None, "
+        "Tensor? antiquant_offset2=None, int? inner_precise=None, ScalarType? output_dtype=None) -> Tensor");
+
   // Confusion transpose: transpose_first ? self.permute(perm).view(shape) : self.view(shape).permute(perm),
   // always a new contiguous tensor.
   m.def("npu_confusion_transpose(Tensor self, int[] perm, int[] shape, bool transpose_first) -> Tensor");

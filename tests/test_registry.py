@@ -36,6 +36,7 @@ def test_the_expected_ops_are_registered():
         "npu_scaled_masked_softmax", "npu_scaled_masked_softmax_backward",
         "npu_moe_gating_top_k_softmax", "npu_moe_init_routing", "npu_moe_compute_expert_tokens",
         "npu_moe_finalize_routing", "npu_grouped_matmul",
+        "npu_ffn",
     }
     assert expected <= set(OPS)
 

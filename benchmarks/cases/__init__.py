@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from . import activation, attention, moe, norm, optim, rotary, softmax, transpose
+from . import activation, attention, ffn, moe, norm, optim, rotary, softmax, transpose
 
 # The families --ops accepts, in the order the table lists them.
 OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "swiglu", "geglu", "fast_gelu", "rotary_mul",
-       "scaled_masked_softmax", "confusion_transpose", "attention", "moe_layer", "adamw",
+       "scaled_masked_softmax", "confusion_transpose", "attention", "ffn", "moe_layer", "adamw",
        "clip_grad_norm")
 
 
 def all_cases(quick: bool, dtypes):
     """Every case of every family, grouped by op and direction (shapes keep their order)."""
-    modules = (norm, activation, rotary, softmax, transpose, attention, moe, optim)
+    modules = (norm, activation, rotary, softmax, transpose, attention, ffn, moe, optim)
     cases = [c for module in modules for c in module.cases(quick, dtypes)]
     return sorted(cases, key=lambda c: (OPS.index(c.op), c.direction != "fwd"))

@@ -275,6 +275,45 @@ def moe_layer(shape, dtype, threads):
                  native=lambda: reference.native_moe_layer(x, *weights, k),
                  native_compiled=lambda: reference.native_moe_layer(x, *weights, k),
                  expected=lambda: reference.moe_layer(x, *weights, k), nbytes=0)
+def _ffn_native(x, w1, w2, expert_tokens=None):
+    return reference.native_ffn(x, w1, w2, "fastgelu", expert_tokens=expert_tokens)
+
+
+def ffn(shape, dtype, threads):
+    """Seed 002's single-op example: x [M, H], W1 [H, I], W2 [I, H], fastgelu, inner_precise=1
+    (weights scaled by 1/sqrt(fan-in) so that bf16 values stay O(1))."""
+    m, h, i = shape
+    x = randn(m, h, dtype=dtype)
+    w1 = (torch.randn(h, i) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(i, h) / i ** 0.5).to(dtype)
+    trial = forward("npu_ffn", (x, w1, w2, "fastgelu"), _ffn_native, (x, w1, w2),
+                    lambda: reference.ffn(x, w1, w2, "fastgelu", compute_dtype=torch.float32),
+                    threads)
+    trial.nbytes = 0  # compute-bound: no bandwidth fraction
+    return trial
+
+
+SEED_EXPERT_TOKENS = [227, 62, 78, 126, 178, 27, 122, 1, 19, 182, 166, 118, 66, 217, 122, 243]
+
+
+def ffn_experts(shape, dtype, threads):
+    """Seed 002's 16-expert example (its expert token list, M = 1954), at H = 1024 and I = 2048
+    instead of 2560 / 5120 to keep the demo short."""
+    m, h, i = shape
+    x = randn(m, h, dtype=dtype)
+    w1 = (torch.randn(16, h, i) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(16, i, h) / i ** 0.5).to(dtype)
+    tokens = tuple(SEED_EXPERT_TOKENS)  # hashable: compiled() keys on the arguments
+    call = npu.npu_ffn
+    native_compiled = compiled(_ffn_native, x, w1, w2, tokens, threads=threads)
+    return Trial(ours=lambda: call(x, w1, w2, "fastgelu", expert_tokens=list(tokens),
+                                              inner_precise=1),
+                 native=lambda: _ffn_native(x, w1, w2, tokens),
+                 native_compiled=lambda: native_compiled(x, w1, w2, tokens),
+                 expected=lambda: reference.ffn(x, w1, w2, "fastgelu",
+                                                expert_tokens=list(tokens),
+                                                compute_dtype=torch.float32),
+                 nbytes=0)
 
 
 class Example(NamedTuple):
@@ -332,6 +371,9 @@ EXAMPLES = [
             moe_finalize_routing),
     # The whole layer; "comp ms" repeats eager (the loop's data-dependent shapes do not compile).
     Example("MoE layer (npu ops)", "fwd", (64, 1024, 3584), BF16, "Mixtral loop", moe_layer),
+    Example("npu_ffn", "fwd", (1, 1280, 10240), F16, "act(x@W1)@W2", ffn),
+    Example("npu_ffn", "fwd", (1024, 4096, 11008), BF16, "act(x@W1)@W2", ffn),
+    Example("npu_ffn", "fwd", (1954, 1024, 2048), F16, "per-expert loop", ffn_experts),
 ]
 
 ROW = "{:<36}{:<4}{:<15}{:<5}{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}"

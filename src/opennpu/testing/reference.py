@@ -580,3 +580,123 @@ def native_moe_finalize_routing(rows, skip1, scales, src_to_dst):
     n, k = scales.shape
     terms = rows[src_to_dst.long()].view(k, n, rows.shape[-1])
     return skip1 + (terms * scales.t().unsqueeze(-1).to(rows.dtype)).sum(0)
+# ----------------------------------------------------------------------------- FFN
+
+FFN_GLU = ("geglu", "swiglu", "reglu")
+
+
+def ffn_activation(h, activation):
+    """npu_ffn's activations; GLU forms take halves a | b of the last dim and give a * act(b)."""
+    def act(z, name):
+        if name in ("fastgelu",):
+            return z * torch.sigmoid(1.702 * z)
+        if name in ("gelu", "geglu"):
+            return F.gelu(z, approximate="tanh")
+        if name in ("relu", "reglu"):
+            return F.relu(z)
+        return F.silu(z)
+
+    if activation in FFN_GLU:
+        a, b = torch.chunk(h, 2, dim=-1)
+        return a * act(b, activation)
+    return act(h, activation)
+
+
+def ffn_expert_offsets(m, expert_tokens=None, expert_tokens_index=None):
+    """Row offsets (E + 1) from per-expert counts or their cumulative ends; [0, m] without."""
+    if expert_tokens is not None:
+        offsets = [0]
+        for n in expert_tokens:
+            offsets.append(offsets[-1] + int(n))
+        return offsets
+    if expert_tokens_index is not None:
+        return [0, *(int(n) for n in expert_tokens_index)]
+    return [0, m]
+
+
+def ffn_deq_scale(t):
+    """deq_scale as float64 values: int64 / uint64 hold torch_npu's packed form (the float32 bits
+    of the scale, masked to 19 significant bits, in the low 32 bits)."""
+    if t.dtype in (torch.int64, torch.uint64):
+        low = (t.view(torch.int64) & 0xFFFFE000).to(torch.int32)  # wraps into int32's range
+        return low.view(torch.float32).double()
+    return t.double()
+
+
+def _per_expert(t, e, experts):
+    """Expert e's row of a per-expert parameter ([E, ...] with experts, shared without)."""
+    if t is None:
+        return None
+    return t[e] if experts else t
+
+
+def ffn(x, weight1, weight2, activation, *, expert_tokens=None, expert_tokens_index=None,
+        bias1=None, bias2=None, scale=None, offset=None, deq_scale1=None, deq_scale2=None,
+        antiquant_scale1=None, antiquant_scale2=None, antiquant_offset1=None,
+        antiquant_offset2=None, inner_precise=None, output_dtype=None,
+        round_intermediate=True, compute_dtype=torch.float64):
+    """The npu_ffn oracle, one expert at a time, in float64 (or `compute_dtype`, for shapes
+    where float64 is too slow), output unrounded.
+
+    Float paths: ``act(x @ W1 + b1) @ W2 + b2``; with ``round_intermediate`` the intermediate
+    is rounded to x's dtype before the second GEMM (what npu_ffn's second GEMM takes, and what
+    the native composition does too), otherwise kept exact. Weight-only: ``W' = (W +
+    antiquant_offset) * antiquant_scale`` rounded to x's dtype. Quantised (int8 x): the
+    intermediate ``act((x @ W1 + b1) * deq_scale1) * scale + offset`` is rounded half to even
+    (torch.round) and clamped to [-128, 127] explicitly, then ``(q @ W2 + b2) * deq_scale2``.
+    """
+    cd = compute_dtype
+    lead, k1 = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k1)
+    m = x2.shape[0]
+    experts = weight1.dim() == 3
+    offsets = ffn_expert_offsets(m, expert_tokens, expert_tokens_index)
+    quant = x.dtype == torch.int8
+    out = torch.zeros(m, weight2.shape[-1], dtype=cd)
+    for e in range(len(offsets) - 1):
+        rows = x2[offsets[e]:offsets[e + 1]].to(cd)
+        w1, w2 = (weight1[e], weight2[e]) if experts else (weight1, weight2)
+        w1, w2 = w1.to(cd), w2.to(cd)
+        b1, b2 = _per_expert(bias1, e, experts), _per_expert(bias2, e, experts)
+        if quant:
+            h = rows @ w1 + (b1.to(cd) if b1 is not None else 0)
+            deq1 = ffn_deq_scale(_per_expert(deq_scale1, e, experts)).to(cd)
+            h = ffn_activation(h * deq1, activation)
+            s = scale[e] if experts and scale.dim() == 1 else _per_expert(scale, e, experts)
+            o = (offset[e] if experts else offset[0]).to(cd) if offset is not None else 0.0
+            q = torch.round(h * s.to(cd) + o).clamp(-128, 127)
+            y = q @ w2 + (b2.to(cd) if b2 is not None else 0)
+            deq2 = ffn_deq_scale(_per_expert(deq_scale2, e, experts)).to(cd)
+            out[offsets[e]:offsets[e + 1]] = y * deq2
+            continue
+        if weight1.dtype == torch.int8:
+            ws = []
+            for w, sc, off in ((w1, antiquant_scale1, antiquant_offset1),
+                               (w2, antiquant_scale2, antiquant_offset2)):
+                sc, off = _per_expert(sc, e, experts), _per_expert(off, e, experts)
+                w = (w + (off.to(cd) if off is not None else 0)) * sc.to(cd)
+                ws.append(w.to(x.dtype).to(cd))
+            w1, w2 = ws
+        h = rows @ w1 + (b1.to(cd) if b1 is not None else 0)
+        h = ffn_activation(h, activation)
+        if round_intermediate:
+            h = h.to(x.dtype).to(cd)
+        out[offsets[e]:offsets[e + 1]] = h @ w2 + (b2.to(cd) if b2 is not None else 0)
+    return out.reshape(*lead, weight2.shape[-1])
+
+
+def native_ffn(x, weight1, weight2, activation, *, expert_tokens=None, bias1=None, bias2=None):
+    """The eager composition npu_ffn replaces (aclnnFFN's "小算子" loop), in the input dtype:
+    per expert, ``act(x_e @ W1_e + b1_e) @ W2_e + b2_e``."""
+    if weight1.dim() == 2:
+        h = ffn_activation(F.linear(x, weight1.t(), bias1), activation)
+        return F.linear(h, weight2.t(), bias2)
+    outs, start = [], 0
+    for e, n in enumerate(expert_tokens):
+        rows = x[start:start + n]
+        start += n
+        b1 = bias1[e] if bias1 is not None else None
+        b2 = bias2[e] if bias2 is not None else None
+        h = ffn_activation(F.linear(rows, weight1[e].t(), b1), activation)
+        outs.append(F.linear(h, weight2[e].t(), b2))
+    return torch.cat(outs)
