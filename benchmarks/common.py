@@ -9,6 +9,7 @@ import torch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+DTYPE_NAMES[torch.int8] = "int8"  # quantised cases (ffn), which pick their own dtypes
 
 
 @dataclass

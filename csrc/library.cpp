@@ -84,11 +84,50 @@ TORCH_LIBRARY(npu, m) {
   m.def("_npu_dropout_gen_mask.Tensor(Tensor self, int[] size, float p, int seed, int offset, *, "
         "bool? parallel=True, bool? sync=None) -> Tensor");
 
+  // FFN: act(x @ W1 + b1) @ W2 + b2, dense or with experts (rows split by expert_tokens counts or
+  // expert_tokens_index cumulative ends), plus the int8 (scale, offset, deq_scale1/2) and
+  // weight-only int8 (antiquant_scale/offset) paths. Inference only: no autograd formula.
+  m.def("npu_ffn(Tensor x, Tensor weight1, Tensor weight2, str activation, *, int[]? expert_tokens=None, "
+        "int[]? expert_tokens_index=None, Tensor? bias1=None, Tensor? bias2=None, Tensor? scale=None, "
+        "Tensor? offset=None, Tensor? deq_scale1=None, Tensor? deq_scale2=None, "
+        "Tensor? antiquant_scale1=None, Tensor? antiquant_scale2=None, Tensor? antiquant_offset1=None, "
+        "Tensor? antiquant_offset2=None, int? inner_precise=None, ScalarType? output_dtype=None) -> Tensor");
+
   // Confusion transpose: transpose_first ? self.permute(perm).view(shape) : self.view(shape).permute(perm),
   // always a new contiguous tensor.
   m.def("npu_confusion_transpose(Tensor self, int[] perm, int[] shape, bool transpose_first) -> Tensor");
   // Gradient of npu_confusion_transpose: called with the input's shape and !transpose_first; returns `shape`.
   m.def("npu_confusion_transpose_backward(Tensor grad, int[] perm, SymInt[] shape, bool transpose_first) -> Tensor");
+
+  // MoE gating: softmax over the last dim, then its top k (ties to the lower expert). Returns
+  // (y in x's dtype, expert_idx int32 (num_experts where `finished`), row_idx int32 = j * rows + i).
+  m.def("npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)");
+  // MoE routing: stable sort of the (token, slot) pairs by expert. Returns (expanded_x
+  // [min(active_num, N) * k, H], expanded_row_idx [N * k], expanded_expert_idx [N * k]).
+  // active_num is SymInt (torch_npu says int) so torch.compile(dynamic=True) can pass the token
+  // count without specialising on it.
+  m.def("npu_moe_init_routing(Tensor x, Tensor row_idx, Tensor expert_idx, SymInt active_num) -> (Tensor, Tensor, Tensor)");
+  // Cumulative rows per expert ([num_expert], one past each expert's last row) of sorted experts.
+  m.def("npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor");
+  // MoE combine: out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src(i, k)] + bias[expert[i, k]]).
+  m.def("npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, "
+        "Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, "
+        "Tensor? export_for_source_row, int? drop_pad_mode=0) -> Tensor");
+  // Grouped matmul y_g = x_g @ w_g (+ b_g): groups as separate tensors or row ranges of one x
+  // (group_list, a Tensor here and int[] in .List). Non-quantised paths only.
+  m.def("npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "
+        "Tensor[]? scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None, "
+        "Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, Tensor? group_list=None, "
+        "Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None, "
+        "Tensor[]? activation_quant_offset=None, int? split_item=0, int? group_type=None, "
+        "int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
+        "ScalarType? output_dtype=None) -> Tensor[]");
+  m.def("npu_grouped_matmul.List(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "
+        "Tensor[]? scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None, "
+        "Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, int[]? group_list=None, "
+        "Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None, "
+        "Tensor[]? activation_quant_offset=None, int? split_item=0, int? group_type=None, "
+        "int? group_list_type=0, int? act_type=0, ScalarType? output_dtype=None) -> Tensor[]");
 }
 
 // opennpu's own helpers, outside the torch_npu namespace.

@@ -35,6 +35,9 @@ def test_the_expected_ops_are_registered():
         "npu_confusion_transpose", "npu_confusion_transpose_backward",
         "npu_scaled_masked_softmax", "npu_scaled_masked_softmax_backward",
         "npu_add_rms_norm_cast", "npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant",
+        "npu_moe_gating_top_k_softmax", "npu_moe_init_routing", "npu_moe_compute_expert_tokens",
+        "npu_moe_finalize_routing", "npu_grouped_matmul",
+        "npu_ffn",
     }
     assert expected <= set(OPS)
 
@@ -58,6 +61,18 @@ def test_op_is_public_and_tested(name):
     assert callable(getattr(opennpu, name)), f"{name}: no opennpu.{name}"
     assert getattr(opennpu, name).__doc__, f"opennpu.{name} has no docstring"
     assert f"{name}(" in TEST_SOURCES or f".{name}," in TEST_SOURCES, f"{name}: no test calls it"
+
+
+def test_every_overload_has_cpu_fake_and_autograd_kernels():
+    # qualname() above checks an op's first overload; npu_grouped_matmul also has .List
+    for name in OPS:
+        packet = getattr(torch.ops.npu, name)
+        for overload in packet.overloads():
+            qual = f"npu::{name}" if overload == "default" else f"npu::{name}.{overload}"
+            for key in ("CPU", "Autograd"):
+                assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (qual, key)
+            entry = torch._library.simple_registry.singleton.find(qual)
+            assert entry.fake_impl.kernel is not None, f"{qual}: no fake kernel"
 
 
 def test_double_backward_of_a_backward_op_raises_clearly():

@@ -5,10 +5,12 @@ elements each, about 10 M in all). Baselines: torch.optim.AdamW with foreach=Fal
 default), foreach=True and fused=True; and, as the measurement behind the list-vs-flat-buffer
 decision (README), our own kernel stepping one flat buffer holding every parameter (torch_npu's
 combined-buffer layout, without the one-off cost of combining). clip_grad_norm_fused_ is timed
-against torch.nn.utils.clip_grad_norm_(foreach=True), both clipping (a read and a write pass).
+against torch.nn.utils.clip_grad_norm_(foreach=True), with nothing to clip (a read pass for us;
+torch also multiplies by 1) and clipping on every call (two read passes and a write).
 
 Effective bytes of a step: p, g, exp_avg, exp_avg_sq read and p, exp_avg, exp_avg_sq written, 7
-tensors of the parameters' dtype; of a clip: the gradients read and written once.
+tensors of the parameters' dtype; of a norm: the gradients read once; of a clip: read twice and
+written once.
 """
 
 from __future__ import annotations
@@ -66,14 +68,31 @@ def adamw_step(shapes, dtype, threads):
                  reference=None)
 
 
-def clip(shapes, dtype, threads):
-    params = _params(shapes, dtype)
-    ours = optim.NpuFusedAdamW(params)
-    return Timed(
-        ours=lambda: ours.clip_grad_norm_fused_(1e-3),
-        baselines={"clip_grad_norm_": lambda: torch.nn.utils.clip_grad_norm_(params, 1e-3,
-                                                                             foreach=True)},
-        reference=None)
+def clip(shapes, dtype, threads, clipping):
+    """clip_grad_norm_fused_ against clip_grad_norm_(foreach=True), each on its own gradients.
+
+    clipping=False: max_norm = inf, nothing to scale (ours reads the gradients once; torch still
+    multiplies them by 1). clipping=True: every call clips to 0.9x the norm the previous call
+    returned, so every call scales (the gradients shrink 10% per call, far from underflow within a
+    benchmark's calls); both read the gradients twice and write them once."""
+    mine, theirs = _params(shapes, dtype), _params(shapes, dtype)
+    ours = optim.NpuFusedAdamW(mine)
+
+    def torch_clip(max_norm):
+        return torch.nn.utils.clip_grad_norm_(theirs, max_norm, foreach=True)
+
+    def shrinking(fn):
+        last = [None]
+
+        def run():
+            max_norm = float("inf") if not clipping else (
+                1e-3 if last[0] is None else 0.9 * float(last[0]))
+            last[0] = fn(max_norm)
+            return last[0]
+        return run
+
+    return Timed(ours=shrinking(ours.clip_grad_norm_fused_),
+                 baselines={"clip_grad_norm_": shrinking(torch_clip)}, reference=None)
 
 
 def cases(quick: bool, dtypes):
@@ -87,6 +106,8 @@ def cases(quick: bool, dtypes):
             size = torch.empty((), dtype=dtype).element_size()
             out.append(Case("adamw", "step", label, dtype, 7 * numel * size,
                             lambda n, s=shapes, d=dtype: adamw_step(s, d, n)))
-            out.append(Case("clip_grad_norm", "clip", label, dtype, 2 * numel * size,
-                            lambda n, s=shapes, d=dtype: clip(s, d, n)))
+            out.append(Case("clip_grad_norm", "norm", label, dtype, numel * size,
+                            lambda n, s=shapes, d=dtype: clip(s, d, n, clipping=False)))
+            out.append(Case("clip_grad_norm", "clip", label, dtype, 3 * numel * size,
+                            lambda n, s=shapes, d=dtype: clip(s, d, n, clipping=True)))
     return out

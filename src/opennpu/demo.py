@@ -265,6 +265,105 @@ def fusion_attention(shape, dtype, threads):
     return trial
 
 
+def moe_gating(shape, dtype, threads):
+    x = randn(*shape, dtype=dtype)
+    return forward("npu_moe_gating_top_k_softmax", (x, None, 2), native_moe_gating_values, (x, 2),
+                   lambda: reference.moe_gating_top_k_softmax(x, None, 2)[0], threads,
+                   pick=lambda out: out[0])
+
+
+def native_moe_gating_values(x, k):
+    return reference.native_moe_gating(x, k).values
+
+
+def _routing_inputs(shape, dtype, experts=8, k=2):
+    t, h = shape
+    x = randn(t, h, dtype=dtype)
+    row_idx = torch.arange(t * k, dtype=torch.int32).view(k, t).t().contiguous()
+    expert_idx = torch.randint(0, experts, (t, k), dtype=torch.int32)
+    return x, row_idx, expert_idx
+
+
+def moe_init_routing(shape, dtype, threads):
+    x, row_idx, expert_idx = _routing_inputs(shape, dtype)
+    args = (x, row_idx, expert_idx, shape[0])
+    return forward("npu_moe_init_routing", args, reference.moe_init_routing, args,
+                   lambda: reference.moe_init_routing(*args), threads)
+
+
+def moe_finalize_routing(shape, dtype, threads):
+    t, h = shape
+    k = 2
+    rows, skip1 = randn(t * k, h, dtype=dtype), randn(t, h, dtype=dtype)
+    scales = torch.rand(t, k).to(dtype)
+    src = torch.randperm(t * k).to(torch.int32)
+    return forward("npu_moe_finalize_routing", (rows, skip1, None, None, scales, src, None, 0),
+                   reference.native_moe_finalize_routing, (rows, skip1, scales, src),
+                   lambda: reference.moe_finalize_routing(rows, skip1, None, None, scales, src,
+                                                          None), threads)
+
+
+MOE_LAYER_OPS = ("npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
+                 "npu_moe_compute_expert_tokens", "npu_grouped_matmul", "npu_swiglu",
+                 "npu_moe_finalize_routing")
+
+
+def moe_layer(shape, dtype, threads):
+    """A Mixtral-style MoE layer (E=8, top-2) on opennpu ops against the plain PyTorch loop."""
+    from .testing.moe_layer import npu_moe_layer
+
+    t, h, inter = shape
+    experts, k = 8, 2
+    x = randn(t, h, dtype=dtype)
+    w_gate = randn(h, experts, dtype=dtype)
+    w13 = (torch.randn(experts, h, 2 * inter) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, inter, h) / inter ** 0.5).to(dtype)
+    weights = (w_gate, w13, w2)
+    return Trial(ours=lambda: npu_moe_layer(x, *weights, k),
+                 native=lambda: reference.native_moe_layer(x, *weights, k),
+                 native_compiled=lambda: reference.native_moe_layer(x, *weights, k),
+                 expected=lambda: reference.moe_layer(x, *weights, k), nbytes=0)
+def _ffn_native(x, w1, w2, expert_tokens=None):
+    return reference.native_ffn(x, w1, w2, "fastgelu", expert_tokens=expert_tokens)
+
+
+def ffn(shape, dtype, threads):
+    """Seed 002's single-op example: x [M, H], W1 [H, I], W2 [I, H], fastgelu, inner_precise=1
+    (weights scaled by 1/sqrt(fan-in) so that bf16 values stay O(1))."""
+    m, h, i = shape
+    x = randn(m, h, dtype=dtype)
+    w1 = (torch.randn(h, i) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(i, h) / i ** 0.5).to(dtype)
+    trial = forward("npu_ffn", (x, w1, w2, "fastgelu"), _ffn_native, (x, w1, w2),
+                    lambda: reference.ffn(x, w1, w2, "fastgelu", compute_dtype=torch.float32),
+                    threads)
+    trial.nbytes = 0  # compute-bound: no bandwidth fraction
+    return trial
+
+
+SEED_EXPERT_TOKENS = [227, 62, 78, 126, 178, 27, 122, 1, 19, 182, 166, 118, 66, 217, 122, 243]
+
+
+def ffn_experts(shape, dtype, threads):
+    """Seed 002's 16-expert example (its expert token list, M = 1954), at H = 1024 and I = 2048
+    instead of 2560 / 5120 to keep the demo short."""
+    m, h, i = shape
+    x = randn(m, h, dtype=dtype)
+    w1 = (torch.randn(16, h, i) / h ** 0.5).to(dtype)
+    w2 = (torch.randn(16, i, h) / i ** 0.5).to(dtype)
+    tokens = tuple(SEED_EXPERT_TOKENS)  # hashable: compiled() keys on the arguments
+    call = npu.npu_ffn
+    native_compiled = compiled(_ffn_native, x, w1, w2, tokens, threads=threads)
+    return Trial(ours=lambda: call(x, w1, w2, "fastgelu", expert_tokens=list(tokens),
+                                              inner_precise=1),
+                 native=lambda: _ffn_native(x, w1, w2, tokens),
+                 native_compiled=lambda: native_compiled(x, w1, w2, tokens),
+                 expected=lambda: reference.ffn(x, w1, w2, "fastgelu",
+                                                expert_tokens=list(tokens),
+                                                compute_dtype=torch.float32),
+                 nbytes=0)
+
+
 class Example(NamedTuple):
     op: str
     direction: str
@@ -318,6 +417,15 @@ EXAMPLES = [
             scaled_masked_softmax),
     Example("npu_scaled_masked_softmax_backward", "bwd", SOFTMAX, BF16, "seed (-inf fill)",
             scaled_masked_softmax_backward),
+    Example("npu_moe_gating_top_k_softmax", "fwd", (8192, 64), BF16, "topk(softmax)", moe_gating),
+    Example("npu_moe_init_routing", "fwd", (4096, 4096), BF16, "sort + gather", moe_init_routing),
+    Example("npu_moe_finalize_routing", "fwd", (4096, 4096), BF16, "gather + weighted sum",
+            moe_finalize_routing),
+    # The whole layer; "comp ms" repeats eager (the loop's data-dependent shapes do not compile).
+    Example("MoE layer (npu ops)", "fwd", (64, 1024, 3584), BF16, "Mixtral loop", moe_layer),
+    Example("npu_ffn", "fwd", (1, 1280, 10240), F16, "act(x@W1)@W2", ffn),
+    Example("npu_ffn", "fwd", (1024, 4096, 11008), BF16, "act(x@W1)@W2", ffn),
+    Example("npu_ffn", "fwd", (1954, 1024, 2048), F16, "per-expert loop", ffn_experts),
 ]
 
 ROW = "{:<36}{:<4}{:<15}{:<5}{:<21}{:>9}{:>9}{:>9}{:>9}{:>9}{:>8}{:>8}{:>6}"
@@ -349,12 +457,17 @@ def run_example(example: Example, threads: int, min_run_time: float, copy_bw: fl
         f"{comp / ours:.1f}x", f"{trial.nbytes / ours / 1e9 / copy_bw:.0%}" if trial.nbytes else "-")
 
 
+def _ops_of(example: Example) -> tuple[str, ...]:
+    """The torch.ops.npu ops a row needs (the MoE layer row runs several)."""
+    return MOE_LAYER_OPS if example.build is moe_layer else (example.op,)
+
+
 def run(threads: int | None = None, min_run_time: float = 0.2) -> None:
     threads = threads or torch.get_num_threads()
     warning = busy_warning()
     reuse_freed_memory()  # steady state: outputs reuse freed memory instead of page-faulting
     copy_bw = measure_copy_bandwidth(threads)
-    available = [e for e in EXAMPLES if has_cpu_kernel(e.op)]
+    available = [e for e in EXAMPLES if all(has_cpu_kernel(op) for op in _ops_of(e))]
     rows = []
     for i, example in enumerate(available, 1):
         progress = (f"[{i}/{len(available)}] {example.op} {shape_name(example.shape)} "
@@ -372,7 +485,7 @@ def run(threads: int | None = None, min_run_time: float = 0.2) -> None:
           "exceed 100%.")
     print()
     print(training_demo(threads))
-    missing = sorted({e.op for e in EXAMPLES} - {e.op for e in available})
+    missing = sorted({op for e in EXAMPLES for op in _ops_of(e) if not has_cpu_kernel(op)})
     if missing:
         print(f"not available yet (no CPU kernel): {', '.join(missing)}")
     if warning:

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "common/vec.h"
+#include "ops/activation/act_math.h"
 #include "ops/activation/activation.h"
 
 namespace opennpu::activation {
@@ -16,66 +17,6 @@ inline namespace CPU_CAPABILITY {
 namespace {
 
 constexpr int64_t kGrain = int64_t{1} << 14;
-constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
-constexpr double kGeluCubic = 0.044715;
-constexpr double kFastGeluScale = 1.702;
-constexpr double kInvSqrt2 = 0.70710678118654752440;
-constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
-
-// u(z) and u'(z) of the sigmoid-gated forms.
-template <Act kAct, typename Vec>
-inline Vec gate_arg(const Vec& z) {
-  using T = typename Vec::value_type;
-  if constexpr (kAct == Act::kSilu) {
-    return z;
-  } else if constexpr (kAct == Act::kFastGelu) {
-    return z * Vec(T(kFastGeluScale));
-  } else {
-    const Vec k(T(2 * kSqrt2OverPi));
-    return k * at::vec::fmadd(z * z * z, Vec(T(kGeluCubic)), z);
-  }
-}
-
-template <Act kAct, typename Vec>
-inline Vec gate_arg_grad(const Vec& z) {
-  using T = typename Vec::value_type;
-  if constexpr (kAct == Act::kSilu) {
-    return Vec(T(1));
-  } else if constexpr (kAct == Act::kFastGelu) {
-    return Vec(T(kFastGeluScale));
-  } else {
-    const Vec k(T(2 * kSqrt2OverPi));
-    return k * at::vec::fmadd(z * z, Vec(T(3 * kGeluCubic)), Vec(T(1)));
-  }
-}
-
-template <Act kAct, typename scalar_t>
-inline AccVec<scalar_t> act_value(const AccVec<scalar_t>& z) {
-  using Vec = AccVec<scalar_t>;
-  using T = acc_t<scalar_t>;
-  if constexpr (kAct == Act::kGeluErf) {
-    return z * Vec(T(0.5)) * (Vec(T(1)) + (z * Vec(T(kInvSqrt2))).erf());
-  } else {
-    return z * sigmoid_for<scalar_t>(gate_arg<kAct>(z));
-  }
-}
-
-template <Act kAct, typename scalar_t>
-inline void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_t>& value,
-                           AccVec<scalar_t>& grad) {
-  using Vec = AccVec<scalar_t>;
-  using T = acc_t<scalar_t>;
-  if constexpr (kAct == Act::kGeluErf) {
-    const Vec cdf = Vec(T(0.5)) * (Vec(T(1)) + (z * Vec(T(kInvSqrt2))).erf());
-    const Vec pdf = Vec(T(kInvSqrt2Pi)) * exp_for<scalar_t>(Vec(T(-0.5)) * z * z);
-    value = z * cdf;
-    grad = at::vec::fmadd(z, pdf, cdf);
-  } else {
-    const Vec s = sigmoid_for<scalar_t>(gate_arg<kAct>(z));
-    value = z * s;
-    grad = at::vec::fmadd(z * s * (Vec(T(1)) - s), gate_arg_grad<kAct>(z), s);
-  }
-}
 
 // Walks the flat output range [begin, end) of an [outer, m] result in runs that stay inside one
 // outer row: body(o, j, len) covers columns j .. j+len of row o.

@@ -496,26 +496,40 @@ double grad_norm_piece(const Slot& s, int64_t b, int64_t n, double norm_type) {
   const T* g = buffer<T>(s, 1, b);
   const bool inf = std::isinf(norm_type);
   const Vec pw(static_cast<A>(norm_type));
-  Vec acc(0);
-  for_each_step<T>(n, [&](int64_t k, int64_t l) {
-    Vec G[2];
-    IO::load(g + k, G[0], G[1], l);  // lanes past l are 0: neutral for sums and for max |g|
-    for (int h = 0; h < 2; ++h) {
-      const Vec x = G[h].abs();
-      if (inf) {
-        acc = at::vec::maximum(acc, x);  // propagates NaN
-      } else if (norm_type == 2) {
-        acc = at::vec::fmadd(x, x, acc);
-      } else if (norm_type == 1) {
-        acc = acc + x;
-      } else {
-        acc = acc + x.pow(pw);
-      }
+  // Four accumulators over two steps per iteration: for fp16/bf16 a step is one cache line, and
+  // with one line per iteration the loop waited on each load (16 GB/s of reads where fp32,
+  // two lines per step, reached 20).
+  Vec acc[4] = {Vec(0), Vec(0), Vec(0), Vec(0)};
+  const auto add = [&](Vec& a, const Vec& g) {
+    const Vec x = g.abs();
+    if (inf) {
+      a = at::vec::maximum(a, x);  // propagates NaN
+    } else if (norm_type == 2) {
+      a = at::vec::fmadd(x, x, a);
+    } else if (norm_type == 1) {
+      a = a + x;
+    } else {
+      a = a + x.pow(pw);
     }
+  };
+  constexpr int64_t kStep = IO::kStep;
+  int64_t k = 0;
+  for (; k + 2 * kStep <= n; k += 2 * kStep) {
+    Vec G[4];
+    IO::load(g + k, G[0], G[1]);
+    IO::load(g + k + kStep, G[2], G[3]);
+    for (int h = 0; h < 4; ++h) add(acc[h], G[h]);
+  }
+  for_each_step<T>(n - k, [&](int64_t j, int64_t l) {
+    Vec G[2];
+    IO::load(g + k + j, G[0], G[1], l);  // lanes past l are 0: neutral for sums and for max |g|
+    add(acc[0], G[0]);
+    add(acc[1], G[1]);
   });
-  if (!inf) return horizontal_sum(acc);
+  if (!inf) return horizontal_sum((acc[0] + acc[1]) + (acc[2] + acc[3]));
   return at::vec::vec_reduce_all<A>(
-      [](auto& x, auto& y) { return at::vec::maximum(x, y); }, acc);
+      [](auto& x, auto& y) { return at::vec::maximum(x, y); },
+      at::vec::maximum(at::vec::maximum(acc[0], acc[1]), at::vec::maximum(acc[2], acc[3])));
 }
 
 double grad_norm_kernel(const std::vector<Slot>& slots, double norm_type) {

@@ -1,8 +1,10 @@
 """Public wrappers, fake kernels and autograd of every torch.ops.npu op, one module per family."""
 
-from . import activation, attention, norm, quant, rotary, softmax, transpose
+from . import activation, attention, ffn, moe, norm, quant, rotary, softmax, transpose
 from .activation import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
+from .ffn import *  # noqa: F401,F403
+from .moe import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
 from .quant import *  # noqa: F401,F403
 from .rotary import *  # noqa: F401,F403
@@ -10,4 +12,4 @@ from .softmax import *  # noqa: F401,F403
 from .transpose import *  # noqa: F401,F403
 
 __all__ = [*norm.__all__, *activation.__all__, *rotary.__all__, *softmax.__all__,
-           *attention.__all__, *transpose.__all__, *quant.__all__]
+           *attention.__all__, *transpose.__all__, *ffn.__all__, *moe.__all__, *quant.__all__]

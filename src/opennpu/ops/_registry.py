@@ -44,17 +44,6 @@ def mark_backward_op(name: str, forward: str) -> None:
     DIFFERENTIABILITY[name] = f"backward of {forward}; double backward not supported"
 
 
-def mark_not_differentiable(name: str, reason: str) -> None:
-    """`name` has no gradient (torch_npu registers none either): it runs normally under autograd,
-    and a backward through its outputs raises an error naming the op and `reason`."""
-
-    def backward(ctx, *grads):
-        raise RuntimeError(f"{name} is not differentiable: {reason}")
-
-    _register_raising_autograd_kernel(getattr(torch.ops.npu, name), backward)
-    DIFFERENTIABILITY[name] = f"not differentiable: {reason}"
-
-
 def _register_raising_autograd_kernel(packet, backward) -> None:
     class _NoDoubleBackward(torch.autograd.Function):
         @staticmethod
@@ -94,3 +83,66 @@ def accepts_input_keyword(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def mark_not_differentiable(name: str, reason: str) -> None:
+    """`name` has no gradient (torch_npu registers none either): outputs computed from inputs
+    that require grad carry a node whose backward raises a clear error, instead of silently
+    giving no gradient."""
+    message = f"{name}: not differentiable ({reason})"
+
+    def backward(ctx, *grads):
+        raise RuntimeError(message)
+
+    def setup_context(ctx, inputs, output):
+        pass
+
+    packet = getattr(torch.ops.npu, name)
+    for overload_name in packet.overloads():
+        overload = getattr(packet, overload_name)
+        qualname = overload._schema.name
+        if overload_name != "default":
+            qualname = f"{qualname}.{overload_name}"
+        if torch._library.utils.has_kwarg_only_tensors(overload._schema):
+            _register_raising_overload_kernel(qualname, overload, message)
+        else:
+            torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+    DIFFERENTIABILITY[name] = f"not differentiable: {reason}"
+
+
+def _register_raising_overload_kernel(qualname: str, overload, message: str) -> None:
+    """An Autograd kernel for ops register_autograd refuses (keyword-only tensor arguments):
+    runs the op below autograd and ties its floating outputs to a node whose backward raises.
+    Tensor-list arguments and outputs are handled."""
+
+    class _NotDifferentiable(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, n_inputs, *tensors):
+            return tuple(t.detach() for t in tensors[n_inputs:])
+
+        @staticmethod
+        def backward(ctx, *grads):
+            raise RuntimeError(message)
+
+    def tensors_in(values):
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif isinstance(v, (list, tuple)):
+                yield from (t for t in v if isinstance(t, torch.Tensor))
+
+    @torch.library.impl(qualname, "Autograd")
+    def _autograd_kernel(*args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            result = overload(*args, **kwargs)
+        needs_grad = [t for t in tensors_in((*args, *kwargs.values())) if t.requires_grad]
+        if not (torch.is_grad_enabled() and needs_grad):
+            return result
+        outs = [result] if isinstance(result, torch.Tensor) else list(result)
+        floating = [i for i, o in enumerate(outs) if o.is_floating_point()]
+        tied = _NotDifferentiable.apply(len(needs_grad), *needs_grad, *(outs[i] for i in floating))
+        for i, t in zip(floating, tied):
+            outs[i] = t
+        if isinstance(result, torch.Tensor):
+            return outs[0]
+        return tuple(outs) if isinstance(result, tuple) else outs

@@ -559,3 +559,257 @@ def native_scaled_masked_softmax(x, mask, scale=1.0):
 def native_scaled_masked_softmax_golden(x, mask, scale=1.0):
     """The contract's composition (torch_npu's golden, -10000 fill) in the input dtype."""
     return torch.softmax((x * scale).masked_fill(mask, MASK_FILL), dim=-1)
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+# Index outputs are exact (int32 / int64 as the op returns them); float outputs are the fp32 oracle.
+
+
+def moe_gating_top_k_softmax(x, finished=None, k=1):
+    """(y, expert_idx, row_idx) of softmax(x) over the last dim. The ranking is torch_npu's
+    golden: a stable descending sort (ties to the lower expert) of the probabilities as rounded
+    to x's dtype; y holds the unrounded fp32 probabilities of the chosen experts."""
+    p = torch.softmax(_up(x), dim=-1)
+    ranked = p.to(x.dtype).to(p.dtype) if x.dtype in (torch.float16, torch.bfloat16) else p
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
+    y = p.gather(-1, order)
+    expert_idx = order.to(torch.int32)
+    if finished is not None:
+        expert_idx = expert_idx.masked_fill(finished.unsqueeze(-1), x.shape[-1])
+    rows = x.numel() // max(x.shape[-1], 1)
+    row_idx = torch.arange(rows * k, dtype=torch.int32).view(k, rows).t().reshape(y.shape)
+    return y, expert_idx, row_idx
+
+
+def native_moe_gating(x, k):
+    """The eager composition gating replaces: topk of the softmax, in x's dtype."""
+    return torch.topk(torch.softmax(x, dim=-1), k, dim=-1)
+
+
+def moe_init_routing(x, row_idx, expert_idx, active_num):
+    """torch_npu's golden: a stable sort of expert_idx (row-major), expanded_row_idx the inverse
+    of the sorted row_idx, expanded_x the first min(active_num, N) * k gathered rows of x."""
+    n, k = expert_idx.shape
+    sorted_experts, order = torch.sort(expert_idx.reshape(-1).long(), stable=True)
+    dst_to_src = row_idx.reshape(-1).long()[order]
+    expanded_row_idx = torch.empty(n * k, dtype=torch.int32)
+    expanded_row_idx[dst_to_src] = torch.arange(n * k, dtype=torch.int32)
+    expanded_x = x[dst_to_src[:min(active_num, n) * k] % max(n, 1)]
+    return expanded_x, expanded_row_idx, sorted_experts.to(torch.int32)
+
+
+def moe_compute_expert_tokens(sorted_experts, num_expert):
+    """out[e] = the number of entries <= e."""
+    bounds = torch.arange(num_expert, dtype=torch.long)
+    return torch.searchsorted(sorted_experts.long(), bounds, right=True).to(sorted_experts.dtype)
+
+
+def moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst, expert, drop_pad_mode=0):
+    """out[i] = skip1[i] + skip2[i] + sum_j scales[i, j] * (rows[src(i, j)] + bias[expert[i, j]]),
+    src -1 (drop-pad modes) = a zero row."""
+    h = rows.shape[-1]
+    flat = _up(rows).reshape(-1, h)
+    if scales is not None:
+        n, k = scales.shape
+    elif expert is not None:
+        n, k = expert.shape
+    elif skip1 is not None or skip2 is not None:
+        n = (skip1 if skip1 is not None else skip2).shape[0]
+        k = src_to_dst.numel() // max(n, 1)
+    else:
+        n, k = src_to_dst.numel(), 1
+    src = src_to_dst.long().view(n, k) if drop_pad_mode >= 2 else src_to_dst.long().view(k, n).t()
+    terms = torch.cat([flat, flat.new_zeros(1, h)])[src.clamp(min=-1) % (flat.shape[0] + 1)]
+    terms = torch.where((src >= 0).unsqueeze(-1), terms, 0.0)  # [n, k, h]
+    if bias is not None:
+        terms = terms + _up(bias).to(flat.dtype)[expert.long()]
+    if scales is not None:
+        terms = terms * _up(scales).to(flat.dtype).unsqueeze(-1)
+    out = terms.sum(dim=1)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + _up(skip)
+    return out
+
+
+def grouped_matmul(x, weight, bias=None, group_list=None, split_item=0, group_list_type=0):
+    """npu_grouped_matmul's non-quantised paths, one matmul per group in fp32 (fp64 stays)."""
+    single_weight = len(weight) == 1 and weight[0].dim() == 3
+    ws = list(weight[0].unbind(0)) if single_weight else list(weight)
+    bs = [None] * len(ws)
+    if bias:
+        bs = list(bias[0].unbind(0)) if single_weight else list(bias)
+    if group_list is not None and len(x) == 1:
+        values = [int(v) for v in group_list]
+        sizes = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
+        xs = list(x[0][:sum(sizes)].split(sizes))
+        tail = x[0].shape[0] - sum(sizes)
+    else:
+        xs, tail = list(x), 0
+    ys = []
+    for xg, w, b in zip(xs, ws, bs):
+        y = _up(xg) @ _up(w)
+        ys.append(y if b is None else y + _up(b))
+    if split_item >= 2:
+        out = torch.cat([y.reshape(-1, y.shape[-1]) for y in ys]) if ys else \
+            _up(x[0]).new_zeros(0, ws[0].shape[-1] if ws else weight[0].shape[-1])
+        return [torch.cat([out, out.new_zeros(tail, out.shape[-1])])]
+    return ys
+
+
+def moe_layer(x, w_gate, w13, w2, k, renormalize=True):
+    """fp32 oracle of a Mixtral-style MoE layer: softmax top-k routing (optionally renormalised),
+    expert e computes (silu(x @ w1_e) * (x @ w3_e)) @ w2_e with w13 = [w1 | w3] as [E, H, 2I]
+    and w2 [E, I, H]; outputs are weighted by the routing probabilities and summed."""
+    return native_moe_layer(_up(x), _up(w_gate), _up(w13), _up(w2), k, renormalize)
+
+
+def native_moe_layer(x, w_gate, w13, w2, k, renormalize=True):
+    """A plain PyTorch MoE layer (the Hugging Face Mixtral loop): gate, softmax in fp32, top-k,
+    then per expert: gather its tokens, run its FFN, index_add_ the weighted rows back."""
+    tokens, hidden = x.shape
+    experts, inter = w13.shape[0], w13.shape[-1] // 2
+    logits = x @ w_gate
+    probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(x.dtype, torch.float32))
+    weights, chosen = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    mask = F.one_hot(chosen, experts).permute(2, 1, 0)  # [E, k, T]
+    for e in range(experts):
+        slot, token = torch.where(mask[e])
+        if token.numel() == 0:
+            continue
+        h = x[token] @ w13[e]
+        h = F.silu(h[:, :inter]) * h[:, inter:]
+        out.index_add_(0, token, (h @ w2[e]) * weights[token, slot, None])
+    return out
+
+
+def native_moe_finalize_routing(rows, skip1, scales, src_to_dst):
+    """The eager composition finalize replaces (dropless, column-major rows, no bias):
+    skip1 + sum_j scales[:, j] * rows[src_to_dst[j * N + i]], in rows' dtype."""
+    n, k = scales.shape
+    terms = rows[src_to_dst.long()].view(k, n, rows.shape[-1])
+    return skip1 + (terms * scales.t().unsqueeze(-1).to(rows.dtype)).sum(0)
+# ----------------------------------------------------------------------------- FFN
+
+FFN_GLU = ("geglu", "swiglu", "reglu")
+
+
+def ffn_activation(h, activation):
+    """npu_ffn's activations; GLU forms take halves a | b of the last dim and give a * act(b)."""
+    def act(z, name):
+        if name in ("fastgelu",):
+            return z * torch.sigmoid(1.702 * z)
+        if name in ("gelu", "geglu"):
+            return F.gelu(z, approximate="tanh")
+        if name in ("relu", "reglu"):
+            return F.relu(z)
+        return F.silu(z)
+
+    if activation in FFN_GLU:
+        a, b = torch.chunk(h, 2, dim=-1)
+        return a * act(b, activation)
+    return act(h, activation)
+
+
+def ffn_expert_offsets(m, expert_tokens=None, expert_tokens_index=None):
+    """Row offsets (E + 1) from per-expert counts or their cumulative ends; [0, m] without."""
+    if expert_tokens is not None:
+        offsets = [0]
+        for n in expert_tokens:
+            offsets.append(offsets[-1] + int(n))
+        return offsets
+    if expert_tokens_index is not None:
+        return [0, *(int(n) for n in expert_tokens_index)]
+    return [0, m]
+
+
+def ffn_deq_scale(t):
+    """deq_scale as float64 values: int64 / uint64 hold torch_npu's packed form (the float32 bits
+    of the scale, masked to 19 significant bits, in the low 32 bits)."""
+    if t.dtype in (torch.int64, torch.uint64):
+        low = (t.view(torch.int64) & 0xFFFFE000).to(torch.int32)  # wraps into int32's range
+        return low.view(torch.float32).double()
+    return t.double()
+
+
+def _per_expert(t, e, experts):
+    """Expert e's row of a per-expert parameter ([E, ...] with experts, shared without)."""
+    if t is None:
+        return None
+    return t[e] if experts else t
+
+
+def ffn(x, weight1, weight2, activation, *, expert_tokens=None, expert_tokens_index=None,
+        bias1=None, bias2=None, scale=None, offset=None, deq_scale1=None, deq_scale2=None,
+        antiquant_scale1=None, antiquant_scale2=None, antiquant_offset1=None,
+        antiquant_offset2=None, inner_precise=None, output_dtype=None,
+        round_intermediate=True, compute_dtype=torch.float64):
+    """The npu_ffn oracle, one expert at a time, in float64 (or `compute_dtype`, for shapes
+    where float64 is too slow), output unrounded.
+
+    Float paths: ``act(x @ W1 + b1) @ W2 + b2``; with ``round_intermediate`` the intermediate
+    is rounded to x's dtype before the second GEMM (what npu_ffn's second GEMM takes, and what
+    the native composition does too), otherwise kept exact. Weight-only: ``W' = (W +
+    antiquant_offset) * antiquant_scale`` rounded to x's dtype. Quantised (int8 x): the
+    intermediate ``act((x @ W1 + b1) * deq_scale1) * scale + offset`` is rounded half to even
+    (torch.round) and clamped to [-128, 127] explicitly, then ``(q @ W2 + b2) * deq_scale2``.
+    """
+    cd = compute_dtype
+    lead, k1 = x.shape[:-1], x.shape[-1]
+    x2 = x.reshape(-1, k1)
+    m = x2.shape[0]
+    experts = weight1.dim() == 3
+    offsets = ffn_expert_offsets(m, expert_tokens, expert_tokens_index)
+    quant = x.dtype == torch.int8
+    out = torch.zeros(m, weight2.shape[-1], dtype=cd)
+    for e in range(len(offsets) - 1):
+        rows = x2[offsets[e]:offsets[e + 1]].to(cd)
+        w1, w2 = (weight1[e], weight2[e]) if experts else (weight1, weight2)
+        w1, w2 = w1.to(cd), w2.to(cd)
+        b1, b2 = _per_expert(bias1, e, experts), _per_expert(bias2, e, experts)
+        if quant:
+            h = rows @ w1 + (b1.to(cd) if b1 is not None else 0)
+            deq1 = ffn_deq_scale(_per_expert(deq_scale1, e, experts)).to(cd)
+            h = ffn_activation(h * deq1, activation)
+            s = scale[e] if experts and scale.dim() == 1 else _per_expert(scale, e, experts)
+            o = (offset[e] if experts else offset[0]).to(cd) if offset is not None else 0.0
+            q = torch.round(h * s.to(cd) + o).clamp(-128, 127)
+            y = q @ w2 + (b2.to(cd) if b2 is not None else 0)
+            deq2 = ffn_deq_scale(_per_expert(deq_scale2, e, experts)).to(cd)
+            out[offsets[e]:offsets[e + 1]] = y * deq2
+            continue
+        if weight1.dtype == torch.int8:
+            ws = []
+            for w, sc, off in ((w1, antiquant_scale1, antiquant_offset1),
+                               (w2, antiquant_scale2, antiquant_offset2)):
+                sc, off = _per_expert(sc, e, experts), _per_expert(off, e, experts)
+                w = (w + (off.to(cd) if off is not None else 0)) * sc.to(cd)
+                ws.append(w.to(x.dtype).to(cd))
+            w1, w2 = ws
+        h = rows @ w1 + (b1.to(cd) if b1 is not None else 0)
+        h = ffn_activation(h, activation)
+        if round_intermediate:
+            h = h.to(x.dtype).to(cd)
+        out[offsets[e]:offsets[e + 1]] = h @ w2 + (b2.to(cd) if b2 is not None else 0)
+    return out.reshape(*lead, weight2.shape[-1])
+
+
+def native_ffn(x, weight1, weight2, activation, *, expert_tokens=None, bias1=None, bias2=None):
+    """The eager composition npu_ffn replaces (aclnnFFN's "小算子" loop), in the input dtype:
+    per expert, ``act(x_e @ W1_e + b1_e) @ W2_e + b2_e``."""
+    if weight1.dim() == 2:
+        h = ffn_activation(F.linear(x, weight1.t(), bias1), activation)
+        return F.linear(h, weight2.t(), bias2)
+    outs, start = [], 0
+    for e, n in enumerate(expert_tokens):
+        rows = x[start:start + n]
+        start += n
+        b1 = bias1[e] if bias1 is not None else None
+        b2 = bias2[e] if bias2 is not None else None
+        h = ffn_activation(F.linear(rows, weight1[e].t(), b1), activation)
+        outs.append(F.linear(h, weight2[e].t(), b2))
+    return torch.cat(outs)

@@ -1,0 +1,77 @@
+// The activation math of the activation family, shared with the ops that fuse an activation into
+// a larger kernel (npu_ffn). Included only from <family>_cpu.cpp files (compiled once per ISA),
+// so everything lives in the inline namespace CPU_CAPABILITY.
+//
+// Every gated activation here except exact GELU has the form z * sigmoid(u(z)), so value and
+// derivative share one exp:  act(z) = z * s,  act'(z) = s + z * s * (1 - s) * u'(z),  s = sigmoid(u).
+#pragma once
+
+#include "common/vec.h"
+#include "ops/activation/activation.h"
+
+namespace opennpu::activation {
+inline namespace CPU_CAPABILITY {
+
+constexpr double kSqrt2OverPi = 0.79788456080286535588;  // sqrt(2 / pi)
+constexpr double kGeluCubic = 0.044715;
+constexpr double kFastGeluScale = 1.702;
+constexpr double kInvSqrt2 = 0.70710678118654752440;
+constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
+
+// u(z) and u'(z) of the sigmoid-gated forms.
+template <Act kAct, typename Vec>
+inline Vec gate_arg(const Vec& z) {
+  using T = typename Vec::value_type;
+  if constexpr (kAct == Act::kSilu) {
+    return z;
+  } else if constexpr (kAct == Act::kFastGelu) {
+    return z * Vec(T(kFastGeluScale));
+  } else {
+    const Vec k(T(2 * kSqrt2OverPi));
+    return k * at::vec::fmadd(z * z * z, Vec(T(kGeluCubic)), z);
+  }
+}
+
+template <Act kAct, typename Vec>
+inline Vec gate_arg_grad(const Vec& z) {
+  using T = typename Vec::value_type;
+  if constexpr (kAct == Act::kSilu) {
+    return Vec(T(1));
+  } else if constexpr (kAct == Act::kFastGelu) {
+    return Vec(T(kFastGeluScale));
+  } else {
+    const Vec k(T(2 * kSqrt2OverPi));
+    return k * at::vec::fmadd(z * z, Vec(T(3 * kGeluCubic)), Vec(T(1)));
+  }
+}
+
+template <Act kAct, typename scalar_t>
+inline AccVec<scalar_t> act_value(const AccVec<scalar_t>& z) {
+  using Vec = AccVec<scalar_t>;
+  using T = acc_t<scalar_t>;
+  if constexpr (kAct == Act::kGeluErf) {
+    return z * Vec(T(0.5)) * (Vec(T(1)) + (z * Vec(T(kInvSqrt2))).erf());
+  } else {
+    return z * sigmoid_for<scalar_t>(gate_arg<kAct>(z));
+  }
+}
+
+template <Act kAct, typename scalar_t>
+inline void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_t>& value,
+                           AccVec<scalar_t>& grad) {
+  using Vec = AccVec<scalar_t>;
+  using T = acc_t<scalar_t>;
+  if constexpr (kAct == Act::kGeluErf) {
+    const Vec cdf = Vec(T(0.5)) * (Vec(T(1)) + (z * Vec(T(kInvSqrt2))).erf());
+    const Vec pdf = Vec(T(kInvSqrt2Pi)) * exp_for<scalar_t>(Vec(T(-0.5)) * z * z);
+    value = z * cdf;
+    grad = at::vec::fmadd(z, pdf, cdf);
+  } else {
+    const Vec s = sigmoid_for<scalar_t>(gate_arg<kAct>(z));
+    value = z * s;
+    grad = at::vec::fmadd(z * s * (Vec(T(1)) - s), gate_arg_grad<kAct>(z), s);
+  }
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::activation

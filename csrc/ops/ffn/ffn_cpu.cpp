@@ -1,0 +1,418 @@
+// CPU kernel of npu_ffn (compiled once per ISA; see common/cpu_dispatch.h and ffn.h).
+//
+// Every GEMM is a library call on a tile: MKL's sgemm / half-precision GEMMs through
+// common/blas.h, and ATen's at::_int_mm (oneDNN's int8 matmul) for the quantised path. What
+// happens between the GEMMs (bias, dequantisation, activation, requantisation, rounding) runs
+// vectorised on each thread's tile while it is still in cache.
+//
+// Numerics: float paths accumulate in fp32 and compute bias and activation in fp32; for fp16 /
+// bf16 the intermediate is rounded once to x's dtype (the operand of the second GEMM, as on
+// Ascend's cube unit, and as the native composition rounds it), then the output once. Where the
+// CPU has no fp16 / bf16 matrix instructions, tiles are converted to fp32 instead, with the same
+// rounding of the intermediate (and of dequantised weights), so results do not depend on the
+// machine beyond GEMM summation order.
+#include <ATen/Parallel.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/from_blob.h>
+
+#include <algorithm>
+#include <type_traits>
+#include <vector>
+
+#include "common/blas.h"
+#include "common/vec.h"
+#include "ops/activation/act_math.h"
+#include "ops/ffn/ffn.h"
+
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+namespace opennpu::ffn {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+using activation::Act;
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t kV = Vec::size();
+
+// Rows of a block: the intermediate of a block (kRowBlock x K2) stays in the last-level cache,
+// and each weight element fetched for a tile is used for kRowBlock rows.
+constexpr int64_t kRowBlock = 256;
+// Columns of a tile: kRowBlock x kColTile fp32 is 1 MB, inside L2; BLAS packs the block of x
+// once per tile, i.e. once per 2 * kColTile flops of each of its elements. (Measured on the
+// development machine at T=128 and 1024, H=4096, I=11008: 1024 columns ran within 2-4% of the
+// two GEMMs alone, 512 columns 5-12% slower, rows 256 or 512 alike.)
+constexpr int64_t kColTile = 1024;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Width of the column tiles of an n-column operand: about `target`, and a multiple of the
+// thread count of tiles (so every thread gets as many), 16-column aligned.
+int64_t tile_width(int64_t n, int64_t target) {
+  if (n <= 16) return std::max<int64_t>(n, 1);
+  const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+  int64_t tiles = round_up(ceil_div(n, target), threads);
+  tiles = std::min(tiles, ceil_div(n, 16));
+  return std::min(n, round_up(ceil_div(n, tiles), 16));
+}
+
+// v rounded to T's precision (identity for float).
+template <typename T>
+inline Vec round_to(const Vec& v) {
+  if constexpr (std::is_same_v<T, float>) {
+    return v;
+  } else {
+    const auto reduced = at::vec::convert_from_float<T>(v, v);
+    return std::get<0>(at::vec::convert_to_float<T>(reduced));
+  }
+}
+
+// Stores / loads n <= kV elements of G from / to a float vector.
+template <typename G>
+inline void store_as(G* dst, const Vec& v, int64_t n) {
+  if constexpr (std::is_same_v<G, float>) {
+    v.store(dst, n);
+  } else {
+    at::vec::convert_from_float<G>(v, v).store(dst, n);
+  }
+}
+
+template <typename G>
+inline Vec load_from(const G* src, int64_t n) {
+  if constexpr (std::is_same_v<G, float>) {
+    return Vec::loadu(src, n);
+  } else {
+    if (n == kV) {  // the full-width load (loadu with a count goes through a buffer)
+      Vec v;
+      at::vec::load_to_float<G>(src, v);
+      return v;
+    }
+    const auto reduced = at::vec::Vectorized<G>::loadu(src, n);
+    return std::get<0>(at::vec::convert_to_float<G>(reduced));
+  }
+}
+
+inline Vec load_int32(const int32_t* src, int64_t n) {
+  return at::vec::convert_to_fp_of_same_size<float>(at::vec::Vectorized<int32_t>::loadu(src, n));
+}
+
+// Calls body(j, n) over [0, len) in vector steps (n < kV for the tail).
+template <typename Body>
+inline void for_each_vec(int64_t len, const Body& body) {
+  int64_t j = 0;
+  for (; j + kV <= len; j += kV) body(j, kV);
+  if (j < len) body(j, len - j);
+}
+
+// act(z); P picks the exp (fp32 outputs: ATen's 1-ulp exp; fp16 / bf16: the 20-ulp polynomial).
+template <FfnAct kA, typename P>
+inline Vec act(const Vec& z) {
+  if constexpr (kA == FfnAct::kRelu || kA == FfnAct::kReglu) {
+    return at::vec::maximum(z, Vec(0.f));
+  } else if constexpr (kA == FfnAct::kFastGelu) {
+    return activation::act_value<Act::kFastGelu, P>(z);
+  } else if constexpr (kA == FfnAct::kGelu || kA == FfnAct::kGeglu) {
+    return activation::act_value<Act::kGeluTanh, P>(z);
+  } else {
+    return activation::act_value<Act::kSilu, P>(z);
+  }
+}
+
+void int8_to_float(const int8_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  for (; i + 16 <= n; i += 16) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v)));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  for (; i + 8 <= n; i += 8) {
+    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)));
+  }
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// C[m, n] (contiguous) = A[m, k] B[k, n]: BLAS for float / fp16 / bf16 operands (fp32 C),
+// at::_int_mm for int8 (int32 C).
+template <typename G, typename Acc>
+void tile_gemm(int64_t m, int64_t n, int64_t k, const G* a, int64_t lda, const G* b, int64_t ldb,
+               Acc* c) {
+  if constexpr (std::is_same_v<G, int8_t>) {
+    if (k == 0) {
+      std::fill(c, c + m * n, Acc(0));
+      return;
+    }
+    const auto i8 = at::TensorOptions().dtype(at::kChar);
+    at::Tensor out = at::from_blob(c, {m, n}, at::TensorOptions().dtype(at::kInt));
+    at::_int_mm_out(out, at::from_blob(const_cast<int8_t*>(a), {m, k}, {lda, 1}, i8),
+                    at::from_blob(const_cast<int8_t*>(b), {k, n}, {ldb, 1}, i8));
+  } else {
+    blas::gemm<G, float>(false, false, m, n, k, 1.f, a, lda, b, ldb, 0.f, c, n);
+  }
+}
+
+// X: x's dtype; W: the weights'; G: the GEMM operands'; O: the output's.
+template <typename X, typename W, typename G, typename O>
+class Runner {
+  static constexpr bool kQuant = std::is_same_v<X, int8_t>;
+  static constexpr bool kWeightOnly = !kQuant && std::is_same_v<W, int8_t>;
+  static constexpr bool kConvertX = !std::is_same_v<X, G>;
+  static constexpr bool kConvertW = !std::is_same_v<W, G>;
+  // The precision the intermediate is rounded to and the exp it uses; the quantised path
+  // rounds to int8, with an exact fp32 activation so that ties fall where the reference's do.
+  using P = std::conditional_t<kQuant, float, X>;
+  using Acc = std::conditional_t<std::is_same_v<G, int8_t>, int32_t, float>;
+
+  struct Scratch {
+    blas::TileBuffer<Acc> acc;
+    blas::TileBuffer<G> w;  // converted / dequantised weight tiles
+    blas::TileBuffer<float> row;
+  };
+
+ public:
+  explicit Runner(const FfnArgs& a)
+      : a_(a),
+        k1_(a.x.size(1)),
+        n1_(a.w1.size(2)),
+        k2_(a.w2.size(1)),
+        n2_(a.w2.size(2)),
+        glu_(is_glu(a.act)),
+        wa_(tile_width(k2_, glu_ ? kColTile / 2 : kColTile)),
+        wb_(tile_width(n2_, kColTile)) {}
+
+  void run() {
+    const int64_t experts = a_.w1.size(0);
+    int64_t mb_max = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      mb_max = std::max(mb_max, std::min(kRowBlock, a_.offsets[e + 1] - a_.offsets[e]));
+    }
+    if (mb_max == 0 || n2_ == 0) return;
+    const int64_t threads = std::max<int64_t>(at::get_num_threads(), 1);
+    const int64_t tile_cols_a = glu_ ? 2 * wa_ : wa_;
+    h_ = blas::TileBuffer<G>(mb_max * k2_);
+    if constexpr (kConvertX) xbuf_ = blas::TileBuffer<G>(mb_max * k1_);
+    scratch_.reserve(threads);
+    for (int64_t t = 0; t < threads; ++t) {
+      Scratch s;
+      s.acc = blas::TileBuffer<Acc>(mb_max * std::max(tile_cols_a, wb_));
+      if constexpr (kConvertW) s.w = blas::TileBuffer<G>(std::max(k1_ * wa_, k2_ * wb_));
+      if constexpr (kWeightOnly) s.row = blas::TileBuffer<float>(std::max(wa_, wb_));
+      scratch_.push_back(std::move(s));
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      for (int64_t r0 = a_.offsets[e]; r0 < a_.offsets[e + 1]; r0 += kRowBlock) {
+        block(e, r0, std::min(kRowBlock, a_.offsets[e + 1] - r0));
+      }
+    }
+  }
+
+ private:
+  Scratch& scratch() { return scratch_[at::get_thread_num()]; }
+
+  static const float* row_of(const at::Tensor& t, int64_t e) {
+    return t.defined() ? t.const_data_ptr<float>() + e * t.size(1) : nullptr;
+  }
+
+  // Columns [c0, c0 + nc) of expert e's weight [K, N] as a GEMM operand (pointer, ld): the
+  // weight itself, or a converted / dequantised copy in the thread's scratch.
+  std::pair<const G*, int64_t> weight_tile(const at::Tensor& w, int64_t e, int64_t c0, int64_t nc,
+                                           const at::Tensor& aq_scale,
+                                           const at::Tensor& aq_offset) {
+    const int64_t k = w.size(1), n = w.size(2);
+    const W* src = w.const_data_ptr<W>() + e * k * n + c0;
+    if constexpr (!kConvertW) {
+      return {src, n};
+    } else {
+      Scratch& s = scratch();
+      G* dst = s.w.data();
+      if constexpr (kWeightOnly) {
+        const float* scale = row_of(aq_scale, e) + c0;
+        const float* offset = aq_offset.defined() ? row_of(aq_offset, e) + c0 : nullptr;
+        float* row = s.row.data();
+        for (int64_t r = 0; r < k; ++r) {
+          int8_to_float(src + r * n, row, nc);
+          for_each_vec(nc, [&](int64_t j, int64_t len) {
+            Vec v = Vec::loadu(row + j, len);
+            if (offset) v = v + Vec::loadu(offset + j, len);
+            store_as<G>(dst + r * nc + j, round_to<X>(v * Vec::loadu(scale + j, len)), len);
+          });
+        }
+      } else {
+        for (int64_t r = 0; r < k; ++r) {
+          for_each_vec(nc, [&](int64_t j, int64_t len) {
+            store_as<G>(dst + r * nc + j, load_from<W>(src + r * n + j, len), len);
+          });
+        }
+      }
+      return {dst, nc};
+    }
+  }
+
+  void block(int64_t e, int64_t r0, int64_t mb) {
+    const G* xa;
+    if constexpr (kConvertX) {
+      const X* src = a_.x.const_data_ptr<X>() + r0 * k1_;
+      G* dst = xbuf_.data();
+      at::parallel_for(0, mb, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t i = begin; i < end; ++i) {
+          for_each_vec(k1_, [&](int64_t j, int64_t len) {
+            store_as<G>(dst + i * k1_ + j, load_from<X>(src + i * k1_ + j, len), len);
+          });
+        }
+      });
+      xa = dst;
+    } else {
+      xa = a_.x.const_data_ptr<X>() + r0 * k1_;
+    }
+    at::parallel_for(0, ceil_div(k2_, wa_), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) phase_a(e, xa, mb, t * wa_);
+    });
+    at::parallel_for(0, ceil_div(n2_, wb_), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) phase_b(e, r0, mb, t * wb_);
+    });
+  }
+
+  // Intermediate columns [j0, j0 + nc) of the block: GEMM tile(s), then the epilogue in place.
+  void phase_a(int64_t e, const G* xa, int64_t mb, int64_t j0) {
+    const int64_t nc = std::min(wa_, k2_ - j0);
+    Acc* left = scratch().acc.data();
+    Acc* right = left + mb * nc;
+    auto [w, ldw] = weight_tile(a_.w1, e, j0, nc, a_.aq_scale1, a_.aq_offset1);
+    tile_gemm<G, Acc>(mb, nc, k1_, xa, k1_, w, ldw, left);
+    if (glu_) {
+      auto [w2, ldw2] = weight_tile(a_.w1, e, k2_ + j0, nc, a_.aq_scale1, a_.aq_offset1);
+      tile_gemm<G, Acc>(mb, nc, k1_, xa, k1_, w2, ldw2, right);
+    }
+    switch (a_.act) {
+      case FfnAct::kFastGelu: return epilogue_a<FfnAct::kFastGelu>(e, mb, j0, nc, left, right);
+      case FfnAct::kGelu: return epilogue_a<FfnAct::kGelu>(e, mb, j0, nc, left, right);
+      case FfnAct::kRelu: return epilogue_a<FfnAct::kRelu>(e, mb, j0, nc, left, right);
+      case FfnAct::kSilu: return epilogue_a<FfnAct::kSilu>(e, mb, j0, nc, left, right);
+      case FfnAct::kGeglu: return epilogue_a<FfnAct::kGeglu>(e, mb, j0, nc, left, right);
+      case FfnAct::kSwiglu: return epilogue_a<FfnAct::kSwiglu>(e, mb, j0, nc, left, right);
+      case FfnAct::kReglu: return epilogue_a<FfnAct::kReglu>(e, mb, j0, nc, left, right);
+    }
+  }
+
+  // The first GEMM's result in fp32 at columns c0 + j of row i: + bias (int32 for the quantised
+  // path, added before the dequantisation scale, as Ascend's formula has it).
+  Vec gemm1_value(const Acc* acc, int64_t e, int64_t c0, int64_t j, int64_t len) const {
+    if constexpr (kQuant) {
+      auto v = at::vec::Vectorized<int32_t>::loadu(acc + j, len);
+      if (a_.bias1.defined()) {
+        const int32_t* b = a_.bias1.const_data_ptr<int32_t>() + e * n1_ + c0 + j;
+        v = v + at::vec::Vectorized<int32_t>::loadu(b, len);
+      }
+      const float* deq = row_of(a_.deq1, e) + c0 + j;
+      return at::vec::convert_to_fp_of_same_size<float>(v) * Vec::loadu(deq, len);
+    } else {
+      Vec v = Vec::loadu(acc + j, len);
+      if (a_.bias1.defined()) v = v + Vec::loadu(row_of(a_.bias1, e) + c0 + j, len);
+      return v;
+    }
+  }
+
+  template <FfnAct kA>
+  void epilogue_a(int64_t e, int64_t mb, int64_t j0, int64_t nc, const Acc* left,
+                  const Acc* right) {
+    constexpr bool kGlu = kA == FfnAct::kGeglu || kA == FfnAct::kSwiglu || kA == FfnAct::kReglu;
+    const float* qscale = kQuant ? row_of(a_.qscale, e) + j0 : nullptr;
+    const float qoffset = kQuant ? a_.qoffset.const_data_ptr<float>()[e] : 0.f;
+    for (int64_t i = 0; i < mb; ++i) {
+      G* h = h_.data() + i * k2_ + j0;
+      for_each_vec(nc, [&](int64_t j, int64_t len) {
+        Vec y;
+        if constexpr (kGlu) {
+          y = gemm1_value(left + i * nc, e, j0, j, len) *
+              act<kA, P>(gemm1_value(right + i * nc, e, k2_ + j0, j, len));
+        } else {
+          y = act<kA, P>(gemm1_value(left + i * nc, e, j0, j, len));
+        }
+        if constexpr (kQuant) {
+          // Requantise: round half to even, saturate to int8.
+          Vec q = at::vec::fmadd(y, Vec::loadu(qscale + j, len), Vec(qoffset)).round();
+          q = at::vec::clamp(q, Vec(-128.f), Vec(127.f));
+          alignas(64) float tmp[kV];
+          q.store(tmp, len);
+          for (int64_t l = 0; l < len; ++l) h[j + l] = static_cast<int8_t>(tmp[l]);
+        } else {
+          store_as<G>(h + j, round_to<X>(y), len);
+        }
+      });
+    }
+  }
+
+  // Output columns [c0, c0 + nc) of the block.
+  void phase_b(int64_t e, int64_t r0, int64_t mb, int64_t c0) {
+    const int64_t nc = std::min(wb_, n2_ - c0);
+    Acc* acc = scratch().acc.data();
+    auto [w, ldw] = weight_tile(a_.w2, e, c0, nc, a_.aq_scale2, a_.aq_offset2);
+    tile_gemm<G, Acc>(mb, nc, k2_, h_.data(), k2_, w, ldw, acc);
+    O* out = a_.out.mutable_data_ptr<O>() + r0 * n2_ + c0;
+    for (int64_t i = 0; i < mb; ++i) {
+      for_each_vec(nc, [&](int64_t j, int64_t len) {
+        Vec v;
+        if constexpr (kQuant) {
+          auto vi = at::vec::Vectorized<int32_t>::loadu(acc + i * nc + j, len);
+          if (a_.bias2.defined()) {
+            const int32_t* b = a_.bias2.const_data_ptr<int32_t>() + e * n2_ + c0 + j;
+            vi = vi + at::vec::Vectorized<int32_t>::loadu(b, len);
+          }
+          v = at::vec::convert_to_fp_of_same_size<float>(vi) *
+              Vec::loadu(row_of(a_.deq2, e) + c0 + j, len);
+        } else {
+          v = Vec::loadu(acc + i * nc + j, len);
+          if (a_.bias2.defined()) v = v + Vec::loadu(row_of(a_.bias2, e) + c0 + j, len);
+        }
+        store_as<O>(out + i * n2_ + j, v, len);
+      });
+    }
+  }
+
+  const FfnArgs& a_;
+  const int64_t k1_, n1_, k2_, n2_;
+  const bool glu_;
+  const int64_t wa_, wb_;  // column tile widths of phase A (intermediate) and B (output)
+  blas::TileBuffer<G> h_;     // the block's intermediate [mb, K2]
+  blas::TileBuffer<G> xbuf_;  // the block of x converted to G
+  std::vector<Scratch> scratch_;
+};
+
+template <typename X, typename G>
+void run_float(const FfnArgs& a) {
+  if (a.w1.scalar_type() == at::kChar) {
+    Runner<X, int8_t, G, X>(a).run();
+  } else {
+    Runner<X, X, G, X>(a).run();
+  }
+}
+
+void ffn_kernel(const FfnArgs& a) {
+  switch (a.x.scalar_type()) {
+    case at::kChar:
+      if (a.out.scalar_type() == at::kBFloat16) {
+        return Runner<int8_t, int8_t, int8_t, c10::BFloat16>(a).run();
+      }
+      return Runner<int8_t, int8_t, int8_t, c10::Half>(a).run();
+    case at::kFloat:
+      return run_float<float, float>(a);
+    case at::kHalf:
+      return a.half_gemm ? run_float<c10::Half, c10::Half>(a) : run_float<c10::Half, float>(a);
+    case at::kBFloat16:
+      return a.half_gemm ? run_float<c10::BFloat16, c10::BFloat16>(a)
+                         : run_float<c10::BFloat16, float>(a);
+    default:
+      TORCH_INTERNAL_ASSERT(false, "npu_ffn: unexpected dtype ", a.x.scalar_type());
+  }
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(ffn_cpu, &ffn_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::ffn

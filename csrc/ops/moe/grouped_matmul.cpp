@@ -1,0 +1,396 @@
+// Entry points of npu_grouped_matmul (group_list as a Tensor) and npu_grouped_matmul.List
+// (group_list as int[]): validation, the grouping, output allocation, CPU registration.
+//
+// What the arguments mean (torch_npu's "x / weight / y" scenarios; G = the number of groups, the
+// length of `weight`, or E for one 3-D weight [E, K, N]):
+//   - x holds G tensors: group g is x[g] @ w[g]. x[g] may have any rank >= 2 with a list output
+//     (its leading dims are kept); with a group_list, its group sizes must equal the rows of x[g].
+//   - x holds one 2-D tensor [M, K] and a group_list is given (group_type 0): group g is the g-th
+//     row range of x that group_list cuts (cumulative ends with group_list_type 0, sizes with 1).
+// split_item 0 / 1: one output per group (per x tensor); 2 / 3: one output, the groups' rows one
+// after another ([sum of rows, N], every group with the same N; rows of x past the last group
+// are 0).
+// bias: one [N_g] tensor per weight, or one [E, N] tensor with a 3-D weight; x's dtype or float32,
+// added in float32 before the output is rounded.
+#include "ops/moe/grouped_matmul.h"
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/dtype.h"
+
+namespace opennpu::moe {
+
+CpuKernel<GroupedGemmFn> grouped_gemm_cpu;
+
+namespace {
+
+constexpr const char* kOp = "npu_grouped_matmul";
+
+std::string list_arg(const char* name, int64_t i) {
+  return std::string(name) + "[" + std::to_string(i) + "]";
+}
+
+// The quantisation / fused-activation arguments: opennpu implements the float paths only.
+void check_absent(const char* name, const std::optional<at::TensorList>& list) {
+  OPENNPU_CHECK_ARG(!list.has_value() || list->empty(), kOp, name,
+                    "must be None: the quantised and fused-activation paths of "
+                    "npu_grouped_matmul (scale, offset, antiquant_scale, antiquant_offset, "
+                    "per_token_scale, activation_*) are not implemented by opennpu, but got a "
+                    "list of ", list.has_value() ? list->size() : 0, " tensors");
+}
+
+// Group sizes from group_list values: cumulative ends (type 0) or sizes (type 1).
+std::vector<int64_t> group_sizes(const std::vector<int64_t>& values, int64_t type) {
+  OPENNPU_CHECK_ARG(type == 0 || type == 1, kOp, "group_list_type",
+                    "must be 0 (group_list holds cumulative row ends) or 1 (group sizes); 2 "
+                    "([group, size] pairs) is an Ascend quantised-path format opennpu does not "
+                    "implement, but got ", type);
+  std::vector<int64_t> sizes(values.size());
+  int64_t previous = 0;
+  for (size_t g = 0; g < values.size(); ++g) {
+    const int64_t v = values[g];
+    if (type == 0) {
+      OPENNPU_CHECK_ARG(v >= previous, kOp, "group_list",
+                        "must be non-negative and non-decreasing (cumulative row ends, "
+                        "group_list_type 0), but entry ", g, " is ", v, " after ", previous);
+      sizes[g] = v - previous;
+      previous = v;
+    } else {
+      OPENNPU_CHECK_ARG(v >= 0, kOp, "group_list",
+                        "must hold non-negative group sizes (group_list_type 1), but entry ", g,
+                        " is ", v);
+      sizes[g] = v;
+    }
+  }
+  return sizes;
+}
+
+// A 2-D matrix whose layout BLAS takes as it is (rows or columns contiguous), else a copy.
+at::Tensor fit(const at::Tensor& t) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  if (t.stride(1) == 1 && (rows <= 1 || t.stride(0) >= std::max<int64_t>(cols, 1))) return t;
+  if (t.stride(0) == 1 && (cols <= 1 || t.stride(1) >= std::max<int64_t>(rows, 1))) return t;
+  return t.contiguous();
+}
+
+struct Operand {
+  const void* ptr;
+  int64_t ld;
+  bool trans;
+};
+
+// The BLAS description of a 2-D view already passed through fit().
+Operand operand(const at::Tensor& t) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  if (t.stride(1) == 1 && (rows <= 1 || t.stride(0) >= std::max<int64_t>(cols, 1))) {
+    return {t.const_data_ptr(), rows <= 1 ? std::max<int64_t>(cols, 1) : t.stride(0), false};
+  }
+  TORCH_INTERNAL_ASSERT(t.stride(0) == 1);
+  return {t.const_data_ptr(), cols <= 1 ? std::max<int64_t>(rows, 1) : t.stride(1), true};
+}
+
+std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
+                                       const std::optional<at::TensorList>& bias,
+                                       const std::optional<std::vector<int64_t>>& group_values,
+                                       std::optional<int64_t> split_item,
+                                       std::optional<int64_t> group_type,
+                                       std::optional<int64_t> group_list_type,
+                                       std::optional<int64_t> act_type,
+                                       std::optional<at::ScalarType> output_dtype) {
+  OPENNPU_CHECK_ARG(!x.empty(), kOp, "x", "must hold at least one tensor, but got an empty list");
+  OPENNPU_CHECK_ARG(!weight.empty(), kOp, "weight",
+                    "must hold at least one tensor, but got an empty list");
+  const int64_t split = split_item.value_or(0);
+  OPENNPU_CHECK_ARG(split >= 0 && split <= 3, kOp, "split_item",
+                    "must be 0 or 1 (one output per group) or 2 or 3 (one output), but got ",
+                    split);
+  const bool single_out = split >= 2;
+  const int64_t act = act_type.value_or(0);
+  OPENNPU_CHECK_ARG(act == 0, kOp, "act_type",
+                    "must be 0: fused activations belong to Ascend's quantised path, which opennpu "
+                    "does not implement (apply the activation to the output), but got ", act);
+  if (group_type.has_value()) {
+    const int64_t gt = *group_type;
+    OPENNPU_CHECK_ARG(gt == -1 || gt == 0, kOp, "group_type",
+                      "must be -1 (no grouping: x[i] @ weight[i]) or 0 (x's rows grouped by "
+                      "group_list)",
+                      gt == 2 ? "; grouping on K (2) is not implemented by opennpu" : "",
+                      ", but got ", gt);
+    OPENNPU_CHECK_ARG(gt == 0 || !group_values.has_value(), kOp, "group_list",
+                      "must be None with group_type -1 (no grouping), but got ",
+                      group_values ? group_values->size() : 0, " entries");
+  }
+
+  // dtypes and the weights' groups.
+  const at::ScalarType dtype = x[0].scalar_type();
+  for (size_t i = 0; i < x.size(); ++i) {
+    const std::string name = list_arg("x", i);
+    OPENNPU_CHECK_ARG(x[i].defined(), kOp, name.c_str(), "must be a tensor, but got None");
+    OPENNPU_CHECK_ARG(x[i].scalar_type() != at::kChar, kOp, name.c_str(),
+                      "is int8: the quantised npu_grouped_matmul is not implemented by opennpu");
+    check_floating(kOp, name.c_str(), x[i]);
+    OPENNPU_CHECK_ARG(x[i].scalar_type() == dtype, kOp, name.c_str(),
+                      "must have the dtype of x[0] (", dtype, "), but got ", x[i].scalar_type());
+    check_same_device(kOp, name.c_str(), x[i], "x[0]", x[0]);
+  }
+  check_strict_dtype(kOp, "x[0]", x[0], {at::kHalf, at::kBFloat16, at::kFloat});
+  OPENNPU_CHECK_ARG(!output_dtype.has_value() || *output_dtype == dtype, kOp, "output_dtype",
+                    "must be None or x's dtype (", dtype, ") on the non-quantised path, but got ",
+                    *output_dtype);
+  const bool single_weight = weight.size() == 1 && weight[0].defined() && weight[0].dim() == 3;
+  const int64_t groups = single_weight ? weight[0].size(0) : static_cast<int64_t>(weight.size());
+  for (size_t i = 0; i < weight.size(); ++i) {
+    const std::string name = list_arg("weight", i);
+    const at::Tensor& w = weight[i];
+    OPENNPU_CHECK_ARG(w.defined(), kOp, name.c_str(), "must be a tensor, but got None");
+    OPENNPU_CHECK_ARG(w.scalar_type() == dtype, kOp, name.c_str(), "must have x's dtype (", dtype,
+                      "), but got ", w.scalar_type(),
+                      w.scalar_type() == at::kChar || w.scalar_type() == at::kInt
+                          ? " (the quantised paths are not implemented by opennpu)" : "");
+    OPENNPU_CHECK_ARG(w.dim() == 2 || single_weight, kOp, name.c_str(),
+                      "must be 2-D [K, N] (or one 3-D [E, K, N] tensor as the only weight), but "
+                      "got shape ", shape_str(w.sizes()));
+    check_same_device(kOp, name.c_str(), w, "x[0]", x[0]);
+  }
+  const auto weight_of = [&](int64_t g) { return single_weight ? weight[0][g] : weight[g]; };
+
+  // The groups' rows: separate x tensors, or row ranges of x[0].
+  const int64_t nx = static_cast<int64_t>(x.size());
+  const bool split_x = group_values.has_value() && nx == 1;
+  std::vector<int64_t> rows(groups), x_rows(nx);
+  if (split_x) {
+    OPENNPU_CHECK_ARG(x[0].dim() == 2, kOp, "x[0]",
+                      "must be 2-D [M, K] when group_list splits it into groups, but got shape ",
+                      shape_str(x[0].sizes()));
+    rows = group_sizes(*group_values, group_list_type.value_or(0));
+    OPENNPU_CHECK_ARG(static_cast<int64_t>(rows.size()) == groups, kOp, "group_list",
+                      "must have one entry per group (", groups, single_weight ?
+                      ", weight[0].size(0)" : ", len(weight)", "), but got ", rows.size());
+    int64_t total = 0;
+    for (int64_t m : rows) total += m;
+    OPENNPU_CHECK_ARG(total <= x[0].size(0), kOp, "group_list",
+                      "must cover at most the ", x[0].size(0),
+                      " rows of x[0], but its groups hold ", total, " rows");
+    OPENNPU_CHECK_STRICT(total == x[0].size(0), kOp, "group_list",
+                         "must cover all ", x[0].size(0), " rows of x[0], but its groups hold ",
+                         total);
+  } else {
+    OPENNPU_CHECK_ARG(nx == groups, kOp, "x",
+                      "must hold one tensor per group (", groups, ") or, with a group_list, one "
+                      "tensor to split into the groups, but got ", nx, " tensors",
+                      nx == 1 ? " and no group_list" : "");
+    for (int64_t i = 0; i < nx; ++i) {
+      const std::string name = list_arg("x", i);
+      OPENNPU_CHECK_ARG(x[i].dim() == 2 || (!single_out && x[i].dim() > 2), kOp, name.c_str(),
+                        "must be 2-D [M, K]", single_out ? " with split_item 2 or 3" :
+                        " (or have more leading dims)", ", but got shape ",
+                        shape_str(x[i].sizes()));
+      check_strict_rank(kOp, name.c_str(), x[i], 2, 6);
+      x_rows[i] = 1;
+      for (int64_t d = 0; d + 1 < x[i].dim(); ++d) x_rows[i] *= x[i].size(d);
+      rows[i] = x_rows[i];
+    }
+    if (group_values.has_value()) {
+      const std::vector<int64_t> sizes = group_sizes(*group_values, group_list_type.value_or(0));
+      OPENNPU_CHECK_ARG(sizes.size() == rows.size(), kOp, "group_list",
+                        "must have one entry per x tensor (", rows.size(), "), but got ",
+                        sizes.size());
+      for (int64_t i = 0; i < nx; ++i) {
+        OPENNPU_CHECK_ARG(sizes[i] == rows[i], kOp, "group_list",
+                          "must give each group the rows of its x tensor, but group ", i, " has ",
+                          sizes[i], " rows and x[", i, "] has ", rows[i]);
+      }
+    }
+  }
+
+  // Shapes: K of every group, and N (equal across groups for a single output).
+  std::vector<int64_t> k_of(groups), n_of(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::Tensor w = weight_of(g);
+    k_of[g] = w.size(0);
+    n_of[g] = w.size(1);
+    const at::Tensor& xg = split_x ? x[0] : x[g];
+    const std::string name = split_x ? std::string("x[0]") : list_arg("x", g);
+    OPENNPU_CHECK_ARG(xg.size(-1) == k_of[g], kOp, name.c_str(), "must have K = ", k_of[g],
+                      " columns (weight", single_weight ? "[0][" : "[", g, "] is ",
+                      shape_str(w.sizes()), "), but got shape ", shape_str(xg.sizes()));
+    OPENNPU_CHECK_ARG(!single_out || n_of[g] == n_of[0], kOp, "weight",
+                      "must give every group the same N with split_item 2 or 3 (one output), but "
+                      "group 0 has N = ", n_of[0], " and group ", g, " has N = ", n_of[g]);
+  }
+
+  // Bias: [N_g] per weight tensor, or [E, N] for a 3-D weight; kept in the accumulator dtype.
+  const auto acc = acc_dtype(x[0]);
+  std::vector<at::Tensor> bias_acc(groups);
+  if (bias.has_value() && !bias->empty()) {
+    OPENNPU_CHECK_ARG(bias->size() == weight.size(), kOp, "bias",
+                      "must hold one tensor per weight tensor (", weight.size(), "), but got ",
+                      bias->size());
+    for (size_t i = 0; i < bias->size(); ++i) {
+      const std::string name = list_arg("bias", i);
+      const at::Tensor& b = (*bias)[i];
+      check_floating(kOp, name.c_str(), b);
+      OPENNPU_CHECK_ARG(b.scalar_type() == dtype || b.scalar_type() == acc, kOp, name.c_str(),
+                        "must have x's dtype (", dtype, ") or ", acc, ", but got ",
+                        b.scalar_type());
+      check_same_device(kOp, name.c_str(), b, "x[0]", x[0]);
+      if (single_weight) {
+        OPENNPU_CHECK_ARG(b.dim() == 2 && b.size(0) == groups && b.size(1) == n_of[0], kOp,
+                          name.c_str(), "must be [E, N] = [", groups, ", ", n_of[0],
+                          "] for the 3-D weight, but got shape ", shape_str(b.sizes()));
+        const at::Tensor all = b.to(acc).contiguous();
+        for (int64_t g = 0; g < groups; ++g) bias_acc[g] = all[g];
+      } else {
+        OPENNPU_CHECK_ARG(b.dim() == 1 && b.size(0) == n_of[i], kOp, name.c_str(),
+                          "must be 1-D [N] = [", n_of[i], "] (the columns of weight[", i,
+                          "]), but got shape ", shape_str(b.sizes()));
+        bias_acc[i] = b.to(acc).contiguous();
+      }
+    }
+  }
+
+  // Outputs, and one GEMM per non-empty group.
+  std::vector<at::Tensor> outputs;
+  std::vector<at::Tensor> out_of(groups);  // [rows, N] view of each group's output
+  const at::TensorOptions options = x[0].options();
+  if (single_out) {
+    int64_t total = 0;
+    for (int64_t m : rows) total += m;
+    const int64_t out_rows = split_x ? x[0].size(0) : total;
+    const int64_t n = groups > 0 ? n_of[0] : weight[0].size(-1);
+    at::Tensor y = total < out_rows ? at::zeros({out_rows, n}, options)
+                                    : at::empty({out_rows, n}, options);
+    int64_t start = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      out_of[g] = y.narrow(0, start, rows[g]);
+      start += rows[g];
+    }
+    outputs.push_back(y);
+  } else {
+    for (int64_t g = 0; g < groups; ++g) {
+      std::vector<int64_t> shape{rows[g], n_of[g]};
+      if (!split_x) {
+        shape.assign(x[g].sizes().begin(), x[g].sizes().end());
+        shape.back() = n_of[g];
+      }
+      at::Tensor y = at::empty(shape, options);
+      out_of[g] = y.view({rows[g], n_of[g]});
+      outputs.push_back(y);
+    }
+  }
+
+  std::vector<GemmGroup> gemms;
+  std::vector<at::Tensor> keep;  // copies made for BLAS layouts
+  const at::Tensor x0 = split_x ? fit(x[0]) : at::Tensor();
+  int64_t start = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t m = rows[g];
+    const int64_t row0 = start;
+    start += m;
+    if (m == 0 || n_of[g] == 0) continue;
+    at::Tensor a = split_x ? x0.narrow(0, row0, m) : fit(x[g].reshape({m, k_of[g]}));
+    at::Tensor b = fit(weight_of(g));
+    keep.push_back(a);
+    keep.push_back(b);
+    const Operand oa = operand(a), ob = operand(b);
+    GemmGroup gemm;
+    gemm.a = oa.ptr;
+    gemm.lda = oa.ld;
+    gemm.ta = oa.trans;
+    gemm.b = ob.ptr;
+    gemm.ldb = ob.ld;
+    gemm.tb = ob.trans;
+    gemm.bias = bias_acc[g].defined() ? bias_acc[g].const_data_ptr() : nullptr;
+    gemm.out = out_of[g].mutable_data_ptr();
+    gemm.ldout = n_of[g];
+    gemm.m = m;
+    gemm.n = n_of[g];
+    gemm.k = k_of[g];
+    gemms.push_back(gemm);
+  }
+  grouped_gemm_cpu.get(kOp)(dtype, gemms);
+  return outputs;
+}
+
+}  // namespace
+
+std::vector<at::Tensor> npu_grouped_matmul(
+    at::TensorList x, at::TensorList weight, const std::optional<at::TensorList>& bias,
+    const std::optional<at::TensorList>& scale, const std::optional<at::TensorList>& offset,
+    const std::optional<at::TensorList>& antiquant_scale,
+    const std::optional<at::TensorList>& antiquant_offset,
+    const std::optional<at::TensorList>& per_token_scale,
+    const std::optional<at::Tensor>& group_list,
+    const std::optional<at::TensorList>& activation_input,
+    const std::optional<at::TensorList>& activation_quant_scale,
+    const std::optional<at::TensorList>& activation_quant_offset,
+    std::optional<int64_t> split_item, std::optional<int64_t> group_type,
+    std::optional<int64_t> group_list_type, std::optional<int64_t> act_type,
+    at::OptionalIntArrayRef tuning_config, std::optional<at::ScalarType> output_dtype) {
+  (void)tuning_config;  // a tiling hint (expected tokens per expert); nothing to tune here
+  check_absent("scale", scale);
+  check_absent("offset", offset);
+  check_absent("antiquant_scale", antiquant_scale);
+  check_absent("antiquant_offset", antiquant_offset);
+  check_absent("per_token_scale", per_token_scale);
+  check_absent("activation_input", activation_input);
+  check_absent("activation_quant_scale", activation_quant_scale);
+  check_absent("activation_quant_offset", activation_quant_offset);
+  OPENNPU_CHECK_STRICT(group_type.has_value(), kOp, "group_type",
+                       "must be given (-1 or 0) when group_list is a Tensor, but got None");
+  std::optional<std::vector<int64_t>> values;
+  if (group_list.has_value() && group_list->defined()) {
+    const at::Tensor& gl = *group_list;
+    OPENNPU_CHECK_ARG(gl.scalar_type() == at::kLong || gl.scalar_type() == at::kInt, kOp,
+                      "group_list", "must be int64 (or int32), but got ", gl.scalar_type());
+    OPENNPU_CHECK_ARG(gl.dim() == 1, kOp, "group_list", "must be 1-D (one entry per group), but "
+                      "got shape ", shape_str(gl.sizes()),
+                      gl.dim() == 2 ? " ([group, size] pairs, group_list_type 2, are not "
+                                      "implemented by opennpu)" : "");
+    check_strict_dtype(kOp, "group_list", gl, {at::kLong});
+    const at::Tensor c = gl.to(at::kLong).contiguous();
+    values.emplace(c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel());
+  }
+  return grouped_matmul(x, weight, bias, values, split_item, group_type, group_list_type, act_type,
+                        output_dtype);
+}
+
+std::vector<at::Tensor> npu_grouped_matmul_list(
+    at::TensorList x, at::TensorList weight, const std::optional<at::TensorList>& bias,
+    const std::optional<at::TensorList>& scale, const std::optional<at::TensorList>& offset,
+    const std::optional<at::TensorList>& antiquant_scale,
+    const std::optional<at::TensorList>& antiquant_offset,
+    const std::optional<at::TensorList>& per_token_scale, at::OptionalIntArrayRef group_list,
+    const std::optional<at::TensorList>& activation_input,
+    const std::optional<at::TensorList>& activation_quant_scale,
+    const std::optional<at::TensorList>& activation_quant_offset,
+    std::optional<int64_t> split_item, std::optional<int64_t> group_type,
+    std::optional<int64_t> group_list_type, std::optional<int64_t> act_type,
+    std::optional<at::ScalarType> output_dtype) {
+  check_absent("scale", scale);
+  check_absent("offset", offset);
+  check_absent("antiquant_scale", antiquant_scale);
+  check_absent("antiquant_offset", antiquant_offset);
+  check_absent("per_token_scale", per_token_scale);
+  check_absent("activation_input", activation_input);
+  check_absent("activation_quant_scale", activation_quant_scale);
+  check_absent("activation_quant_offset", activation_quant_offset);
+  std::optional<std::vector<int64_t>> values;
+  if (group_list.has_value()) values.emplace(group_list->begin(), group_list->end());
+  return grouped_matmul(x, weight, bias, values, split_item, group_type, group_list_type, act_type,
+                        output_dtype);
+}
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_grouped_matmul", &npu_grouped_matmul);
+  m.impl("npu_grouped_matmul.List", &npu_grouped_matmul_list);
+}
+
+}  // namespace opennpu::moe

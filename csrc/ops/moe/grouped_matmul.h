@@ -1,0 +1,46 @@
+// npu_grouped_matmul (Ascend GroupedMatmul), the non-quantised paths: y_g = x_g @ w_g (+ b_g) for
+// G groups, where the groups are separate tensors or the row ranges of one x that group_list
+// cuts (group_type 0, "grouped on M").
+//
+// The entry point (grouped_matmul.cpp) turns every accepted x / weight / output layout into a list
+// of plain 2-D GEMMs (GemmGroup); the kernel (grouped_matmul_cpu.cpp) cuts those into tiles of at
+// most kRowTile x kColTile outputs and hands the tiles to the threads dynamically, so a few large
+// groups and many tiny ones (MoE decoding: a handful of tokens per expert) both keep every thread
+// busy. Each tile is one single-threaded BLAS call plus a vectorised epilogue while the tile is in
+// cache:
+//   fp32 / fp64   MKL sgemm_ / dgemm_ (or ATen's addmm) straight into the output, then + bias;
+//   fp16 / bf16   MKL's cblas_gemm_{f16f16f32,bf16bf16f32} (fp32 accumulation) into an fp32 tile,
+//                 then + bias (kept in fp32) and one rounding into the output. Where PyTorch's
+//                 BLAS lacks those (or OPENNPU_GMM_HALF_GEMM=0), the tile's operands are
+//                 converted to fp32 and go through sgemm_.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
+
+#include "common/cpu_dispatch.h"
+
+namespace opennpu::moe {
+
+// One GEMM out[m, n] = a[m, k] @ b[k, n] (+ bias[n]) in `dtype` (a, b and out), row-major with
+// leading dimensions; ta / tb: the operand is stored transposed (a as [k, m], b as [n, k]).
+struct GemmGroup {
+  const void* a = nullptr;
+  int64_t lda = 0;
+  bool ta = false;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  bool tb = false;
+  const void* bias = nullptr;  // [n] in the accumulator dtype (float, double for fp64), or null
+  void* out = nullptr;
+  int64_t ldout = 0;
+  int64_t m = 0, n = 0, k = 0;
+};
+
+using GroupedGemmFn = void(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups);
+
+extern CpuKernel<GroupedGemmFn> grouped_gemm_cpu;
+
+}  // namespace opennpu::moe

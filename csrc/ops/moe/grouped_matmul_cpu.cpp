@@ -1,0 +1,159 @@
+// CPU kernel of npu_grouped_matmul (compiled once per ISA; see common/cpu_dispatch.h and
+// grouped_matmul.h for the plan).
+//
+// Tiles: every group's output is cut into blocks of at most kRowTile x kColTile; the threads take
+// tiles from a shared counter (largest groups' tiles first, so the run ends on small ones). Each
+// tile is one BLAS call run on the calling thread (MKL uses one thread inside a parallel region),
+// then the epilogue: + bias, and for fp16 / bf16 the single rounding of the fp32 tile into the
+// output. A tile of kRowTile x kColTile fp32 values (512 KB) stays in L2 between the two.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "common/blas.h"
+#include "common/vec.h"
+#include "ops/moe/grouped_matmul.h"
+
+namespace opennpu::moe {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+constexpr int64_t kRowTile = 256;
+constexpr int64_t kColTile = 512;
+
+struct Tile {
+  int64_t group, r0, c0;
+};
+
+// Whether fp16 / bf16 tiles go to MKL's half-precision GEMMs (fp32 accumulation and output).
+// OPENNPU_GMM_HALF_GEMM=0 forces the convert-to-fp32 path (also what runs without those GEMMs).
+bool use_half_gemm(at::ScalarType dtype) {
+  static const bool enabled = [] {
+    const char* env = std::getenv("OPENNPU_GMM_HALF_GEMM");
+    return env == nullptr || std::strcmp(env, "0") != 0;
+  }();
+  if (!enabled) return false;
+  if (dtype == at::kBFloat16) return cblas_gemm_bf16bf16f32 != nullptr;
+  if (dtype == at::kHalf) return cblas_gemm_f16f16f32 != nullptr;
+  return false;
+}
+
+// out[r, :] = acc[r, :] (+ bias), rounded once to scalar_t; acc may alias out (fp32 / fp64).
+template <typename scalar_t>
+void epilogue(const acc_t<scalar_t>* acc, int64_t ldacc, const acc_t<scalar_t>* bias, int64_t m,
+              int64_t n, scalar_t* out, int64_t ldout) {
+  using T = acc_t<scalar_t>;
+  using Vec = AccVec<scalar_t>;
+  using AccIO = VecPair<T>;
+  using IO = VecPair<scalar_t>;
+  for (int64_t r = 0; r < m; ++r) {
+    const T* a_row = acc + r * ldacc;
+    scalar_t* o_row = out + r * ldout;
+    for_each_step<scalar_t>(n, [&](int64_t c, int64_t len) {
+      Vec a, b;
+      AccIO::load(a_row + c, a, b, len);
+      if (bias != nullptr) {
+        Vec ba, bb;
+        AccIO::load(bias + c, ba, bb, len);
+        a = a + ba;
+        b = b + bb;
+      }
+      IO::store(o_row + c, a, b, len);
+    });
+  }
+}
+
+// Copies an operand block stored as `rows` rows of `cols` scalar_t (row stride ld) into a dense
+// float block (row stride cols).
+template <typename scalar_t>
+void to_float(const scalar_t* src, int64_t ld, int64_t rows, int64_t cols, float* dst) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  for (int64_t r = 0; r < rows; ++r) {
+    for_each_step<scalar_t>(cols, [&](int64_t c, int64_t len) {
+      Vec a, b;
+      IO::load(src + r * ld + c, a, b, len);
+      VecPair<float>::store(dst + r * cols + c, a, b, len);
+    });
+  }
+}
+
+// Per-thread scratch: the fp32 output tile, and the fp32 operand copies of the fallback path.
+struct Scratch {
+  blas::TileBuffer<float> acc, a, b;
+};
+
+template <typename scalar_t>
+void run_tile(const GemmGroup& g, const Tile& t, bool half_gemm, Scratch& s) {
+  using T = acc_t<scalar_t>;
+  const int64_t m = std::min(kRowTile, g.m - t.r0);
+  const int64_t n = std::min(kColTile, g.n - t.c0);
+  const auto* a = static_cast<const scalar_t*>(g.a) + (g.ta ? t.r0 : t.r0 * g.lda);
+  const auto* b = static_cast<const scalar_t*>(g.b) + (g.tb ? t.c0 * g.ldb : t.c0);
+  auto* out = static_cast<scalar_t*>(g.out) + t.r0 * g.ldout + t.c0;
+  const T* bias = g.bias != nullptr ? static_cast<const T*>(g.bias) + t.c0 : nullptr;
+  if constexpr (std::is_same_v<scalar_t, T>) {
+    // fp32 / fp64: straight into the output, then the bias in place.
+    blas::gemm<scalar_t, T>(g.ta, g.tb, m, n, g.k, T(1), a, g.lda, b, g.ldb, T(0), out, g.ldout);
+    if (bias != nullptr) epilogue<scalar_t>(out, g.ldout, bias, m, n, out, g.ldout);
+  } else {
+    if (s.acc.size() < kRowTile * kColTile) s.acc = blas::TileBuffer<float>(kRowTile * kColTile);
+    float* acc = s.acc.data();
+    if (half_gemm) {
+      blas::gemm<scalar_t, float>(g.ta, g.tb, m, n, g.k, 1.f, a, g.lda, b, g.ldb, 0.f, acc, n);
+    } else {
+      // The operands as stored (transposed or not), converted to dense fp32 blocks.
+      const int64_t a_rows = g.ta ? g.k : m, a_cols = g.ta ? m : g.k;
+      const int64_t b_rows = g.tb ? n : g.k, b_cols = g.tb ? g.k : n;
+      if (s.a.size() < a_rows * a_cols) s.a = blas::TileBuffer<float>(a_rows * a_cols);
+      if (s.b.size() < b_rows * b_cols) s.b = blas::TileBuffer<float>(b_rows * b_cols);
+      to_float(a, g.lda, a_rows, a_cols, s.a.data());
+      to_float(b, g.ldb, b_rows, b_cols, s.b.data());
+      blas::gemm<float, float>(g.ta, g.tb, m, n, g.k, 1.f, s.a.data(), std::max<int64_t>(a_cols, 1),
+                               s.b.data(), std::max<int64_t>(b_cols, 1), 0.f, acc, n);
+    }
+    epilogue<scalar_t>(acc, n, bias, m, n, out, g.ldout);
+  }
+}
+
+void grouped_gemm_kernel(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups) {
+  // Tiles of the largest groups first (by rows x k), row blocks outer so consecutive tiles of one
+  // thread share the rows of a.
+  std::vector<int64_t> by_size(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) by_size[i] = static_cast<int64_t>(i);
+  std::stable_sort(by_size.begin(), by_size.end(), [&](int64_t x, int64_t y) {
+    return groups[x].m * groups[x].k > groups[y].m * groups[y].k;
+  });
+  std::vector<Tile> tiles;
+  for (int64_t gi : by_size) {
+    const GemmGroup& g = groups[gi];
+    for (int64_t r0 = 0; r0 < g.m; r0 += kRowTile) {
+      for (int64_t c0 = 0; c0 < g.n; c0 += kColTile) tiles.push_back({gi, r0, c0});
+    }
+  }
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size());
+  if (num_tiles == 0) return;
+  const bool half_gemm = use_half_gemm(dtype);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "npu_grouped_matmul", [&] {
+    std::atomic<int64_t> next{0};
+    const int64_t threads = std::min<int64_t>(at::get_num_threads(), num_tiles);
+    at::parallel_for(0, std::max<int64_t>(threads, 1), 1, [&](int64_t, int64_t) {
+      Scratch scratch;
+      for (int64_t t = next.fetch_add(1); t < num_tiles; t = next.fetch_add(1)) {
+        run_tile<scalar_t>(groups[tiles[t].group], tiles[t], half_gemm, scratch);
+      }
+    });
+  });
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(grouped_gemm_cpu, &grouped_gemm_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::moe

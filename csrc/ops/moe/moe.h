@@ -1,0 +1,46 @@
+// Mixture-of-experts routing: npu_moe_gating_top_k_softmax, npu_moe_init_routing,
+// npu_moe_compute_expert_tokens, npu_moe_finalize_routing (Ascend MoeGatingTopKSoftmax,
+// MoeInitRouting, MoeComputeExpertTokens, MoeFinalizeRouting) and npu_grouped_matmul
+// (grouped_matmul.cpp), the pieces of a MoE layer:
+//
+//   logits [T, E] --gating--> y, expert_idx [T, k] (softmax top-k), row_idx [T, k]
+//   x [T, H] --init_routing--> expanded_x [T*k, H] (rows sorted by expert, stable),
+//                              expanded_row_idx [T*k] (where each (token, slot) went),
+//                              expanded_expert_idx [T*k] (the sorted experts)
+//   expanded_expert_idx --compute_expert_tokens--> cumulative rows per expert [E]
+//   expanded_x --npu_grouped_matmul (group_list = those counts) + activation--> rows [T*k, H]
+//   rows --finalize_routing--> out [T, H] = skip1 + skip2 + sum_k scales * (row + bias[expert])
+//
+// Slot j of token i is "source row" j*T + i (torch_npu's row_idx = arange(T*k).view(k, T).t()).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "common/cpu_dispatch.h"
+
+namespace opennpu::moe {
+
+// Softmax over the last dim of each of the `rows` rows of x (contiguous, [rows, E]), then its
+// top k (ties to the lower expert index; for fp16/bf16 the values are compared as rounded to
+// x's dtype, as torch_npu's golden does). y: [rows, k] in x's dtype; expert_idx, row_idx:
+// [rows, k] int32. finished (nullptr or rows bools): those rows get expert index E.
+using GatingFn = void(const at::Tensor& x, const bool* finished, int64_t k, at::Tensor& y,
+                      at::Tensor& expert_idx, at::Tensor& row_idx);
+
+// The gather and the sums of npu_moe_finalize_routing, one pass over the output:
+//   out[i] = skip1[i] + skip2[i] + sum_j scale[i, j] * (rows[src[i, j]] + bias[expert[i, j]])
+// rows: [R, H] contiguous, out's dtype. skip1 / skip2: [N, H] contiguous in out's dtype, or
+// undefined. bias: [E, H] contiguous float32 (float64 for float64 rows) or undefined. scales:
+// [N, K] contiguous in bias's dtype, or undefined (= 1). src: [N, K] int32 row of each term, -1 =
+// a dropped slot (its row counts as 0). expert: [N, K] int32, read only with a bias. All indices
+// were checked by the caller.
+using FinalizeFn = void(const at::Tensor& rows, const at::Tensor& skip1, const at::Tensor& skip2,
+                        const at::Tensor& bias, const at::Tensor& scales, const int32_t* src,
+                        const int32_t* expert, int64_t k, at::Tensor& out);
+
+extern CpuKernel<GatingFn> gating_cpu;
+extern CpuKernel<FinalizeFn> finalize_cpu;
+
+}  // namespace opennpu::moe

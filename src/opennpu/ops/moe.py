@@ -1,0 +1,243 @@
+"""Mixture of experts: gating, routing, grouped matmul and combine.
+
+A MoE layer on opennpu ops (``opennpu.testing.reference.npu_moe_layer`` runs exactly this)::
+
+    logits = x @ w_gate                                                        # [T, E]
+    y, expert_idx, row_idx = npu_moe_gating_top_k_softmax(logits, k=k)         # [T, k] each
+    expanded_x, expanded_row_idx, expanded_expert_idx = npu_moe_init_routing(
+        x, row_idx, expert_idx, active_num=T)                           # rows sorted by expert
+    group_list = npu_moe_compute_expert_tokens(expanded_expert_idx, E)         # cumulative rows
+    h = npu_grouped_matmul([expanded_x], [w13], group_list=group_list.long(),
+                           split_item=3, group_type=0)[0]                      # [T*k, 2I]
+    h = npu_grouped_matmul([npu_swiglu(h)], [w2], group_list=group_list.long(),
+                           split_item=3, group_type=0)[0]                      # [T*k, H]
+    out = npu_moe_finalize_routing(h, None, None, None, y, expanded_row_idx, expert_idx)
+
+Slot j of token i is "source row" ``j * T + i`` everywhere (``row_idx`` is
+``arange(T * k).view(k, T).t()``). None of these ops is differentiable, as in torch_npu (a
+backward through them raises a clear error).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._registry import mark_not_differentiable
+
+_ops = torch.ops.npu
+
+
+def npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None = None,
+                                 k: int = 1):
+    """Softmax over the last dim of ``x`` (the E experts), then its top ``k``.
+
+    Returns ``(y, expert_idx, row_idx)``, each ``x.shape[:-1] + (k,)``:
+
+    - ``y``: the k largest probabilities, largest first, in x's dtype (softmax in float32,
+      float64 for float64 x, rounded once);
+    - ``expert_idx`` (int32): their experts. Ties go to the lower expert index (a stable
+      ranking); for float16 / bfloat16 x the ranking compares the rounded probabilities, as
+      torch_npu's golden does. Rows where ``finished`` (bool, ``x.shape[:-1]``) is True get
+      expert index E (y is still the top k);
+    - ``row_idx`` (int32): ``j * rows + i`` for row i and slot j, i.e.
+      ``arange(rows * k).view(k, rows).t()``, the row_idx npu_moe_init_routing takes.
+
+    1 <= k <= E (strict mode: k <= 1024, 2-D / 3-D x, fp16 / bf16 / fp32).
+    """
+    return _ops.npu_moe_gating_top_k_softmax(x, finished, k)
+
+
+def npu_moe_init_routing(x: torch.Tensor, row_idx: torch.Tensor, expert_idx: torch.Tensor,
+                         active_num: int):
+    """Sorts the (token, slot) pairs by expert and gathers the tokens in that order.
+
+    ``x`` [N, H], ``expert_idx`` [N, k] (int32, or int64), ``row_idx`` [N, k] (int32: a
+    permutation of ``range(N * k)``, normally gating's row_idx). The N*k entries of expert_idx
+    (row-major) are sorted stably by expert (a counting sort); with ``sorted_row[p]`` the
+    row_idx entry that lands at position p, returns:
+
+    - ``expanded_x`` [min(active_num, N) * k, H]: ``x[sorted_row[p] % N]`` (the first rows only
+      when active_num < N);
+    - ``expanded_row_idx`` [N * k] int32: ``expanded_row_idx[sorted_row[p]] = p``, where each
+      source row went (npu_moe_finalize_routing's ``expanded_src_to_dst_row``);
+    - ``expanded_expert_idx`` [N * k] int32: the sorted experts.
+
+    x may have any dtype (the rows are copied, not computed).
+    """
+    return _ops.npu_moe_init_routing(x, row_idx, expert_idx, active_num)
+
+
+def npu_moe_compute_expert_tokens(sorted_expert_for_source_row: torch.Tensor,
+                                  num_expert: int) -> torch.Tensor:
+    """Cumulative row counts per expert of sorted expert indices.
+
+    ``out[e]`` = the number of entries ``<= e`` (one past expert e's last row): a
+    ``group_list`` for npu_grouped_matmul with ``group_list_type=0``. The input is 1-D int32 (or
+    int64), sorted (e.g. npu_moe_init_routing's expanded_expert_idx; an error says where it is
+    not); the output has its dtype and ``num_expert`` entries. Experts with no rows repeat the
+    previous count; entries >= num_expert (finished rows) are not counted.
+    """
+    return _ops.npu_moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert)
+
+
+def npu_moe_finalize_routing(expanded_permuted_rows: torch.Tensor, skip1: torch.Tensor | None,
+                             skip2: torch.Tensor | None, bias: torch.Tensor | None,
+                             scales: torch.Tensor | None, expanded_src_to_dst_row: torch.Tensor,
+                             export_for_source_row: torch.Tensor | None,
+                             drop_pad_mode: int | None = 0) -> torch.Tensor:
+    """Combines the experts' output rows back into tokens, in one pass:
+
+    ``out[i] = skip1[i] + skip2[i] + sum_j scales[i, j] * (rows[src(i, j)] + bias[e(i, j)])``
+
+    with ``src(i, j) = expanded_src_to_dst_row[j * N + i]`` (drop_pad_mode 0 / 1) or
+    ``[i * k + j]`` (2 / 3) and ``e(i, j) = export_for_source_row[i, j]`` (the [N, k] expert_idx;
+    needed only with a bias). Every term is optional: no skips = 0, no scales = 1, no bias = 0.
+    drop_pad_mode 1 / 3: rows is ``[E, C, H]`` and src -1 marks a dropped slot whose row counts as
+    0 (its bias still counts, as in torch_npu's golden). N and k come from scales [N, k] (else
+    export_for_source_row, else the skips [N, H], else k = 1).
+
+    rows, skip1, skip2: one dtype (fp16 / bf16 / fp32), the output's; bias [E, H] and scales
+    [N, k] may be float32 too. Accumulated in float32 (float64 for float64), rounded once.
+    """
+    return _ops.npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
+                                         expanded_src_to_dst_row, export_for_source_row,
+                                         drop_pad_mode)
+
+
+def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *,
+                       bias: Sequence[torch.Tensor] | None = None, scale=None, offset=None,
+                       antiquant_scale=None, antiquant_offset=None, per_token_scale=None,
+                       group_list: torch.Tensor | Sequence[int] | None = None,
+                       activation_input=None, activation_quant_scale=None,
+                       activation_quant_offset=None, split_item: int = 0,
+                       group_type: int | None = None, group_list_type: int = 0,
+                       act_type: int = 0, tuning_config: Sequence[int] | None = None,
+                       output_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """Grouped matmul: ``y_g = x_g @ w_g (+ b_g)`` for G groups, returned as a list.
+
+    The groups (G = ``len(weight)``, or E for one 3-D weight ``[E, K, N]``):
+
+    - ``x`` holds G tensors (``group_type`` -1 or 0): group g is ``x[g] @ weight[g]``; with
+      ``split_item`` 0 / 1, x[g] may have leading dims (kept in y[g]).
+    - ``x`` holds one 2-D ``[M, K]`` and ``group_list`` is given (``group_type=0``): group g is
+      the g-th row range of x. ``group_list`` (an int64 Tensor, or a list of ints: the ``.List``
+      overload) holds cumulative row ends (``group_list_type=0``, what
+      npu_moe_compute_expert_tokens returns) or group sizes (``group_list_type=1``); groups may
+      be empty.
+
+    ``split_item`` 0 / 1: one output per group; 2 / 3: one output ``[rows, N]`` with the groups'
+    rows in order (all groups share N; rows of x after the last group are 0). ``bias``: one
+    ``[N_g]`` tensor per weight tensor, or one ``[E, N]`` with a 3-D weight, in x's dtype or
+    float32. Weights may be transposed views (``w.transpose(-1, -2)`` of ``[.., N, K]``).
+
+    dtypes: float16, bfloat16, float32 (and float64); fp16 / bf16 accumulate in float32 (bias
+    added in float32) and round once. Each group's GEMM is BLAS (MKL), tiled and spread over the
+    threads. The quantised paths (``scale``, ``offset``, ``antiquant_*``, ``per_token_scale``,
+    int8 x / weights), ``act_type`` != 0, ``group_type=2`` and ``group_list_type=2`` are not
+    implemented (a clear error says so); ``tuning_config`` is accepted and ignored.
+    """
+    kwargs = dict(bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
+                  antiquant_offset=antiquant_offset, per_token_scale=per_token_scale,
+                  group_list=group_list, activation_input=activation_input,
+                  activation_quant_scale=activation_quant_scale,
+                  activation_quant_offset=activation_quant_offset, split_item=split_item,
+                  group_type=group_type, group_list_type=group_list_type, act_type=act_type,
+                  output_dtype=output_dtype)
+    if group_list is not None and not isinstance(group_list, torch.Tensor):
+        return _ops.npu_grouped_matmul.List(list(x), list(weight), **kwargs)
+    return _ops.npu_grouped_matmul.default(list(x), list(weight), tuning_config=tuning_config,
+                                           **kwargs)
+
+
+# ----------------------------------------------------------------------------- fake kernels
+
+
+@torch.library.register_fake("npu::npu_moe_gating_top_k_softmax")
+def _gating_fake(x, finished=None, k=1):
+    shape = (*x.shape[:-1], k)
+    return (x.new_empty(shape), x.new_empty(shape, dtype=torch.int32),
+            x.new_empty(shape, dtype=torch.int32))
+
+
+@torch.library.register_fake("npu::npu_moe_init_routing")
+def _init_routing_fake(x, row_idx, expert_idx, active_num):
+    n, h = x.shape
+    k = expert_idx.shape[1]
+    return (x.new_empty((torch.sym_min(active_num, n) * k, h)),
+            x.new_empty((n * k,), dtype=torch.int32), x.new_empty((n * k,), dtype=torch.int32))
+
+
+@torch.library.register_fake("npu::npu_moe_compute_expert_tokens")
+def _compute_expert_tokens_fake(sorted_expert_for_source_row, num_expert):
+    return sorted_expert_for_source_row.new_empty((num_expert,))
+
+
+@torch.library.register_fake("npu::npu_moe_finalize_routing")
+def _finalize_routing_fake(expanded_permuted_rows, skip1, skip2, bias, scales,
+                           expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0):
+    if scales is not None:
+        n = scales.shape[0]
+    elif export_for_source_row is not None:
+        n = export_for_source_row.shape[0]
+    elif skip1 is not None or skip2 is not None:
+        n = (skip1 if skip1 is not None else skip2).shape[0]
+    else:
+        n = expanded_src_to_dst_row.shape[0]
+    return expanded_permuted_rows.new_empty((n, expanded_permuted_rows.shape[-1]))
+
+
+def _group_sizes(values, group_list_type):
+    if group_list_type == 1:
+        return list(values)
+    return [b - a for a, b in zip([0, *values[:-1]], values)]
+
+
+def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type):
+    single_weight = len(weight) == 1 and weight[0].dim() == 3
+    groups = weight[0].shape[0] if single_weight else len(weight)
+    n_of = [weight[0].shape[2]] * groups if single_weight else [w.shape[1] for w in weight]
+    split_x = group_list is not None and len(x) == 1
+    split_item = 0 if split_item is None else split_item
+    if split_item >= 2:
+        rows = x[0].shape[0] if split_x else sum(t.shape[0] for t in x)
+        return [x[0].new_empty((rows, n_of[0] if groups else weight[0].shape[-1]))]
+    if not split_x:
+        return [t.new_empty((*t.shape[:-1], n)) for t, n in zip(x, n_of)]
+    if isinstance(group_list, torch.Tensor):  # the group sizes are data
+        ctx = torch.library.get_ctx()
+        sizes = [ctx.new_dynamic_size() for _ in range(groups)]
+    else:
+        sizes = _group_sizes(list(group_list), 0 if group_list_type is None else group_list_type)
+    return [x[0].new_empty((m, n)) for m, n in zip(sizes, n_of)]
+
+
+@torch.library.register_fake("npu::npu_grouped_matmul")
+def _grouped_matmul_tensor_fake(x, weight, *, bias=None, scale=None, offset=None,
+                                antiquant_scale=None, antiquant_offset=None, per_token_scale=None,
+                                group_list=None, activation_input=None,
+                                activation_quant_scale=None, activation_quant_offset=None,
+                                split_item=0, group_type=None, group_list_type=0, act_type=0,
+                                tuning_config=None, output_dtype=None):
+    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type)
+
+
+@torch.library.register_fake("npu::npu_grouped_matmul.List")
+def _grouped_matmul_list_fake(x, weight, *, bias=None, scale=None, offset=None,
+                              antiquant_scale=None, antiquant_offset=None, per_token_scale=None,
+                              group_list=None, activation_input=None, activation_quant_scale=None,
+                              activation_quant_offset=None, split_item=0, group_type=None,
+                              group_list_type=0, act_type=0, output_dtype=None):
+    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type)
+
+
+_INFERENCE_ONLY = "inference only: torch_npu registers no backward for it"
+mark_not_differentiable("npu_moe_gating_top_k_softmax", _INFERENCE_ONLY)
+mark_not_differentiable("npu_moe_init_routing", _INFERENCE_ONLY)
+mark_not_differentiable("npu_moe_compute_expert_tokens", "integer output")
+mark_not_differentiable("npu_moe_finalize_routing", _INFERENCE_ONLY)
+mark_not_differentiable("npu_grouped_matmul", "opennpu implements no backward for it yet")
+
+__all__ = ["npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
+           "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing", "npu_grouped_matmul"]
