@@ -117,6 +117,12 @@ inline AccVec<scalar_t> sigmoid_for(const AccVec<scalar_t>& z) {
   return reciprocal_for<scalar_t>(Vec(1) + exp_for<scalar_t>(Vec(0) - z));
 }
 
+// Rows per parallel chunk for row kernels: about 16K elements of work, so small tensors stay on
+// one thread.
+inline int64_t grain_rows(int64_t work_per_row) {
+  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(work_per_row, 1));
+}
+
 inline float horizontal_sum(const at::vec::Vectorized<float>& v) {
   return at::vec::vec_reduce_all<float>([](auto& a, auto& b) { return a + b; }, v);
 }

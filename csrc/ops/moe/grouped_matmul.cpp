@@ -46,6 +46,24 @@ void check_absent(const char* name, const std::optional<at::TensorList>& list) {
                     "list of ", list.has_value() ? list->size() : 0, " tensors");
 }
 
+using OptionalList = std::optional<at::TensorList>;
+
+// Both overloads: the quantised and fused-activation arguments must be absent.
+void check_no_quantisation(const OptionalList& scale, const OptionalList& offset,
+                           const OptionalList& antiquant_scale, const OptionalList& antiquant_offset,
+                           const OptionalList& per_token_scale, const OptionalList& activation_input,
+                           const OptionalList& activation_quant_scale,
+                           const OptionalList& activation_quant_offset) {
+  check_absent("scale", scale);
+  check_absent("offset", offset);
+  check_absent("antiquant_scale", antiquant_scale);
+  check_absent("antiquant_offset", antiquant_offset);
+  check_absent("per_token_scale", per_token_scale);
+  check_absent("activation_input", activation_input);
+  check_absent("activation_quant_scale", activation_quant_scale);
+  check_absent("activation_quant_offset", activation_quant_offset);
+}
+
 // Group sizes from group_list values: cumulative ends (type 0) or sizes (type 1).
 std::vector<int64_t> group_sizes(const std::vector<int64_t>& values, int64_t type) {
   OPENNPU_CHECK_ARG(type == 0 || type == 1, kOp, "group_list_type",
@@ -335,14 +353,8 @@ std::vector<at::Tensor> npu_grouped_matmul(
     std::optional<int64_t> group_list_type, std::optional<int64_t> act_type,
     at::OptionalIntArrayRef tuning_config, std::optional<at::ScalarType> output_dtype) {
   (void)tuning_config;  // a tiling hint (expected tokens per expert); nothing to tune here
-  check_absent("scale", scale);
-  check_absent("offset", offset);
-  check_absent("antiquant_scale", antiquant_scale);
-  check_absent("antiquant_offset", antiquant_offset);
-  check_absent("per_token_scale", per_token_scale);
-  check_absent("activation_input", activation_input);
-  check_absent("activation_quant_scale", activation_quant_scale);
-  check_absent("activation_quant_offset", activation_quant_offset);
+  check_no_quantisation(scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                        activation_input, activation_quant_scale, activation_quant_offset);
   OPENNPU_CHECK_STRICT(group_type.has_value(), kOp, "group_type",
                        "must be given (-1 or 0) when group_list is a Tensor, but got None");
   std::optional<std::vector<int64_t>> values;
@@ -374,14 +386,8 @@ std::vector<at::Tensor> npu_grouped_matmul_list(
     std::optional<int64_t> split_item, std::optional<int64_t> group_type,
     std::optional<int64_t> group_list_type, std::optional<int64_t> act_type,
     std::optional<at::ScalarType> output_dtype) {
-  check_absent("scale", scale);
-  check_absent("offset", offset);
-  check_absent("antiquant_scale", antiquant_scale);
-  check_absent("antiquant_offset", antiquant_offset);
-  check_absent("per_token_scale", per_token_scale);
-  check_absent("activation_input", activation_input);
-  check_absent("activation_quant_scale", activation_quant_scale);
-  check_absent("activation_quant_offset", activation_quant_offset);
+  check_no_quantisation(scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
+                        activation_input, activation_quant_scale, activation_quant_offset);
   std::optional<std::vector<int64_t>> values;
   if (group_list.has_value()) values.emplace(group_list->begin(), group_list->end());
   return grouped_matmul(x, weight, bias, values, split_item, group_type, group_list_type, act_type,

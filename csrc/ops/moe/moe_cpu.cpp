@@ -28,11 +28,6 @@ namespace {
 
 using at::vec::Vectorized;
 
-// Rows per parallel chunk: about 16K elements of work, so small inputs stay on one thread.
-int64_t grain_rows(int64_t work_per_row) {
-  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(work_per_row, 1));
-}
-
 // The ranking of the top-k: a larger probability first; NaN after every number.
 template <typename T>
 inline bool ranks_before(T a, T b) {

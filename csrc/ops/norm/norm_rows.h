@@ -11,11 +11,6 @@
 namespace opennpu::norm {
 inline namespace CPU_CAPABILITY {
 
-// Rows per parallel chunk: about 16K elements, so small tensors stay on one thread.
-inline int64_t grain_rows(int64_t n) {
-  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(n, 1));
-}
-
 // sum(x^2) over one row of n elements, accumulated in acc_t.
 template <typename scalar_t>
 acc_t<scalar_t> sum_of_squares(const scalar_t* x, int64_t n) {

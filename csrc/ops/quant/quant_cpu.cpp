@@ -36,19 +36,26 @@ float reduce_max(const Vec& v) {
   return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, v);
 }
 
+// (a, b) = x[i, i + len) (times smooth[i, i + len) when given), in fp32.
+template <typename src_t>
+inline void load_smoothed(const src_t* x, const float* smooth, int64_t i, int64_t len, Vec& a,
+                          Vec& b) {
+  VecPair<src_t>::load(x + i, a, b, len);
+  if (smooth != nullptr) {
+    Vec sa, sb;
+    FloatIO::load(smooth + i, sa, sb, len);
+    a = a * sa;
+    b = b * sb;
+  }
+}
+
 // rowmax(|x * smooth|) (smooth may be null) over n elements.
 template <typename src_t>
 float row_absmax(const src_t* x, const float* smooth, int64_t n) {
   Vec m0(0), m1(0);
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     Vec a, b;
-    VecPair<src_t>::load(x + i, a, b, len);
-    if (smooth != nullptr) {
-      Vec sa, sb;
-      FloatIO::load(smooth + i, sa, sb, len);
-      a = a * sa;
-      b = b * sb;
-    }
+    load_smoothed(x, smooth, i, len, a, b);
     m0 = at::vec::maximum(m0, a.abs());
     m1 = at::vec::maximum(m1, b.abs());
   });
@@ -171,13 +178,7 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     if (next != nullptr) prefetch_step(next, next2, next_elem_size, i);
     Vec a, b;
-    VecPair<src_t>::load(x + i, a, b, len);
-    if (smooth != nullptr) {
-      Vec sa, sb;
-      FloatIO::load(smooth + i, sa, sb, len);
-      a = a * sa;
-      b = b * sb;
-    }
+    load_smoothed(x, smooth, i, len, a, b);
     const int64_t len_a = std::min<int64_t>(len, Vec::size());
     if (spec.int4) {  // i and len are multiples of 8 (n is)
       int32_t* words = static_cast<int32_t*>(out) + i / 8;
@@ -220,7 +221,7 @@ void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
   };
   OPENNPU_QUANT_DISPATCH(x.scalar_type(), "npu_dynamic_quant", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
-    const int64_t grain = norm::grain_rows(n);
+    const int64_t grain = grain_rows(n);
     if (per_tensor) {
       const float absmax = at::parallel_reduce(
           0, rows, grain, 0.f,
@@ -276,7 +277,7 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
     const scalar_t* pa = x1.const_data_ptr<scalar_t>();
     const scalar_t* pbx = x2.const_data_ptr<scalar_t>();
     scalar_t* px = x_out.mutable_data_ptr<scalar_t>();
-    at::parallel_for(0, rows, norm::grain_rows(n), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       // Per thread: the fp32 row (x, then branch 1's input in place) and branch 2's input.
       std::vector<float> rowbuf(2 * n);
       float* in1 = rowbuf.data();

@@ -39,11 +39,6 @@ namespace {
 
 using at::vec::Vectorized;
 
-// Rows per parallel chunk: about 16K elements, so small tensors stay on one thread.
-int64_t grain_rows(int64_t w) {
-  return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(w, 1));
-}
-
 // Sets the lanes of (a, b) whose mask byte is nonzero to `fill`. `m` holds len <= kStep bytes
 // (kStep = 2 * Vec::size()); bytes past len are never read.
 template <typename T>
