@@ -35,4 +35,14 @@ from ._strict import is_strict, set_strict, strict  # noqa: E402
 from .ops import *  # noqa: E402,F401,F403
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # opennpu.compile (graph mode) imports torch._inductor, so it loads on first use only.
+    if name == "compile":
+        import importlib
+
+        return importlib.import_module(".compile", __name__)
+    raise AttributeError(f"module 'opennpu' has no attribute {name!r}")
+
 __all__ = ["cpu_isa", "is_strict", "set_strict", "strict", *ops.__all__]

@@ -1,0 +1,262 @@
+"""opennpu's torch.compile backend: pattern fusion, then Inductor (or eager execution).
+
+The pipeline for each graph Dynamo captures:
+
+1. pre_autograd rules (when pattern_fusion_pass is on): the captured graph is traced to
+   pre-dispatch ATen on the compile's fake tensors and native op groups are replaced by opennpu's
+   fused ops. When nothing matches, Dynamo's own graph goes on unchanged.
+2. AOTAutograd builds the functional forward/backward (or inference) graphs; on each, the user's
+   post_grad_custom_pre_pass, the post_grad rules (TorchAir's defaults and `register_replacement`
+   rules) and post_grad_custom_post_pass run, in that order.
+3. Inductor compiles the result (the post_grad rules run as its post_grad_custom_pre_pass, a
+   CustomGraphPass whose uuid covers the rule sources and the options, so the FX graph cache stays
+   correct), or with ``debug.run_eagerly`` the graphs run op by op.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from . import fusion
+from .config import CompilerConfig
+
+log = logging.getLogger("opennpu.compile")
+
+_graph_ids = itertools.count()
+
+
+def _fake_inputs(example_inputs: Sequence[Any]):
+    """The compile's fake mode and fake copies of `example_inputs` with Dynamo's symbolic sizes."""
+    from torch._guards import TracingContext
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    fake = next((x for x in example_inputs if isinstance(x, FakeTensor)), None)
+    if fake is not None:
+        return fake.fake_mode, list(example_inputs)
+    context = TracingContext.try_get()
+    fake_mode = context.fake_mode if context is not None else FakeTensorMode()
+    fakes = []
+    with fake_mode:
+        for x in example_inputs:
+            if isinstance(x, torch.Tensor):
+                symbolic = context.tensor_to_context.get(x) if context is not None else None
+                fakes.append(fake_mode.from_tensor(
+                    x, symbolic_context=symbolic,
+                    source=symbolic.tensor_source if symbolic is not None else None, trace=False))
+            else:
+                fakes.append(x)
+    return fake_mode, fakes
+
+
+def _specialize_floats() -> None:
+    """Keep Python floats (RMSNorm's eps, attention's scale) as graph constants.
+
+    With dynamic=True, Dynamo otherwise turns float attributes into tensor inputs read with
+    .item(); a fused op's float argument cannot take such a runtime value, so no rule could fire.
+    Specialising floats (the default of torch <= 2.5) costs a recompile only if a float changes.
+    This is process-wide, as TorchAir's own patches are, and logged once.
+    """
+    import torch._dynamo.config as dynamo_config
+
+    if not dynamo_config.specialize_float:
+        dynamo_config.specialize_float = True
+        log.info("opennpu.compile: torch._dynamo.config.specialize_float set to True so that float "
+                 "constants stay matchable by the fusion rules")
+
+
+def _graph_inputs(gm: torch.fx.GraphModule) -> list[Any]:
+    return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+
+
+class NpuBackend:
+    """The callable given to torch.compile. `fusions` counts replacements per rule over every graph
+    it compiled; `graphs` keeps (phase, graph after fusion) for inspection."""
+
+    def __init__(self, config: CompilerConfig | None = None, decompositions=None):
+        self.config = config if config is not None else CompilerConfig()
+        self.decompositions = dict(decompositions or {})
+        self.fusions: Counter = Counter()
+        self.graphs: list[tuple[str, torch.fx.GraphModule]] = []
+        _specialize_floats()
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
+        config = self.config.with_options(kwargs.pop("options", None))
+        if kwargs:
+            raise TypeError(f"opennpu backend: unexpected arguments {sorted(kwargs)}")
+        graph_id = next(_graph_ids)
+        if config.experimental_config.pattern_fusion_pass:
+            gm = self._pre_autograd(gm, example_inputs, config, graph_id)
+        post_grad = PostGradPasses(config, self, graph_id)
+        if config.debug.run_eagerly:
+            return self._aot_eager(gm, example_inputs, config, post_grad)
+        from torch._inductor.compile_fx import compile_fx
+
+        patches: dict[str, Any] = {"post_grad_custom_pre_pass": post_grad}
+        if config.mode == "reduce-overhead":
+            patches["triton.cudagraphs"] = True
+        decompositions = None
+        if self.decompositions:
+            from torch._inductor.decomposition import select_decomp_table
+
+            decompositions = {**select_decomp_table(), **self.decompositions}
+        return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+
+    # -- stage 1 -------------------------------------------------------------------------------
+
+    def _pre_autograd(self, gm, example_inputs, config: CompilerConfig, graph_id: int):
+        from torch._dispatch.python import enable_python_dispatcher
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        if not any(r.stage == "pre_autograd" and r.name not in config.experimental_config.disabled_patterns
+                   for r in fusion.rules()):
+            return gm
+        try:
+            fake_mode, fakes = _fake_inputs(example_inputs)
+            with fake_mode, enable_python_dispatcher():
+                traced = make_fx(gm, pre_dispatch=True, record_module_stack=True)(*fakes)
+        except Exception as error:  # a graph we cannot re-trace still compiles, unfused
+            log.warning("opennpu.compile: graph %d could not be traced to pre-dispatch ATen, so "
+                        "its native op groups are not fused (%s: %s)", graph_id,
+                        type(error).__name__, error)
+            return gm
+        fusion.remove_noop_casts(traced)
+        counts = fusion.apply_rules("pre_autograd", traced, config.experimental_config.disabled_patterns)
+        if not counts:
+            return gm  # nothing fused: Dynamo's graph goes on as it came
+        self._record("pre_autograd", traced, counts, config, graph_id)
+        return traced
+
+    # -- eager execution -------------------------------------------------------------------------
+
+    def _aot_eager(self, gm, example_inputs, config: CompilerConfig, post_grad: PostGradPasses):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._inductor.decomposition import select_decomp_table
+        from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+        def compiler(phase: str):
+            def compile_graph(graph_module, inputs):
+                view_to_reshape(graph_module)
+                post_grad.run(graph_module, phase)
+                return make_boxed_func(graph_module)
+
+            return compile_graph
+
+        return aot_module_simplified(
+            gm, example_inputs,
+            fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+            inference_compiler=compiler("inference"),
+            decompositions={**select_decomp_table(), **self.decompositions},
+            keep_inference_input_mutations=config.experimental_config.keep_inference_input_mutations,
+        )
+
+    # -- bookkeeping -----------------------------------------------------------------------------
+
+    def _record(self, phase: str, gm: torch.fx.GraphModule, counts: Counter,
+                config: CompilerConfig, graph_id: int) -> None:
+        self.fusions.update(counts)
+        self.graphs.append((phase, gm))
+        if counts:
+            log.debug("opennpu.compile: graph %d (%s): fused %s", graph_id, phase,
+                      ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())))
+        dump_graph(gm, f"{phase}_graph_{graph_id}", config)
+
+
+def _phase_of(gm: torch.fx.GraphModule) -> str:
+    """forward or backward, from AOTAutograd's placeholder names (backward graphs take tangents)."""
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    return "backward" if any(n.startswith("tangents") for n in names) else "forward"
+
+
+_SOURCE_HASH: str | None = None
+
+
+def _source_hash() -> str:
+    """Hash of the compile package's sources: any change to a rule invalidates cached graphs."""
+    global _SOURCE_HASH
+    if _SOURCE_HASH is None:
+        digest = hashlib.sha256()
+        for path in sorted(Path(__file__).parent.rglob("*.py")):
+            digest.update(path.read_bytes())
+        _SOURCE_HASH = digest.hexdigest()
+    return _SOURCE_HASH
+
+
+class PostGradPasses(CustomGraphPass):
+    """Stage 2, run by Inductor as post_grad_custom_pre_pass (or by the eager path directly)."""
+
+    def __init__(self, config: CompilerConfig, backend: NpuBackend, graph_id: int):
+        self.config, self.backend, self.graph_id = config, backend, graph_id
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.run(graph.owning_module, _phase_of(graph.owning_module))
+
+    def run(self, gm: torch.fx.GraphModule, phase: str) -> None:
+        config = self.config
+        if config.post_grad_custom_pre_pass is not None:
+            config.post_grad_custom_pre_pass(gm, _graph_inputs(gm), config)
+        counts: Counter = Counter()
+        if config.experimental_config.pattern_fusion_pass:
+            counts = fusion.apply_rules("post_grad", gm, config.experimental_config.disabled_patterns)
+        if config.post_grad_custom_post_pass is not None:
+            config.post_grad_custom_post_pass(gm, _graph_inputs(gm), config)
+            gm.recompile()
+        self.backend._record(phase, gm, counts, config, self.graph_id)
+
+    def uuid(self) -> Any:
+        user_rules = sorted(r.name for r in fusion.rules() if r.user)
+        key = f"{_source_hash()}|{self.config.fingerprint()}|{user_rules}|{torch.__version__}"
+        return hashlib.sha256(key.encode()).hexdigest()
+
+
+def dump_graph(gm: torch.fx.GraphModule, name: str, config: CompilerConfig) -> Path | None:
+    """Write `gm` as TorchAir's graph_dump does: {path}/{name}_rank_{r}_pid_{p}_ts_{t}.{type}."""
+    kind = config.debug.graph_dump.type
+    if kind is None:
+        return None
+    rank = torch.distributed.get_rank() if (torch.distributed.is_available()
+                                            and torch.distributed.is_initialized()) else 0
+    folder = Path(config.debug.graph_dump.path)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}_rank_{rank}_pid_{os.getpid()}_ts_{time.time_ns()}.{kind}"
+    if kind == "py":
+        text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    else:
+        text = str(gm.graph)
+    path.write_text(text)
+    return path
+
+
+def get_npu_backend(*, compiler_config: CompilerConfig | None = None,
+                    custom_decompositions: dict | None = None) -> NpuBackend:
+    """A torch.compile backend configured by `compiler_config` (torchair.get_npu_backend)."""
+    if compiler_config is not None and not isinstance(compiler_config, CompilerConfig):
+        raise TypeError(f"get_npu_backend: compiler_config must be a CompilerConfig, "
+                        f"got {type(compiler_config).__name__}")
+    return NpuBackend(compiler_config, custom_decompositions)
+
+
+def opennpu_backend(gm: torch.fx.GraphModule, example_inputs, **kwargs):
+    """`torch.compile(model, backend="opennpu")`: the backend with the default CompilerConfig."""
+    return NpuBackend()(gm, example_inputs, **kwargs)
+
+
+def compile(model=None, *, config: CompilerConfig | None = None, **torch_compile_kwargs):  # noqa: A001
+    """torch.compile(model, backend=get_npu_backend(compiler_config=config), **kwargs)."""
+    if "backend" in torch_compile_kwargs:
+        raise TypeError("opennpu.compile: the backend is opennpu's; pass `config=` to configure it")
+    backend = get_npu_backend(compiler_config=config)
+    if model is None:
+        return functools.partial(torch.compile, backend=backend, **torch_compile_kwargs)
+    return torch.compile(model, backend=backend, **torch_compile_kwargs)

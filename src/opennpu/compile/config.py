@@ -1,0 +1,186 @@
+"""CompilerConfig: TorchAir's configuration object, with the options opennpu's backend honours.
+
+The attribute paths are TorchAir's (`config.experimental_config.pattern_fusion_pass`,
+`config.debug.graph_dump.type`, ...) so a script written for torchair configures opennpu unchanged.
+Every assignment is validated: an unknown option or a bad value raises at once, naming the option,
+what it accepts and what came, instead of being silently ignored at compile time.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable
+from typing import Any
+
+class _Option:
+    """One leaf option: a default, and either a set of allowed values or a type check."""
+
+    def __init__(self, default: Any, allowed: tuple | None = None, kind: type | tuple | None = None,
+                 convert: Callable[[Any], Any] | None = None, doc: str = ""):
+        self.default, self.allowed, self.kind, self.convert, self.doc = (
+            default, allowed, kind, convert, doc)
+
+    def check(self, path: str, value: Any) -> Any:
+        if self.allowed is not None and value not in self.allowed:
+            raise ValueError(f"{path} must be one of {list(self.allowed)}, "
+                             f"got {value!r}")
+        if self.kind is not None and not isinstance(value, self.kind):
+            names = (self.kind,) if isinstance(self.kind, type) else self.kind
+            expected = " or ".join("None" if k is type(None) else k.__name__ for k in names)
+            raise TypeError(f"{path} must be {expected}, "
+                            f"got {type(value).__name__} ({value!r})")
+        return self.convert(value) if self.convert else value
+
+
+class _Group:
+    """A node of the configuration tree; leaves are _Option, inner nodes are _Group subclasses."""
+
+    _options: dict[str, _Option] = {}
+    _groups: dict[str, type[_Group]] = {}
+
+    def __init__(self, path: str):
+        object.__setattr__(self, "_path", path)
+        for name, option in self._options.items():
+            object.__setattr__(self, name, copy.copy(option.default))
+        for name, group in self._groups.items():
+            object.__setattr__(self, name, group(f"{path}.{name}"))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        path = f"{self._path}.{name}"
+        if name in self._groups:
+            raise AttributeError(f"{path} is a group of options; set its fields "
+                                 f"({', '.join(self._groups[name]._fields())}) instead")
+        if name not in self._options:
+            raise AttributeError(f"unknown option {path}; {self._path} has "
+                                 f"{', '.join(self._fields())}")
+        object.__setattr__(self, name, self._options[name].check(path, value))
+
+    @classmethod
+    def _fields(cls) -> list[str]:
+        return [*cls._options, *cls._groups]
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self._options:
+            value = getattr(self, name)
+            out[name] = sorted(value) if isinstance(value, (set, frozenset)) else value
+        for name in self._groups:
+            out[name] = getattr(self, name).as_dict()
+        return out
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.as_dict()})"
+
+
+def _dump_path(value: str) -> str:
+    return os.path.realpath(value)
+
+
+def _rule_names(value) -> frozenset[str]:
+    names = frozenset([value] if isinstance(value, str) else value)
+    from .rules import rule_names  # the rule modules register their names on import
+
+    unknown = sorted(names - set(rule_names()))
+    if unknown:
+        raise ValueError(f"CompilerConfig.experimental_config.disabled_patterns names unknown "
+                         f"rules {unknown}; the rules are {sorted(rule_names())}")
+    return names
+
+
+class _GraphDump(_Group):
+    _options = {
+        "type": _Option(None, allowed=(None, "py", "txt"),
+                        doc="write every graph after fusion: 'py' (readable FX code with "
+                            "shapes) or 'txt' (the FX graph IR)"),
+        "path": _Option(".", kind=str, convert=_dump_path, doc="folder for the dumps"),
+    }
+
+
+class _Debug(_Group):
+    _options = {
+        "run_eagerly": _Option(False, kind=bool,
+                               doc="run the fused ATen graphs op by op instead of with Inductor"),
+    }
+    _groups = {"graph_dump": _GraphDump}
+
+
+class _Experimental(_Group):
+    _options = {
+        "pattern_fusion_pass": _Option(True, kind=bool,
+                                       doc="replace op groups by fused ops (default and user rules)"),
+        "disabled_patterns": _Option(frozenset(), kind=(set, frozenset, list, tuple, str),
+                                     convert=_rule_names,
+                                     doc="names of fusion rules to leave out"),
+        "keep_inference_input_mutations": _Option(True, kind=bool),
+    }
+
+
+_Pass = _Option(None, kind=(type(None), Callable),
+                doc="fn(gm, example_inputs, config) run on every ATen graph")
+
+
+class CompilerConfig(_Group):
+    """Options of opennpu's torch.compile backend (TorchAir's names).
+
+    - ``mode``: "max-autotune" (default) compiles the fused graphs with Inductor;
+      "reduce-overhead" does the same and lets Inductor capture CUDA graphs on a GPU.
+    - ``experimental_config.pattern_fusion_pass`` (True): the fusion rules; user rules from
+      `register_replacement` share this switch, as in TorchAir.
+    - ``experimental_config.disabled_patterns``: rule names to leave out (`opennpu.compile.rule_names()`).
+    - ``debug.graph_dump.type`` ('py' or 'txt') and ``.path``: dump each graph after fusion.
+    - ``debug.run_eagerly``: skip Inductor and run the fused graphs eagerly.
+    - ``post_grad_custom_pre_pass`` / ``post_grad_custom_post_pass``: user passes
+      ``fn(gm, example_inputs, config)`` run on each ATen graph before / after the fusion rules.
+    """
+
+    _options = {
+        "mode": _Option("max-autotune", allowed=("max-autotune", "reduce-overhead")),
+        "post_grad_custom_pre_pass": _Pass,
+        "post_grad_custom_post_pass": _Pass,
+    }
+    _groups = {"debug": _Debug, "experimental_config": _Experimental}
+
+    def __init__(self):
+        super().__init__("CompilerConfig")
+
+    def copy(self) -> CompilerConfig:
+        return copy.deepcopy(self)
+
+    # torch.compile(backend=..., options={...}) keys, as npugraph_ex names them.
+    _OPTION_PATHS = {
+        "mode": "mode",
+        "pattern_fusion_pass": "experimental_config.pattern_fusion_pass",
+        "disabled_patterns": "experimental_config.disabled_patterns",
+        "force_eager": "debug.run_eagerly",
+        "run_eagerly": "debug.run_eagerly",
+        "graph_dump_type": "debug.graph_dump.type",
+        "graph_dump_path": "debug.graph_dump.path",
+        "post_grad_custom_pre_pass": "post_grad_custom_pre_pass",
+        "post_grad_custom_post_pass": "post_grad_custom_post_pass",
+    }
+
+    def with_options(self, options: dict[str, Any] | None) -> CompilerConfig:
+        """A copy with torch.compile's flat `options` applied; unknown keys raise."""
+        if not options:
+            return self
+        out = self.copy()
+        for key, value in options.items():
+            if key not in self._OPTION_PATHS:
+                raise ValueError(f"opennpu backend: unknown option {key!r}; the options are "
+                                 f"{sorted(self._OPTION_PATHS)}")
+            *groups, leaf = self._OPTION_PATHS[key].split(".")
+            node = out
+            for group in groups:
+                node = getattr(node, group)
+            setattr(node, leaf, value)
+        return out
+
+    def fingerprint(self) -> str:
+        """What the fusion result depends on, for the FX graph cache key (user passes by name)."""
+        d = self.as_dict()
+        for key in ("post_grad_custom_pre_pass", "post_grad_custom_post_pass"):
+            fn = d[key]
+            d[key] = None if fn is None else f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+        d["debug"] = {}  # dumps and eager mode do not change the compiled graph
+        return repr(d)

@@ -1,0 +1,260 @@
+"""The fusion rules and the two graphs they run on.
+
+A rule replaces a group of ops by a fused op through torch._inductor.pattern_matcher: the search
+function is traced into a pattern, matches are re-checked against the real shapes, then
+`extra_check` decides (dtypes, sizes) and the replacement function is traced in place.
+
+Rules run at one of two stages:
+
+- ``pre_autograd``: the graph Dynamo captured, traced to pre-dispatch ATen (high-level ops such as
+  aten.linear, aten.softmax and aten.to survive; x.float() and x.to(torch.float32) are the same
+  node), before AOTAutograd. The fused ops brought in here carry their own autograd formulas, so
+  training differentiates through them: this is where native PyTorch code (RMSNorm, SwiGLU, rotary
+  embedding, attention...) becomes opennpu ops.
+- ``post_grad``: the functional ATen graphs AOTAutograd hands to the compiler (forward, backward,
+  inference), as TorchAir does. Its default rules and the user rules of `register_replacement`
+  run here. Views are reshapes at this point (Inductor rewrites them before its passes, and the
+  eager path does the same), so patterns traced here get the same rewrite.
+
+Rules are registered lazily on the first compile, once per process. Each rule can be switched off
+by name (`experimental_config.disabled_patterns`), and every replacement is counted per rule.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import logging
+from collections import Counter
+from typing import Any, Callable, Iterable
+
+import torch
+from torch._inductor import pattern_matcher as pm
+
+log = logging.getLogger("opennpu.compile")
+
+STAGES = ("pre_autograd", "post_grad")
+
+
+@dataclasses.dataclass
+class Rule:
+    name: str
+    stage: str
+    doc: str
+    register: Callable[[Registrar], None]
+    order: int = 0  # rules of a higher order run after the lower ones, over their results
+    user: bool = False
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0):
+    """Decorator for a function that registers the patterns of one named rule."""
+    if stage not in STAGES:
+        raise ValueError(f"fusion_rule {name!r}: stage must be one of {STAGES}, got {stage!r}")
+
+    def wrap(register: Callable[[Registrar], None]):
+        if name in _RULES:
+            raise ValueError(f"fusion rule {name!r} is registered twice")
+        _RULES[name] = Rule(name, stage, doc, register, order)
+        return register
+
+    return wrap
+
+
+def rules() -> list[Rule]:
+    from . import rules as _  # noqa: F401  (importing the package registers the built-in rules)
+
+    return list(_RULES.values())
+
+
+# --- tracing ----------------------------------------------------------------------------------
+
+
+def remove_noop_casts(gm: torch.fx.GraphModule) -> None:
+    """Drop aten.to / aten.type_as nodes that keep the dtype (x.float() on an fp32 x).
+
+    Eagerly these return x itself, so the node is an alias; left in, it hides x's other uses
+    from the patterns (fp32 RMSNorm's residual reads x through the `to` node) and makes fp32
+    traces differ from fp16/bf16 ones.
+    """
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (aten.to.dtype, aten.type_as.default):
+            continue
+        if node.kwargs.get("copy") or (node.target is aten.to.dtype and len(node.args) > 3
+                                       and node.args[3]):
+            continue
+        source = node.args[0]
+        before, after = source.meta.get("val"), node.meta.get("val")
+        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) \
+                and before.dtype == after.dtype:
+            node.replace_all_uses_with(source)
+            gm.graph.erase_node(node)
+
+
+def pre_autograd_trace(fn: Callable, args: Iterable[Any]) -> torch.fx.GraphModule:
+    """Pre-dispatch ATen graph of `fn`, no-op casts removed: the IR of the pre_autograd stage."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with enable_python_dispatcher():
+        gm = make_fx(fn, pre_dispatch=True)(*args)
+    remove_noop_casts(gm)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def post_grad_trace(fn: Callable, args: Iterable[Any], *, base=pm.fwd_only) -> torch.fx.GraphModule:
+    """`base` (fwd_only by default) followed by the view -> reshape rewrite of the post_grad graphs."""
+    from torch._inductor.fx_passes.post_grad import view_to_reshape
+
+    gm = base(fn, args)
+    view_to_reshape(gm)
+    gm.recompile()
+    return gm
+
+
+# --- registration -----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Active:
+    disabled: frozenset[str]
+    counts: Counter
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("opennpu_fusion",
+                                                                         default=None)
+
+
+def _gated(rule_name: str, extra_check: Callable[[pm.Match], bool]) -> Callable[[pm.Match], bool]:
+    """extra_check plus the rule's on/off switch; a match that passes is counted for the rule."""
+
+    def check(match: pm.Match) -> bool:
+        active = _ACTIVE.get()
+        if active is None or rule_name in active.disabled:
+            return False
+        if not extra_check(match):
+            return False
+        active.counts[rule_name] += 1
+        return True
+
+    return check
+
+
+def _always(match: pm.Match) -> bool:
+    return True
+
+
+_PASSES: dict[tuple[str, int], pm.PatternMatcherPass] = {}
+
+
+def _pass_for(stage: str, order: int) -> pm.PatternMatcherPass:
+    key = (stage, order)
+    if key not in _PASSES:
+        _PASSES[key] = pm.PatternMatcherPass(pass_name=f"opennpu_{stage}_{order}")
+    return _PASSES[key]
+
+
+class Registrar:
+    """What a rule's register function receives: `replacement(...)` adds one pattern variant."""
+
+    def __init__(self, rule: Rule):
+        self.rule = rule
+        self.variants = 0
+
+    def replacement(self, search_fn, replace_fn, example_inputs, *, extra_check=_always,
+                    trace_fn=None, scalar_workaround=None, search_fn_pattern=None,
+                    generic_sizes: bool = False, skip_duplicates: bool = True) -> None:
+        """One pattern variant. `generic_sizes`: the traced pattern's int and list arguments (view
+        sizes, dims) stay wildcards instead of being re-traced with the matched shapes, which
+        fails under dynamic shapes (TorchAir f2f29ebf); `extra_check` must then verify them."""
+        rule = self.rule
+        if trace_fn is None:
+            trace_fn = pre_autograd_trace if rule.stage == "pre_autograd" else post_grad_trace
+        if generic_sizes:
+            search_fn_pattern = pm.gen_pattern(search_fn, list(example_inputs), trace_fn,
+                                               scalar_workaround)
+        kwargs = {}
+        if search_fn_pattern is not None:
+            kwargs["search_fn_pattern"] = search_fn_pattern
+        pm.register_replacement(
+            search_fn, replace_fn, list(example_inputs), trace_fn,
+            pass_dicts=_pass_for(rule.stage, rule.order),
+            extra_check=_gated(rule.name, extra_check),
+            scalar_workaround=scalar_workaround,
+            skip_duplicates=skip_duplicates,
+            **kwargs,
+        )
+        self.variants += 1
+
+
+@contextlib.contextmanager
+def _registration_context():
+    """Patterns are traced outside the compile in progress, on fake tensors of their own."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+
+    with torch._guards.tracing(None), unset_fake_temporarily(), FakeTensorMode():
+        yield
+
+
+_registered: set[str] = set()
+
+
+def ensure_registered() -> None:
+    """Trace every rule's patterns once per process (the first compile pays for it)."""
+    pending = [r for r in rules() if r.name not in _registered]
+    if not pending:
+        return
+    with _registration_context():
+        for rule in pending:
+            registrar = Registrar(rule)
+            rule.register(registrar)
+            _registered.add(rule.name)
+            log.debug("opennpu.compile: rule %s registered with %d pattern variants",
+                      rule.name, registrar.variants)
+
+
+def register_user_rule(name: str, search_fn, replace_fn, example_inputs, *, trace_fn,
+                       extra_check, search_fn_pattern, scalar_workaround,
+                       skip_duplicates) -> None:
+    """A `register_replacement` rule: post_grad stage, traced now with the caller's trace_fn."""
+    if name in _RULES and not _RULES[name].user:
+        raise ValueError(f"register_replacement: {name!r} is the name of a built-in rule")
+    rule = _RULES.get(name) or Rule(name, "post_grad", "user rule", lambda r: None, user=True)
+    _RULES[name] = rule
+    _registered.add(name)
+    Registrar(rule).replacement(
+        search_fn, replace_fn, example_inputs, extra_check=extra_check,
+        trace_fn=functools.partial(post_grad_trace, base=trace_fn),
+        scalar_workaround=scalar_workaround, search_fn_pattern=search_fn_pattern,
+        skip_duplicates=skip_duplicates)
+
+
+# --- application ------------------------------------------------------------------------------
+
+
+def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = ()) -> Counter:
+    """Run the rules of `stage` over `gm` in their order; returns replacements per rule."""
+    ensure_registered()
+    counts: Counter = Counter()
+    token = _ACTIVE.set(_Active(frozenset(disabled), counts))
+    try:
+        for order in sorted(order for (s, order) in _PASSES if s == stage):
+            _PASSES[(stage, order)].apply(gm)
+    finally:
+        _ACTIVE.reset(token)
+    if counts:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return counts
+
+
+def node_targets(gm: torch.fx.GraphModule) -> Counter:
+    """How many call_function nodes each op has in `gm` (used by reports and tests)."""
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")

@@ -1,0 +1,11 @@
+"""The built-in fusion rules, one module per op family. Importing this package registers them."""
+
+from __future__ import annotations
+
+from . import norm, torchair  # noqa: F401,E402
+
+
+def rule_names() -> list[str]:
+    from ..fusion import rules
+
+    return [r.name for r in rules()]

@@ -1,0 +1,114 @@
+"""RMSNorm written in PyTorch -> npu_rms_norm; a residual add feeding it -> npu_add_rms_norm.
+
+The forms matched (pre-dispatch ATen, per dtype, weight on either side of the product):
+- transformers' Llama / Qwen2 / Mistral RMSNorm: h = x.to(float32);
+  h = h * rsqrt(h.pow(2).mean(-1, keepdim=True) + eps); weight * h.to(x.dtype)
+- seed 000's TorchRMSNorm: norm(x.float()).type_as(x) * weight
+- no up-cast: x * rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+Numerics: npu_rms_norm reduces in fp32 and rounds once, so for fp16/bf16 it is at least as accurate
+as the composition (which rounds h before the weight product). The rule fires only when x and
+the weight share a dtype (a mixed product would promote, and the fused op keeps x's dtype) and the
+weight is a vector over the last axis.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..fusion import fusion_rule
+from ._util import FLOAT_DTYPES, call_eps, drop_eps, empty, is_last_dim_vector, same_float_dtype, val
+
+EPS = 2e-6  # an unusual literal, so scalar_workaround cannot confuse it with other constants
+
+
+def _rms_norm_ok(match) -> bool:
+    x, w = val(match, "x"), val(match, "weight")
+    return same_float_dtype(x, w) and is_last_dim_vector(w, x)
+
+
+def _upcast_norm(x, weight, eps):  # transformers
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _upcast_norm_weight_last(x, weight, eps):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h.to(x.dtype) * weight
+
+
+def _type_as_norm(x, weight, eps):  # seed 000
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x) * weight
+
+
+def _type_as_norm_weight_first(x, weight, eps):
+    h = x.float()
+    return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
+def _plain_norm(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def _plain_norm_weight_first(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _fused_norm(x, weight, eps):
+    return torch.ops.npu.npu_rms_norm(x, weight, eps)[0]
+
+
+@fusion_rule("rms_norm", stage="pre_autograd",
+             doc="RMSNorm composed of pow/mean/rsqrt/mul (transformers, seed 000) -> npu_rms_norm")
+def _register_rms_norm(r) -> None:
+    # Cast-free forms first: an fp32 graph of any form (its casts are no-ops, removed before
+    # matching) is the plain pattern, and the variant that owns a pattern is the one whose search
+    # function is re-traced to confirm a match, so it must trace to that same pattern in every dtype.
+    for search in (_plain_norm, _plain_norm_weight_first, _type_as_norm,
+                   _type_as_norm_weight_first, _upcast_norm, _upcast_norm_weight_last):
+        for dtype in FLOAT_DTYPES:
+            inputs = [empty(2, 8, dtype=dtype), empty(8, dtype=dtype)]  # eps: scalar_workaround
+            r.replacement(search, _fused_norm, inputs, extra_check=_rms_norm_ok,
+                          scalar_workaround={"eps": EPS})
+
+
+def _add_norm(x1, x2, weight, eps):
+    x = x1 + x2
+    return call_eps(torch.ops.npu.npu_rms_norm, x, weight, eps=eps)[0], x
+
+
+def _add_norm_only(x1, x2, weight, eps):
+    return call_eps(torch.ops.npu.npu_rms_norm, x1 + x2, weight, eps=eps)[0]
+
+
+def _fused_add_norm(x1, x2, weight, eps):
+    y, _, x = call_eps(torch.ops.npu.npu_add_rms_norm, x1, x2, weight, eps=eps)
+    return y, x
+
+
+def _fused_add_norm_only(x1, x2, weight, eps):
+    return call_eps(torch.ops.npu.npu_add_rms_norm, x1, x2, weight, eps=eps)[0]
+
+
+def _add_rms_norm_ok(match) -> bool:
+    x1, x2, w = val(match, "x1"), val(match, "x2"), val(match, "weight")
+    # No broadcasting in the add: npu_add_rms_norm takes two tensors of one shape.
+    return (same_float_dtype(x1, x2, w) and is_last_dim_vector(w, x1)
+            and x1.shape == x2.shape)
+
+
+@fusion_rule("add_rms_norm", stage="pre_autograd", order=1,
+             doc="residual add feeding npu_rms_norm (also from the rms_norm rule) -> npu_add_rms_norm")
+def _register_add_rms_norm(r) -> None:
+    for dtype in FLOAT_DTYPES:
+        inputs = [empty(2, 8, dtype=dtype), empty(2, 8, dtype=dtype), empty(8, dtype=dtype)]
+        for search, replace in ((_add_norm, _fused_add_norm),
+                                (_add_norm_only, _fused_add_norm_only)):
+            r.replacement(search, replace, inputs, extra_check=_add_rms_norm_ok,
+                          scalar_workaround={"eps": EPS})
+            # The dispatcher drops an epsilon equal to the default (1e-6) from the call.
+            r.replacement(drop_eps(search), drop_eps(replace), inputs,
+                          extra_check=_add_rms_norm_ok)
