@@ -10,6 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 TORCH_VERSION="2.11.0"
+TRANSFORMERS_VERSION="5.23.0"  # graph-mode tests build decoder layers from small configs
 PYTHON="${PYTHON:-python}"
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 say() { printf '[setup] %s\n' "$*" >&2; }
@@ -44,6 +45,10 @@ if ! "$PYTHON" -c 'import scikit_build_core, numpy, pytest, xdist, hypothesis, e
   say "installing build and test dependencies from PyPI"
   "$PYTHON" -m pip install --quiet "scikit-build-core>=0.10" numpy "pytest>=8" pytest-xdist \
     hypothesis expecttest
+fi
+if [ "$(dist_version transformers)" != "$TRANSFORMERS_VERSION" ]; then
+  say "installing transformers==$TRANSFORMERS_VERSION from PyPI (test dependency)"
+  "$PYTHON" -m pip install --quiet "transformers==$TRANSFORMERS_VERSION"
 fi
 
 # 4. opennpu, rebuilt only when a source file changed.
