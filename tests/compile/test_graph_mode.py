@@ -1,0 +1,258 @@
+"""The graph-mode API: CompilerConfig, get_npu_backend, register_replacement, the torchair names,
+user passes, graph dumps, the Inductor path with training, and the FX graph cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import opennpu
+from fusion_helpers import count, run_compiled
+from opennpu.compile import CompilerConfig, get_npu_backend, register_replacement, rule_names
+from opennpu.testing.tolerances import assert_close
+
+npu = torch.ops.npu
+
+
+# --- CompilerConfig ---------------------------------------------------------------------------
+
+
+def test_config_defaults_follow_torchair():
+    config = CompilerConfig()
+    assert config.experimental_config.pattern_fusion_pass is True
+    assert config.mode == "max-autotune"
+    assert config.debug.graph_dump.type is None
+    assert config.debug.run_eagerly is False
+
+
+@pytest.mark.parametrize("assign, error, text", [
+    (lambda c: setattr(c.experimental_config, "pattern_fusion_pas", True), AttributeError,
+     "unknown option CompilerConfig.experimental_config.pattern_fusion_pas"),
+    (lambda c: setattr(c.experimental_config, "pattern_fusion_pass", 1), TypeError,
+     "CompilerConfig.experimental_config.pattern_fusion_pass must be bool, got int"),
+    (lambda c: setattr(c.debug.graph_dump, "type", "pbtxt"), ValueError,
+     "CompilerConfig.debug.graph_dump.type must be one of [None, 'py', 'txt'], got 'pbtxt'"),
+    (lambda c: setattr(c, "mode", "fast"), ValueError, "CompilerConfig.mode must be one of"),
+    (lambda c: setattr(c.experimental_config, "disabled_patterns", ["rms"]), ValueError,
+     "names unknown rules ['rms']"),
+    (lambda c: setattr(c, "debug", None), AttributeError, "CompilerConfig.debug is a group"),
+    (lambda c: setattr(c, "post_grad_custom_pre_pass", 3), TypeError,
+     "post_grad_custom_pre_pass must be"),
+])
+def test_config_rejects_bad_assignments(assign, error, text):
+    with pytest.raises(error) as info:
+        assign(CompilerConfig())
+    assert text in str(info.value)
+
+
+def test_get_npu_backend_rejects_other_config_types():
+    with pytest.raises(TypeError, match="compiler_config must be a CompilerConfig, got dict"):
+        get_npu_backend(compiler_config={"pattern_fusion_pass": False})
+
+
+def test_torch_compile_options_are_applied_and_checked():
+    module = _AddNorm()
+    args = _add_norm_inputs()
+    backend = get_npu_backend()
+    out = torch.compile(module, backend=backend,
+                        options={"pattern_fusion_pass": False, "force_eager": True})(*args)
+    assert not backend.fusions
+    torch.testing.assert_close(out, module(*args))
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="unknown option 'fusion'"):
+        torch.compile(module, backend=get_npu_backend(), options={"fusion": True})(*args)
+
+
+# --- entry points -----------------------------------------------------------------------------
+
+
+class _AddNorm(nn.Module):
+    def __init__(self, h=16):
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(h) + 0.5)
+
+    def forward(self, x, r):
+        x = x + r
+        h = x.float()
+        return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype), x
+
+
+def _add_norm_inputs(h=16):
+    return torch.randn(2, 3, h), torch.randn(2, 3, h)
+
+
+def test_seed_003_snippet_runs_through_torchair_names():
+    import torch_npu  # noqa: F401  (the seed imports it first)
+    import torchair
+
+    model = _AddNorm()
+    config = torchair.CompilerConfig()
+    config.experimental_config.pattern_fusion_pass = False
+    config.debug.run_eagerly = True
+    npu_backend = torchair.get_npu_backend(compiler_config=config)
+    opt_model = torch.compile(model, backend=npu_backend)
+    out = opt_model(*_add_norm_inputs())
+    assert not npu_backend.fusions and len(out) == 2
+    assert torchair.register_replacement is register_replacement
+
+
+def test_opennpu_compile_is_callable_and_backend_has_a_name():
+    config = CompilerConfig()
+    config.debug.run_eagerly = True
+    model = _AddNorm()
+    args = _add_norm_inputs()
+    out = opennpu.compile(model, config=config, fullgraph=True)(*args)
+    for got, want in zip(out, model(*args)):
+        assert_close(got, want, dtype=torch.float32)
+    from torch._dynamo import list_backends
+
+    assert "opennpu" in list_backends()
+
+
+# --- register_replacement ---------------------------------------------------------------------
+
+H_USER = 56  # the user rule's extra_check only accepts this hidden size (as TorchAir's doc example)
+
+
+def _user_search(x1, x2, gamma):
+    x_out = torch.add(x1, x2)
+    y, _ = npu.npu_rms_norm(x_out, gamma)
+    return y, x_out
+
+
+def _user_replace(x1, x2, gamma):
+    y, _, x_out = npu.npu_add_rms_norm(x1, x2, gamma)
+    return y, x_out
+
+
+def _user_check(match):
+    return match.kwargs["x1"].meta["val"].shape[-1] == H_USER
+
+
+class _ExplicitAddNorm(nn.Module):
+    def forward(self, x1, x2, gamma):
+        x = x1 + x2
+        return npu.npu_rms_norm(x, gamma)[0], x
+
+
+@pytest.fixture(scope="module")
+def user_rule():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        example = (torch.empty(1, 1, 2), torch.empty(1, 1, 2), torch.empty(2))
+    register_replacement(search_fn=_user_search, replace_fn=_user_replace, example_inputs=example,
+                         extra_check=_user_check, name="user_add_rms_norm")
+    return "user_add_rms_norm"
+
+
+def test_user_rule_fires_where_its_check_accepts(user_rule):
+    assert user_rule in rule_names()
+    for h, fired in ((H_USER, 1), (24, 0)):
+        args = (torch.randn(3, h), torch.randn(3, h), torch.rand(h) + 0.5)
+        after = run_compiled(_ExplicitAddNorm(), *args)
+        assert after.fusions[user_rule] == fired
+        assert count(after.ops, "npu_add_rms_norm.") == fired
+        for got, want in zip(after.outputs, _ExplicitAddNorm()(*args)):
+            assert_close(got, want, dtype=torch.float32)
+
+
+def test_user_rules_share_the_fusion_switch_and_names(user_rule):
+    args = (torch.randn(3, H_USER), torch.randn(3, H_USER), torch.rand(H_USER) + 0.5)
+    assert not run_compiled(_ExplicitAddNorm(), *args, fusion=False).fusions
+    assert not run_compiled(_ExplicitAddNorm(), *args, disabled=[user_rule]).fusions
+
+
+def test_register_replacement_rejects_bad_arguments():
+    with pytest.raises(TypeError, match="search_fn and replace_fn must be callables"):
+        register_replacement(None, _user_replace, [torch.empty(2)])
+    with pytest.raises(ValueError, match="example_inputs must contain at least one tensor"):
+        register_replacement(_user_search, _user_replace, [1.0])
+    with pytest.raises(ValueError, match="is the name of a built-in rule"):
+        register_replacement(_user_search, _user_replace, [torch.empty(2)], name="rms_norm")
+
+
+# --- user passes, dumps -----------------------------------------------------------------------
+
+
+def test_custom_passes_run_before_and_after_the_rules(tmp_path):
+    seen = []
+
+    def pre(gm, example_inputs, config):
+        seen.append(("pre", count(opennpu.compile.node_targets(gm), "npu_add_rms_norm_cast"),
+                     len(example_inputs), config.mode))
+
+    def post(gm, example_inputs, config):
+        seen.append(("post", count(opennpu.compile.node_targets(gm), "npu_add_rms_norm_cast"),
+                     len(example_inputs), config.mode))
+
+    class Cast(nn.Module):
+        def forward(self, x1, x2, gamma):
+            y, _, x = npu.npu_add_rms_norm(x1, x2, gamma)
+            return x, y.to(torch.float32)
+
+    config = CompilerConfig()
+    config.debug.run_eagerly = True
+    config.post_grad_custom_pre_pass = pre
+    config.post_grad_custom_post_pass = post
+    config.debug.graph_dump.type = "txt"
+    config.debug.graph_dump.path = str(tmp_path)
+    args = (torch.randn(2, 8, dtype=torch.float16), torch.randn(2, 8, dtype=torch.float16),
+            torch.rand(8, dtype=torch.float16))
+    torch.compile(Cast(), backend=get_npu_backend(compiler_config=config))(*args)
+    assert seen == [("pre", 0, 3, "max-autotune"), ("post", 1, 3, "max-autotune")]
+    (dump,) = tmp_path.glob("inference_graph_*.txt")
+    assert "npu.npu_add_rms_norm_cast.default" in dump.read_text()
+
+
+# --- Inductor, training, FX graph cache ---------------------------------------------------------
+
+
+def test_inductor_training_and_fx_graph_cache(tmp_path, monkeypatch):
+    """One module through Inductor: fused ops in forward and backward, outputs and gradients equal
+    to eager; a second compile is served from the FX graph cache with the fusion intact, and a
+    compile with fusion off does not hit the fused entry."""
+    from torch._dynamo.utils import counters
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
+    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
+    model = _AddNorm(32)
+    x, r = torch.randn(4, 5, 32, requires_grad=True), torch.randn(4, 5, 32)
+
+    def compile_once(fusion: bool):
+        torch._dynamo.reset()
+        counters.clear()
+        config = CompilerConfig()
+        config.experimental_config.pattern_fusion_pass = fusion
+        backend = get_npu_backend(compiler_config=config)
+        y, xo = torch.compile(model, backend=backend)(x, r)
+        (y.square().sum() + xo.sum()).backward()
+        grad_x = x.grad.clone()
+        x.grad = None
+        model.zero_grad()
+        return backend, y, grad_x, dict(counters["inductor"])
+
+    backend, y, grad_x, first = compile_once(True)
+    assert backend.fusions == {"rms_norm": 1, "add_rms_norm": 1}
+    phases = {phase for phase, _ in backend.graphs}
+    assert {"pre_autograd", "forward", "backward"} <= phases
+    ops = {str(n.target) for phase, gm in backend.graphs for n in gm.graph.nodes}
+    assert "npu.npu_add_rms_norm.default" in ops and "npu.npu_rms_norm_backward.default" in ops
+    ye, xe = model(x, r)
+    (ye.square().sum() + xe.sum()).backward()
+    assert_close(y, ye, dtype=torch.float32)
+    assert_close(grad_x, x.grad, dtype=torch.float32)
+    x.grad = None
+    model.zero_grad()
+    assert first.get("fxgraph_cache_miss", 0) >= 1
+
+    backend2, y2, _, second = compile_once(True)
+    assert second.get("fxgraph_cache_hit", 0) >= 1 and second.get("fxgraph_cache_miss", 0) == 0
+    torch.testing.assert_close(y2, y)
+
+    _, y3, _, third = compile_once(False)
+    assert third.get("fxgraph_cache_miss", 0) >= 1
+    assert_close(y3, ye, dtype=torch.float32)
