@@ -256,3 +256,34 @@ def test_inductor_training_and_fx_graph_cache(tmp_path, monkeypatch):
     _, y3, _, third = compile_once(False)
     assert third.get("fxgraph_cache_miss", 0) >= 1
     assert_close(y3, ye, dtype=torch.float32)
+
+
+def test_fused_graph_keeps_buffer_updates_in_place_ops_and_views():
+    """The pre-autograd stage re-traces Dynamo's graph: BatchNorm's running statistics, an
+    in-place add and a returned view must behave exactly as in eager."""
+
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(16)
+            self.weight = nn.Parameter(torch.rand(16) + 0.5)
+
+        def forward(self, x):
+            h = self.bn(x)
+            y = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+            y.add_(1.0)
+            return y, y[:, :4]
+
+    compiled_model, eager_model = Mixed(), Mixed()
+    eager_model.load_state_dict(compiled_model.state_dict())
+    x = torch.randn(8, 16, requires_grad=True)
+    after = run_compiled(compiled_model, x, backward=True)
+    expected = eager_model(x)
+    assert after.fusions == {"rms_norm": 1}
+    for got, want in zip(after.outputs, expected):
+        assert_close(got, want, dtype=torch.float32)
+    assert_close(compiled_model.bn.running_mean, eager_model.bn.running_mean, dtype=torch.float32)
+    assert_close(compiled_model.bn.running_var, eager_model.bn.running_var, dtype=torch.float32)
+    assert compiled_model.bn.num_batches_tracked.item() == 1
+    expected[0].square().sum().backward()
+    assert_close(compiled_model.weight.grad, eager_model.weight.grad, dtype=torch.float32)
