@@ -1,0 +1,91 @@
+"""SwiGLU written in PyTorch -> npu_swiglu(x, dim=-1).
+
+npu_swiglu splits x in halves ``a | b`` along ``dim`` and returns ``silu(a) * b``: the FIRST half
+is activated. The forms matched (pre-dispatch ATen), each with the product in either order:
+
+- seed 000's TorchSwiGlu: ``a, b = torch.chunk(x, 2, -1); silu(a) * b``
+- slicing: ``n = x.shape[-1] // 2; silu(x[..., :n]) * x[..., n:]``
+
+The chunk / slice arguments are pattern wildcards (a traced pattern would burn in the example's
+sizes, which fails under dynamic shapes), so `_swiglu_ok` verifies every one of them: a split of
+the LAST dim into its two equal halves, the first half into silu. A split of another dim, a
+swapped pair (``silu(x[..., n:]) * x[..., :n]``) or unequal parts is left alone.
+
+Numerics: npu_swiglu computes silu(a) * b in float32 and rounds once, where the composition
+rounds silu(a) to the input dtype before the product, so for fp16 / bf16 it is at least as
+accurate; it keeps x's dtype and the halved shape, as the composition does. Its autograd is
+npu_swiglu_backward, so training graphs differentiate through the fused op.
+
+Not fused: the LLaMA MLP ``silu(gate_proj(x)) * up_proj(x)``. Its two halves come from two
+linears with separate weights, which are graph inputs (parameters), not constants; the only
+rewrite into npu_swiglu would concatenate the two weight matrices on every call (a copy of
+2 * H * I elements, as much memory traffic as the GEMMs themselves at decode sizes) to save an
+elementwise pass over a [T, I] tensor that Inductor already fuses into one loop. That is never
+a win in this pre-autograd graph, so the rule deliberately leaves that form to Inductor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..fusion import fusion_rule
+from ._util import FLOAT_DTYPES, empty, guard_even, halves_of_last_dim, is_chunk_in_halves, \
+    nodes, val
+
+aten = torch.ops.aten
+
+
+def _chunk_silu_mul(x):
+    a, b = torch.chunk(x, 2, -1)
+    return F.silu(a) * b
+
+
+def _chunk_mul_silu(x):
+    a, b = torch.chunk(x, 2, -1)
+    return b * F.silu(a)
+
+
+def _slice_silu_mul(x):
+    n = x.shape[-1] // 2
+    return F.silu(x[..., :n]) * x[..., n:]
+
+
+def _slice_mul_silu(x):
+    n = x.shape[-1] // 2
+    return x[..., n:] * F.silu(x[..., :n])
+
+
+def _fused(x):
+    return torch.ops.npu.npu_swiglu(x, -1)
+
+
+def _swiglu_ok(match) -> bool:
+    x = val(match, "x")
+    if not (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
+        return False
+    chunks = nodes(match, aten.chunk.default)
+    if chunks:
+        (chunk,) = chunks
+        split = is_chunk_in_halves(chunk, x)
+    else:
+        slices = nodes(match, aten.slice.Tensor)
+        (silu,) = nodes(match, aten.silu.default)
+        first = silu.args[0]
+        if len(slices) != 2 or first not in slices:
+            return False
+        second = slices[1] if slices[0] is first else slices[0]
+        split = halves_of_last_dim(first, second, x)
+    # An even D, last (it may install a guard). Under dynamic shapes the product already made
+    # Dynamo guard the two parts equal, so this adds no recompile; statically it rejects
+    # silu(x[..., :1]) * x[..., 1:] of a 3-wide x (a broadcast, not a SwiGLU).
+    return split and guard_even(x.shape[-1])
+
+
+@fusion_rule("swiglu", stage="pre_autograd",
+             doc="silu(first half) * second half, by chunk(2, -1) or slicing -> npu_swiglu")
+def _register_swiglu(r) -> None:
+    # One dtype suffices: the forms have no casts, and with generic_sizes the pattern is not
+    # re-traced per match (extra_check verifies the split instead).
+    for search in (_chunk_silu_mul, _chunk_mul_silu, _slice_silu_mul, _slice_mul_silu):
+        r.replacement(search, _fused, [empty(2, 8)], extra_check=_swiglu_ok, generic_sizes=True)
