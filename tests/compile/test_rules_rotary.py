@@ -152,3 +152,19 @@ def test_rule_can_be_disabled_by_name():
     x, r = torch.randn(2, 6, 3, 16), torch.randn(1, 6, 1, 16)
     compiled = run_compiled(SeedRotary(), x, r, r, disabled=["rotary"])
     assert not compiled.fusions and count(compiled.ops, "npu_rotary") == 0
+
+
+def test_strict_mode_fuses_only_ascend_layouts():
+    """Strict mode makes npu_rotary_mul enforce Ascend's limits; the rule must not bring the op
+    (and its errors) into code that never called it."""
+    import opennpu
+
+    with opennpu.strict():
+        x, r = torch.randn(6, 16), torch.randn(6, 16)                       # 2-D: not Ascend's
+        outside = run_compiled(SeedRotary(), x, r, r)
+        x4, r4 = torch.randn(2, 6, 3, 16), torch.randn(1, 6, 1, 16)         # BSND, 1S1D
+        inside = run_compiled(SeedRotary(), x4, r4, r4)
+    assert not outside.fusions
+    torch.testing.assert_close(outside.outputs, SeedRotary()(x, r, r))
+    assert inside.fusions == {"rotary": 1}
+    assert_close(inside.outputs, SeedRotary()(x4, r4, r4), dtype=torch.float32)

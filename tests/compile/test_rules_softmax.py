@@ -150,3 +150,19 @@ def test_rule_can_be_disabled_by_name():
     x, mask = inputs(torch.float32)
     compiled = run_compiled(SeedSoftmax(), x, mask, disabled=["scaled_masked_softmax"])
     assert not compiled.fusions and count(compiled.ops, "npu_scaled_masked_softmax") == 0
+
+
+def test_strict_mode_fuses_only_ascend_shapes():
+    """Strict mode makes the op enforce Ascend's limits (last dim 32..8192, a multiple of 32);
+    the rule must not bring the op (and its errors) into code that never called it."""
+    import opennpu
+
+    with opennpu.strict():
+        x, mask = inputs(torch.float32)                                   # last dim 40
+        outside = run_compiled(SeedSoftmax(), x, mask)
+        x64, mask64 = inputs(torch.float32, (2, 3, 8, 64), (1, 1, 8, 64))
+        inside = run_compiled(SeedSoftmax(), x64, mask64)
+    assert not outside.fusions
+    torch.testing.assert_close(outside.outputs, SeedSoftmax()(x, mask))
+    assert inside.fusions == {"scaled_masked_softmax": 1}
+    assert_close(inside.outputs, SeedSoftmax()(x64, mask64), dtype=torch.float32)

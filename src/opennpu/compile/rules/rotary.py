@@ -16,7 +16,8 @@ half x1 concatenated after the negated second half x2, along the last dim.
 
 Broadcasting: npu_rotary_mul returns x's shape and broadcasts r1 / r2 against x only (r of rank
 <= x's, each size equal to x's or 1). Eager ``r1 * x`` would instead grow the result when r1 has
-more dims or a size > 1 against a size-1 dim of x, so such shapes are left alone.
+more dims or a size > 1 against a size-1 dim of x, so such shapes are left alone. In strict mode
+(opennpu.set_strict) only Ascend's documented layouts are fused, since the op would reject others.
 
 Numerics: x, r1 and r2 must share one of fp32 / fp16 / bf16. (Eager promotes a bf16 x times fp32
 cos / sin to fp32, while the fused op would return bf16: a mixed-dtype graph is not fused.) The
@@ -31,9 +32,10 @@ import itertools
 
 import torch
 
+from ..._strict import is_strict
 from ..fusion import fusion_rule
 from ._util import arg, broadcasts_into, empty, halves_of_last_dim, guard_even, \
-    is_chunk_in_halves, is_last_dim, nodes, same_float_dtype, val
+    is_chunk_in_halves, is_last_dim, known, nodes, same_float_dtype, val
 
 aten = torch.ops.aten
 
@@ -82,11 +84,31 @@ def _split_ok(match, x, first_half: torch.fx.Node, second_half: torch.fx.Node) -
     return split and guard_even(x.shape[-1])
 
 
+def _ascend_layout(x, r1, r2) -> bool:
+    """The shapes strict mode accepts (csrc/ops/rotary: check_strict_r_pattern): 3-D or 4-D x
+    with D < 896, r1 and r2 of one shape and x's rank, last dim D, in a documented pattern
+    (4-D: not 111D and not 1NSD-like 0b011; 3-D: T kept)."""
+    if x.dim() not in (3, 4) or not known(x.shape[-1] < 896):
+        return False
+    if r1.dim() != x.dim() or r2.dim() != x.dim() or not known(r1.shape[-1] == x.shape[-1]):
+        return False
+    if not all(known(a == b) for a, b in zip(r1.shape, r2.shape)):
+        return False
+    mask = 0
+    for d in range(x.dim() - 1):
+        mask = mask * 2 + (0 if known(r1.shape[d] == 1) and not known(x.shape[d] == 1) else 1)
+    return mask not in (0b000, 0b011) if x.dim() == 4 else bool(mask & 0b10)
+
+
 def _rotary_ok(match) -> bool:
     x, r1, r2 = val(match, "x"), val(match, "r1"), val(match, "r2")
     if not (same_float_dtype(x, r1, r2) and x.dim() >= 1):
         return False
     if not (broadcasts_into(r1, x) and broadcasts_into(r2, x)):
+        return False
+    # Strict mode makes the op enforce Ascend's limits: code that never called it must not
+    # start failing there, so shapes outside them stay native.
+    if is_strict() and not _ascend_layout(x, r1, r2):
         return False
     (cat,) = nodes(match, aten.cat.default)
     if not is_last_dim(arg(cat, 1, 0), x.dim()):

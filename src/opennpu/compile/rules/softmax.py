@@ -13,6 +13,7 @@ The fill value, the softmax dim and `dtype=` are pattern wildcards, verified by 
 the fill must be -inf or a finite value <= -10000 (transformers' finfo.min masks, or -10000
 itself), the dim the last one, no `dtype=`. The mask must broadcast to x's shape without growing
 it (eager masked_fill would broadcast x up to a larger mask; the fused op returns x's shape).
+In strict mode (opennpu.set_strict) only Ascend's shapes are fused, since the op rejects others.
 
 Numerics: the op fills masked scores with -10000 (torch_npu's golden) and computes in float32,
 rounded once. A masked score then contributes exp(-10000 - m) with m the row's largest score,
@@ -33,8 +34,9 @@ import math
 
 import torch
 
+from ..._strict import is_strict
 from ..fusion import fusion_rule
-from ._util import FLOAT_DTYPES, arg, broadcasts_into, empty, is_last_dim, nodes, val
+from ._util import FLOAT_DTYPES, arg, broadcasts_into, empty, is_last_dim, known, nodes, val
 
 aten = torch.ops.aten
 SCALE = 0.3183  # an unusual literal, so scalar_workaround cannot confuse it with other constants
@@ -75,6 +77,12 @@ def _softmax_ok(match) -> bool:
     if isinstance(fill, bool) or not isinstance(fill, (int, float)):
         return False
     if not (fill == -math.inf or (math.isfinite(fill) and fill <= _FILL_LIMIT)):
+        return False
+    # Strict mode makes the op enforce Ascend's limits (4-D x and mask, last dims 32..8192 in
+    # steps of 32): code that never called it must not start failing there.
+    if is_strict() and not all(t.dim() == 4 and known(t.shape[-1] >= 32)
+                               and known(t.shape[-1] <= 8192) and known(t.shape[-1] % 32 == 0)
+                               for t in (x, mask)):
         return False
     (softmax,) = nodes(match, aten.softmax.int)
     # dtype= would change the output dtype (e.g. fp16 scores, fp32 probabilities).
