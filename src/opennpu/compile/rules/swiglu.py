@@ -18,10 +18,12 @@ npu_swiglu_backward, so training graphs differentiate through the fused op.
 
 Not fused: the LLaMA MLP ``silu(gate_proj(x)) * up_proj(x)``. Its two halves come from two
 linears with separate weights, which are graph inputs (parameters), not constants; the only
-rewrite into npu_swiglu would concatenate the two weight matrices on every call (a copy of
-2 * H * I elements, as much memory traffic as the GEMMs themselves at decode sizes) to save an
-elementwise pass over a [T, I] tensor that Inductor already fuses into one loop. That is never
-a win in this pre-autograd graph, so the rule deliberately leaves that form to Inductor.
+rewrite into npu_swiglu concatenates the two weight matrices on every call (a copy of 2 * H * I
+elements) to save an elementwise pass over a [T, I] tensor that Inductor already fuses into one
+loop. Measured (this project's shared CPU machine, 1 thread, fp32, H 512, I 1408, medians of 40
+eager calls): two linears + silu * mul 0.23 / 0.82 / 9.5 ms at T = 1 / 16 / 256 tokens,
+cat(weights) + one linear + npu_swiglu 0.75 / 1.34 / 9.9 ms: slower at every size, so the rule
+deliberately leaves that form alone.
 """
 
 from __future__ import annotations

@@ -159,7 +159,9 @@ def _reshape_first_ok(match) -> bool:
     return True
 
 
-@fusion_rule("confusion_transpose", stage="pre_autograd", eager_only=True,
+# order=2: after every other pre_autograd rule, so a permute + reshape that belongs to a larger
+# pattern (the attention chain's output transpose(1, 2).reshape(...)) goes to that rule first.
+@fusion_rule("confusion_transpose", stage="pre_autograd", eager_only=True, order=2,
              doc="permute + reshape / reshape + permute + contiguous (seed 000) -> "
                  "npu_confusion_transpose (eager path only: measured, see rules/transpose.py)")
 def _register_confusion_transpose(r) -> None:
