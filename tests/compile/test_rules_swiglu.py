@@ -128,7 +128,7 @@ class SplitFirstDim(nn.Module):
 
 
 class ThirdsNotHalves(nn.Module):
-    """x[..., :n] and x[..., n:2n] of a 3n-wide x: same-shaped parts, but not npu_swiglu's halves."""
+    """x[..., :n] and x[..., n:2n] of a 3n-wide x: parts of one shape, not npu_swiglu's halves."""
 
     def forward(self, x):
         n = x.shape[-1] // 3
