@@ -34,7 +34,7 @@ import torch
 
 from ..._strict import is_strict
 from ..fusion import fusion_rule
-from ._util import arg, broadcasts_into, empty, halves_of_last_dim, guard_even, \
+from ._util import arg, broadcasts_into, empty, halves_of_last_dim, guard_even, has_kernels, \
     is_chunk_in_halves, is_last_dim, known, nodes, same_float_dtype, val
 
 aten = torch.ops.aten
@@ -62,6 +62,9 @@ def _search_fn(split: str, x_first: bool, rotated_first: bool, cos_term_first: b
                        f"{'rot_r2' if rotated_first else 'r2_rot'}_"
                        f"{'cos_first' if cos_term_first else 'sin_first'}")
     return search
+
+
+_OPS = ("npu_rotary_mul", "npu_rotary_mul_backward")
 
 
 def _fused(x, r1, r2):
@@ -102,7 +105,7 @@ def _ascend_layout(x, r1, r2) -> bool:
 
 def _rotary_ok(match) -> bool:
     x, r1, r2 = val(match, "x"), val(match, "r1"), val(match, "r2")
-    if not (same_float_dtype(x, r1, r2) and x.dim() >= 1):
+    if not (same_float_dtype(x, r1, r2) and x.dim() >= 1 and has_kernels(_OPS, x, r1, r2)):
         return False
     if not (broadcasts_into(r1, x) and broadcasts_into(r2, x)):
         return False

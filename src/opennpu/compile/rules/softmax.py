@@ -36,11 +36,15 @@ import torch
 
 from ..._strict import is_strict
 from ..fusion import fusion_rule
-from ._util import FLOAT_DTYPES, arg, broadcasts_into, empty, is_last_dim, known, nodes, val
+from ._util import FLOAT_DTYPES, arg, broadcasts_into, empty, has_kernels, is_last_dim, known, \
+    nodes, val
 
 aten = torch.ops.aten
 SCALE = 0.3183  # an unusual literal, so scalar_workaround cannot confuse it with other constants
 _FILL_LIMIT = -10000.0  # the op's own fill value
+
+
+_OPS = ("npu_scaled_masked_softmax", "npu_scaled_masked_softmax_backward")
 
 
 def _scaled(x, mask, scale):
@@ -64,7 +68,7 @@ def _softmax_ok(match) -> bool:
     if not (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
         return False
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
-            and broadcasts_into(mask, x)):
+            and broadcasts_into(mask, x) and has_kernels(_OPS, x, mask)):
         return False
     if "scale" in match.kwargs:
         # A tensor scale (x * t) is a graph node, not a number the op's Scalar can take.

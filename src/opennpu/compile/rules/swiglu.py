@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from ..fusion import fusion_rule
-from ._util import FLOAT_DTYPES, empty, guard_even, halves_of_last_dim, is_chunk_in_halves, \
-    nodes, val
+from ._util import FLOAT_DTYPES, empty, guard_even, halves_of_last_dim, has_kernels, \
+    is_chunk_in_halves, nodes, val
 
 aten = torch.ops.aten
 
@@ -58,13 +58,17 @@ def _slice_mul_silu(x):
     return x[..., n:] * F.silu(x[..., :n])
 
 
+_OPS = ("npu_swiglu", "npu_swiglu_backward")
+
+
 def _fused(x):
     return torch.ops.npu.npu_swiglu(x, -1)
 
 
 def _swiglu_ok(match) -> bool:
     x = val(match, "x")
-    if not (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1):
+    if not (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() >= 1
+            and has_kernels(_OPS, x)):
         return False
     chunks = nodes(match, aten.chunk.default)
     if chunks:

@@ -42,7 +42,7 @@ import itertools
 import torch
 
 from ..fusion import fusion_rule
-from ._util import empty, nodes, val
+from ._util import empty, has_kernels, nodes, val
 
 aten = torch.ops.aten
 
@@ -93,6 +93,9 @@ def _fused_reshape_first(x):
     return torch.ops.npu.npu_confusion_transpose(x, perm, shape, False)
 
 
+_OPS = ("npu_confusion_transpose", "npu_confusion_transpose_backward")
+
+
 def _static(shape) -> bool:
     return all(isinstance(s, int) for s in shape)
 
@@ -126,7 +129,7 @@ def _transpose_first_ok(match) -> bool:
     (permute,) = nodes(match, *_PERMUTES)
     out = match.output_node().meta.get("val")
     if not (isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor)
-            and _static(x.shape) and _static(out.shape)):
+            and _static(x.shape) and _static(out.shape) and has_kernels(_OPS, x)):
         return False
     perm = _perm_of(permute, x.dim())
     permuted = permute.meta.get("val")
@@ -149,7 +152,7 @@ def _reshape_first_ok(match) -> bool:
     shaped, permuted = reshape.meta.get("val"), permute.meta.get("val")
     if not (isinstance(x, torch.Tensor) and isinstance(shaped, torch.Tensor)
             and isinstance(permuted, torch.Tensor) and _static(x.shape)
-            and _static(shaped.shape)):
+            and _static(shaped.shape) and has_kernels(_OPS, x)):
         return False
     perm = _perm_of(permute, shaped.dim())
     # Already contiguous (a permutation of size-1 dims): contiguous() returns it, no copy.
