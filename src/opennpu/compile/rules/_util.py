@@ -142,3 +142,13 @@ def has_kernels(ops, *tensors) -> bool:
         return False
     key = _DISPATCH_KEYS[devices.pop()]
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"npu::{op}", key) for op in ops)
+
+
+def number_or_absent(match: Match, name: str) -> bool:
+    """Pattern argument `name` (a scalar_workaround float such as eps or scale) is absent or a
+    Python number. The pattern's KeywordArg also matches a graph node (``x + eps_tensor``),
+    which a fused op's float argument cannot take."""
+    if name not in match.kwargs:
+        return True
+    value = match.kwargs[name]
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

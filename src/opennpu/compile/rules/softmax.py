@@ -37,7 +37,7 @@ import torch
 from ..._strict import is_strict
 from ..fusion import fusion_rule
 from ._util import FLOAT_DTYPES, arg, broadcasts_into, empty, has_kernels, is_last_dim, known, \
-    nodes, val
+    nodes, number_or_absent, val
 
 aten = torch.ops.aten
 SCALE = 0.3183  # an unusual literal, so scalar_workaround cannot confuse it with other constants
@@ -70,12 +70,9 @@ def _softmax_ok(match) -> bool:
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
             and broadcasts_into(mask, x) and has_kernels(_OPS, x, mask)):
         return False
-    if "scale" in match.kwargs:
-        # A tensor scale (x * t) is a graph node, not a number the op's Scalar can take.
-        scale = match.kwargs["scale"]
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) \
-                or not math.isfinite(scale):
-            return False
+    # A tensor scale (x * t) is a graph node, not a number the op's Scalar can take.
+    if not number_or_absent(match, "scale") or not math.isfinite(match.kwargs.get("scale", 1)):
+        return False
     (fill_node,) = nodes(match, aten.masked_fill.Scalar)
     fill = arg(fill_node, 2)
     if isinstance(fill, bool) or not isinstance(fill, (int, float)):
