@@ -90,7 +90,9 @@ def _softmax_ok(match) -> bool:
     return is_last_dim(arg(softmax, 1), x.dim()) and arg(softmax, 2) is None
 
 
-@fusion_rule("scaled_masked_softmax", stage="pre_autograd",
+# order=1: after the order-0 rules, so the attention chain (matmul * scale, masked_fill, softmax,
+# matmul), which contains this one, is matched whole first (rules/attention.py).
+@fusion_rule("scaled_masked_softmax", stage="pre_autograd", order=1,
              doc="softmax((x * scale).masked_fill(mask, -inf), -1) (seed 000) "
                  "-> npu_scaled_masked_softmax")
 def _register_scaled_masked_softmax(r) -> None:
