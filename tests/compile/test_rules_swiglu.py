@@ -45,6 +45,19 @@ class SlicedUpFirst(nn.Module):
         return x[..., n:] * F.silu(x[..., :n])
 
 
+class WrittenOutSiLU(nn.Module):
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return a * torch.sigmoid(a) * b
+
+
+class SlicedSigmoidFirst(nn.Module):
+    def forward(self, x):
+        n = x.shape[-1] // 2
+        a = x[..., :n]
+        return x[..., n:] * (torch.sigmoid(a) * a)
+
+
 class FusedUpMLP(nn.Module):
     """An MLP whose up-projection gives [gate | up] in one linear (as ChatGLM's, Phi-3's)."""
 
@@ -58,7 +71,7 @@ class FusedUpMLP(nn.Module):
         return self.down(F.silu(gate) * up)
 
 
-FORMS = [SeedSwiGlu, ChunkUpFirst, Sliced, SlicedUpFirst]
+FORMS = [SeedSwiGlu, ChunkUpFirst, Sliced, SlicedUpFirst, WrittenOutSiLU, SlicedSigmoidFirst]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -121,6 +134,14 @@ class SwappedHalves(nn.Module):
         return F.silu(b) * a
 
 
+class SigmoidOfOtherHalf(nn.Module):
+    """a * sigmoid(b) * b: a gate, but not SiLU of the first half."""
+
+    def forward(self, x):
+        a, b = x.chunk(2, dim=-1)
+        return a * torch.sigmoid(b) * b
+
+
 class SplitFirstDim(nn.Module):
     def forward(self, x):
         a, b = x.chunk(2, dim=0)
@@ -155,8 +176,8 @@ class LlamaMLP(nn.Module):
 
 @pytest.mark.parametrize("module, shape", [
     (SwappedHalves(), (4, 8)), (SplitFirstDim(), (4, 8)), (ThirdsNotHalves(), (4, 12)),
-    (OffsetSlices(), (4, 9)), (LlamaMLP(8, 6), (4, 8)),
-], ids=["swapped", "first-dim", "thirds", "offset", "llama-mlp"])
+    (OffsetSlices(), (4, 9)), (LlamaMLP(8, 6), (4, 8)), (SigmoidOfOtherHalf(), (4, 8)),
+], ids=["swapped", "first-dim", "thirds", "offset", "llama-mlp", "sigmoid-other-half"])
 def test_other_splits_are_left_alone(module, shape):
     x = torch.randn(shape)
     compiled = run_compiled(module, x)

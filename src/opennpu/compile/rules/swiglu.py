@@ -1,7 +1,8 @@
 """SwiGLU written in PyTorch -> npu_swiglu(x, dim=-1).
 
 npu_swiglu splits x in halves ``a | b`` along ``dim`` and returns ``silu(a) * b``: the FIRST half
-is activated. The forms matched (pre-dispatch ATen), each with the product in either order:
+is activated. The forms matched (pre-dispatch ATen), each with the product in either order and
+SiLU as F.silu or written out (``a * torch.sigmoid(a)``, ``torch.sigmoid(a) * a``):
 
 - seed 000's TorchSwiGlu: ``a, b = torch.chunk(x, 2, -1); silu(a) * b``
 - slicing: ``n = x.shape[-1] // 2; silu(x[..., :n]) * x[..., n:]``
@@ -12,7 +13,7 @@ the LAST dim into its two equal halves, the first half into silu. A split of ano
 swapped pair (``silu(x[..., n:]) * x[..., :n]``) or unequal parts is left alone.
 
 Numerics: npu_swiglu computes silu(a) * b in float32 and rounds once, where the composition
-rounds silu(a) to the input dtype before the product, so for fp16 / bf16 it is at least as
+rounds silu(a) (or sigmoid(a) and a * sigmoid(a)) to the input dtype before the product, so for fp16 / bf16 it is at least as
 accurate; it keeps x's dtype and the halved shape, as the composition does. Its autograd is
 npu_swiglu_backward, so training graphs differentiate through the fused op.
 
@@ -28,6 +29,8 @@ deliberately leaves that form alone.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -38,24 +41,28 @@ from ._util import FLOAT_DTYPES, empty, guard_even, halves_of_last_dim, has_kern
 aten = torch.ops.aten
 
 
-def _chunk_silu_mul(x):
-    a, b = torch.chunk(x, 2, -1)
-    return F.silu(a) * b
-
-
-def _chunk_mul_silu(x):
-    a, b = torch.chunk(x, 2, -1)
-    return b * F.silu(a)
-
-
-def _slice_silu_mul(x):
+def _halves(x, split: str):
+    if split == "chunk":
+        return torch.chunk(x, 2, -1)
     n = x.shape[-1] // 2
-    return F.silu(x[..., :n]) * x[..., n:]
+    return x[..., :n], x[..., n:]
 
 
-def _slice_mul_silu(x):
-    n = x.shape[-1] // 2
-    return x[..., n:] * F.silu(x[..., :n])
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "a_sigmoid": lambda a: a * torch.sigmoid(a),   # SiLU written out
+    "sigmoid_a": lambda a: torch.sigmoid(a) * a,
+}
+
+
+def _search_fn(split: str, activation: str, activated_first: bool):
+    def search(x):
+        a, b = _halves(x, split)
+        g = _ACTIVATIONS[activation](a)
+        return g * b if activated_first else b * g
+
+    search.__name__ = f"swiglu_{split}_{activation}_{'gb' if activated_first else 'bg'}"
+    return search
 
 
 _OPS = ("npu_swiglu", "npu_swiglu_backward")
@@ -76,8 +83,8 @@ def _swiglu_ok(match) -> bool:
         split = is_chunk_in_halves(chunk, x)
     else:
         slices = nodes(match, aten.slice.Tensor)
-        (silu,) = nodes(match, aten.silu.default)
-        first = silu.args[0]
+        (activation,) = nodes(match, aten.silu.default, aten.sigmoid.default)
+        first = activation.args[0]
         if len(slices) != 2 or first not in slices:
             return False
         second = slices[1] if slices[0] is first else slices[0]
@@ -93,5 +100,7 @@ def _swiglu_ok(match) -> bool:
 def _register_swiglu(r) -> None:
     # One dtype suffices: the forms have no casts, and with generic_sizes the pattern is not
     # re-traced per match (extra_check verifies the split instead).
-    for search in (_chunk_silu_mul, _chunk_mul_silu, _slice_silu_mul, _slice_mul_silu):
-        r.replacement(search, _fused, [empty(2, 8)], extra_check=_swiglu_ok, generic_sizes=True)
+    for split, activation, activated_first in itertools.product(
+            ("chunk", "slice"), _ACTIVATIONS, (True, False)):
+        r.replacement(_search_fn(split, activation, activated_first), _fused, [empty(2, 8)],
+                      extra_check=_swiglu_ok, generic_sizes=True)
