@@ -142,3 +142,24 @@ def test_rules_can_be_disabled_by_name():
     assert count(only_norm.ops, "npu_add_rms_norm") == 0
     none = run_compiled(block, x, r, disabled=["add_rms_norm", "rms_norm"])
     assert not none.fusions and count(none.ops, "npu_") == 0
+
+
+class TensorEpsRMSNorm(HFRMSNorm):
+    """eps as a buffer: `variance + eps` adds a tensor, which npu_rms_norm's float cannot take."""
+
+    def __init__(self, h):
+        super().__init__(h)
+        self.register_buffer("eps", torch.tensor(1e-6))
+
+    def forward(self, hidden_states):
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(hidden_states.dtype)
+
+
+def test_tensor_epsilon_is_left_alone():
+    module = TensorEpsRMSNorm(16)
+    x = torch.randn(4, 16)
+    compiled = run_compiled(module, x)           # used to fail tracing the replacement
+    assert not compiled.fusions and count(compiled.ops, "npu_") == 0
+    torch.testing.assert_close(compiled.outputs, module(x))

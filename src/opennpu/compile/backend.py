@@ -118,8 +118,9 @@ class NpuBackend:
         from torch._dispatch.python import enable_python_dispatcher
         from torch.fx.experimental.proxy_tensor import make_fx
 
-        if not any(r.stage == "pre_autograd" and r.name not in config.experimental_config.disabled_patterns
-                   for r in fusion.rules()):
+        inactive = fusion.inactive_rules(config.experimental_config.disabled_patterns,
+                                         config.debug.run_eagerly)
+        if not any(r.stage == "pre_autograd" and r.name not in inactive for r in fusion.rules()):
             return gm
         try:
             fake_mode, fakes = _fake_inputs(example_inputs)
@@ -131,7 +132,7 @@ class NpuBackend:
                         type(error).__name__, error)
             return gm
         fusion.remove_noop_casts(traced)
-        counts = fusion.apply_rules("pre_autograd", traced, config.experimental_config.disabled_patterns)
+        counts = fusion.apply_rules("pre_autograd", traced, inactive)
         if not counts:
             return gm  # nothing fused: Dynamo's graph goes on as it came
         self._record("pre_autograd", traced, counts, config, graph_id)
@@ -208,7 +209,8 @@ class PostGradPasses(CustomGraphPass):
             config.post_grad_custom_pre_pass(gm, _graph_inputs(gm), config)
         counts: Counter = Counter()
         if config.experimental_config.pattern_fusion_pass:
-            counts = fusion.apply_rules("post_grad", gm, config.experimental_config.disabled_patterns)
+            counts = fusion.apply_rules("post_grad", gm, fusion.inactive_rules(
+                config.experimental_config.disabled_patterns, config.debug.run_eagerly))
         if config.post_grad_custom_post_pass is not None:
             config.post_grad_custom_post_pass(gm, _graph_inputs(gm), config)
             gm.recompile()

@@ -46,12 +46,15 @@ class Rule:
     register: Callable[[Registrar], None]
     order: int = 0  # rules of a higher order run after the lower ones, over their results
     user: bool = False
+    # Only where the graph runs op by op (debug.run_eagerly): for a fused op that beats ATen's
+    # composition but not the code Inductor generates for it (see rules/transpose.py).
+    eager_only: bool = False
 
 
 _RULES: dict[str, Rule] = {}
 
 
-def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0):
+def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0, eager_only: bool = False):
     """Decorator for a function that registers the patterns of one named rule."""
     if stage not in STAGES:
         raise ValueError(f"fusion_rule {name!r}: stage must be one of {STAGES}, got {stage!r}")
@@ -59,7 +62,7 @@ def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0):
     def wrap(register: Callable[[Registrar], None]):
         if name in _RULES:
             raise ValueError(f"fusion rule {name!r} is registered twice")
-        _RULES[name] = Rule(name, stage, doc, register, order)
+        _RULES[name] = Rule(name, stage, doc, register, order, eager_only=eager_only)
         return register
 
     return wrap
@@ -237,6 +240,15 @@ def register_user_rule(name: str, search_fn, replace_fn, example_inputs, *, trac
 
 
 # --- application ------------------------------------------------------------------------------
+
+
+def inactive_rules(disabled: Iterable[str], run_eagerly: bool) -> frozenset[str]:
+    """The rules a compile leaves out: those disabled by name, and the eager-only rules when
+    Inductor compiles the graphs."""
+    off = set(disabled)
+    if not run_eagerly:
+        off.update(r.name for r in rules() if r.eager_only)
+    return frozenset(off)
 
 
 def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = ()) -> Counter:

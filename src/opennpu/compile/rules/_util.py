@@ -49,3 +49,106 @@ def drop_eps(fn):
 def call_eps(op, *args, eps):
     """op(*args, eps), or op(*args) when eps is None (the default-epsilon spelling)."""
     return op(*args) if eps is None else op(*args, eps)
+
+
+def known(condition) -> bool:
+    """`condition` (a bool or a SymBool over the compile's symbolic sizes) holds for every size
+    the compiled graph may see; unknown counts as False, so a dynamic graph is never fused on a
+    guess."""
+    return torch.fx.experimental.symbolic_shapes.statically_known_true(condition)
+
+
+def nodes(match: Match, *targets) -> list[torch.fx.Node]:
+    """The matched nodes calling one of `targets`, in graph order."""
+    return [n for n in match.nodes if n.op == "call_function" and n.target in targets]
+
+
+def arg(node: torch.fx.Node, index: int, default=None):
+    """Positional argument `index` of `node` (int, float, SymInt from node.meta, or `default` when
+    the dispatcher dropped it), as pattern wildcards leave it to extra_check."""
+    value = node.args[index] if index < len(node.args) else default
+    return value.meta.get("val") if isinstance(value, torch.fx.Node) else value
+
+
+def is_last_dim(dim, rank: int) -> bool:
+    """`dim` (as a graph argument: int, maybe negative) names the last of `rank` dims."""
+    return isinstance(dim, int) and rank >= 1 and dim in (-1, rank - 1)
+
+
+def broadcasts_into(small, big) -> bool:
+    """`small` broadcasts to `big`'s shape without changing it (no new dims, no size > 1 against
+    a size of `big`): `small op big` then has exactly `big`'s shape, as the fused ops' output."""
+    if not (isinstance(small, torch.Tensor) and isinstance(big, torch.Tensor)):
+        return False
+    if small.dim() > big.dim():
+        return False
+    return all(known(s == 1) or known(s == b)
+               for s, b in zip(reversed(small.shape), reversed(big.shape)))
+
+
+_SLICE_END = 2**63 - 1  # what `x[..., n:]` passes as the slice end (sys.maxsize)
+
+
+def is_chunk_in_halves(chunk: torch.fx.Node, x) -> bool:
+    """aten.chunk.default(x, 2, dim) along x's last dim D: its halves when D is even (for an odd
+    D chunk makes the first part the larger; the caller checks D with `guard_even`)."""
+    return arg(chunk, 1) == 2 and is_last_dim(arg(chunk, 2, 0), x.dim())
+
+
+def halves_of_last_dim(first, second, x) -> bool:
+    """`first` and `second` are aten.slice.Tensor(x, dim, start, end[, step]) nodes taking
+    [0, n) and [n, D) of x's last dim D with n = D // 2, as ``x[..., :n]`` / ``x[..., n:]`` do:
+    the halves when D is even (the caller checks D with `guard_even`). Their arguments are
+    pattern wildcards (ints, or SymInts under dynamic shapes), so every one is checked; the
+    second's end may be anything >= D (Python's ``n:`` passes maxsize)."""
+    slice_op = torch.ops.aten.slice.Tensor
+    if not (isinstance(first, torch.fx.Node) and isinstance(second, torch.fx.Node)
+            and first.target is slice_op and second.target is slice_op):
+        return False
+    for node in (first, second):
+        if not (is_last_dim(arg(node, 1, 0), x.dim()) and arg(node, 4, 1) == 1):
+            return False
+    size = x.shape[-1]
+    start1, end1 = arg(first, 2, 0), arg(first, 3, _SLICE_END)
+    start2, end2 = arg(second, 2, 0), arg(second, 3, _SLICE_END)
+    start1 = 0 if start1 is None else start1
+    end2 = _SLICE_END if end2 is None else end2
+    if end1 is None or start2 is None:
+        return False
+    # maxsize is "to the end" (sympy cannot prove maxsize >= s for an unbounded size s).
+    to_end = (isinstance(end2, int) and end2 == _SLICE_END) or known(end2 >= size)
+    return known(start1 == 0) and known(end1 == size // 2) and known(start2 == end1) and to_end
+
+
+def guard_even(size) -> bool:
+    """Whether `size` is even, specialising a dynamic graph on that fact when it is not known.
+
+    bool() of a SymBool installs a Dynamo guard (as Inductor's own size checks do), so the
+    compiled graph only runs for sizes of the same parity: an odd size later recompiles, and the
+    rule then leaves that graph alone. Call it last in an extra_check, once everything else
+    matched, so graphs that are not fused are not specialised."""
+    return known(size % 2 == 0) or bool(size % 2 == 0)
+
+
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+
+def has_kernels(ops, *tensors) -> bool:
+    """Every `torch.ops.npu` op named in `ops` (a fused op and its backward) has a kernel for the
+    device of `tensors` (one device). The ops are registered per device as their kernels land,
+    so a rule must not put a CPU-only op into a CUDA graph, where the native code ran."""
+    devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
+    if len(devices) != 1 or next(iter(devices)) not in _DISPATCH_KEYS:
+        return False
+    key = _DISPATCH_KEYS[devices.pop()]
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"npu::{op}", key) for op in ops)
+
+
+def number_or_absent(match: Match, name: str) -> bool:
+    """Pattern argument `name` (a scalar_workaround float such as eps or scale) is absent or a
+    Python number. The pattern's KeywordArg also matches a graph node (``x + eps_tensor``),
+    which a fused op's float argument cannot take."""
+    if name not in match.kwargs:
+        return True
+    value = match.kwargs[name]
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

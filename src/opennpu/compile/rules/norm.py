@@ -17,14 +17,16 @@ from __future__ import annotations
 import torch
 
 from ..fusion import fusion_rule
-from ._util import FLOAT_DTYPES, call_eps, drop_eps, empty, is_last_dim_vector, same_float_dtype, val
+from ._util import FLOAT_DTYPES, call_eps, drop_eps, empty, has_kernels, is_last_dim_vector, \
+    number_or_absent, same_float_dtype, val
 
 EPS = 2e-6  # an unusual literal, so scalar_workaround cannot confuse it with other constants
 
 
 def _rms_norm_ok(match) -> bool:
     x, w = val(match, "x"), val(match, "weight")
-    return same_float_dtype(x, w) and is_last_dim_vector(w, x)
+    return (same_float_dtype(x, w) and is_last_dim_vector(w, x) and number_or_absent(match, "eps")
+            and has_kernels(("npu_rms_norm", "npu_rms_norm_backward"), x, w))
 
 
 def _upcast_norm(x, weight, eps):  # transformers
@@ -97,7 +99,8 @@ def _add_rms_norm_ok(match) -> bool:
     x1, x2, w = val(match, "x1"), val(match, "x2"), val(match, "weight")
     # No broadcasting in the add: npu_add_rms_norm takes two tensors of one shape.
     return (same_float_dtype(x1, x2, w) and is_last_dim_vector(w, x1)
-            and x1.shape == x2.shape)
+            and x1.shape == x2.shape and number_or_absent(match, "eps")
+            and has_kernels(("npu_add_rms_norm", "npu_rms_norm_backward"), x1, x2, w))
 
 
 @fusion_rule("add_rms_norm", stage="pre_autograd", order=1,

@@ -1,0 +1,170 @@
+"""The rotary rule: x * cos + cat(-x2, x1) * sin (seed 000/004, rotate_half) -> npu_rotary_mul."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fusion_helpers import count, grads, run_compiled
+from opennpu.compile import CompilerConfig, get_npu_backend
+from opennpu.testing.tolerances import assert_close
+
+
+class SeedRotary(nn.Module):
+    """Seed 000's torch_func (slices), or its commented-out chunk spelling."""
+
+    def __init__(self, chunk=False):
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x, r1, r2):
+        if self.chunk:
+            x1, x2 = torch.chunk(x, 2, -1)
+        else:
+            x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2:]
+        x_new = torch.cat((-x2, x1), dim=-1)
+        return r1 * x + r2 * x_new
+
+
+def rotate_half(x):
+    """transformers' rotate_half (Llama, Qwen2, Mistral)."""
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class HFRotary(nn.Module):
+    """transformers' apply_rotary_pos_emb, q and k in BNSD with [B, S, D] cos / sin."""
+
+    def forward(self, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q_embed = (q * cos) + (rotate_half(q) * sin)
+        k_embed = (k * cos) + (rotate_half(k) * sin)
+        return torch.cat((q_embed, k_embed), dim=1)   # one output, so the loss covers both
+
+
+class SinFirst(nn.Module):
+    def forward(self, x, r1, r2):
+        return rotate_half(x) * r2 + x * r1
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("module", [SeedRotary(), SeedRotary(chunk=True), SinFirst()],
+                         ids=["seed-slices", "seed-chunk", "sin-first"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_seed_forms_fused_and_match_eager(module, dtype):
+    x = torch.randn(2, 6, 3, 16, dtype=dtype)                     # BSND with 1S1D cos / sin
+    r1, r2 = torch.randn(1, 6, 1, 16, dtype=dtype), torch.randn(1, 6, 1, 16, dtype=dtype)
+    before = run_compiled(module, x, r1, r2, fusion=False)
+    after = run_compiled(module, x, r1, r2)
+    assert count(before.ops, "aten.cat") == 1 and count(before.ops, "npu_rotary_mul") == 0
+    assert after.fusions == {"rotary": 1}
+    assert count(after.ops, "npu.npu_rotary_mul.") == 1 and count(after.ops, "aten.cat") == 0
+    expected = module(x, r1, r2)
+    assert after.outputs.dtype == expected.dtype
+    assert_close(after.outputs, expected, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_rotate_half_q_and_k_with_gradients(dtype):
+    q = torch.randn(2, 4, 5, 8, dtype=dtype, requires_grad=True)
+    k = torch.randn(2, 2, 5, 8, dtype=dtype, requires_grad=True)   # fewer k heads (GQA)
+    cos = torch.randn(2, 5, 8, dtype=dtype, requires_grad=True)
+    sin = torch.randn(2, 5, 8, dtype=dtype, requires_grad=True)
+    module = HFRotary()
+    compiled = run_compiled(module, q, k, cos, sin, backward=True)
+    got_grads = grads(q, k, cos, sin)
+    # The oracle: the composition in float32 (eager fp16 / bf16 rounds more than the fused op).
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, cos, sin)]
+    expected = module(*leaves)
+    expected.square().sum().backward()
+    assert compiled.fusions == {"rotary": 2}
+    assert count(compiled.ops, "npu.npu_rotary_mul.") == 2
+    assert count(compiled.ops, "npu_rotary_mul_backward") == 2
+    assert compiled.outputs.dtype == dtype
+    assert_close(compiled.outputs, expected, dtype=dtype)
+    # dcos / dsin sum over heads and over q and k: a few roundings more in fp16 / bf16.
+    for got, leaf in zip(got_grads, leaves):
+        assert_close(got, leaf.grad, dtype=dtype, scale=8)
+
+
+@pytest.mark.parametrize("x_shape, r_shape", [
+    ((2, 3, 7, 16), (1, 1, 7, 16)),      # BNSD, 11SD
+    ((7, 2, 3, 16), (7, 1, 1, 16)),      # SBND, S11D
+    ((9, 3, 16), (9, 1, 16)),            # TND, T1D
+    ((2, 7, 3, 16), (7, 1, 16)),         # r of lower rank
+    ((2, 7, 3, 16), (16,)),
+], ids=["BNSD", "SBND", "TND", "lower-rank", "vector"])
+def test_layouts(x_shape, r_shape):
+    x, r1, r2 = torch.randn(x_shape), torch.randn(r_shape), torch.randn(r_shape)
+    compiled = run_compiled(SeedRotary(), x, r1, r2)
+    assert compiled.fusions == {"rotary": 1}
+    assert_close(compiled.outputs, SeedRotary()(x, r1, r2), dtype=torch.float32)
+
+
+def test_dynamic_shapes_fuse_once_and_serve_new_shapes():
+    module = SeedRotary()
+    config = CompilerConfig()
+    config.debug.run_eagerly = True
+    backend = get_npu_backend(compiler_config=config)
+    compiled_fn = torch.compile(module, backend=backend, dynamic=True, fullgraph=True)
+    # The last one has an odd D: the parity guard sends it to a new, unfused graph.
+    for b, s, n, d in [(2, 5, 3, 8), (3, 7, 2, 12), (2, 4, 5, 16), (2, 4, 5, 15)]:
+        x = torch.randn(b, s, n, d, dtype=torch.bfloat16)
+        r1 = torch.randn(1, s, 1, d, dtype=torch.bfloat16)
+        r2 = torch.randn(1, s, 1, d, dtype=torch.bfloat16)
+        assert_close(compiled_fn(x, r1, r2), module(x, r1, r2), dtype=torch.bfloat16)
+    assert backend.fusions["rotary"] >= 1
+    assert sum(backend.fusions.values()) == backend.fusions["rotary"]
+
+
+class QuarterSplit(nn.Module):
+    """cat(-x[..., D/4:], x[..., :D/4]): a valid rotation, but not npu_rotary_mul's halves."""
+
+    def forward(self, x, r1, r2):
+        q = x.shape[-1] // 4
+        return r1 * x + r2 * torch.cat((-x[..., q:], x[..., :q]), dim=-1)
+
+
+@pytest.mark.parametrize("module, x_shape, r_shape, r_dtype", [
+    (SeedRotary(), (2, 6, 3, 16), (1, 6, 1, 16), torch.float32),   # bf16 x, fp32 cos: promotes
+    (SeedRotary(), (1, 6, 3, 16), (2, 6, 1, 16), None),            # r grows the result
+    (SeedRotary(), (6, 3, 16), (1, 1, 3, 16), None),               # r of higher rank
+    (QuarterSplit(), (2, 6, 3, 16), (1, 6, 1, 16), None),
+    (SeedRotary(), (2, 6, 3, 15), (1, 6, 1, 15), None),           # odd D: halves of 7 and 8
+], ids=["mixed-dtype", "r-larger", "r-higher-rank", "quarter-split", "odd-D"])
+def test_shapes_the_op_does_not_broadcast_like_eager_are_left_alone(module, x_shape, r_shape,
+                                                                     r_dtype):
+    x = torch.randn(x_shape, dtype=torch.bfloat16 if r_dtype else torch.float32)
+    r1 = torch.randn(r_shape, dtype=r_dtype or x.dtype)
+    r2 = torch.randn(r_shape, dtype=r_dtype or x.dtype)
+    compiled = run_compiled(module, x, r1, r2)
+    assert not compiled.fusions and count(compiled.ops, "npu_") == 0
+    expected = module(x, r1, r2)
+    assert compiled.outputs.dtype == expected.dtype and compiled.outputs.shape == expected.shape
+    torch.testing.assert_close(compiled.outputs, expected)
+
+
+def test_rule_can_be_disabled_by_name():
+    x, r = torch.randn(2, 6, 3, 16), torch.randn(1, 6, 1, 16)
+    compiled = run_compiled(SeedRotary(), x, r, r, disabled=["rotary"])
+    assert not compiled.fusions and count(compiled.ops, "npu_rotary") == 0
+
+
+def test_strict_mode_fuses_only_ascend_layouts():
+    """Strict mode makes npu_rotary_mul enforce Ascend's limits; the rule must not bring the op
+    (and its errors) into code that never called it."""
+    import opennpu
+
+    with opennpu.strict():
+        x, r = torch.randn(6, 16), torch.randn(6, 16)                       # 2-D: not Ascend's
+        outside = run_compiled(SeedRotary(), x, r, r)
+        x4, r4 = torch.randn(2, 6, 3, 16), torch.randn(1, 6, 1, 16)         # BSND, 1S1D
+        inside = run_compiled(SeedRotary(), x4, r4, r4)
+    assert not outside.fusions
+    torch.testing.assert_close(outside.outputs, SeedRotary()(x, r, r))
+    assert inside.fusions == {"rotary": 1}
+    assert_close(inside.outputs, SeedRotary()(x4, r4, r4), dtype=torch.float32)
