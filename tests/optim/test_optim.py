@@ -478,6 +478,27 @@ def test_clip_grad_norm_fused_low_precision_and_no_grads():
     assert torch.equal(empty.clip_grad_norm_fused_(1.0), torch.tensor(0.0))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.5, math.inf], ids=lambda v: f"p={v}")
+def test_grad_norm_exact_for_every_element(dtype, norm_type):
+    # Sizes that fill the kernel's unrolled loop (8 vectors per iteration), leave tails of every
+    # length, and are split between threads. One large element at an even and one at an odd
+    # index of the long tensor: bf16 is widened as even / odd lanes, and a lost lane would show.
+    a = make_params((dtype,), [(5,), (257,), (1000,), (70003,)])
+    set_grads([a], 0)
+    for i in (4097, 8192):
+        a[3].grad[i] = 40.0
+        g = torch.cat([p.grad.double().flatten() for p in a]).abs()
+        expected = g.max() if math.isinf(norm_type) else g.pow(norm_type).sum() ** (1 / norm_type)
+        total = torch.ops.opennpu._fused_grad_norm(a, norm_type)
+        torch.testing.assert_close(total.double(), expected, rtol=2e-6, atol=0)
+        if math.isinf(norm_type):
+            assert total.item() == 40.0
+        a[3].grad[i] = float("nan")
+        assert math.isnan(torch.ops.opennpu._fused_grad_norm(a, norm_type).item())
+        a[3].grad[i] = 0.5
+
+
 def test_clip_grad_norm_fused_inf_and_nan():
     a = make_params((torch.float32,), [(10,), (5,)])
     set_grads([a], 0)
