@@ -249,8 +249,17 @@ def _amp_train(opt_cls, scaler_cls, params, steps=6, inf_at=None, clip=None, **k
     return opt, scaler
 
 
-@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, optim.GradScaler],
-                         ids=["torch.amp.GradScaler", "opennpu.GradScaler"])
+def _torch_npu_scaler(device, **kwargs):
+    """torch_npu.npu.amp.GradScaler, which takes no device argument (its scale is on the CPU)."""
+    from torch_npu.npu.amp import GradScaler
+
+    assert device == "cpu"
+    return GradScaler(**kwargs)
+
+
+@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, optim.GradScaler, _torch_npu_scaler],
+                         ids=["torch.amp.GradScaler", "opennpu.GradScaler",
+                              "torch_npu.npu.amp.GradScaler"])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["step", "unscale+clip+step"])
 def test_amp_grad_scaler_matches_torch(scaler_cls, clip):
     # With clipping, fp32 only: torch's clip_grad_norm_ rounds each bf16 gradient's norm to bf16
@@ -280,6 +289,60 @@ def test_grad_scaler_unscales_fused_optimizer_in_one_pass():
     found = torch.zeros(1)
     opt._unscale_grads_(torch.ones(1), found)
     assert found.item() == 1.0
+
+
+def test_torch_npu_grad_scaler_names_and_arguments():
+    import torch_npu
+    from torch_npu.npu.amp import GradScaler
+
+    assert torch_npu.npu.amp.GradScaler is GradScaler
+    assert issubclass(GradScaler, optim.GradScaler)
+    # torch_npu's positional order: init_scale, growth_factor, backoff_factor, growth_interval,
+    # dynamic, enabled.
+    scaler = GradScaler(8.0, 4.0, 0.25, 1, False, True)
+    scaler.scale(torch.ones(()))
+    assert scaler.get_scale() == 8.0 and scaler.get_growth_factor() == 4.0
+    assert scaler.get_backoff_factor() == 0.25 and scaler.state_dict()["dynamic"] is False
+    assert not GradScaler(enabled=False).is_enabled()
+    with pytest.raises(ValueError, match="growth factor must be > 1.0"):
+        GradScaler(growth_factor=1.0)
+    with pytest.raises(ValueError, match="backoff factor must be < 1.0"):
+        GradScaler(backoff_factor=1.5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["NpuFusedSGD", "torch.optim.SGD"])
+def test_grad_scaler_static_scale(fused):
+    # dynamic=False (torch_npu's static loss scale): gradients are divided by the scale but never
+    # checked, so an inf is not skipped, and update() never changes the scale.
+    from torch_npu.npu.amp import GradScaler
+
+    a = make_params((torch.float32, torch.bfloat16), [(7,), (33, 5)])
+    b = clone_params(a)
+    ours = (optim.NpuFusedSGD if fused else torch.optim.SGD)(a, lr=0.1)
+    plain = torch.optim.SGD(b, lr=0.1)
+    scaler = GradScaler(init_scale=8.0, growth_interval=1, dynamic=False)
+    for step in range(3):
+        scaler.scale(torch.ones(()))
+        set_grads([a], step, scale=8.0)
+        set_grads([b], step)
+        scaler.step(ours)
+        scaler.update()
+        plain.step()
+        check_params(a, b)
+        assert scaler.get_scale() == 8.0  # growth_interval=1 would have doubled a dynamic one
+    set_grads([a], 3, scale=8.0)
+    a[0].grad.view(-1)[0] = float("inf")
+    scaler.step(ours)  # not skipped: the inf reaches the parameter
+    scaler.update()
+    assert math.isinf(a[0].detach().view(-1)[0].item()) and scaler.get_scale() == 8.0
+    state = scaler.state_dict()
+    dynamic = GradScaler()
+    dynamic.load_state_dict(state)
+    assert dynamic.state_dict()["dynamic"] is False
+    torch_state = torch.amp.GradScaler("cpu").state_dict()
+    dynamic = GradScaler()
+    dynamic.load_state_dict({**torch_state, "scale": 4.0})  # no "dynamic" key: stays dynamic
+    assert dynamic.state_dict()["dynamic"] is True and dynamic.get_scale() == 4.0
 
 
 def test_step_with_found_inf_attribute_is_skipped():

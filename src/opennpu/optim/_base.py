@@ -179,6 +179,12 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
         return total
 
     @torch.no_grad()
+    def _scale_grads_(self, scale: float) -> None:
+        """Multiply every gradient by ``scale`` in one C++ pass over all groups and dtypes (the
+        unscale of a GradScaler with a static scale, which checks nothing)."""
+        _ops._fused_scale_grads_(self._all_params(), float(scale))
+
+    @torch.no_grad()
     def _unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Multiply every gradient by ``inv_scale`` and set ``found_inf`` to 1 if any holds an inf
         or NaN: one C++ pass over all groups and dtypes (used by opennpu.optim.GradScaler)."""
