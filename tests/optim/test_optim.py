@@ -393,6 +393,59 @@ def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
         assert torch.equal(p, q)
 
 
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_state_is_one_buffer_per_dtype_in_runs():
+    # Every state of a group's parameters of one dtype lives in one buffer, all exp_avg first,
+    # then all exp_avg_sq; a channels_last parameter's states stay tensors of their own, and a
+    # parameter whose first gradient comes later gets a buffer of its own. Steps stay exact.
+    conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    late = torch.nn.Parameter(torch.randn(5))
+    a = make_params((torch.float32, torch.bfloat16), [(7,), (33, 5)]) + [conv, late]
+    b = clone_params(a)
+    b[-2] = torch.nn.Parameter(conv.detach().clone().to(memory_format=torch.channels_last))
+    ours = optim.NpuFusedAdamW(a, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        set_grads([a[:-1], b[:-1]], step)
+        # (torch's fused CPU AdamW misreads a contiguous gradient of a channels_last parameter)
+        b[-2].grad = b[-2].grad.contiguous(memory_format=torch.channels_last)
+        if step == 2:
+            a[-1].grad, b[-1].grad = torch.ones(5), torch.ones(5)
+        ours.step()
+        theirs.step()
+        check_params(a, b)
+    for dtype, group in ((torch.float32, a[0:2]), (torch.bfloat16, a[2:4])):
+        states = [ours.state[p][name] for name in ("exp_avg", "exp_avg_sq") for p in group]
+        assert len({_storage(t) for t in states}) == 1
+        offsets = [t.storage_offset() for t in states]
+        assert offsets == [0, 7, 7 + 165, 2 * 7 + 165] and all(t.dtype == dtype for t in states)
+    conv_state = ours.state[conv]["exp_avg"]
+    assert conv_state.is_contiguous(memory_format=torch.channels_last)
+    assert _storage(conv_state) != _storage(ours.state[a[0]]["exp_avg"])
+    assert _storage(ours.state[late]["exp_avg"]) == _storage(ours.state[late]["exp_avg_sq"])
+    assert _storage(ours.state[late]["exp_avg"]) != _storage(ours.state[a[0]]["exp_avg"])
+
+
+def test_loaded_state_is_packed_and_not_shared_with_the_state_dict():
+    params = make_params((torch.float32,), [(7,), (3, 4)])
+    opt = optim.NpuFusedAdamW(params, lr=1e-2)
+    set_grads([params], 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt2 = optim.NpuFusedAdamW(clone_params(params), lr=1e-2)
+    opt2.load_state_dict(saved)
+    group = opt2.param_groups[0]["params"]
+    loaded = [opt2.state[p][n] for n in ("exp_avg", "exp_avg_sq") for p in group]
+    assert len({_storage(t) for t in loaded}) == 1
+    for i, name in ((0, "exp_avg"), (1, "exp_avg_sq")):
+        assert torch.equal(opt2.state[group[i]][name], saved["state"][i][name])
+    saved["state"][0]["exp_avg"].fill_(7.0)  # the optimizer holds copies, not the dict's tensors
+    assert not torch.equal(opt2.state[group[0]]["exp_avg"], saved["state"][0]["exp_avg"])
+
+
 def test_torch_adamw_state_dict_loads_into_fused_and_back():
     m1, m2 = _model(), _model()
     torch_opt = torch.optim.AdamW(m1.parameters(), lr=1e-2)
