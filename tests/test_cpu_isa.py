@@ -79,6 +79,18 @@ SCRIPT = textwrap.dedent(
             x = torch.randn(shape).to(dtype)
             out = opennpu.npu_confusion_transpose(x, perm, [shape[p] for p in perm], True)
             assert torch.equal(out, x.permute(perm).contiguous()), (dtype, shape, perm)
+
+    # gradient norms of the fused optimizers: the unrolled loop (bf16 widened by shift / mask),
+    # its tail, and pieces cut between threads, against float64 sums of the same values
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        params = [torch.nn.Parameter(torch.zeros(n, dtype=dtype)) for n in (7, 769, 70001)]
+        for p in params:
+            p.grad = torch.randn(p.shape).to(dtype)
+        g = torch.cat([p.grad.double() for p in params]).abs()
+        for norm_type in (1.0, 2.0, 3.5, float("inf")):
+            got = torch.ops.opennpu._fused_grad_norm(params, norm_type).double()
+            want = g.max() if norm_type == float("inf") else g.pow(norm_type).sum() ** (1 / norm_type)
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=0, msg=f"{dtype} p={norm_type}")
     print("ok")
     """
 )

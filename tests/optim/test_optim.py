@@ -249,8 +249,17 @@ def _amp_train(opt_cls, scaler_cls, params, steps=6, inf_at=None, clip=None, **k
     return opt, scaler
 
 
-@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, optim.GradScaler],
-                         ids=["torch.amp.GradScaler", "opennpu.GradScaler"])
+def _torch_npu_scaler(device, **kwargs):
+    """torch_npu.npu.amp.GradScaler, which takes no device argument (its scale is on the CPU)."""
+    from torch_npu.npu.amp import GradScaler
+
+    assert device == "cpu"
+    return GradScaler(**kwargs)
+
+
+@pytest.mark.parametrize("scaler_cls", [torch.amp.GradScaler, optim.GradScaler, _torch_npu_scaler],
+                         ids=["torch.amp.GradScaler", "opennpu.GradScaler",
+                              "torch_npu.npu.amp.GradScaler"])
 @pytest.mark.parametrize("clip", [None, 1.0], ids=["step", "unscale+clip+step"])
 def test_amp_grad_scaler_matches_torch(scaler_cls, clip):
     # With clipping, fp32 only: torch's clip_grad_norm_ rounds each bf16 gradient's norm to bf16
@@ -280,6 +289,60 @@ def test_grad_scaler_unscales_fused_optimizer_in_one_pass():
     found = torch.zeros(1)
     opt._unscale_grads_(torch.ones(1), found)
     assert found.item() == 1.0
+
+
+def test_torch_npu_grad_scaler_names_and_arguments():
+    import torch_npu
+    from torch_npu.npu.amp import GradScaler
+
+    assert torch_npu.npu.amp.GradScaler is GradScaler
+    assert issubclass(GradScaler, optim.GradScaler)
+    # torch_npu's positional order: init_scale, growth_factor, backoff_factor, growth_interval,
+    # dynamic, enabled.
+    scaler = GradScaler(8.0, 4.0, 0.25, 1, False, True)
+    scaler.scale(torch.ones(()))
+    assert scaler.get_scale() == 8.0 and scaler.get_growth_factor() == 4.0
+    assert scaler.get_backoff_factor() == 0.25 and scaler.state_dict()["dynamic"] is False
+    assert not GradScaler(enabled=False).is_enabled()
+    with pytest.raises(ValueError, match="growth factor must be > 1.0"):
+        GradScaler(growth_factor=1.0)
+    with pytest.raises(ValueError, match="backoff factor must be < 1.0"):
+        GradScaler(backoff_factor=1.5)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["NpuFusedSGD", "torch.optim.SGD"])
+def test_grad_scaler_static_scale(fused):
+    # dynamic=False (torch_npu's static loss scale): gradients are divided by the scale but never
+    # checked, so an inf is not skipped, and update() never changes the scale.
+    from torch_npu.npu.amp import GradScaler
+
+    a = make_params((torch.float32, torch.bfloat16), [(7,), (33, 5)])
+    b = clone_params(a)
+    ours = (optim.NpuFusedSGD if fused else torch.optim.SGD)(a, lr=0.1)
+    plain = torch.optim.SGD(b, lr=0.1)
+    scaler = GradScaler(init_scale=8.0, growth_interval=1, dynamic=False)
+    for step in range(3):
+        scaler.scale(torch.ones(()))
+        set_grads([a], step, scale=8.0)
+        set_grads([b], step)
+        scaler.step(ours)
+        scaler.update()
+        plain.step()
+        check_params(a, b)
+        assert scaler.get_scale() == 8.0  # growth_interval=1 would have doubled a dynamic one
+    set_grads([a], 3, scale=8.0)
+    a[0].grad.view(-1)[0] = float("inf")
+    scaler.step(ours)  # not skipped: the inf reaches the parameter
+    scaler.update()
+    assert math.isinf(a[0].detach().view(-1)[0].item()) and scaler.get_scale() == 8.0
+    state = scaler.state_dict()
+    dynamic = GradScaler()
+    dynamic.load_state_dict(state)
+    assert dynamic.state_dict()["dynamic"] is False
+    torch_state = torch.amp.GradScaler("cpu").state_dict()
+    dynamic = GradScaler()
+    dynamic.load_state_dict({**torch_state, "scale": 4.0})  # no "dynamic" key: stays dynamic
+    assert dynamic.state_dict()["dynamic"] is True and dynamic.get_scale() == 4.0
 
 
 def test_step_with_found_inf_attribute_is_skipped():
@@ -328,6 +391,59 @@ def test_state_dict_round_trip_resumes_bit_identically(tmp_path):
     _train(resumed, opt2, 4, seed=1)
     for p, q in zip(model.parameters(), resumed.parameters()):
         assert torch.equal(p, q)
+
+
+def _storage(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_state_is_one_buffer_per_dtype_in_runs():
+    # Every state of a group's parameters of one dtype lives in one buffer, all exp_avg first,
+    # then all exp_avg_sq; a channels_last parameter's states stay tensors of their own, and a
+    # parameter whose first gradient comes later gets a buffer of its own. Steps stay exact.
+    conv = torch.nn.Parameter(torch.randn(4, 3, 2, 2).to(memory_format=torch.channels_last))
+    late = torch.nn.Parameter(torch.randn(5))
+    a = make_params((torch.float32, torch.bfloat16), [(7,), (33, 5)]) + [conv, late]
+    b = clone_params(a)
+    b[-2] = torch.nn.Parameter(conv.detach().clone().to(memory_format=torch.channels_last))
+    ours = optim.NpuFusedAdamW(a, lr=1e-2, weight_decay=0.1)
+    theirs = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(3):
+        set_grads([a[:-1], b[:-1]], step)
+        # (torch's fused CPU AdamW misreads a contiguous gradient of a channels_last parameter)
+        b[-2].grad = b[-2].grad.contiguous(memory_format=torch.channels_last)
+        if step == 2:
+            a[-1].grad, b[-1].grad = torch.ones(5), torch.ones(5)
+        ours.step()
+        theirs.step()
+        check_params(a, b)
+    for dtype, group in ((torch.float32, a[0:2]), (torch.bfloat16, a[2:4])):
+        states = [ours.state[p][name] for name in ("exp_avg", "exp_avg_sq") for p in group]
+        assert len({_storage(t) for t in states}) == 1
+        offsets = [t.storage_offset() for t in states]
+        assert offsets == [0, 7, 7 + 165, 2 * 7 + 165] and all(t.dtype == dtype for t in states)
+    conv_state = ours.state[conv]["exp_avg"]
+    assert conv_state.is_contiguous(memory_format=torch.channels_last)
+    assert _storage(conv_state) != _storage(ours.state[a[0]]["exp_avg"])
+    assert _storage(ours.state[late]["exp_avg"]) == _storage(ours.state[late]["exp_avg_sq"])
+    assert _storage(ours.state[late]["exp_avg"]) != _storage(ours.state[a[0]]["exp_avg"])
+
+
+def test_loaded_state_is_packed_and_not_shared_with_the_state_dict():
+    params = make_params((torch.float32,), [(7,), (3, 4)])
+    opt = optim.NpuFusedAdamW(params, lr=1e-2)
+    set_grads([params], 0)
+    opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt2 = optim.NpuFusedAdamW(clone_params(params), lr=1e-2)
+    opt2.load_state_dict(saved)
+    group = opt2.param_groups[0]["params"]
+    loaded = [opt2.state[p][n] for n in ("exp_avg", "exp_avg_sq") for p in group]
+    assert len({_storage(t) for t in loaded}) == 1
+    for i, name in ((0, "exp_avg"), (1, "exp_avg_sq")):
+        assert torch.equal(opt2.state[group[i]][name], saved["state"][i][name])
+    saved["state"][0]["exp_avg"].fill_(7.0)  # the optimizer holds copies, not the dict's tensors
+    assert not torch.equal(opt2.state[group[0]]["exp_avg"], saved["state"][0]["exp_avg"])
 
 
 def test_torch_adamw_state_dict_loads_into_fused_and_back():
@@ -476,6 +592,27 @@ def test_clip_grad_norm_fused_low_precision_and_no_grads():
         assert_close(p.grad, (g * coef).to(p.dtype))
     empty = optim.NpuFusedSGD(make_params((torch.float32,), [(3,)]), lr=0.1)
     assert torch.equal(empty.clip_grad_norm_fused_(1.0), torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.5, math.inf], ids=lambda v: f"p={v}")
+def test_grad_norm_exact_for_every_element(dtype, norm_type):
+    # Sizes that fill the kernel's unrolled loop (8 vectors per iteration), leave tails of every
+    # length, and are split between threads. One large element at an even and one at an odd
+    # index of the long tensor: bf16 is widened as even / odd lanes, and a lost lane would show.
+    a = make_params((dtype,), [(5,), (257,), (1000,), (70003,)])
+    set_grads([a], 0)
+    for i in (4097, 8192):
+        a[3].grad[i] = 40.0
+        g = torch.cat([p.grad.double().flatten() for p in a]).abs()
+        expected = g.max() if math.isinf(norm_type) else g.pow(norm_type).sum() ** (1 / norm_type)
+        total = torch.ops.opennpu._fused_grad_norm(a, norm_type)
+        torch.testing.assert_close(total.double(), expected, rtol=2e-6, atol=0)
+        if math.isinf(norm_type):
+            assert total.item() == 40.0
+        a[3].grad[i] = float("nan")
+        assert math.isnan(torch.ops.opennpu._fused_grad_norm(a, norm_type).item())
+        a[3].grad[i] = 0.5
 
 
 def test_clip_grad_norm_fused_inf_and_nan():

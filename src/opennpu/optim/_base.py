@@ -83,6 +83,8 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._invalidate()
+        for group in self.param_groups:  # loaded tensors: one buffer per group and dtype too
+            self._pack([p for p in group["params"] if p in self.state], self._state_names(group))
 
     def __setstate__(self, state) -> None:
         super().__setstate__(state)
@@ -91,19 +93,57 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
     def _ready(self, state, names) -> bool:
         return all(name in state for name in names) and (not self._uses_step() or "step" in state)
 
+    def _pack(self, params, names, init=None) -> None:
+        """Puts the state tensors ``names`` of ``params`` into one buffer per dtype, laid out as
+        [every parameter's first state | every parameter's second state | ...], replacing each
+        by a view of its slot (values copied). A step then streams each state as one long run
+        instead of one allocation per parameter (README: the bf16 AdamW step on GPT-2 small ran
+        8-18% faster, fp32 unchanged). ``init(p, state)``, if given, first creates p's missing states: one
+        parameter at a time, so beside the buffers only one parameter's fresh states exist.
+
+        Slots are for contiguous CPU parameters; a state that is not shaped, typed and laid out
+        like its parameter (channels_last, another dtype) stays a tensor of its own. The views
+        stay views: state_dict() hands them out, torch.save stores the shared buffer once, and
+        the steps update them in place."""
+        starts: dict[int, int] = {}  # id(p) -> offset of p's slot within each state's run
+        totals: dict[torch.dtype, int] = {}
+        for p in params:
+            if p.device.type == "cpu" and p.is_contiguous() and p.numel() > 0:
+                starts[id(p)] = totals.get(p.dtype, 0)
+                totals[p.dtype] = totals.get(p.dtype, 0) + p.numel()
+        buffers = {dtype: torch.empty(len(names) * n, dtype=dtype) for dtype, n in totals.items()}
+        for p in params:
+            state = self.state[p]
+            if init is not None:
+                init(p, state)
+            if id(p) not in starts:
+                continue
+            buffer, run = buffers[p.dtype], totals[p.dtype]
+            for k, name in enumerate(names):
+                t = state.get(name)
+                if (torch.is_tensor(t) and t.dtype == p.dtype and t.device.type == "cpu"
+                        and t.shape == p.shape and t.is_contiguous()):
+                    offset = k * run + starts[id(p)]
+                    view = buffer[offset:offset + p.numel()].view(p.shape)
+                    view.copy_(t)
+                    state[name] = view
+
     def _build(self, group) -> _GroupLists:
         names = self._state_names(group)
         lists = _GroupLists(group["params"])
+        created = [p for p in group["params"]
+                   if not self._ready(self.state[p], names) and p.grad is not None]
+        self._pack(created, names, init=lambda p, state: self._init_state(p, state, group))
+        created_ids = {id(p) for p in created}
         for p in group["params"]:
             state = self.state[p]
-            if not self._ready(state, names):
-                if p.grad is None:
-                    lists.pending.append(p)
-                    continue
-                self._init_state(p, state, group)
+            if id(p) in created_ids:
                 if self._uses_step() and "step" not in state:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 lists.fresh.append(len(lists.params))
+            elif not self._ready(state, names):
+                lists.pending.append(p)  # no gradient yet: its state is created when it has one
+                continue
             if self._uses_step() and not (torch.is_tensor(state["step"])
                                           and state["step"].dtype == torch.float32
                                           and state["step"].device.type == "cpu"):
@@ -177,6 +217,12 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
         if clip_coef < 1:
             _ops._fused_scale_grads_(params, float(clip_coef))
         return total
+
+    @torch.no_grad()
+    def _scale_grads_(self, scale: float) -> None:
+        """Multiply every gradient by ``scale`` in one C++ pass over all groups and dtypes (the
+        unscale of a GradScaler with a static scale, which checks nothing)."""
+        _ops._fused_scale_grads_(self._all_params(), float(scale))
 
     @torch.no_grad()
     def _unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:

@@ -18,4 +18,4 @@ for _name in npu_op_names():
 __all__ = npu_op_names()
 del _name
 
-from . import optim  # noqa: E402  (torch_npu.optim.NpuFusedAdamW, ...)
+from . import npu, optim  # noqa: E402  (torch_npu.npu.amp.GradScaler, torch_npu.optim.*)
