@@ -130,7 +130,7 @@ class NpuBackend:
                         "its native op groups are not fused (%s: %s)", graph_id,
                         type(error).__name__, error)
             return gm
-        fusion.remove_noop_casts(traced)
+        fusion.remove_noops(traced)
         counts = fusion.apply_rules("pre_autograd", traced, config.experimental_config.disabled_patterns)
         if not counts:
             return gm  # nothing fused: Dynamo's graph goes on as it came
