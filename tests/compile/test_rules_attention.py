@@ -17,9 +17,18 @@ from torch import nn
 
 from fusion_helpers import count, grads, run_compiled
 from opennpu.compile import CompilerConfig, get_npu_backend
+from opennpu.compile.rules import attention as attention_rule
 from opennpu.testing.tolerances import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def no_speed_gate(monkeypatch):
+    """The tests use short sequences, where the rule leaves SDPA (and the chain in training) alone
+    for speed; test_speed_gate checks that gate, the others switch it off."""
+    monkeypatch.setattr(attention_rule, "SDPA_MIN_KV", 0)
+    monkeypatch.setattr(attention_rule, "CHAIN_TRAINING_MIN_KV", 0)
 
 
 def repeat_kv(x, n_rep):
@@ -383,3 +392,22 @@ def test_rule_can_be_disabled_by_name():
     assert not compiled.fusions
     assert count(compiled.ops, "npu_") == 0
     assert_close(compiled.outputs, module(*args), dtype=torch.float32)
+
+
+def test_speed_gate(monkeypatch):
+    """Short sequences: SDPA stays unless fp16/bf16 training (where the fused op wins at every
+    length); the chain is fused in inference at any length, in training from 64 keys."""
+    monkeypatch.setattr(attention_rule, "SDPA_MIN_KV", 384)
+    monkeypatch.setattr(attention_rule, "CHAIN_TRAINING_MIN_KV", 64)
+    sdpa = Sdpa(is_causal=True)
+    short = qkv(n=2, n_kv=2, sq=16, skv=16, d=8)
+    assert not run_compiled(sdpa, *short).fusions
+    assert run_compiled(sdpa, *qkv(b=1, n=2, n_kv=2, sq=8, skv=384, d=8)).fusions == {"attention": 1}
+    half_training = qkv(n=2, n_kv=2, sq=16, skv=16, d=8, dtype=torch.bfloat16, grad=True)
+    assert run_compiled(sdpa, *half_training).fusions == {"attention": 1}
+    assert not run_compiled(sdpa, *qkv(n=2, n_kv=2, sq=16, skv=16, d=8, grad=True)).fusions
+    chain = SeedAttention()
+    assert run_compiled(chain, *short).fusions == {"attention": 1}
+    assert not run_compiled(chain, *qkv(n=2, n_kv=2, sq=16, skv=16, d=8, grad=True)).fusions
+    assert run_compiled(chain, *qkv(n=2, n_kv=2, sq=16, skv=64, d=8, grad=True)).fusions == \
+        {"attention": 1}

@@ -228,6 +228,7 @@ def post_grad_trace(fn: Callable, args: Iterable[Any], *, base=pm.fwd_only) -> t
 class _Active:
     disabled: frozenset[str]
     counts: Counter
+    training: bool = False  # the graph will be differentiated (see apply_rules)
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("opennpu_fusion",
@@ -341,11 +342,19 @@ def register_user_rule(name: str, search_fn, replace_fn, example_inputs, *, trac
 # --- application ------------------------------------------------------------------------------
 
 
-def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = ()) -> Counter:
+def training() -> bool:
+    """Whether the graph the rules are running on will be differentiated (for rules whose speed
+    differs between inference and training; inside extra_check only)."""
+    active = _ACTIVE.get()
+    return active is not None and active.training
+
+
+def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = (),
+                training: bool = False) -> Counter:
     """Run the rules of `stage` over `gm` in their order; returns replacements per rule."""
     ensure_registered()
     counts: Counter = Counter()
-    token = _ACTIVE.set(_Active(frozenset(disabled), counts))
+    token = _ACTIVE.set(_Active(frozenset(disabled), counts, training))
     try:
         for order in sorted(order for (s, order) in _PASSES if s == stage):
             _PASSES[(stage, order)].apply(gm)

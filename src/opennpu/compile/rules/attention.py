@@ -40,7 +40,8 @@ op 0. Checks (_attention_ok): same float dtype for q, k, v (fp32/fp16/bf16); equ
 Nq divisible by Nk; masks that broadcast to the scores without enlarging them; masked_fill's value
 -inf; softmax over the last dim in float32 or q's dtype and a result in q's dtype; SDPA without
 dropout; the sizes of repeat_kv's expand/reshape (the patterns leave sizes, dims, floats and dtypes
-as wildcards: generic_sizes) and the transpose of the last two dims of k.
+as wildcards: generic_sizes) and the transpose of the last two dims of k. Speed: see _fast_enough
+(short sequences stay with SDPA, and with the chain in training).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import math
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .. import fusion
 from ..fusion import fusion_rule
 from ._util import FLOAT_DTYPES, empty, val
 
@@ -118,6 +120,37 @@ def _sdpa_mask(q, k, v, mask, scale):
 def _default_scale(q) -> float:
     """SDPA's default scale, 1 / sqrt(D) (D is a static int: checked)."""
     return 1.0 / math.sqrt(q.shape[-1])
+
+
+# --- speed gate -----------------------------------------------------------------------------------
+# A rule fires only where the fused op is at least as fast as what it replaces. Measured on the
+# development CPU (thread CPU time, 1 thread, B=1, 16 query / 4 key heads, D=64, causal; see the
+# commit adding this gate): against SDPA's CPU flash kernel the fused op's forward costs more up
+# to Skv = 256 (0.5-0.9x: a fixed ~30 us per call, then parity) and wins from 384 on (1.1x); its
+# fp32 forward+backward likewise (0.25-0.9x below 384, 1.1-1.2x from 384); fp16/bf16
+# forward+backward wins at every length (2-3x: SDPA's CPU backward is slow in half precision).
+# Against the matmul/softmax/matmul chain the forward wins at every length (1.05x at S=16, 2-9x
+# from 128), forward+backward from Skv = 64 (0.7-0.8x at 16, 1.0-1.1x at 64).
+SDPA_MIN_KV = 384            # SDPA replaced below this only in fp16/bf16 training
+CHAIN_TRAINING_MIN_KV = 64   # the chain replaced below this only in inference
+
+
+def _hint(size) -> int | None:
+    """A size's value in the example the graph was traced with (None if unknown): the gate is a
+    speed heuristic, so a graph compiled under dynamic shapes keeps the choice made for it."""
+    if isinstance(size, int):
+        return size
+    return getattr(getattr(size, "node", None), "hint", None)
+
+
+def _fast_enough(q, k, v, is_sdpa: bool) -> bool:
+    kv_len = _hint(k.shape[2])
+    if kv_len is None:
+        return True
+    training = fusion.training()
+    if is_sdpa:
+        return kv_len >= SDPA_MIN_KV or (training and q.dtype != torch.float32)
+    return kv_len >= CHAIN_TRAINING_MIN_KV or not training
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -228,12 +261,15 @@ def _attention_ok(match) -> bool:
         return False
     if "scale" in match.kwargs and not _float_scale(val(match, "scale")):
         return False
+    is_sdpa = False
     for node in match.nodes:
         if not _node_ok(node, q, heads, q.dtype):
             return False
-        if node.target is aten.scaled_dot_product_attention.default and not _sdpa_ok(node, match):
-            return False
-    return True
+        if node.target is aten.scaled_dot_product_attention.default:
+            is_sdpa = True
+            if not _sdpa_ok(node, match):
+                return False
+    return _fast_enough(q, val(match, "k"), val(match, "v"), is_sdpa)
 
 
 def _sdpa_ok(node, match) -> bool:
