@@ -366,10 +366,10 @@ def test_masks_that_would_broadcast_the_scores_are_left_alone():
     assert compiled.outputs.shape[0] == 3
 
 
-@pytest.mark.parametrize("what", ["softmax_dim", "float64", "fp64_mask"])
+@pytest.mark.parametrize("what", ["softmax_dim", "float64", "fp64_mask", "bool_added"])
 def test_other_forms_are_left_alone(what):
     """softmax over another axis; float64 (not a dtype of the rule); an fp64 additive mask (its
-    finfo.min would become -inf in the fused op's fp32 pse)."""
+    finfo.min would become -inf in the fused op's fp32 pse); a bool mask added as 0/1."""
     class Chain(nn.Module):
         def forward(self, q, k, v, mask=None):
             s = torch.matmul(q, k.transpose(2, 3)) * 0.25
@@ -381,6 +381,8 @@ def test_other_forms_are_left_alone(what):
     args = list(qkv(dtype=torch.float64 if what == "float64" else torch.float32))
     if what == "fp64_mask":
         args.append(hf_additive_mask(2, 24, torch.float64))
+    if what == "bool_added":
+        args.append(torch.rand(24, 24) > 0.5)
     compiled = run_compiled(Chain(), *args)
     assert not compiled.fusions
     torch.testing.assert_close(compiled.outputs, Chain()(*args))

@@ -219,14 +219,20 @@ def _qkv_ok(q, k, v) -> bool:
             and _known(heads % kv_heads == 0))
 
 
-def _mask_ok(mask, scores_shape) -> bool:
+def _mask_ok(mask, scores_shape, kinds, q_dtype) -> bool:
+    """The mask broadcasts into the scores and has the dtype its use needs: bool for
+    masked_fill (atten_mask); fp32/fp16/bf16 for an added mask (pse, read in fp32: an fp64
+    mask's finfo.min would become -inf there); SDPA's own rule, bool or q's dtype."""
     if not isinstance(mask, torch.Tensor) or not _broadcasts_into(mask, scores_shape):
         return False
-    # bool: atten_mask. Float: pse, read in fp32 (an fp64 mask's finfo.min would become -inf).
-    return mask.dtype == torch.bool or mask.dtype in MASK_DTYPES
+    if aten.masked_fill.Scalar in kinds:
+        return mask.dtype == torch.bool
+    if aten.add.Tensor in kinds:
+        return mask.dtype in MASK_DTYPES
+    return mask.dtype == torch.bool or mask.dtype == q_dtype
 
 
-def _node_ok(node, q, heads, out_dtype) -> bool:
+def _node_ok(node, heads, out_dtype) -> bool:
     """The constant arguments of one matched node (wildcards in the generic patterns)."""
     target, args = node.target, node.args
     if target is aten.transpose.int:
@@ -257,13 +263,14 @@ def _attention_ok(match) -> bool:
     if not (isinstance(out, torch.Tensor) and out.dtype == q.dtype):
         return False
     scores_shape = (q.shape[0], heads, q.shape[2], val(match, "k").shape[2])
-    if "mask" in match.kwargs and not _mask_ok(val(match, "mask"), scores_shape):
+    kinds = {node.target for node in match.nodes}
+    if "mask" in match.kwargs and not _mask_ok(val(match, "mask"), scores_shape, kinds, q.dtype):
         return False
     if "scale" in match.kwargs and not _float_scale(val(match, "scale")):
         return False
     is_sdpa = False
     for node in match.nodes:
-        if not _node_ok(node, q, heads, q.dtype):
+        if not _node_ok(node, heads, q.dtype):
             return False
         if node.target is aten.scaled_dot_product_attention.default:
             is_sdpa = True
@@ -278,7 +285,7 @@ def _sdpa_ok(node, match) -> bool:
     dropout = args[4] if len(args) > 4 else node.kwargs.get("dropout_p", 0.0)
     causal = args[5] if len(args) > 5 else node.kwargs.get("is_causal", False)
     gqa = node.kwargs.get("enable_gqa", False)
-    q, k = val(match, "q"), val(match, "k")
+    q = val(match, "q")
     if dropout != 0.0 or (causal and mask is not None):
         return False
     # Without enable_gqa (and without repeat_kv, whose reshape makes SDPA's k full-headed) SDPA
@@ -286,9 +293,8 @@ def _sdpa_ok(node, match) -> bool:
     sdpa_k = args[1].meta["val"]
     if not gqa and not _known(sdpa_k.shape[1] == q.shape[1]):
         return False
-    if "scale" not in match.kwargs and not _static_int(q.shape[-1]):
-        return False  # SDPA's default scale 1/sqrt(D) must be a constant of the call
-    return k.shape[1] >= 1
+    # SDPA's default scale 1/sqrt(D) must be a constant of the call
+    return "scale" in match.kwargs or _static_int(q.shape[-1])
 
 
 # --- the patterns --------------------------------------------------------------------------------
