@@ -112,7 +112,7 @@ def cases(quick: bool, dtypes):
     seqs = (512,) if quick else (512, 1024, 2048)
     for s in seqs:
         for dtype in dtypes:
-            shape = f"llama H={HIDDEN} N={HEADS}/{KV_HEADS} S={s}"
+            shape = f"H={HIDDEN} N={HEADS}/{KV_HEADS} S={s}"
             e = dtype.itemsize
             weights = (2 * HIDDEN * HIDDEN + 2 * HIDDEN * HIDDEN * KV_HEADS // HEADS
                        + 3 * HIDDEN * INTERMEDIATE) * e
