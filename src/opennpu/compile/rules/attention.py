@@ -178,12 +178,12 @@ def _broadcasts_into(mask: torch.Tensor, shape) -> bool:
 
 
 def _float_scale(scale) -> bool:
-    return isinstance(scale, (int, float)) and not isinstance(scale, bool) and math.isfinite(scale) \
-        and scale != 0
+    return (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+            and math.isfinite(scale) and scale != 0)
 
 
 def _repeat_kv_ok(node, heads) -> bool:
-    """unsqueeze(x, 2) -> expand([B, Hk, n, S, D]) -> reshape([B, Hk * n, S, D]) with Hk * n = heads."""
+    """unsqueeze(x, 2) -> expand([B, Hk, n, S, D]) -> reshape([B, Hk * n, S, D]), Hk * n = heads."""
     if node.target is not aten.reshape.default:
         return False
     expand = node.args[0]
