@@ -23,6 +23,7 @@ class Timed:
     ours: Callable[[], Any]
     baselines: dict[str, Callable[[], Any]]
     reference: Callable[[], Any] | None  # None where the oracle itself would not fit in memory
+    info: str | None = None  # printed after the row and kept in the JSON (e.g. graph fusions)
 
 
 @dataclass

@@ -85,6 +85,7 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
                 fn()
             ours = time_fn(timed.ours, n, min_run_time)
             peers = {name: time_fn(fn, n, min_run_time) for name, fn in timed.baselines.items()}
+        info = timed.info
         del timed
         gc.collect()  # the large shapes need their memory back before the next build
         gbps = case.nbytes / ours["median"] / 1e9
@@ -94,7 +95,7 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
             "ours": ours, "baselines": peers, "gbps": gbps, "copy_bw_fraction": gbps / copy_bw[n],
             "flops": case.flops, "gflops": case.flops / ours["median"] / 1e9,
             "speedup": {name: t["median"] / ours["median"] for name, t in peers.items()},
-            "max_abs_err_ours": errors[0], "max_abs_err_eager": errors[1],
+            "max_abs_err_ours": errors[0], "max_abs_err_eager": errors[1], "info": info,
         })
     return rows
 
@@ -114,6 +115,8 @@ def format_row(row) -> str:
     # Peers without a column of their own (the optimizer baselines) follow the table's columns.
     others = "".join(f"  x {name}: {x:.2f}" for name, x in row["speedup"].items()
                      if name not in PEERS)
+    if row.get("info"):
+        others += f"  {row['info']}"
     return (f"{row['op']:<27}{row['direction']:<4}{row['shape']:<26}{row['dtype']:<6}"
             f"{row['threads']:>3} {timing:>25}{rate}{fraction}"
             f"{speedups[0]:>9}{speedups[1]:>10}{speedups[2]:>9}{speedups[3]:>8}"

@@ -131,8 +131,13 @@ class NpuBackend:
                         "its native op groups are not fused (%s: %s)", graph_id,
                         type(error).__name__, error)
             return gm
-        fusion.remove_noop_casts(traced)
-        counts = fusion.apply_rules("pre_autograd", traced, inactive)
+        fusion.remove_noops(traced)
+        # AOTAutograd's own test: a backward graph is built when grad mode is on and an input
+        # (a parameter, typically) requires grad.
+        training = torch.is_grad_enabled() and any(
+            isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs)
+        counts = fusion.apply_rules("pre_autograd", traced,
+                                    inactive, training)
         if not counts:
             return gm  # nothing fused: Dynamo's graph goes on as it came
         self._record("pre_autograd", traced, counts, config, graph_id)

@@ -99,6 +99,108 @@ def remove_noop_casts(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
 
 
+def _is_fresh(node) -> bool:
+    """node's value is a new tensor that nothing else reads: a non-view, non-mutating ATen op
+    whose only user is the one asking (so mutating it in place is invisible elsewhere)."""
+    target = getattr(node, "target", None)
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and not target.is_view and not target._schema.is_mutable and len(node.users) == 1)
+
+
+def _constant_scalar(gm: torch.fx.GraphModule, node):
+    """The value of a 0-dim constant tensor node (torch.tensor(-inf) in user code becomes
+    lift_fresh_copy(get_attr), possibly detached), or None."""
+    aten = torch.ops.aten
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in (
+            aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default,
+            aten.clone.default):
+        node = node.args[0]
+    if isinstance(node, torch.fx.Node) and node.op == "get_attr":
+        value = getattr(gm, node.target, None)
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_complex() \
+                and value.device.type != "meta" and not isinstance(
+                    value, torch._subclasses.fake_tensor.FakeTensor):
+            return value.item()
+    if isinstance(node, torch.fx.Node) and node.op == "call_function" and \
+            node.target is aten.scalar_tensor.default:
+        return node.args[0]
+    return None
+
+
+def canonicalize_masked_fill(gm: torch.fx.GraphModule) -> None:
+    """x.masked_fill_(mask, v) on a fresh intermediate -> x.masked_fill(mask, v), and a 0-dim
+    constant tensor v -> the Python scalar (seed 000 writes qk.masked_fill_(mask,
+    torch.tensor(-inf))). Both are exact: nothing else sees x, and masked_fill casts a 0-dim v to
+    x's dtype just as it does a scalar. Patterns then need only masked_fill.Scalar."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in (
+                aten.masked_fill_.Tensor, aten.masked_fill_.Scalar,
+                aten.masked_fill.Tensor):
+            continue
+        x, mask, value = node.args[:3]
+        if node.target is aten.masked_fill.Tensor or node.target is aten.masked_fill_.Tensor:
+            value = _constant_scalar(gm, value)
+            if value is None:
+                continue
+        if node.target is not aten.masked_fill.Tensor and not _is_fresh(x):
+            continue
+        with gm.graph.inserting_before(node):
+            new = gm.graph.call_function(aten.masked_fill.Scalar, (x, mask, value))
+        new.meta = dict(node.meta)
+        constant = node.args[2]
+        node.replace_all_uses_with(new)
+        gm.graph.erase_node(node)
+        _erase_dead_constant(gm, constant)
+
+
+def _erase_dead_constant(gm: torch.fx.GraphModule, node) -> None:
+    """Erase a constant's now-unused lift_fresh_copy / detach_ chain. Left in, its in-place
+    detach_ would start a new mutation region, and the pattern matcher never matches across one."""
+    aten = torch.ops.aten
+    chain = []
+    while isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in (
+            aten.lift_fresh_copy.default, aten.detach_.default, aten.detach.default):
+        chain.append(node)
+        node = node.args[0]
+    if not (isinstance(node, torch.fx.Node) and node.op == "get_attr"):
+        return
+    chain.append(node)
+    # The users of the chain: detach_ returns its input, so it may be the chain's only user.
+    for n in list(chain):
+        for user in list(n.users):
+            if user.op == "call_function" and user.target is aten.detach_.default \
+                    and not user.users and user not in chain:
+                gm.graph.erase_node(user)
+    for n in chain:
+        if not n.users:
+            gm.graph.erase_node(n)
+
+
+def remove_noop_dropout(gm: torch.fx.GraphModule) -> None:
+    """Drop aten.dropout nodes that are the identity (p = 0, or train=False: eval mode).
+
+    transformers' eager attention always calls dropout(p=attention_dropout, training=...); at
+    p = 0 or in eval mode it returns its input, and left in the graph it would hide the chain
+    from the attention patterns. A dropout that drops stays, and blocks those patterns.
+    """
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not torch.ops.aten.dropout.default:
+            continue
+        x, p, train = node.args[:3]
+        if isinstance(p, (int, float)) and isinstance(train, bool) and (p == 0 or not train):
+            node.replace_all_uses_with(x)
+            gm.graph.erase_node(node)
+
+
+def remove_noops(gm: torch.fx.GraphModule) -> None:
+    """The canonicalisations run before the pre_autograd rules (all exact)."""
+    remove_noop_casts(gm)
+    remove_noop_dropout(gm)
+    canonicalize_masked_fill(gm)
+    gm.recompile()
+
+
 def pre_autograd_trace(fn: Callable, args: Iterable[Any]) -> torch.fx.GraphModule:
     """Pre-dispatch ATen graph of `fn`, no-op casts removed: the IR of the pre_autograd stage."""
     from torch._dispatch.python import enable_python_dispatcher
@@ -106,7 +208,7 @@ def pre_autograd_trace(fn: Callable, args: Iterable[Any]) -> torch.fx.GraphModul
 
     with enable_python_dispatcher():
         gm = make_fx(fn, pre_dispatch=True)(*args)
-    remove_noop_casts(gm)
+    remove_noops(gm)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -129,6 +231,7 @@ def post_grad_trace(fn: Callable, args: Iterable[Any], *, base=pm.fwd_only) -> t
 class _Active:
     disabled: frozenset[str]
     counts: Counter
+    training: bool = False  # the graph will be differentiated (see apply_rules)
 
 
 _ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("opennpu_fusion",
@@ -251,11 +354,19 @@ def inactive_rules(disabled: Iterable[str], run_eagerly: bool) -> frozenset[str]
     return frozenset(off)
 
 
-def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = ()) -> Counter:
+def training() -> bool:
+    """Whether the graph the rules are running on will be differentiated (for rules whose speed
+    differs between inference and training; inside extra_check only)."""
+    active = _ACTIVE.get()
+    return active is not None and active.training
+
+
+def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = (),
+                training: bool = False) -> Counter:
     """Run the rules of `stage` over `gm` in their order; returns replacements per rule."""
     ensure_registered()
     counts: Counter = Counter()
-    token = _ACTIVE.set(_Active(frozenset(disabled), counts))
+    token = _ACTIVE.set(_Active(frozenset(disabled), counts, training))
     try:
         for order in sorted(order for (s, order) in _PASSES if s == stage):
             _PASSES[(stage, order)].apply(gm)
