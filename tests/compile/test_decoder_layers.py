@@ -39,9 +39,10 @@ MODELS = {
 BATCH, SEQ, HIDDEN = 2, 16, 64
 
 # Fusions per decoder layer, per rule: two RMSNorms, the second fed by the residual add
-# (add_rms_norm takes it over, and its own count is the add), one attention, one SwiGLU MLP,
-# rotary embedding on q and on k. A rule not (yet) in this branch is not asserted.
-EXPECTED = {"rms_norm": 2, "add_rms_norm": 1, "attention": 1, "swiglu": 1, "rotary": 2}
+# (add_rms_norm takes it over, and its own count is the add), one attention, rotary embedding on
+# q and on k. The MLP, act(gate_proj(x)) * up_proj(x), stays as it is: npu_swiglu would need the
+# two weights concatenated on every call, measured slower (rules/swiglu.py), so swiglu is 0.
+EXPECTED = {"rms_norm": 2, "add_rms_norm": 1, "attention": 1, "rotary": 2}
 
 
 @pytest.fixture(autouse=True)
@@ -92,8 +93,7 @@ class Layer(nn.Module):
 
 
 def expected_counts():
-    """EXPECTED restricted to the rules this branch has (the others are asserted once merged)."""
-    return {rule: n for rule, n in EXPECTED.items() if rule in rule_names()}
+    return dict(EXPECTED)
 
 
 def run_layer(name, dtype, attn, padded, *, eager=True):
