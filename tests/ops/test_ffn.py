@@ -189,9 +189,30 @@ def test_fp32_tile_fallback_matches(monkeypatch, activation, dtype):
     here): the same rounding of the intermediate, so the same result up to summation order."""
     x, w1, w2, kw = ffn_inputs(40, 64, 96, activation, dtype)
     default = opennpu.npu_ffn(x, w1, w2, activation, **kw)
-    monkeypatch.setenv("OPENNPU_FFN_HALF_GEMM", "0")
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", "fp32")
     fallback = run_and_check(x, w1, w2, activation, dtype, **kw)
     check_close(fallback, default.double(), dtype)
+
+
+@pytest.mark.parametrize("gemm", ["blas", "fp32", "aten"])
+@dtypes
+@pytest.mark.parametrize("activation", ["fastgelu", "relu", "swiglu", "geglu"])
+def test_every_gemm_path_matches_reference(monkeypatch, gemm, activation, dtype):
+    """Each GEMM path (MKL tiles, fp32 tiles, whole ATen GEMMs with one activation pass; the
+    machine picks one per dtype, forced here so that all run everywhere): dense with more rows
+    than a tile block, experts with empty ones, a single row (decode), with and without bias."""
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", gemm)
+    for m, experts, bias in ((300, None, True), (1, None, False), (26, [7, 0, 19], True),
+                             (5, [0, 5], False)):
+        x, w1, w2, kw = ffn_inputs(m, 48, 1100, activation, dtype, experts=experts, bias=bias)
+        run_and_check(x, w1, w2, activation, dtype, **kw)
+
+
+def test_unknown_gemm_override_is_an_error(monkeypatch):
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", "cublas")
+    x, w1, w2, _ = ffn_inputs(2, 8, 16, "relu", F32, bias=False)
+    _raises(lambda: opennpu.npu_ffn(x, w1, w2, "relu"), "OPENNPU_FFN_GEMM must be auto, blas,",
+            "'cublas'")
 
 
 @pytest.mark.parametrize("m,k1,i", [(1, 7, 5), (83, 33, 65), (300, 24, 40), (5, 1, 3),

@@ -1,18 +1,24 @@
 // CPU kernel of npu_ffn (compiled once per ISA; see common/cpu_dispatch.h and ffn.h).
 //
-// Every GEMM is a library call on a tile: MKL's sgemm / half-precision GEMMs through
-// common/blas.h, and ATen's at::_int_mm (oneDNN's int8 matmul) for the quantised path. What
+// Every GEMM is a library call: on a tile, MKL's sgemm / half-precision GEMMs through
+// common/blas.h, and ATen's at::_int_mm (oneDNN's int8 matmul) for the quantised path; what
 // happens between the GEMMs (bias, dequantisation, activation, requantisation, rounding) runs
-// vectorised on each thread's tile while it is still in cache.
+// vectorised on each thread's tile while it is still in cache. Or (FfnGemm::kATen, see ffn.h)
+// whole GEMMs through ATen with one vectorised activation pass over the intermediate.
 //
 // Numerics: float paths accumulate in fp32 and compute bias and activation in fp32; for fp16 /
 // bf16 the intermediate is rounded once to x's dtype (the operand of the second GEMM, as on
 // Ascend's cube unit, and as the native composition rounds it), then the output once. Where the
 // CPU has no fp16 / bf16 matrix instructions, tiles are converted to fp32 instead, with the same
 // rounding of the intermediate (and of dequantised weights), so results do not depend on the
-// machine beyond GEMM summation order.
+// machine beyond GEMM summation order. The kATen path rounds the first GEMM (+ bias1) to x's
+// dtype before the activation, as the native composition does (its error then equals native's
+// GEMM rounding, not less): oneDNN, through ATen, gives no fp32 output for fp16 operands.
 #include <ATen/Parallel.h>
 #include <ATen/ops/_int_mm.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
@@ -382,12 +388,90 @@ class Runner {
   std::vector<Scratch> scratch_;
 };
 
+// FfnGemm::kATen: per expert, H = x_e W1_e + b1_e by ATen (oneDNN for fp16 / bf16, rounded
+// once to x's dtype, bias included, exactly as F.linear rounds it), then one pass over H in
+// place: act in fp32, rounded once (GLU forms write a * act(b) over the left half a, reading
+// each b before nothing overwrites it), then y_e = H' W2_e + b2_e by ATen into the output.
+template <typename X>
+void run_aten(const FfnArgs& a) {
+  const int64_t experts = a.w1.size(0), n1 = a.w1.size(2), k2 = a.w2.size(1);
+  const bool glu = is_glu(a.act);
+  int64_t m_max = 0;
+  for (int64_t e = 0; e < experts; ++e) m_max = std::max(m_max, a.offsets[e + 1] - a.offsets[e]);
+  if (m_max == 0) return;
+  const at::ScalarType xt = a.x.scalar_type();
+  // Biases back in x's dtype for the fused GEMM bias (exact for x-dtype biases; an fp32 bias is
+  // rounded to x's dtype, as the native composition's F.linear would need it).
+  const at::Tensor b1 = a.bias1.defined() ? a.bias1.to(xt) : at::Tensor();
+  const at::Tensor b2 = a.bias2.defined() ? a.bias2.to(xt) : at::Tensor();
+  at::Tensor h = at::empty({m_max, n1}, a.x.options());
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t r0 = a.offsets[e], m = a.offsets[e + 1] - r0;
+    if (m == 0) continue;
+    at::Tensor he = h.narrow(0, 0, m);
+    const at::Tensor xe = a.x.narrow(0, r0, m);
+    if (b1.defined()) {
+      at::addmm_out(he, b1[e], xe, a.w1[e]);
+    } else {
+      at::mm_out(he, xe, a.w1[e]);
+    }
+    X* hp = he.mutable_data_ptr<X>();
+    const auto pass = [&]<FfnAct kA>() {
+      // Columns in chunks, so that one row (decode) still spreads over the threads.
+      constexpr int64_t kChunk = 1024;
+      const int64_t chunks = ceil_div(k2, kChunk);
+      at::parallel_for(0, m * chunks, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t i = t / chunks, j0 = (t % chunks) * kChunk;
+          X* row = hp + i * n1;
+          for_each_vec(std::min(kChunk, k2 - j0), [&](int64_t j, int64_t len) {
+            const Vec left = load_from<X>(row + j0 + j, len);
+            Vec y;
+            if constexpr (kA == FfnAct::kGeglu || kA == FfnAct::kSwiglu || kA == FfnAct::kReglu) {
+              y = left * act<kA, X>(load_from<X>(row + k2 + j0 + j, len));
+            } else {
+              y = act<kA, X>(left);
+            }
+            store_as<X>(row + j0 + j, y, len);
+          });
+        }
+      });
+    };
+    switch (a.act) {
+      case FfnAct::kFastGelu: pass.template operator()<FfnAct::kFastGelu>(); break;
+      case FfnAct::kGelu: pass.template operator()<FfnAct::kGelu>(); break;
+      case FfnAct::kRelu: pass.template operator()<FfnAct::kRelu>(); break;
+      case FfnAct::kSilu: pass.template operator()<FfnAct::kSilu>(); break;
+      case FfnAct::kGeglu: pass.template operator()<FfnAct::kGeglu>(); break;
+      case FfnAct::kSwiglu: pass.template operator()<FfnAct::kSwiglu>(); break;
+      case FfnAct::kReglu: pass.template operator()<FfnAct::kReglu>(); break;
+    }
+    const at::Tensor ge = glu ? he.narrow(1, 0, k2) : he;
+    at::Tensor oe = a.out.narrow(0, r0, m);
+    if (b2.defined()) {
+      at::addmm_out(oe, b2[e], ge, a.w2[e]);
+    } else {
+      at::mm_out(oe, ge, a.w2[e]);
+    }
+  }
+}
+
 template <typename X, typename G>
 void run_float(const FfnArgs& a) {
   if (a.w1.scalar_type() == at::kChar) {
     Runner<X, int8_t, G, X>(a).run();
   } else {
     Runner<X, X, G, X>(a).run();
+  }
+}
+
+// fp16 / bf16: multiplied as they are (kBlasTiles), in fp32 tiles, or by ATen.
+template <typename X>
+void run_half(const FfnArgs& a) {
+  switch (a.gemm) {
+    case FfnGemm::kBlasTiles: return run_float<X, X>(a);
+    case FfnGemm::kFp32Tiles: return run_float<X, float>(a);
+    case FfnGemm::kATen: return run_aten<X>(a);
   }
 }
 
@@ -399,12 +483,11 @@ void ffn_kernel(const FfnArgs& a) {
       }
       return Runner<int8_t, int8_t, int8_t, c10::Half>(a).run();
     case at::kFloat:
-      return run_float<float, float>(a);
+      return a.gemm == FfnGemm::kATen ? run_aten<float>(a) : run_float<float, float>(a);
     case at::kHalf:
-      return a.half_gemm ? run_float<c10::Half, c10::Half>(a) : run_float<c10::Half, float>(a);
+      return run_half<c10::Half>(a);
     case at::kBFloat16:
-      return a.half_gemm ? run_float<c10::BFloat16, c10::BFloat16>(a)
-                         : run_float<c10::BFloat16, float>(a);
+      return run_half<c10::BFloat16>(a);
     default:
       TORCH_INTERNAL_ASSERT(false, "npu_ffn: unexpected dtype ", a.x.scalar_type());
   }
