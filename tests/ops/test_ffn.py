@@ -392,6 +392,22 @@ def test_quant_experts(per_channel):
     check_quant(out, R.ffn(x, w1, w2, "fastgelu", **kw), w2, kw, BF16)
 
 
+@pytest.mark.parametrize("gemm", ["auto", "blas"], ids=["whole_gemms", "tiles"])
+@pytest.mark.parametrize("activation", ["fastgelu", "swiglu"])
+def test_quant_both_schedules_match_reference(monkeypatch, gemm, activation):
+    """The quantised path's two schedules (whole at::_int_mm GEMMs with passes over the int32
+    results, the default; per-thread tiles): more rows than a tile block, intermediate columns
+    off the 1024-column epilogue chunks, experts with an empty one."""
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", gemm)
+    x, w1, w2, kw = quant_inputs(300, 40, 1100, activation, F16, "int64", True)
+    check_quant(opennpu.npu_ffn(x, w1, w2, activation, **kw), R.ffn(x, w1, w2, activation, **kw),
+                w2, kw, F16)
+    tokens = [70, 0, 5]
+    x, w1, w2, kw = quant_inputs(75, 32, 1030, activation, BF16, "bf16", False, experts=tokens)
+    check_quant(opennpu.npu_ffn(x, w1, w2, activation, **kw), R.ffn(x, w1, w2, activation, **kw),
+                w2, kw, BF16)
+
+
 def test_quant_default_output_is_float16_and_offset_optional():
     x, w1, w2, kw = quant_inputs(8, 32, 32, "relu", None, "fp32", False)
     kw.pop("output_dtype")

@@ -142,6 +142,22 @@ void int8_to_float(const int8_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Stores n <= kV floats that are already integers in [-128, 127] as int8.
+inline void store_int8(int8_t* dst, const Vec& q, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i b = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q));
+  if (n == kV) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), b);
+    return;
+  }
+  _mm_mask_storeu_epi8(dst, static_cast<__mmask16>((1u << n) - 1), b);
+#else
+  alignas(64) float tmp[kV];
+  q.store(tmp, n);
+  for (int64_t l = 0; l < n; ++l) dst[l] = static_cast<int8_t>(tmp[l]);
+#endif
+}
+
 // C[m, n] (contiguous) = A[m, k] B[k, n]: BLAS for float / fp16 / bf16 operands (fp32 C),
 // at::_int_mm for int8 (int32 C).
 template <typename G, typename Acc>
@@ -190,6 +206,50 @@ class Runner {
         wa_(tile_width(k2_, glu_ ? kColTile / 2 : kColTile)),
         wb_(tile_width(n2_, kColTile)) {}
 
+  // Whole GEMMs (FfnGemm::kATen; the quantised path): per expert, rows in chunks of at most
+  // whole_rows(), GEMM 1 over all columns by ONE multi-threaded library call (at::_int_mm)
+  // into an accumulator buffer, epilogue A over it on all threads, GEMM 2 likewise, epilogue B
+  // into the output. Measured against the tiles (on an AMX machine, T=1024, H=4096, I=11008):
+  // per-thread tiles call oneDNN single-threaded, once per 256-row block and column tile, and
+  // it re-packs each weight tile every time; one call per chunk packs once per chunk. The
+  // accumulator chunk is written once and read once, in cache-sized pieces per thread.
+  void run_whole() {
+    static_assert(!kConvertX && !kConvertW, "whole GEMMs multiply x and the weights as they are");
+    const int64_t experts = a_.w1.size(0);
+    const int64_t chunk = whole_rows();
+    int64_t mb_max = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      mb_max = std::max(mb_max, std::min(chunk, a_.offsets[e + 1] - a_.offsets[e]));
+    }
+    if (mb_max == 0 || n2_ == 0) return;
+    h_ = blas::TileBuffer<G>(mb_max * k2_);
+    const blas::TileBuffer<Acc> acc(mb_max * std::max(n1_, n2_));
+    const int64_t chunks_a = ceil_div(k2_, kColTile), chunks_b = ceil_div(n2_, kColTile);
+    for (int64_t e = 0; e < experts; ++e) {
+      const W* w1 = a_.w1.template const_data_ptr<W>() + e * k1_ * n1_;
+      const W* w2 = a_.w2.template const_data_ptr<W>() + e * k2_ * n2_;
+      for (int64_t r0 = a_.offsets[e]; r0 < a_.offsets[e + 1]; r0 += chunk) {
+        const int64_t mb = std::min(chunk, a_.offsets[e + 1] - r0);
+        tile_gemm<G, Acc>(mb, n1_, k1_, a_.x.template const_data_ptr<X>() + r0 * k1_, k1_, w1,
+                          n1_, acc.data());
+        at::parallel_for(0, mb * chunks_a, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t i = t / chunks_a, j0 = (t % chunks_a) * kColTile;
+            epilogue_a(e, i, i + 1, j0, std::min(kColTile, k2_ - j0), acc.data() + j0,
+                       acc.data() + k2_ + j0, n1_);
+          }
+        });
+        tile_gemm<G, Acc>(mb, n2_, k2_, h_.data(), k2_, w2, n2_, acc.data());
+        at::parallel_for(0, mb * chunks_b, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t i = t / chunks_b, c0 = (t % chunks_b) * kColTile;
+            epilogue_b(e, r0, i, i + 1, c0, std::min(kColTile, n2_ - c0), acc.data() + c0, n2_);
+          }
+        });
+      }
+    }
+  }
+
   void run() {
     const int64_t experts = a_.w1.size(0);
     int64_t mb_max = 0;
@@ -218,6 +278,12 @@ class Runner {
 
  private:
   Scratch& scratch() { return scratch_[at::get_thread_num()]; }
+
+  // Rows per chunk of run_whole(): the accumulator chunk [rows, max(N1, N2)] stays <= 64 MB.
+  int64_t whole_rows() const {
+    constexpr int64_t kBytes = int64_t{64} << 20;
+    return std::max<int64_t>(kRowBlock, kBytes / (int64_t(sizeof(Acc)) * std::max(n1_, n2_)));
+  }
 
   static const float* row_of(const at::Tensor& t, int64_t e) {
     return t.defined() ? t.const_data_ptr<float>() + e * t.size(1) : nullptr;
@@ -293,58 +359,84 @@ class Runner {
       auto [w2, ldw2] = weight_tile(a_.w1, e, k2_ + j0, nc, a_.aq_scale1, a_.aq_offset1);
       tile_gemm<G, Acc>(mb, nc, k1_, xa, k1_, w2, ldw2, right);
     }
+    epilogue_a(e, 0, mb, j0, nc, left, right, nc);
+  }
+
+  // Rows [i0, i1) of epilogue A on columns [j0, j0 + nc) of the intermediate, from GEMM results
+  // whose row i starts at left + i * ld (and right + i * ld for the GLU forms' second half).
+  void epilogue_a(int64_t e, int64_t i0, int64_t i1, int64_t j0, int64_t nc, const Acc* left,
+                  const Acc* right, int64_t ld) {
     switch (a_.act) {
-      case FfnAct::kFastGelu: return epilogue_a<FfnAct::kFastGelu>(e, mb, j0, nc, left, right);
-      case FfnAct::kGelu: return epilogue_a<FfnAct::kGelu>(e, mb, j0, nc, left, right);
-      case FfnAct::kRelu: return epilogue_a<FfnAct::kRelu>(e, mb, j0, nc, left, right);
-      case FfnAct::kSilu: return epilogue_a<FfnAct::kSilu>(e, mb, j0, nc, left, right);
-      case FfnAct::kGeglu: return epilogue_a<FfnAct::kGeglu>(e, mb, j0, nc, left, right);
-      case FfnAct::kSwiglu: return epilogue_a<FfnAct::kSwiglu>(e, mb, j0, nc, left, right);
-      case FfnAct::kReglu: return epilogue_a<FfnAct::kReglu>(e, mb, j0, nc, left, right);
+      case FfnAct::kFastGelu:
+        return epilogue_a<FfnAct::kFastGelu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kGelu: return epilogue_a<FfnAct::kGelu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kRelu: return epilogue_a<FfnAct::kRelu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kSilu: return epilogue_a<FfnAct::kSilu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kGeglu: return epilogue_a<FfnAct::kGeglu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kSwiglu:
+        return epilogue_a<FfnAct::kSwiglu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kReglu: return epilogue_a<FfnAct::kReglu>(e, i0, i1, j0, nc, left, right, ld);
     }
   }
 
-  // The first GEMM's result in fp32 at columns c0 + j of row i: + bias (int32 for the quantised
-  // path, added before the dequantisation scale, as Ascend's formula has it).
-  Vec gemm1_value(const Acc* acc, int64_t e, int64_t c0, int64_t j, int64_t len) const {
-    if constexpr (kQuant) {
-      auto v = at::vec::Vectorized<int32_t>::loadu(acc + j, len);
-      if (a_.bias1.defined()) {
-        const int32_t* b = a_.bias1.const_data_ptr<int32_t>() + e * n1_ + c0 + j;
-        v = v + at::vec::Vectorized<int32_t>::loadu(b, len);
+  // One GEMM's per-channel parameters for expert e as raw pointers, taken once per epilogue
+  // call: the tensor accessors check dtype and storage each time, and the epilogues run per
+  // vector (measured: they tripled the int8 epilogue's cost when called there).
+  struct Channels {
+    const float* bias = nullptr;     // float paths
+    const int32_t* ibias = nullptr;  // quantised path
+    const float* deq = nullptr;      // quantised path
+  };
+
+  static Channels channels(const at::Tensor& bias, const at::Tensor& deq, int64_t e, int64_t n) {
+    Channels c;
+    if (bias.defined()) {
+      if constexpr (kQuant) {
+        c.ibias = bias.const_data_ptr<int32_t>() + e * n;
+      } else {
+        c.bias = bias.const_data_ptr<float>() + e * n;
       }
-      const float* deq = row_of(a_.deq1, e) + c0 + j;
-      return at::vec::convert_to_fp_of_same_size<float>(v) * Vec::loadu(deq, len);
+    }
+    if constexpr (kQuant) c.deq = deq.const_data_ptr<float>() + e * n;
+    return c;
+  }
+
+  // The GEMM result at acc (column c) in fp32: + bias (int32 for the quantised path, added
+  // before the dequantisation scale, as Ascend's formula has it), times the scale.
+  static Vec dequant(const Acc* acc, const Channels& ch, int64_t c, int64_t len) {
+    if constexpr (kQuant) {
+      auto v = at::vec::Vectorized<int32_t>::loadu(acc, len);
+      if (ch.ibias != nullptr) v = v + at::vec::Vectorized<int32_t>::loadu(ch.ibias + c, len);
+      return at::vec::convert_to_fp_of_same_size<float>(v) * Vec::loadu(ch.deq + c, len);
     } else {
-      Vec v = Vec::loadu(acc + j, len);
-      if (a_.bias1.defined()) v = v + Vec::loadu(row_of(a_.bias1, e) + c0 + j, len);
-      return v;
+      const Vec v = Vec::loadu(acc, len);
+      return ch.bias != nullptr ? v + Vec::loadu(ch.bias + c, len) : v;
     }
   }
 
   template <FfnAct kA>
-  void epilogue_a(int64_t e, int64_t mb, int64_t j0, int64_t nc, const Acc* left,
-                  const Acc* right) {
+  void epilogue_a(int64_t e, int64_t i0, int64_t i1, int64_t j0, int64_t nc, const Acc* left,
+                  const Acc* right, int64_t ld) {
     constexpr bool kGlu = kA == FfnAct::kGeglu || kA == FfnAct::kSwiglu || kA == FfnAct::kReglu;
     const float* qscale = kQuant ? row_of(a_.qscale, e) + j0 : nullptr;
     const float qoffset = kQuant ? a_.qoffset.const_data_ptr<float>()[e] : 0.f;
-    for (int64_t i = 0; i < mb; ++i) {
-      G* h = h_.data() + i * k2_ + j0;
+    const Channels ch = channels(a_.bias1, a_.deq1, e, n1_);
+    G* const h_data = h_.data();
+    for (int64_t i = i0; i < i1; ++i) {
+      G* h = h_data + i * k2_ + j0;
+      const Acc* l = left + i * ld;
+      const Acc* r = right + i * ld;
       for_each_vec(nc, [&](int64_t j, int64_t len) {
         Vec y;
         if constexpr (kGlu) {
-          y = gemm1_value(left + i * nc, e, j0, j, len) *
-              act<kA, P>(gemm1_value(right + i * nc, e, k2_ + j0, j, len));
+          y = dequant(l + j, ch, j0 + j, len) * act<kA, P>(dequant(r + j, ch, k2_ + j0 + j, len));
         } else {
-          y = act<kA, P>(gemm1_value(left + i * nc, e, j0, j, len));
+          y = act<kA, P>(dequant(l + j, ch, j0 + j, len));
         }
         if constexpr (kQuant) {
           // Requantise: round half to even, saturate to int8.
           Vec q = at::vec::fmadd(y, Vec::loadu(qscale + j, len), Vec(qoffset)).round();
-          q = at::vec::clamp(q, Vec(-128.f), Vec(127.f));
-          alignas(64) float tmp[kV];
-          q.store(tmp, len);
-          for (int64_t l = 0; l < len; ++l) h[j + l] = static_cast<int8_t>(tmp[l]);
+          store_int8(h + j, at::vec::clamp(q, Vec(-128.f), Vec(127.f)), len);
         } else {
           store_as<G>(h + j, round_to<X>(y), len);
         }
@@ -358,23 +450,18 @@ class Runner {
     Acc* acc = scratch().acc.data();
     auto [w, ldw] = weight_tile(a_.w2, e, c0, nc, a_.aq_scale2, a_.aq_offset2);
     tile_gemm<G, Acc>(mb, nc, k2_, h_.data(), k2_, w, ldw, acc);
+    epilogue_b(e, r0, 0, mb, c0, nc, acc, nc);
+  }
+
+  // Rows [i0, i1) of the block at r0, output columns [c0, c0 + nc), from the second GEMM's
+  // results whose row i starts at acc + i * ld: + bias2 (and dequantisation), rounded once.
+  void epilogue_b(int64_t e, int64_t r0, int64_t i0, int64_t i1, int64_t c0, int64_t nc,
+                  const Acc* acc, int64_t ld) {
     O* out = a_.out.mutable_data_ptr<O>() + r0 * n2_ + c0;
-    for (int64_t i = 0; i < mb; ++i) {
+    const Channels ch = channels(a_.bias2, a_.deq2, e, n2_);
+    for (int64_t i = i0; i < i1; ++i) {
       for_each_vec(nc, [&](int64_t j, int64_t len) {
-        Vec v;
-        if constexpr (kQuant) {
-          auto vi = at::vec::Vectorized<int32_t>::loadu(acc + i * nc + j, len);
-          if (a_.bias2.defined()) {
-            const int32_t* b = a_.bias2.const_data_ptr<int32_t>() + e * n2_ + c0 + j;
-            vi = vi + at::vec::Vectorized<int32_t>::loadu(b, len);
-          }
-          v = at::vec::convert_to_fp_of_same_size<float>(vi) *
-              Vec::loadu(row_of(a_.deq2, e) + c0 + j, len);
-        } else {
-          v = Vec::loadu(acc + i * nc + j, len);
-          if (a_.bias2.defined()) v = v + Vec::loadu(row_of(a_.bias2, e) + c0 + j, len);
-        }
-        store_as<O>(out + i * n2_ + j, v, len);
+        store_as<O>(out + i * n2_ + j, dequant(acc + i * ld + j, ch, c0 + j, len), len);
       });
     }
   }
@@ -465,6 +552,16 @@ void run_float(const FfnArgs& a) {
   }
 }
 
+template <typename O>
+void run_quant(const FfnArgs& a) {
+  Runner<int8_t, int8_t, int8_t, O> runner(a);
+  if (a.gemm == FfnGemm::kATen) {
+    runner.run_whole();
+  } else {
+    runner.run();
+  }
+}
+
 // fp16 / bf16: multiplied as they are (kBlasTiles), in fp32 tiles, or by ATen.
 template <typename X>
 void run_half(const FfnArgs& a) {
@@ -479,9 +576,9 @@ void ffn_kernel(const FfnArgs& a) {
   switch (a.x.scalar_type()) {
     case at::kChar:
       if (a.out.scalar_type() == at::kBFloat16) {
-        return Runner<int8_t, int8_t, int8_t, c10::BFloat16>(a).run();
+        return run_quant<c10::BFloat16>(a);
       }
-      return Runner<int8_t, int8_t, int8_t, c10::Half>(a).run();
+      return run_quant<c10::Half>(a);
     case at::kFloat:
       return a.gemm == FfnGemm::kATen ? run_aten<float>(a) : run_float<float, float>(a);
     case at::kHalf:
