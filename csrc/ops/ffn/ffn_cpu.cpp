@@ -50,6 +50,11 @@ constexpr int64_t kRowBlock = 256;
 // development machine at T=128 and 1024, H=4096, I=11008: 1024 columns ran within 2-4% of the
 // two GEMMs alone, 512 columns 5-12% slower, rows 256 or 512 alike.)
 constexpr int64_t kColTile = 1024;
+// Rows per chunk of the quantised path's whole GEMMs (Runner::run_whole): the int32 results of
+// a chunk, [1024, N] (45 MB at N = 11008), are the working set between GEMM and epilogue.
+// Measured at T=1024 on the AMX machine: 1024-row chunks 1.02-1.07x the GEMMs alone, 512-row
+// 1.2x, 340-row 2.3x (oneDNN's int8 kernels slow down sharply at some row counts).
+constexpr int64_t kWholeRows = 1024;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -188,6 +193,10 @@ class Runner {
   // rounds to int8, with an exact fp32 activation so that ties fall where the reference's do.
   using P = std::conditional_t<kQuant, float, X>;
   using Acc = std::conditional_t<std::is_same_v<G, int8_t>, int32_t, float>;
+  // Requantisation: the margin around half-integers inside which the cheap activation is
+  // redone exactly (5x its error bound at |y * scale| = 128), and zero_mask() with no lane set.
+  static constexpr float kNearTie = 1.f / 1024;
+  static constexpr int kNoLane = (1 << kV) - 1;
 
   struct Scratch {
     blas::TileBuffer<Acc> acc;
@@ -207,16 +216,18 @@ class Runner {
         wb_(tile_width(n2_, kColTile)) {}
 
   // Whole GEMMs (FfnGemm::kATen; the quantised path): per expert, rows in chunks of at most
-  // whole_rows(), GEMM 1 over all columns by ONE multi-threaded library call (at::_int_mm)
+  // kWholeRows, GEMM 1 over all columns by ONE multi-threaded library call (at::_int_mm)
   // into an accumulator buffer, epilogue A over it on all threads, GEMM 2 likewise, epilogue B
   // into the output. Measured against the tiles (on an AMX machine, T=1024, H=4096, I=11008):
   // per-thread tiles call oneDNN single-threaded, once per 256-row block and column tile, and
   // it re-packs each weight tile every time; one call per chunk packs once per chunk. The
   // accumulator chunk is written once and read once, in cache-sized pieces per thread.
+  // (Column slabs of these calls, to keep the int32 results in cache, measured 1.5x slower:
+  // oneDNN runs strided weight slices far below its whole-width speed.)
   void run_whole() {
     static_assert(!kConvertX && !kConvertW, "whole GEMMs multiply x and the weights as they are");
     const int64_t experts = a_.w1.size(0);
-    const int64_t chunk = whole_rows();
+    const int64_t chunk = kWholeRows;
     int64_t mb_max = 0;
     for (int64_t e = 0; e < experts; ++e) {
       mb_max = std::max(mb_max, std::min(chunk, a_.offsets[e + 1] - a_.offsets[e]));
@@ -278,12 +289,6 @@ class Runner {
 
  private:
   Scratch& scratch() { return scratch_[at::get_thread_num()]; }
-
-  // Rows per chunk of run_whole(): the accumulator chunk [rows, max(N1, N2)] stays <= 64 MB.
-  int64_t whole_rows() const {
-    constexpr int64_t kBytes = int64_t{64} << 20;
-    return std::max<int64_t>(kRowBlock, kBytes / (int64_t(sizeof(Acc)) * std::max(n1_, n2_)));
-  }
 
   static const float* row_of(const at::Tensor& t, int64_t e) {
     return t.defined() ? t.const_data_ptr<float>() + e * t.size(1) : nullptr;
@@ -427,18 +432,29 @@ class Runner {
       const Acc* l = left + i * ld;
       const Acc* r = right + i * ld;
       for_each_vec(nc, [&](int64_t j, int64_t len) {
-        Vec y;
-        if constexpr (kGlu) {
-          y = dequant(l + j, ch, j0 + j, len) * act<kA, P>(dequant(r + j, ch, k2_ + j0 + j, len));
-        } else {
-          y = act<kA, P>(dequant(l + j, ch, j0 + j, len));
-        }
+        // act in precision Q: P's, or for the quantised path's first try the cheap one.
+        const auto value = [&]<typename Q>() {
+          if constexpr (kGlu) {
+            return dequant(l + j, ch, j0 + j, len) *
+                   act<kA, Q>(dequant(r + j, ch, k2_ + j0 + j, len));
+          } else {
+            return act<kA, Q>(dequant(l + j, ch, j0 + j, len));
+          }
+        };
         if constexpr (kQuant) {
-          // Requantise: round half to even, saturate to int8.
-          Vec q = at::vec::fmadd(y, Vec::loadu(qscale + j, len), Vec(qoffset)).round();
-          store_int8(h + j, at::vec::clamp(q, Vec(-128.f), Vec(127.f)), len);
+          // Requantise t = y * scale + offset: round half to even, saturate to int8. y comes
+          // first from the cheap exp / reciprocal (relative error < 1.5e-6, so t is off by
+          // less than 1e-4 while |y * scale| <= 128 and less than kNearTie up to ~650); a
+          // vector with a lane within kNearTie of a half-integer, where that error could move
+          // the rounding, is recomputed with the exact exp and division, so the codes are
+          // those of the exact activation, ties included. About 3% of vectors are redone.
+          const Vec qs = Vec::loadu(qscale + j, len), qo(qoffset);
+          Vec t = at::vec::fmadd(value.template operator()<c10::BFloat16>(), qs, qo);
+          const Vec near = (t - t.floor() - Vec(0.5f)).abs() < Vec(kNearTie);
+          if (near.zero_mask() != kNoLane) t = at::vec::fmadd(value.template operator()<P>(), qs, qo);
+          store_int8(h + j, at::vec::clamp(t.round(), Vec(-128.f), Vec(127.f)), len);
         } else {
-          store_as<G>(h + j, round_to<X>(y), len);
+          store_as<G>(h + j, round_to<X>(value.template operator()<P>()), len);
         }
       });
     }
