@@ -520,10 +520,13 @@ void run_aten(const FfnArgs& a) {
     }
     X* hp = he.mutable_data_ptr<X>();
     const auto pass = [&]<FfnAct kA>() {
-      // Columns in chunks, so that one row (decode) still spreads over the threads.
+      // Columns in chunks, so that a few long rows still spread over the threads; below 64K
+      // elements (decode) the pass runs on the calling thread: a parallel region costs more
+      // than that work, and far more when the machine's cores are shared.
       constexpr int64_t kChunk = 1024;
+      constexpr int64_t kInlineChunks = (int64_t{1} << 16) / kChunk;
       const int64_t chunks = ceil_div(k2, kChunk);
-      at::parallel_for(0, m * chunks, 1, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, m * chunks, kInlineChunks, [&](int64_t begin, int64_t end) {
         for (int64_t t = begin; t < end; ++t) {
           const int64_t i = t / chunks, j0 = (t % chunks) * kChunk;
           X* row = hp + i * n1;
