@@ -406,6 +406,10 @@ def test_quant_both_schedules_match_reference(monkeypatch, gemm, activation):
     x, w1, w2, kw = quant_inputs(75, 32, 1030, activation, BF16, "bf16", False, experts=tokens)
     check_quant(opennpu.npu_ffn(x, w1, w2, activation, **kw), R.ffn(x, w1, w2, activation, **kw),
                 w2, kw, BF16)
+    # More rows than one chunk of the whole GEMMs (4096): the second chunk's rows and offsets.
+    x, w1, w2, kw = quant_inputs(4100, 16, 40, activation, F16, "fp32", False)
+    check_quant(opennpu.npu_ffn(x, w1, w2, activation, **kw), R.ffn(x, w1, w2, activation, **kw),
+                w2, kw, F16)
 
 
 def test_quant_default_output_is_float16_and_offset_optional():

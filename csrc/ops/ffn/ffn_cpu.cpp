@@ -50,11 +50,13 @@ constexpr int64_t kRowBlock = 256;
 // development machine at T=128 and 1024, H=4096, I=11008: 1024 columns ran within 2-4% of the
 // two GEMMs alone, 512 columns 5-12% slower, rows 256 or 512 alike.)
 constexpr int64_t kColTile = 1024;
-// Rows per chunk of the quantised path's whole GEMMs (Runner::run_whole): the int32 results of
-// a chunk, [1024, N] (45 MB at N = 11008), are the working set between GEMM and epilogue.
-// Measured at T=1024 on the AMX machine: 1024-row chunks 1.02-1.07x the GEMMs alone, 512-row
-// 1.2x, 340-row 2.3x (oneDNN's int8 kernels slow down sharply at some row counts).
-constexpr int64_t kWholeRows = 1024;
+// Rows per chunk of the quantised path's whole GEMMs (Runner::run_whole). Each chunk re-packs
+// the weights inside oneDNN, so chunks are large; the int32 results of a chunk, [4096, N]
+// (235 MB at N = 14336, as large as the GEMM's own output), are the working set between GEMM
+// and epilogue. Measured on the AMX machine, 2 threads: T=4096 1.10-1.14x the GEMMs alone
+// with 4096-row chunks, 1.26-1.30x with 1024; at T=1024, 512-row chunks 1.2x against 1024's
+// 1.02-1.13x, 340-row 2.3x (oneDNN's int8 kernels slow down sharply at some row counts).
+constexpr int64_t kWholeRows = 4096;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
