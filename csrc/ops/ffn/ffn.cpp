@@ -104,10 +104,15 @@ at::Tensor deq_table(const char* arg, const at::Tensor& t, bool experts, int64_t
 // (Sapphire Rapids class, no AMX-FP16), 2 threads: MKL's bf16 GEMM (AMX) beats oneDNN's at one
 // row (3.1 ms vs 7.3 ms for the seed's 1x1280 FFN) and matches it at 1024 rows, so bf16 tiles
 // with MKL; MKL's fp16 GEMM runs 2-8x slower than oneDNN's there (21 ms vs 7 ms at one row), so
-// fp16 goes through ATen (oneDNN), as the native composition does. float32: MKL sgemm tiles,
-// ATen's own fp32 GEMM. OPENNPU_FFN_GEMM=blas|fp32|aten forces a path (the tests run every
-// path on every machine); "blas" falls back to fp32 tiles where MKL has no fp16 / bf16 GEMM.
-FfnGemm choose_gemm(at::ScalarType xt, bool weight_only) {
+// fp16 goes through ATen (oneDNN), as the native composition does. float32: MKL sgemm tiles
+// up to kWholeGemmRows rows per expert (T=128, H=4096, I=11008: 180 ms against ATen's whole
+// GEMMs' 196), whole ATen GEMMs (the same sgemm) from there (T=1024: 596 ms against the tiles'
+// 633 and the two GEMMs' 568). OPENNPU_FFN_GEMM=blas|fp32|aten forces a path (the tests run
+// every path on every machine); "blas" falls back to fp32 tiles where MKL has no fp16 / bf16
+// GEMM.
+constexpr int64_t kWholeGemmRows = 512;
+
+FfnGemm choose_gemm(at::ScalarType xt, bool weight_only, int64_t rows_per_expert) {
   const char* env = std::getenv("OPENNPU_FFN_GEMM");
   const std::string forced = env != nullptr ? env : "";
   TORCH_CHECK(forced.empty() || forced == "auto" || forced == "blas" || forced == "fp32" ||
@@ -119,7 +124,11 @@ FfnGemm choose_gemm(at::ScalarType xt, bool weight_only) {
                                             : cblas_gemm_f16f16f32 != nullptr;
   // The weight-only path dequantises weight tiles, so it always tiles.
   if (forced == "aten" && !weight_only) return FfnGemm::kATen;
-  if (!half) return FfnGemm::kBlasTiles;
+  if (!half) {
+    const bool whole = forced.empty() || forced == "auto" ? rows_per_expert >= kWholeGemmRows
+                                                           : false;
+    return whole && !weight_only ? FfnGemm::kATen : FfnGemm::kBlasTiles;
+  }
   if (forced == "fp32") return FfnGemm::kFp32Tiles;
   if (forced == "blas") return mkl_half ? FfnGemm::kBlasTiles : FfnGemm::kFp32Tiles;
   if (!blas::cpu_multiplies_natively(xt)) return FfnGemm::kFp32Tiles;
@@ -407,7 +416,7 @@ at::Tensor npu_ffn(const at::Tensor& x, const at::Tensor& weight1, const at::Ten
   args.w1 = weight1.reshape({e, k1, n1}).contiguous();
   args.w2 = weight2.reshape({e, k2, n2}).contiguous();
   args.offsets = std::move(offsets);
-  args.gemm = quant ? choose_quant_gemm() : choose_gemm(xt, weight_only);
+  args.gemm = quant ? choose_quant_gemm() : choose_gemm(xt, weight_only, rows / e);
   args.out = out.view({rows, n2});
   ffn_cpu.get(kOp)(args);
   return out;

@@ -51,7 +51,8 @@ enum class FfnGemm {
   // bf16, the kernels the native composition runs) into an x-dtype intermediate, with bias1
   // fused into the GEMM as F.linear does, then ONE vectorised pass over the intermediate for
   // the activation, then the second GEMM (+ bias2) straight into the output. For fp16 on CPUs
-  // whose MKL fp16 GEMM is slow but whose oneDNN is not (AVX512-FP16 without AMX-FP16).
+  // whose MKL fp16 GEMM is slow but whose oneDNN is not (AVX512-FP16 without AMX-FP16), and
+  // for fp32 with many rows per expert (whole sgemm calls beat the tiles there).
   // The quantised path's default reads it as: whole at::_int_mm GEMMs per chunk of rows into
   // an int32 buffer, each followed by one parallel pass (dequantise, activate, requantise /
   // dequantise into the output); kBlasTiles there means the per-thread tiles.
