@@ -189,9 +189,30 @@ def test_fp32_tile_fallback_matches(monkeypatch, activation, dtype):
     here): the same rounding of the intermediate, so the same result up to summation order."""
     x, w1, w2, kw = ffn_inputs(40, 64, 96, activation, dtype)
     default = opennpu.npu_ffn(x, w1, w2, activation, **kw)
-    monkeypatch.setenv("OPENNPU_FFN_HALF_GEMM", "0")
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", "fp32")
     fallback = run_and_check(x, w1, w2, activation, dtype, **kw)
     check_close(fallback, default.double(), dtype)
+
+
+@pytest.mark.parametrize("gemm", ["blas", "fp32", "aten"])
+@dtypes
+@pytest.mark.parametrize("activation", ["fastgelu", "relu", "swiglu", "geglu"])
+def test_every_gemm_path_matches_reference(monkeypatch, gemm, activation, dtype):
+    """Each GEMM path (MKL tiles, fp32 tiles, whole ATen GEMMs with one activation pass; the
+    machine picks one per dtype, forced here so that all run everywhere): dense with more rows
+    than a tile block, experts with empty ones, a single row (decode), with and without bias."""
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", gemm)
+    for m, experts, bias in ((300, None, True), (1, None, False), (26, [7, 0, 19], True),
+                             (5, [0, 5], False)):
+        x, w1, w2, kw = ffn_inputs(m, 48, 1100, activation, dtype, experts=experts, bias=bias)
+        run_and_check(x, w1, w2, activation, dtype, **kw)
+
+
+def test_unknown_gemm_override_is_an_error(monkeypatch):
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", "cublas")
+    x, w1, w2, _ = ffn_inputs(2, 8, 16, "relu", F32, bias=False)
+    _raises(lambda: opennpu.npu_ffn(x, w1, w2, "relu"), "OPENNPU_FFN_GEMM must be auto, blas,",
+            "'cublas'")
 
 
 @pytest.mark.parametrize("m,k1,i", [(1, 7, 5), (83, 33, 65), (300, 24, 40), (5, 1, 3),
@@ -369,6 +390,26 @@ def test_quant_experts(per_channel):
                                  experts=tokens)
     out = opennpu.npu_ffn(x, w1, w2, "fastgelu", **kw)
     check_quant(out, R.ffn(x, w1, w2, "fastgelu", **kw), w2, kw, BF16)
+
+
+@pytest.mark.parametrize("gemm", ["auto", "blas"], ids=["whole_gemms", "tiles"])
+@pytest.mark.parametrize("activation", ["fastgelu", "swiglu"])
+def test_quant_both_schedules_match_reference(monkeypatch, gemm, activation):
+    """The quantised path's two schedules (whole at::_int_mm GEMMs with passes over the int32
+    results, the default; per-thread tiles): more rows than a tile block, intermediate columns
+    off the 1024-column epilogue chunks, experts with an empty one."""
+    monkeypatch.setenv("OPENNPU_FFN_GEMM", gemm)
+    x, w1, w2, kw = quant_inputs(300, 40, 1100, activation, F16, "int64", True)
+    check_quant(opennpu.npu_ffn(x, w1, w2, activation, **kw), R.ffn(x, w1, w2, activation, **kw),
+                w2, kw, F16)
+    tokens = [70, 0, 5]
+    x, w1, w2, kw = quant_inputs(75, 32, 1030, activation, BF16, "bf16", False, experts=tokens)
+    check_quant(opennpu.npu_ffn(x, w1, w2, activation, **kw), R.ffn(x, w1, w2, activation, **kw),
+                w2, kw, BF16)
+    # More rows than one chunk of the whole GEMMs (4096): the second chunk's rows and offsets.
+    x, w1, w2, kw = quant_inputs(4100, 16, 40, activation, F16, "fp32", False)
+    check_quant(opennpu.npu_ffn(x, w1, w2, activation, **kw), R.ffn(x, w1, w2, activation, **kw),
+                w2, kw, F16)
 
 
 def test_quant_default_output_is_float16_and_offset_optional():

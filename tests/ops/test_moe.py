@@ -19,7 +19,7 @@ from op_helpers import LOW_DTYPES, SETTINGS, assert_not_worse_than_native, dtype
 
 import opennpu
 from opennpu.testing import reference as R
-from opennpu.testing.moe_layer import npu_moe_layer
+from opennpu.testing.moe_layer import npu_moe_layer, npu_moe_layer_ffn, swap_glu_halves
 from opennpu.testing.tolerances import assert_close
 
 F32, F64, I32, I64 = torch.float32, torch.float64, torch.int32, torch.int64
@@ -481,6 +481,55 @@ def test_moe_layer_with_empty_experts():
     w_gate[:, 2], w_gate[:, 5] = 5.0, 4.0
     x = x.abs() + 0.1
     ours = npu_moe_layer(x, w_gate, w13, w2, 2)
+    assert_close(ours, R.native_moe_layer(x, w_gate, w13, w2, 2), scale=10)
+
+
+@pytest.mark.parametrize("k,renormalize", [(2, True), (1, False), (8, True)])
+def test_moe_layer_through_npu_ffn_matches_plain_pytorch(k, renormalize):
+    """The full layer with the experts run by npu_ffn's expert path (expert_tokens_index from
+    npu_moe_compute_expert_tokens) against the plain PyTorch loop, and against the layer whose
+    experts run as grouped matmuls + npu_swiglu (same routing, so the same rows per expert)."""
+    x = randn(29, 32)
+    w_gate, w13, w2 = moe_weights(32, 48, 8, F32)
+    ours = npu_moe_layer_ffn(x, w_gate, swap_glu_halves(w13), w2, k, renormalize)
+    assert ours.dtype == F32 and ours.shape == x.shape
+    assert_close(ours, R.native_moe_layer(x, w_gate, w13, w2, k, renormalize), scale=10)
+    assert_close(ours, npu_moe_layer(x, w_gate, w13, w2, k, renormalize), scale=10)
+
+
+def test_moe_layer_through_npu_ffn_needs_the_swapped_halves():
+    """npu_ffn's swiglu activates the second half: unswapped [w1 | w3] gives another layer."""
+    x = randn(12, 16)
+    w_gate, w13, w2 = moe_weights(16, 24, 4, F32)
+    native = R.native_moe_layer(x, w_gate, w13, w2, 2)
+    wrong = npu_moe_layer_ffn(x, w_gate, w13, w2, 2)
+    assert (wrong - native).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=dtype_id)
+def test_moe_layer_through_npu_ffn_low_precision_not_worse_than_plain_pytorch(dtype):
+    x = randn(40, 64, dtype=dtype)
+    w_gate, w13, w2 = moe_weights(64, 96, 8, dtype)
+    ours = npu_moe_layer_ffn(x, w_gate, swap_glu_halves(w13), w2, 2)
+    native = R.native_moe_layer(x, w_gate, w13, w2, 2)
+    oracle = R.moe_layer(x, w_gate, w13, w2, 2)
+    # As for the grouped-matmul layer: compare the tokens whose top-2 experts do not hinge on
+    # probabilities that round to the same value in `dtype`.
+    probs = torch.softmax((x @ w_gate).float(), -1)
+    chosen = torch.topk(probs, 2).indices.sort().values
+    _, ours_idx, _ = opennpu.npu_moe_gating_top_k_softmax(x @ w_gate, None, 2)
+    same = (ours_idx.long().sort().values == chosen).all(-1)
+    assert same.float().mean() > 0.9
+    assert_not_worse_than_native(ours[same], native[same], oracle[same])
+
+
+def test_moe_layer_through_npu_ffn_with_empty_experts():
+    # every token routed to experts 2 and 5 only: npu_ffn sees empty expert row ranges
+    w_gate, w13, w2 = moe_weights(16, 8, 6, F32)
+    w_gate = torch.zeros(16, 6)
+    w_gate[:, 2], w_gate[:, 5] = 5.0, 4.0
+    x = randn(9, 16).abs() + 0.1
+    ours = npu_moe_layer_ffn(x, w_gate, swap_glu_halves(w13), w2, 2)
     assert_close(ours, R.native_moe_layer(x, w_gate, w13, w2, 2), scale=10)
 
 

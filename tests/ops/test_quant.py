@@ -306,6 +306,17 @@ def test_fused_matches_reference(dtype, y_dtype):
     check_fused(args, {**kwargs, "y_dtype": y_dtype})
 
 
+@pytest.mark.parametrize("dtype", QUANT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("mask", [[True, False], [True, True]], ids=["one", "both"])
+def test_fused_large_outputs_stream(dtype, mask):
+    """Outputs of 16 MB and more go out with non-temporal stores (x_out, and the int8 codes):
+    the same values as the ordinary stores, rows spread over the threads, with a row length
+    of whole cache lines (4096) and a tail row count off any block size."""
+    rows = (16 << 20) // (4096 * dtype.itemsize) + 3
+    args, kwargs = make_fused((rows, 4096), dtype, smooth1=True, smooth2=mask[1], beta=True)
+    check_fused(args, {**kwargs, "output_mask": mask})
+
+
 MASK_CASES = [
     # (output_mask, smooth1, smooth2): every mask, and the defaults without one
     ([True, False], False, False), ([False, True], False, False), ([True, True], False, False),

@@ -1,18 +1,24 @@
 // CPU kernel of npu_ffn (compiled once per ISA; see common/cpu_dispatch.h and ffn.h).
 //
-// Every GEMM is a library call on a tile: MKL's sgemm / half-precision GEMMs through
-// common/blas.h, and ATen's at::_int_mm (oneDNN's int8 matmul) for the quantised path. What
+// Every GEMM is a library call: on a tile, MKL's sgemm / half-precision GEMMs through
+// common/blas.h, and ATen's at::_int_mm (oneDNN's int8 matmul) for the quantised path; what
 // happens between the GEMMs (bias, dequantisation, activation, requantisation, rounding) runs
-// vectorised on each thread's tile while it is still in cache.
+// vectorised on each thread's tile while it is still in cache. Or (FfnGemm::kATen, see ffn.h)
+// whole GEMMs through ATen with one vectorised activation pass over the intermediate.
 //
 // Numerics: float paths accumulate in fp32 and compute bias and activation in fp32; for fp16 /
 // bf16 the intermediate is rounded once to x's dtype (the operand of the second GEMM, as on
 // Ascend's cube unit, and as the native composition rounds it), then the output once. Where the
 // CPU has no fp16 / bf16 matrix instructions, tiles are converted to fp32 instead, with the same
 // rounding of the intermediate (and of dequantised weights), so results do not depend on the
-// machine beyond GEMM summation order.
+// machine beyond GEMM summation order. The kATen path rounds the first GEMM (+ bias1) to x's
+// dtype before the activation, as the native composition does (its error then equals native's
+// GEMM rounding, not less): oneDNN, through ATen, gives no fp32 output for fp16 operands.
 #include <ATen/Parallel.h>
 #include <ATen/ops/_int_mm.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
@@ -44,6 +50,13 @@ constexpr int64_t kRowBlock = 256;
 // development machine at T=128 and 1024, H=4096, I=11008: 1024 columns ran within 2-4% of the
 // two GEMMs alone, 512 columns 5-12% slower, rows 256 or 512 alike.)
 constexpr int64_t kColTile = 1024;
+// Rows per chunk of the quantised path's whole GEMMs (Runner::run_whole). Each chunk re-packs
+// the weights inside oneDNN, so chunks are large; the int32 results of a chunk, [4096, N]
+// (235 MB at N = 14336, as large as the GEMM's own output), are the working set between GEMM
+// and epilogue. Measured on the AMX machine, 2 threads: T=4096 1.10-1.14x the GEMMs alone
+// with 4096-row chunks, 1.26-1.30x with 1024; at T=1024, 512-row chunks 1.2x against 1024's
+// 1.02-1.13x, 340-row 2.3x (oneDNN's int8 kernels slow down sharply at some row counts).
+constexpr int64_t kWholeRows = 4096;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
@@ -136,6 +149,22 @@ void int8_to_float(const int8_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// Stores n <= kV floats that are already integers in [-128, 127] as int8.
+inline void store_int8(int8_t* dst, const Vec& q, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i b = _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q));
+  if (n == kV) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), b);
+    return;
+  }
+  _mm_mask_storeu_epi8(dst, static_cast<__mmask16>((1u << n) - 1), b);
+#else
+  alignas(64) float tmp[kV];
+  q.store(tmp, n);
+  for (int64_t l = 0; l < n; ++l) dst[l] = static_cast<int8_t>(tmp[l]);
+#endif
+}
+
 // C[m, n] (contiguous) = A[m, k] B[k, n]: BLAS for float / fp16 / bf16 operands (fp32 C),
 // at::_int_mm for int8 (int32 C).
 template <typename G, typename Acc>
@@ -166,6 +195,10 @@ class Runner {
   // rounds to int8, with an exact fp32 activation so that ties fall where the reference's do.
   using P = std::conditional_t<kQuant, float, X>;
   using Acc = std::conditional_t<std::is_same_v<G, int8_t>, int32_t, float>;
+  // Requantisation: the margin around half-integers inside which the cheap activation is
+  // redone exactly (5x its error bound at |y * scale| = 128), and zero_mask() with no lane set.
+  static constexpr float kNearTie = 1.f / 1024;
+  static constexpr int kNoLane = (1 << kV) - 1;
 
   struct Scratch {
     blas::TileBuffer<Acc> acc;
@@ -183,6 +216,52 @@ class Runner {
         glu_(is_glu(a.act)),
         wa_(tile_width(k2_, glu_ ? kColTile / 2 : kColTile)),
         wb_(tile_width(n2_, kColTile)) {}
+
+  // Whole GEMMs (FfnGemm::kATen; the quantised path): per expert, rows in chunks of at most
+  // kWholeRows, GEMM 1 over all columns by ONE multi-threaded library call (at::_int_mm)
+  // into an accumulator buffer, epilogue A over it on all threads, GEMM 2 likewise, epilogue B
+  // into the output. Measured against the tiles (on an AMX machine, T=1024, H=4096, I=11008):
+  // per-thread tiles call oneDNN single-threaded, once per 256-row block and column tile, and
+  // it re-packs each weight tile every time; one call per chunk packs once per chunk. The
+  // accumulator chunk is written once and read once, in cache-sized pieces per thread.
+  // (Column slabs of these calls, to keep the int32 results in cache, measured 1.5x slower:
+  // oneDNN runs strided weight slices far below its whole-width speed.)
+  void run_whole() {
+    static_assert(!kConvertX && !kConvertW, "whole GEMMs multiply x and the weights as they are");
+    const int64_t experts = a_.w1.size(0);
+    const int64_t chunk = kWholeRows;
+    int64_t mb_max = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      mb_max = std::max(mb_max, std::min(chunk, a_.offsets[e + 1] - a_.offsets[e]));
+    }
+    if (mb_max == 0 || n2_ == 0) return;
+    h_ = blas::TileBuffer<G>(mb_max * k2_);
+    const blas::TileBuffer<Acc> acc(mb_max * std::max(n1_, n2_));
+    const int64_t chunks_a = ceil_div(k2_, kColTile), chunks_b = ceil_div(n2_, kColTile);
+    for (int64_t e = 0; e < experts; ++e) {
+      const W* w1 = a_.w1.template const_data_ptr<W>() + e * k1_ * n1_;
+      const W* w2 = a_.w2.template const_data_ptr<W>() + e * k2_ * n2_;
+      for (int64_t r0 = a_.offsets[e]; r0 < a_.offsets[e + 1]; r0 += chunk) {
+        const int64_t mb = std::min(chunk, a_.offsets[e + 1] - r0);
+        tile_gemm<G, Acc>(mb, n1_, k1_, a_.x.template const_data_ptr<X>() + r0 * k1_, k1_, w1,
+                          n1_, acc.data());
+        at::parallel_for(0, mb * chunks_a, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t i = t / chunks_a, j0 = (t % chunks_a) * kColTile;
+            epilogue_a(e, i, i + 1, j0, std::min(kColTile, k2_ - j0), acc.data() + j0,
+                       acc.data() + k2_ + j0, n1_);
+          }
+        });
+        tile_gemm<G, Acc>(mb, n2_, k2_, h_.data(), k2_, w2, n2_, acc.data());
+        at::parallel_for(0, mb * chunks_b, 1, [&](int64_t begin, int64_t end) {
+          for (int64_t t = begin; t < end; ++t) {
+            const int64_t i = t / chunks_b, c0 = (t % chunks_b) * kColTile;
+            epilogue_b(e, r0, i, i + 1, c0, std::min(kColTile, n2_ - c0), acc.data() + c0, n2_);
+          }
+        });
+      }
+    }
+  }
 
   void run() {
     const int64_t experts = a_.w1.size(0);
@@ -287,60 +366,97 @@ class Runner {
       auto [w2, ldw2] = weight_tile(a_.w1, e, k2_ + j0, nc, a_.aq_scale1, a_.aq_offset1);
       tile_gemm<G, Acc>(mb, nc, k1_, xa, k1_, w2, ldw2, right);
     }
+    epilogue_a(e, 0, mb, j0, nc, left, right, nc);
+  }
+
+  // Rows [i0, i1) of epilogue A on columns [j0, j0 + nc) of the intermediate, from GEMM results
+  // whose row i starts at left + i * ld (and right + i * ld for the GLU forms' second half).
+  void epilogue_a(int64_t e, int64_t i0, int64_t i1, int64_t j0, int64_t nc, const Acc* left,
+                  const Acc* right, int64_t ld) {
     switch (a_.act) {
-      case FfnAct::kFastGelu: return epilogue_a<FfnAct::kFastGelu>(e, mb, j0, nc, left, right);
-      case FfnAct::kGelu: return epilogue_a<FfnAct::kGelu>(e, mb, j0, nc, left, right);
-      case FfnAct::kRelu: return epilogue_a<FfnAct::kRelu>(e, mb, j0, nc, left, right);
-      case FfnAct::kSilu: return epilogue_a<FfnAct::kSilu>(e, mb, j0, nc, left, right);
-      case FfnAct::kGeglu: return epilogue_a<FfnAct::kGeglu>(e, mb, j0, nc, left, right);
-      case FfnAct::kSwiglu: return epilogue_a<FfnAct::kSwiglu>(e, mb, j0, nc, left, right);
-      case FfnAct::kReglu: return epilogue_a<FfnAct::kReglu>(e, mb, j0, nc, left, right);
+      case FfnAct::kFastGelu:
+        return epilogue_a<FfnAct::kFastGelu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kGelu: return epilogue_a<FfnAct::kGelu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kRelu: return epilogue_a<FfnAct::kRelu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kSilu: return epilogue_a<FfnAct::kSilu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kGeglu: return epilogue_a<FfnAct::kGeglu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kSwiglu:
+        return epilogue_a<FfnAct::kSwiglu>(e, i0, i1, j0, nc, left, right, ld);
+      case FfnAct::kReglu: return epilogue_a<FfnAct::kReglu>(e, i0, i1, j0, nc, left, right, ld);
     }
   }
 
-  // The first GEMM's result in fp32 at columns c0 + j of row i: + bias (int32 for the quantised
-  // path, added before the dequantisation scale, as Ascend's formula has it).
-  Vec gemm1_value(const Acc* acc, int64_t e, int64_t c0, int64_t j, int64_t len) const {
-    if constexpr (kQuant) {
-      auto v = at::vec::Vectorized<int32_t>::loadu(acc + j, len);
-      if (a_.bias1.defined()) {
-        const int32_t* b = a_.bias1.const_data_ptr<int32_t>() + e * n1_ + c0 + j;
-        v = v + at::vec::Vectorized<int32_t>::loadu(b, len);
+  // One GEMM's per-channel parameters for expert e as raw pointers, taken once per epilogue
+  // call: the tensor accessors check dtype and storage each time, and the epilogues run per
+  // vector (measured: they tripled the int8 epilogue's cost when called there).
+  struct Channels {
+    const float* bias = nullptr;     // float paths
+    const int32_t* ibias = nullptr;  // quantised path
+    const float* deq = nullptr;      // quantised path
+  };
+
+  static Channels channels(const at::Tensor& bias, const at::Tensor& deq, int64_t e, int64_t n) {
+    Channels c;
+    if (bias.defined()) {
+      if constexpr (kQuant) {
+        c.ibias = bias.const_data_ptr<int32_t>() + e * n;
+      } else {
+        c.bias = bias.const_data_ptr<float>() + e * n;
       }
-      const float* deq = row_of(a_.deq1, e) + c0 + j;
-      return at::vec::convert_to_fp_of_same_size<float>(v) * Vec::loadu(deq, len);
+    }
+    if constexpr (kQuant) c.deq = deq.const_data_ptr<float>() + e * n;
+    return c;
+  }
+
+  // The GEMM result at acc (column c) in fp32: + bias (int32 for the quantised path, added
+  // before the dequantisation scale, as Ascend's formula has it), times the scale.
+  static Vec dequant(const Acc* acc, const Channels& ch, int64_t c, int64_t len) {
+    if constexpr (kQuant) {
+      auto v = at::vec::Vectorized<int32_t>::loadu(acc, len);
+      if (ch.ibias != nullptr) v = v + at::vec::Vectorized<int32_t>::loadu(ch.ibias + c, len);
+      return at::vec::convert_to_fp_of_same_size<float>(v) * Vec::loadu(ch.deq + c, len);
     } else {
-      Vec v = Vec::loadu(acc + j, len);
-      if (a_.bias1.defined()) v = v + Vec::loadu(row_of(a_.bias1, e) + c0 + j, len);
-      return v;
+      const Vec v = Vec::loadu(acc, len);
+      return ch.bias != nullptr ? v + Vec::loadu(ch.bias + c, len) : v;
     }
   }
 
   template <FfnAct kA>
-  void epilogue_a(int64_t e, int64_t mb, int64_t j0, int64_t nc, const Acc* left,
-                  const Acc* right) {
+  void epilogue_a(int64_t e, int64_t i0, int64_t i1, int64_t j0, int64_t nc, const Acc* left,
+                  const Acc* right, int64_t ld) {
     constexpr bool kGlu = kA == FfnAct::kGeglu || kA == FfnAct::kSwiglu || kA == FfnAct::kReglu;
     const float* qscale = kQuant ? row_of(a_.qscale, e) + j0 : nullptr;
     const float qoffset = kQuant ? a_.qoffset.const_data_ptr<float>()[e] : 0.f;
-    for (int64_t i = 0; i < mb; ++i) {
-      G* h = h_.data() + i * k2_ + j0;
+    const Channels ch = channels(a_.bias1, a_.deq1, e, n1_);
+    G* const h_data = h_.data();
+    for (int64_t i = i0; i < i1; ++i) {
+      G* h = h_data + i * k2_ + j0;
+      const Acc* l = left + i * ld;
+      const Acc* r = right + i * ld;
       for_each_vec(nc, [&](int64_t j, int64_t len) {
-        Vec y;
-        if constexpr (kGlu) {
-          y = gemm1_value(left + i * nc, e, j0, j, len) *
-              act<kA, P>(gemm1_value(right + i * nc, e, k2_ + j0, j, len));
-        } else {
-          y = act<kA, P>(gemm1_value(left + i * nc, e, j0, j, len));
-        }
+        // act in precision Q: P's, or for the quantised path's first try the cheap one.
+        const auto value = [&]<typename Q>() {
+          if constexpr (kGlu) {
+            return dequant(l + j, ch, j0 + j, len) *
+                   act<kA, Q>(dequant(r + j, ch, k2_ + j0 + j, len));
+          } else {
+            return act<kA, Q>(dequant(l + j, ch, j0 + j, len));
+          }
+        };
         if constexpr (kQuant) {
-          // Requantise: round half to even, saturate to int8.
-          Vec q = at::vec::fmadd(y, Vec::loadu(qscale + j, len), Vec(qoffset)).round();
-          q = at::vec::clamp(q, Vec(-128.f), Vec(127.f));
-          alignas(64) float tmp[kV];
-          q.store(tmp, len);
-          for (int64_t l = 0; l < len; ++l) h[j + l] = static_cast<int8_t>(tmp[l]);
+          // Requantise t = y * scale + offset: round half to even, saturate to int8. y comes
+          // first from the cheap exp / reciprocal (relative error < 1.5e-6, so t is off by
+          // less than 1e-4 while |y * scale| <= 128 and less than kNearTie up to ~650); a
+          // vector with a lane within kNearTie of a half-integer, where that error could move
+          // the rounding, is recomputed with the exact exp and division, so the codes are
+          // those of the exact activation, ties included. About 3% of vectors are redone.
+          const Vec qs = Vec::loadu(qscale + j, len), qo(qoffset);
+          Vec t = at::vec::fmadd(value.template operator()<c10::BFloat16>(), qs, qo);
+          const Vec near = (t - t.floor() - Vec(0.5f)).abs() < Vec(kNearTie);
+          if (near.zero_mask() != kNoLane) t = at::vec::fmadd(value.template operator()<P>(), qs, qo);
+          store_int8(h + j, at::vec::clamp(t.round(), Vec(-128.f), Vec(127.f)), len);
         } else {
-          store_as<G>(h + j, round_to<X>(y), len);
+          store_as<G>(h + j, round_to<X>(value.template operator()<P>()), len);
         }
       });
     }
@@ -352,23 +468,18 @@ class Runner {
     Acc* acc = scratch().acc.data();
     auto [w, ldw] = weight_tile(a_.w2, e, c0, nc, a_.aq_scale2, a_.aq_offset2);
     tile_gemm<G, Acc>(mb, nc, k2_, h_.data(), k2_, w, ldw, acc);
+    epilogue_b(e, r0, 0, mb, c0, nc, acc, nc);
+  }
+
+  // Rows [i0, i1) of the block at r0, output columns [c0, c0 + nc), from the second GEMM's
+  // results whose row i starts at acc + i * ld: + bias2 (and dequantisation), rounded once.
+  void epilogue_b(int64_t e, int64_t r0, int64_t i0, int64_t i1, int64_t c0, int64_t nc,
+                  const Acc* acc, int64_t ld) {
     O* out = a_.out.mutable_data_ptr<O>() + r0 * n2_ + c0;
-    for (int64_t i = 0; i < mb; ++i) {
+    const Channels ch = channels(a_.bias2, a_.deq2, e, n2_);
+    for (int64_t i = i0; i < i1; ++i) {
       for_each_vec(nc, [&](int64_t j, int64_t len) {
-        Vec v;
-        if constexpr (kQuant) {
-          auto vi = at::vec::Vectorized<int32_t>::loadu(acc + i * nc + j, len);
-          if (a_.bias2.defined()) {
-            const int32_t* b = a_.bias2.const_data_ptr<int32_t>() + e * n2_ + c0 + j;
-            vi = vi + at::vec::Vectorized<int32_t>::loadu(b, len);
-          }
-          v = at::vec::convert_to_fp_of_same_size<float>(vi) *
-              Vec::loadu(row_of(a_.deq2, e) + c0 + j, len);
-        } else {
-          v = Vec::loadu(acc + i * nc + j, len);
-          if (a_.bias2.defined()) v = v + Vec::loadu(row_of(a_.bias2, e) + c0 + j, len);
-        }
-        store_as<O>(out + i * n2_ + j, v, len);
+        store_as<O>(out + i * n2_ + j, dequant(acc + i * ld + j, ch, c0 + j, len), len);
       });
     }
   }
@@ -382,6 +493,77 @@ class Runner {
   std::vector<Scratch> scratch_;
 };
 
+// FfnGemm::kATen: per expert, H = x_e W1_e + b1_e by ATen (oneDNN for fp16 / bf16, rounded
+// once to x's dtype, bias included, exactly as F.linear rounds it), then one pass over H in
+// place: act in fp32, rounded once (GLU forms write a * act(b) over the left half a, reading
+// each b before nothing overwrites it), then y_e = H' W2_e + b2_e by ATen into the output.
+template <typename X>
+void run_aten(const FfnArgs& a) {
+  const int64_t experts = a.w1.size(0), n1 = a.w1.size(2), k2 = a.w2.size(1);
+  const bool glu = is_glu(a.act);
+  int64_t m_max = 0;
+  for (int64_t e = 0; e < experts; ++e) m_max = std::max(m_max, a.offsets[e + 1] - a.offsets[e]);
+  if (m_max == 0) return;
+  const at::ScalarType xt = a.x.scalar_type();
+  // Biases back in x's dtype for the fused GEMM bias (exact for x-dtype biases; an fp32 bias is
+  // rounded to x's dtype, as the native composition's F.linear would need it).
+  const at::Tensor b1 = a.bias1.defined() ? a.bias1.to(xt) : at::Tensor();
+  const at::Tensor b2 = a.bias2.defined() ? a.bias2.to(xt) : at::Tensor();
+  at::Tensor h = at::empty({m_max, n1}, a.x.options());
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t r0 = a.offsets[e], m = a.offsets[e + 1] - r0;
+    if (m == 0) continue;
+    at::Tensor he = h.narrow(0, 0, m);
+    const at::Tensor xe = a.x.narrow(0, r0, m);
+    if (b1.defined()) {
+      at::addmm_out(he, b1[e], xe, a.w1[e]);
+    } else {
+      at::mm_out(he, xe, a.w1[e]);
+    }
+    X* hp = he.mutable_data_ptr<X>();
+    const auto pass = [&]<FfnAct kA>() {
+      // Columns in chunks, so that a few long rows still spread over the threads; below 64K
+      // elements (decode) the pass runs on the calling thread: a parallel region costs more
+      // than that work, and far more when the machine's cores are shared.
+      constexpr int64_t kChunk = 1024;
+      constexpr int64_t kInlineChunks = (int64_t{1} << 16) / kChunk;
+      const int64_t chunks = ceil_div(k2, kChunk);
+      at::parallel_for(0, m * chunks, kInlineChunks, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t i = t / chunks, j0 = (t % chunks) * kChunk;
+          X* row = hp + i * n1;
+          for_each_vec(std::min(kChunk, k2 - j0), [&](int64_t j, int64_t len) {
+            const Vec left = load_from<X>(row + j0 + j, len);
+            Vec y;
+            if constexpr (kA == FfnAct::kGeglu || kA == FfnAct::kSwiglu || kA == FfnAct::kReglu) {
+              y = left * act<kA, X>(load_from<X>(row + k2 + j0 + j, len));
+            } else {
+              y = act<kA, X>(left);
+            }
+            store_as<X>(row + j0 + j, y, len);
+          });
+        }
+      });
+    };
+    switch (a.act) {
+      case FfnAct::kFastGelu: pass.template operator()<FfnAct::kFastGelu>(); break;
+      case FfnAct::kGelu: pass.template operator()<FfnAct::kGelu>(); break;
+      case FfnAct::kRelu: pass.template operator()<FfnAct::kRelu>(); break;
+      case FfnAct::kSilu: pass.template operator()<FfnAct::kSilu>(); break;
+      case FfnAct::kGeglu: pass.template operator()<FfnAct::kGeglu>(); break;
+      case FfnAct::kSwiglu: pass.template operator()<FfnAct::kSwiglu>(); break;
+      case FfnAct::kReglu: pass.template operator()<FfnAct::kReglu>(); break;
+    }
+    const at::Tensor ge = glu ? he.narrow(1, 0, k2) : he;
+    at::Tensor oe = a.out.narrow(0, r0, m);
+    if (b2.defined()) {
+      at::addmm_out(oe, b2[e], ge, a.w2[e]);
+    } else {
+      at::mm_out(oe, ge, a.w2[e]);
+    }
+  }
+}
+
 template <typename X, typename G>
 void run_float(const FfnArgs& a) {
   if (a.w1.scalar_type() == at::kChar) {
@@ -391,20 +573,39 @@ void run_float(const FfnArgs& a) {
   }
 }
 
+template <typename O>
+void run_quant(const FfnArgs& a) {
+  Runner<int8_t, int8_t, int8_t, O> runner(a);
+  if (a.gemm == FfnGemm::kATen) {
+    runner.run_whole();
+  } else {
+    runner.run();
+  }
+}
+
+// fp16 / bf16: multiplied as they are (kBlasTiles), in fp32 tiles, or by ATen.
+template <typename X>
+void run_half(const FfnArgs& a) {
+  switch (a.gemm) {
+    case FfnGemm::kBlasTiles: return run_float<X, X>(a);
+    case FfnGemm::kFp32Tiles: return run_float<X, float>(a);
+    case FfnGemm::kATen: return run_aten<X>(a);
+  }
+}
+
 void ffn_kernel(const FfnArgs& a) {
   switch (a.x.scalar_type()) {
     case at::kChar:
       if (a.out.scalar_type() == at::kBFloat16) {
-        return Runner<int8_t, int8_t, int8_t, c10::BFloat16>(a).run();
+        return run_quant<c10::BFloat16>(a);
       }
-      return Runner<int8_t, int8_t, int8_t, c10::Half>(a).run();
+      return run_quant<c10::Half>(a);
     case at::kFloat:
-      return run_float<float, float>(a);
+      return a.gemm == FfnGemm::kATen ? run_aten<float>(a) : run_float<float, float>(a);
     case at::kHalf:
-      return a.half_gemm ? run_float<c10::Half, c10::Half>(a) : run_float<c10::Half, float>(a);
+      return run_half<c10::Half>(a);
     case at::kBFloat16:
-      return a.half_gemm ? run_float<c10::BFloat16, c10::BFloat16>(a)
-                         : run_float<c10::BFloat16, float>(a);
+      return run_half<c10::BFloat16>(a);
     default:
       TORCH_INTERNAL_ASSERT(false, "npu_ffn: unexpected dtype ", a.x.scalar_type());
   }

@@ -31,14 +31,14 @@ T rstd_of(T sum_sq, int64_t n, T eps) {
   return T(1) / std::sqrt(sum_sq / static_cast<T>(n) + eps);
 }
 
-// Normalises one row and hands each step's y = x * rstd * gamma (two accumulator vectors, `len`
-// valid lanes) to store(i, a, b, len); returns rstd. Callers store y in one or more dtypes.
+// Hands each step's y = x * rstd * gamma of one row (two accumulator vectors, `len` valid
+// lanes) to store(i, a, b, len), for a given rstd (callers that formed x themselves fold its
+// sum of squares into that pass and skip a pass over the row).
 template <typename scalar_t, typename Store>
-acc_t<scalar_t> rms_norm_row_to(const scalar_t* x, const acc_t<scalar_t>* gamma, int64_t n,
-                                acc_t<scalar_t> eps, const Store& store) {
+void rms_norm_apply_row(const scalar_t* x, const acc_t<scalar_t>* gamma, int64_t n,
+                        acc_t<scalar_t> rstd, const Store& store) {
   using T = acc_t<scalar_t>;
   using Vec = AccVec<scalar_t>;
-  const T rstd = rstd_of<T>(sum_of_squares(x, n), n, eps);
   const Vec vrstd(rstd);
   for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
     Vec a, b, ga, gb;
@@ -46,6 +46,15 @@ acc_t<scalar_t> rms_norm_row_to(const scalar_t* x, const acc_t<scalar_t>* gamma,
     VecPair<T>::load(gamma + i, ga, gb, len);
     store(i, a * vrstd * ga, b * vrstd * gb, len);
   });
+}
+
+// Normalises one row and hands each step's y = x * rstd * gamma (two accumulator vectors, `len`
+// valid lanes) to store(i, a, b, len); returns rstd. Callers store y in one or more dtypes.
+template <typename scalar_t, typename Store>
+acc_t<scalar_t> rms_norm_row_to(const scalar_t* x, const acc_t<scalar_t>* gamma, int64_t n,
+                                acc_t<scalar_t> eps, const Store& store) {
+  const acc_t<scalar_t> rstd = rstd_of<acc_t<scalar_t>>(sum_of_squares(x, n), n, eps);
+  rms_norm_apply_row<scalar_t>(x, gamma, n, rstd, store);
   return rstd;
 }
 

@@ -70,11 +70,16 @@ float scale_of(float absmax, const QuantSpec& spec) {
 }
 
 // Stores the first len <= Vec::size() lanes of q (integral floats within [-128, 127]) as int8.
-inline void store_codes(int8_t* out, const Vec& q, int64_t len) {
+// With `stream` (AVX-512 only; out 16-byte aligned), full vectors use a non-temporal store.
+inline void store_codes(int8_t* out, const Vec& q, int64_t len, bool stream = false) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m128i bytes = _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(q));
   if (len == Vec::size()) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
+    if (stream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out), bytes);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), bytes);
+    }
     return;
   }
   alignas(16) int8_t tmp[16];
@@ -96,6 +101,9 @@ inline void store_codes(int8_t* out, const Vec& q, int64_t len) {
   float tmp[Vec::size()];
   q.store(tmp);
   for (int64_t i = 0; i < len; ++i) out[i] = static_cast<int8_t>(tmp[i]);
+#endif
+#if !defined(CPU_CAPABILITY_AVX512)
+  (void)stream;
 #endif
 }
 
@@ -155,10 +163,11 @@ inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, 
 // `next` (optional, up to two rows) are the rows the caller reads next: their cache lines are
 // prefetched one step at a time, so the next row's first pass finds them in cache and memory
 // streams while this row computes (without it, every row waits for memory, then computes).
+// `stream`: int8 codes go out with non-temporal stores (out 16-byte aligned, n % 16 == 0).
 template <typename src_t>
 void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
                   const QuantSpec& spec, void* out, const void* next = nullptr,
-                  const void* next2 = nullptr, int64_t next_elem_size = 0) {
+                  const void* next2 = nullptr, int64_t next_elem_size = 0, bool stream = false) {
   const Vec vscale(scale), lo(spec.lo), hi(spec.hi);
   const float inverse = 1.f / scale;
   const bool by_inverse = std::isfinite(inverse);  // a subnormal scale has no finite inverse
@@ -186,8 +195,8 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
       if (len > Vec::size()) store_int4(words + Vec::size() / 8, code(b), len - Vec::size());
     } else {
       int8_t* codes = static_cast<int8_t*>(out) + i;
-      store_codes(codes, code(a), len_a);
-      if (len > Vec::size()) store_codes(codes + Vec::size(), code(b), len - Vec::size());
+      store_codes(codes, code(a), len_a, stream);
+      if (len > Vec::size()) store_codes(codes + Vec::size(), code(b), len - Vec::size(), stream);
     }
   });
 }
@@ -277,27 +286,50 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
     const scalar_t* pa = x1.const_data_ptr<scalar_t>();
     const scalar_t* pbx = x2.const_data_ptr<scalar_t>();
     scalar_t* px = x_out.mutable_data_ptr<scalar_t>();
+    // x_out is 2/3 (fp32) or 1/2 (bf16) of the bytes written: large ones go out with
+    // non-temporal stores, which skip reading each destination line first (rows of whole
+    // cache lines, so every line is written by streaming stores alone).
+    const int64_t row_bytes = n * static_cast<int64_t>(sizeof(scalar_t));
+    const bool stream = rows * row_bytes >= kStreamBytes && row_bytes % 64 == 0 &&
+                        stream_aligned(px);
+    // The int8 codes likewise, when x_out streams and their rows are whole cache lines too.
+    const auto codes_aligned = [&](const at::Tensor& y) {
+      return y.defined() && y.dim() > 0 && stream_aligned(static_cast<const int8_t*>(y.const_data_ptr()));
+    };
+    const bool stream1 = stream && !spec.int4 && n % 64 == 0 && branch1 && codes_aligned(y1);
+    const bool stream2 = stream && !spec.int4 && n % 64 == 0 && branch2 && codes_aligned(y2);
     at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
       // Per thread: the fp32 row (x, then branch 1's input in place) and branch 2's input.
       std::vector<float> rowbuf(2 * n);
       float* in1 = rowbuf.data();
       float* in2 = in1 + n;
       for (int64_t r = begin; r < end; ++r) {
-        // x = x1 + x2 in fp32 (the golden's sum); x_out is that sum rounded to x1's dtype.
+        // x = x1 + x2 in fp32 (the golden's sum); x_out is that sum rounded to x1's dtype. The
+        // same pass sums x^2 (of the fp32 sum, which the golden normalises), so the row is
+        // read from memory once and the fp32 copy in L1 twice more (normalise, quantise).
+        Vec q0(0), q1(0);
         for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
           Vec a0, a1, b0, b1;
           IO::load(pa + r * n + i, a0, a1, len);
           IO::load(pbx + r * n + i, b0, b1, len);
-          a0 = a0 + b0;
+          a0 = a0 + b0;  // lanes past len: 0 + 0 = 0, so the sums below are unaffected
           a1 = a1 + b1;
-          IO::store(px + r * n + i, a0, a1, len);
+          if (stream && len == IO::kStep) {
+            stream_step(px + r * n + i, a0, a1);
+          } else {
+            IO::store(px + r * n + i, a0, a1, len);
+          }
           FloatIO::store(in1 + i, a0, a1, len);
+          q0 = at::vec::fmadd(a0, a0, q0);
+          q1 = at::vec::fmadd(a1, a1, q1);
         });
-        // y = x * rstd * gamma (+ beta) from the RMSNorm family's row kernel; each step of y
+        const float rstd = norm::rstd_of<float>(horizontal_sum(q0 + q1), n,
+                                                static_cast<float>(eps));
+        // y = x * rstd * gamma (+ beta) by the RMSNorm family's row kernel; each step of y
         // becomes the branches' inputs (y * smooth_k) and their running rowmax.
         Vec m1a(0), m1b(0), m2a(0), m2b(0);
-        norm::rms_norm_row_to<float>(
-            in1, pg, n, static_cast<float>(eps),
+        norm::rms_norm_apply_row<float>(
+            in1, pg, n, rstd,
             [&](int64_t i, Vec a, Vec b, int64_t len) {
               if (pb != nullptr) {
                 Vec ba, bb;
@@ -329,15 +361,16 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
           const float s = scale_of(reduce_max(at::vec::maximum(m1a, m1b)), spec);
           psc1[r] = s;
           quantize_row<float>(in1, nullptr, n, s, spec, sink1.row(r), next1, next2,
-                              sizeof(scalar_t));
+                              sizeof(scalar_t), stream1);
         }
         if (branch2) {
           const float s = scale_of(reduce_max(at::vec::maximum(m2a, m2b)), spec);
           psc2[r] = s;
           quantize_row<float>(in2, nullptr, n, s, spec, sink2.row(r),
-                              branch1 ? nullptr : next1, next2, sizeof(scalar_t));
+                              branch1 ? nullptr : next1, next2, sizeof(scalar_t), stream2);
         }
       }
+      if (stream) stream_fence();
     });
   });
 }
