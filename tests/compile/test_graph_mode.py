@@ -218,7 +218,6 @@ def test_inductor_training_and_fx_graph_cache(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(inductor_config, "fx_graph_cache", True)
-    monkeypatch.setattr(inductor_config, "fx_graph_remote_cache", False)
     model = _AddNorm(32)
     x, r = torch.randn(4, 5, 32, requires_grad=True), torch.randn(4, 5, 32)
 
