@@ -323,6 +323,8 @@ def moe_layer(shape, dtype, threads):
                  native=lambda: reference.native_moe_layer(x, *weights, k),
                  native_compiled=lambda: reference.native_moe_layer(x, *weights, k),
                  expected=lambda: reference.moe_layer(x, *weights, k), nbytes=0)
+
+
 def _ffn_native(x, w1, w2, expert_tokens=None):
     return reference.native_ffn(x, w1, w2, "fastgelu", expert_tokens=expert_tokens)
 
