@@ -9,7 +9,8 @@
 
 Each comes with and without an explicit epsilon (the dispatcher drops an epsilon equal to the
 default, so the two spellings are different graphs) and with x_out used or not. The cast is
-matched as aten._to_copy (what x.to(torch.float32) / x.float() become after AOTAutograd).
+matched as prims.convert_element_type (what x.to(torch.float32) / x.float() become under the
+decompositions AOTAutograd runs with).
 Numerics: the fused ops quantise / cast the same fp32 y the separate ops compute before rounding it
 to x1's dtype, so they are at least as accurate; output_mask [True, False] is TorchAir's fix for
 dynamic shapes (b268bc09) and leaves the unused branch out.
@@ -23,10 +24,14 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..fusion import fusion_rule
-from ._util import drop_eps, empty, val
+from ._util import call_eps, drop_eps, empty, val
 
 EPS = 2e-6
 npu = torch.ops.npu
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+# --- checks -----------------------------------------------------------------------------------
 
 
 def _fused_ok(match) -> bool:
@@ -35,14 +40,9 @@ def _fused_ok(match) -> bool:
             and gamma.dtype == x1.dtype and x1.shape == x2.shape and gamma.dim() == 1)
 
 
-def _register(r, search, replace, inputs, extra_check, with_eps: bool,
-              generic_sizes: bool = False) -> None:
-    if with_eps:
-        r.replacement(search, replace, inputs, extra_check=extra_check,
-                      scalar_workaround={"eps": EPS}, generic_sizes=generic_sizes)
-    else:
-        r.replacement(drop_eps(search), drop_eps(replace), inputs, extra_check=extra_check,
-                      generic_sizes=generic_sizes)
+def _smooth_ok(match) -> bool:
+    scale = val(match, "smooth")
+    return _fused_ok(match) and scale.dtype == val(match, "x1").dtype and scale.dim() == 1
 
 
 def _reshapes(match):
@@ -55,57 +55,6 @@ def _equal_shapes(a, b) -> bool:
     return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
 
 
-def _smooth_ok(match) -> bool:
-    scale = val(match, "smooth")
-    return _fused_ok(match) and scale.dtype == val(match, "x1").dtype and scale.dim() == 1
-
-
-def _variants(with_eps: bool):
-    """(call add_rms_norm, call fused op with these kwargs) for one epsilon spelling."""
-    def add_rms_norm(x1, x2, gamma, eps):
-        return npu.npu_add_rms_norm(x1, x2, gamma, eps) if with_eps else npu.npu_add_rms_norm(x1, x2, gamma)
-
-    def fused_kwargs(eps):
-        return {"epsilon": eps} if with_eps else {}
-
-    return add_rms_norm, fused_kwargs
-
-
-def _register_smooth_quant(r, with_eps: bool) -> None:
-    arn, kw = _variants(with_eps)
-
-    def search(x1, x2, gamma, smooth, eps):
-        y, _, x = arn(x1, x2, gamma, eps)
-        q, s = npu.npu_dynamic_quant(y, smooth_scales=smooth)
-        return q, s, x
-
-    def replace(x1, x2, gamma, smooth, eps):
-        q, _, x, s, _ = npu.npu_add_rms_norm_dynamic_quant(
-            x1, x2, gamma, smooth_scale1=smooth, output_mask=[True, False], **kw(eps))
-        return q, s, x
-
-    def search_no_x(x1, x2, gamma, smooth, eps):
-        return npu.npu_dynamic_quant(arn(x1, x2, gamma, eps)[0], smooth_scales=smooth)
-
-    def replace_no_x(x1, x2, gamma, smooth, eps):
-        q, _, _, s, _ = npu.npu_add_rms_norm_dynamic_quant(
-            x1, x2, gamma, smooth_scale1=smooth, output_mask=[True, False], **kw(eps))
-        return q, s
-
-    for dtype in (torch.float16, torch.bfloat16):
-        inputs = [empty(1, 1, 2, dtype=dtype), empty(1, 1, 2, dtype=dtype), empty(2, dtype=dtype),
-                  empty(2, dtype=dtype)]
-        for s_fn, r_fn in ((search, replace), (search_no_x, replace_no_x)):
-            _register(r, s_fn, r_fn, inputs, _smooth_ok, with_eps)
-
-
-@fusion_rule("torchair_add_rms_norm_dynamic_quant", stage="post_grad",
-             doc="npu_add_rms_norm + npu_dynamic_quant(smooth_scales) -> npu_add_rms_norm_dynamic_quant")
-def _register_a(r) -> None:
-    for with_eps in (False, True):
-        _register_smooth_quant(r, with_eps)
-
-
 def _flatten_ok(match) -> bool:
     """The view sizes, matched as wildcards: y -> (x1[0] * x1[1], *x1[2:]); scale -> (-1, 1)."""
     x1 = val(match, "x1")
@@ -113,8 +62,10 @@ def _flatten_ok(match) -> bool:
         return False
     flat = (x1.shape[0] * x1.shape[1], *x1.shape[2:])
     for source, shape in _reshapes(match):
-        to_quant = source.target is operator.getitem and source.args[0].target is npu.npu_add_rms_norm.default
-        if not (_equal_shapes(shape, flat) if to_quant else (len(shape) == 2 and statically_known_true(shape[1] == 1))):
+        to_quant = (source.target is operator.getitem
+                    and source.args[0].target is npu.npu_add_rms_norm.default)
+        if not (_equal_shapes(shape, flat) if to_quant
+                else (len(shape) == 2 and statically_known_true(shape[1] == 1))):
             return False
     return True
 
@@ -130,78 +81,130 @@ def _cast_ok(match) -> bool:
         for _, shape in _reshapes(match))
 
 
-def _flatten_patterns(with_eps: bool):
-    arn, kw = _variants(with_eps)
+# --- patterns: eps is None in the default-epsilon spelling (see drop_eps) ------------------------
 
-    def search(x1, x2, gamma, eps):
-        y, _, x = arn(x1, x2, gamma, eps)
-        q, s = npu.npu_dynamic_quant(y.flatten(0, 1))
-        return q, s.view(-1, 1), x
 
-    def replace(x1, x2, gamma, eps):
-        q, _, x, s, _ = npu.npu_add_rms_norm_dynamic_quant(
-            x1, x2, gamma, output_mask=[True, False], **kw(eps))
-        return q.flatten(0, 1), s.view(-1, 1), x
+def _arn(x1, x2, gamma, eps):
+    return call_eps(npu.npu_add_rms_norm, x1, x2, gamma, eps=eps)
 
-    return [(search, replace)]
+
+def _eps_kwargs(eps):
+    return {} if eps is None else {"epsilon": eps}
+
+
+def _quant_search(x1, x2, gamma, smooth, eps):
+    y, _, x = _arn(x1, x2, gamma, eps)
+    q, s = npu.npu_dynamic_quant(y, smooth_scales=smooth)
+    return q, s, x
+
+
+def _quant_replace(x1, x2, gamma, smooth, eps):
+    q, _, x, s, _ = npu.npu_add_rms_norm_dynamic_quant(
+        x1, x2, gamma, smooth_scale1=smooth, output_mask=[True, False], **_eps_kwargs(eps))
+    return q, s, x
+
+
+def _quant_search_no_x(x1, x2, gamma, smooth, eps):
+    return npu.npu_dynamic_quant(_arn(x1, x2, gamma, eps)[0], smooth_scales=smooth)
+
+
+def _quant_replace_no_x(x1, x2, gamma, smooth, eps):
+    return _quant_replace(x1, x2, gamma, smooth, eps)[:2]
+
+
+def _flatten_search(x1, x2, gamma, eps):
+    y, _, x = _arn(x1, x2, gamma, eps)
+    q, s = npu.npu_dynamic_quant(y.flatten(0, 1))
+    return q, s.view(-1, 1), x
+
+
+def _flatten_replace(x1, x2, gamma, eps):
+    q, _, x, s, _ = npu.npu_add_rms_norm_dynamic_quant(
+        x1, x2, gamma, output_mask=[True, False], **_eps_kwargs(eps))
+    return q.flatten(0, 1), s.view(-1, 1), x
+
+
+def _cast(x1, x2, gamma, eps):
+    """npu_add_rms_norm_cast's (y_cast, y, x)."""
+    y_cast, y, _, x = npu.npu_add_rms_norm_cast(x1, x2, gamma, **_eps_kwargs(eps))
+    return y_cast, y, x
+
+
+def _search_view(x1, x2, gamma, eps):
+    y, _, x = _arn(x1, x2, gamma, eps)
+    return y, x, y.view(-1, y.size(-1)).to(torch.float32)
+
+
+def _replace_view(x1, x2, gamma, eps):
+    y_cast, y, x = _cast(x1, x2, gamma, eps)
+    return y, x, y_cast.view(-1, y.size(-1))
+
+
+def _search_cast(x1, x2, gamma, eps):
+    y, _, x = _arn(x1, x2, gamma, eps)
+    return y, x, y.to(torch.float32)
+
+
+def _replace_cast(x1, x2, gamma, eps):
+    y_cast, y, x = _cast(x1, x2, gamma, eps)
+    return y, x, y_cast
+
+
+def _search_view_only(x1, x2, gamma, eps):  # y itself not used elsewhere
+    return _search_view(x1, x2, gamma, eps)[1:]
+
+
+def _replace_view_only(x1, x2, gamma, eps):
+    return _replace_view(x1, x2, gamma, eps)[1:]
+
+
+def _search_cast_only(x1, x2, gamma, eps):
+    return _search_cast(x1, x2, gamma, eps)[1:]
+
+
+def _replace_cast_only(x1, x2, gamma, eps):
+    return _replace_cast(x1, x2, gamma, eps)[1:]
+
+
+# --- registration -----------------------------------------------------------------------------
+
+
+def _register(r, pairs, make_inputs, extra_check, generic_sizes: bool = False) -> None:
+    """Every (search, replace) pair, for fp16 and bf16, with an explicit epsilon (a KeywordArg
+    through scalar_workaround) and without one (the dispatcher drops the default)."""
+    for dtype in HALF_DTYPES:
+        inputs = make_inputs(dtype)
+        for search, replace in pairs:
+            r.replacement(search, replace, inputs, extra_check=extra_check,
+                          scalar_workaround={"eps": EPS}, generic_sizes=generic_sizes)
+            r.replacement(drop_eps(search), drop_eps(replace), inputs, extra_check=extra_check,
+                          generic_sizes=generic_sizes)
+
+
+def _norm_inputs(dtype, *, smooth: bool = False):
+    """x1, x2 [2, 3, 4] (flatten(0, 1) needs 3 dims), gamma [4] (and smooth scales [4])."""
+    return [empty(2, 3, 4, dtype=dtype), empty(2, 3, 4, dtype=dtype), empty(4, dtype=dtype),
+            *([empty(4, dtype=dtype)] if smooth else [])]
+
+
+@fusion_rule("torchair_add_rms_norm_dynamic_quant", stage="post_grad",
+             doc="npu_add_rms_norm + npu_dynamic_quant(smooth_scales) -> npu_add_rms_norm_dynamic_quant")
+def _register_a(r) -> None:
+    _register(r, [(_quant_search, _quant_replace), (_quant_search_no_x, _quant_replace_no_x)],
+              lambda dtype: _norm_inputs(dtype, smooth=True), _smooth_ok)
 
 
 @fusion_rule("torchair_add_rms_norm_flatten_dynamic_quant", stage="post_grad",
              doc="npu_add_rms_norm + flatten(0,1) + npu_dynamic_quant + scale.view(-1,1) "
                  "-> npu_add_rms_norm_dynamic_quant")
 def _register_b(r) -> None:
-    for with_eps in (False, True):
-        for dtype in (torch.float16, torch.bfloat16):
-            inputs = [empty(2, 3, 4, dtype=dtype), empty(2, 3, 4, dtype=dtype), empty(4, dtype=dtype)]
-            for search, replace in _flatten_patterns(with_eps):
-                _register(r, search, replace, inputs, _flatten_ok, with_eps, generic_sizes=True)
-
-
-def _cast_patterns(with_eps: bool):
-    """y (used elsewhere or not), x_out, and y cast to float32 with or without view(-1, h)."""
-    arn, kw = _variants(with_eps)
-
-    def search_view(x1, x2, gamma, eps):
-        y, _, x = arn(x1, x2, gamma, eps)
-        return y, x, y.view(-1, y.size(-1)).to(torch.float32)
-
-    def replace_view(x1, x2, gamma, eps):
-        y_cast, y, _, x = npu.npu_add_rms_norm_cast(x1, x2, gamma, **kw(eps))
-        return y, x, y_cast.view(-1, y.size(-1))
-
-    def search_cast(x1, x2, gamma, eps):
-        y, _, x = arn(x1, x2, gamma, eps)
-        return y, x, y.to(torch.float32)
-
-    def replace_cast(x1, x2, gamma, eps):
-        y_cast, y, _, x = npu.npu_add_rms_norm_cast(x1, x2, gamma, **kw(eps))
-        return y, x, y_cast
-
-    def search_view_only(x1, x2, gamma, eps):
-        y, _, x = arn(x1, x2, gamma, eps)
-        return x, y.view(-1, y.size(-1)).to(torch.float32)
-
-    def replace_view_only(x1, x2, gamma, eps):
-        y_cast, y, _, x = npu.npu_add_rms_norm_cast(x1, x2, gamma, **kw(eps))
-        return x, y_cast.view(-1, y.size(-1))
-
-    def search_cast_only(x1, x2, gamma, eps):
-        y, _, x = arn(x1, x2, gamma, eps)
-        return x, y.to(torch.float32)
-
-    def replace_cast_only(x1, x2, gamma, eps):
-        y_cast, _, _, x = npu.npu_add_rms_norm_cast(x1, x2, gamma, **kw(eps))
-        return x, y_cast
-
-    return [(search_view, replace_view), (search_cast, replace_cast),
-            (search_view_only, replace_view_only), (search_cast_only, replace_cast_only)]
+    _register(r, [(_flatten_search, _flatten_replace)], _norm_inputs, _flatten_ok,
+              generic_sizes=True)
 
 
 @fusion_rule("torchair_add_rms_norm_cast", stage="post_grad",
              doc="npu_add_rms_norm + [view(-1, h)] + to(float32) -> npu_add_rms_norm_cast")
 def _register_c(r) -> None:
-    for with_eps in (False, True):
-        for dtype in (torch.float16, torch.bfloat16):
-            inputs = [empty(2, 3, 4, dtype=dtype), empty(2, 3, 4, dtype=dtype), empty(4, dtype=dtype)]
-            for search, replace in _cast_patterns(with_eps):
-                _register(r, search, replace, inputs, _cast_ok, with_eps, generic_sizes=True)
+    _register(r, [(_search_view, _replace_view), (_search_cast, _replace_cast),
+                  (_search_view_only, _replace_view_only), (_search_cast_only, _replace_cast_only)],
+              _norm_inputs, _cast_ok, generic_sizes=True)
