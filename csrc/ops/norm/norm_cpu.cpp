@@ -44,8 +44,6 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x1.scalar_type(), "npu_add_rms_norm", [&] {
         using T = acc_t<scalar_t>;
-        using Vec = AccVec<scalar_t>;
-        using IO = VecPair<scalar_t>;
         const scalar_t* pa = x1.const_data_ptr<scalar_t>();
         const scalar_t* pb = x2.const_data_ptr<scalar_t>();
         const T* pg = gamma.const_data_ptr<T>();
@@ -55,13 +53,7 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
         at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
           for (int64_t r = begin; r < end; ++r) {
             scalar_t* xr = px + r * n;
-            for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
-              Vec a0, a1, b0, b1;
-              IO::load(pa + r * n + i, a0, a1, len);
-              IO::load(pb + r * n + i, b0, b1, len);
-              IO::store(xr + i, a0 + b0, a1 + b1, len);
-            });
-            // The norm reads back the stored (rounded) sum, still in L1.
+            add_row(pa + r * n, pb + r * n, xr, n);
             pr[r] = rms_norm_row<scalar_t>(xr, pg, py + r * n, n, static_cast<T>(eps));
           }
         });
@@ -92,12 +84,7 @@ void add_rms_norm_cast_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2,
             scalar_t* xr = px + r * n;
             T* y1r = py1 + r * n;
             scalar_t* y2r = py2 + r * n;
-            for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
-              Vec a0, a1, b0, b1;
-              IO::load(pa + r * n + i, a0, a1, len);
-              IO::load(pb + r * n + i, b0, b1, len);
-              IO::store(xr + i, a0 + b0, a1 + b1, len);
-            });
+            add_row(pa + r * n, pb + r * n, xr, n);
             pr[r] = rms_norm_row_to<scalar_t>(
                 xr, pg, n, static_cast<T>(eps),
                 [&](int64_t i, const Vec& a, const Vec& b, int64_t len) {

@@ -11,6 +11,20 @@
 namespace opennpu::norm {
 inline namespace CPU_CAPABILITY {
 
+// x = x1 + x2 over one row, added in acc_t and stored rounded to scalar_t (the add_rms_norm
+// family normalises that rounded sum, as torch_npu does, reading it back while it is in L1).
+template <typename scalar_t>
+void add_row(const scalar_t* x1, const scalar_t* x2, scalar_t* x, int64_t n) {
+  using Vec = AccVec<scalar_t>;
+  using IO = VecPair<scalar_t>;
+  for_each_step<scalar_t>(n, [&](int64_t i, int64_t len) {
+    Vec a0, a1, b0, b1;
+    IO::load(x1 + i, a0, a1, len);
+    IO::load(x2 + i, b0, b1, len);
+    IO::store(x + i, a0 + b0, a1 + b1, len);
+  });
+}
+
 // sum(x^2) over one row of n elements, accumulated in acc_t.
 template <typename scalar_t>
 acc_t<scalar_t> sum_of_squares(const scalar_t* x, int64_t n) {
