@@ -8,6 +8,7 @@
 #include "common/checks.h"
 #include "common/cpu_dispatch.h"
 #include "common/random.h"
+#include "ops/optim/optim.h"
 
 TORCH_LIBRARY(npu, m) {
   // RMSNorm: returns (y, rstd); rstd is float32 with the normalised dims kept as size 1.
@@ -166,6 +167,8 @@ TORCH_LIBRARY(opennpu, m) {
         "Tensor(d!)[] state_steps, *, float lr, float beta1, float beta2, float eps, "
         "float weight_decay, float delta, float wd_ratio, bool nesterov, "
         "float grad_scale=1.) -> ()");
+  // An uninitialised CPU buffer for packed optimizer states, on huge pages where Linux allows.
+  m.def("_state_buffer(int numel, ScalarType dtype) -> Tensor", &opennpu::optim::state_buffer);
   // The norm of all of params' gradients as one vector (float32 0-dim; inf = max |g|).
   m.def("_fused_grad_norm(Tensor[] params, float norm_type=2.) -> Tensor");
   // params[i].grad *= scale.

@@ -429,6 +429,21 @@ def test_state_is_one_buffer_per_dtype_in_runs():
     assert _storage(ours.state[late]["exp_avg"]) != _storage(ours.state[a[0]]["exp_avg"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("numel", [0, 5, (2 << 20) + 3])
+def test_state_buffer_is_a_plain_writable_buffer(numel, dtype):
+    # Huge pages are only advice: the buffer is an ordinary tensor of the requested size and dtype.
+    buffer = torch.ops.opennpu._state_buffer(numel, dtype)
+    assert buffer.shape == (numel,) and buffer.dtype == dtype and buffer.is_contiguous()
+    buffer.fill_(3.0)
+    assert bool((buffer == 3.0).all())
+
+
+def test_state_buffer_rejects_a_negative_size():
+    with pytest.raises(RuntimeError, match="_state_buffer.*numel.*>= 0.*-1"):
+        torch.ops.opennpu._state_buffer(-1, torch.float32)
+
+
 def test_loaded_state_is_packed_and_not_shared_with_the_state_dict():
     params = make_params((torch.float32,), [(7,), (3, 4)])
     opt = optim.NpuFusedAdamW(params, lr=1e-2)

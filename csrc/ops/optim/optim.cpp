@@ -6,16 +6,22 @@
 // this step is skipped: its state and step count stay as they are (torch.optim's behaviour).
 #include "ops/optim/optim.h"
 
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/scalar_tensor.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <cstdint>
 #include <initializer_list>
 #include <numbers>
 
 #include "common/checks.h"
+
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
 
 namespace opennpu::optim {
 
@@ -441,6 +447,21 @@ void fused_unscale_grads_(at::TensorList params, at::Tensor& found_inf,
 }
 
 }  // namespace
+
+at::Tensor state_buffer(int64_t numel, at::ScalarType dtype) {
+  OPENNPU_CHECK_ARG(numel >= 0, "_state_buffer", "numel", "must be >= 0, but got ", numel);
+  at::Tensor buffer = at::empty({numel}, at::TensorOptions().dtype(dtype));
+#ifdef __linux__
+  // Only whole 2 MiB pages inside the allocation can be huge; the advice is a hint, and a kernel
+  // without THP (or with it off) ignores or refuses it, which changes speed, never results.
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const auto begin = reinterpret_cast<uintptr_t>(buffer.data_ptr());
+  const uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t last = (begin + buffer.nbytes()) & ~(kHuge - 1);
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+  return buffer;
+}
 
 TORCH_LIBRARY_IMPL(opennpu, CPU, m) {
   m.impl("_fused_adam_", &fused_adam_);

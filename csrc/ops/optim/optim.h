@@ -98,6 +98,13 @@ using GradNormFn = double(const std::vector<Slot>& slots, double norm_type);
 // g *= scale for every slot; returns whether any element of g was inf or NaN (before scaling).
 using GradScaleFn = bool(const std::vector<Slot>& slots, double scale, bool check_finite);
 
+// An uninitialised 1-d buffer for a param group's packed optimizer states (optim/_base.py
+// _pack), with transparent huge pages requested before its first touch (Linux; elsewhere a plain
+// at::empty). A step streams 3-5 runs of the same length as the parameters; with 4 KiB pages
+// every run crosses a page, and costs a TLB walk, every 4 KiB. torch's own allocator asks for
+// huge pages only when THP_MEM_ALLOC_ENABLE is set.
+at::Tensor state_buffer(int64_t numel, at::ScalarType dtype);
+
 extern CpuKernel<AdamFn> adam_cpu;
 extern CpuKernel<SgdFn> sgd_cpu;
 extern CpuKernel<RmspropFn> rmsprop_cpu;

@@ -98,7 +98,7 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
         [every parameter's first state | every parameter's second state | ...], replacing each
         by a view of its slot (values copied). A step then streams each state as one long run
         instead of one allocation per parameter (README: the bf16 AdamW step on GPT-2 small ran
-        8-18% faster, fp32 unchanged). ``init(p, state)``, if given, first creates p's missing states: one
+        8-18% faster, fp32 unchanged), and the buffers ask Linux for huge pages (_state_buffer). ``init(p, state)``, if given, first creates p's missing states: one
         parameter at a time, so beside the buffers only one parameter's fresh states exist.
 
         Slots are for contiguous CPU parameters; a state that is not shaped, typed and laid out
@@ -111,7 +111,7 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
             if p.device.type == "cpu" and p.is_contiguous() and p.numel() > 0:
                 starts[id(p)] = totals.get(p.dtype, 0)
                 totals[p.dtype] = totals.get(p.dtype, 0) + p.numel()
-        buffers = {dtype: torch.empty(len(names) * n, dtype=dtype) for dtype, n in totals.items()}
+        buffers = {dtype: _ops._state_buffer(len(names) * n, dtype) for dtype, n in totals.items()}
         for p in params:
             state = self.state[p]
             if init is not None:
