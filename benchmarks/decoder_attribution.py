@@ -5,7 +5,7 @@ time, against torch.compile (Inductor) and eager.
 
 The layer and its calls are benchmarks/cases/compile.py's (transformers' LlamaDecoderLayer,
 H=1024, 16/4 heads, SDPA, no padding). Variants: "opennpu" (every rule), "no_attention" and
-"no_norms" (the attention rule, or rms_norm + add_rms_norm, disabled), "inductor" (torch.compile's
+"no_norms", "no_rotary" (the attention rule, rms_norm + add_rms_norm, or rotary disabled), "inductor" (torch.compile's
 default backend), "eager". Each call is timed by the CPU time of the calling thread on ONE thread
 (time.thread_time, best of --repeats, the variants interleaved): on a shared 2-core machine
 wall-clock times of 2-thread runs swing by 2x with the other processes, while one thread's own
@@ -19,10 +19,13 @@ import time
 
 import torch
 
+from opennpu.testing.timing import reuse_freed_memory
+
 from .cases import compile as layer_case
 from .common import DTYPES
 
-VARIANTS = {"opennpu": [], "no_attention": ["attention"], "no_norms": ["rms_norm", "add_rms_norm"]}
+VARIANTS = {"opennpu": [], "no_attention": ["attention"], "no_norms": ["rms_norm", "add_rms_norm"],
+            "no_rotary": ["rotary"]}
 
 
 def measure(s: int, dtype: torch.dtype, training: bool, repeats: int) -> dict[str, float]:
@@ -72,6 +75,7 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    reuse_freed_memory()  # as benchmarks.run: no page faults on outputs
     for s in (int(x) for x in args.seqs.split(",")):
         for dtype_name in args.dtypes.split(","):
             for direction in args.dirs.split(","):

@@ -167,6 +167,9 @@ TORCH_LIBRARY(opennpu, m) {
         "Tensor(d!)[] state_steps, *, float lr, float beta1, float beta2, float eps, "
         "float weight_decay, float delta, float wd_ratio, bool nesterov, "
         "float grad_scale=1.) -> ()");
+  // npu_rotary_mul_backward's dx alone, for the usual case of r1/r2 without gradients (autograd
+  // calls it then): no dr1/dr2 reductions, and self is only checked, never read.
+  m.def("_rotary_mul_backward_dx(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor");
   // An uninitialised CPU buffer for packed optimizer states, on huge pages where Linux allows.
   m.def("_state_buffer(int numel, ScalarType dtype) -> Tensor", &opennpu::optim::state_buffer);
   // The norm of all of params' gradients as one vector (float32 0-dim; inf = max |g|).

@@ -321,6 +321,40 @@ def test_autograd_only_computes_requested_grads():
     assert gx.shape == x.shape and r1.grad is None and r2.grad is None
 
 
+@pytest.mark.parametrize("dtype", [F64, F32, BF16, torch.float16], ids=dtype_id)
+@modes
+@pytest.mark.parametrize("layout", ["BNSD_11SD", "BSND_1S1D", "strided_grad", "fp32_r"])
+def test_dx_alone_equals_full_backward(dtype, mode, layout):
+    # Autograd takes dx alone when r1/r2 need no gradient; it must equal the full backward's dx,
+    # whatever the layout and r dtype: bit for bit in half mode (the same products and fmas), to
+    # within one rounding in interleave mode (the forward kernel orders its fma differently).
+    x_shape, r_shape = ((2, 3, 5, 8), (1, 1, 5, 8)) if layout != "BSND_1S1D" else (
+        (2, 5, 3, 8), (1, 5, 1, 8))
+    x, r1, r2 = make(x_shape, r_shape, dtype)
+    if layout == "fp32_r":
+        r1, r2 = r1.float(), r2.float()
+    grad = torch.randn(x_shape).to(dtype)
+    if layout == "strided_grad":
+        grad = torch.randn(2, 5, 3, 8).to(dtype).transpose(1, 2)
+    dx = torch.ops.opennpu._rotary_mul_backward_dx(grad, x, r1, r2, mode)
+    full, _, _ = torch.ops.npu.npu_rotary_mul_backward(grad, x, r1, r2, mode)
+    eps = torch.finfo(dtype).eps if mode == "interleave" else 0.0
+    tol = dict(rtol=eps, atol=eps * float(full.abs().max()))
+    assert dx.dtype == dtype and dx.shape == x.shape
+    torch.testing.assert_close(dx, full, **tol)
+    (auto,) = torch.autograd.grad(
+        opennpu.npu_rotary_mul(x.requires_grad_(), r1, r2, mode), [x], grad)
+    torch.testing.assert_close(auto, full, **tol)
+
+
+def test_dx_alone_checks_its_arguments():
+    x, r1, r2 = make((2, 3, 5, 8), (1, 1, 5, 8))
+    with pytest.raises(RuntimeError, match="npu_rotary_mul_backward.*grad.*shape"):
+        torch.ops.opennpu._rotary_mul_backward_dx(torch.randn(2, 3, 5, 4), x, r1, r2, "half")
+    with pytest.raises(RuntimeError, match="rotary_mode of npu_rotary_mul_backward"):
+        torch.ops.opennpu._rotary_mul_backward_dx(torch.randn_like(x), x, r1, r2, "full")
+
+
 def test_double_backward_is_a_clear_error():
     x, r1, r2 = make((2, 4, 3, 8), (1, 4, 1, 8), requires_grad=True)
     (gx,) = torch.autograd.grad(opennpu.npu_rotary_mul(x, r1, r2).sum(), [x], create_graph=True)
@@ -355,6 +389,7 @@ def test_opcheck_rotary_mul_backward():
     x, r1, r2 = make((3, 2, 8), (3, 1, 8))
     samples.append(((torch.randn_like(x), x, r1, randn(3, 2, 8)), {}))
     opcheck(torch.ops.npu.npu_rotary_mul_backward.default, samples)
+    opcheck(torch.ops.opennpu._rotary_mul_backward_dx.default, samples)
 
 
 # ----------------------------------------------------------------------------- hypothesis

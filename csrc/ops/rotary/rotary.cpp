@@ -2,6 +2,7 @@
 #include "ops/rotary/rotary.h"
 
 #include <ATen/ExpandUtils.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/matmul.h>
@@ -88,6 +89,32 @@ at::ScalarType r_dtype(const at::Tensor& x, const at::Tensor& r1, const at::Tens
 
 std::vector<int64_t> leading(c10::IntArrayRef v) { return {v.begin(), v.end() - 1}; }
 
+// x * c + rotate(x) * s into a new contiguous tensor; x's rows may be strided (a transposed view
+// of a projection's output is read in place), c and s are x-broadcastable views.
+at::Tensor apply_rotary(const char* op, const at::Tensor& self, const at::Tensor& r1,
+                        const at::Tensor& r2, Mode mode) {
+  const at::Tensor x = self.stride(-1) == 1 ? self : self.contiguous();
+  const at::Tensor c = r1.contiguous();
+  const at::Tensor s = r2.contiguous();
+  RowLayout layout;
+  layout.sizes = leading(x.sizes());
+  layout.x_strides = leading(x.strides());
+  layout.r1_strides = leading(c.expand(x.sizes()).strides());
+  layout.r2_strides = leading(s.expand(x.sizes()).strides());
+  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (out.numel() > 0) rotary_fwd_cpu.get(op)(x, c, s, layout, mode, out);
+  return out;
+}
+
+void check_backward_args(const char* op, const at::Tensor& grad, const at::Tensor& self,
+                         const at::Tensor& r1, const at::Tensor& r2) {
+  check_x(op, "self", self);
+  check_floating(op, "grad", grad);
+  check_same_device(op, "grad", grad, "self", self);
+  check_same_shape(op, "grad", grad, "self", self);
+  check_strict_r_pattern(op, self, r1, r2);
+}
+
 }  // namespace
 
 at::Tensor npu_rotary_mul(const at::Tensor& self, const at::Tensor& r1, const at::Tensor& r2,
@@ -115,17 +142,7 @@ at::Tensor npu_rotary_mul(const at::Tensor& self, const at::Tensor& r1, const at
     return (xa * c.to(acc) + rx * s.to(acc)).to(self.scalar_type()).contiguous();
   }
 
-  const at::Tensor x = self.stride(-1) == 1 ? self : self.contiguous();
-  c = c.contiguous();
-  s = s.contiguous();
-  RowLayout layout;
-  layout.sizes = leading(x.sizes());
-  layout.x_strides = leading(x.strides());
-  layout.r1_strides = leading(c.expand(x.sizes()).strides());
-  layout.r2_strides = leading(s.expand(x.sizes()).strides());
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (out.numel() > 0) rotary_fwd_cpu.get(op)(x, c, s, layout, mode, out);
-  return out;
+  return apply_rotary(op, self, c, s, mode);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_rotary_mul_backward(
@@ -133,11 +150,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_rotary_mul_backward(
     c10::string_view rotary_mode) {
   constexpr const char* op = "npu_rotary_mul_backward";
   const Mode mode = parse_mode(op, rotary_mode);
-  check_x(op, "self", self);
-  check_floating(op, "grad", grad);
-  check_same_device(op, "grad", grad, "self", self);
-  check_same_shape(op, "grad", grad, "self", self);
-  check_strict_r_pattern(op, self, r1, r2);
+  check_backward_args(op, grad, self, r1, r2);
   const at::ScalarType rt = r_dtype(self, r1, r2);
   const at::Tensor c_b = prepare_r(op, "r1", r1, self);
   const at::Tensor s_b = prepare_r(op, "r2", r2, self);
@@ -163,9 +176,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_rotary_mul_backward(
   return {dx, dr1, dr2};
 }
 
+at::Tensor rotary_mul_backward_dx(const at::Tensor& grad, const at::Tensor& self,
+                                  const at::Tensor& r1, const at::Tensor& r2,
+                                  c10::string_view rotary_mode) {
+  constexpr const char* op = "npu_rotary_mul_backward";
+  const Mode mode = parse_mode(op, rotary_mode);
+  check_backward_args(op, grad, self, r1, r2);
+  // dx = g * r1 + rotate^T(g * r2), and rotate^T(v) * s = rotate(v) * s' elementwise with
+  // s' = -(s with its halves swapped) in half mode, -(s with each pair swapped) in interleave
+  // mode: the forward kernel applied to g. Negating and swapping are exact, so dx rounds as the
+  // full backward's does; x itself is not read.
+  const at::ScalarType rt = r_dtype(self, r1, r2);
+  const at::Tensor c = prepare_r(op, "r1", r1, self).to(rt);
+  const at::Tensor s = prepare_r(op, "r2", r2, self).to(rt);
+  const int64_t D = self.size(-1);
+  const at::Tensor s_adj =
+      mode == Mode::kHalf
+          ? at::cat({s.narrow(-1, D / 2, D / 2), s.narrow(-1, 0, D / 2)}, -1).neg()
+          : s.unflatten(-1, {D / 2, 2}).flip(-1).flatten(-2).neg();
+  return apply_rotary(op, grad.to(self.scalar_type()), c, s_adj, mode);
+}
+
 TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_rotary_mul", &npu_rotary_mul);
   m.impl("npu_rotary_mul_backward", &npu_rotary_mul_backward);
+}
+
+TORCH_LIBRARY_IMPL(opennpu, CPU, m) {
+  m.impl("_rotary_mul_backward_dx", &rotary_mul_backward_dx);
 }
 
 }  // namespace opennpu::rotary

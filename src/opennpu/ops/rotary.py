@@ -43,6 +43,11 @@ def _rotary_mul_backward_fake(grad, self, r1, r2, rotary_mode="half"):
     return self.new_empty(self.shape), self.new_empty(r1.shape), self.new_empty(r2.shape)
 
 
+@torch.library.register_fake("opennpu::_rotary_mul_backward_dx")
+def _rotary_mul_backward_dx_fake(grad, self, r1, r2, rotary_mode="half"):
+    return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+
+
 def _setup(ctx, inputs, output):
     self, r1, r2, mode, rotate = inputs
     ctx.mode = mode
@@ -51,6 +56,12 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, r1, r2, rotate = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    if rotate is None and not (need[1] or need[2]):
+        # cos/sin as constants (the usual case): dx alone, without the dr1/dr2 reductions.
+        dx = None if not need[0] else torch.ops.opennpu._rotary_mul_backward_dx(
+            grad, x, r1, r2, ctx.mode)
+        return dx, None, None, None, None
     if rotate is None:
         dx, dr1, dr2 = _ops.npu_rotary_mul_backward(grad, x, r1, r2, ctx.mode)
     else:
@@ -61,7 +72,6 @@ def _backward(ctx, grad):
         dx = (g * r1.to(acc) + gs @ m.t()).to(x.dtype)
         dr1 = (xf * g).sum_to_size(r1.shape).to(x.dtype)
         dr2 = ((xf @ m) * g).sum_to_size(r2.shape).to(x.dtype)
-    need = ctx.needs_input_grad
     return (
         dx if need[0] else None,
         dr1.to(r1.dtype) if need[1] else None,
