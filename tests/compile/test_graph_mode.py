@@ -209,6 +209,23 @@ def test_custom_passes_run_before_and_after_the_rules(tmp_path):
 # --- Inductor, training, FX graph cache ---------------------------------------------------------
 
 
+def test_cache_key_covers_rules_and_autograd_formulas(monkeypatch):
+    """The pass uuid hashes the rules and the ops' Python sources (autograd formulas, fake
+    kernels): a changed backward formula must not be served from a graph cached before it."""
+    from pathlib import Path
+
+    from opennpu.compile import backend as backend_module
+
+    hashed = []
+    read_bytes = Path.read_bytes
+    monkeypatch.setattr(backend_module, "_SOURCE_HASH", None)
+    monkeypatch.setattr(Path, "read_bytes", lambda self: hashed.append(self) or read_bytes(self))
+    backend_module._source_hash()
+    names = {(p.parent.name, p.name) for p in hashed}
+    assert ("ops", "rotary.py") in names and ("ops", "norm.py") in names
+    assert ("compile", "fusion.py") in names and ("rules", "rotary.py") in names
+
+
 def test_inductor_training_and_fx_graph_cache(tmp_path, monkeypatch):
     """One module through Inductor: fused ops in forward and backward, outputs and gradients equal
     to eager; a second compile is served from the FX graph cache with the fusion intact, and a

@@ -189,11 +189,15 @@ _SOURCE_HASH: str | None = None
 
 
 def _source_hash() -> str:
-    """Hash of the compile package's sources: any change to a rule invalidates cached graphs."""
+    """Hash of the sources that shape a compiled graph: the compile package's (rules, passes) and
+    the ops package's (the autograd formulas AOTAutograd traces into backward graphs, and the
+    fake kernels). Any change to either invalidates cached graphs: AOTAutograd's and Inductor's
+    caches key on the graph Dynamo captured, which does not show how a custom op differentiates."""
     global _SOURCE_HASH
     if _SOURCE_HASH is None:
         digest = hashlib.sha256()
-        for path in sorted(Path(__file__).parent.rglob("*.py")):
+        package = Path(__file__).parent.parent
+        for path in sorted([*(package / "compile").rglob("*.py"), *(package / "ops").rglob("*.py")]):
             digest.update(path.read_bytes())
         _SOURCE_HASH = digest.hexdigest()
     return _SOURCE_HASH
