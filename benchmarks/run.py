@@ -23,7 +23,7 @@ import opennpu
 import torch
 from opennpu.testing.timing import (busy_warning, has_cpu_kernel, max_abs_error,
                                     measure_copy_bandwidth, num_threads, reuse_freed_memory,
-                                    time_fn)
+                                    time_interleaved)
 
 from .cases import OPS, all_cases
 from .common import DTYPE_NAMES, DTYPES, Case
@@ -83,8 +83,9 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
                     del expected
             for fn in (timed.ours, *timed.baselines.values()):
                 fn()
-            ours = time_fn(timed.ours, n, min_run_time)
-            peers = {name: time_fn(fn, n, min_run_time) for name, fn in timed.baselines.items()}
+            # ours and the baselines in alternation: ratios from one stretch of the machine's time
+            peers = time_interleaved({"ours": timed.ours, **timed.baselines}, n, min_run_time)
+            ours = peers.pop("ours")
         info = timed.info
         del timed
         gc.collect()  # the large shapes need their memory back before the next build

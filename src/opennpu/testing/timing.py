@@ -1,8 +1,10 @@
 """Timing helpers shared by the benchmarks (benchmarks/) and the demo (`python -m opennpu demo`).
 
-Method (shared/PERFORMANCE.md): CPU times come from `torch.utils.benchmark.Timer.blocked_autorange`
-with the thread count set explicitly, and every speed is also reported as a fraction of the copy
-bandwidth measured in the same run.
+Method (shared/PERFORMANCE.md): CPU times come from `torch.utils.benchmark.Timer` blocks with the
+thread count set explicitly, and every speed is also reported as a fraction of the copy bandwidth
+measured in the same run. Functions that are compared are timed in alternation (time_interleaved),
+so a drift of the machine's speed (other tenants of the VM, memory bandwidth) moves all of them
+alike instead of whichever happened to be timed at the time.
 """
 
 from __future__ import annotations
@@ -38,9 +40,41 @@ def time_fn(fn: Callable[[], Any], threads: int, min_run_time: float = 0.5,
         samples = list(measurement.times)
         while len(samples) < min_samples:
             samples += timer.timeit(measurement.number_per_run).times
-    samples, quantiles = (torch.tensor(v, dtype=torch.float64) for v in (samples, [0.5, 0.2, 0.8]))
-    median, p20, p80 = torch.quantile(samples, quantiles).tolist()
+    return _quantiles(samples)
+
+
+def _quantiles(samples: list[float]) -> dict[str, float]:
+    values, quantiles = (torch.tensor(v, dtype=torch.float64) for v in (samples, [0.5, 0.2, 0.8]))
+    median, p20, p80 = torch.quantile(values, quantiles).tolist()
     return {"median": median, "p20": p20, "p80": p80}
+
+
+def time_interleaved(fns: dict[str, Callable[[], Any]], threads: int, min_run_time: float = 0.5,
+                     min_samples: int = 5, block_time: float = 0.02) -> dict[str, dict[str, float]]:
+    """Times each of `fns` like time_fn, but in alternation: rounds of one block per function
+    (blocks of about `block_time` seconds, the order rotated every round) until every function has
+    run `min_run_time` seconds in at least `min_samples` blocks. Returns time_fn's dict per name."""
+    names = list(fns)
+    with num_threads(threads):
+        number = {}
+        for n in names:
+            start = time.perf_counter()
+            fns[n]()
+            number[n] = max(1, int(block_time / max(time.perf_counter() - start, 1e-9)))
+        samples: dict[str, list[float]] = {n: [] for n in names}
+        spent = dict.fromkeys(names, 0.0)
+        rounds = 0
+        while any(spent[n] < min_run_time or len(samples[n]) < min_samples for n in names):
+            shift = rounds % len(names)
+            for n in names[shift:] + names[:shift]:
+                fn, start = fns[n], time.perf_counter()
+                for _ in range(number[n]):
+                    fn()
+                per_call = (time.perf_counter() - start) / number[n]
+                samples[n].append(per_call)
+                spent[n] += per_call * number[n]
+            rounds += 1
+    return {n: _quantiles(samples[n]) for n in names}
 
 
 def measure_copy_bandwidth(threads: int, nbytes: int = 256 * 2**20,
