@@ -107,19 +107,19 @@ inline Vec load_from(const G* src, int64_t n) {
   }
 }
 
-// Whether any lane of a is greater than the same lane of b.
-C10_ALWAYS_INLINE bool any_greater(const Vec& a, const Vec& b) {
+// Whether any lane of a is not <= the same lane of b (NaN lanes included).
+C10_ALWAYS_INLINE bool any_not_le(const Vec& a, const Vec& b) {
 #if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0;
+  return _mm512_cmp_ps_mask(a, b, _CMP_NLE_UQ) != 0;
 #else
-  return (a > b).zero_mask() != (1 << kV) - 1;
+  return (a <= b).zero_mask() != 0;
 #endif
 }
 
 // How far ahead of the current element the passes over whole GEMM results (kATen) prefetch
 // them: the results are far larger than L2, and the hardware prefetchers stop at each 4 KB
 // page, which the epilogues' rows of 1024 int32 span exactly (measured on the epilogue alone,
-// one thread: 1.1 -> 0.82 ns an element).
+// one thread: 1.0-1.1 -> 0.80-0.85 ns an element).
 constexpr int64_t kPrefetchAhead = 256;
 
 inline Vec load_int32(const int32_t* src, int64_t n) {
@@ -137,16 +137,20 @@ inline void for_each_vec(int64_t len, const Body& body) {
 // The precision tag of act() for the quantised path's first, cheap try at requantisation.
 struct Filter {};
 
-// sigmoid(u) for Filter: relative error below 5e-7 against the exact exp and division (measured
-// over every float z with |z| in [2^-30, 2^20], as z * sigmoid(u(z)) of FastGelu, tanh-GELU
-// and SiLU, where the 20-ulp exp with a reciprocal step measured 5.6e-7). On AVX-512: exp by a
-// two-part ln 2 reduction, a degree-6 Taylor polynomial and vscalefps, then the reciprocal
-// estimate with one Newton step; -u is capped at 80 so that 1 + exp(-u) stays finite and its
-// reciprocal normal (the result is then 1.8e-35 where the exact one is smaller, which no
-// requantisation can tell from 0). Other ISAs use the fp16 / bf16 outputs' sigmoid.
+// sigmoid(u) for Filter. Measured as z * sigmoid(u(z)) of FastGelu, tanh-GELU and SiLU against
+// the exact exp and division over every float z: within 4.8e-7 (relative) where the exact
+// result is at least 1e-30 in magnitude (the 20-ulp exp with a reciprocal step: 5.6e-7), within
+// 1.5e-33 (absolute) where it is smaller, and otherwise not finite (z not finite, or above 1.3e5
+// for tanh-GELU, 9e13 for FastGelu, 1.5e14 for SiLU), which the requantisation redoes exactly.
+// On AVX-512: exp(-u) by a two-part ln 2 reduction, a degree-6 Taylor polynomial and
+// vscalefps, then the reciprocal estimate with one Newton step; where -u > 80 (or is NaN) the
+// result is 0, the exact one being below 1.9e-35 (and 1 + exp(-u) would overflow the
+// reciprocal's input). Other ISAs use the fp16 / bf16 outputs' sigmoid.
 C10_ALWAYS_INLINE Vec sigmoid_filter(const Vec& u) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m512 x = _mm512_min_ps(_mm512_sub_ps(_mm512_setzero_ps(), u), _mm512_set1_ps(80.f));
+  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), u);
+  const __mmask16 live = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(80.f), _CMP_LE_OQ);
+  const __m512 x = _mm512_min_ps(neg, _mm512_set1_ps(80.f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   // r = x - n ln 2 in two fused steps (ln 2 split in a 15-bit leading part and the rest).
@@ -160,7 +164,7 @@ C10_ALWAYS_INLINE Vec sigmoid_filter(const Vec& u) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f));
   const __m512 rc = _mm512_rcp14_ps(d);
-  return Vec(_mm512_mul_ps(rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.f))));
+  return Vec(_mm512_maskz_mul_ps(live, rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.f))));
 #else
   return sigmoid_for<c10::BFloat16>(u);
 #endif
@@ -525,13 +529,14 @@ class Runner {
           // first from sigmoid_filter (relative error < 1.5e-6, so t is off by
           // less than 1e-4 while |y * scale| <= 128 and less than kNearTie up to ~650); a
           // vector with a lane within kNearTie of a half-integer (more than 0.5 - kNearTie
-          // from the integer it rounds to), where that error could move the rounding, is
-          // recomputed with the exact exp and division, so the codes are those of the exact
-          // activation, ties included. About 3% of vectors are redone.
+          // from the integer it rounds to), where that error could move the rounding, or with
+          // a lane that is not finite, is recomputed with the exact exp and division, so the
+          // codes are those of the exact activation, ties included. About 3% of vectors are
+          // redone.
           const Vec qs = Vec::loadu(qscale + j, len), qo(qoffset);
           Vec t = at::vec::fmadd(value.template operator()<Filter>(), qs, qo);
           Vec q = t.round();
-          if (any_greater((t - q).abs(), Vec(0.5f - kNearTie))) {
+          if (any_not_le((t - q).abs(), Vec(0.5f - kNearTie))) {
             t = at::vec::fmadd(value.template operator()<P>(), qs, qo);
             q = t.round();
           }
