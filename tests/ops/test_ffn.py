@@ -447,6 +447,25 @@ def test_quant_rounds_half_to_even_and_saturates():
                                                                           dtype=F16))
 
 
+@pytest.mark.parametrize("activation", ["fastgelu", "gelu", "silu", "relu"])
+def test_quant_huge_dequantised_values_saturate(activation):
+    """Dequantised values far past any activation's interesting range, up to fp32 overflow
+    (20000 * 1e35 = inf): large positive ones saturate at 127, large negative ones give
+    act = -0, so the code is round(offset) = 0, as in the float64 reference."""
+    bias1 = torch.tensor([20000, 1, 1000, -1000, 5, -5, 7, 0], dtype=torch.int32)
+    deq1 = torch.tensor([1e35, 1e35, 1e3, 1e3, 1e30, 1e4, 1e2, 1.0])
+    k = bias1.numel()
+    x = torch.ones(1, k, dtype=torch.int8)
+    w1 = torch.zeros(k, k, dtype=torch.int8)
+    w2 = torch.eye(k, dtype=torch.int8)
+    kw = dict(bias1=bias1, scale=torch.tensor([0.5]), offset=torch.tensor([0.25]),
+              deq_scale1=deq1, deq_scale2=torch.ones(k), output_dtype=F16)
+    out = opennpu.npu_ffn(x, w1, w2, activation, **kw)
+    expected = torch.tensor([[127, 127, 127, 0, 127, 0, 127, 0]], dtype=F16)
+    assert torch.equal(out, expected), out
+    assert torch.equal(R.ffn(x, w1, w2, activation, **kw).half(), expected)
+
+
 def test_quant_int64_deq_scale_uses_the_packed_19_bits():
     """int64 deq_scale: the low 32 bits are float32 bits, read with mask 0xFFFFE000; the upper
     bits (npu_trans_quant_param's flag and offset) are ignored."""

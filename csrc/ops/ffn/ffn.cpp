@@ -138,7 +138,8 @@ FfnGemm choose_gemm(at::ScalarType xt, bool weight_only, int64_t rows_per_expert
 
 // The quantised path: whole at::_int_mm GEMMs (kATen), or tiles with OPENNPU_FFN_GEMM=blas.
 // Measured at T=1024, H=4096, I=11008 (2 threads, AMX): tiles 1.26-1.4x the two GEMMs alone,
-// whole GEMMs 1.10x (their int32 passes are most of the rest).
+// whole GEMMs 1.05-1.12x (the benchmark, noisy; 1.045x timed interleaved with the GEMMs), their
+// int32 passes being the rest.
 FfnGemm choose_quant_gemm() {
   const char* env = std::getenv("OPENNPU_FFN_GEMM");
   return env != nullptr && std::strcmp(env, "blas") == 0 ? FfnGemm::kBlasTiles : FfnGemm::kATen;
