@@ -305,12 +305,15 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     }
   }
 
-  // fp16/bf16 groups without bias go to ATen's GEMM (oneDNN, AMX where the CPU has it): it
-  // accumulates in fp32 and rounds once, as our tiles do, and measured faster at every group size
-  // tried (2 threads, 8 groups, K=1024, N=7168, M=16/128/512 rows each: bf16 11.3/19.3/48.1 ms
-  // against 15.9/26.3/84.5, fp16 15.2/58.8/198 against 19.5/61.2/255). A bias stays on our tiles,
+  // fp32/fp16/bf16 groups without bias go to ATen's GEMM (MKL for fp32; oneDNN, AMX where the
+  // CPU has it, for fp16/bf16, accumulating in fp32 and rounding once as our tiles do). It measured
+  // faster at every group size tried, or level (2 threads, 8 groups: bf16 and fp16 at K=1024,
+  // N=7168, M=16/128/512 rows each: bf16 11.3/19.3/48.1 ms against 15.9/26.3/84.5, fp16
+  // 15.2/58.8/198 against 19.5/61.2/255; fp32 at M=4/64 rows, K=4096, N=14336: 122/283 ms
+  // against 141/279, and K=7168, N=4096: 61.5/140 against 70.1/141). A bias stays on our tiles,
   // which add it in fp32 before the one rounding.
-  const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
+  const bool aten_gemm =
+      dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
   std::vector<GemmGroup> gemms;
   std::vector<at::Tensor> keep;  // copies made for BLAS layouts
   const at::Tensor x0 = split_x ? fit(x[0]) : at::Tensor();
@@ -320,7 +323,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     const int64_t row0 = start;
     start += m;
     if (m == 0 || n_of[g] == 0) continue;
-    if (half && !bias_acc[g].defined()) {
+    if (aten_gemm && !bias_acc[g].defined()) {
       const at::Tensor a = split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k_of[g]});
       at::mm_out(out_of[g], a, weight_of(g));
       continue;
