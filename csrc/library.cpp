@@ -8,7 +8,6 @@
 #include "common/checks.h"
 #include "common/cpu_dispatch.h"
 #include "common/random.h"
-#include "ops/optim/optim.h"
 
 TORCH_LIBRARY(npu, m) {
   // RMSNorm: returns (y, rstd); rstd is float32 with the normalised dims kept as size 1.
@@ -171,7 +170,8 @@ TORCH_LIBRARY(opennpu, m) {
   // calls it then): no dr1/dr2 reductions, and self is only checked, never read.
   m.def("_rotary_mul_backward_dx(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor");
   // An uninitialised CPU buffer for packed optimizer states, on huge pages where Linux allows.
-  m.def("_state_buffer(int numel, ScalarType dtype) -> Tensor", &opennpu::optim::state_buffer);
+  // (CompositeExplicitAutograd kernel in ops/optim/optim.cpp: it takes no tensor to dispatch on.)
+  m.def("_state_buffer(int numel, ScalarType dtype) -> Tensor");
   // The norm of all of params' gradients as one vector (float32 0-dim; inf = max |g|).
   m.def("_fused_grad_norm(Tensor[] params, float norm_type=2.) -> Tensor");
   // params[i].grad *= scale.

@@ -439,6 +439,28 @@ def test_state_buffer_is_a_plain_writable_buffer(numel, dtype):
     assert bool((buffer == 3.0).all())
 
 
+def test_compiled_step_and_clip_match_eager():
+    # The kernels read p.grad themselves, so torch.compile must leave step and clipping eager
+    # (traced, they would see functionalized copies without gradients and skip every parameter).
+    a = make_params((torch.float32, torch.bfloat16), [(7,), (3, 5)])
+    b = clone_params(a)
+    ours = optim.NpuFusedAdamW(a, lr=1e-2, weight_decay=0.1)
+    eager = optim.NpuFusedAdamW(b, lr=1e-2, weight_decay=0.1)
+
+    @torch.compile
+    def train_step():
+        norm = ours.clip_grad_norm_fused_(0.5)
+        ours.step()
+        return norm
+
+    for i in range(3):
+        set_grads([a, b], i)
+        norm = train_step()
+        assert torch.equal(norm, eager.clip_grad_norm_fused_(0.5))
+        eager.step()
+        assert all(torch.equal(x, y) for x, y in zip(a, b))  # the same kernels, bit for bit
+
+
 def test_state_buffer_rejects_a_negative_size():
     with pytest.raises(RuntimeError, match="_state_buffer.*numel.*>= 0.*-1"):
         torch.ops.opennpu._state_buffer(-1, torch.float32)

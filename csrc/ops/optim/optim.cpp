@@ -476,4 +476,8 @@ TORCH_LIBRARY_IMPL(opennpu, CPU, m) {
   m.impl("_fused_unscale_grads_", &fused_unscale_grads_);
 }
 
+TORCH_LIBRARY_IMPL(opennpu, CompositeExplicitAutograd, m) {
+  m.impl("_state_buffer", &state_buffer);
+}
+
 }  // namespace opennpu::optim

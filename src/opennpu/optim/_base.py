@@ -23,6 +23,20 @@ import torch
 _ops = torch.ops.opennpu
 
 
+def _eager(fn):
+    """Keeps torch.compile out of a method that hands parameters to a C++ kernel which reads
+    their ``.grad`` itself: traced, the kernel would get functionalized copies, which have no
+    gradient, and skip every parameter without an error. Dynamo runs the method eagerly instead
+    (a graph break in a compiled training step); the step is one C++ call per group either way."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+@torch.library.register_fake("opennpu::_state_buffer")
+def _state_buffer_fake(numel, dtype):
+    # For tracing code that builds or loads an optimizer; its steps themselves run eagerly.
+    return torch.empty(numel, dtype=dtype)
+
+
 @dataclass
 class _GroupLists:
     """The tensors one group's kernel call takes, in the order of its schema."""
@@ -167,6 +181,7 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
 
     # -- public API ---------------------------------------------------------------------------
 
+    @_eager
     @torch.no_grad()
     def step(self, closure=None):
         """One optimizer step: a single C++ call per param group (all dtypes together)."""
@@ -195,6 +210,7 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
         ``set_to_none=True`` drops them, as torch.optim does (torch_npu refuses it; we need not)."""
         super().zero_grad(set_to_none=set_to_none)
 
+    @_eager
     @torch.no_grad()
     def clip_grad_norm_fused_(self, max_norm, norm_type=2.0) -> torch.Tensor:
         """Clip the gradients of all parameters together, as ``torch.nn.utils.clip_grad_norm_``.
@@ -218,12 +234,14 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
             _ops._fused_scale_grads_(params, float(clip_coef))
         return total
 
+    @_eager
     @torch.no_grad()
     def _scale_grads_(self, scale: float) -> None:
         """Multiply every gradient by ``scale`` in one C++ pass over all groups and dtypes (the
         unscale of a GradScaler with a static scale, which checks nothing)."""
         _ops._fused_scale_grads_(self._all_params(), float(scale))
 
+    @_eager
     @torch.no_grad()
     def _unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
         """Multiply every gradient by ``inv_scale`` and set ``found_inf`` to 1 if any holds an inf
