@@ -184,8 +184,9 @@ at::Tensor rotary_mul_backward_dx(const at::Tensor& grad, const at::Tensor& self
   check_backward_args(op, grad, self, r1, r2);
   // dx = g * r1 + rotate^T(g * r2), and rotate^T(v) * s = rotate(v) * s' elementwise with
   // s' = -(s with its halves swapped) in half mode, -(s with each pair swapped) in interleave
-  // mode: the forward kernel applied to g. Negating and swapping are exact, so dx rounds as the
-  // full backward's does; x itself is not read.
+  // mode: the forward kernel applied to g. Negating and swapping are exact, so in half mode dx
+  // equals the full backward's bit for bit, and in interleave mode to within one rounding (the
+  // kernels order their fma differently); x itself is not read.
   const at::ScalarType rt = r_dtype(self, r1, r2);
   const at::Tensor c = prepare_r(op, "r1", r1, self).to(rt);
   const at::Tensor s = prepare_r(op, "r2", r2, self).to(rt);
