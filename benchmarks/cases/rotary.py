@@ -1,4 +1,8 @@
-"""npu_rotary_mul ('half' mode), forward and backward, in the BSND and BNSD layouts."""
+"""npu_rotary_mul ('half' mode), forward and backward, in the BSND and BNSD layouts.
+
+Two backward rows: torch_npu's npu_rotary_mul_backward (dx, dr1, dr2), and "bwd dx", the dx-only
+backward autograd runs when cos/sin need no gradient (opennpu::_rotary_mul_backward_dx), against
+native autograd with cos/sin as constants."""
 
 from __future__ import annotations
 
@@ -51,14 +55,31 @@ def rotary_bwd(layout, s, dtype, threads):
     )
 
 
+def rotary_bwd_dx(layout, s, dtype, threads):
+    x, r1, r2 = _inputs(layout, s, dtype)
+    grad = randn(*x.shape, dtype=dtype)
+    native_compiled = compiled(reference.native_rotary_mul, x, r1, r2, threads=threads)
+    x_only = (True, False, False)
+    return Timed(
+        ours=lambda: torch.ops.opennpu._rotary_mul_backward_dx(grad, x, r1, r2),
+        baselines={"eager": autograd_backward(reference.native_rotary_mul, (x, r1, r2), grad,
+                                              x_only),
+                   "compile": autograd_backward(native_compiled, (x, r1, r2), grad, x_only)},
+        reference=lambda: reference.rotary_mul_backward(grad, x, r1, r2)[0],
+    )
+
+
 def cases(quick: bool, dtypes):
     seqs = (4096,) if quick else (4096, 8192)
     for layout, s, dtype in itertools.product(("BSND", "BNSD"), seqs, dtypes):
         e = dtype.itemsize
         x_numel, r_numel = s * HEADS * HEAD_DIM, s * HEAD_DIM
         shape = f"{layout} S={s} N={HEADS} D={HEAD_DIM}"
-        # fwd reads x, r1, r2 and writes out; bwd reads grad, x, r1, r2 and writes dx, dr1, dr2.
+        # fwd reads x, r1, r2 and writes out; bwd reads grad, x, r1, r2 and writes dx, dr1, dr2;
+        # bwd dx reads grad, r1, r2 and writes dx.
         yield Case("rotary_mul", "fwd", shape, dtype, 2 * x_numel * e + 2 * r_numel * e,
                    functools.partial(rotary_fwd, layout, s, dtype), ("npu_rotary_mul",))
         yield Case("rotary_mul", "bwd", shape, dtype, 3 * x_numel * e + 4 * r_numel * e,
                    functools.partial(rotary_bwd, layout, s, dtype), ("npu_rotary_mul_backward",))
+        yield Case("rotary_mul", "bwd", f"{shape} dx", dtype, 2 * x_numel * e + 2 * r_numel * e,
+                   functools.partial(rotary_bwd_dx, layout, s, dtype), ("npu_rotary_mul",))

@@ -109,13 +109,16 @@ def compiled(fn: Callable, *args: Any, threads: int) -> Callable:
 
 
 def autograd_backward(fn: Callable, inputs: tuple[torch.Tensor, ...],
-                      grad: torch.Tensor) -> Callable:
+                      grad: torch.Tensor, wrt: tuple[bool, ...] | None = None) -> Callable:
     """A call re-running the backward of `fn(*inputs)` on one graph built here, so that only the
-    backward is timed. It returns the gradients of all `inputs`."""
-    leaves = tuple(t.detach().requires_grad_() for t in inputs)
+    backward is timed. It returns the gradients of the `inputs` marked in `wrt` (default: all);
+    the others are constants of the graph."""
+    wrt = wrt if wrt is not None else (True,) * len(inputs)
+    leaves = tuple(t.detach().requires_grad_(w) for t, w in zip(inputs, wrt))
     with torch.enable_grad():
         out = fn(*leaves)
-    return lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True)
+    wanted = tuple(t for t, w in zip(leaves, wrt) if w)
+    return lambda: torch.autograd.grad(out, wanted, grad, retain_graph=True)
 
 
 def reuse_freed_memory() -> bool:
