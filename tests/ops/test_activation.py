@@ -522,12 +522,8 @@ class TorchSwiGlu(torch.nn.Module):
         super().__init__()
         self.dim = dim
 
-    def _swiglu(self, x):
-        x = torch.chunk(x, 2, -1)
-        return torch.nn.functional.silu(x[0]) * x[1]
-
     def forward(self, x):
-        return self._swiglu(x)
+        return R.native_swiglu(x)  # the seed's _swiglu (chunk on -1, silu, mul)
 
 
 class NpuSwiGlu(torch.nn.Module):
