@@ -263,6 +263,30 @@ def test_half_precision_gemm_paths(dtype, d, dv):
                     pse=pse, grad_scale=8.0, mask_full=R.full_visibility_mask(3, sq, skv))
 
 
+@pytest.mark.parametrize("case", ["causal", "band", "dropout"])
+@pytest.mark.parametrize("dtype", [F16, BF16], ids=dtype_id)
+def test_half_precision_backward_tiles(dtype, case):
+    # The backward walks 128-row query blocks and 256-key blocks (brgemm with every reduction
+    # padded to even: Sq = 259 ends in a 3-row block, Skv = 517 in a 5-key one). A band's first
+    # visible key is not block-aligned; dropout scales P and dP in the same tiles.
+    b, n, sq, skv = 1, 4, 259, 517
+    q, k, v = make_qkv(b, n, 2, sq, skv, 64, 32, "BNSD", dtype)
+    if case == "causal":
+        check_attention(q, k, v, n, "BNSD", scale=0.125, atten_mask=CAUSAL_2048, sparse_mode=2,
+                        grad_scale=8.0, mask_full=R.full_visibility_mask(2, sq, skv))
+    elif case == "band":
+        kw = dict(pre_tockens=300, next_tockens=40)
+        full = R.full_visibility_mask(4, sq, skv, 1, 1, None, 300, 40)
+        check_attention(q, k, v, n, "BNSD", scale=0.125, atten_mask=CAUSAL_2048, sparse_mode=4,
+                        mask_full=full, grad_scale=8.0, **kw)
+    else:
+        opennpu.manual_seed(99)
+        numels = b * n * sq * skv
+        keep = gen_keep(q, numels, 0.8, 99, 0).view(b, n, sq, skv)
+        check_attention(q, k, v, n, "BNSD", scale=0.125, keep_prob=0.8, keep=keep,
+                        grad_scale=8.0, stats_scale=4.0)
+
+
 # ----------------------------------------------------------------------------- layouts & sizes
 
 HEADS = [(4, 4), (4, 2), (4, 1)]

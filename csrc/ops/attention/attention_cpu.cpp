@@ -42,6 +42,11 @@ using at::vec::Vectorized;
 
 constexpr int64_t kQBlock = 256;
 constexpr int64_t kKvBlock = 512;
+// The backward's blocks, smaller than the forward's: a step's tiles (S, dP, and P' and dS rounded
+// and packed) then stay in L2. With 256 x 512 the bf16 backward took 15% longer on one thread.
+constexpr int64_t kBwdQBlock = 128;
+constexpr int64_t kBwdKvBlock = 256;
+static_assert(kBwdQBlock <= kQBlock);
 // How far a block's row max may exceed the reference its exps are taken against (see
 // attention_fwd_tiles) before the row is recomputed against the new max.
 constexpr float kStaleMaxSlack = 8.0f;
@@ -356,12 +361,91 @@ struct BlasTiles {
   }
 };
 
-// The same GEMMs on half-precision matrix units through oneDNN's brgemm (ATen's cpublas), which
-// takes its B operand in the VNNI layout: B[k, n] at ((k / 2) * ldb + n) * 2 + k % 2. K^T and V
-// are packed once per (batch, kv head, key block) before the tasks start, each key block padded
-// to an even length with zero keys (which the softmax masks out):
-// - K^T [D, len] in VNNI is [D / 2][len][2]: the 32-bit pairs (k[j, 2i], k[j, 2i + 1]) of K
-//   transposed, one 4-byte-unit transpose with the confusion-transpose kernel. Needs D even.
+// Operand layouts for oneDNN's brgemm (ATen's cpublas) on half-precision matrix units. Its B
+// operand is in the VNNI layout: B[k, n] at ((k / 2) * ldb + n) * 2 + k % 2, so the reduction
+// dimension k comes in pairs and must be even (an odd one is padded with a zero row).
+inline int64_t vnni_width(int64_t len) { return len + (len & 1); }
+
+// src^T in VNNI, where src is [len, cols] with row stride stride_s and cols is even: the 32-bit
+// pairs (src[j, 2i], src[j, 2i + 1]) transposed to [cols / 2][vnni_width(len)][2], one 4-byte-unit
+// transpose with the confusion-transpose kernel; an odd len gets a zero column j = len.
+// staging holds cols * (len + 1) elements.
+template <typename In>
+void pack_transposed_vnni(transpose::PermuteCopyFn* transpose, const In* src, int64_t stride_s,
+                          int64_t len, int64_t cols, In* dst, In* staging) {
+  const int64_t len_pad = vnni_width(len);
+  In* staged = len == len_pad ? dst : staging;
+  transpose(reinterpret_cast<const char*>(src), reinterpret_cast<char*>(staged),
+            {4, 1, {cols / 2, len}, {1, stride_s / 2}});
+  if (staged == dst) return;
+  for (int64_t i = 0; i < cols / 2; ++i) {
+    std::copy(staged + 2 * i * len, staged + 2 * (i + 1) * len, dst + 2 * i * len_pad);
+    dst[2 * i * len_pad + 2 * len] = In(0);
+    dst[2 * i * len_pad + 2 * len + 1] = In(0);
+  }
+}
+
+// src [len, cols] (row stride stride_s) in VNNI as it stands: [vnni_width(len) / 2][cols][2],
+// rows 2i and 2i + 1 interleaved element by element; an odd len gets a zero row.
+template <typename In>
+void pack_row_pairs_vnni(const In* src, int64_t stride_s, int64_t len, int64_t cols, In* dst) {
+  static_assert(sizeof(In) == 2);
+  auto* out = reinterpret_cast<uint32_t*>(dst);
+  for (int64_t i = 0; i < len / 2; ++i) {
+    const auto* lo = reinterpret_cast<const uint16_t*>(src + 2 * i * stride_s);
+    const auto* hi = reinterpret_cast<const uint16_t*>(src + (2 * i + 1) * stride_s);
+    uint32_t* o = out + i * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = lo[c] | (static_cast<uint32_t>(hi[c]) << 16);
+  }
+  if (len & 1) {
+    const auto* lo = reinterpret_cast<const uint16_t*>(src + (len - 1) * stride_s);
+    uint32_t* o = out + (len / 2) * cols;
+    for (int64_t c = 0; c < cols; ++c) o[c] = lo[c];
+  }
+}
+
+// Key blocks of kKvBlock keys, one slot per (batch, kv head, block), for operands packed once
+// before the tasks start and shared by every query head of the group.
+struct KeyBlockSlots {
+  const AttentionProblem& p;
+  int64_t block;                    // keys per block
+  std::vector<int64_t> first_slot;  // slot of (b, kv head 0, block 0)
+
+  KeyBlockSlots(const AttentionProblem& prob, int64_t block_keys)
+      : p(prob), block(block_keys), first_slot(prob.batch + 1, 0) {
+    for (int64_t b = 0; b < p.batch; ++b) first_slot[b + 1] = first_slot[b] + p.heads_kv * blocks(b);
+  }
+  int64_t count() const { return first_slot[p.batch]; }
+  int64_t blocks(int64_t b) const { return (p.kv_len[b] + block - 1) / block; }
+  int64_t slot(int64_t b, int64_t kvh, int64_t blk) const {
+    return first_slot[b] + kvh * blocks(b) + blk;
+  }
+  // Padded length of key block blk of batch b: the leading dimension of its packed operands.
+  int64_t block_width(int64_t b, int64_t blk) const {
+    return vnni_width(std::min(block, p.kv_len[b] - blk * block));
+  }
+  // pack(b, kvh, j0, len, slot) for every slot, in parallel.
+  template <typename Pack>
+  void for_each(const Pack& pack) const {
+    at::parallel_for(0, count(), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t sl = begin; sl < end; ++sl) {
+        const int64_t b = std::upper_bound(first_slot.begin(), first_slot.end(), sl) - first_slot.begin() - 1;
+        const int64_t kvh = (sl - first_slot[b]) / blocks(b), blk = (sl - first_slot[b]) % blocks(b);
+        const int64_t j0 = blk * block;
+        pack(b, kvh, j0, std::min(block, p.kv_len[b] - j0), sl);
+      }
+    });
+  }
+  // Row j0 of kv head kvh of batch b in k or v (strides st).
+  template <typename In>
+  const In* rows(const In* base, const SeqView& st, int64_t b, int64_t kvh, int64_t j0) const {
+    return base + b * st.stride_b + (p.kv_start[b] + j0) * st.stride_s + kvh * st.stride_n;
+  }
+};
+
+// The forward's GEMMs through brgemm. K^T and V are packed once per key block (see
+// KeyBlockSlots), each padded to an even length with zero keys (which the softmax masks out):
+// - K^T [D, len] with pack_transposed_vnni. Needs D even.
 // - V [len, Dv] goes through oneDNN's own transform (cpublas::pack), whose output rows must be
 //   16, 32, 48 or 64 columns: V is packed, and multiplied, in panels of 64 columns. Needs Dv a
 //   multiple of 16.
@@ -370,75 +454,51 @@ struct BrgemmTiles {
   using T = float;
   static constexpr int64_t kPanel = 64;
   const AttentionProblem& p;
-  std::vector<int64_t> first_slot;  // slot of (b, kv head 0, block 0)
+  KeyBlockSlots slots;
   blas::TileBuffer<In> packed_k, packed_v;
 
-  static int64_t width(int64_t len) { return len + (len & 1); }
+  static int64_t width(int64_t len) { return vnni_width(len); }
   static bool supports(const AttentionProblem& p, at::ScalarType dtype) {
     return p.head_dim % 2 == 0 && p.head_dim_v % 16 == 0 && at::native::cpublas::could_pack(dtype);
   }
-  int64_t blocks(int64_t b) const { return (p.kv_len[b] + kKvBlock - 1) / kKvBlock; }
-  int64_t slot(int64_t b, int64_t kvh, int64_t blk) const {
-    return first_slot[b] + kvh * blocks(b) + blk;
-  }
 
   BrgemmTiles(const AttentionProblem& prob, const In* k, const In* v, at::ScalarType dtype)
-      : p(prob), first_slot(prob.batch + 1, 0) {
-    for (int64_t b = 0; b < p.batch; ++b) first_slot[b + 1] = first_slot[b] + p.heads_kv * blocks(b);
-    const int64_t slots = first_slot[p.batch], D = p.head_dim, Dv = p.head_dim_v;
-    packed_k = blas::TileBuffer<In>(slots * D * kKvBlock);
-    packed_v = blas::TileBuffer<In>(slots * kKvBlock * Dv);
+      : p(prob), slots(prob, kKvBlock) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    packed_k = blas::TileBuffer<In>(slots.count() * D * kKvBlock);
+    packed_v = blas::TileBuffer<In>(slots.count() * kKvBlock * Dv);
     const auto& transpose = transpose::permute_copy_cpu.get("npu_fusion_attention");
-    at::parallel_for(0, slots, 1, [&](int64_t begin, int64_t end) {
-      std::vector<In> tmp(std::max(D, Dv) * (kKvBlock + 1));
-      for (int64_t sl = begin; sl < end; ++sl) {
-        const int64_t b = std::upper_bound(first_slot.begin(), first_slot.end(), sl) - first_slot.begin() - 1;
-        const int64_t kvh = (sl - first_slot[b]) / blocks(b), blk = (sl - first_slot[b]) % blocks(b);
-        const int64_t j0 = blk * kKvBlock, len = std::min(kKvBlock, p.kv_len[b] - j0);
-        const int64_t len_pad = width(len);
-        const In* kb = k + b * p.k.stride_b + (p.kv_start[b] + j0) * p.k.stride_s + kvh * p.k.stride_n;
-        const In* vb = v + b * p.v.stride_b + (p.kv_start[b] + j0) * p.v.stride_s + kvh * p.v.stride_n;
-        // K^T: 4-byte units [len, D / 2] -> [D / 2, len]; an odd len gets a zero key.
-        In* kdst = packed_k.data() + sl * D * kKvBlock;
-        In* staged = len == len_pad ? kdst : tmp.data();
-        transpose(reinterpret_cast<const char*>(kb), reinterpret_cast<char*>(staged),
-                  {4, 1, {D / 2, len}, {1, p.k.stride_s / 2}});
-        if (staged != kdst) {
-          for (int64_t i = 0; i < D / 2; ++i) {
-            std::copy(staged + 2 * i * len, staged + 2 * (i + 1) * len, kdst + 2 * i * len_pad);
-            kdst[2 * i * len_pad + 2 * len] = In(0);
-            kdst[2 * i * len_pad + 2 * len + 1] = In(0);
-          }
-        }
-        // V: rows copied to [len_pad, Dv] (zero row when padded), then packed panel by panel.
-        for (int64_t j = 0; j < len; ++j) std::copy(vb + j * p.v.stride_s, vb + j * p.v.stride_s + Dv, tmp.data() + j * Dv);
-        if (len_pad > len) std::fill(tmp.data() + len * Dv, tmp.data() + len_pad * Dv, In(0));
-        for (int64_t c = 0; c < Dv; c += kPanel) {
-          const int64_t w = std::min(kPanel, Dv - c);
-          at::native::cpublas::pack(len_pad, w, Dv, w, dtype, dtype, tmp.data() + c,
-                                    packed_v.data() + sl * kKvBlock * Dv + c * len_pad);
-        }
+    slots.for_each([&](int64_t b, int64_t kvh, int64_t j0, int64_t len, int64_t sl) {
+      thread_local std::vector<In> tmp;
+      tmp.resize(std::max(D, Dv) * (kKvBlock + 1));
+      pack_transposed_vnni(transpose, slots.rows(k, p.k, b, kvh, j0), p.k.stride_s, len, D,
+                           packed_k.data() + sl * D * kKvBlock, tmp.data());
+      // V: rows copied to [len_pad, Dv] (zero row when padded), then packed panel by panel.
+      const In* vb = slots.rows(v, p.v, b, kvh, j0);
+      const int64_t len_pad = width(len);
+      for (int64_t j = 0; j < len; ++j) std::copy(vb + j * p.v.stride_s, vb + j * p.v.stride_s + Dv, tmp.data() + j * Dv);
+      if (len_pad > len) std::fill(tmp.data() + len * Dv, tmp.data() + len_pad * Dv, In(0));
+      for (int64_t c = 0; c < Dv; c += kPanel) {
+        const int64_t w = std::min(kPanel, Dv - c);
+        at::native::cpublas::pack(len_pad, w, Dv, w, dtype, dtype, tmp.data() + c,
+                                  packed_v.data() + sl * kKvBlock * Dv + c * len_pad);
       }
     });
   }
 
   void release() const { at::native::cpublas::brgemm_release(); }
-  // Padded length of key block blk of batch b: the leading dimension of its packed K^T.
-  int64_t block_width(int64_t b, int64_t blk) const {
-    return width(std::min(kKvBlock, p.kv_len[b] - blk * kKvBlock));
-  }
   // s[rows, width(len)] = Q K^T (unscaled) for the first len keys of key block blk
   void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, T* s) const {
     const int64_t w = width(len), D = p.head_dim;
-    const In* kb = packed_k.data() + slot(hb.b, hb.n / p.group(), blk) * D * kKvBlock;
-    at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, block_width(hb.b, blk), w, false,
+    const In* kb = packed_k.data() + slots.slot(hb.b, hb.n / p.group(), blk) * D * kKvBlock;
+    at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, slots.block_width(hb.b, blk), w, false,
                                 hb.q, kb, s);
   }
   // acc[rows, Dv] += P V, P [rows, width(len)] over the first len keys of key block blk
   void add_pv(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, const In* probs,
               T* acc) const {
-    const int64_t w = width(len), Dv = p.head_dim_v, panel_rows = block_width(hb.b, blk);
-    const In* vb = packed_v.data() + slot(hb.b, hb.n / p.group(), blk) * kKvBlock * Dv;
+    const int64_t w = width(len), Dv = p.head_dim_v, panel_rows = slots.block_width(hb.b, blk);
+    const In* vb = packed_v.data() + slots.slot(hb.b, hb.n / p.group(), blk) * kKvBlock * Dv;
     for (int64_t c = 0; c < Dv; c += kPanel) {
       const int64_t cols = std::min(kPanel, Dv - c);
       at::native::cpublas::brgemm(hb.rows, cols, w, w, cols, Dv, true, probs, vb + c * panel_rows,
@@ -572,18 +632,308 @@ T dot_rows(const In* a, const In* b, int64_t n) {
   }
 }
 
+// The accumulators one backward task owns: its query block's dQ rows (in dq) and its head's
+// private dK/dV rows (see AttentionBwdFn), all in T.
+template <typename T>
+struct BwdTargets {
+  T* dq_blk;  // row i0 of this head, row stride q.stride_s
+  T* dk_h;    // [skv, D]
+  T* dv_h;    // [skv, Dv]
+};
+
+// The backward's tile GEMMs through BLAS, on tiles of width len. fp16/bf16 P' and dS are rounded
+// to In right before their GEMMs (kRoundsOperands).
+template <typename T, typename In>
+struct BlasBwdTiles {
+  const AttentionProblem& p;
+  static int64_t width(int64_t len) { return len; }
+  struct Local {
+    blas::TileBuffer<In> p_low{kRoundsOperands<T, In> ? kBwdQBlock * kBwdKvBlock : 0};
+    blas::TileBuffer<In> ds_low{kRoundsOperands<T, In> ? kBwdQBlock * kBwdKvBlock : 0};
+    void release() const {}
+  };
+  Local local() const { return {}; }
+  void start_head(Local&, int64_t /*skv*/) const {}
+  void start_rows(Local&, const HeadBlock<T, In>&, const In* /*dy_blk*/) const {}
+  // s[rows, len] = Q K^T (unscaled, as in the forward)
+  void scores(const HeadBlock<T, In>& hb, int64_t /*blk*/, int64_t j0, int64_t len, T* s) const {
+    blas::gemm<In, T>(false, true, hb.rows, len, p.head_dim, T(1), hb.q, p.q.stride_s,
+                      hb.k + j0 * p.k.stride_s, p.k.stride_s, T(0), s, len);
+  }
+  // dp[rows, len] = dO V^T
+  void dprobs(const HeadBlock<T, In>& hb, const In* dy_blk, int64_t /*blk*/, int64_t j0, int64_t len,
+              T* dp) const {
+    blas::gemm<In, T>(false, true, hb.rows, len, p.head_dim_v, T(1), dy_blk, p.out.stride_s,
+                      hb.v + j0 * p.v.stride_s, p.v.stride_s, T(0), dp, len);
+  }
+  // dV += P'^T dO;  dQ += dS K;  dK += dS^T Q
+  void accumulate(Local& w, const HeadBlock<T, In>& hb, const In* dy_blk, int64_t /*blk*/,
+                  int64_t j0, int64_t len, const T* pt, const T* ds, const BwdTargets<T>& to) const {
+    const int64_t rows = hb.rows, D = p.head_dim, Dv = p.head_dim_v;
+    const In* probs;
+    const In* dscores;
+    if constexpr (kRoundsOperands<T, In>) {
+      at::vec::convert(pt, w.p_low.data(), rows * len);
+      at::vec::convert(ds, w.ds_low.data(), rows * len);
+      probs = w.p_low.data();
+      dscores = w.ds_low.data();
+    } else {
+      probs = pt;
+      dscores = ds;
+    }
+    blas::gemm<In, T>(true, false, len, Dv, rows, T(1), probs, len, dy_blk, p.out.stride_s, T(1),
+                      to.dv_h + j0 * Dv, Dv);
+    blas::gemm<In, T>(false, false, rows, D, len, T(1), dscores, len, hb.k + j0 * p.k.stride_s,
+                      p.k.stride_s, T(1), to.dq_blk, p.q.stride_s);
+    blas::gemm<In, T>(true, false, len, D, rows, T(1), dscores, len, hb.q, p.q.stride_s, T(1),
+                      to.dk_h + j0 * D, D);
+  }
+  void finish_head(Local&, const BwdTargets<T>&, int64_t /*skv*/) const {}
+};
+
+// The same five GEMMs through brgemm, with every B operand in VNNI and every reduction dimension
+// even (tiles of width vnni_width(len), query blocks padded to an even row count):
+// - S = Q K^T and dP = dO V^T: K^T and V^T packed once per key block (pack_transposed_vnni).
+// - dQ += dS K: K packed once per key block as row pairs (pack_row_pairs_vnni), dS rounded row-major.
+// - dV^T += dO^T P' and dK^T += Q^T dS: the transposed products, so that P' and dS are B operands
+//   packed as row pairs while they are rounded (no transpose of a whole tile); Q^T and dO^T are
+//   transposed once per query block, and dK^T / dV^T accumulate per head in fp32 and are
+//   transposed into dk/dv once at the end of the head.
+// Padding keys and rows are zero in the operands, so they add nothing.
+template <typename In>
+struct BrgemmBwdTiles {
+  using T = float;
+  const AttentionProblem& p;
+  KeyBlockSlots slots;
+  blas::TileBuffer<In> packed_kt, packed_vt, packed_k;
+  transpose::PermuteCopyFn* transpose;
+
+  static int64_t width(int64_t len) { return vnni_width(len); }
+  static bool supports(const AttentionProblem& p, at::ScalarType dtype) {
+    return p.head_dim % 2 == 0 && p.head_dim_v % 2 == 0 && at::native::cpublas::could_pack(dtype);
+  }
+
+  BrgemmBwdTiles(const AttentionProblem& prob, const In* k, const In* v)
+      : p(prob), slots(prob, kBwdKvBlock), transpose(transpose::permute_copy_cpu.get("npu_fusion_attention_grad")) {
+    const int64_t D = p.head_dim, Dv = p.head_dim_v;
+    packed_kt = blas::TileBuffer<In>(slots.count() * D * kBwdKvBlock);
+    packed_vt = blas::TileBuffer<In>(slots.count() * Dv * kBwdKvBlock);
+    packed_k = blas::TileBuffer<In>(slots.count() * kBwdKvBlock * D);
+    slots.for_each([&](int64_t b, int64_t kvh, int64_t j0, int64_t len, int64_t sl) {
+      thread_local std::vector<In> tmp;
+      tmp.resize(std::max(D, Dv) * (kBwdKvBlock + 1));
+      const In* kb = slots.rows(k, p.k, b, kvh, j0);
+      pack_transposed_vnni(transpose, kb, p.k.stride_s, len, D, packed_kt.data() + sl * D * kBwdKvBlock, tmp.data());
+      pack_transposed_vnni(transpose, slots.rows(v, p.v, b, kvh, j0), p.v.stride_s, len, Dv,
+                           packed_vt.data() + sl * Dv * kBwdKvBlock, tmp.data());
+      pack_row_pairs_vnni(kb, p.k.stride_s, len, D, packed_k.data() + sl * kBwdKvBlock * D);
+    });
+  }
+
+  struct Local {
+    static constexpr int64_t kRowsPad = kBwdQBlock + 1;
+    blas::TileBuffer<In> ds_row{kBwdQBlock * (kBwdKvBlock + 1)};  // dS rounded, [rows, width]
+    blas::TileBuffer<In> rounded{kBwdQBlock * (kBwdKvBlock + 1)};  // P' rounded, before packing
+    blas::TileBuffer<In> p_pairs{kRowsPad * (kBwdKvBlock + 1)};
+    blas::TileBuffer<In> ds_pairs{kRowsPad * (kBwdKvBlock + 1)};
+    blas::TileBuffer<In> qt, dyt, staging;  // Q^T, dO^T [D or Dv, rows_pad]
+    std::vector<T> dkt, dvt;                // dK^T, dV^T [D or Dv, skv + 1]
+    int64_t rows_pad = 0, ldt = 0;
+    Local(int64_t D, int64_t Dv)
+        : qt(D * kRowsPad), dyt(Dv * kRowsPad), staging(std::max(D, Dv) * kRowsPad) {}
+    void release() const { at::native::cpublas::brgemm_release(); }
+  };
+  Local local() const { return Local(p.head_dim, p.head_dim_v); }
+
+  void start_head(Local& w, int64_t skv) const {
+    w.ldt = skv + 1;  // a padded tile's last column may land one past the last key
+    w.dkt.assign(p.head_dim * w.ldt, T(0));
+    w.dvt.assign(p.head_dim_v * w.ldt, T(0));
+  }
+  // Q^T and dO^T of the query block, [cols, rows_pad] with a zero column when rows is odd.
+  void start_rows(Local& w, const HeadBlock<T, In>& hb, const In* dy_blk) const {
+    w.rows_pad = vnni_width(hb.rows);
+    transpose_rows(w, hb.q, p.q.stride_s, hb.rows, p.head_dim, w.qt.data());
+    transpose_rows(w, dy_blk, p.out.stride_s, hb.rows, p.head_dim_v, w.dyt.data());
+  }
+  void transpose_rows(Local& w, const In* src, int64_t stride_s, int64_t rows, int64_t cols,
+                      In* dst) const {
+    In* staged = rows == w.rows_pad ? dst : w.staging.data();
+    transpose(reinterpret_cast<const char*>(src), reinterpret_cast<char*>(staged),
+              {static_cast<int64_t>(sizeof(In)), 1, {cols, rows}, {1, stride_s}});
+    if (staged == dst) return;
+    for (int64_t c = 0; c < cols; ++c) {
+      std::copy(staged + c * rows, staged + (c + 1) * rows, dst + c * w.rows_pad);
+      dst[c * w.rows_pad + rows] = In(0);
+    }
+  }
+  const In* packed(const blas::TileBuffer<In>& buf, const HeadBlock<T, In>& hb, int64_t blk,
+                   int64_t per_slot) const {
+    return buf.data() + slots.slot(hb.b, hb.n / p.group(), blk) * per_slot;
+  }
+  // s[rows, width(len)] = Q K^T (unscaled)
+  void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, T* s) const {
+    const int64_t w = width(len), D = p.head_dim;
+    at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, slots.block_width(hb.b, blk), w, false,
+                                hb.q, packed(packed_kt, hb, blk, D * kBwdKvBlock), s);
+  }
+  // dp[rows, width(len)] = dO V^T
+  void dprobs(const HeadBlock<T, In>& hb, const In* dy_blk, int64_t blk, int64_t /*j0*/, int64_t len,
+              T* dp) const {
+    const int64_t w = width(len), Dv = p.head_dim_v;
+    at::native::cpublas::brgemm(hb.rows, w, Dv, p.out.stride_s, slots.block_width(hb.b, blk), w,
+                                false, dy_blk, packed(packed_vt, hb, blk, Dv * kBwdKvBlock), dp);
+  }
+  void accumulate(Local& w, const HeadBlock<T, In>& hb, const In* /*dy_blk*/, int64_t blk, int64_t j0,
+                  int64_t len, const T* pt, const T* ds, const BwdTargets<T>& to) const {
+    const int64_t rows = hb.rows, wd = width(len), D = p.head_dim, Dv = p.head_dim_v;
+    at::vec::convert(pt, w.rounded.data(), rows * wd);
+    pack_row_pairs_vnni(w.rounded.data(), wd, rows, wd, w.p_pairs.data());
+    at::vec::convert(ds, w.ds_row.data(), rows * wd);
+    pack_row_pairs_vnni(w.ds_row.data(), wd, rows, wd, w.ds_pairs.data());
+    using at::native::cpublas::brgemm;
+    brgemm(Dv, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.dyt.data(), w.p_pairs.data(),
+           w.dvt.data() + j0);
+    brgemm(D, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.qt.data(), w.ds_pairs.data(),
+           w.dkt.data() + j0);
+    brgemm(rows, D, wd, wd, D, p.q.stride_s, true, w.ds_row.data(),
+           packed(packed_k, hb, blk, kBwdKvBlock * D), to.dq_blk);
+  }
+  // dk/dv rows of the head <- dK^T / dV^T
+  void finish_head(Local& w, const BwdTargets<T>& to, int64_t skv) const {
+    if (skv == 0) return;
+    const auto t = [&](const std::vector<T>& src, int64_t cols, T* dst) {
+      transpose(reinterpret_cast<const char*>(src.data()), reinterpret_cast<char*>(dst),
+                {static_cast<int64_t>(sizeof(T)), 1, {skv, cols}, {1, w.ldt}});
+    };
+    t(w.dkt, p.head_dim, to.dk_h);
+    t(w.dvt, p.head_dim_v, to.dv_h);
+  }
+};
+
 template <typename T, typename In>
 struct BwdScratch {
-  blas::TileBuffer<T> p_tile{kQBlock * kKvBlock};   // P (then P' with dropout)
-  blas::TileBuffer<T> ds_tile{kQBlock * kKvBlock};  // dP, then dS
-  blas::TileBuffer<T> factor{kQBlock * kKvBlock};
-  blas::TileBuffer<uint8_t> keep{kKvBlock};
-  blas::TileBuffer<In> p_low{kRoundsOperands<T, In> ? kQBlock * kKvBlock : 0};
-  blas::TileBuffer<In> ds_low{kRoundsOperands<T, In> ? kQBlock * kKvBlock : 0};
-  T row_dot[kQBlock];  // rowsum(dO * O)
-  T m[kQBlock];
-  T inv_l[kQBlock];
+  blas::TileBuffer<T> p_tile{kBwdQBlock * (kBwdKvBlock + 1)};   // P (then P' with dropout)
+  blas::TileBuffer<T> ds_tile{kBwdQBlock * (kBwdKvBlock + 1)};  // dP, then dS
+  blas::TileBuffer<T> factor{kBwdQBlock * (kBwdKvBlock + 1)};
+  blas::TileBuffer<uint8_t> keep{kBwdKvBlock};
+  T row_dot[kBwdQBlock];  // rowsum(dO * O)
+  T m[kBwdQBlock];
+  T inv_l[kBwdQBlock];
 };
+
+template <typename T, typename In>
+struct BwdArgs {
+  const In *q, *k, *v, *dy, *o;
+  const T *smax, *ssum;
+  T *dq, *dk, *dv, *dpse;
+  float* dsink;
+  int64_t dpse_rows;  // dpse is [B, Nq, Sp, Skv]: Sp = 1 sums the rows, Sp = Sq keeps them.
+  int64_t total_kv;   // TND: Tkv rows per head
+};
+
+// One task per (batch, query head), see the top of the file. Tiles: BlasBwdTiles or BrgemmBwdTiles;
+// the tiles of a key block are width(len) wide, and columns past len are masked (P = dS = 0).
+template <typename T, typename In, typename Tiles>
+void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, const Tiles& tiles) {
+  const T* pse = static_cast<const T*>(p.pse);
+  const int64_t Dv = p.head_dim_v;
+  const T scale = static_cast<T>(p.scale);
+  const uint64_t threshold = keep_threshold(p.keep_prob);
+  struct Scratch : BwdScratch<T, In> {
+    typename Tiles::Local local;
+    explicit Scratch(typename Tiles::Local l) : local(std::move(l)) {}
+    ~Scratch() { local.release(); }
+  };
+
+  run_dynamic(
+      p.batch * p.heads_q, [&] { return Scratch(tiles.local()); },
+      [&](Scratch& w, int64_t t) {
+        const int64_t b = t / p.heads_q, n = t % p.heads_q;
+        const int64_t sq = p.q_len[b], skv = p.kv_len[b];
+        // This head's private dk/dv rows (see AttentionBwdFn).
+        const int64_t head_row0 = p.tnd ? n * x.total_kv + p.kv_start[b] : (b * p.heads_q + n) * skv;
+        BwdTargets<T> to{nullptr, x.dk + head_row0 * p.head_dim, x.dv + head_row0 * Dv};
+        T* dpse_h = x.dpse == nullptr ? nullptr : x.dpse + (b * p.heads_q + n) * x.dpse_rows * skv;
+        double dsink_acc = 0;
+        tiles.start_head(w.local, skv);
+        for (int64_t i0 = 0; i0 < sq; i0 += kBwdQBlock) {
+          const HeadBlock<T, In> hb(p, x.q, x.k, x.v, pse, b, n, i0, std::min(i0 + kBwdQBlock, sq));
+          const int64_t rows = hb.rows;
+          const bool fuse_scale = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && scale > T(0);
+          const T exp_scale = fuse_scale ? scale : T(1);
+          const int64_t out_row0 = b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
+          const In* dy_blk = x.dy + out_row0;
+          const In* o_blk = x.o + out_row0;
+          to.dq_blk = x.dq + b * p.q.stride_b + (p.q_start[b] + i0) * p.q.stride_s + n * p.q.stride_n;
+          for (int64_t r = 0; r < rows; ++r) {
+            w.row_dot[r] = dot_rows<T>(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
+            const int64_t idx = p.stat_index(b, n, i0 + r);
+            const T l = x.ssum[8 * idx];
+            w.m[r] = x.smax[8 * idx];
+            w.inv_l[r] = l > T(0) ? T(1) / l : T(0);
+            if (p.sink != nullptr && l > T(0)) {
+              // d loss / d sink = -p_sink * rowsum(dO * O), p_sink = exp(sink - max) / sum.
+              dsink_acc -= std::exp(static_cast<T>(p.sink[n]) - w.m[r]) * w.inv_l[r] * w.row_dot[r];
+            }
+          }
+          if (hb.key_lo > hb.key_hi) continue;
+          tiles.start_rows(w.local, hb, dy_blk);
+          for (int64_t blk = hb.key_lo / kBwdKvBlock; blk <= hb.key_hi / kBwdKvBlock; ++blk) {
+            // Keys past the last one any row sees (causal masks) are not computed.
+            const int64_t j0 = blk * kBwdKvBlock, len = std::min(kBwdKvBlock, hb.key_hi + 1 - j0);
+            const int64_t ld = Tiles::width(len);
+            T* pt = w.p_tile.data();
+            T* dst = w.ds_tile.data();
+            // Q K^T, unscaled; scale is folded as in the forward.
+            tiles.scores(hb, blk, j0, len, pt);
+            for (int64_t r = 0; r < rows; ++r) {
+              T* pr = pt + r * ld;
+              const auto [a, e] = hb.logits(r, pr, j0, ld, scale, /*apply_scale=*/!fuse_scale);
+              if (a == e || w.inv_l[r] == T(0)) {
+                std::fill(pr, pr + ld, T(0));
+              } else {
+                exp_scaled(pr, ld, w.m[r], w.inv_l[r], exp_scale);
+              }
+            }
+            tiles.dprobs(hb, dy_blk, blk, j0, len, dst);  // dP = dO V^T
+            if (p.dropout) {
+              for (int64_t r = 0; r < rows; ++r) {
+                T* f = w.factor.data() + r * ld;
+                dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), f, threshold);
+                std::fill(f + len, f + ld, T(0));
+              }
+            }
+            using Vec = Vectorized<T>;
+            for (int64_t r = 0; r < rows; ++r) {
+              T* pr = pt + r * ld;
+              T* dr = dst + r * ld;
+              const T* f = w.factor.data() + r * ld;
+              const Vec rd(w.row_dot[r]);
+              int64_t j = 0;
+              // dS = P * (dP * factor - rowsum(dO * O)) * scale
+              for (; j + Vec::size() <= ld; j += Vec::size()) {
+                Vec dpj = Vec::loadu(dr + j);
+                if (p.dropout) dpj = dpj * Vec::loadu(f + j);
+                (Vec::loadu(pr + j) * (dpj - rd) * Vec(scale)).store(dr + j);
+              }
+              for (; j < ld; ++j) {
+                const T dpj = p.dropout ? dr[j] * f[j] : dr[j];
+                dr[j] = pr[j] * (dpj - w.row_dot[r]) * scale;
+              }
+              if (dpse_h != nullptr) {
+                T* g = dpse_h + (x.dpse_rows == 1 ? 0 : (i0 + r) * skv) + j0;
+                for (int64_t jj = 0; jj < len; ++jj) g[jj] += dr[jj];
+              }
+            }
+            if (p.dropout) multiply_rows(pt, w.factor.data(), rows * ld);  // P' for dV
+            tiles.accumulate(w.local, hb, dy_blk, blk, j0, len, pt, dst, to);
+          }
+        }
+        tiles.finish_head(w.local, to, skv);
+        if (x.dsink != nullptr) x.dsink[b * p.heads_q + n] = static_cast<float>(dsink_acc);
+      });
+}
 
 template <typename T, typename In>
 void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const at::Tensor& k_t,
@@ -591,128 +941,19 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
                         const at::Tensor& max_t, const at::Tensor& sum_t, at::Tensor& dq_t,
                         at::Tensor& dk_t, at::Tensor& dv_t, at::Tensor& dpse_t,
                         at::Tensor& dsink_t) {
-  const In* q = q_t.const_data_ptr<In>();
-  const In* k = k_t.const_data_ptr<In>();
-  const In* v = v_t.const_data_ptr<In>();
-  const In* dy = dy_t.const_data_ptr<In>();
-  const In* o = out_t.const_data_ptr<In>();
-  const T* pse = static_cast<const T*>(p.pse);
-  const T* smax = max_t.const_data_ptr<T>();
-  const T* ssum = sum_t.const_data_ptr<T>();
-  T* dq = dq_t.data_ptr<T>();
-  T* dk = dk_t.data_ptr<T>();
-  T* dv = dv_t.data_ptr<T>();
-  T* dpse = dpse_t.defined() ? dpse_t.data_ptr<T>() : nullptr;
-  float* dsink = dsink_t.defined() ? dsink_t.data_ptr<float>() : nullptr;
-  const int64_t D = p.head_dim, Dv = p.head_dim_v;
-  const T scale = static_cast<T>(p.scale);
-  const uint64_t threshold = keep_threshold(p.keep_prob);
-  // dpse is [B, Nq, Sp, Skv]: Sp = 1 sums the rows, Sp = Sq keeps them.
-  const int64_t dpse_rows = dpse_t.defined() ? dpse_t.size(2) : 0;
-  const int64_t total_kv = p.tnd ? dk_t.size(1) : 0;  // TND: Tkv rows per head
-
-  run_dynamic(
-      p.batch * p.heads_q, [&] { return BwdScratch<T, In>(); },
-      [&](BwdScratch<T, In>& w, int64_t t) {
-        const int64_t b = t / p.heads_q, n = t % p.heads_q;
-        const int64_t sq = p.q_len[b], skv = p.kv_len[b];
-        // This head's private dk/dv rows (see AttentionBwdFn).
-        const int64_t head_row0 = p.tnd ? n * total_kv + p.kv_start[b] : (b * p.heads_q + n) * skv;
-        T* dk_h = dk + head_row0 * D;
-        T* dv_h = dv + head_row0 * Dv;
-        T* dpse_h = dpse == nullptr ? nullptr : dpse + (b * p.heads_q + n) * dpse_rows * skv;
-        double dsink_acc = 0;
-        for (int64_t i0 = 0; i0 < sq; i0 += kQBlock) {
-          const HeadBlock<T, In> hb(p, q, k, v, pse, b, n, i0, std::min(i0 + kQBlock, sq));
-          const int64_t rows = hb.rows;
-          const bool fuse_scale = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && scale > T(0);
-          const T exp_scale = fuse_scale ? scale : T(1);
-          const int64_t out_row0 = b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
-          const In* dy_blk = dy + out_row0;
-          const In* o_blk = o + out_row0;
-          T* dq_blk = dq + b * p.q.stride_b + (p.q_start[b] + i0) * p.q.stride_s + n * p.q.stride_n;
-          for (int64_t r = 0; r < rows; ++r) {
-            w.row_dot[r] = dot_rows<T>(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
-            const int64_t idx = p.stat_index(b, n, i0 + r);
-            const T l = ssum[8 * idx];
-            w.m[r] = smax[8 * idx];
-            w.inv_l[r] = l > T(0) ? T(1) / l : T(0);
-            if (p.sink != nullptr && l > T(0)) {
-              // d loss / d sink = -p_sink * rowsum(dO * O), p_sink = exp(sink - max) / sum.
-              dsink_acc -= std::exp(static_cast<T>(p.sink[n]) - w.m[r]) * w.inv_l[r] * w.row_dot[r];
-            }
-          }
-          for (int64_t j0 = hb.key_lo; j0 <= hb.key_hi; j0 += kKvBlock) {
-            const int64_t len = std::min(kKvBlock, hb.key_hi + 1 - j0);
-            const In* k_blk = hb.k + j0 * p.k.stride_s;
-            T* pt = w.p_tile.data();
-            T* dst = w.ds_tile.data();
-            // Q K^T, unscaled (see BlasTiles); scale is folded as in the forward.
-            blas::gemm<In, T>(false, true, rows, len, D, T(1), hb.q, p.q.stride_s, k_blk, p.k.stride_s,
-                              T(0), pt, len);
-            for (int64_t r = 0; r < rows; ++r) {
-              T* pr = pt + r * len;
-              const auto [a, e] = hb.logits(r, pr, j0, len, scale, /*apply_scale=*/!fuse_scale);
-              if (a == e || w.inv_l[r] == T(0)) {
-                std::fill(pr, pr + len, T(0));
-              } else {
-                exp_scaled(pr, len, w.m[r], w.inv_l[r], exp_scale);
-              }
-            }
-            // dP = dO V^T
-            blas::gemm<In, T>(false, true, rows, len, Dv, T(1), dy_blk, p.out.stride_s,
-                              hb.v + j0 * p.v.stride_s, p.v.stride_s, T(0), dst, len);
-            if (p.dropout) {
-              for (int64_t r = 0; r < rows; ++r) {
-                dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data() + r * len,
-                                threshold);
-              }
-            }
-            using Vec = Vectorized<T>;
-            for (int64_t r = 0; r < rows; ++r) {
-              T* pr = pt + r * len;
-              T* dr = dst + r * len;
-              const T* f = w.factor.data() + r * len;
-              const Vec rd(w.row_dot[r]);
-              int64_t j = 0;
-              // dS = P * (dP * factor - rowsum(dO * O)) * scale
-              for (; j + Vec::size() <= len; j += Vec::size()) {
-                Vec dpj = Vec::loadu(dr + j);
-                if (p.dropout) dpj = dpj * Vec::loadu(f + j);
-                (Vec::loadu(pr + j) * (dpj - rd) * Vec(scale)).store(dr + j);
-              }
-              for (; j < len; ++j) {
-                const T dpj = p.dropout ? dr[j] * f[j] : dr[j];
-                dr[j] = pr[j] * (dpj - w.row_dot[r]) * scale;
-              }
-              if (dpse_h != nullptr) {
-                T* g = dpse_h + (dpse_rows == 1 ? 0 : (i0 + r) * skv) + j0;
-                for (int64_t jj = 0; jj < len; ++jj) g[jj] += dr[jj];
-              }
-            }
-            if (p.dropout) multiply_rows(pt, w.factor.data(), rows * len);  // P' for dV
-            const In* probs;
-            const In* dscores;
-            if constexpr (kRoundsOperands<T, In>) {
-              at::vec::convert(pt, w.p_low.data(), rows * len);
-              at::vec::convert(dst, w.ds_low.data(), rows * len);
-              probs = w.p_low.data();
-              dscores = w.ds_low.data();
-            } else {
-              probs = pt;
-              dscores = dst;
-            }
-            // dV += P'^T dO;  dQ += dS K;  dK += dS^T Q
-            blas::gemm<In, T>(true, false, len, Dv, rows, T(1), probs, len, dy_blk, p.out.stride_s, T(1),
-                        dv_h + j0 * Dv, Dv);
-            blas::gemm<In, T>(false, false, rows, D, len, T(1), dscores, len, k_blk, p.k.stride_s, T(1),
-                        dq_blk, p.q.stride_s);
-            blas::gemm<In, T>(true, false, len, D, rows, T(1), dscores, len, hb.q, p.q.stride_s, T(1),
-                        dk_h + j0 * D, D);
-          }
-        }
-        if (dsink != nullptr) dsink[b * p.heads_q + n] = static_cast<float>(dsink_acc);
-      });
+  const BwdArgs<T, In> x{
+      q_t.const_data_ptr<In>(), k_t.const_data_ptr<In>(), v_t.const_data_ptr<In>(),
+      dy_t.const_data_ptr<In>(), out_t.const_data_ptr<In>(), max_t.const_data_ptr<T>(),
+      sum_t.const_data_ptr<T>(), dq_t.data_ptr<T>(), dk_t.data_ptr<T>(), dv_t.data_ptr<T>(),
+      dpse_t.defined() ? dpse_t.data_ptr<T>() : nullptr,
+      dsink_t.defined() ? dsink_t.data_ptr<float>() : nullptr,
+      dpse_t.defined() ? dpse_t.size(2) : 0, p.tnd ? dk_t.size(1) : 0};
+  if constexpr (kRoundsOperands<T, In>) {
+    if (BrgemmBwdTiles<In>::supports(p, q_t.scalar_type())) {
+      return attention_bwd_tiles<T, In>(p, x, BrgemmBwdTiles<In>(p, x.k, x.v));
+    }
+  }
+  attention_bwd_tiles<T, In>(p, x, BlasBwdTiles<T, In>{p});
 }
 
 void attention_fwd_kernel(const AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
