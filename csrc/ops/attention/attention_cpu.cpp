@@ -632,6 +632,54 @@ T dot_rows(const In* a, const In* b, int64_t n) {
   }
 }
 
+// One (query block, key block) step of the backward after its two GEMMs: rows x ld tiles of
+// masked logits s (-inf where a key is invisible; a row that sees nothing is all -inf with m = 0,
+// inv_l = 0) and of dP = dO V^T, and what turns them into P' and dS:
+//   P = exp(exp_scale * s - m) * inv_l,  P' = P * factor,  dS = P * (dP * factor - row_dot) * scale
+// (factor: dropout's keep / keep_prob, absent without dropout). dS of the first len columns is
+// also added into dpse rows when dpse is given (row r at dpse + r * dpse_stride).
+template <typename T>
+struct GradRows {
+  T* s;
+  T* dp;
+  const T* factor;
+  const T* m;
+  const T* inv_l;
+  const T* row_dot;
+  T exp_scale, scale;
+  T* dpse;
+  int64_t dpse_stride;
+  int64_t len;
+};
+
+// P' and dS in T, in place of s and dp.
+template <typename T>
+void gradients_in_place(const GradRows<T>& g, int64_t rows, int64_t ld) {
+  using Vec = Vectorized<T>;
+  for (int64_t r = 0; r < rows; ++r) {
+    T* pr = g.s + r * ld;
+    T* dr = g.dp + r * ld;
+    const T* f = g.factor == nullptr ? nullptr : g.factor + r * ld;
+    exp_scaled(pr, ld, g.m[r], g.inv_l[r], g.exp_scale);
+    const Vec rd(g.row_dot[r]);
+    int64_t j = 0;
+    for (; j + Vec::size() <= ld; j += Vec::size()) {
+      Vec dpj = Vec::loadu(dr + j);
+      if (f != nullptr) dpj = dpj * Vec::loadu(f + j);
+      (Vec::loadu(pr + j) * (dpj - rd) * Vec(g.scale)).store(dr + j);
+    }
+    for (; j < ld; ++j) {
+      const T dpj = f != nullptr ? dr[j] * f[j] : dr[j];
+      dr[j] = pr[j] * (dpj - g.row_dot[r]) * g.scale;
+    }
+    if (g.dpse != nullptr) {
+      T* d = g.dpse + r * g.dpse_stride;
+      for (int64_t jj = 0; jj < g.len; ++jj) d[jj] += dr[jj];
+    }
+    if (f != nullptr) multiply_rows(pr, f, ld);
+  }
+}
+
 // The accumulators one backward task owns: its query block's dQ rows (in dq) and its head's
 // private dK/dV rows (see AttentionBwdFn), all in T.
 template <typename T>
@@ -666,7 +714,10 @@ struct BlasBwdTiles {
     blas::gemm<In, T>(false, true, hb.rows, len, p.head_dim_v, T(1), dy_blk, p.out.stride_s,
                       hb.v + j0 * p.v.stride_s, p.v.stride_s, T(0), dp, len);
   }
-  // dV += P'^T dO;  dQ += dS K;  dK += dS^T Q
+  void gradients(Local&, const GradRows<T>& g, int64_t rows, int64_t ld) const {
+    gradients_in_place(g, rows, ld);
+  }
+  // dV += P'^T dO;  dQ += dS K;  dK += dS^T Q, from gradients()'s P' (pt) and dS (ds)
   void accumulate(Local& w, const HeadBlock<T, In>& hb, const In* dy_blk, int64_t /*blk*/,
                   int64_t j0, int64_t len, const T* pt, const T* ds, const BwdTargets<T>& to) const {
     const int64_t rows = hb.rows, D = p.head_dim, Dv = p.head_dim_v;
@@ -733,7 +784,6 @@ struct BrgemmBwdTiles {
   struct Local {
     static constexpr int64_t kRowsPad = kBwdQBlock + 1;
     blas::TileBuffer<In> ds_row{kBwdQBlock * (kBwdKvBlock + 1)};  // dS rounded, [rows, width]
-    blas::TileBuffer<In> rounded{kBwdQBlock * (kBwdKvBlock + 1)};  // P' rounded, before packing
     blas::TileBuffer<In> p_pairs{kRowsPad * (kBwdKvBlock + 1)};
     blas::TileBuffer<In> ds_pairs{kRowsPad * (kBwdKvBlock + 1)};
     blas::TileBuffer<In> qt, dyt, staging;  // Q^T, dO^T [D or Dv, rows_pad]
@@ -784,13 +834,66 @@ struct BrgemmBwdTiles {
     at::native::cpublas::brgemm(hb.rows, w, Dv, p.out.stride_s, slots.block_width(hb.b, blk), w,
                                 false, dy_blk, packed(packed_vt, hb, blk, Dv * kBwdKvBlock), dp);
   }
+  // P' and dS rounded to In once, straight into the layouts the GEMMs take: dS row-major, P'
+  // and dS as row pairs. Two rows at a time, 2 x 16 columns per step; the fp32 tiles are read
+  // once and never written.
+  void gradients(Local& w, const GradRows<T>& g, int64_t rows, int64_t ld) const {
+    using Vec = Vectorized<T>;
+    using Pair = VecPair<In>;
+    using F = VecPair<T>;
+    const Vec scale(g.scale), exp_scale(g.exp_scale);
+    // P' and dS of row r, columns j..j+n (n <= kStep), as two vectors each
+    const auto row = [&](int64_t r, int64_t j, int64_t n, Vec* pv, Vec* dsv) {
+      Vec s[2], dp[2], f[2];
+      F::load(g.s + r * ld + j, s[0], s[1], n);
+      F::load(g.dp + r * ld + j, dp[0], dp[1], n);
+      if (g.factor != nullptr) F::load(g.factor + r * ld + j, f[0], f[1], n);
+      const Vec m(g.m[r]), inv_l(g.inv_l[r]), rd(g.row_dot[r]);
+      for (int h = 0; h < 2; ++h) {
+        Vec pr = softmax_exp(at::vec::fmadd(s[h], exp_scale, -m)) * inv_l;
+        if (g.factor != nullptr) {
+          dp[h] = dp[h] * f[h];
+          dsv[h] = pr * (dp[h] - rd) * scale;
+          pv[h] = pr * f[h];
+        } else {
+          dsv[h] = pr * (dp[h] - rd) * scale;
+          pv[h] = pr;
+        }
+      }
+      Pair::store(w.ds_row.data() + r * ld + j, dsv[0], dsv[1], n);
+      if (g.dpse != nullptr && j < g.len) {
+        T* d = g.dpse + r * g.dpse_stride + j;
+        const int64_t nd = std::min(n, g.len - j);
+        Vec acc[2];
+        F::load(d, acc[0], acc[1], nd);
+        F::store(d, acc[0] + dsv[0], acc[1] + dsv[1], nd);
+      }
+    };
+    // (a[i], b[i]) pairs of columns j..j+n into dst's row-pair layout
+    const auto pairs = [&](In* dst, int64_t j, int64_t n, const Vec* a, const Vec* b) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t nh = std::clamp<int64_t>(n - h * Vec::size(), 0, Vec::size());
+        if (nh == 0) break;
+        const auto [lo, hi] = at::vec::interleave2(a[h], b[h]);
+        Pair::store(dst + 2 * (j + h * Vec::size()), lo, hi, 2 * nh);
+      }
+    };
+    for (int64_t r = 0; r < rows; r += 2) {
+      In* p_out = w.p_pairs.data() + r * ld;
+      In* ds_out = w.ds_pairs.data() + r * ld;
+      for (int64_t j = 0; j < ld; j += Pair::kStep) {
+        const int64_t n = std::min<int64_t>(Pair::kStep, ld - j);
+        Vec p0[2], ds0[2], p1[2] = {Vec(0), Vec(0)}, ds1[2] = {Vec(0), Vec(0)};
+        row(r, j, n, p0, ds0);
+        if (r + 1 < rows) row(r + 1, j, n, p1, ds1);  // else the zero row padding rows to even
+        pairs(p_out, j, n, p0, p1);
+        pairs(ds_out, j, n, ds0, ds1);
+      }
+    }
+  }
   void accumulate(Local& w, const HeadBlock<T, In>& hb, const In* /*dy_blk*/, int64_t blk, int64_t j0,
-                  int64_t len, const T* pt, const T* ds, const BwdTargets<T>& to) const {
+                  int64_t len, const T* /*pt*/, const T* /*ds*/, const BwdTargets<T>& to) const {
     const int64_t rows = hb.rows, wd = width(len), D = p.head_dim, Dv = p.head_dim_v;
-    at::vec::convert(pt, w.rounded.data(), rows * wd);
-    pack_row_pairs_vnni(w.rounded.data(), wd, rows, wd, w.p_pairs.data());
-    at::vec::convert(ds, w.ds_row.data(), rows * wd);
-    pack_row_pairs_vnni(w.ds_row.data(), wd, rows, wd, w.ds_pairs.data());
     using at::native::cpublas::brgemm;
     brgemm(Dv, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.dyt.data(), w.p_pairs.data(),
            w.dvt.data() + j0);
@@ -870,7 +973,8 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
             w.row_dot[r] = dot_rows<T>(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
             const int64_t idx = p.stat_index(b, n, i0 + r);
             const T l = x.ssum[8 * idx];
-            w.m[r] = x.smax[8 * idx];
+            // A row that saw no key has l = 0: m = 0 keeps its P = exp(-inf - m) * 0 at 0.
+            w.m[r] = l > T(0) ? x.smax[8 * idx] : T(0);
             w.inv_l[r] = l > T(0) ? T(1) / l : T(0);
             if (p.sink != nullptr && l > T(0)) {
               // d loss / d sink = -p_sink * rowsum(dO * O), p_sink = exp(sink - max) / sum.
@@ -888,13 +992,8 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
             // Q K^T, unscaled; scale is folded as in the forward.
             tiles.scores(hb, blk, j0, len, pt);
             for (int64_t r = 0; r < rows; ++r) {
-              T* pr = pt + r * ld;
-              const auto [a, e] = hb.logits(r, pr, j0, ld, scale, /*apply_scale=*/!fuse_scale);
-              if (a == e || w.inv_l[r] == T(0)) {
-                std::fill(pr, pr + ld, T(0));
-              } else {
-                exp_scaled(pr, ld, w.m[r], w.inv_l[r], exp_scale);
-              }
+              // masked logits; a row seeing no key of the block is all -inf
+              hb.logits(r, pt + r * ld, j0, ld, scale, /*apply_scale=*/!fuse_scale);
             }
             tiles.dprobs(hb, dy_blk, blk, j0, len, dst);  // dP = dO V^T
             if (p.dropout) {
@@ -904,29 +1003,11 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
                 std::fill(f + len, f + ld, T(0));
               }
             }
-            using Vec = Vectorized<T>;
-            for (int64_t r = 0; r < rows; ++r) {
-              T* pr = pt + r * ld;
-              T* dr = dst + r * ld;
-              const T* f = w.factor.data() + r * ld;
-              const Vec rd(w.row_dot[r]);
-              int64_t j = 0;
-              // dS = P * (dP * factor - rowsum(dO * O)) * scale
-              for (; j + Vec::size() <= ld; j += Vec::size()) {
-                Vec dpj = Vec::loadu(dr + j);
-                if (p.dropout) dpj = dpj * Vec::loadu(f + j);
-                (Vec::loadu(pr + j) * (dpj - rd) * Vec(scale)).store(dr + j);
-              }
-              for (; j < ld; ++j) {
-                const T dpj = p.dropout ? dr[j] * f[j] : dr[j];
-                dr[j] = pr[j] * (dpj - w.row_dot[r]) * scale;
-              }
-              if (dpse_h != nullptr) {
-                T* g = dpse_h + (x.dpse_rows == 1 ? 0 : (i0 + r) * skv) + j0;
-                for (int64_t jj = 0; jj < len; ++jj) g[jj] += dr[jj];
-              }
-            }
-            if (p.dropout) multiply_rows(pt, w.factor.data(), rows * ld);  // P' for dV
+            const GradRows<T> g{pt, dst, p.dropout ? w.factor.data() : nullptr, w.m, w.inv_l,
+                                w.row_dot, exp_scale, scale,
+                                dpse_h == nullptr ? nullptr : dpse_h + (x.dpse_rows == 1 ? 0 : i0 * skv) + j0,
+                                x.dpse_rows == 1 ? 0 : skv, len};
+            tiles.gradients(w.local, g, rows, ld);
             tiles.accumulate(w.local, hb, dy_blk, blk, j0, len, pt, dst, to);
           }
         }
