@@ -5,7 +5,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/PhiloxRNGEngine.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
 #include <c10/util/irange.h>
 #include <torch/library.h>
 
@@ -548,27 +550,6 @@ at::Tensor check_stats(const char* arg, const at::Tensor& t, const Prepared& pre
   return t.to(prep.dtype == at::kDouble ? at::kDouble : at::kFloat).contiguous();
 }
 
-// dk/dv accumulated per query head -> summed over each group, in key's layout.
-at::Tensor reduce_heads(const at::Tensor& per_head, const Prepared& prep, const at::Tensor& like) {
-  const AttentionProblem& p = prep.p;
-  const int64_t g = p.group();
-  at::Tensor summed;
-  if (p.tnd) {
-    const int64_t t = per_head.size(1), d = per_head.size(2);
-    summed = per_head.view({p.heads_kv, g, t, d}).sum(1).permute({1, 0, 2});
-  } else {
-    const int64_t b = per_head.size(0), s = per_head.size(2), d = per_head.size(3);
-    at::Tensor bnsd = per_head.view({b, p.heads_kv, g, s, d}).sum(2);
-    switch (prep.layout) {
-      case Layout::BSH: summed = bnsd.permute({0, 2, 1, 3}).reshape({b, s, p.heads_kv * d}); break;
-      case Layout::SBH: summed = bnsd.permute({2, 0, 1, 3}).reshape({s, b, p.heads_kv * d}); break;
-      case Layout::BSND: summed = bnsd.permute({0, 2, 1, 3}); break;
-      default: summed = bnsd; break;
-    }
-  }
-  return summed.to(like.scalar_type()).contiguous();
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusion_attention_grad(
     const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
     int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
@@ -617,14 +598,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
   }
 
   const auto opts = prep.q.options().dtype(acc);
-  at::Tensor dq = at::zeros(prep.q.sizes(), opts);
+  // The kernel writes dq/dk/dv whole; TND tokens outside every sequence stay zero.
+  const auto grad_like = [&](const at::Tensor& t) {
+    return p.tnd || prep.numels == 0 ? at::zeros_like(t) : at::empty_like(t);
+  };
+  at::Tensor dq = grad_like(prep.q), dk = grad_like(prep.k), dv = grad_like(prep.v);
   const std::vector<int64_t> k_heads =
       p.tnd ? std::vector<int64_t>{p.heads_q, prep.seq_kv, p.head_dim}
             : std::vector<int64_t>{p.batch, p.heads_q, prep.seq_kv, p.head_dim};
   std::vector<int64_t> v_heads = k_heads;
   v_heads.back() = p.head_dim_v;
-  at::Tensor dk_heads = at::zeros(k_heads, opts);
-  at::Tensor dv_heads = at::zeros(v_heads, opts);
+  at::Tensor dk_heads = at::empty(k_heads, opts);
+  at::Tensor dv_heads = at::empty(v_heads, opts);
   at::Tensor dpse_acc;
   if (pse.has_value()) {
     dpse_acc = at::zeros({p.batch, p.heads_q, pse->size(2), prep.seq_kv}, opts);
@@ -632,7 +617,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
   at::Tensor dsink_parts;
   if (sink.has_value()) dsink_parts = at::zeros({p.batch, p.heads_q}, opts.dtype(at::kFloat));
   if (prep.numels > 0) {
-    attention_bwd_cpu.get(kBwd)(p, prep.q, prep.k, prep.v, dy_in, out_in, smax, ssum, dq,
+    attention_bwd_cpu.get(kBwd)(p, prep.q, prep.k, prep.v, dy_in, out_in, smax, ssum, dq, dk, dv,
                                 dk_heads, dv_heads, dpse_acc, dsink_parts);
   }
 
@@ -645,8 +630,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
     dpse = summed.to(pse->scalar_type()).contiguous();
   }
   at::Tensor dsink = sink.has_value() ? dsink_parts.sum(0) : at::empty({0}, query.options().dtype(at::kFloat));
-  return {dq.to(prep.dtype), reduce_heads(dk_heads, prep, key), reduce_heads(dv_heads, prep, value),
-          dpse, dsink};
+  return {dq.to(prep.dtype), dk.to(key.scalar_type()), dv.to(value.scalar_type()), dpse, dsink};
 }
 
 // Bit-packed dropout keep mask: bit k (little-endian within each byte) is 1 iff element k is kept

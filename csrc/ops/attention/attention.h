@@ -117,15 +117,16 @@ using AttentionFwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
                             const at::Tensor& v, at::Tensor& out, at::Tensor& softmax_max,
                             at::Tensor& softmax_sum);
 
-// Backward: dq in layout p.q; dk_heads / dv_heads are per query head ([B, Nq, Skv, D] or
-// [Nq, Tkv, D], contiguous), summed over each group by the caller; all three in the accumulator
-// dtype. dpse (if defined) is [B, Nq, Sp, Skv] with Sp in {1, Sq}; dsink (if defined) is [B, Nq]
-// float32 partials.
+// Backward: dq, dk, dv in the dtype and layouts of q, k, v (p.q, p.k, p.v), written whole
+// except for TND tokens no sequence covers, which the caller zeroes. dk_heads / dv_heads are the
+// kernel's scratch: per query head ([B, Nq, Skv, D] or [Nq, Tkv, D], contiguous, accumulator
+// dtype), summed over each group into dk / dv. dpse (if defined) is [B, Nq, Sp, Skv] with Sp in
+// {1, Sq}, zeroed; dsink (if defined) is [B, Nq] float32 partials.
 using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
                             const at::Tensor& v, const at::Tensor& dy, const at::Tensor& out,
                             const at::Tensor& softmax_max, const at::Tensor& softmax_sum,
-                            at::Tensor& dq, at::Tensor& dk_heads, at::Tensor& dv_heads,
-                            at::Tensor& dpse, at::Tensor& dsink);
+                            at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dk_heads,
+                            at::Tensor& dv_heads, at::Tensor& dpse, at::Tensor& dsink);
 
 extern CpuKernel<AttentionFwdFn> attention_fwd_cpu;
 extern CpuKernel<AttentionBwdFn> attention_bwd_cpu;

@@ -26,6 +26,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -680,11 +681,41 @@ void gradients_in_place(const GradRows<T>& g, int64_t rows, int64_t ld) {
   }
 }
 
+// dst (In) = src (T) over n elements, rounded once.
+template <typename T, typename In>
+void store_row(const T* src, int64_t n, In* dst) {
+  if constexpr (std::is_same_v<T, In>) {
+    std::copy(src, src + n, dst);
+  } else {
+    at::vec::convert(src, dst, n);
+  }
+}
+
+// dst row j (In, row stride dst_stride) = the sum over h < count of src + h * src_stride row j
+// ([rows, cols] in T), added in order h = 0, 1, ...; tmp holds one row.
+template <typename T, typename In>
+void sum_heads(const T* src, int64_t count, int64_t src_stride, int64_t rows, int64_t cols, In* dst,
+               int64_t dst_stride, T* tmp) {
+  for (int64_t j = 0; j < rows; ++j) {
+    std::copy(src + j * cols, src + (j + 1) * cols, tmp);
+    for (int64_t h = 1; h < count; ++h) {
+      at::vec::map2([](auto a, auto b) { return a + b; }, tmp, tmp, src + h * src_stride + j * cols, cols);
+    }
+    store_row(tmp, cols, dst + j * dst_stride);
+  }
+}
+
+// Row 0 of kv head kvh of batch b in k or v (view st).
+template <typename In>
+In* slots_rows(In* base, const SeqView& st, const AttentionProblem& p, int64_t b, int64_t kvh) {
+  return base + b * st.stride_b + p.kv_start[b] * st.stride_s + kvh * st.stride_n;
+}
+
 // The accumulators one backward task owns: its query block's dQ rows (in dq) and its head's
 // private dK/dV rows (see AttentionBwdFn), all in T.
 template <typename T>
 struct BwdTargets {
-  T* dq_blk;  // row i0 of this head, row stride q.stride_s
+  T* dq_acc;  // the query block's dQ rows, [rows, D]
   T* dk_h;    // [skv, D]
   T* dv_h;    // [skv, Dv]
 };
@@ -701,7 +732,10 @@ struct BlasBwdTiles {
     void release() const {}
   };
   Local local() const { return {}; }
-  void start_head(Local&, int64_t /*skv*/) const {}
+  void start_head(Local&, const BwdTargets<T>& to, int64_t skv) const {
+    std::fill(to.dk_h, to.dk_h + skv * p.head_dim, T(0));
+    std::fill(to.dv_h, to.dv_h + skv * p.head_dim_v, T(0));
+  }
   void start_rows(Local&, const HeadBlock<T, In>&, const In* /*dy_blk*/) const {}
   // s[rows, len] = Q K^T (unscaled, as in the forward)
   void scores(const HeadBlock<T, In>& hb, int64_t /*blk*/, int64_t j0, int64_t len, T* s) const {
@@ -735,7 +769,7 @@ struct BlasBwdTiles {
     blas::gemm<In, T>(true, false, len, Dv, rows, T(1), probs, len, dy_blk, p.out.stride_s, T(1),
                       to.dv_h + j0 * Dv, Dv);
     blas::gemm<In, T>(false, false, rows, D, len, T(1), dscores, len, hb.k + j0 * p.k.stride_s,
-                      p.k.stride_s, T(1), to.dq_blk, p.q.stride_s);
+                      p.k.stride_s, T(1), to.dq_acc, D);
     blas::gemm<In, T>(true, false, len, D, rows, T(1), dscores, len, hb.q, p.q.stride_s, T(1),
                       to.dk_h + j0 * D, D);
   }
@@ -795,7 +829,7 @@ struct BrgemmBwdTiles {
   };
   Local local() const { return Local(p.head_dim, p.head_dim_v); }
 
-  void start_head(Local& w, int64_t skv) const {
+  void start_head(Local& w, const BwdTargets<T>& /*to*/, int64_t skv) const {
     w.ldt = skv + 1;  // a padded tile's last column may land one past the last key
     w.dkt.assign(p.head_dim * w.ldt, T(0));
     w.dvt.assign(p.head_dim_v * w.ldt, T(0));
@@ -899,10 +933,10 @@ struct BrgemmBwdTiles {
            w.dvt.data() + j0);
     brgemm(D, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.qt.data(), w.ds_pairs.data(),
            w.dkt.data() + j0);
-    brgemm(rows, D, wd, wd, D, p.q.stride_s, true, w.ds_row.data(),
-           packed(packed_k, hb, blk, kBwdKvBlock * D), to.dq_blk);
+    brgemm(rows, D, wd, wd, D, D, true, w.ds_row.data(),
+           packed(packed_k, hb, blk, kBwdKvBlock * D), to.dq_acc);
   }
-  // dk/dv rows of the head <- dK^T / dV^T
+  // The head's dk/dv slices <- dK^T / dV^T (every row: those no query saw are 0)
   void finish_head(Local& w, const BwdTargets<T>& to, int64_t skv) const {
     if (skv == 0) return;
     const auto t = [&](const std::vector<T>& src, int64_t cols, T* dst) {
@@ -920,16 +954,21 @@ struct BwdScratch {
   blas::TileBuffer<T> ds_tile{kBwdQBlock * (kBwdKvBlock + 1)};  // dP, then dS
   blas::TileBuffer<T> factor{kBwdQBlock * (kBwdKvBlock + 1)};
   blas::TileBuffer<uint8_t> keep{kBwdKvBlock};
-  T row_dot[kBwdQBlock];  // rowsum(dO * O)
+  blas::TileBuffer<T> dq_acc;  // [rows, D]
+  blas::TileBuffer<T> row_sum;  // one summed dk/dv row
+  T row_dot[kBwdQBlock];        // rowsum(dO * O)
   T m[kBwdQBlock];
   T inv_l[kBwdQBlock];
+  BwdScratch(int64_t d, int64_t dv)
+      : dq_acc(kBwdQBlock * std::max<int64_t>(d, 1)), row_sum(std::max<int64_t>({d, dv, 1})) {}
 };
 
 template <typename T, typename In>
 struct BwdArgs {
   const In *q, *k, *v, *dy, *o;
   const T *smax, *ssum;
-  T *dq, *dk, *dv, *dpse;
+  In *dq, *dk, *dv;            // layouts p.q, p.k, p.v
+  T *dk_heads, *dv_heads, *dpse;
   float* dsink;
   int64_t dpse_rows;  // dpse is [B, Nq, Sp, Skv]: Sp = 1 sums the rows, Sp = Sq keeps them.
   int64_t total_kv;   // TND: Tkv rows per head
@@ -943,23 +982,29 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
   const int64_t Dv = p.head_dim_v;
   const T scale = static_cast<T>(p.scale);
   const uint64_t threshold = keep_threshold(p.keep_prob);
+  const int64_t D = p.head_dim, g = p.group();
   struct Scratch : BwdScratch<T, In> {
     typename Tiles::Local local;
-    explicit Scratch(typename Tiles::Local l) : local(std::move(l)) {}
+    Scratch(int64_t d, int64_t dv, typename Tiles::Local l) : BwdScratch<T, In>(d, dv), local(std::move(l)) {}
     ~Scratch() { local.release(); }
   };
+  // Query heads of each (batch, kv head) still running; the last one sums the group's dk/dv.
+  std::unique_ptr<std::atomic<int64_t>[]> heads_left(new std::atomic<int64_t>[p.batch * p.heads_kv]);
+  for (int64_t i = 0; i < p.batch * p.heads_kv; ++i) heads_left[i].store(g);
+  const auto head_row0 = [&](int64_t b, int64_t n) {  // of the per-head dk/dv slices
+    return p.tnd ? n * x.total_kv + p.kv_start[b] : (b * p.heads_q + n) * p.kv_len[b];
+  };
+  const int64_t head_stride = p.tnd ? x.total_kv : 0;  // rows between a group's slices (+ skv)
 
   run_dynamic(
-      p.batch * p.heads_q, [&] { return Scratch(tiles.local()); },
+      p.batch * p.heads_q, [&] { return Scratch(D, Dv, tiles.local()); },
       [&](Scratch& w, int64_t t) {
-        const int64_t b = t / p.heads_q, n = t % p.heads_q;
+        const int64_t b = t / p.heads_q, n = t % p.heads_q, kvh = n / g;
         const int64_t sq = p.q_len[b], skv = p.kv_len[b];
-        // This head's private dk/dv rows (see AttentionBwdFn).
-        const int64_t head_row0 = p.tnd ? n * x.total_kv + p.kv_start[b] : (b * p.heads_q + n) * skv;
-        BwdTargets<T> to{nullptr, x.dk + head_row0 * p.head_dim, x.dv + head_row0 * Dv};
+        BwdTargets<T> to{w.dq_acc.data(), x.dk_heads + head_row0(b, n) * D, x.dv_heads + head_row0(b, n) * Dv};
         T* dpse_h = x.dpse == nullptr ? nullptr : x.dpse + (b * p.heads_q + n) * x.dpse_rows * skv;
         double dsink_acc = 0;
-        tiles.start_head(w.local, skv);
+        tiles.start_head(w.local, to, skv);
         for (int64_t i0 = 0; i0 < sq; i0 += kBwdQBlock) {
           const HeadBlock<T, In> hb(p, x.q, x.k, x.v, pse, b, n, i0, std::min(i0 + kBwdQBlock, sq));
           const int64_t rows = hb.rows;
@@ -968,7 +1013,8 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
           const int64_t out_row0 = b * p.out.stride_b + (p.q_start[b] + i0) * p.out.stride_s + n * p.out.stride_n;
           const In* dy_blk = x.dy + out_row0;
           const In* o_blk = x.o + out_row0;
-          to.dq_blk = x.dq + b * p.q.stride_b + (p.q_start[b] + i0) * p.q.stride_s + n * p.q.stride_n;
+          In* dq_blk = x.dq + b * p.q.stride_b + (p.q_start[b] + i0) * p.q.stride_s + n * p.q.stride_n;
+          std::fill(w.dq_acc.data(), w.dq_acc.data() + rows * D, T(0));
           for (int64_t r = 0; r < rows; ++r) {
             w.row_dot[r] = dot_rows<T>(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
             const int64_t idx = p.stat_index(b, n, i0 + r);
@@ -981,9 +1027,9 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
               dsink_acc -= std::exp(static_cast<T>(p.sink[n]) - w.m[r]) * w.inv_l[r] * w.row_dot[r];
             }
           }
-          if (hb.key_lo > hb.key_hi) continue;
-          tiles.start_rows(w.local, hb, dy_blk);
-          for (int64_t blk = hb.key_lo / kBwdKvBlock; blk <= hb.key_hi / kBwdKvBlock; ++blk) {
+          if (hb.key_lo <= hb.key_hi) tiles.start_rows(w.local, hb, dy_blk);
+          const int64_t blk_hi = hb.key_lo <= hb.key_hi ? hb.key_hi / kBwdKvBlock : -1;
+          for (int64_t blk = std::max<int64_t>(hb.key_lo, 0) / kBwdKvBlock; blk <= blk_hi; ++blk) {
             // Keys past the last one any row sees (causal masks) are not computed.
             const int64_t j0 = blk * kBwdKvBlock, len = std::min(kBwdKvBlock, hb.key_hi + 1 - j0);
             const int64_t ld = Tiles::width(len);
@@ -1010,8 +1056,18 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
             tiles.gradients(w.local, g, rows, ld);
             tiles.accumulate(w.local, hb, dy_blk, blk, j0, len, pt, dst, to);
           }
+          for (int64_t r = 0; r < rows; ++r) store_row(w.dq_acc.data() + r * D, D, dq_blk + r * p.q.stride_s);
         }
         tiles.finish_head(w.local, to, skv);
+        // The group's last head sums its g slices, in head order (the result does not depend on
+        // which thread finishes last), into dk/dv.
+        if (heads_left[b * p.heads_kv + kvh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+          const int64_t n0 = kvh * g, stride = head_stride + (p.tnd ? 0 : skv);
+          sum_heads(x.dk_heads + head_row0(b, n0) * D, g, stride * D, skv, D,
+                    slots_rows(x.dk, p.k, p, b, kvh), p.k.stride_s, w.row_sum.data());
+          sum_heads(x.dv_heads + head_row0(b, n0) * Dv, g, stride * Dv, skv, Dv,
+                    slots_rows(x.dv, p.v, p, b, kvh), p.v.stride_s, w.row_sum.data());
+        }
         if (x.dsink != nullptr) x.dsink[b * p.heads_q + n] = static_cast<float>(dsink_acc);
       });
 }
@@ -1020,15 +1076,16 @@ template <typename T, typename In>
 void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const at::Tensor& k_t,
                         const at::Tensor& v_t, const at::Tensor& dy_t, const at::Tensor& out_t,
                         const at::Tensor& max_t, const at::Tensor& sum_t, at::Tensor& dq_t,
-                        at::Tensor& dk_t, at::Tensor& dv_t, at::Tensor& dpse_t,
-                        at::Tensor& dsink_t) {
+                        at::Tensor& dk_t, at::Tensor& dv_t, at::Tensor& dk_heads_t,
+                        at::Tensor& dv_heads_t, at::Tensor& dpse_t, at::Tensor& dsink_t) {
   const BwdArgs<T, In> x{
       q_t.const_data_ptr<In>(), k_t.const_data_ptr<In>(), v_t.const_data_ptr<In>(),
       dy_t.const_data_ptr<In>(), out_t.const_data_ptr<In>(), max_t.const_data_ptr<T>(),
-      sum_t.const_data_ptr<T>(), dq_t.data_ptr<T>(), dk_t.data_ptr<T>(), dv_t.data_ptr<T>(),
+      sum_t.const_data_ptr<T>(), dq_t.data_ptr<In>(), dk_t.data_ptr<In>(), dv_t.data_ptr<In>(),
+      dk_heads_t.data_ptr<T>(), dv_heads_t.data_ptr<T>(),
       dpse_t.defined() ? dpse_t.data_ptr<T>() : nullptr,
       dsink_t.defined() ? dsink_t.data_ptr<float>() : nullptr,
-      dpse_t.defined() ? dpse_t.size(2) : 0, p.tnd ? dk_t.size(1) : 0};
+      dpse_t.defined() ? dpse_t.size(2) : 0, p.tnd ? dk_heads_t.size(1) : 0};
   if constexpr (kRoundsOperands<T, In>) {
     if (BrgemmBwdTiles<In>::supports(p, q_t.scalar_type())) {
       return attention_bwd_tiles<T, In>(p, x, BrgemmBwdTiles<In>(p, x.k, x.v));
@@ -1051,21 +1108,19 @@ void attention_fwd_kernel(const AttentionProblem& p, const at::Tensor& q, const 
 void attention_bwd_kernel(const AttentionProblem& p, const at::Tensor& q, const at::Tensor& k,
                           const at::Tensor& v, const at::Tensor& dy, const at::Tensor& out,
                           const at::Tensor& softmax_max, const at::Tensor& softmax_sum,
-                          at::Tensor& dq, at::Tensor& dk_heads, at::Tensor& dv_heads,
-                          at::Tensor& dpse, at::Tensor& dsink) {
+                          at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dk_heads,
+                          at::Tensor& dv_heads, at::Tensor& dpse, at::Tensor& dsink) {
+  const auto run = [&](auto acc, auto in) {
+    using T = decltype(acc);
+    using In = decltype(in);
+    attention_bwd_impl<T, In>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq, dk, dv, dk_heads,
+                              dv_heads, dpse, dsink);
+  };
   switch (q.scalar_type()) {
-    case at::kDouble:
-      return attention_bwd_impl<double, double>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq,
-                                                dk_heads, dv_heads, dpse, dsink);
-    case at::kBFloat16:
-      return attention_bwd_impl<float, at::BFloat16>(p, q, k, v, dy, out, softmax_max, softmax_sum,
-                                                     dq, dk_heads, dv_heads, dpse, dsink);
-    case at::kHalf:
-      return attention_bwd_impl<float, at::Half>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq,
-                                                 dk_heads, dv_heads, dpse, dsink);
-    default:
-      return attention_bwd_impl<float, float>(p, q, k, v, dy, out, softmax_max, softmax_sum, dq,
-                                              dk_heads, dv_heads, dpse, dsink);
+    case at::kDouble: return run(double(), double());
+    case at::kBFloat16: return run(float(), at::BFloat16());
+    case at::kHalf: return run(float(), at::Half());
+    default: return run(float(), float());
   }
 }
 
