@@ -408,7 +408,13 @@ void pack_row_pairs_vnni(const In* src, int64_t stride_s, int64_t len, int64_t c
   }
 }
 
-// Key blocks of kKvBlock keys, one slot per (batch, kv head, block), for operands packed once
+// Row 0 of kv head kvh of batch b in a k- or v-shaped tensor (view st).
+template <typename In>
+In* kv_rows(In* base, const SeqView& st, const AttentionProblem& p, int64_t b, int64_t kvh) {
+  return base + b * st.stride_b + p.kv_start[b] * st.stride_s + kvh * st.stride_n;
+}
+
+// Key blocks of `block` keys, one slot per (batch, kv head, block), for operands packed once
 // before the tasks start and shared by every query head of the group.
 struct KeyBlockSlots {
   const AttentionProblem& p;
@@ -443,7 +449,7 @@ struct KeyBlockSlots {
   // Row j0 of kv head kvh of batch b in k or v (strides st).
   template <typename In>
   const In* rows(const In* base, const SeqView& st, int64_t b, int64_t kvh, int64_t j0) const {
-    return base + b * st.stride_b + (p.kv_start[b] + j0) * st.stride_s + kvh * st.stride_n;
+    return kv_rows(base, st, p, b, kvh) + j0 * st.stride_s;
   }
 };
 
@@ -706,12 +712,6 @@ void sum_heads(const T* src, int64_t count, int64_t src_stride, int64_t rows, in
     }
     store_row(tmp, cols, dst + j * dst_stride);
   }
-}
-
-// Row 0 of kv head kvh of batch b in k or v (view st).
-template <typename In>
-In* slots_rows(In* base, const SeqView& st, const AttentionProblem& p, int64_t b, int64_t kvh) {
-  return base + b * st.stride_b + p.kv_start[b] * st.stride_s + kvh * st.stride_n;
 }
 
 // The accumulators one backward task owns: its query block's dQ rows (in dq) and its head's
@@ -1067,9 +1067,9 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
         if (heads_left[b * p.heads_kv + kvh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
           const int64_t n0 = kvh * g, stride = head_stride + (p.tnd ? 0 : skv);
           sum_heads(x.dk_heads + head_row0(b, n0) * D, g, stride * D, skv, D,
-                    slots_rows(x.dk, p.k, p, b, kvh), p.k.stride_s, w.row_sum.data());
+                    kv_rows(x.dk, p.k, p, b, kvh), p.k.stride_s, w.row_sum.data());
           sum_heads(x.dv_heads + head_row0(b, n0) * Dv, g, stride * Dv, skv, Dv,
-                    slots_rows(x.dv, p.v, p, b, kvh), p.v.stride_s, w.row_sum.data());
+                    kv_rows(x.dv, p.v, p, b, kvh), p.v.stride_s, w.row_sum.data());
         }
         if (x.dsink != nullptr) x.dsink[b * p.heads_q + n] = static_cast<float>(dsink_acc);
       });
