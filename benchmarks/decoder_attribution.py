@@ -10,6 +10,10 @@ default backend), "eager". Each call is timed by the CPU time of the calling thr
 (time.thread_time, best of --repeats, the variants interleaved): on a shared 2-core machine
 wall-clock times of 2-thread runs swing by 2x with the other processes, while one thread's own
 CPU time only moves by a few percent. The ratios are against Inductor (> 1: faster).
+
+Run it with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (glibc 2.35+): malloc's memory then sits on
+transparent huge pages for every variant alike, and a process's ratios no longer depend on where
+its buffers happened to land (on 4 KiB pages one run in four measured a variant 10-15% off).
 """
 
 from __future__ import annotations
