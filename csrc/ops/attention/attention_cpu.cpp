@@ -8,13 +8,16 @@
 // ever exists. softmax_max / softmax_sum keep the statistics so the backward can recompute P.
 //
 // Backward: one task per (batch, query head); it owns its dq rows and a private dk/dv slice for
-// that head, so no two threads write the same memory (the caller sums dk/dv over each GQA group).
-// For each (query block, key block) it recomputes P = exp(s - max) / sum, and with five GEMMs
-// accumulates dV += P'^T dO, dP = dO V^T, dS = P * (dP' - rowsum(dO * O)) * scale,
-// dQ += dS K and dK += dS^T Q, where P' and dP' carry the dropout keep mask / keep_prob.
+// that head, so no two threads write the same memory; the group's last head to finish sums the
+// slices of its GQA group, in head order, into dk/dv. For each (query block, key block) it
+// recomputes P = exp(s - max) / sum, and with five GEMMs accumulates dV += P'^T dO,
+// dP = dO V^T, dS = P * (dP' - rowsum(dO * O)) * scale, dQ += dS K and dK += dS^T Q, where P'
+// and dP' carry the dropout keep mask / keep_prob.
 //
-// fp16/bf16 inputs are multiplied as they are (MKL's half-precision GEMMs, fp32 accumulation);
-// see kRoundsOperands for what is rounded.
+// The GEMMs run through BLAS (BlasTiles, BlasBwdTiles) or, for fp16/bf16 on half-precision
+// matrix units, through oneDNN's brgemm on packed operands (BrgemmTiles, BrgemmBwdTiles).
+// fp16/bf16 inputs are multiplied as they are, with fp32 accumulation; see kRoundsOperands for
+// what is rounded.
 //
 // Tasks are handed out dynamically (an atomic counter), heaviest first, because causal and band
 // masks make later query blocks more expensive than earlier ones.
@@ -52,12 +55,12 @@ static_assert(kBwdQBlock <= kQBlock);
 // attention_fwd_tiles) before the row is recomputed against the new max.
 constexpr float kStaleMaxSlack = 8.0f;
 
-// exp of the softmax: ATen's exp_u20 polynomial for fp32 (relative error ~1e-6, far below the
-// rounding of anything computed from a weighted sum of values; it maps -inf to 0), exact for fp64.
+// exp of the softmax: exp_fast for fp32 (relative error <= 2.3e-7, far below the rounding of
+// anything computed from a weighted sum of values; it maps -inf to 0), exact for fp64.
 template <typename T>
 inline Vectorized<T> softmax_exp(const Vectorized<T>& x) {
   if constexpr (std::is_same_v<T, float>) {
-    return x.exp_u20();
+    return exp_fast(x);
   } else {
     return x.exp();
   }
