@@ -155,6 +155,12 @@ T dot(const T* a, const T* b, int64_t n) {
   return sum;
 }
 
+// Row 0 of kv head kvh of batch b in a k- or v-shaped tensor (view st).
+template <typename In>
+In* kv_rows(In* base, const SeqView& st, const AttentionProblem& p, int64_t b, int64_t kvh) {
+  return base + b * st.stride_b + p.kv_start[b] * st.stride_s + kvh * st.stride_n;
+}
+
 // The state of one (batch, head, query block) tile: which keys each row may see, and the
 // pointers of the operands for that head.
 // T: the accumulator type (scores, pse); In: the dtype q/k/v are read in (T, or fp16/bf16).
@@ -177,8 +183,8 @@ struct HeadBlock {
       : p(prob), b(b_), n(n_), i0(i0_), rows(i1_ - i0_), sq(prob.q_len[b_]), skv(prob.kv_len[b_]) {
     const int64_t kvh = n / p.group();
     q = q_base + b * p.q.stride_b + (p.q_start[b] + i0) * p.q.stride_s + n * p.q.stride_n;
-    k = k_base + b * p.k.stride_b + p.kv_start[b] * p.k.stride_s + kvh * p.k.stride_n;
-    v = v_base + b * p.v.stride_b + p.kv_start[b] * p.v.stride_s + kvh * p.v.stride_n;
+    k = kv_rows(k_base, p.k, p, b, kvh);
+    v = kv_rows(v_base, p.v, p, b, kvh);
     mask_row0 = p.user_mask == nullptr
                     ? nullptr
                     : p.user_mask + b * p.mask_stride_b + n * p.mask_stride_n + i0 * p.mask_stride_i;
@@ -406,12 +412,6 @@ void pack_row_pairs_vnni(const In* src, int64_t stride_s, int64_t len, int64_t c
     uint32_t* o = out + (len / 2) * cols;
     for (int64_t c = 0; c < cols; ++c) o[c] = lo[c];
   }
-}
-
-// Row 0 of kv head kvh of batch b in a k- or v-shaped tensor (view st).
-template <typename In>
-In* kv_rows(In* base, const SeqView& st, const AttentionProblem& p, int64_t b, int64_t kvh) {
-  return base + b * st.stride_b + p.kv_start[b] * st.stride_s + kvh * st.stride_n;
 }
 
 // Key blocks of `block` keys, one slot per (batch, kv head, block), for operands packed once
@@ -714,8 +714,8 @@ void sum_heads(const T* src, int64_t count, int64_t src_stride, int64_t rows, in
   }
 }
 
-// The accumulators one backward task owns: its query block's dQ rows (in dq) and its head's
-// private dK/dV rows (see AttentionBwdFn), all in T.
+// The accumulators one backward task owns, all in T: its query block's dQ rows (scratch, stored
+// into dq when the block is done) and its head's private dK/dV slice (see AttentionBwdFn).
 template <typename T>
 struct BwdTargets {
   T* dq_acc;  // the query block's dQ rows, [rows, D]
@@ -997,7 +997,6 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
   const auto head_row0 = [&](int64_t b, int64_t n) {  // of the per-head dk/dv slices
     return p.tnd ? n * x.total_kv + p.kv_start[b] : (b * p.heads_q + n) * p.kv_len[b];
   };
-  const int64_t head_stride = p.tnd ? x.total_kv : 0;  // rows between a group's slices (+ skv)
 
   run_dynamic(
       p.batch * p.heads_q, [&] { return Scratch(D, Dv, tiles.local()); },
@@ -1065,7 +1064,7 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
         // The group's last head sums its g slices, in head order (the result does not depend on
         // which thread finishes last), into dk/dv.
         if (heads_left[b * p.heads_kv + kvh].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-          const int64_t n0 = kvh * g, stride = head_stride + (p.tnd ? 0 : skv);
+          const int64_t n0 = kvh * g, stride = head_row0(b, n0 + 1) - head_row0(b, n0);
           sum_heads(x.dk_heads + head_row0(b, n0) * D, g, stride * D, skv, D,
                     kv_rows(x.dk, p.k, p, b, kvh), p.k.stride_s, w.row_sum.data());
           sum_heads(x.dv_heads + head_row0(b, n0) * Dv, g, stride * Dv, skv, Dv,

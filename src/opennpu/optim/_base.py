@@ -112,8 +112,9 @@ class NpuFusedOptimizerBase(torch.optim.Optimizer):
         [every parameter's first state | every parameter's second state | ...], replacing each
         by a view of its slot (values copied). A step then streams each state as one long run
         instead of one allocation per parameter (README: the bf16 AdamW step on GPT-2 small ran
-        8-18% faster, fp32 unchanged), and the buffers ask Linux for huge pages (_state_buffer). ``init(p, state)``, if given, first creates p's missing states: one
-        parameter at a time, so beside the buffers only one parameter's fresh states exist.
+        8-18% faster, fp32 unchanged), and the buffers ask Linux for huge pages (_state_buffer).
+        ``init(p, state)``, if given, first creates p's missing states: one parameter at a time,
+        so beside the buffers only one parameter's fresh states exist.
 
         Slots are for contiguous CPU parameters; a state that is not shaped, typed and laid out
         like its parameter (channels_last, another dtype) stays a tensor of its own. The views
