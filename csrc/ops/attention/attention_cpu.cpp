@@ -110,15 +110,21 @@ T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
     vsum = vsum + e0 + e1;
     Pair::store(out + j, e0, e1);
   }
-  T sum = horizontal_sum(vsum);
-  raw_max = at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
-  for (; j < n; ++j) {
-    raw_max = std::max(raw_max, s[j]);
-    const T e = std::exp(std::fma(s[j], scale, -m));
-    sum += e;
-    out[j] = static_cast<Out>(e);
+  if (j < n) {  // the tail as one masked step (causal rows end anywhere; scalar exps cost ~15%)
+    const int64_t rest = n - j, rest0 = std::min<int64_t>(rest, Vec::size());
+    Vec x0, x1;
+    VecPair<T>::load(s + j, x0, x1, rest);
+    // Lanes past n become -inf: they never raise the max and their exp, 0, adds nothing.
+    x0 = Vec::set(Vec(static_cast<T>(kNegInf)), x0, rest0);
+    x1 = Vec::set(Vec(static_cast<T>(kNegInf)), x1, rest - rest0);
+    vmax = at::vec::maximum(vmax, at::vec::maximum(x0, x1));
+    const Vec e0 = softmax_exp(at::vec::fmadd(x0, Vec(scale), Vec(-m)));
+    const Vec e1 = softmax_exp(at::vec::fmadd(x1, Vec(scale), Vec(-m)));
+    vsum = vsum + e0 + e1;
+    Pair::store(out + j, e0, e1, rest);
   }
-  return sum;
+  raw_max = at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
+  return horizontal_sum(vsum);
 }
 
 // s[j] = exp(scale * s[j] - m) * inv_sum: the probabilities the forward produced, recomputed
