@@ -6,7 +6,9 @@ time, against torch.compile (Inductor) and eager.
 The layer and its calls are benchmarks/cases/compile.py's (transformers' LlamaDecoderLayer,
 H=1024, 16/4 heads, SDPA, no padding). Variants: "opennpu" (every rule), "no_attention" and
 "no_norms", "no_rotary" (the attention rule, rms_norm + add_rms_norm, or rotary disabled), "inductor" (torch.compile's
-default backend), "eager". Each call is timed by the CPU time of the calling thread on ONE thread
+default backend), "eager"; for the forward also "frozen" (every rule, with
+experimental_config.frozen_parameter) and "inductor_frozen" (Inductor with
+torch._inductor.config.freezing), where the weights are constants packed for oneDNN / MKL. Each call is timed by the CPU time of the calling thread on ONE thread
 (time.thread_time, best of --repeats, the variants interleaved): on a shared 2-core machine
 wall-clock times of 2-thread runs swing by 2x with the other processes, while one thread's own
 CPU time only moves by a few percent. The ratios are against Inductor (> 1: faster).
@@ -30,6 +32,14 @@ from .common import DTYPES
 
 VARIANTS = {"opennpu": [], "no_attention": ["attention"], "no_norms": ["rms_norm", "add_rms_norm"],
             "no_rotary": ["rotary"]}
+
+
+def _inductor_frozen(gm, example_inputs):
+    """Inductor as torch.compile's default backend runs it (a distinct callable, so Dynamo keeps a
+    separate cache entry), used with torch._inductor.config.freezing on."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
 
 
 def measure(s: int, dtype: torch.dtype, training: bool, repeats: int) -> dict[str, float]:
@@ -58,9 +68,18 @@ def measure(s: int, dtype: torch.dtype, training: bool, repeats: int) -> dict[st
             config.experimental_config.disabled_patterns = disabled
             backend = get_npu_backend(compiler_config=config)
             fns[name] = step(torch.compile(module, backend=backend, dynamic=False))
+        if not training:
+            config = CompilerConfig()
+            config.experimental_config.frozen_parameter = True
+            backend = get_npu_backend(compiler_config=config)
+            fns["frozen"] = step(torch.compile(module, backend=backend, dynamic=False))
+            fns["inductor_frozen"] = step(torch.compile(module, backend=_inductor_frozen,
+                                                        dynamic=False))
         with torch._inductor.config.patch({"cpp.threads": 1}):
-            for fn in fns.values():  # compile (forward, and backward on the first backward)
-                fn()
+            for name, fn in fns.items():  # compile (forward, and backward on the first backward)
+                # Inductor freezes only when the flag is on while Dynamo traces, too.
+                with torch._inductor.config.patch({"freezing": name == "inductor_frozen"}):
+                    fn()
                 fn()
         times = {name: float("inf") for name in fns}
         for _ in range(repeats):

@@ -3,6 +3,8 @@ user passes, graph dumps, the Inductor path with training, and the FX graph cach
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -304,3 +306,88 @@ def test_fused_graph_keeps_buffer_updates_in_place_ops_and_views():
     assert compiled_model.bn.num_batches_tracked.item() == 1
     expected[0].square().sum().backward()
     assert_close(compiled_model.weight.grad, eager_model.weight.grad, dtype=torch.float32)
+
+
+# --- frozen_parameter ---------------------------------------------------------------------------
+
+
+class _LinearNorm(nn.Module):
+    """A linear into a Llama-style RMSNorm, plus a buffer (which frozen_parameter leaves an input)."""
+
+    def __init__(self, h=32, n=48):
+        super().__init__()
+        self.proj = nn.Linear(h, n, bias=False)
+        self.weight = nn.Parameter(torch.rand(n) + 0.5)
+        self.register_buffer("shift", torch.randn(n))
+
+    def forward(self, x):
+        h = self.proj(x).float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(x.dtype) + self.shift.to(x.dtype)
+
+
+def _frozen_backend():
+    config = CompilerConfig()
+    config.experimental_config.frozen_parameter = True
+    return get_npu_backend(compiler_config=config)
+
+
+def _inputs_and_constants(backend):
+    """Placeholders and get_attr nodes of the graphs Inductor compiled (after freezing)."""
+    nodes = [n for phase, gm in backend.graphs if phase != "pre_autograd" for n in gm.graph.nodes]
+    return (sum(n.op == "placeholder" for n in nodes), sum(n.op == "get_attr" for n in nodes))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_frozen_parameter_folds_parameters_in_inference(dtype):
+    """Inference with frozen_parameter: the parameters are constants of the compiled graph (the
+    input and the buffer stay placeholders), the fusion still fires, outputs match eager."""
+    model = _LinearNorm().to(dtype)
+    x = torch.randn(2, 5, 32, dtype=dtype)
+    backend = _frozen_backend()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(x)
+        want = model(x)
+    assert backend.fusions == {"rms_norm": 1}
+    placeholders, constants = _inputs_and_constants(backend)
+    assert placeholders == 2 and constants >= 2
+    if dtype == torch.float32:
+        assert_close(out, want, dtype=dtype)
+        return
+    # bf16: both sides round the linear's output and the product, differently ordered; compare
+    # their errors against the float32 model (relative Frobenius norms).
+    with torch.no_grad():
+        ref = copy.deepcopy(model).float()(x.float()).double()
+    err, err_eager = ((t.double() - ref).norm() / ref.norm() for t in (out, want))
+    assert err <= 1.5 * err_eager + 1e-4, (err, err_eager)
+
+
+def test_frozen_parameter_leaves_training_graphs_alone():
+    """Grad mode on: parameters stay inputs, so gradients reach them."""
+    model = _LinearNorm()
+    x = torch.randn(2, 5, 32)
+    backend = _frozen_backend()
+    torch.compile(model, backend=backend)(x).square().sum().backward()
+    got = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    assert backend.fusions == {"rms_norm": 1}
+    assert _inputs_and_constants(backend)[1] == 0
+    for g, want in zip(got, model.parameters()):
+        assert_close(g, want.grad, dtype=torch.float32)
+
+
+def test_frozen_parameter_is_not_served_stale_weights_from_the_caches(tmp_path, monkeypatch):
+    """The constants are the weights at compile time. A new model compiled later, with the same
+    code and shapes but other weights, must not get the first model's folded weights back from
+    Inductor's or AOTAutograd's caches."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        for seed in (0, 1):
+            torch._dynamo.reset()
+            torch.manual_seed(seed)
+            model = _LinearNorm()
+            out = torch.compile(model, options={"frozen_parameter": True},
+                                backend=get_npu_backend())(x)
+            assert_close(out, model(x), dtype=torch.float32)

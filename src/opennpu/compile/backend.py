@@ -15,6 +15,7 @@ The pipeline for each graph Dynamo captures:
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import itertools
@@ -79,6 +80,35 @@ def _graph_inputs(gm: torch.fx.GraphModule) -> list[Any]:
     return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
 
 
+def _parameters_as_constants(gm: torch.fx.GraphModule, example_inputs):
+    """frozen_parameter: the graph's nn.Parameter inputs become attributes of `gm`, which is how
+    Dynamo hands parameters over when Inductor's freezing is on (torch._inductor.config.freezing
+    during tracing): Inductor then folds them as constants (weights pre-packed for oneDNN / MKL,
+    constant subgraphs evaluated once). Buffers stay inputs: a model may update them between calls.
+    Returns the graph, the inputs left and their indices among the original inputs."""
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    if len(placeholders) != len(example_inputs) or not any(
+            isinstance(x, torch.nn.Parameter) for x in example_inputs):
+        return gm, example_inputs, None
+    # A copy: Dynamo reads its own graph's placeholders to decide what it passes at run time.
+    gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    kept = []
+    for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+        if not isinstance(x, torch.nn.Parameter):
+            kept.append(i)
+            continue
+        name = f"_frozen_param{i}"
+        gm.register_parameter(name, x)
+        with gm.graph.inserting_before(node):
+            attr = gm.graph.get_attr(name)
+        attr.meta.update(node.meta)
+        node.replace_all_uses_with(attr)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm, [example_inputs[i] for i in kept], kept
+
+
 class NpuBackend:
     """The callable given to torch.compile. `fusions` counts replacements per rule over every graph
     it compiled; `graphs` keeps (phase, graph after fusion) for inspection."""
@@ -105,12 +135,19 @@ class NpuBackend:
         patches: dict[str, Any] = {"post_grad_custom_pre_pass": post_grad}
         if config.mode == "reduce-overhead":
             patches["triton.cudagraphs"] = True
+        kept = None
+        if config.experimental_config.frozen_parameter and not torch.is_grad_enabled():
+            gm, example_inputs, kept = _parameters_as_constants(gm, example_inputs)
+            patches["freezing"] = True
         decompositions = None
         if self.decompositions:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = {**select_decomp_table(), **self.decompositions}
-        return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        if kept is None:
+            return compiled
+        return lambda *args: compiled(*[args[i] for i in kept])
 
     # -- stage 1 -------------------------------------------------------------------------------
 

@@ -113,6 +113,8 @@ class _Experimental(_Group):
                                      convert=_rule_names,
                                      doc="names of fusion rules to leave out"),
         "keep_inference_input_mutations": _Option(True, kind=bool),
+        "frozen_parameter": _Option(False, kind=bool,
+                                    doc="inference graphs take the parameters as constants"),
     }
 
 
@@ -128,6 +130,10 @@ class CompilerConfig(_Group):
     - ``experimental_config.pattern_fusion_pass`` (True): the fusion rules; user rules from
       `register_replacement` share this switch, as in TorchAir.
     - ``experimental_config.disabled_patterns``: rule names to leave out (`opennpu.compile.rule_names()`).
+    - ``experimental_config.frozen_parameter`` (False): graphs compiled with grad mode off take the
+      model's parameters as constants (Inductor's freezing: weights pre-packed for oneDNN / MKL,
+      constant subgraphs folded). The values at compile time are kept: after changing weights,
+      call torch._dynamo.reset() and compile again. Buffers stay inputs; training is unaffected.
     - ``debug.graph_dump.type`` ('py' or 'txt') and ``.path``: dump each graph after fusion.
     - ``debug.run_eagerly``: skip Inductor and run the fused graphs eagerly.
     - ``post_grad_custom_pre_pass`` / ``post_grad_custom_post_pass``: user passes
@@ -152,6 +158,7 @@ class CompilerConfig(_Group):
         "mode": "mode",
         "pattern_fusion_pass": "experimental_config.pattern_fusion_pass",
         "disabled_patterns": "experimental_config.disabled_patterns",
+        "frozen_parameter": "experimental_config.frozen_parameter",
         "force_eager": "debug.run_eagerly",
         "run_eagerly": "debug.run_eagerly",
         "graph_dump_type": "debug.graph_dump.type",
