@@ -77,6 +77,47 @@ struct VecPair {
   }
 };
 
+// Rounds a | b (32 fp32 lanes) to bf16 and stores the first n. Where the CPU has AVX512_BF16,
+// one vcvtne2ps2bf16 replaces the ~16-instruction emulation of ATen's AVX-512 build (which cannot
+// assume the extension): the same rounding to nearest even (NaN stays NaN) except that fp32
+// subnormals become 0, so callers use it only where none can occur. Inline asm, so the file
+// needs no target flag; callers check has_avx512_bf16() once, outside their loops.
+#if defined(CPU_CAPABILITY_AVX512)
+constexpr bool kNativeBf16Build = true;
+
+inline bool has_avx512_bf16() {
+  static const bool has = __builtin_cpu_supports("avx512bf16");
+  return has;
+}
+
+inline void store_bf16_native(at::BFloat16* p, const at::vec::Vectorized<float>& a,
+                              const at::vec::Vectorized<float>& b, int64_t n = 32) {
+  __m512i r;
+  asm("vcvtne2ps2bf16 %1, %2, %0" : "=v"(r) : "v"(static_cast<__m512>(a)), "v"(static_cast<__m512>(b)));
+  if (n == 32) {
+    _mm512_storeu_si512(p, r);
+  } else {
+    _mm512_mask_storeu_epi16(p, _cvtu32_mask32((1u << n) - 1), r);
+  }
+}
+#else
+constexpr bool kNativeBf16Build = false;
+
+inline bool has_avx512_bf16() { return false; }
+#endif
+
+// VecPair<scalar_t>::store of the first n elements, bf16 rounded by store_bf16_native when
+// kNative (the caller has checked has_avx512_bf16()).
+template <bool kNative, typename scalar_t>
+inline void store_pair(scalar_t* p, const AccVec<scalar_t>& a, const AccVec<scalar_t>& b,
+                       int64_t n = VecPair<scalar_t>::kStep) {
+  if constexpr (kNative && kNativeBf16Build && std::is_same_v<scalar_t, at::BFloat16>) {
+    store_bf16_native(p, a, b, n);
+  } else {
+    VecPair<scalar_t>::store(p, a, b, n);
+  }
+}
+
 // exp of fp32 lanes, faster than ATen's exp_u20 on AVX-512 at the same accuracy: with
 // n = round(x * log2(e)) and r = x - n * ln2 (ln2 split in two so that n * ln2_hi is exact),
 // exp(x) = 2^n * p(r), p a degree-5 fit of e^r on |r| <= ln2 / 2, scaled by vscalefps. Relative

@@ -94,8 +94,9 @@ T row_max(const T* s, int64_t n) {
 // out[j] = exp(scale * s[j] - m), rounded to Out (T, or fp16/bf16 for the P V GEMM; out may be
 // s itself); returns the sum in T and sets raw_max = max(s[j]), in the same pass. Masked -inf
 // entries become 0. scale > 0, or 1 when the scores are scaled already; one fma, so the scaled
-// logit is never rounded on its own.
-template <typename T, typename Out>
+// logit is never rounded on its own. kNativeBf16: bf16 rounded by store_bf16_native (exp_fast
+// returns no subnormals: results below FLT_MIN are 0).
+template <typename T, typename Out, bool kNativeBf16 = false>
 T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
   using Vec = Vectorized<T>;
   using Pair = VecPair<Out>;
@@ -108,7 +109,7 @@ T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
     const Vec e0 = softmax_exp(at::vec::fmadd(x0, Vec(scale), Vec(-m)));
     const Vec e1 = softmax_exp(at::vec::fmadd(x1, Vec(scale), Vec(-m)));
     vsum = vsum + e0 + e1;
-    Pair::store(out + j, e0, e1);
+    store_pair<kNativeBf16>(out + j, e0, e1);
   }
   if (j < n) {  // the tail as one masked step (causal rows end anywhere; scalar exps cost ~15%)
     const int64_t rest = n - j, rest0 = std::min<int64_t>(rest, Vec::size());
@@ -121,7 +122,7 @@ T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
     const Vec e0 = softmax_exp(at::vec::fmadd(x0, Vec(scale), Vec(-m)));
     const Vec e1 = softmax_exp(at::vec::fmadd(x1, Vec(scale), Vec(-m)));
     vsum = vsum + e0 + e1;
-    Pair::store(out + j, e0, e1, rest);
+    store_pair<kNativeBf16>(out + j, e0, e1, rest);
   }
   raw_max = at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
   return horizontal_sum(vsum);
@@ -550,6 +551,7 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
         // first, by logits().
         const bool fuse_scale = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && scale > T(0);
         const T exp_scale = fuse_scale ? scale : T(1);
+        const bool native_bf16 = has_avx512_bf16();
         start_rows(p, task, rows, Dv, w);
 
         const int64_t blk_hi = hb.key_lo <= hb.key_hi ? hb.key_hi / kKvBlock : -1;
@@ -569,6 +571,9 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
               using Out = std::remove_pointer_t<decltype(dst)>;
               std::fill(dst, dst + a, Out(0));
               std::fill(dst + e, dst + width, Out(0));
+              if constexpr (kNativeBf16Build && std::is_same_v<Out, at::BFloat16>) {
+                if (native_bf16) return exp_sum_max<T, Out, true>(sr + a, e - a, m_ref, sc, dst + a, raw_max);
+              }
               return exp_sum_max(sr + a, e - a, m_ref, sc, dst + a, raw_max);
             };
             T row_m = static_cast<T>(kNegInf);
@@ -881,6 +886,16 @@ struct BrgemmBwdTiles {
   // and dS as row pairs. Two rows at a time, 2 x 16 columns per step; the fp32 tiles are read
   // once and never written.
   void gradients(Local& w, const GradRows<T>& g, int64_t rows, int64_t ld) const {
+    if (has_avx512_bf16()) {
+      gradients_rounded<true>(w, g, rows, ld);
+    } else {
+      gradients_rounded<false>(w, g, rows, ld);
+    }
+  }
+  // kNativeBf16: bf16 rounded by store_bf16_native, which flushes fp32 subnormals to 0 (an
+  // absolute change below 1.2e-38 in a P' or dS entry).
+  template <bool kNativeBf16>
+  void gradients_rounded(Local& w, const GradRows<T>& g, int64_t rows, int64_t ld) const {
     using Vec = Vectorized<T>;
     using Pair = VecPair<In>;
     using F = VecPair<T>;
@@ -903,7 +918,7 @@ struct BrgemmBwdTiles {
           pv[h] = pr;
         }
       }
-      Pair::store(w.ds_row.data() + r * ld + j, dsv[0], dsv[1], n);
+      store_pair<kNativeBf16>(w.ds_row.data() + r * ld + j, dsv[0], dsv[1], n);
       if (g.dpse != nullptr && j < g.len) {
         T* d = g.dpse + r * g.dpse_stride + j;
         const int64_t nd = std::min(n, g.len - j);
@@ -918,7 +933,7 @@ struct BrgemmBwdTiles {
         const int64_t nh = std::clamp<int64_t>(n - h * Vec::size(), 0, Vec::size());
         if (nh == 0) break;
         const auto [lo, hi] = at::vec::interleave2(a[h], b[h]);
-        Pair::store(dst + 2 * (j + h * Vec::size()), lo, hi, 2 * nh);
+        store_pair<kNativeBf16>(dst + 2 * (j + h * Vec::size()), lo, hi, 2 * nh);
       }
     };
     for (int64_t r = 0; r < rows; r += 2) {
