@@ -640,3 +640,22 @@ def test_seed_flash_attn_rotary_replacement():
     assert max_err(seed_backward, adjoint) > 0.1
     # ... whereas rotating by the conjugate (sin -> -sin) is the adjoint.
     assert_close(opennpu.npu_rotary_mul(dout, r1, -r2), adjoint)
+
+
+def test_bf16_rounding_is_exactly_torchs():
+    """bf16 results are rounded once, to nearest even, exactly as torch rounds float32. With
+    r2 = 0 the half rotation is x * r1, a product two bf16 values make exactly in float32, so the
+    output must equal torch's rounding of it bit for bit: ties, and products small enough to be
+    float32 subnormals, over lengths that end mid-vector (the shared bf16 store, common/vec.h)."""
+    g = torch.Generator().manual_seed(0)
+
+    def spread(*shape):  # signs and exponents from 2^-70 to 2^10, so some products are subnormal
+        mag = torch.exp2(torch.randint(-70, 10, shape, generator=g).float())
+        return (torch.randn(*shape, generator=g) * mag).to(torch.bfloat16)
+
+    for d in (64, 38):
+        x, r1 = spread(3, 8, 2, d), spread(1, 8, 1, d)
+        want = (x.float() * r1.float()).to(torch.bfloat16)
+        assert (want.float().abs() < torch.finfo(torch.bfloat16).tiny).any()  # subnormals occur
+        got = opennpu.npu_rotary_mul(x, r1, torch.zeros_like(r1))
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), d
