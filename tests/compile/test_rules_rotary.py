@@ -91,6 +91,45 @@ def test_rotate_half_q_and_k_with_gradients(dtype):
         assert_close(got, leaf.grad, dtype=dtype, scale=8)
 
 
+class ProjectedRotary(nn.Module):
+    """transformers' attention block up to the rotary: q and k projected as [B, S, N * D], viewed
+    [B, S, N, D] and transposed to BNSD views, rotated with [B, 1, S, D] cos / sin."""
+
+    def __init__(self, h=32, heads=4, kv_heads=2, d=8):
+        super().__init__()
+        self.heads, self.kv_heads, self.d = heads, kv_heads, d
+        self.q_proj = nn.Linear(h, heads * d, bias=False)
+        self.k_proj = nn.Linear(h, kv_heads * d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.d).transpose(1, 2)
+        return HFRotary()(q, k, cos, sin)
+
+
+def test_rotary_of_transposed_projections_runs_on_the_bsnd_tensor():
+    """q / k that are BNSD views of BSND memory are rotated as the BSND tensors themselves (rows
+    contiguous), the result transposed back: the op's input in the graph is [B, S, N, D]."""
+    module = ProjectedRotary()
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    compiled = run_compiled(module, x, cos, sin, backward=True)
+    got_dx, got_wq = x.grad.clone(), module.q_proj.weight.grad.clone()
+    x.grad = None
+    module.zero_grad()
+    assert compiled.fusions == {"rotary": 2}
+    shapes = [tuple(n.args[0].meta["val"].shape) for phase, gm in compiled.backend.graphs
+              if phase != "pre_autograd" for n in gm.graph.nodes
+              if n.target == torch.ops.npu.npu_rotary_mul.default]
+    assert sorted(shapes) == [(2, 5, 2, 8), (2, 5, 4, 8)]
+    expected = module(x, cos, sin)
+    expected.square().sum().backward()
+    assert_close(compiled.outputs, expected, dtype=torch.float32)
+    assert_close(got_dx, x.grad, dtype=torch.float32, scale=4)
+    assert_close(got_wq, module.q_proj.weight.grad, dtype=torch.float32, scale=4)
+
+
 @pytest.mark.parametrize("x_shape, r_shape", [
     ((2, 3, 7, 16), (1, 1, 7, 16)),      # BNSD, 11SD
     ((7, 2, 3, 16), (7, 1, 1, 16)),      # SBND, S11D

@@ -58,6 +58,17 @@ def known(condition) -> bool:
     return torch.fx.experimental.symbolic_shapes.statically_known_true(condition)
 
 
+def bsnd_in_memory(t: torch.Tensor) -> bool:
+    """t [B, N, S, D] is t'.transpose(1, 2) for a contiguous t' [B, S, N, D] (sizes 1 ignored):
+    transformers' q, k and v, projected as [B, S, N * D] and viewed BNSD."""
+    if t.dim() != 4:
+        return False
+    b, n, s, d = t.shape
+    sb, sn, ss, sd = t.stride()
+    return (known(sd == 1) or known(d == 1)) and (known(sn == d) or known(n == 1)) and \
+        (known(ss == n * d) or known(s == 1)) and (known(sb == s * n * d) or known(b == 1))
+
+
 def nodes(match: Match, *targets) -> list[torch.fx.Node]:
     """The matched nodes calling one of `targets`, in graph order."""
     return [n for n in match.nodes if n.op == "call_function" and n.target in targets]

@@ -49,11 +49,10 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import fusion
 from ..fusion import fusion_rule
-from ._util import FLOAT_DTYPES, empty, val
+from ._util import FLOAT_DTYPES, bsnd_in_memory, empty, known, val
 
 aten = torch.ops.aten
 SCALE = 0.0917  # an unusual literal, so scalar_workaround finds the scale in the traced pattern
@@ -65,18 +64,6 @@ LEFT_UP_CAUSAL = 2
 
 
 # --- the replacement ----------------------------------------------------------------------------
-
-
-def _known(expr) -> bool:
-    return statically_known_true(expr)
-
-
-def _bsnd_in_memory(t: torch.Tensor) -> bool:
-    """t [B, N, S, D] is t'.transpose(1, 2) for a contiguous t' [B, S, N, D] (sizes 1 ignored)."""
-    b, n, s, d = t.shape
-    sb, sn, ss, sd = t.stride()
-    return (_known(sd == 1) or _known(d == 1)) and (_known(sn == d) or _known(n == 1)) and \
-        (_known(ss == n * d) or _known(s == 1)) and (_known(sb == s * n * d) or _known(b == 1))
 
 
 def _attention(q, k, v, *, scale, atten_mask=None, pse=None, causal=False):
@@ -92,7 +79,7 @@ def _attention(q, k, v, *, scale, atten_mask=None, pse=None, causal=False):
         kwargs["atten_mask"] = atten_mask
     if scale != 1.0:  # the dispatcher drops a default argument; keep the call canonical
         kwargs["scale"] = scale
-    if all(_bsnd_in_memory(t) for t in (q, k, v)):
+    if all(bsnd_in_memory(t) for t in (q, k, v)):
         out = torch.ops.npu.npu_fusion_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), heads, "BSND", **kwargs)[0]
         return out.transpose(1, 2)
@@ -165,7 +152,7 @@ def _norm_dim(dim, rank: int):
 
 
 def _same_shape(a, b) -> bool:
-    return len(a) == len(b) and all(_known(x == y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(known(x == y) for x, y in zip(a, b))
 
 
 def _broadcasts_into(mask: torch.Tensor, shape) -> bool:
@@ -173,7 +160,7 @@ def _broadcasts_into(mask: torch.Tensor, shape) -> bool:
     the size of `shape` (a bigger mask would broadcast the scores instead)."""
     if mask.dim() > len(shape):
         return False
-    return all(_known(m == 1) or _known(m == s)
+    return all(known(m == 1) or known(m == s)
                for m, s in zip(reversed(mask.shape), reversed(tuple(shape))))
 
 
@@ -200,7 +187,7 @@ def _repeat_kv_ok(node, heads) -> bool:
         return False
     b, hk, s, d = x.shape
     return (_same_shape((big[0], big[1], big[3], big[4]), (b, hk, s, d))
-            and _same_shape(out, (b, hk * big[2], s, d)) and _known(hk * big[2] == heads))
+            and _same_shape(out, (b, hk * big[2], s, d)) and known(hk * big[2] == heads))
 
 
 def _qkv_ok(q, k, v) -> bool:
@@ -213,10 +200,10 @@ def _qkv_ok(q, k, v) -> bool:
     # where it comes from the weights' sizes).
     if not _static_int(heads):
         return False
-    return (_known(k.shape[0] == q.shape[0]) and _known(v.shape[0] == q.shape[0])
-            and _known(v.shape[1] == kv_heads) and _known(k.shape[3] == q.shape[3])
-            and _known(v.shape[2] == k.shape[2]) and _known(kv_heads >= 1)
-            and _known(heads % kv_heads == 0))
+    return (known(k.shape[0] == q.shape[0]) and known(v.shape[0] == q.shape[0])
+            and known(v.shape[1] == kv_heads) and known(k.shape[3] == q.shape[3])
+            and known(v.shape[2] == k.shape[2]) and known(kv_heads >= 1)
+            and known(heads % kv_heads == 0))
 
 
 def _mask_ok(mask, scores_shape, kinds, q_dtype) -> bool:
@@ -291,7 +278,7 @@ def _sdpa_ok(node, match) -> bool:
     # Without enable_gqa (and without repeat_kv, whose reshape makes SDPA's k full-headed) SDPA
     # needs as many key heads as query heads.
     sdpa_k = args[1].meta["val"]
-    if not gqa and not _known(sdpa_k.shape[1] == q.shape[1]):
+    if not gqa and not known(sdpa_k.shape[1] == q.shape[1]):
         return False
     # SDPA's default scale 1/sqrt(D) must be a constant of the call
     return "scale" in match.kwargs or _static_int(q.shape[-1])

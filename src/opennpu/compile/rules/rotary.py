@@ -34,7 +34,7 @@ import torch
 
 from ..._strict import is_strict
 from ..fusion import fusion_rule
-from ._util import arg, broadcasts_into, empty, halves_of_last_dim, guard_even, has_kernels, \
+from ._util import arg, broadcasts_into, bsnd_in_memory, empty, halves_of_last_dim, guard_even, has_kernels, \
     is_chunk_in_halves, is_last_dim, known, nodes, same_float_dtype, val
 
 aten = torch.ops.aten
@@ -68,6 +68,15 @@ _OPS = ("npu_rotary_mul", "npu_rotary_mul_backward")
 
 
 def _fused(x, r1, r2):
+    # transformers' q and k are BNSD views of [B, S, N, D] projections, with cos / sin [B|1, 1, S,
+    # D]. Rotating the BSND tensor itself reads and writes contiguous rows (the view's rows are
+    # N * D apart: 37% slower), and the result, transposed back, is again a BNSD view of BSND
+    # memory, which the attention rule hands over as layout BSND with no copy.
+    if bsnd_in_memory(x) and not known(x.shape[1] == 1) and all(
+            r.dim() == 4 and known(r.shape[1] == 1) for r in (r1, r2)):
+        xt, r1t, r2t = x.transpose(1, 2), r1.transpose(1, 2), r2.transpose(1, 2)
+        if not is_strict() or _ascend_layout(xt, r1t, r2t):
+            return torch.ops.npu.npu_rotary_mul(xt, r1t, r2t).transpose(1, 2)
     return torch.ops.npu.npu_rotary_mul(x, r1, r2)
 
 
