@@ -198,7 +198,8 @@ def test_large_low_precision():
 
 
 @modes
-@pytest.mark.parametrize("layout", ["qkv_slice", "transposed", "expanded", "r_strided"])
+@pytest.mark.parametrize("layout", ["qkv_slice", "transposed", "transposed_tiles",
+                                    "transposed_r_per_head", "expanded", "r_strided"])
 def test_non_contiguous(layout, mode):
     if layout == "qkv_slice":  # seed 004 example two: qkv[:, 0, :, :rotary_dim]
         x = randn(5, 3, 4, 24)[:, 0, :, :16]
@@ -206,6 +207,12 @@ def test_non_contiguous(layout, mode):
     elif layout == "transposed":  # BSND storage viewed as BNSD
         x = randn(2, 5, 3, 8).transpose(1, 2)
         r1, r2 = randn(1, 1, 5, 8), randn(1, 1, 5, 8)
+    elif layout == "transposed_tiles":  # the same over 2 tiles of 16 positions and a tail
+        x = randn(2, 37, 3, 8).transpose(1, 2)
+        r1, r2 = randn(2, 1, 37, 8), randn(2, 1, 37, 8)
+    elif layout == "transposed_r_per_head":  # r with a head dim, broadcast over the batch
+        x = randn(3, 21, 4, 8).transpose(1, 2)
+        r1, r2 = randn(1, 4, 21, 8), randn(4, 1, 8)
     elif layout == "expanded":  # zero strides in x itself
         x = randn(1, 5, 1, 8).expand(2, 5, 3, 8)
         r1, r2 = randn(2, 5, 1, 8), randn(2, 5, 1, 8)

@@ -135,6 +135,43 @@ void rotary_fwd_impl(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
   const r_t* pc = r1.const_data_ptr<r_t>();
   const r_t* ps = r2.const_data_ptr<r_t>();
   scalar_t* py = out.mutable_data_ptr<scalar_t>();
+  const int64_t L = static_cast<int64_t>(layout.sizes.size());
+  if (L >= 2 && layout.sizes[L - 2] > 1 && layout.sizes[L - 1] > 1 &&
+      layout.x_strides[L - 2] < layout.x_strides[L - 1]) {
+    // x's last two leading dims are transposed in memory (a BNSD view of BSND memory: output
+    // rows N * D apart in x). Visited in output order, x was read 20-35% slower than a
+    // contiguous x; in tiles of kTile positions x is read in memory order (all heads of a
+    // position, which share its cos / sin row) and each head's kTile output rows are adjacent.
+    constexpr int64_t kTile = 16;
+    const int64_t N = layout.sizes[L - 2], S = layout.sizes[L - 1];
+    const int64_t tiles = (S + kTile - 1) / kTile;
+    const std::vector<int64_t> outer(layout.sizes.begin(), layout.sizes.end() - 2);
+    const auto outer_strides = [&](const std::vector<int64_t>& st) {
+      return std::vector<int64_t>(st.begin(), st.end() - 2);
+    };
+    const auto ox = outer_strides(layout.x_strides), o1 = outer_strides(layout.r1_strides),
+               o2 = outer_strides(layout.r2_strides);
+    const int64_t xn = layout.x_strides[L - 2], xs = layout.x_strides[L - 1];
+    const int64_t c_n = layout.r1_strides[L - 2], c_s = layout.r1_strides[L - 1];
+    const int64_t s_n = layout.r2_strides[L - 2], s_s = layout.r2_strides[L - 1];
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / (kTile * N * D));
+    at::parallel_for(0, rows / (N * S) * tiles, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t o = t / tiles, s0 = (t % tiles) * kTile, s1 = std::min(S, s0 + kTile);
+        const scalar_t* x0 = px + row_offset(o, outer, ox);
+        const r_t* c0 = pc + row_offset(o, outer, o1);
+        const r_t* sn0 = ps + row_offset(o, outer, o2);
+        for (int64_t i = s0; i < s1; ++i) {
+          for (int64_t n = 0; n < N; ++n) {
+            rotary_row<scalar_t, r_t>(x0 + n * xn + i * xs, c0 + n * c_n + i * c_s,
+                                      sn0 + n * s_n + i * s_s, py + ((o * N + n) * S + i) * D, D,
+                                      mode);
+          }
+        }
+      }
+    });
+    return;
+  }
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / D);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     RowCursor row(layout, begin);
