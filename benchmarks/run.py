@@ -101,7 +101,7 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
     return rows
 
 
-HEADER = (f"{'op':<27}{'dir':<5}{'shape':<26}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
+HEADER = (f"{'op':<27}{'dir':<5}{'shape':<32}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
           f"{'GB/s':>7}{'%copy':>7}{'x eager':>9}{'x compile':>10}{'x F.rms':>9}{'x sdpa':>8}"
           f"{'err ours':>10}{'err eager':>10}")
 
@@ -118,7 +118,7 @@ def format_row(row) -> str:
                      if name not in PEERS)
     if row.get("info"):
         others += f"  {row['info']}"
-    return (f"{row['op']:<27}{row['direction']:<5}{row['shape']:<26}{row['dtype']:<6}"
+    return (f"{row['op']:<27}{row['direction']:<5}{row['shape']:<32}{row['dtype']:<6}"
             f"{row['threads']:>3} {timing:>25}{rate}{fraction}"
             f"{speedups[0]:>9}{speedups[1]:>10}{speedups[2]:>9}{speedups[3]:>8}"
             f"{row['max_abs_err_ours']:>10.2e}{row['max_abs_err_eager']:>10.2e}{others}")

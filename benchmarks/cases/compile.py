@@ -7,7 +7,10 @@ LlamaRotaryEmbedding, attention_mask None (no padding: SDPA with is_causal=True 
 SDPA attention (transformers' default). Scaled to the CPU: H=1024, 16 query heads and 4 key/value
 heads of 64, intermediate 2816, S=512 (--quick) to 2048, batch 1. "fwd" is inference (eval,
 no_grad); "f+b" a training step: forward, then the gradients of every parameter and of the input.
-The fusions the opennpu backend made (per rule) are printed after the row.
+The fusions the opennpu backend made (per rule) are printed after the row. Rows marked "frozen"
+compile ours with experimental_config.frozen_parameter (inference: weights packed once); the
+baselines stay torch.compile's defaults (benchmarks.decoder_attribution also compares with
+Inductor's own freezing).
 """
 
 from __future__ import annotations
@@ -60,19 +63,22 @@ class _Call(torch.nn.Module):
         return self.layer(x, attention_mask=None, position_embeddings=(cos, sin))
 
 
-def _opennpu(module, args, threads: int):
-    """torch.compile with opennpu's backend (default CompilerConfig: fusion + Inductor), compiled
-    here with Inductor's C++ kernels fixed to `threads` (as the compile baseline's are)."""
-    from opennpu.compile import get_npu_backend
+def _opennpu(module, args, threads: int, frozen: bool = False):
+    """torch.compile with opennpu's backend (default CompilerConfig: fusion + Inductor; `frozen`:
+    with experimental_config.frozen_parameter), compiled here with Inductor's C++ kernels fixed to
+    `threads` (as the compile baseline's are)."""
+    from opennpu.compile import CompilerConfig, get_npu_backend
 
-    backend = get_npu_backend()
+    config = CompilerConfig()
+    config.experimental_config.frozen_parameter = frozen
+    backend = get_npu_backend(compiler_config=config)
     fn = torch.compile(module, backend=backend, dynamic=False)
     with torch._inductor.config.patch({"cpp.threads": threads}):
         fn(*args)  # compiles (forward; the backward graph is compiled by its first call)
     return fn, backend
 
 
-def build(direction: str, s: int, dtype: torch.dtype, threads: int) -> Timed:
+def build(direction: str, s: int, dtype: torch.dtype, threads: int, frozen: bool = False) -> Timed:
     training = direction == "f+b"
     layer, rotary = _layer(dtype, training)
     module = _Call(layer)
@@ -81,7 +87,7 @@ def build(direction: str, s: int, dtype: torch.dtype, threads: int) -> Timed:
     with torch.no_grad():
         cos, sin = rotary(x, position_ids)
     args = (x.requires_grad_(training), cos, sin)
-    ours_fn, backend = _opennpu(module, args, threads)
+    ours_fn, backend = _opennpu(module, args, threads, frozen)
     inductor_fn = compiled(module, *args, threads=threads)
     params = tuple(layer.parameters())
     dy = randn(BATCH, s, HIDDEN, dtype=dtype)
@@ -120,6 +126,10 @@ def cases(quick: bool, dtypes):
             flops = _flops(s)
             yield Case(OP, "fwd", shape, dtype, weights + 2 * act,
                        functools.partial(build, "fwd", s, dtype), ("npu_fusion_attention",), flops)
+            # Inference with frozen_parameter (weights packed once), against the same baselines.
+            yield Case(OP, "fwd", f"{shape} frozen", dtype, weights + 2 * act,
+                       functools.partial(build, "fwd", s, dtype, frozen=True),
+                       ("npu_fusion_attention",), flops)
             # A training step: the backward's GEMMs cost twice the forward's.
             yield Case(OP, "f+b", shape, dtype, 3 * weights + 4 * act,
                        functools.partial(build, "f+b", s, dtype),
