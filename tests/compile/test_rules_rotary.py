@@ -130,6 +130,28 @@ def test_rotary_of_transposed_projections_runs_on_the_bsnd_tensor():
     assert_close(got_wq, module.q_proj.weight.grad, dtype=torch.float32, scale=4)
 
 
+class ProjectedRotaryViewed(ProjectedRotary):
+    """The sin term first: eager's result is then contiguous, and the code after it views it
+    as such (a view the BSND-layout result would not allow)."""
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (rotate_half(q) * sin + q * cos).view(b * self.heads, s, self.d)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_rotary_result_keeps_eagers_layout(grad):
+    module = ProjectedRotaryViewed()
+    x = torch.randn(2, 5, 32, requires_grad=grad)
+    cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    with torch.set_grad_enabled(grad):
+        compiled = run_compiled(module, x, cos, sin, backward=grad)
+        assert compiled.fusions == {"rotary": 1}
+        assert_close(compiled.outputs, module(x, cos, sin), dtype=torch.float32)
+
+
 @pytest.mark.parametrize("x_shape, r_shape", [
     ((2, 3, 7, 16), (1, 1, 7, 16)),      # BNSD, 11SD
     ((7, 2, 3, 16), (7, 1, 1, 16)),      # SBND, S11D

@@ -80,22 +80,40 @@ def _graph_inputs(gm: torch.fx.GraphModule) -> list[Any]:
     return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
 
 
-def _parameters_as_constants(gm: torch.fx.GraphModule, example_inputs):
+def _input_sources(gm: torch.fx.GraphModule) -> list:
+    """Where Dynamo took each input of its graph from (None where it did not say)."""
+    return [getattr(n.meta.get("grapharg"), "source", None)
+            for n in gm.graph.find_nodes(op="placeholder")]
+
+
+def _parameters_as_constants(gm: torch.fx.GraphModule, example_inputs, sources: list):
     """frozen_parameter: the graph's nn.Parameter inputs become attributes of `gm`, which is how
     Dynamo hands parameters over when Inductor's freezing is on (torch._inductor.config.freezing
     during tracing): Inductor then folds them as constants (weights pre-packed for oneDNN / MKL,
     constant subgraphs evaluated once). Buffers stay inputs: a model may update them between calls.
-    Returns the graph, the inputs left and their indices among the original inputs."""
+
+    Dynamo shares compiled code between modules of one class (regional compilation, a layer
+    compiled per instance), so each frozen parameter gets the guard Dynamo itself installs under
+    freezing: its identity (ID_MATCH on its source). Another module's parameters then compile
+    anew instead of meeting these constants. A parameter whose source Dynamo did not record stays
+    an input. Returns the graph, the inputs left and their indices among the original inputs."""
+    from torch._dynamo.guards import GuardBuilder, install_guard
+    from torch._guards import TracingContext
+
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    if len(placeholders) != len(example_inputs) or not any(
-            isinstance(x, torch.nn.Parameter) for x in example_inputs):
+    frozen = {i for i, x in enumerate(example_inputs)
+              if isinstance(x, torch.nn.Parameter) and i < len(sources) and sources[i] is not None}
+    if (len(placeholders) != len(example_inputs) or len(sources) != len(example_inputs)
+            or not frozen or TracingContext.try_get() is None):
         return gm, example_inputs, None
+    for i in sorted(frozen):
+        install_guard(sources[i].make_guard(GuardBuilder.ID_MATCH))
     # A copy: Dynamo reads its own graph's placeholders to decide what it passes at run time.
     gm = torch.fx.GraphModule(gm, copy.deepcopy(gm.graph))
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     kept = []
     for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
-        if not isinstance(x, torch.nn.Parameter):
+        if i not in frozen:
             kept.append(i)
             continue
         name = f"_frozen_param{i}"
@@ -125,6 +143,7 @@ class NpuBackend:
         if kwargs:
             raise TypeError(f"opennpu backend: unexpected arguments {sorted(kwargs)}")
         graph_id = next(_graph_ids)
+        sources = _input_sources(gm)  # before the pre-autograd stage re-traces the graph
         if config.experimental_config.pattern_fusion_pass:
             gm = self._pre_autograd(gm, example_inputs, config, graph_id)
         post_grad = PostGradPasses(config, self, graph_id)
@@ -137,8 +156,8 @@ class NpuBackend:
             patches["triton.cudagraphs"] = True
         kept = None
         if config.experimental_config.frozen_parameter and not torch.is_grad_enabled():
-            gm, example_inputs, kept = _parameters_as_constants(gm, example_inputs)
-            patches["freezing"] = True
+            gm, example_inputs, kept = _parameters_as_constants(gm, example_inputs, sources)
+            patches["freezing"] = kept is not None
         decompositions = None
         if self.decompositions:
             from torch._inductor.decomposition import select_decomp_table

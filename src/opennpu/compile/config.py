@@ -133,7 +133,9 @@ class CompilerConfig(_Group):
     - ``experimental_config.frozen_parameter`` (False): graphs compiled with grad mode off take the
       model's parameters as constants (Inductor's freezing: weights pre-packed for oneDNN / MKL,
       constant subgraphs folded). The values at compile time are kept: after changing weights,
-      call torch._dynamo.reset() and compile again. Buffers stay inputs; training is unaffected.
+      call torch._dynamo.reset() and compile again. Guarded on each parameter's identity, so
+      another module's parameters recompile. Buffers stay inputs; training and run_eagerly are
+      unaffected.
     - ``debug.graph_dump.type`` ('py' or 'txt') and ``.path``: dump each graph after fusion.
     - ``debug.run_eagerly``: skip Inductor and run the fused graphs eagerly.
     - ``post_grad_custom_pre_pass`` / ``post_grad_custom_post_pass``: user passes

@@ -67,12 +67,19 @@ def _search_fn(split: str, x_first: bool, rotated_first: bool, cos_term_first: b
 _OPS = ("npu_rotary_mul", "npu_rotary_mul_backward")
 
 
+# Whether the match _rotary_ok accepted last produced, in eager, a BNSD view of BSND memory.
+# The pattern matcher calls a rule's replacement with the matched inputs only, right after its
+# extra_check accepted that match; this carries the one fact about the match's output it needs.
+_eager_result_bsnd = False
+
+
 def _fused(x, r1, r2):
     # transformers' q and k are BNSD views of [B, S, N, D] projections, with cos / sin [B|1, 1, S,
-    # D]. Rotating the BSND tensor itself reads and writes contiguous rows (the view's rows are
-    # N * D apart: 37% slower), and the result, transposed back, is again a BNSD view of BSND
-    # memory, which the attention rule hands over as layout BSND with no copy.
-    if bsnd_in_memory(x) and not known(x.shape[1] == 1) and all(
+    # D], and `q * cos + rotate_half(q) * sin` keeps q's layout. There the BSND tensor itself is
+    # rotated, and the result, transposed back, has eager's layout: a BNSD view of BSND memory,
+    # which the attention rule hands over as layout BSND with no copy. Elsewhere the op's
+    # contiguous result (a layout every view eager's result allowed also allows).
+    if _eager_result_bsnd and bsnd_in_memory(x) and not known(x.shape[1] == 1) and all(
             r.dim() == 4 and known(r.shape[1] == 1) for r in (r1, r2)):
         xt, r1t, r2t = x.transpose(1, 2), r1.transpose(1, 2), r2.transpose(1, 2)
         if not is_strict() or _ascend_layout(xt, r1t, r2t):
@@ -128,7 +135,12 @@ def _rotary_ok(match) -> bool:
     negated, first_half = cat.args[0]
     if negated.target is not aten.neg.default:
         return False
-    return _split_ok(match, x, first_half, negated.args[0])
+    if not _split_ok(match, x, first_half, negated.args[0]):
+        return False
+    global _eager_result_bsnd
+    result = match.output_node().meta.get("val")
+    _eager_result_bsnd = isinstance(result, torch.Tensor) and bsnd_in_memory(result)
+    return True
 
 
 @fusion_rule("rotary", stage="pre_autograd",
