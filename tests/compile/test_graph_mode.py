@@ -26,6 +26,8 @@ def test_config_defaults_follow_torchair():
     assert config.mode == "max-autotune"
     assert config.debug.graph_dump.type is None
     assert config.debug.run_eagerly is False
+    assert config.experimental_config.frozen_parameter is False
+    assert config.with_options({"frozen_parameter": True}).experimental_config.frozen_parameter
 
 
 @pytest.mark.parametrize("assign, error, text", [
