@@ -501,9 +501,12 @@ ForwardResult run_forward(const char* op, const Prepared& prep) {
   const at::ScalarType stats = prep.dtype == at::kDouble ? at::kDouble : at::kFloat;
   r.softmax_max = at::empty(prep.stats_shape, opts.dtype(stats));
   r.softmax_sum = at::empty(prep.stats_shape, opts.dtype(stats));
-  // Rows no sequence covers (TND tokens past the last end) keep these values.
-  r.softmax_max.fill_(-std::numeric_limits<float>::infinity());
-  r.softmax_sum.zero_();
+  // Rows no sequence covers (TND tokens past the last end) keep these values. Otherwise the
+  // kernel writes every row's statistics (a row that sees no key too), so nothing is filled.
+  if (!runs || prep.p.tnd) {
+    r.softmax_max.fill_(-std::numeric_limits<float>::infinity());
+    r.softmax_sum.zero_();
+  }
   if (runs) {
     attention_fwd_cpu.get(op)(prep.p, prep.q, prep.k, prep.v, r.out, r.softmax_max, r.softmax_sum);
   }
