@@ -141,14 +141,45 @@ class ProjectedRotaryViewed(ProjectedRotary):
         return (rotate_half(q) * sin + q * cos).view(b * self.heads, s, self.d)
 
 
+class SbndRotaryViewed(ProjectedRotary):
+    """q from an [S, B, H] projection viewed [B, N, S, D]; eager's result keeps that SBND memory
+    layout, which the code after it views as [S, B, N * D]."""
+
+    def forward(self, x, cos, sin):
+        s, b, _ = x.shape
+        q = self.q_proj(x).view(s, b, self.heads, self.d).permute(1, 2, 0, 3)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        return (q * cos + rotate_half(q) * sin).permute(2, 0, 1, 3).view(s, b, -1)
+
+
+class FullCosRotaryViewed(ProjectedRotary):
+    """cos / sin with a head dim [B, N, S, D]: eager's result is a BNSD view of BSND memory,
+    which the code after it views as [B, S, N * D]."""
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.d).transpose(1, 2)
+        cos = cos.unsqueeze(1).expand(b, self.heads, s, self.d).contiguous()
+        sin = sin.unsqueeze(1).expand(b, self.heads, s, self.d).contiguous()
+        return (q * cos + rotate_half(q) * sin).transpose(1, 2).view(b, s, -1)
+
+
+@pytest.mark.parametrize("module, fused", [
+    (ProjectedRotaryViewed(), 1),   # eager's result contiguous: the op's own layout
+    (SbndRotaryViewed(), 0),        # layouts the fused result would not have stay native
+    (FullCosRotaryViewed(), 0),
+], ids=["contiguous", "sbnd", "full_cos"])
 @pytest.mark.parametrize("grad", [False, True])
-def test_rotary_result_keeps_eagers_layout(grad):
-    module = ProjectedRotaryViewed()
+def test_rotary_result_keeps_eagers_layout(module, fused, grad):
+    """Code after the rotary was traced on eager's strides: a view that needs them compiles."""
     x = torch.randn(2, 5, 32, requires_grad=grad)
     cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
+    if isinstance(module, SbndRotaryViewed):
+        x = torch.randn(5, 2, 32, requires_grad=grad)
+        cos, sin = torch.randn(2, 5, 8), torch.randn(2, 5, 8)
     with torch.set_grad_enabled(grad):
         compiled = run_compiled(module, x, cos, sin, backward=grad)
-        assert compiled.fusions == {"rotary": 1}
+        assert sum(compiled.fusions.values()) == fused
         assert_close(compiled.outputs, module(x, cos, sin), dtype=torch.float32)
 
 

@@ -69,6 +69,16 @@ def bsnd_in_memory(t: torch.Tensor) -> bool:
         (known(ss == n * d) or known(s == 1)) and (known(sb == s * n * d) or known(b == 1))
 
 
+def known_contiguous(t: torch.Tensor) -> bool:
+    """t is contiguous for every size the compiled graph may see (size-1 dims ignored)."""
+    expected = 1
+    for size, stride in reversed(list(zip(t.shape, t.stride()))):
+        if not (known(size == 1) or known(stride == expected)):
+            return False
+        expected = expected * size
+    return True
+
+
 def nodes(match: Match, *targets) -> list[torch.fx.Node]:
     """The matched nodes calling one of `targets`, in graph order."""
     return [n for n in match.nodes if n.op == "call_function" and n.target in targets]

@@ -19,6 +19,11 @@ Broadcasting: npu_rotary_mul returns x's shape and broadcasts r1 / r2 against x 
 more dims or a size > 1 against a size-1 dim of x, so such shapes are left alone. In strict mode
 (opennpu.set_strict) only Ascend's documented layouts are fused, since the op would reject others.
 
+Layout: the fused result has eager's layout, since code after it was traced on eager's strides
+(a .view may depend on them): a BNSD view of BSND memory for transformers' q and k (rotated as
+the BSND tensors, see _bsnd_path), contiguous elsewhere; a match whose eager result has another
+layout stays native.
+
 Numerics: x, r1 and r2 must share one of fp32 / fp16 / bf16. (Eager promotes a bf16 x times fp32
 cos / sin to fp32, while the fused op would return bf16: a mixed-dtype graph is not fused.) The
 fused op computes in float32 and rounds once where the composition rounds three times (both
@@ -34,8 +39,9 @@ import torch
 
 from ..._strict import is_strict
 from ..fusion import fusion_rule
-from ._util import arg, broadcasts_into, bsnd_in_memory, empty, halves_of_last_dim, guard_even, has_kernels, \
-    is_chunk_in_halves, is_last_dim, known, nodes, same_float_dtype, val
+from ._util import arg, broadcasts_into, bsnd_in_memory, empty, guard_even, halves_of_last_dim, \
+    has_kernels, is_chunk_in_halves, is_last_dim, known, known_contiguous, nodes, same_float_dtype, \
+    val
 
 aten = torch.ops.aten
 
@@ -67,23 +73,26 @@ def _search_fn(split: str, x_first: bool, rotated_first: bool, cos_term_first: b
 _OPS = ("npu_rotary_mul", "npu_rotary_mul_backward")
 
 
-# Whether the match _rotary_ok accepted last produced, in eager, a BNSD view of BSND memory.
-# The pattern matcher calls a rule's replacement with the matched inputs only, right after its
-# extra_check accepted that match; this carries the one fact about the match's output it needs.
-_eager_result_bsnd = False
+# Whether the match _rotary_ok accepted last is rotated in BSND (see _bsnd_path). The pattern
+# matcher traces a rule's replacement with the matched inputs only, right after its extra_check
+# accepted that match; this carries the one fact about the match's output it needs.
+_rotate_in_bsnd = False
+
+
+def _bsnd_path(x, r1, r2) -> bool:
+    """transformers' q and k are BNSD views of [B, S, N, D] projections, with cos / sin [B|1, 1,
+    S, D]: the BSND tensor itself can be rotated (rows contiguous) and the result transposed back,
+    a BNSD view of BSND memory as eager's `q * cos + rotate_half(q) * sin` is, which the attention
+    rule then hands over as layout BSND with no copy."""
+    if not (bsnd_in_memory(x) and not known(x.shape[1] == 1)
+            and all(r.dim() == 4 and known(r.shape[1] == 1) for r in (r1, r2))):
+        return False
+    return not is_strict() or _ascend_layout(*(t.transpose(1, 2) for t in (x, r1, r2)))
 
 
 def _fused(x, r1, r2):
-    # transformers' q and k are BNSD views of [B, S, N, D] projections, with cos / sin [B|1, 1, S,
-    # D], and `q * cos + rotate_half(q) * sin` keeps q's layout. There the BSND tensor itself is
-    # rotated, and the result, transposed back, has eager's layout: a BNSD view of BSND memory,
-    # which the attention rule hands over as layout BSND with no copy. Elsewhere the op's
-    # contiguous result (a layout every view eager's result allowed also allows).
-    if _eager_result_bsnd and bsnd_in_memory(x) and not known(x.shape[1] == 1) and all(
-            r.dim() == 4 and known(r.shape[1] == 1) for r in (r1, r2)):
-        xt, r1t, r2t = x.transpose(1, 2), r1.transpose(1, 2), r2.transpose(1, 2)
-        if not is_strict() or _ascend_layout(xt, r1t, r2t):
-            return torch.ops.npu.npu_rotary_mul(xt, r1t, r2t).transpose(1, 2)
+    if _rotate_in_bsnd and _bsnd_path(x, r1, r2):
+        return torch.ops.npu.npu_rotary_mul(*(t.transpose(1, 2) for t in (x, r1, r2))).transpose(1, 2)
     return torch.ops.npu.npu_rotary_mul(x, r1, r2)
 
 
@@ -137,10 +146,15 @@ def _rotary_ok(match) -> bool:
         return False
     if not _split_ok(match, x, first_half, negated.args[0]):
         return False
-    global _eager_result_bsnd
+    # The fused result must have eager's layout, or a view the code after it takes (traced on
+    # eager's strides) could fail: a BSND-layout result where _bsnd_path rotates in BSND, a
+    # contiguous one (the op's own) elsewhere; other layouts stay native.
+    global _rotate_in_bsnd
     result = match.output_node().meta.get("val")
-    _eager_result_bsnd = isinstance(result, torch.Tensor) and bsnd_in_memory(result)
-    return True
+    if not isinstance(result, torch.Tensor):
+        return False
+    _rotate_in_bsnd = bsnd_in_memory(result) and _bsnd_path(x, r1, r2)
+    return _rotate_in_bsnd or known_contiguous(result)
 
 
 @fusion_rule("rotary", stage="pre_autograd",
