@@ -673,31 +673,50 @@ struct GradRows {
   int64_t len;
 };
 
-// P' and dS in T, in place of s and dp.
+// P' and dS of row r, columns j..j+n (n <= 2 * Vec::size()), as two vectors each (the formulas
+// above); dS is also added into the row's dpse.
+template <typename T>
+__attribute__((always_inline)) inline void gradient_step(const GradRows<T>& g, int64_t ld, int64_t r,
+                                                         int64_t j, int64_t n,
+                   Vectorized<T>* pv, Vectorized<T>* dsv) {
+  using Vec = Vectorized<T>;
+  using F = VecPair<T>;
+  Vec s[2], dp[2], f[2];
+  F::load(g.s + r * ld + j, s[0], s[1], n);
+  F::load(g.dp + r * ld + j, dp[0], dp[1], n);
+  if (g.factor != nullptr) F::load(g.factor + r * ld + j, f[0], f[1], n);
+  const Vec m(g.m[r]), inv_l(g.inv_l[r]), rd(g.row_dot[r]), scale(g.scale), exp_scale(g.exp_scale);
+  for (int h = 0; h < 2; ++h) {
+    const Vec pr = softmax_exp(at::vec::fmadd(s[h], exp_scale, -m)) * inv_l;
+    if (g.factor != nullptr) {
+      dsv[h] = pr * (dp[h] * f[h] - rd) * scale;
+      pv[h] = pr * f[h];
+    } else {
+      dsv[h] = pr * (dp[h] - rd) * scale;
+      pv[h] = pr;
+    }
+  }
+  if (g.dpse != nullptr && j < g.len) {
+    T* d = g.dpse + r * g.dpse_stride + j;
+    const int64_t nd = std::min(n, g.len - j);
+    Vec acc[2];
+    F::load(d, acc[0], acc[1], nd);
+    F::store(d, acc[0] + dsv[0], acc[1] + dsv[1], nd);
+  }
+}
+
+// P' and dS in T, in place of s and dp, in one pass.
 template <typename T>
 void gradients_in_place(const GradRows<T>& g, int64_t rows, int64_t ld) {
-  using Vec = Vectorized<T>;
+  using F = VecPair<T>;
   for (int64_t r = 0; r < rows; ++r) {
-    T* pr = g.s + r * ld;
-    T* dr = g.dp + r * ld;
-    const T* f = g.factor == nullptr ? nullptr : g.factor + r * ld;
-    exp_scaled(pr, ld, g.m[r], g.inv_l[r], g.exp_scale);
-    const Vec rd(g.row_dot[r]);
-    int64_t j = 0;
-    for (; j + Vec::size() <= ld; j += Vec::size()) {
-      Vec dpj = Vec::loadu(dr + j);
-      if (f != nullptr) dpj = dpj * Vec::loadu(f + j);
-      (Vec::loadu(pr + j) * (dpj - rd) * Vec(g.scale)).store(dr + j);
+    for (int64_t j = 0; j < ld; j += F::kStep) {
+      const int64_t n = std::min<int64_t>(F::kStep, ld - j);
+      Vectorized<T> pv[2], dsv[2];
+      gradient_step(g, ld, r, j, n, pv, dsv);
+      F::store(g.s + r * ld + j, pv[0], pv[1], n);
+      F::store(g.dp + r * ld + j, dsv[0], dsv[1], n);
     }
-    for (; j < ld; ++j) {
-      const T dpj = f != nullptr ? dr[j] * f[j] : dr[j];
-      dr[j] = pr[j] * (dpj - g.row_dot[r]) * g.scale;
-    }
-    if (g.dpse != nullptr) {
-      T* d = g.dpse + r * g.dpse_stride;
-      for (int64_t jj = 0; jj < g.len; ++jj) d[jj] += dr[jj];
-    }
-    if (f != nullptr) multiply_rows(pr, f, ld);
   }
 }
 
@@ -898,34 +917,10 @@ struct BrgemmBwdTiles {
   void gradients_rounded(Local& w, const GradRows<T>& g, int64_t rows, int64_t ld) const {
     using Vec = Vectorized<T>;
     using Pair = VecPair<In>;
-    using F = VecPair<T>;
-    const Vec scale(g.scale), exp_scale(g.exp_scale);
-    // P' and dS of row r, columns j..j+n (n <= kStep), as two vectors each
+    // P' and dS of row r, columns j..j+n (n <= kStep); dS also stored row-major
     const auto row = [&](int64_t r, int64_t j, int64_t n, Vec* pv, Vec* dsv) {
-      Vec s[2], dp[2], f[2];
-      F::load(g.s + r * ld + j, s[0], s[1], n);
-      F::load(g.dp + r * ld + j, dp[0], dp[1], n);
-      if (g.factor != nullptr) F::load(g.factor + r * ld + j, f[0], f[1], n);
-      const Vec m(g.m[r]), inv_l(g.inv_l[r]), rd(g.row_dot[r]);
-      for (int h = 0; h < 2; ++h) {
-        Vec pr = softmax_exp(at::vec::fmadd(s[h], exp_scale, -m)) * inv_l;
-        if (g.factor != nullptr) {
-          dp[h] = dp[h] * f[h];
-          dsv[h] = pr * (dp[h] - rd) * scale;
-          pv[h] = pr * f[h];
-        } else {
-          dsv[h] = pr * (dp[h] - rd) * scale;
-          pv[h] = pr;
-        }
-      }
+      gradient_step(g, ld, r, j, n, pv, dsv);
       store_pair<kNativeBf16>(w.ds_row.data() + r * ld + j, dsv[0], dsv[1], n);
-      if (g.dpse != nullptr && j < g.len) {
-        T* d = g.dpse + r * g.dpse_stride + j;
-        const int64_t nd = std::min(n, g.len - j);
-        Vec acc[2];
-        F::load(d, acc[0], acc[1], nd);
-        F::store(d, acc[0] + dsv[0], acc[1] + dsv[1], nd);
-      }
     };
     // (a[i], b[i]) pairs of columns j..j+n into dst's row-pair layout
     const auto pairs = [&](In* dst, int64_t j, int64_t n, const Vec* a, const Vec* b) {
