@@ -31,7 +31,7 @@ from .cases import compile as layer_case
 from .common import DTYPES
 
 VARIANTS = {"opennpu": [], "no_attention": ["attention"], "no_norms": ["rms_norm", "add_rms_norm"],
-            "no_rotary": ["rotary"]}
+            "no_rotary": ["rotary"], "no_silu_mul": ["silu_mul"]}
 
 
 def _inductor_frozen(gm, example_inputs):

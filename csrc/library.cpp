@@ -166,6 +166,10 @@ TORCH_LIBRARY(opennpu, m) {
         "Tensor(d!)[] state_steps, *, float lr, float beta1, float beta2, float eps, "
         "float weight_decay, float delta, float wd_ratio, bool nesterov, "
         "float grad_scale=1.) -> ()");
+  // silu(gate) * up over two tensors of one shape and dtype (npu_swiglu with its halves apart),
+  // and its gradients (d gate, d up): the compile backend's fusion of Llama's MLP activation.
+  m.def("_silu_mul(Tensor gate, Tensor up) -> Tensor");
+  m.def("_silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   // npu_rotary_mul_backward's dx alone, for the usual case of r1/r2 without gradients (autograd
   // calls it then): no dr1/dr2 reductions, and self is only checked, never read.
   m.def("_rotary_mul_backward_dx(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor");

@@ -40,9 +40,9 @@ BATCH, SEQ, HIDDEN = 2, 16, 64
 
 # Fusions per decoder layer, per rule: two RMSNorms, the second fed by the residual add
 # (add_rms_norm takes it over, and its own count is the add), one attention, rotary embedding on
-# q and on k. The MLP, act(gate_proj(x)) * up_proj(x), stays as it is: npu_swiglu would need the
-# two weights concatenated on every call, measured slower (rules/swiglu.py), so swiglu is 0.
-EXPECTED = {"rms_norm": 2, "add_rms_norm": 1, "attention": 1, "rotary": 2}
+# q and on k, and the MLP's silu(gate_proj(x)) * up_proj(x) (silu_mul: its halves come from two
+# linears, so not npu_swiglu's one-tensor split).
+EXPECTED = {"rms_norm": 2, "add_rms_norm": 1, "attention": 1, "rotary": 2, "silu_mul": 1}
 
 
 @pytest.fixture(autouse=True)

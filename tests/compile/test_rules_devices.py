@@ -13,7 +13,7 @@ from opennpu.compile import fusion
 from test_rules_norm import HFRMSNorm
 from test_rules_rotary import SeedRotary
 from test_rules_softmax import SeedSoftmax
-from test_rules_swiglu import SeedSwiGlu
+from test_rules_swiglu import GateUp, SeedSwiGlu
 from test_rules_transpose import Fn, seed_example_one
 
 
@@ -34,6 +34,8 @@ def cases(device):
         ("add_rms_norm", AddNorm().to(device), (torch.randn(4, 16, device=device),
                                                torch.randn(4, 16, device=device))),
         ("swiglu", SeedSwiGlu(), (torch.randn(4, 16, device=device),)),
+        ("silu_mul", GateUp(), (torch.randn(4, 16, device=device),
+                                torch.randn(4, 16, device=device))),
         ("rotary", SeedRotary(), (torch.randn(2, 6, 3, 16, device=device),
                                   torch.randn(1, 6, 1, 16, device=device),
                                   torch.randn(1, 6, 1, 16, device=device))),
@@ -43,16 +45,18 @@ def cases(device):
 
 
 def _cuda_kernel(op: str) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"npu::{op}", "CUDA")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op if "::" in op else f"npu::{op}",
+                                                          "CUDA")
 
 
-OPS = {"rms_norm": "npu_rms_norm", "add_rms_norm": "npu_add_rms_norm", "swiglu": "npu_swiglu", "rotary": "npu_rotary_mul",
+OPS = {"rms_norm": "npu_rms_norm", "add_rms_norm": "npu_add_rms_norm", "swiglu": "npu_swiglu",
+       "silu_mul": "opennpu::_silu_mul", "rotary": "npu_rotary_mul",
        "scaled_masked_softmax": "npu_scaled_masked_softmax",
        "confusion_transpose": "npu_confusion_transpose"}
 BACKWARD = {"npu_add_rms_norm": "npu_rms_norm_backward"}
 
 
-@pytest.mark.parametrize("index", range(6), ids=[c[0] for c in cases("cpu")])
+@pytest.mark.parametrize("index", range(7), ids=[c[0] for c in cases("cpu")])
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_rules_see_the_device_of_the_traced_graph(index, device):
     """The pre_autograd rules on a graph traced with fake tensors of `device` (no GPU needed):
@@ -79,11 +83,12 @@ def test_rules_see_the_device_of_the_traced_graph(index, device):
     # add_rms_norm fuses the residual add into the norm the rms_norm rule made first.
     expected = {"rms_norm": 1, "add_rms_norm": 1} if rule == "add_rms_norm" else {rule: 1}
     assert counts == (expected if fused else {})
-    assert count(fusion.node_targets(gm), f"npu.{op}.") == int(fused)
+    assert count(fusion.node_targets(gm), f"{op.replace('::', '.')}." if "::" in op
+                 else f"npu.{op}.") == int(fused)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("index", range(6), ids=[c[0] for c in cases("cpu")])
+@pytest.mark.parametrize("index", range(7), ids=[c[0] for c in cases("cpu")])
 def test_cuda_fuses_only_ops_with_cuda_kernels(index):
     rule, module, args = cases("cuda")[index]
     compiled = run_compiled(module, *args)

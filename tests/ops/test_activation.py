@@ -589,3 +589,81 @@ def test_seed_fast_gelu_reference_values():
     torch.testing.assert_close(
         opennpu.npu_fast_gelu_backward(torch.ones(4), x),
         torch.tensor([1.0677795, 1.0738151, 1.0245483, 1.0064018]), rtol=0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- opennpu::_silu_mul
+# silu(gate) * up over two tensors: the compile backend's fusion of Llama's MLP activation, on
+# npu_swiglu's kernel (same fp32 arithmetic), so it is checked against npu_swiglu's reference.
+
+_silu_mul = torch.ops.opennpu._silu_mul
+
+
+def _silu_mul_ref(gate, up):
+    return R.swiglu(torch.cat([_up(gate), _up(up)], -1))
+
+
+@pytest.mark.parametrize("dtype", [F32, *LOW_DTYPES, F64], ids=dtype_id)
+@pytest.mark.parametrize("shape", [(7,), (3, 37), (2, 3, 64), (0, 5)], ids=str)
+def test_silu_mul_matches_reference(dtype, shape):
+    gate, up = randn(*shape, dtype=dtype) * 3, randn(*shape, dtype=dtype)
+    out = _silu_mul(gate, up)
+    assert out.dtype == dtype and out.shape == gate.shape
+    assert_close(out, _silu_mul_ref(gate, up).to(dtype))
+    # the same numbers as npu_swiglu on the concatenated halves
+    torch.testing.assert_close(out, opennpu.npu_swiglu(torch.cat([gate, up], -1)), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES, ids=dtype_id)
+def test_silu_mul_low_precision_not_worse_than_native(dtype):
+    gate, up = randn(32, 256, dtype=dtype) * 2, randn(32, 256, dtype=dtype)
+    assert_not_worse_than_native(_silu_mul(gate, up), F.silu(gate) * up, _silu_mul_ref(gate, up))
+
+
+def test_silu_mul_non_contiguous_inputs():
+    gate, up = randn(16, 10).t(), randn(20, 16)[::2]
+    assert_close(_silu_mul(gate, up), _silu_mul_ref(gate, up))
+
+
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=dtype_id)
+def test_silu_mul_autograd_matches_reference_autograd(dtype):
+    gate = (randn(6, 3, 16) * 3).to(dtype).requires_grad_()
+    up = randn(6, 3, 16, dtype=dtype, requires_grad=True)
+    grad = torch.randn(6, 3, 16).to(dtype)
+    ours = grads_of(_silu_mul, [gate, up], grad)
+    ref = grads_of(_silu_mul_ref, leaf_copies([gate, up]), grad)
+    for got, want in zip(ours, ref):
+        assert got.dtype == dtype
+        assert_close(got, want.to(dtype))
+
+
+def test_silu_mul_gradcheck_float64():
+    gate = (randn(3, 5, dtype=F64) * 3).requires_grad_()
+    up = randn(3, 5, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(_silu_mul, [gate, up])
+
+
+def test_silu_mul_gradient_of_one_input_only():
+    gate, up = randn(4, 8, requires_grad=True), randn(4, 8)
+    _silu_mul(gate, up).sum().backward()
+    assert up.grad is None
+    assert_close(gate.grad, torch.func.grad(lambda g: _silu_mul_ref(g, up).sum())(gate.detach()))
+
+
+def test_opcheck_silu_mul():
+    opcheck(_silu_mul.default, [
+        ((_x(3, 8), _x(3, 8)), {}), ((_x(4, 6, rg=True), _x(4, 6, rg=True)), {}),
+        ((_x(5, 4).t(), _x(4, 5)), {}), ((_x(0, 4, rg=True), _x(0, 4)), {}),
+    ])
+    opcheck(torch.ops.opennpu._silu_mul_backward.default, [((_x(3, 4), _x(3, 4), _x(3, 4)), {})])
+
+
+def test_silu_mul_rejects_mismatched_inputs():
+    _raises(lambda: _silu_mul(randn(3, 4), randn(3, 5)), "_silu_mul: argument 'up'",
+            "[3, 4]", "[3, 5]")
+    _raises(lambda: _silu_mul(randn(3, 4), randn(4)), "_silu_mul: argument 'up'", "[3, 4]")
+    _raises(lambda: _silu_mul(randn(3, 4), randn(3, 4, dtype=torch.bfloat16)),
+            "_silu_mul: argument 'up'", "gate's dtype", "BFloat16")
+    _raises(lambda: _silu_mul(torch.ones(3, 4, dtype=torch.int32), randn(3, 4)),
+            "_silu_mul: argument 'gate'", "but got Int")
+    _raises(lambda: torch.ops.opennpu._silu_mul_backward(randn(3, 5), randn(3, 4), randn(3, 4)),
+            "_silu_mul_backward: argument 'grad'", "[3, 4]", "got [3, 5]")

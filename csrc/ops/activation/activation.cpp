@@ -58,11 +58,18 @@ at::Tensor check_glu_grad(const char* op, const char* name, const at::Tensor& gr
   return grad.to(self.scalar_type()).contiguous();
 }
 
+// The halves of x [outer, 2, m] (contiguous): H is the first when activate_left.
+GluHalves split_halves(const at::Tensor& x, const GluShape& s, bool activate_left) {
+  return {x, x, activate_left ? 0 : s.m, activate_left ? s.m : 0, 2 * s.m};
+}
+
 at::Tensor glu_forward(const char* op, const at::Tensor& self, const GluShape& s, Act act,
                        bool activate_left, at::Tensor gelu_out) {
   const at::Tensor x = self.contiguous();
   at::Tensor out = at::empty(s.out_sizes, x.options());
-  if (out.numel() > 0) glu_fwd_cpu.get(op)(x, s.outer, s.m, act, activate_left, out, gelu_out);
+  if (out.numel() > 0) {
+    glu_fwd_cpu.get(op)(split_halves(x, s, activate_left), s.outer, s.m, act, out, gelu_out);
+  }
   return out;
 }
 
@@ -70,8 +77,21 @@ at::Tensor glu_backward(const char* op, const at::Tensor& grad, const at::Tensor
                         const GluShape& s, Act act, bool activate_left) {
   const at::Tensor x = self.contiguous();
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (dx.numel() > 0) glu_bwd_cpu.get(op)(grad, x, s.outer, s.m, act, activate_left, dx);
+  if (dx.numel() > 0) {
+    glu_bwd_cpu.get(op)(grad, split_halves(x, s, activate_left), s.outer, s.m, act,
+                        split_halves(dx, s, activate_left));
+  }
   return dx;
+}
+
+// gate and up of the two-tensor SwiGLU: floating, one dtype, one shape, one device.
+void check_gate_up(const char* op, const at::Tensor& gate, const at::Tensor& up) {
+  check_floating(op, "gate", gate);
+  check_floating(op, "up", up);
+  check_same_device(op, "up", up, "gate", gate);
+  check_same_shape(op, "up", up, "gate", gate);
+  OPENNPU_CHECK_ARG(up.scalar_type() == gate.scalar_type(), op, "up",
+                    "must have gate's dtype ", gate.scalar_type(), ", but got ", up.scalar_type());
 }
 
 }  // namespace
@@ -115,6 +135,40 @@ at::Tensor npu_geglu_grad(const at::Tensor& grad_output, const at::Tensor& self,
   return glu_backward(op, g, self, s, act, activate_left);
 }
 
+// silu(gate) * up: npu_swiglu with its halves in two tensors (what the compile backend's
+// silu_mul rule puts in place of Llama's MLP activation, whose gate and up come from separate
+// linears). Computed in fp32 and rounded once, like npu_swiglu.
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
+  constexpr const char* op = "_silu_mul";
+  check_gate_up(op, gate, up);
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  at::Tensor out = at::empty(g.sizes(), g.options());
+  if (out.numel() > 0) {
+    at::Tensor no_gelu;
+    glu_fwd_cpu.get(op)({g, u, 0, 0, g.numel()}, 1, g.numel(), Act::kSilu, out, no_gelu);
+  }
+  return out;
+}
+
+// (d gate, d up) of silu_mul: grad * up * silu'(gate) and grad * silu(gate).
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad,
+                                                     const at::Tensor& gate,
+                                                     const at::Tensor& up) {
+  constexpr const char* op = "_silu_mul_backward";
+  check_gate_up(op, gate, up);
+  check_floating(op, "grad", grad);
+  check_same_device(op, "grad", grad, "gate", gate);
+  check_same_shape(op, "grad", grad, "gate", gate);
+  const at::Tensor g = gate.contiguous(), u = up.contiguous();
+  const at::Tensor gy = grad.to(g.scalar_type()).contiguous();
+  at::Tensor dgate = at::empty(g.sizes(), g.options()), dup = at::empty(g.sizes(), g.options());
+  if (g.numel() > 0) {
+    glu_bwd_cpu.get(op)(gy, {g, u, 0, 0, g.numel()}, 1, g.numel(), Act::kSilu,
+                        {dgate, dup, 0, 0, g.numel()});
+  }
+  return {dgate, dup};
+}
+
 namespace {
 
 at::Tensor fast_gelu_forward(const char* op, const at::Tensor& self) {
@@ -156,6 +210,11 @@ TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("fast_gelu", &fast_gelu);
   m.impl("npu_fast_gelu", &npu_fast_gelu);
   m.impl("npu_fast_gelu_backward", &npu_fast_gelu_backward);
+}
+
+TORCH_LIBRARY_IMPL(opennpu, CPU, m) {
+  m.impl("_silu_mul", &silu_mul);
+  m.impl("_silu_mul_backward", &silu_mul_backward);
 }
 
 }  // namespace opennpu::activation

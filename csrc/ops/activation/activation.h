@@ -19,12 +19,23 @@ enum class Act {
   kGeluErf,   // z * Phi(z), the exact GELU
 };
 
-// out[o, j] = act(H[o, j]) * O[o, j]; gelu_out (optional, may be undefined) receives act(H).
-using GluFwdFn = void(const at::Tensor& x, int64_t outer, int64_t m, Act act, bool activate_left,
-                      at::Tensor& out, at::Tensor& gelu_out);
-// dx = [dH, dO] with dH = g * O * act'(H), dO = g * act(H), laid out like x.
-using GluBwdFn = void(const at::Tensor& grad, const at::Tensor& x, int64_t outer, int64_t m,
-                      Act act, bool activate_left, at::Tensor& dx);
+// Where the two halves of a GLU lie, as [outer, m] row blocks: row o of the activated half H
+// starts at element h_offset + o * stride of `h`, row o of the other half O at o_offset + o * stride
+// of `o`. npu_swiglu's x [outer, 2, m] holds both (h = o = x, stride 2m); the two-tensor form
+// (opennpu::_silu_mul) has them in separate tensors (stride m). The tensors are contiguous.
+struct GluHalves {
+  at::Tensor h, o;
+  int64_t h_offset = 0, o_offset = 0, stride = 0;
+};
+
+// out[o, j] = act(H[o, j]) * O[o, j] ([outer, m], contiguous); gelu_out (optional, may be
+// undefined) receives act(H).
+using GluFwdFn = void(const GluHalves& x, int64_t outer, int64_t m, Act act, at::Tensor& out,
+                      at::Tensor& gelu_out);
+// dH = g * O * act'(H), dO = g * act(H), written where `dx` places the halves (grad [outer, m],
+// contiguous, in x's dtype).
+using GluBwdFn = void(const at::Tensor& grad, const GluHalves& x, int64_t outer, int64_t m,
+                      Act act, const GluHalves& dx);
 // y = act(x), elementwise over contiguous tensors.
 using UnaryFwdFn = void(const at::Tensor& x, Act act, at::Tensor& y);
 // dx = grad * act'(x).

@@ -32,19 +32,18 @@ inline void for_each_run(int64_t begin, int64_t end, int64_t m, const Body& body
 }
 
 template <Act kAct, typename scalar_t>
-void glu_fwd_impl(const at::Tensor& x, int64_t outer, int64_t m, bool activate_left,
-                  at::Tensor& out, at::Tensor& gelu_out) {
+void glu_fwd_impl(const GluHalves& x, int64_t outer, int64_t m, at::Tensor& out,
+                  at::Tensor& gelu_out) {
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
-  const scalar_t* px = x.const_data_ptr<scalar_t>();
+  const scalar_t* ph = x.h.const_data_ptr<scalar_t>() + x.h_offset;
+  const scalar_t* po = x.o.const_data_ptr<scalar_t>() + x.o_offset;
   scalar_t* py = out.mutable_data_ptr<scalar_t>();
   scalar_t* pg = gelu_out.defined() ? gelu_out.mutable_data_ptr<scalar_t>() : nullptr;
-  const int64_t h_off = activate_left ? 0 : m;  // offset of the activated half in a row
-  const int64_t o_off = activate_left ? m : 0;
   at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
     for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
-      const scalar_t* h = px + o * 2 * m + h_off + j;
-      const scalar_t* other = px + o * 2 * m + o_off + j;
+      const scalar_t* h = ph + o * x.stride + j;
+      const scalar_t* other = po + o * x.stride + j;
       scalar_t* y = py + o * m + j;
       scalar_t* g = pg ? pg + o * m + j : nullptr;
       for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
@@ -61,28 +60,28 @@ void glu_fwd_impl(const at::Tensor& x, int64_t outer, int64_t m, bool activate_l
 }
 
 template <Act kAct, typename scalar_t>
-void glu_bwd_impl(const at::Tensor& grad, const at::Tensor& x, int64_t outer, int64_t m,
-                  bool activate_left, at::Tensor& dx) {
+void glu_bwd_impl(const at::Tensor& grad, const GluHalves& x, int64_t outer, int64_t m,
+                  const GluHalves& dx) {
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
   const scalar_t* pgrad = grad.const_data_ptr<scalar_t>();
-  const scalar_t* px = x.const_data_ptr<scalar_t>();
-  scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
-  const int64_t h_off = activate_left ? 0 : m;
-  const int64_t o_off = activate_left ? m : 0;
+  const scalar_t* ph = x.h.const_data_ptr<scalar_t>() + x.h_offset;
+  const scalar_t* po = x.o.const_data_ptr<scalar_t>() + x.o_offset;
+  scalar_t* pdh = dx.h.mutable_data_ptr<scalar_t>() + dx.h_offset;
+  scalar_t* pdo = dx.o.mutable_data_ptr<scalar_t>() + dx.o_offset;
   at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
     for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
-      const int64_t row = o * 2 * m + j;
+      const int64_t row = o * x.stride + j, drow = o * dx.stride + j;
       const scalar_t* gy = pgrad + o * m + j;
       for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
         Vec g0, g1, h0, h1, b0, b1, a0, a1, d0, d1;
         IO::load(gy + k, g0, g1, l);
-        IO::load(px + row + h_off + k, h0, h1, l);
-        IO::load(px + row + o_off + k, b0, b1, l);
+        IO::load(ph + row + k, h0, h1, l);
+        IO::load(po + row + k, b0, b1, l);
         act_value_grad<kAct, scalar_t>(h0, a0, d0);
         act_value_grad<kAct, scalar_t>(h1, a1, d1);
-        IO::store(pdx + row + h_off + k, g0 * b0 * d0, g1 * b1 * d1, l);
-        IO::store(pdx + row + o_off + k, g0 * a0, g1 * a1, l);
+        IO::store(pdh + drow + k, g0 * b0 * d0, g1 * b1 * d1, l);
+        IO::store(pdo + drow + k, g0 * a0, g1 * a1, l);
       });
     });
   });
@@ -137,16 +136,15 @@ void unary_bwd_impl(const at::Tensor& grad, const at::Tensor& x, at::Tensor& dx)
     }                                                                                       \
   })
 
-void glu_fwd_kernel(const at::Tensor& x, int64_t outer, int64_t m, Act act, bool activate_left,
-                    at::Tensor& out, at::Tensor& gelu_out) {
-  OPENNPU_DISPATCH_ACT(act, x.scalar_type(), "glu_fwd", glu_fwd_impl, x, outer, m, activate_left,
-                       out, gelu_out);
+void glu_fwd_kernel(const GluHalves& x, int64_t outer, int64_t m, Act act, at::Tensor& out,
+                    at::Tensor& gelu_out) {
+  OPENNPU_DISPATCH_ACT(act, x.h.scalar_type(), "glu_fwd", glu_fwd_impl, x, outer, m, out,
+                       gelu_out);
 }
 
-void glu_bwd_kernel(const at::Tensor& grad, const at::Tensor& x, int64_t outer, int64_t m,
-                    Act act, bool activate_left, at::Tensor& dx) {
-  OPENNPU_DISPATCH_ACT(act, x.scalar_type(), "glu_bwd", glu_bwd_impl, grad, x, outer, m,
-                       activate_left, dx);
+void glu_bwd_kernel(const at::Tensor& grad, const GluHalves& x, int64_t outer, int64_t m, Act act,
+                    const GluHalves& dx) {
+  OPENNPU_DISPATCH_ACT(act, x.h.scalar_type(), "glu_bwd", glu_bwd_impl, grad, x, outer, m, dx);
 }
 
 void unary_fwd_kernel(const at::Tensor& x, Act act, at::Tensor& y) {

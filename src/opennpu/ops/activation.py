@@ -107,6 +107,19 @@ def _fast_gelu_backward_fake(grad, self):
     return self.new_empty(self.shape)
 
 
+@torch.library.register_fake("opennpu::_silu_mul")
+def _silu_mul_fake(gate, up):
+    torch._check(gate.shape == up.shape and gate.dtype == up.dtype,
+                 lambda: "_silu_mul: gate and up must share shape and dtype")
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.register_fake("opennpu::_silu_mul_backward")
+def _silu_mul_backward_fake(grad, gate, up):
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+
+
 # ----------------------------------------------------------------------------- autograd
 
 
@@ -136,7 +149,18 @@ def _fast_gelu_bwd(ctx, grad):
     return _ops.npu_fast_gelu_backward(grad, x)
 
 
+def _save_gate_up(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _silu_mul_bwd(ctx, grad):
+    gate, up = ctx.saved_tensors
+    dgate, dup = torch.ops.opennpu._silu_mul_backward(grad, gate, up)
+    return (dgate if ctx.needs_input_grad[0] else None, dup if ctx.needs_input_grad[1] else None)
+
+
 register_autograd("npu_swiglu", _swiglu_bwd, _save_input)
+torch.library.register_autograd("opennpu::_silu_mul", _silu_mul_bwd, setup_context=_save_gate_up)
 register_autograd("npu_geglu", _geglu_bwd, _geglu_setup)
 register_autograd("fast_gelu", _fast_gelu_bwd, _save_input)
 register_autograd("npu_fast_gelu", _fast_gelu_bwd, _save_input)

@@ -155,14 +155,16 @@ _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
 
 def has_kernels(ops, *tensors) -> bool:
-    """Every `torch.ops.npu` op named in `ops` (a fused op and its backward) has a kernel for the
-    device of `tensors` (one device). The ops are registered per device as their kernels land,
-    so a rule must not put a CPU-only op into a CUDA graph, where the native code ran."""
+    """Every op named in `ops` (a fused op and its backward; `torch.ops.npu` names, or qualified
+    ones such as "opennpu::_silu_mul") has a kernel for the device of `tensors` (one device). The
+    ops are registered per device as their kernels land, so a rule must not put a CPU-only op
+    into a CUDA graph, where the native code ran."""
     devices = {t.device.type for t in tensors if isinstance(t, torch.Tensor)}
     if len(devices) != 1 or next(iter(devices)) not in _DISPATCH_KEYS:
         return False
     key = _DISPATCH_KEYS[devices.pop()]
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"npu::{op}", key) for op in ops)
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(op if "::" in op else f"npu::{op}", key)
+               for op in ops)
 
 
 def number_or_absent(match: Match, name: str) -> bool:

@@ -17,14 +17,13 @@ rounds silu(a) (or sigmoid(a) and a * sigmoid(a)) to the input dtype before the 
 accurate; it keeps x's dtype and the halved shape, as the composition does. Its autograd is
 npu_swiglu_backward, so training graphs differentiate through the fused op.
 
-Not fused: the LLaMA MLP ``silu(gate_proj(x)) * up_proj(x)``. Its two halves come from two
-linears with separate weights, which are graph inputs (parameters), not constants; the only
-rewrite into npu_swiglu concatenates the two weight matrices on every call (a copy of 2 * H * I
-elements) to save an elementwise pass over a [T, I] tensor that Inductor already fuses into one
-loop. Measured (this project's shared CPU machine, 1 thread, fp32, H 512, I 1408, medians of 40
-eager calls): two linears + silu * mul 0.23 / 0.82 / 9.5 ms at T = 1 / 16 / 256 tokens,
-cat(weights) + one linear + npu_swiglu 0.75 / 1.34 / 9.9 ms: slower at every size, so the rule
-deliberately leaves that form alone.
+The two-tensor form, Llama's MLP ``silu(gate_proj(x)) * up_proj(x)`` (rule "silu_mul"), has its
+halves in two tensors from separate linears. Concatenating the weights to feed npu_swiglu would
+copy 2 * H * I elements per call (measured slower at every size), so it goes to
+opennpu::_silu_mul instead: npu_swiglu's kernel reading the halves from the two tensors, with
+the same fp32 arithmetic and backward. It runs after "swiglu" (order 1), over contiguous gate
+and up of one shape and dtype (no broadcast); slices of one tensor that "swiglu" declined are
+left to Inductor, which reads them in place.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ import torch.nn.functional as F
 
 from ..fusion import fusion_rule
 from ._util import FLOAT_DTYPES, empty, guard_even, halves_of_last_dim, has_kernels, \
-    is_chunk_in_halves, nodes, val
+    is_chunk_in_halves, known, known_contiguous, nodes, same_float_dtype, val
 
 aten = torch.ops.aten
 
@@ -104,3 +103,37 @@ def _register_swiglu(r) -> None:
             ("chunk", "slice"), _ACTIVATIONS, (True, False)):
         r.replacement(_search_fn(split, activation, activated_first), _fused, [empty(2, 8)],
                       extra_check=_swiglu_ok, generic_sizes=True)
+
+
+# --- silu(gate) * up over two tensors -----------------------------------------------------------
+
+_GATE_UP_OPS = ("opennpu::_silu_mul", "opennpu::_silu_mul_backward")
+
+
+def _gate_up_search_fn(activation: str, activated_first: bool):
+    def search(gate, up):
+        g = _ACTIVATIONS[activation](gate)
+        return g * up if activated_first else up * g
+
+    search.__name__ = f"silu_mul_{activation}_{'gu' if activated_first else 'ug'}"
+    return search
+
+
+def _silu_mul(gate, up):
+    return torch.ops.opennpu._silu_mul(gate, up)
+
+
+def _silu_mul_ok(match) -> bool:
+    gate, up = val(match, "gate"), val(match, "up")
+    return (same_float_dtype(gate, up) and gate.dim() == up.dim()
+            and all(known(a == b) for a, b in zip(gate.shape, up.shape))
+            and known_contiguous(gate) and known_contiguous(up)
+            and has_kernels(_GATE_UP_OPS, gate, up))
+
+
+@fusion_rule("silu_mul", stage="pre_autograd", order=1,
+             doc="silu(gate) * up over two same-shape tensors (Llama's MLP) -> opennpu::_silu_mul")
+def _register_silu_mul(r) -> None:
+    for activation, activated_first in itertools.product(_ACTIVATIONS, (True, False)):
+        r.replacement(_gate_up_search_fn(activation, activated_first), _silu_mul,
+                      [empty(2, 8), empty(2, 8)], extra_check=_silu_mul_ok, generic_sizes=True)
