@@ -164,11 +164,33 @@ class FullCosRotaryViewed(ProjectedRotary):
         return (q * cos + rotate_half(q) * sin).transpose(1, 2).view(b, s, -1)
 
 
+class FusedQkvRotaryViewed(nn.Module):
+    """q, k, v from one [B, S, 3 * N * D] projection (as the demo's block, GPT-NeoX and Phi do),
+    unbound and transposed to BNSD views whose S rows are 3 N D apart; eager's rotary results
+    are BNSD views of dense BSND memory, which the code after them views as [B, S, N * D]."""
+
+    def __init__(self, h=32, heads=4, d=8):
+        super().__init__()
+        self.heads, self.d = heads, d
+        self.qkv = nn.Linear(h, 3 * heads * d, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, self.heads, self.d).unbind(2)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        return (q.transpose(1, 2).view(b, s, -1) + k.transpose(1, 2).view(b, s, -1)
+                + v.reshape(b, s, -1))
+
+
 @pytest.mark.parametrize("module, fused", [
     (ProjectedRotaryViewed(), 1),   # eager's result contiguous: the op's own layout
+    (FusedQkvRotaryViewed(), 2),    # strided BSND rows: rotated as the BSND view
     (SbndRotaryViewed(), 0),        # layouts the fused result would not have stay native
     (FullCosRotaryViewed(), 0),
-], ids=["contiguous", "sbnd", "full_cos"])
+], ids=["contiguous", "fused_qkv", "sbnd", "full_cos"])
 @pytest.mark.parametrize("grad", [False, True])
 def test_rotary_result_keeps_eagers_layout(module, fused, grad):
     """Code after the rotary was traced on eager's strides: a view that needs them compiles."""

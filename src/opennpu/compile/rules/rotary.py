@@ -80,11 +80,12 @@ _rotate_in_bsnd = False
 
 
 def _bsnd_path(x, r1, r2) -> bool:
-    """transformers' q and k are BNSD views of [B, S, N, D] projections, with cos / sin [B|1, 1,
-    S, D]: the BSND tensor itself can be rotated (rows contiguous) and the result transposed back,
-    a BNSD view of BSND memory as eager's `q * cos + rotate_half(q) * sin` is, which the attention
-    rule then hands over as layout BSND with no copy."""
-    if not (bsnd_in_memory(x) and not known(x.shape[1] == 1)
+    """transformers' q and k are BNSD views of [B, S, N, D] projections (or of a fused qkv
+    projection [B, S, 3, N, D], whose S rows are then 3 N D apart), with cos / sin [B|1, 1, S, D]:
+    the BSND view itself can be rotated (the op reads strided rows) and the result transposed
+    back, a BNSD view of BSND memory as eager's `q * cos + rotate_half(q) * sin` is (the caller
+    checks that), which the attention rule then hands over as layout BSND with no copy."""
+    if not ((known(x.stride(-1) == 1) or known(x.shape[-1] == 1)) and not known(x.shape[1] == 1)
             and all(r.dim() == 4 and known(r.shape[1] == 1) for r in (r1, r2))):
         return False
     return not is_strict() or _ascend_layout(*(t.transpose(1, 2) for t in (x, r1, r2)))
