@@ -551,8 +551,8 @@ class LlamaStyleBlock(torch.nn.Module):
     """A small Llama-style decoder block written in plain PyTorch, as a user would: HF-style
     RMSNorm (fp32 up-cast), rotate_half rotary embedding on q and k, causal attention written
     out (scores * scale, masked_fill(-inf), softmax, @ v), and a SwiGLU MLP whose gate and up
-    projections are one linear (split with chunk, as Phi-3 and vLLM do; two separate linears
-    are left to Inductor, see opennpu/compile/rules/swiglu.py)."""
+    projections are one linear (split with chunk, as Phi-3 and vLLM do: the swiglu rule; two
+    separate linears, as Llama's, go to the silu_mul rule instead)."""
 
     def __init__(self, hidden=512, heads=8, inter=1408, eps=1e-6):
         super().__init__()
