@@ -148,6 +148,42 @@ inline at::vec::Vectorized<float> exp_fast(const at::vec::Vectorized<float>& x) 
 #endif
 }
 
+// max(a, acc) for a running maximum that may skip NaN: where a is NaN, acc. One vmaxps (which
+// returns its second operand when either is NaN), where at::vec::maximum spends four instructions
+// on propagating NaN; for callers whose NaN reaches the result another way.
+template <typename T>
+inline at::vec::Vectorized<T> max_skip_nan(const at::vec::Vectorized<T>& a,
+                                           const at::vec::Vectorized<T>& acc) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<T, float>) return _mm512_max_ps(a, acc);
+#elif defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float>) return _mm256_max_ps(a, acc);
+#endif
+  return at::vec::Vectorized<T>::blendv(at::vec::maximum(a, acc), acc, a != a);
+}
+
+// 2^t of fp32 lanes, for values rounded to fp16/bf16 (11 or 8 significant bits) before anyone
+// reads them, and for sums of such values: n = round(t), f = t - n in [-1/2, 1/2], 2^t = 2^n * p(f)
+// with p a degree-4 minimax fit of 2^f (relative error <= 2.7e-6, 2^-18.5: under 1/180 of fp16's
+// half ulp). One fma less and no ln2 reduction against exp_fast; callers fold log2(e) into the
+// fma that forms t. As in exp_fast, results below FLT_MIN (t < -126, -inf included) are masked
+// to exactly 0 and NaN stays NaN.
+inline at::vec::Vectorized<float> exp2_reduced(const at::vec::Vectorized<float>& t) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(0x1.3997d4p-7f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.ca1442p-5f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.ec06dap-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.62e0dcp-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.ffffe8p-1f));
+  return _mm512_maskz_scalef_ps(normal, p, n);
+#else
+  return (t * at::vec::Vectorized<float>(0.693147180559945309f)).exp_u20();
+#endif
+}
+
 // exp for the accumulator type. fp32 and fp64 outputs get ATen's 1-ulp exp (as accurate as the
 // native ops they replace); fp16/bf16 outputs keep 8-11 mantissa bits, so the 2-ulp polynomial
 // exp_fast loses nothing after rounding and is several times cheaper.

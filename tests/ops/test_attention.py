@@ -391,6 +391,49 @@ def test_large_logits_are_stable(dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
+def test_nan_inputs_propagate(dtype):
+    # A NaN in q makes its row's scores NaN; a NaN in a key makes that key's score NaN in every
+    # row that sees it. As in the float64 composition, those rows come out NaN (forward and
+    # gradients) and no other row does. The row maxima skip NaN, so the NaN must reach the result
+    # through the sums. 300 queries (two query blocks) x 600 keys (two key blocks), bottom-right
+    # causal: row i sees keys 0..i + 300.
+    sq, skv, d = 300, 600, 16
+    q, k, v = make_qkv(1, 4, 2, sq, skv, d, d, "BNSD", dtype)
+    q[0, 1, 10, 3] = float("nan")  # one row of head 1
+    k[0, 0, 550, 5] = float("nan")  # second key block, heads 0 and 1: rows 250..299
+    k[0, 1, 350, 0] = float("nan")  # first key block, heads 2 and 3: rows 50..299
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = fa(*leaves, 4, "BNSD", scale=0.25, atten_mask=CAUSAL_2048, sparse_mode=3)[0]
+    ref_leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    visible = torch.ones(sq, skv, dtype=torch.bool).tril(skv - sq)
+    rq, rk, rv = ref_leaves[0], *(t.repeat_interleave(2, 1) for t in ref_leaves[1:])
+    # masked_fill, not an additive mask: NaN + -inf would leak an invisible NaN key into the row
+    ref = (rq @ rk.transpose(-1, -2) * 0.25).masked_fill(~visible, float("-inf")).softmax(-1) @ rv
+    nan_rows = ref.isnan().all(-1)[0]
+    assert nan_rows.sum(-1).tolist() == [50, 51, 250, 250]
+    assert torch.equal(out.isnan(), ref.isnan())
+    dy = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, dy)
+    want = torch.autograd.grad(ref, ref_leaves, dy.double())
+    # Every NaN row's gradients are NaN. Beyond those the float64 composition has more NaN than
+    # the math: its dense dS @ K multiplies the 0 of a masked score by a NaN key; ours does the
+    # same only within the tiles a row visits, so its NaN are a subset.
+    assert (got[0].isnan().all(-1) >= out.isnan().all(-1)).all()
+    for g, w in zip(got, want):
+        assert (g.isnan() <= w.isnan()).all()
+        assert g.isnan().any()
+
+
+def test_sink_of_minus_inf_is_no_sink():
+    # exp(-inf - max) = 0: a sink of -inf takes no probability mass
+    q, k, v = make_qkv(1, 2, 2, 40, 700, 8, 8, "BNSD")
+    plain = fa(q, k, v, 2, "BNSD", scale=0.5)
+    sunk = fa(q, k, v, 2, "BNSD", scale=0.5, sink=torch.full((2,), float("-inf")))
+    torch.testing.assert_close(sunk[0], plain[0], rtol=0, atol=0)
+    torch.testing.assert_close(sunk[2], plain[2], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16], ids=dtype_id)
 def test_row_max_references(dtype):
     # The forward takes a row's exps against the max it already has (later key blocks) or the
     # max of the row above (first block), redoing the row when its own max is too far off. Rows
@@ -708,6 +751,26 @@ def test_tnd_dtype(dtype):
 # ----------------------------------------------------------------------------- pse and sink
 
 PSE_SHAPES = ["BNSS", "1NSS", "B1SS", "11SS", "BN1S", "111S"]
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_pse_near_float_min(dtype):
+    # transformers' padding masks add finfo(dtype).min, with scale 1 as the attention rule
+    # passes them: logits near -FLT_MAX, whose exp must be taken from the logit minus the max in
+    # one step (scaled by log2(e) first, they would overflow to inf - inf = NaN). A key masked
+    # so is weighted 0; a row with every key masked so sees them all alike (the float64
+    # reference too: its ulp there is 4e22), so it is the mean of v.
+    b, n, sq, skv = 1, 2, 5, 40
+    q, k, v = make_qkv(b, n, n, sq, skv, 8, 8, "BNSD", dtype)
+    pse = torch.zeros(b, n, sq, skv, dtype=dtype)
+    pse[..., 30:] = torch.finfo(dtype).min  # padding keys
+    pse[..., 3, :] = torch.finfo(dtype).min  # a row that only sees padding
+    out = fa(q, k, v, n, "BNSD", pse=pse, scale=1.0)[0].float()
+    assert not out.isnan().any()
+    plain = fa(q, k[..., :30, :], v[..., :30, :], n, "BNSD", scale=1.0)[0].float()
+    rows = [0, 1, 2, 4]
+    assert_close(out[..., rows, :], plain[..., rows, :], dtype=dtype)
+    assert_close(out[..., 3, :], v.float().mean(-2), dtype=dtype)
 
 
 @pytest.mark.parametrize("pattern", PSE_SHAPES)

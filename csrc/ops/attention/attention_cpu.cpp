@@ -68,6 +68,27 @@ inline Vectorized<T> softmax_exp(const Vectorized<T>& x) {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// exp(scale * s - m) of score lanes. Where the results are rounded to fp16/bf16 before the GEMM
+// that reads them (kReduced; their fp32 sum only normalises those), it is exp2_reduced of
+// (scale * s - m) * log2(e): the one-fma logit (exact but for one rounding, also for the huge
+// logits of additive masks near -FLT_MAX, where folding log2(e) into the fma's constants would
+// overflow), one more rounding (a relative 6e-8 in exp per unit of |t|, nothing against fp16's
+// half ulp of 4.9e-4 in the range a softmax reaches). Otherwise softmax_exp of the logit.
+template <typename T, bool kReduced>
+struct ScaledExp {
+  static_assert(!kReduced || std::is_same_v<T, float>);
+  Vectorized<T> scale, neg_m;
+  ScaledExp(T scale_, T m) : scale(scale_), neg_m(-m) {}
+  Vectorized<T> operator()(const Vectorized<T>& s) const {
+    const Vectorized<T> x = at::vec::fmadd(s, scale, neg_m);
+    if constexpr (kReduced) {
+      return exp2_reduced(x * Vectorized<T>(static_cast<T>(1.44269504088896340736)));
+    } else {
+      return softmax_exp(x);
+    }
+  }
+};
+
 // s[j] += scale * pse[j] over [0, n): the scores come from (scale * Q) K^T, so this completes
 // scale * (Q K^T + pse).
 template <typename T>
@@ -80,34 +101,40 @@ void add_scaled_pse(T* s, const T* pse, int64_t n, T scale) {
   for (; j < n; ++j) s[j] += scale * pse[j];
 }
 
+// The max of the non-NaN entries of s[0, n) (-inf if there are none), as exp_sum_max finds it.
 template <typename T>
 T row_max(const T* s, int64_t n) {
   using Vec = Vectorized<T>;
   Vec vmax(static_cast<T>(kNegInf));
   int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + j));
-  T m = at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
-  for (; j < n; ++j) m = std::max(m, s[j]);
-  return m;
+  for (; j + Vec::size() <= n; j += Vec::size()) vmax = max_skip_nan(Vec::loadu(s + j), vmax);
+  if (j < n) vmax = max_skip_nan(Vec::set(Vec(static_cast<T>(kNegInf)), Vec::loadu(s + j, n - j), n - j), vmax);
+  return at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
+}
+
+template <typename T>
+bool any_nan(const T* s, int64_t n) {
+  return std::any_of(s, s + n, [](T x) { return x != x; });
 }
 
 // out[j] = exp(scale * s[j] - m), rounded to Out (T, or fp16/bf16 for the P V GEMM; out may be
-// s itself); returns the sum in T and sets raw_max = max(s[j]), in the same pass. Masked -inf
+// s itself); returns the sum in T and sets raw_max = max(s[j]), in the same pass (NaN entries
+// are skipped there: they reach the sum, the output and the statistics as NaN). Masked -inf
 // entries become 0. scale > 0, or 1 when the scores are scaled already; one fma, so the scaled
 // logit is never rounded on its own. kNativeBf16: bf16 rounded by store_bf16_native (exp_fast
 // returns no subnormals: results below FLT_MIN are 0).
-template <typename T, typename Out, bool kNativeBf16 = false>
+template <typename T, typename Out, bool kReduced, bool kNativeBf16 = false>
 T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
   using Vec = Vectorized<T>;
   using Pair = VecPair<Out>;
   static_assert(std::is_same_v<acc_t<Out>, T>);
+  const ScaledExp<T, kReduced> exp_of(scale, m);
   Vec vsum(0), vmax(static_cast<T>(kNegInf));
   int64_t j = 0;
   for (; j + Pair::kStep <= n; j += Pair::kStep) {
     const Vec x0 = Vec::loadu(s + j), x1 = Vec::loadu(s + j + Vec::size());
-    vmax = at::vec::maximum(vmax, at::vec::maximum(x0, x1));
-    const Vec e0 = softmax_exp(at::vec::fmadd(x0, Vec(scale), Vec(-m)));
-    const Vec e1 = softmax_exp(at::vec::fmadd(x1, Vec(scale), Vec(-m)));
+    vmax = max_skip_nan(max_skip_nan(x0, x1), vmax);
+    const Vec e0 = exp_of(x0), e1 = exp_of(x1);
     vsum = vsum + e0 + e1;
     store_pair<kNativeBf16>(out + j, e0, e1);
   }
@@ -118,29 +145,13 @@ T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
     // Lanes past n become -inf: they never raise the max and their exp, 0, adds nothing.
     x0 = Vec::set(Vec(static_cast<T>(kNegInf)), x0, rest0);
     x1 = Vec::set(Vec(static_cast<T>(kNegInf)), x1, rest - rest0);
-    vmax = at::vec::maximum(vmax, at::vec::maximum(x0, x1));
-    const Vec e0 = softmax_exp(at::vec::fmadd(x0, Vec(scale), Vec(-m)));
-    const Vec e1 = softmax_exp(at::vec::fmadd(x1, Vec(scale), Vec(-m)));
+    vmax = max_skip_nan(max_skip_nan(x0, x1), vmax);
+    const Vec e0 = exp_of(x0), e1 = exp_of(x1);
     vsum = vsum + e0 + e1;
     store_pair<kNativeBf16>(out + j, e0, e1, rest);
   }
   raw_max = at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
   return horizontal_sum(vsum);
-}
-
-// s[j] = exp(scale * s[j] - m) * inv_sum: the probabilities the forward produced, recomputed
-// (scale as in exp_sum_max).
-template <typename T>
-void exp_scaled(T* s, int64_t n, T m, T inv_sum, T scale = T(1)) {
-  using Vec = Vectorized<T>;
-  int64_t j = 0;
-  for (; j + Vec::size() <= n; j += Vec::size()) {
-    (softmax_exp(at::vec::fmadd(Vec::loadu(s + j), Vec(scale), Vec(-m))) * Vec(inv_sum)).store(s + j);
-  }
-  if (j < n) {
-    const Vec x = Vec::loadu(s + j, n - j);
-    (softmax_exp(at::vec::fmadd(x, Vec(scale), Vec(-m))) * Vec(inv_sum)).store(s + j, n - j);
-  }
 }
 
 template <typename T>
@@ -325,10 +336,11 @@ struct FwdScratch {
 template <typename T, typename In>
 void start_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
                 FwdScratch<T, In>& w) {
-  const bool sink = p.sink != nullptr;
-  std::fill(w.m, w.m + rows, sink ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf));
+  const T m0 = p.sink != nullptr ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf);
+  std::fill(w.m, w.m + rows, m0);
   std::copy(w.m, w.m + rows, w.top);
-  std::fill(w.l, w.l + rows, sink ? T(1) : T(0));
+  // exp(sink - sink) = 1, or nothing for a sink of -inf (every first-block l is then 0).
+  std::fill(w.l, w.l + rows, m0 == static_cast<T>(kNegInf) ? T(0) : T(1));
   std::fill(w.acc.data(), w.acc.data() + rows * dv, T(0));
 }
 
@@ -341,7 +353,7 @@ void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int6
   const int64_t b = task.b, n = task.n;
   In* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
   for (int64_t r = 0; r < rows; ++r) {
-    const T inv = w.l[r] > T(0) ? T(1) / w.l[r] : T(0);
+    const T inv = w.l[r] == T(0) ? T(0) : T(1) / w.l[r];  // NaN stays NaN
     const T* a = w.acc.data() + r * dv;
     In* dst = o + r * p.out.stride_s;
     if constexpr (kRoundsOperands<T, In>) {
@@ -552,6 +564,8 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
         const bool fuse_scale = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && scale > T(0);
         const T exp_scale = fuse_scale ? scale : T(1);
         const bool native_bf16 = has_avx512_bf16();
+        // P is rounded to In (kRoundsOperands): with or without dropout, every exp is.
+        constexpr bool kReducedExp = kRoundsOperands<T, In>;
         start_rows(p, task, rows, Dv, w);
 
         const int64_t blk_hi = hb.key_lo <= hb.key_hi ? hb.key_hi / kKvBlock : -1;
@@ -572,9 +586,11 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
               std::fill(dst, dst + a, Out(0));
               std::fill(dst + e, dst + width, Out(0));
               if constexpr (kNativeBf16Build && std::is_same_v<Out, at::BFloat16>) {
-                if (native_bf16) return exp_sum_max<T, Out, true>(sr + a, e - a, m_ref, sc, dst + a, raw_max);
+                if (native_bf16) {
+                  return exp_sum_max<T, Out, kReducedExp, true>(sr + a, e - a, m_ref, sc, dst + a, raw_max);
+                }
               }
-              return exp_sum_max(sr + a, e - a, m_ref, sc, dst + a, raw_max);
+              return exp_sum_max<T, Out, kReducedExp>(sr + a, e - a, m_ref, sc, dst + a, raw_max);
             };
             T row_m = static_cast<T>(kNegInf);
             bool row_m_known = false;
@@ -591,7 +607,7 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
               const T sum = exp_row(m_ref, scale, pr);
               row_m = raw_max * scale;
               if (row_m <= m_ref + kStaleMaxSlack && (!first || row_m >= m_ref - kStaleMaxSlack)) {
-                w.l[r] = first ? sum : w.l[r] + sum;
+                w.l[r] += sum;  // l is 0 in a row's first block, unless NaN (see below)
                 w.m[r] = m_ref;
                 w.top[r] = std::max(w.top[r], row_m);
                 continue;
@@ -601,6 +617,9 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             if (!row_m_known && a < e) row_m = row_max(sr + a, e - a) * exp_scale;
             const T m_new = std::max(w.top[r], row_m);
             if (m_new == static_cast<T>(kNegInf)) {  // nothing visible yet: contributes nothing
+              // ... unless what it sees is NaN (a NaN in q, or in every key it sees): the
+              // maxima skip NaN, so l carries it, and the output and statistics become NaN.
+              if (a < e && any_nan(sr + a, e - a)) w.l[r] = std::numeric_limits<T>::quiet_NaN();
               std::fill(pr, pr + width, In(0));
               continue;
             }
@@ -674,8 +693,9 @@ struct GradRows {
 };
 
 // P' and dS of row r, columns j..j+n (n <= 2 * Vec::size()), as two vectors each (the formulas
-// above); dS is also added into the row's dpse.
-template <typename T>
+// above); dS is also added into the row's dpse. kReduced: P' and dS are rounded to fp16/bf16
+// (ScaledExp).
+template <bool kReduced, typename T>
 __attribute__((always_inline)) inline void gradient_step(const GradRows<T>& g, int64_t ld, int64_t r,
                                                          int64_t j, int64_t n,
                    Vectorized<T>* pv, Vectorized<T>* dsv) {
@@ -685,9 +705,10 @@ __attribute__((always_inline)) inline void gradient_step(const GradRows<T>& g, i
   F::load(g.s + r * ld + j, s[0], s[1], n);
   F::load(g.dp + r * ld + j, dp[0], dp[1], n);
   if (g.factor != nullptr) F::load(g.factor + r * ld + j, f[0], f[1], n);
-  const Vec m(g.m[r]), inv_l(g.inv_l[r]), rd(g.row_dot[r]), scale(g.scale), exp_scale(g.exp_scale);
+  const Vec inv_l(g.inv_l[r]), rd(g.row_dot[r]), scale(g.scale);
+  const ScaledExp<T, kReduced> exp_of(g.exp_scale, g.m[r]);
   for (int h = 0; h < 2; ++h) {
-    const Vec pr = softmax_exp(at::vec::fmadd(s[h], exp_scale, -m)) * inv_l;
+    const Vec pr = exp_of(s[h]) * inv_l;
     if (g.factor != nullptr) {
       dsv[h] = pr * (dp[h] * f[h] - rd) * scale;
       pv[h] = pr * f[h];
@@ -706,14 +727,14 @@ __attribute__((always_inline)) inline void gradient_step(const GradRows<T>& g, i
 }
 
 // P' and dS in T, in place of s and dp, in one pass.
-template <typename T>
+template <bool kReduced, typename T>
 void gradients_in_place(const GradRows<T>& g, int64_t rows, int64_t ld) {
   using F = VecPair<T>;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < ld; j += F::kStep) {
       const int64_t n = std::min<int64_t>(F::kStep, ld - j);
       Vectorized<T> pv[2], dsv[2];
-      gradient_step(g, ld, r, j, n, pv, dsv);
+      gradient_step<kReduced>(g, ld, r, j, n, pv, dsv);
       F::store(g.s + r * ld + j, pv[0], pv[1], n);
       F::store(g.dp + r * ld + j, dsv[0], dsv[1], n);
     }
@@ -782,7 +803,7 @@ struct BlasBwdTiles {
                       hb.v + j0 * p.v.stride_s, p.v.stride_s, T(0), dp, len);
   }
   void gradients(Local&, const GradRows<T>& g, int64_t rows, int64_t ld) const {
-    gradients_in_place(g, rows, ld);
+    gradients_in_place<kRoundsOperands<T, In>>(g, rows, ld);
   }
   // dV += P'^T dO;  dQ += dS K;  dK += dS^T Q, from gradients()'s P' (pt) and dS (ds)
   void accumulate(Local& w, const HeadBlock<T, In>& hb, const In* dy_blk, int64_t /*blk*/,
@@ -919,7 +940,7 @@ struct BrgemmBwdTiles {
     using Pair = VecPair<In>;
     // P' and dS of row r, columns j..j+n (n <= kStep); dS also stored row-major
     const auto row = [&](int64_t r, int64_t j, int64_t n, Vec* pv, Vec* dsv) {
-      gradient_step(g, ld, r, j, n, pv, dsv);
+      gradient_step</*kReduced=*/true>(g, ld, r, j, n, pv, dsv);
       store_pair<kNativeBf16>(w.ds_row.data() + r * ld + j, dsv[0], dsv[1], n);
     };
     // (a[i], b[i]) pairs of columns j..j+n into dst's row-pair layout
@@ -1037,10 +1058,11 @@ void attention_bwd_tiles(const AttentionProblem& p, const BwdArgs<T, In>& x, con
             w.row_dot[r] = dot_rows<T>(dy_blk + r * p.out.stride_s, o_blk + r * p.out.stride_s, Dv);
             const int64_t idx = p.stat_index(b, n, i0 + r);
             const T l = x.ssum[8 * idx];
-            // A row that saw no key has l = 0: m = 0 keeps its P = exp(-inf - m) * 0 at 0.
-            w.m[r] = l > T(0) ? x.smax[8 * idx] : T(0);
-            w.inv_l[r] = l > T(0) ? T(1) / l : T(0);
-            if (p.sink != nullptr && l > T(0)) {
+            // A row that saw no key has l = 0: m = 0 keeps its P = exp(-inf - m) * 0 at 0. A NaN
+            // l (the row saw a NaN) makes every P of the row, and so its gradients, NaN.
+            w.m[r] = l == T(0) ? T(0) : x.smax[8 * idx];
+            w.inv_l[r] = l == T(0) ? T(0) : T(1) / l;
+            if (p.sink != nullptr && l != T(0)) {
               // d loss / d sink = -p_sink * rowsum(dO * O), p_sink = exp(sink - max) / sum.
               dsink_acc -= std::exp(static_cast<T>(p.sink[n]) - w.m[r]) * w.inv_l[r] * w.row_dot[r];
             }
