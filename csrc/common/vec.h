@@ -80,8 +80,9 @@ struct VecPair {
 // Rounds a | b (32 fp32 lanes) to bf16 and stores the first n. Where the CPU has AVX512_BF16,
 // one vcvtne2ps2bf16 replaces the ~16-instruction emulation of ATen's AVX-512 build (which cannot
 // assume the extension): the same rounding to nearest even (NaN stays NaN) except that fp32
-// subnormals become 0, so callers use it only where that cannot happen or cannot matter (an
-// operand of a GEMM). Inline asm, so the file needs no target flag; callers check
+// subnormals become 0, so callers use it only where that cannot matter: an operand of a GEMM,
+// or an activation's output, where it is an absolute change below 1.2e-38 (oneDNN's bf16
+// kernels round with the same instruction). Inline asm, so the file needs no target flag; callers check
 // has_avx512_bf16() once, outside their loops: checked per store, with a fallback for
 // subnormals, it measured slower than ATen's emulation.
 #if defined(CPU_CAPABILITY_AVX512)
@@ -118,6 +119,18 @@ inline void store_pair(scalar_t* p, const AccVec<scalar_t>& a, const AccVec<scal
   } else {
     VecPair<scalar_t>::store(p, a, b, n);
   }
+}
+
+// body(std::bool_constant<kNative>{}) with kNative true for bf16 on CPUs with AVX512_BF16: a
+// kernel's stores through store_pair<kNative> then round with one instruction per 32 values
+// (flushing fp32 subnormals, below 1.2e-38, to 0) instead of ATen's ~16-instruction emulation.
+// The CPU is checked once per call, outside the loops.
+template <typename scalar_t, typename Body>
+inline void with_bf16_stores(const Body& body) {
+  if constexpr (kNativeBf16Build && std::is_same_v<scalar_t, at::BFloat16>) {
+    if (has_avx512_bf16()) return body(std::true_type{});
+  }
+  body(std::false_type{});
 }
 
 // exp of fp32 lanes, faster than ATen's exp_u20 on AVX-512 at the same accuracy: with
@@ -167,10 +180,13 @@ inline at::vec::Vectorized<T> max_skip_nan(const at::vec::Vectorized<T>& a,
 // with p a degree-4 minimax fit of 2^f (relative error <= 2.7e-6, 2^-18.5: under 1/180 of fp16's
 // half ulp). One fma less and no ln2 reduction against exp_fast; callers fold log2(e) into the
 // fma that forms t. As in exp_fast, results below FLT_MIN (t < -126, -inf included) are masked
-// to exactly 0 and NaN stays NaN.
-inline at::vec::Vectorized<float> exp2_reduced(const at::vec::Vectorized<float>& t) {
+// to exactly 0, t >= 128 (+inf included) gives inf and NaN stays NaN.
+inline at::vec::Vectorized<float> exp2_reduced(const at::vec::Vectorized<float>& t_in) {
 #if defined(CPU_CAPABILITY_AVX512)
-  const __mmask16 normal = _mm512_cmp_ps_mask(t, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  const __mmask16 normal = _mm512_cmp_ps_mask(t_in, _mm512_set1_ps(-126.0f), _CMP_NLT_UQ);
+  // min returns its second operand when either is NaN: t_in must be the second.
+  // 2^129 * p(0) is inf (2^128 * p(0) would not be: p(0) is 1 - 2^-20).
+  const __m512 t = _mm512_min_ps(_mm512_set1_ps(129.0f), t_in);
   const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(t, n);
   __m512 p = _mm512_set1_ps(0x1.3997d4p-7f);
@@ -180,17 +196,19 @@ inline at::vec::Vectorized<float> exp2_reduced(const at::vec::Vectorized<float>&
   p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0x1.ffffe8p-1f));
   return _mm512_maskz_scalef_ps(normal, p, n);
 #else
-  return (t * at::vec::Vectorized<float>(0.693147180559945309f)).exp_u20();
+  return (t_in * at::vec::Vectorized<float>(0.693147180559945309f)).exp_u20();
 #endif
 }
 
 // exp for the accumulator type. fp32 and fp64 outputs get ATen's 1-ulp exp (as accurate as the
-// native ops they replace); fp16/bf16 outputs keep 8-11 mantissa bits, so the 2-ulp polynomial
-// exp_fast loses nothing after rounding and is several times cheaper.
+// native ops they replace); fp16/bf16 outputs keep 8-11 mantissa bits, so exp2_reduced of
+// x * log2(e) loses nothing after rounding and is several times cheaper: relative error below
+// 1e-5 over the whole range (the fit's 2.7e-6, and the roundings of log2(e) and of the product,
+// each at most 2^-25 * 128 in an exponent below 128: 2.6e-6 each).
 template <typename scalar_t>
 inline AccVec<scalar_t> exp_for(const AccVec<scalar_t>& x) {
   if constexpr (VecPair<scalar_t>::kReduced) {
-    return exp_fast(x);
+    return exp2_reduced(x * AccVec<scalar_t>(1.44269504088896340736f));
   } else {
     return x.exp();
   }
@@ -204,7 +222,7 @@ inline AccVec<scalar_t> reciprocal_for(const AccVec<scalar_t>& d) {
   using Vec = AccVec<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if constexpr (VecPair<scalar_t>::kReduced) {
-    // exp_fast overflows to inf for arguments near 88.7. Clamping d to FLT_MAX keeps the Newton
+    // exp_for overflows to inf for arguments near 88.7. Clamping d to FLT_MAX keeps the Newton
     // step away from inf * 0; lanes where d is inf then get exactly 0, as 1 / inf does.
     const float kMax = std::numeric_limits<float>::max();
 #if defined(CPU_CAPABILITY_AVX512)

@@ -3,6 +3,7 @@
 // Every gated activation here except exact GELU has the form z * sigmoid(u(z)), so value and
 // derivative share one exp:  act(z) = z * s,  act'(z) = s + z * s * (1 - s) * u'(z),  s = sigmoid(u).
 // fp16/bf16 use the cheap exp (see exp_for): their outputs keep 8-11 bits, far above its error.
+// bf16 outputs are rounded by the AVX512_BF16 instruction where the CPU has it (with_bf16_stores).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -40,20 +41,23 @@ void glu_fwd_impl(const GluHalves& x, int64_t outer, int64_t m, at::Tensor& out,
   const scalar_t* po = x.o.const_data_ptr<scalar_t>() + x.o_offset;
   scalar_t* py = out.mutable_data_ptr<scalar_t>();
   scalar_t* pg = gelu_out.defined() ? gelu_out.mutable_data_ptr<scalar_t>() : nullptr;
-  at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
-    for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
-      const scalar_t* h = ph + o * x.stride + j;
-      const scalar_t* other = po + o * x.stride + j;
-      scalar_t* y = py + o * m + j;
-      scalar_t* g = pg ? pg + o * m + j : nullptr;
-      for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
-        Vec h0, h1, b0, b1;
-        IO::load(h + k, h0, h1, l);
-        IO::load(other + k, b0, b1, l);
-        const Vec a0 = act_value<kAct, scalar_t>(h0);
-        const Vec a1 = act_value<kAct, scalar_t>(h1);
-        IO::store(y + k, a0 * b0, a1 * b1, l);
-        if (g) IO::store(g + k, a0, a1, l);
+  with_bf16_stores<scalar_t>([&](auto native) {
+    constexpr bool kNative = decltype(native)::value;
+    at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
+      for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
+        const scalar_t* h = ph + o * x.stride + j;
+        const scalar_t* other = po + o * x.stride + j;
+        scalar_t* y = py + o * m + j;
+        scalar_t* g = pg ? pg + o * m + j : nullptr;
+        for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
+          Vec h0, h1, b0, b1;
+          IO::load(h + k, h0, h1, l);
+          IO::load(other + k, b0, b1, l);
+          const Vec a0 = act_value<kAct, scalar_t>(h0);
+          const Vec a1 = act_value<kAct, scalar_t>(h1);
+          store_pair<kNative>(y + k, a0 * b0, a1 * b1, l);
+          if (g) store_pair<kNative>(g + k, a0, a1, l);
+        });
       });
     });
   });
@@ -69,19 +73,22 @@ void glu_bwd_impl(const at::Tensor& grad, const GluHalves& x, int64_t outer, int
   const scalar_t* po = x.o.const_data_ptr<scalar_t>() + x.o_offset;
   scalar_t* pdh = dx.h.mutable_data_ptr<scalar_t>() + dx.h_offset;
   scalar_t* pdo = dx.o.mutable_data_ptr<scalar_t>() + dx.o_offset;
-  at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
-    for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
-      const int64_t row = o * x.stride + j, drow = o * dx.stride + j;
-      const scalar_t* gy = pgrad + o * m + j;
-      for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
-        Vec g0, g1, h0, h1, b0, b1, a0, a1, d0, d1;
-        IO::load(gy + k, g0, g1, l);
-        IO::load(ph + row + k, h0, h1, l);
-        IO::load(po + row + k, b0, b1, l);
-        act_value_grad<kAct, scalar_t>(h0, a0, d0);
-        act_value_grad<kAct, scalar_t>(h1, a1, d1);
-        IO::store(pdh + drow + k, g0 * b0 * d0, g1 * b1 * d1, l);
-        IO::store(pdo + drow + k, g0 * a0, g1 * a1, l);
+  with_bf16_stores<scalar_t>([&](auto native) {
+    constexpr bool kNative = decltype(native)::value;
+    at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
+      for_each_run(begin, end, m, [&](int64_t o, int64_t j, int64_t len) {
+        const int64_t row = o * x.stride + j, drow = o * dx.stride + j;
+        const scalar_t* gy = pgrad + o * m + j;
+        for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
+          Vec g0, g1, h0, h1, b0, b1, a0, a1, d0, d1;
+          IO::load(gy + k, g0, g1, l);
+          IO::load(ph + row + k, h0, h1, l);
+          IO::load(po + row + k, b0, b1, l);
+          act_value_grad<kAct, scalar_t>(h0, a0, d0);
+          act_value_grad<kAct, scalar_t>(h1, a1, d1);
+          store_pair<kNative>(pdh + drow + k, g0 * b0 * d0, g1 * b1 * d1, l);
+          store_pair<kNative>(pdo + drow + k, g0 * a0, g1 * a1, l);
+        });
       });
     });
   });
@@ -93,11 +100,15 @@ void unary_fwd_impl(const at::Tensor& x, at::Tensor& y) {
   using IO = VecPair<scalar_t>;
   const scalar_t* px = x.const_data_ptr<scalar_t>();
   scalar_t* py = y.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    for_each_step<scalar_t>(end - begin, [&](int64_t k, int64_t l) {
-      Vec a, b;
-      IO::load(px + begin + k, a, b, l);
-      IO::store(py + begin + k, act_value<kAct, scalar_t>(a), act_value<kAct, scalar_t>(b), l);
+  with_bf16_stores<scalar_t>([&](auto native) {
+    constexpr bool kNative = decltype(native)::value;
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for_each_step<scalar_t>(end - begin, [&](int64_t k, int64_t l) {
+        Vec a, b;
+        IO::load(px + begin + k, a, b, l);
+        store_pair<kNative>(py + begin + k, act_value<kAct, scalar_t>(a),
+                            act_value<kAct, scalar_t>(b), l);
+      });
     });
   });
 }
@@ -109,14 +120,17 @@ void unary_bwd_impl(const at::Tensor& grad, const at::Tensor& x, at::Tensor& dx)
   const scalar_t* pgrad = grad.const_data_ptr<scalar_t>();
   const scalar_t* px = x.const_data_ptr<scalar_t>();
   scalar_t* pdx = dx.mutable_data_ptr<scalar_t>();
-  at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
-    for_each_step<scalar_t>(end - begin, [&](int64_t k, int64_t l) {
-      Vec g0, g1, x0, x1, v0, v1, d0, d1;
-      IO::load(pgrad + begin + k, g0, g1, l);
-      IO::load(px + begin + k, x0, x1, l);
-      act_value_grad<kAct, scalar_t>(x0, v0, d0);
-      act_value_grad<kAct, scalar_t>(x1, v1, d1);
-      IO::store(pdx + begin + k, g0 * d0, g1 * d1, l);
+  with_bf16_stores<scalar_t>([&](auto native) {
+    constexpr bool kNative = decltype(native)::value;
+    at::parallel_for(0, x.numel(), kGrain, [&](int64_t begin, int64_t end) {
+      for_each_step<scalar_t>(end - begin, [&](int64_t k, int64_t l) {
+        Vec g0, g1, x0, x1, v0, v1, d0, d1;
+        IO::load(pgrad + begin + k, g0, g1, l);
+        IO::load(px + begin + k, x0, x1, l);
+        act_value_grad<kAct, scalar_t>(x0, v0, d0);
+        act_value_grad<kAct, scalar_t>(x1, v1, d1);
+        store_pair<kNative>(pdx + begin + k, g0 * d0, g1 * d1, l);
+      });
     });
   });
 }
