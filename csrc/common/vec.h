@@ -82,9 +82,9 @@ struct VecPair {
 // assume the extension): the same rounding to nearest even (NaN stays NaN) except that fp32
 // subnormals become 0, so callers use it only where that cannot matter: an operand of a GEMM,
 // or an activation's output, where it is an absolute change below 1.2e-38 (oneDNN's bf16
-// kernels round with the same instruction). Inline asm, so the file needs no target flag; callers check
-// has_avx512_bf16() once, outside their loops: checked per store, with a fallback for
-// subnormals, it measured slower than ATen's emulation.
+// kernels round with the same instruction). Inline asm, so the file needs no target flag;
+// callers check has_avx512_bf16() once, outside their loops: checked per store, with a fallback
+// for subnormals, it measured slower than ATen's emulation.
 #if defined(CPU_CAPABILITY_AVX512)
 constexpr bool kNativeBf16Build = true;
 

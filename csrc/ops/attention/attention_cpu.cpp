@@ -108,7 +108,10 @@ T row_max(const T* s, int64_t n) {
   Vec vmax(static_cast<T>(kNegInf));
   int64_t j = 0;
   for (; j + Vec::size() <= n; j += Vec::size()) vmax = max_skip_nan(Vec::loadu(s + j), vmax);
-  if (j < n) vmax = max_skip_nan(Vec::set(Vec(static_cast<T>(kNegInf)), Vec::loadu(s + j, n - j), n - j), vmax);
+  if (j < n) {
+    const Vec tail = Vec::set(Vec(static_cast<T>(kNegInf)), Vec::loadu(s + j, n - j), n - j);
+    vmax = max_skip_nan(tail, vmax);
+  }
   return at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
 }
 
@@ -121,8 +124,8 @@ bool any_nan(const T* s, int64_t n) {
 // s itself); returns the sum in T and sets raw_max = max(s[j]), in the same pass (NaN entries
 // are skipped there: they reach the sum, the output and the statistics as NaN). Masked -inf
 // entries become 0. scale > 0, or 1 when the scores are scaled already; one fma, so the scaled
-// logit is never rounded on its own. kNativeBf16: bf16 rounded by store_bf16_native (exp_fast
-// returns no subnormals: results below FLT_MIN are 0).
+// logit is never rounded on its own. kNativeBf16: bf16 rounded by store_bf16_native (neither
+// exp returns subnormals: results below FLT_MIN, or 2^-125, are 0). kReduced: see ScaledExp.
 template <typename T, typename Out, bool kReduced, bool kNativeBf16 = false>
 T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
   using Vec = Vectorized<T>;
@@ -587,7 +590,8 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
               std::fill(dst + e, dst + width, Out(0));
               if constexpr (kNativeBf16Build && std::is_same_v<Out, at::BFloat16>) {
                 if (native_bf16) {
-                  return exp_sum_max<T, Out, kReducedExp, true>(sr + a, e - a, m_ref, sc, dst + a, raw_max);
+                  return exp_sum_max<T, Out, kReducedExp, true>(sr + a, e - a, m_ref, sc, dst + a,
+                                                                raw_max);
                 }
               }
               return exp_sum_max<T, Out, kReducedExp>(sr + a, e - a, m_ref, sc, dst + a, raw_max);
