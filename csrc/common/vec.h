@@ -93,10 +93,16 @@ inline bool has_avx512_bf16() {
   return has;
 }
 
-inline void store_bf16_native(at::BFloat16* p, const at::vec::Vectorized<float>& a,
-                              const at::vec::Vectorized<float>& b, int64_t n = 32) {
+// a | b rounded to 32 bf16 values (a first).
+inline __m512i bf16_native(const at::vec::Vectorized<float>& a, const at::vec::Vectorized<float>& b) {
   __m512i r;
   asm("vcvtne2ps2bf16 %1, %2, %0" : "=v"(r) : "v"(static_cast<__m512>(a)), "v"(static_cast<__m512>(b)));
+  return r;
+}
+
+inline void store_bf16_native(at::BFloat16* p, const at::vec::Vectorized<float>& a,
+                              const at::vec::Vectorized<float>& b, int64_t n = 32) {
+  const __m512i r = bf16_native(a, b);
   if (n == 32) {
     _mm512_storeu_si512(p, r);
   } else {
@@ -278,12 +284,16 @@ constexpr int64_t kStreamBytes = int64_t{16} << 20;
 
 // Stores one full step (kStep elements) with non-temporal stores; p must be aligned to the
 // vector width. For outputs far larger than the caches this skips reading the destination lines
-// before they are overwritten (a third of the traffic of a read-one-write-one kernel).
-template <typename scalar_t>
+// before they are overwritten (a third of the traffic of a read-one-write-one kernel). kNative:
+// bf16 rounded as by store_pair<true>.
+template <bool kNative = false, typename scalar_t>
 inline void stream_step(scalar_t* p, const AccVec<scalar_t>& a, const AccVec<scalar_t>& b) {
   using Vec = AccVec<scalar_t>;
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (kNative && std::is_same_v<scalar_t, at::BFloat16>) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), bf16_native(a, b));
+    return;
+  } else if constexpr (std::is_same_v<scalar_t, float>) {
     _mm512_stream_ps(p, a);
     _mm512_stream_ps(p + Vec::size(), b);
     return;

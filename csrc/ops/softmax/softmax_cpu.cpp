@@ -217,20 +217,20 @@ int64_t vector_columns(int64_t bound, int64_t w) {
 // y[from, w) = value, rounded to scalar_t as the vector stores round; `from` is a whole number of
 // steps, and `stream` continues the row's non-temporal stores (a cache line must not be written
 // partly by streaming and partly by ordinary stores).
-template <typename scalar_t>
+template <typename scalar_t, bool kNative>
 void fill_columns(scalar_t* y, int64_t from, int64_t w, acc_t<scalar_t> value, bool stream) {
   using Vec = AccVec<scalar_t>;
   const Vec v(value);
   for_each_step<scalar_t>(w - from, [&](int64_t i, int64_t len) {
     if (stream && len == VecPair<scalar_t>::kStep) {
-      stream_step(y + from + i, v, v);
+      stream_step<kNative>(y + from + i, v, v);
     } else {
-      VecPair<scalar_t>::store(y + from + i, v, v, len);
+      store_pair<kNative>(y + from + i, v, v, len);
     }
   });
 }
 
-template <typename scalar_t, bool kMaskBytes>
+template <typename scalar_t, bool kMaskBytes, bool kNative>
 void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<scalar_t> scale,
                      acc_t<scalar_t>* buf) {
   using T = acc_t<scalar_t>;
@@ -266,7 +266,7 @@ void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
   if (!std::isfinite(mx)) {
     // A NaN, +inf, or (with nothing masked) an all -inf row: softmax is NaN throughout, as in
     // torch.softmax (exp_u20 would not propagate the NaN by itself).
-    fill_columns<scalar_t>(y, 0, w, std::numeric_limits<T>::quiet_NaN(), io.stream);
+    fill_columns<scalar_t, kNative>(y, 0, w, std::numeric_limits<T>::quiet_NaN(), io.stream);
     return;
   }
 
@@ -294,15 +294,15 @@ void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
     const Vec a = Vec::loadu(buf + i) * vinv;
     const Vec b = Vec::loadu(buf + i + Vec::size()) * vinv;
     if (io.stream && len == kStep) {
-      stream_step(y + i, a, b);
+      stream_step<kNative>(y + i, a, b);
     } else {
-      IO::store(y + i, a, b, len);
+      store_pair<kNative>(y + i, a, b, len);
     }
   });
-  if (p < w) fill_columns<scalar_t>(y, p, w, suffix_e / sum, io.stream);
+  if (p < w) fill_columns<scalar_t, kNative>(y, p, w, suffix_e / sum, io.stream);
 }
 
-template <typename scalar_t, bool kMaskBytes>
+template <typename scalar_t, bool kMaskBytes, bool kNative>
 void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<scalar_t> scale) {
   using T = acc_t<scalar_t>;
   using Vec = AccVec<scalar_t>;
@@ -336,13 +336,13 @@ void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
       if constexpr (kMaskBytes) mask_fill<T>(rm.bytes + i, len, g0, g1, zero);
       if (i + len > bound) fill_tail<T>(bound - i, g0, g1, zero);
       if (io.stream && len == kStep) {
-        stream_step(dx + i, g0, g1);
+        stream_step<kNative>(dx + i, g0, g1);
       } else {
-        IO::store(dx + i, g0, g1, len);
+        store_pair<kNative>(dx + i, g0, g1, len);
       }
     });
   }
-  if (p < w) fill_columns<scalar_t>(dx, p, w, T(0), io.stream);
+  if (p < w) fill_columns<scalar_t, kNative>(dx, p, w, T(0), io.stream);
 }
 
 // Runs row(io, rm) for every row with the I/O pointers of each row, in parallel chunks; each
@@ -379,19 +379,22 @@ void softmax_fwd_kernel(const at::Tensor& x, const uint8_t* mask, const MaskLayo
       at::kHalf, at::kBFloat16, x.scalar_type(), "npu_scaled_masked_softmax", [&] {
         using T = acc_t<scalar_t>;
         const T s = static_cast<T>(scale);
-        for_each_row<scalar_t>(
-            x.const_data_ptr<scalar_t>(), nullptr, y.mutable_data_ptr<scalar_t>(), rows, w, mask,
-            layout, [&] {
-              // the chunk's row buffer, owned by the returned closure
-              return [&, buf = std::make_shared<RowBuffer<T>>(padded_width<scalar_t>(w))](
-                         const RowIO<scalar_t>& io, RowMask rm) {
-                if (rm.bytes != nullptr) {
-                  softmax_fwd_row<scalar_t, true>(io, rm, w, s, buf->data());
-                } else {
-                  softmax_fwd_row<scalar_t, false>(io, rm, w, s, buf->data());
-                }
-              };
-            });
+        with_bf16_stores<scalar_t>([&](auto native) {
+          constexpr bool kNative = decltype(native)::value;
+          for_each_row<scalar_t>(
+              x.const_data_ptr<scalar_t>(), nullptr, y.mutable_data_ptr<scalar_t>(), rows, w, mask,
+              layout, [&] {
+                // the chunk's row buffer, owned by the returned closure
+                return [&, buf = std::make_shared<RowBuffer<T>>(padded_width<scalar_t>(w))](
+                           const RowIO<scalar_t>& io, RowMask rm) {
+                  if (rm.bytes != nullptr) {
+                    softmax_fwd_row<scalar_t, true, kNative>(io, rm, w, s, buf->data());
+                  } else {
+                    softmax_fwd_row<scalar_t, false, kNative>(io, rm, w, s, buf->data());
+                  }
+                };
+              });
+        });
       });
 }
 
@@ -403,17 +406,20 @@ void softmax_bwd_kernel(const at::Tensor& dy, const at::Tensor& y, const uint8_t
       at::kHalf, at::kBFloat16, y.scalar_type(), "npu_scaled_masked_softmax_backward", [&] {
         using T = acc_t<scalar_t>;
         const T s = static_cast<T>(scale);
-        for_each_row<scalar_t>(
-            dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(),
-            dx.mutable_data_ptr<scalar_t>(), rows, w, mask, layout, [&] {
-              return [&](const RowIO<scalar_t>& io, RowMask rm) {
-                if (rm.bytes != nullptr) {
-                  softmax_bwd_row<scalar_t, true>(io, rm, w, s);
-                } else {
-                  softmax_bwd_row<scalar_t, false>(io, rm, w, s);
-                }
-              };
-            });
+        with_bf16_stores<scalar_t>([&](auto native) {
+          constexpr bool kNative = decltype(native)::value;
+          for_each_row<scalar_t>(
+              dy.const_data_ptr<scalar_t>(), y.const_data_ptr<scalar_t>(),
+              dx.mutable_data_ptr<scalar_t>(), rows, w, mask, layout, [&] {
+                return [&](const RowIO<scalar_t>& io, RowMask rm) {
+                  if (rm.bytes != nullptr) {
+                    softmax_bwd_row<scalar_t, true, kNative>(io, rm, w, s);
+                  } else {
+                    softmax_bwd_row<scalar_t, false, kNative>(io, rm, w, s);
+                  }
+                };
+              });
+        });
       });
 }
 
