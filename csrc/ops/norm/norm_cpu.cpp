@@ -29,10 +29,14 @@ void rms_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& gamma, double ep
     const T* pg = gamma.const_data_ptr<T>();
     scalar_t* py = y.mutable_data_ptr<scalar_t>();
     T* pr = rstd.mutable_data_ptr<T>();
-    at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) {
-        pr[r] = rms_norm_row<scalar_t>(px + r * n, pg, py + r * n, n, static_cast<T>(eps));
-      }
+    with_bf16_stores<scalar_t>([&](auto native) {
+      constexpr bool kNative = decltype(native)::value;
+      at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          pr[r] = rms_norm_row<scalar_t, kNative>(px + r * n, pg, py + r * n, n,
+                                                  static_cast<T>(eps));
+        }
+      });
     });
   });
 }
@@ -50,12 +54,15 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
         scalar_t* py = y.mutable_data_ptr<scalar_t>();
         scalar_t* px = x.mutable_data_ptr<scalar_t>();
         T* pr = rstd.mutable_data_ptr<T>();
-        at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-          for (int64_t r = begin; r < end; ++r) {
-            scalar_t* xr = px + r * n;
-            add_row(pa + r * n, pb + r * n, xr, n);
-            pr[r] = rms_norm_row<scalar_t>(xr, pg, py + r * n, n, static_cast<T>(eps));
-          }
+        with_bf16_stores<scalar_t>([&](auto native) {
+          constexpr bool kNative = decltype(native)::value;
+          at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+            for (int64_t r = begin; r < end; ++r) {
+              scalar_t* xr = px + r * n;
+              add_row<scalar_t, kNative>(pa + r * n, pb + r * n, xr, n);
+              pr[r] = rms_norm_row<scalar_t, kNative>(xr, pg, py + r * n, n, static_cast<T>(eps));
+            }
+          });
         });
       });
 }

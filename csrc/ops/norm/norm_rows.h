@@ -13,7 +13,8 @@ inline namespace CPU_CAPABILITY {
 
 // x = x1 + x2 over one row, added in acc_t and stored rounded to scalar_t (the add_rms_norm
 // family normalises that rounded sum, as torch_npu does, reading it back while it is in L1).
-template <typename scalar_t>
+// kNative: see with_bf16_stores (common/vec.h), as in rms_norm_row.
+template <typename scalar_t, bool kNative = false>
 void add_row(const scalar_t* x1, const scalar_t* x2, scalar_t* x, int64_t n) {
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
@@ -21,7 +22,7 @@ void add_row(const scalar_t* x1, const scalar_t* x2, scalar_t* x, int64_t n) {
     Vec a0, a1, b0, b1;
     IO::load(x1 + i, a0, a1, len);
     IO::load(x2 + i, b0, b1, len);
-    IO::store(x + i, a0 + b0, a1 + b1, len);
+    store_pair<kNative>(x + i, a0 + b0, a1 + b1, len);
   });
 }
 
@@ -72,13 +73,14 @@ acc_t<scalar_t> rms_norm_row_to(const scalar_t* x, const acc_t<scalar_t>* gamma,
   return rstd;
 }
 
-// y = x * rstd * gamma in x's dtype; returns rstd.
-template <typename scalar_t>
+// y = x * rstd * gamma in x's dtype; returns rstd. kNative: bf16 rounded by the AVX512_BF16
+// instruction (see with_bf16_stores in common/vec.h).
+template <typename scalar_t, bool kNative = false>
 acc_t<scalar_t> rms_norm_row(const scalar_t* x, const acc_t<scalar_t>* gamma, scalar_t* y,
                              int64_t n, acc_t<scalar_t> eps) {
   return rms_norm_row_to<scalar_t>(x, gamma, n, eps, [&](int64_t i, const auto& a, const auto& b,
                                                           int64_t len) {
-    VecPair<scalar_t>::store(y + i, a, b, len);
+    store_pair<kNative>(y + i, a, b, len);
   });
 }
 
