@@ -81,8 +81,9 @@ struct VecPair {
 // one vcvtne2ps2bf16 replaces the ~16-instruction emulation of ATen's AVX-512 build (which cannot
 // assume the extension): the same rounding to nearest even (NaN stays NaN) except that fp32
 // subnormals become 0, so callers use it only where that cannot matter: an operand of a GEMM,
-// or an activation's output, where it is an absolute change below 1.2e-38 (oneDNN's bf16
-// kernels round with the same instruction). Inline asm, so the file needs no target flag;
+// or the output of an activation, softmax or RMSNorm, where it is an absolute change below
+// 1.2e-38 (oneDNN's bf16 kernels round with the same instruction; rotary keeps ATen's exact
+// rounding, which its tests pin bit for bit). Inline asm, so the file needs no target flag;
 // callers check has_avx512_bf16() once, outside their loops: checked per store, with a fallback
 // for subnormals, it measured slower than ATen's emulation.
 #if defined(CPU_CAPABILITY_AVX512)
@@ -94,7 +95,8 @@ inline bool has_avx512_bf16() {
 }
 
 // a | b rounded to 32 bf16 values (a first).
-inline __m512i bf16_native(const at::vec::Vectorized<float>& a, const at::vec::Vectorized<float>& b) {
+inline __m512i bf16_native(const at::vec::Vectorized<float>& a,
+                           const at::vec::Vectorized<float>& b) {
   __m512i r;
   asm("vcvtne2ps2bf16 %1, %2, %0" : "=v"(r) : "v"(static_cast<__m512>(a)), "v"(static_cast<__m512>(b)));
   return r;
