@@ -111,13 +111,12 @@ def _fast_gelu_backward_fake(grad, self):
 def _silu_mul_fake(gate, up):
     torch._check(gate.shape == up.shape and gate.dtype == up.dtype,
                  lambda: "_silu_mul: gate and up must share shape and dtype")
-    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    return gate.new_empty(gate.shape)
 
 
 @torch.library.register_fake("opennpu::_silu_mul_backward")
 def _silu_mul_backward_fake(grad, gate, up):
-    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
-            torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
 
 
 # ----------------------------------------------------------------------------- autograd

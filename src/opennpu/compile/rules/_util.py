@@ -69,6 +69,11 @@ def bsnd_in_memory(t: torch.Tensor) -> bool:
         (known(ss == n * d) or known(s == 1)) and (known(sb == s * n * d) or known(b == 1))
 
 
+def known_same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """a and b have one shape for every size the compiled graph may see."""
+    return a.dim() == b.dim() and all(known(x == y) for x, y in zip(a.shape, b.shape))
+
+
 def known_contiguous(t: torch.Tensor) -> bool:
     """t is contiguous for every size the compiled graph may see (size-1 dims ignored)."""
     expected = 1
@@ -163,8 +168,8 @@ def has_kernels(ops, *tensors) -> bool:
     if len(devices) != 1 or next(iter(devices)) not in _DISPATCH_KEYS:
         return False
     key = _DISPATCH_KEYS[devices.pop()]
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(op if "::" in op else f"npu::{op}", key)
-               for op in ops)
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(
+        op if "::" in op else f"npu::{op}", key) for op in ops)
 
 
 def number_or_absent(match: Match, name: str) -> bool:

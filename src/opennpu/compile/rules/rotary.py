@@ -40,8 +40,8 @@ import torch
 from ..._strict import is_strict
 from ..fusion import fusion_rule
 from ._util import arg, broadcasts_into, bsnd_in_memory, empty, guard_even, halves_of_last_dim, \
-    has_kernels, is_chunk_in_halves, is_last_dim, known, known_contiguous, nodes, same_float_dtype, \
-    val
+    has_kernels, is_chunk_in_halves, is_last_dim, known, known_contiguous, known_same_shape, nodes, \
+    same_float_dtype, val
 
 aten = torch.ops.aten
 
@@ -121,7 +121,7 @@ def _ascend_layout(x, r1, r2) -> bool:
         return False
     if r1.dim() != x.dim() or r2.dim() != x.dim() or not known(r1.shape[-1] == x.shape[-1]):
         return False
-    if not all(known(a == b) for a, b in zip(r1.shape, r2.shape)):
+    if not known_same_shape(r1, r2):
         return False
     mask = 0
     for d in range(x.dim() - 1):

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from ..fusion import fusion_rule
 from ._util import FLOAT_DTYPES, empty, guard_even, halves_of_last_dim, has_kernels, \
-    is_chunk_in_halves, known, known_contiguous, nodes, same_float_dtype, val
+    is_chunk_in_halves, known_contiguous, known_same_shape, nodes, same_float_dtype, val
 
 aten = torch.ops.aten
 
@@ -125,8 +125,7 @@ def _silu_mul(gate, up):
 
 def _silu_mul_ok(match) -> bool:
     gate, up = val(match, "gate"), val(match, "up")
-    return (same_float_dtype(gate, up) and gate.dim() == up.dim()
-            and all(known(a == b) for a, b in zip(gate.shape, up.shape))
+    return (same_float_dtype(gate, up) and known_same_shape(gate, up)
             and known_contiguous(gate) and known_contiguous(up)
             and has_kernels(_GATE_UP_OPS, gate, up))
 
