@@ -20,7 +20,7 @@ constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
 
 // u(z) and u'(z) of the sigmoid-gated forms.
 template <Act kAct, typename Vec>
-inline Vec gate_arg(const Vec& z) {
+OPENNPU_VEC_INLINE Vec gate_arg(const Vec& z) {
   using T = typename Vec::value_type;
   if constexpr (kAct == Act::kSilu) {
     return z;
@@ -33,7 +33,7 @@ inline Vec gate_arg(const Vec& z) {
 }
 
 template <Act kAct, typename Vec>
-inline Vec gate_arg_grad(const Vec& z) {
+OPENNPU_VEC_INLINE Vec gate_arg_grad(const Vec& z) {
   using T = typename Vec::value_type;
   if constexpr (kAct == Act::kSilu) {
     return Vec(T(1));
@@ -46,7 +46,7 @@ inline Vec gate_arg_grad(const Vec& z) {
 }
 
 template <Act kAct, typename scalar_t>
-inline AccVec<scalar_t> act_value(const AccVec<scalar_t>& z) {
+OPENNPU_VEC_INLINE AccVec<scalar_t> act_value(const AccVec<scalar_t>& z) {
   using Vec = AccVec<scalar_t>;
   using T = acc_t<scalar_t>;
   if constexpr (kAct == Act::kGeluErf) {
@@ -57,7 +57,7 @@ inline AccVec<scalar_t> act_value(const AccVec<scalar_t>& z) {
 }
 
 template <Act kAct, typename scalar_t>
-inline void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_t>& value,
+OPENNPU_VEC_INLINE void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_t>& value,
                            AccVec<scalar_t>& grad) {
   using Vec = AccVec<scalar_t>;
   using T = acc_t<scalar_t>;
