@@ -44,11 +44,13 @@ namespace {
 
 using at::vec::Vectorized;
 
-// The forward's query rows per task: at most kQBlock, and each tile path (BlasTiles,
-// BrgemmTiles) picks its own kQueryRows. Small blocks waste less of the score tiles on the causal
-// diagonal, where a block's last row sees up to kQueryRows - 1 more keys than its first: with
-// 256 rows the bf16 forward at S=512, 16/4 heads, D=64, causal took 1.68 ms, with 64 rows 1.41
-// (one thread); the fp32 (MKL) path is fastest at 128.
+// The forward's query rows per task: at most kQBlock; each tile path (BlasTiles, BrgemmTiles)
+// picks its own (query_rows). Where the visible keys differ between rows (causal and band
+// masks), small blocks waste less of the score tiles on the diagonal, where a block's last row
+// sees up to rows - 1 more keys than its first; elsewhere larger blocks read each K/V tile for
+// more rows. One thread, bf16, 16/4 heads, D=64, causal: S=512 1.68 ms with 256 rows, 1.41 with
+// 64; 2 threads, 32/8 heads, D=128, S=4096: causal 115 / 107 / 100 ms with 256 / 128 / 64 rows,
+// no mask 190 / 184 / 199 ms. The fp32 (MKL) path is fastest at 128 rows throughout.
 constexpr int64_t kQBlock = 128;
 constexpr int64_t kKvBlock = 512;
 // The backward's blocks, smaller than the forward's: a step's tiles (S, dP, and P' and dS rounded
@@ -295,6 +297,17 @@ struct Task {
   int64_t b, n, i0, i1;
 };
 
+// Whether the visible key interval changes from row to row (causal and band masks), judged by
+// the first and last query rows of each batch.
+bool rows_see_different_keys(const AttentionProblem& p) {
+  for (int64_t b = 0; b < p.batch; ++b) {
+    if (p.q_len[b] == 0) continue;
+    const KeyInterval first = visible_keys(p, b, 0), last = visible_keys(p, b, p.q_len[b] - 1);
+    if (first.lo != last.lo || first.hi != last.hi) return true;
+  }
+  return false;
+}
+
 // (batch, head, query block) tasks, head after head, so that the threads taking a head's blocks
 // one after another find its K and V in cache (scheduled the other way round, every task fetched
 // them from memory again, which cost ~5% of the fp32 forward in MKL's operand packing). Within a
@@ -383,7 +396,7 @@ void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int6
 // packs the operands, which made its packing ~40% slower.
 template <typename T, typename In>
 struct BlasTiles {
-  static constexpr int64_t kQueryRows = 128;
+  static int64_t query_rows(const AttentionProblem&) { return 128; }
   const AttentionProblem& p;
   static int64_t width(int64_t len) { return len; }
   void release() const {}
@@ -491,7 +504,9 @@ struct KeyBlockSlots {
 template <typename In>
 struct BrgemmTiles {
   using T = float;
-  static constexpr int64_t kQueryRows = 64;
+  static int64_t query_rows(const AttentionProblem& p) {
+    return rows_see_different_keys(p) ? 64 : 128;
+  }
   static constexpr int64_t kPanel = 64;
   const AttentionProblem& p;
   KeyBlockSlots slots;
@@ -556,7 +571,7 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
   const int64_t Dv = p.head_dim_v;
   const T scale = static_cast<T>(p.scale);
   const uint64_t threshold = keep_threshold(p.keep_prob);
-  const std::vector<Task> tasks = query_block_tasks(p, Tiles::kQueryRows);
+  const std::vector<Task> tasks = query_block_tasks(p, Tiles::query_rows(p));
   struct Scratch : FwdScratch<T, In> {
     const Tiles& tiles;
     Scratch(int64_t dv, const Tiles& t) : FwdScratch<T, In>(dv), tiles(t) {}
