@@ -9,7 +9,8 @@ H=1024, 16/4 heads, SDPA, no padding). Variants: "opennpu" (every rule), "no_att
 default backend), "eager"; for the forward also "frozen" (every rule, with
 experimental_config.frozen_parameter) and "inductor_frozen" (Inductor with
 torch._inductor.config.freezing), where the weights are constants packed for oneDNN / MKL. Each call is timed by the CPU time of the calling thread on ONE thread
-(time.thread_time, best of --repeats, the variants interleaved): on a shared 2-core machine
+(time.thread_time, best of --repeats, the variants interleaved, each timed call right after an
+untimed one of the same variant): on a shared 2-core machine
 wall-clock times of 2-thread runs swing by 2x with the other processes, while one thread's own
 CPU time only moves by a few percent. The ratios are against Inductor (> 1: faster).
 
@@ -82,10 +83,16 @@ def measure(s: int, dtype: torch.dtype, training: bool, repeats: int) -> dict[st
                     fn()
                 fn()
         times = {name: float("inf") for name in fns}
-        for _ in range(repeats):
-            for name, fn in fns.items():
+        names = list(fns)
+        for rep in range(repeats):
+            # Each timed call follows an untimed call of the same variant, and the order rotates
+            # from repeat to repeat: a call that directly follows another variant's finds the
+            # caches and malloc's free lists as that variant left them, which measured up to 6%
+            # slower (the same variant timed right after Inductor and after another of ours).
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                fns[name]()
                 start = time.thread_time()
-                fn()
+                fns[name]()
                 times[name] = min(times[name], time.thread_time() - start)
     return times
 
