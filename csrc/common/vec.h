@@ -102,14 +102,14 @@ inline bool has_avx512_bf16() {
 
 // a | b rounded to 32 bf16 values (a first).
 OPENNPU_VEC_INLINE __m512i bf16_native(const at::vec::Vectorized<float>& a,
-                           const at::vec::Vectorized<float>& b) {
+                                       const at::vec::Vectorized<float>& b) {
   __m512i r;
   asm("vcvtne2ps2bf16 %1, %2, %0" : "=v"(r) : "v"(static_cast<__m512>(a)), "v"(static_cast<__m512>(b)));
   return r;
 }
 
 OPENNPU_VEC_INLINE void store_bf16_native(at::BFloat16* p, const at::vec::Vectorized<float>& a,
-                              const at::vec::Vectorized<float>& b, int64_t n = 32) {
+                                          const at::vec::Vectorized<float>& b, int64_t n = 32) {
   const __m512i r = bf16_native(a, b);
   if (n == 32) {
     _mm512_storeu_si512(p, r);
@@ -126,8 +126,8 @@ inline bool has_avx512_bf16() { return false; }
 // VecPair<scalar_t>::store of the first n elements, bf16 rounded by store_bf16_native when
 // kNative (the caller has checked has_avx512_bf16()).
 template <bool kNative, typename scalar_t>
-OPENNPU_VEC_INLINE void store_pair(scalar_t* p, const AccVec<scalar_t>& a, const AccVec<scalar_t>& b,
-                       int64_t n = VecPair<scalar_t>::kStep) {
+OPENNPU_VEC_INLINE void store_pair(scalar_t* p, const AccVec<scalar_t>& a,
+                                   const AccVec<scalar_t>& b, int64_t n = VecPair<scalar_t>::kStep) {
   if constexpr (kNative && kNativeBf16Build && std::is_same_v<scalar_t, at::BFloat16>) {
     store_bf16_native(p, a, b, n);
   } else {
@@ -180,7 +180,7 @@ OPENNPU_VEC_INLINE at::vec::Vectorized<float> exp_fast(const at::vec::Vectorized
 // on propagating NaN; for callers whose NaN reaches the result another way.
 template <typename T>
 OPENNPU_VEC_INLINE at::vec::Vectorized<T> max_skip_nan(const at::vec::Vectorized<T>& a,
-                                           const at::vec::Vectorized<T>& acc) {
+                                                       const at::vec::Vectorized<T>& acc) {
 #if defined(CPU_CAPABILITY_AVX512)
   if constexpr (std::is_same_v<T, float>) return _mm512_max_ps(a, acc);
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -232,7 +232,8 @@ OPENNPU_VEC_INLINE AccVec<scalar_t> exp_for(const AccVec<scalar_t>& x) {
 
 // 1 / d for d in [1, 2]: the hardware reciprocal estimate plus one Newton step (relative error
 // ~2^-23 on AVX-512, ~2^-22 on AVX2) instead of the slow vector divide.
-OPENNPU_VEC_INLINE at::vec::Vectorized<float> reciprocal_in_1_2(const at::vec::Vectorized<float>& d) {
+OPENNPU_VEC_INLINE at::vec::Vectorized<float> reciprocal_in_1_2(
+    const at::vec::Vectorized<float>& d) {
   using Vec = at::vec::Vectorized<float>;
 #if defined(CPU_CAPABILITY_AVX512)
   const Vec r(_mm512_rcp14_ps(d));

@@ -58,7 +58,7 @@ OPENNPU_VEC_INLINE AccVec<scalar_t> act_value(const AccVec<scalar_t>& z) {
 
 template <Act kAct, typename scalar_t>
 OPENNPU_VEC_INLINE void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_t>& value,
-                           AccVec<scalar_t>& grad) {
+                                       AccVec<scalar_t>& grad) {
   using Vec = AccVec<scalar_t>;
   using T = acc_t<scalar_t>;
   if constexpr (kAct == Act::kGeluErf) {
