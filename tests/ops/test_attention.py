@@ -395,7 +395,7 @@ def test_nan_inputs_propagate(dtype):
     # A NaN in q makes its row's scores NaN; a NaN in a key makes that key's score NaN in every
     # row that sees it. As in the float64 composition, those rows come out NaN (forward and
     # gradients) and no other row does. The row maxima skip NaN, so the NaN must reach the result
-    # through the sums. 300 queries (two query blocks) x 600 keys (two key blocks), bottom-right
+    # through the sums. 300 queries (several query blocks) x 600 keys (two key blocks), bottom-right
     # causal: row i sees keys 0..i + 300.
     sq, skv, d = 300, 600, 16
     q, k, v = make_qkv(1, 4, 2, sq, skv, d, d, "BNSD", dtype)

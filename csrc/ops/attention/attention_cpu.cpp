@@ -1,11 +1,12 @@
 // Flash-style CPU kernels of npu_fusion_attention and its gradient.
 //
-// Forward: one task per (batch, query head, block of kQBlock query rows). A task walks the key
-// blocks its rows can see, computes the score tile scale * Q K^T with one BLAS GEMM, applies pse
-// and the visibility rules, and folds the tile into the running softmax (online max and sum,
-// rescaling the output accumulator when the max grows), then adds P V with a second GEMM. Memory
-// per thread is one kQBlock x kKvBlock tile plus the kQBlock x Dv accumulator: no Sq x Skv buffer
-// ever exists. softmax_max / softmax_sum keep the statistics so the backward can recompute P.
+// Forward: one task per (batch, query head, block of 64 or 128 query rows; see kQBlock). A task
+// walks the key blocks its rows can see, computes the score tile scale * Q K^T with one BLAS
+// GEMM, applies pse and the visibility rules, and folds the tile into the running softmax
+// (online max and sum, rescaling the output accumulator when the max grows), then adds P V with
+// a second GEMM. Memory per thread is one kQBlock x kKvBlock tile plus the kQBlock x Dv
+// accumulator: no Sq x Skv buffer ever exists. softmax_max / softmax_sum keep the statistics so
+// the backward can recompute P.
 //
 // Backward: one task per (batch, query head); it owns its dq rows and a private dk/dv slice for
 // that head, so no two threads write the same memory; the group's last head to finish sums the
