@@ -589,7 +589,7 @@ class LlamaStyleBlock(torch.nn.Module):
         return h + self.down(torch.nn.functional.silu(gate) * up)
 
 
-def compiled_model_demo(threads: int, seq: int = 256) -> str:
+def compiled_model_demo(threads: int, seq: int = 512) -> str:
     """LlamaStyleBlock's forward, fp32, eager vs torch.compile (Inductor) vs torch.compile with
     opennpu's backend (the fusion rules, then Inductor): fusions per rule, time, error."""
     from . import compile as npu_compile

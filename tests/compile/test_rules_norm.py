@@ -163,3 +163,18 @@ def test_tensor_epsilon_is_left_alone():
     compiled = run_compiled(module, x)           # used to fail tracing the replacement
     assert not compiled.fusions and count(compiled.ops, "npu_") == 0
     torch.testing.assert_close(compiled.outputs, module(x))
+
+
+def test_speed_gate(monkeypatch):
+    """Inference graphs keep norms over fewer than INFERENCE_MIN_TOKENS rows native (the fused
+    op's fixed cost per call outweighs its gain there); training graphs fuse at any size."""
+    from opennpu.compile.rules import _util
+
+    monkeypatch.setattr(_util, "INFERENCE_MIN_TOKENS", 512)
+    module = Block(HFRMSNorm, 8, torch.float32)
+    few = (torch.randn(1, 16, 8), torch.randn(1, 16, 8))
+    many = (torch.randn(2, 256, 8), torch.randn(2, 256, 8))
+    with torch.no_grad():
+        assert not run_compiled(module, *few).fusions
+        assert run_compiled(module, *many).fusions == {"rms_norm": 2, "add_rms_norm": 2}
+    assert run_compiled(module, *few).fusions == {"rms_norm": 2, "add_rms_norm": 2}

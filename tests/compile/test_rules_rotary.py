@@ -282,3 +282,21 @@ def test_strict_mode_fuses_only_ascend_layouts():
     torch.testing.assert_close(outside.outputs, SeedRotary()(x, r, r))
     assert inside.fusions == {"rotary": 1}
     assert_close(inside.outputs, SeedRotary()(x4, r4, r4), dtype=torch.float32)
+
+
+def test_speed_gate(monkeypatch):
+    """Inference graphs keep the rotation of fewer than INFERENCE_MIN_TOKENS positions (rows of
+    cos) native, for q and k alike; training graphs fuse at any length."""
+    from opennpu.compile.rules import _util
+
+    monkeypatch.setattr(_util, "INFERENCE_MIN_TOKENS", 512)
+
+    def inputs(s):
+        return (torch.randn(1, 4, s, 8), torch.randn(1, 2, s, 8), torch.randn(1, s, 8),
+                torch.randn(1, s, 8))
+
+    with torch.no_grad():
+        assert not run_compiled(HFRotary(), *inputs(16)).fusions
+        assert run_compiled(HFRotary(), *inputs(512)).fusions == {"rotary": 2}
+    q, k, cos, sin = inputs(16)
+    assert run_compiled(HFRotary(), q.requires_grad_(), k, cos, sin).fusions == {"rotary": 2}

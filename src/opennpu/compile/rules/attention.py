@@ -52,7 +52,7 @@ import torch
 
 from .. import fusion
 from ..fusion import fusion_rule
-from ._util import FLOAT_DTYPES, bsnd_in_memory, empty, known, val
+from ._util import FLOAT_DTYPES, bsnd_in_memory, empty, known, size_hint, val
 
 aten = torch.ops.aten
 SCALE = 0.0917  # an unusual literal, so scalar_workaround finds the scale in the traced pattern
@@ -122,16 +122,8 @@ SDPA_MIN_KV = 384            # SDPA replaced below this only in fp16/bf16 traini
 CHAIN_TRAINING_MIN_KV = 64   # the chain replaced below this only in inference
 
 
-def _hint(size) -> int | None:
-    """A size's value in the example the graph was traced with (None if unknown): the gate is a
-    speed heuristic, so a graph compiled under dynamic shapes keeps the choice made for it."""
-    if isinstance(size, int):
-        return size
-    return getattr(getattr(size, "node", None), "hint", None)
-
-
 def _fast_enough(q, k, v, is_sdpa: bool) -> bool:
-    kv_len = _hint(k.shape[2])
+    kv_len = size_hint(k.shape[2])
     if kv_len is None:
         return True
     training = fusion.training()

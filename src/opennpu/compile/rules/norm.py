@@ -9,16 +9,19 @@ The forms matched (pre-dispatch ATen, per dtype, weight on either side of the pr
 Numerics: npu_rms_norm reduces in fp32 and rounds once, so for fp16/bf16 it is at least as accurate
 as the composition (which rounds h before the weight product). The rule fires only when x and
 the weight share a dtype (a mixed product would promote, and the fused op keeps x's dtype) and the
-weight is a vector over the last axis.
+weight is a vector over the last axis. Speed: in inference, fewer than INFERENCE_MIN_TOKENS rows
+stay native (see rules/_util.py).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..fusion import fusion_rule
 from ._util import FLOAT_DTYPES, call_eps, drop_eps, empty, has_kernels, is_last_dim_vector, \
-    number_or_absent, same_float_dtype, val
+    number_or_absent, same_float_dtype, val, worth_fusing
 
 EPS = 2e-6  # an unusual literal, so scalar_workaround cannot confuse it with other constants
 
@@ -26,7 +29,8 @@ EPS = 2e-6  # an unusual literal, so scalar_workaround cannot confuse it with ot
 def _rms_norm_ok(match) -> bool:
     x, w = val(match, "x"), val(match, "weight")
     return (same_float_dtype(x, w) and is_last_dim_vector(w, x) and number_or_absent(match, "eps")
-            and has_kernels(("npu_rms_norm", "npu_rms_norm_backward"), x, w))
+            and has_kernels(("npu_rms_norm", "npu_rms_norm_backward"), x, w)
+            and worth_fusing(math.prod(x.shape[:-1])))
 
 
 def _upcast_norm(x, weight, eps):  # transformers
@@ -100,7 +104,8 @@ def _add_rms_norm_ok(match) -> bool:
     # No broadcasting in the add: npu_add_rms_norm takes two tensors of one shape.
     return (same_float_dtype(x1, x2, w) and is_last_dim_vector(w, x1)
             and x1.shape == x2.shape and number_or_absent(match, "eps")
-            and has_kernels(("npu_add_rms_norm", "npu_rms_norm_backward"), x1, x2, w))
+            and has_kernels(("npu_add_rms_norm", "npu_rms_norm_backward"), x1, x2, w)
+            and worth_fusing(math.prod(x1.shape[:-1])))
 
 
 @fusion_rule("add_rms_norm", stage="pre_autograd", order=1,

@@ -24,6 +24,9 @@ Layout: the fused result has eager's layout, since code after it was traced on e
 the BSND tensors, see _bsnd_path), contiguous elsewhere; a match whose eager result has another
 layout stays native.
 
+Speed: in inference, cos with fewer than INFERENCE_MIN_TOKENS rows (positions) stays native (see
+rules/_util.py).
+
 Numerics: x, r1 and r2 must share one of fp32 / fp16 / bf16. (Eager promotes a bf16 x times fp32
 cos / sin to fp32, while the fused op would return bf16: a mixed-dtype graph is not fused.) The
 fused op computes in float32 and rounds once where the composition rounds three times (both
@@ -34,6 +37,7 @@ and dr1 / dr2 summed over their broadcast dims, as autograd through the composit
 from __future__ import annotations
 
 import itertools
+import math
 
 import torch
 
@@ -41,7 +45,7 @@ from ..._strict import is_strict
 from ..fusion import fusion_rule
 from ._util import arg, broadcasts_into, bsnd_in_memory, empty, guard_even, halves_of_last_dim, \
     has_kernels, is_chunk_in_halves, is_last_dim, known, known_contiguous, known_same_shape, nodes, \
-    same_float_dtype, val
+    same_float_dtype, val, worth_fusing
 
 aten = torch.ops.aten
 
@@ -134,6 +138,9 @@ def _rotary_ok(match) -> bool:
     if not (same_float_dtype(x, r1, r2) and x.dim() >= 1 and has_kernels(_OPS, x, r1, r2)):
         return False
     if not (broadcasts_into(r1, x) and broadcasts_into(r2, x)):
+        return False
+    # The speed gate counts the positions cos has (its rows), the same for q and for k.
+    if not worth_fusing(math.prod(r1.shape[:-1])):
         return False
     # Strict mode makes the op enforce Ascend's limits: code that never called it must not
     # start failing there, so shapes outside them stay native.
