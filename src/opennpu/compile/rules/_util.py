@@ -7,6 +7,8 @@ import inspect
 import torch
 from torch._inductor.pattern_matcher import Match
 
+from ..fusion import training
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -71,8 +73,6 @@ INFERENCE_MIN_TOKENS = 512
 
 def worth_fusing(tokens) -> bool:
     """The norm/rotary speed gate for a match over `tokens` rows (a size, SymInt or None)."""
-    from ..fusion import training
-
     if training():
         return True
     hint = size_hint(tokens)
