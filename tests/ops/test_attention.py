@@ -287,6 +287,50 @@ def test_half_precision_backward_tiles(dtype, case):
                         grad_scale=8.0, stats_scale=4.0)
 
 
+def _cpu_has_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512_bf16" in f.read()
+    except OSError:
+        return False
+
+
+# bf16 on the AVX512_BF16 tile GEMM (vdpbf16ps), the path of CPUs with the extension but no AMX;
+# OPENNPU_ATTENTION_TILES=avx512_bf16 also takes it where oneDNN's brgemm is offered. Its tiles
+# are 12 rows x 32 columns: the shapes end in row tails (Sq = 37, 259), column tails of < 16 and
+# 16..31 columns (Dv = 8, 24, 40; keys 1029 = two 512-key blocks + a 5-key tail, odd: padded with
+# a zero key), and K passes of 128 pairs (the 512-key P V, the backward's 256-key blocks).
+AVX512_BF16_CASES = [  # (B, Nq, Nkv, Sq, Skv, D, Dv, mode)
+    (2, 4, 2, 37, 1029, 32, 24, "mask"),
+    (1, 4, 1, 259, 517, 64, 40, "causal"),
+    (1, 2, 2, 130, 70, 16, 8, "mask"),
+    (1, 2, 1, 64, 64, 128, 128, "causal"),
+]
+
+
+@pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="needs a CPU with AVX512_BF16")
+@pytest.mark.parametrize("case", AVX512_BF16_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_avx512_bf16_tiles(monkeypatch, case):
+    b, nq, nkv, sq, skv, d, dv, mode = case
+    monkeypatch.setenv("OPENNPU_ATTENTION_TILES", "avx512_bf16")
+    q, k, v = make_qkv(b, nq, nkv, sq, skv, d, dv, "BNSD", BF16)
+    if mode == "causal":
+        check_attention(q, k, v, nq, "BNSD", scale=d ** -0.5, atten_mask=CAUSAL_2048,
+                        sparse_mode=3, grad_scale=8.0, mask_full=R.full_visibility_mask(3, sq, skv))
+    else:
+        user = torch.rand(sq, skv) < 0.2
+        check_attention(q, k, v, nq, "BNSD", scale=d ** -0.5, atten_mask=user, grad_scale=8.0,
+                        mask_full=R.full_visibility_mask(0, sq, skv, user_mask=user))
+
+
+def test_tile_path_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("OPENNPU_ATTENTION_TILES", "amx")
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, 16, "BNSD", BF16)
+    with pytest.raises(RuntimeError, match="OPENNPU_ATTENTION_TILES must be auto, avx512_bf16 "
+                                           "or blas, but got 'amx'"):
+        fa(q, k, v, 2, "BNSD")
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
 def test_backward_does_not_depend_on_thread_count(dtype):
     # Each (batch, query head) is one thread's task, and a GQA group's dk/dv are summed by whichever

@@ -15,8 +15,9 @@
 // dP = dO V^T, dS = P * (dP' - rowsum(dO * O)) * scale, dQ += dS K and dK += dS^T Q, where P'
 // and dP' carry the dropout keep mask / keep_prob.
 //
-// The GEMMs run through BLAS (BlasTiles, BlasBwdTiles) or, for fp16/bf16 on half-precision
-// matrix units, through oneDNN's brgemm on packed operands (BrgemmTiles, BrgemmBwdTiles).
+// The GEMMs run through BLAS (BlasTiles, BlasBwdTiles) or, for fp16/bf16, on packed operands
+// (BrgemmTiles, BrgemmBwdTiles): oneDNN's brgemm on half-precision matrix units (AMX), or for
+// bf16 on CPUs with AVX512_BF16 but no AMX our vdpbf16ps tile GEMM (common/vnni_gemm.h).
 // fp16/bf16 inputs are multiplied as they are, with fp32 accumulation; see kRoundsOperands for
 // what is rounded.
 //
@@ -29,13 +30,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "common/blas.h"
 #include "common/vec.h"
+#include "common/vnni_gemm.h"
 #include "ops/attention/attention.h"
 #include "ops/transpose/transpose.h"
 
@@ -62,6 +66,23 @@ static_assert(kBwdQBlock <= kQBlock);
 // How far a block's row max may exceed the reference its exps are taken against (see
 // attention_fwd_tiles) before the row is recomputed against the new max.
 constexpr float kStaleMaxSlack = 8.0f;
+
+// Which tiles fp16/bf16 problems take. kAuto: oneDNN's brgemm where it is offered, else (bf16)
+// the AVX512_BF16 tile GEMM where the CPU has the extension, else BLAS. OPENNPU_ATTENTION_TILES=
+// avx512_bf16 skips oneDNN's brgemm (to test or compare the AVX512_BF16 tiles on an AMX CPU),
+// =blas takes the BLAS tiles.
+enum class TilePath { kAuto, kAvx512Bf16, kBlas };
+
+TilePath tile_path() {
+  const char* env = std::getenv("OPENNPU_ATTENTION_TILES");
+  if (env == nullptr) return TilePath::kAuto;
+  const std::string value(env);
+  if (value == "avx512_bf16") return TilePath::kAvx512Bf16;
+  if (value == "blas") return TilePath::kBlas;
+  TORCH_CHECK(value.empty() || value == "auto", "npu_fusion_attention: OPENNPU_ATTENTION_TILES must "
+              "be auto, avx512_bf16 or blas, but got '", value, "'");
+  return TilePath::kAuto;
+}
 
 // exp of the softmax: exp_fast for fp32 (relative error <= 2.3e-7, far below the rounding of
 // anything computed from a weighted sum of values; it maps -inf to 0), exact for fp64.
@@ -496,13 +517,66 @@ struct KeyBlockSlots {
   }
 };
 
+// The tile GEMM behind BrgemmTiles / BrgemmBwdTiles, C[M, N] = A[M, K] B[K, N] (+ C when add_c)
+// with A row-major, B in VNNI, K even and an fp32 C, and the forward's packing of V into VNNI
+// panels of kPanel columns ([len_pad / 2][panel][2] each, at panel * len_pad).
+// OneDnnBrgemm: oneDNN's brgemm through ATen's cpublas, offered where the CPU has matrix units
+// (could_pack: AMX); V goes through oneDNN's own transform, whose panels must be 16, 32, 48 or 64
+// columns wide (Dv a multiple of 16).
+struct OneDnnBrgemm {
+  static constexpr bool kAnyValueWidth = false;
+  static bool available(at::ScalarType dtype) { return at::native::cpublas::could_pack(dtype); }
+  template <typename In>
+  static void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                   bool add_c, const In* a, const In* b, float* c) {
+    at::native::cpublas::brgemm(m, n, k, lda, ldb, ldc, add_c, a, b, c);
+  }
+  static void release() { at::native::cpublas::brgemm_release(); }
+  // V [len, Dv] (row stride stride_s) -> panels; staging holds (len + 1) * Dv elements.
+  template <typename In>
+  static void pack_v(const In* v, int64_t stride_s, int64_t len, int64_t dv, int64_t panel,
+                     at::ScalarType dtype, In* dst, In* staging) {
+    const int64_t len_pad = vnni_width(len);
+    for (int64_t j = 0; j < len; ++j) std::copy(v + j * stride_s, v + j * stride_s + dv, staging + j * dv);
+    if (len_pad > len) std::fill(staging + len * dv, staging + len_pad * dv, In(0));
+    for (int64_t c = 0; c < dv; c += panel) {
+      const int64_t w = std::min(panel, dv - c);
+      at::native::cpublas::pack(len_pad, w, dv, w, dtype, dtype, staging + c, dst + c * len_pad);
+    }
+  }
+};
+
+// Avx512Bf16Dot: blas::vnni_gemm_bf16 (vdpbf16ps), for bf16 where the CPU has AVX512_BF16 but
+// no matrix units (AMD Zen 4, Intel Cooper Lake), where the BLAS tiles' bf16 GEMM (MKL's) ran at
+// fp32 speed. One thread of a Zen 4, bf16, 16/4 heads, D=64, causal, forward: S=512 9.0 -> 3.7
+// ms, S=2048 113 -> 51 ms (SDPA: 15 and 141 ms). V is packed as row pairs, panels of any width.
+struct Avx512Bf16Dot {
+  static constexpr bool kAnyValueWidth = true;
+  static bool available(at::ScalarType dtype) {
+    return dtype == at::kBFloat16 && kNativeBf16Build && has_avx512_bf16();
+  }
+  template <typename In>
+  static void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
+                   bool add_c, const In* a, const In* b, float* c) {
+    static_assert(std::is_same_v<In, at::BFloat16>);
+    blas::vnni_gemm_bf16(m, n, k, lda, ldb, ldc, add_c, a, b, c);
+  }
+  static void release() {}
+  template <typename In>
+  static void pack_v(const In* v, int64_t stride_s, int64_t len, int64_t dv, int64_t panel,
+                     at::ScalarType /*dtype*/, In* dst, In* /*staging*/) {
+    for (int64_t c = 0; c < dv; c += panel) {
+      pack_row_pairs_vnni(v + c, stride_s, len, std::min(panel, dv - c), dst + c * vnni_width(len));
+    }
+  }
+};
+
 // The forward's GEMMs through brgemm. K^T and V are packed once per key block (see
 // KeyBlockSlots), each padded to an even length with zero keys (which the softmax masks out):
 // - K^T [D, len] with pack_transposed_vnni. Needs D even.
-// - V [len, Dv] goes through oneDNN's own transform (cpublas::pack), whose output rows must be
-//   16, 32, 48 or 64 columns: V is packed, and multiplied, in panels of 64 columns. Needs Dv a
-//   multiple of 16.
-template <typename In>
+// - V [len, Dv] in panels of 64 columns (Gemm::pack_v), multiplied panel by panel.
+// Gemm: OneDnnBrgemm or Avx512Bf16Dot.
+template <typename In, typename Gemm>
 struct BrgemmTiles {
   using T = float;
   static int64_t query_rows(const AttentionProblem& p) {
@@ -515,7 +589,8 @@ struct BrgemmTiles {
 
   static int64_t width(int64_t len) { return vnni_width(len); }
   static bool supports(const AttentionProblem& p, at::ScalarType dtype) {
-    return p.head_dim % 2 == 0 && p.head_dim_v % 16 == 0 && at::native::cpublas::could_pack(dtype);
+    return p.head_dim % 2 == 0 && (Gemm::kAnyValueWidth || p.head_dim_v % 16 == 0) &&
+           Gemm::available(dtype);
   }
 
   BrgemmTiles(const AttentionProblem& prob, const In* k, const In* v, at::ScalarType dtype)
@@ -529,26 +604,17 @@ struct BrgemmTiles {
       tmp.resize(std::max(D, Dv) * (kKvBlock + 1));
       pack_transposed_vnni(transpose, slots.rows(k, p.k, b, kvh, j0), p.k.stride_s, len, D,
                            packed_k.data() + sl * D * kKvBlock, tmp.data());
-      // V: rows copied to [len_pad, Dv] (zero row when padded), then packed panel by panel.
-      const In* vb = slots.rows(v, p.v, b, kvh, j0);
-      const int64_t len_pad = width(len);
-      for (int64_t j = 0; j < len; ++j) std::copy(vb + j * p.v.stride_s, vb + j * p.v.stride_s + Dv, tmp.data() + j * Dv);
-      if (len_pad > len) std::fill(tmp.data() + len * Dv, tmp.data() + len_pad * Dv, In(0));
-      for (int64_t c = 0; c < Dv; c += kPanel) {
-        const int64_t w = std::min(kPanel, Dv - c);
-        at::native::cpublas::pack(len_pad, w, Dv, w, dtype, dtype, tmp.data() + c,
-                                  packed_v.data() + sl * kKvBlock * Dv + c * len_pad);
-      }
+      Gemm::pack_v(slots.rows(v, p.v, b, kvh, j0), p.v.stride_s, len, Dv, kPanel, dtype,
+                   packed_v.data() + sl * kKvBlock * Dv, tmp.data());
     });
   }
 
-  void release() const { at::native::cpublas::brgemm_release(); }
+  void release() const { Gemm::release(); }
   // s[rows, width(len)] = Q K^T (unscaled) for the first len keys of key block blk
   void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, T* s) const {
     const int64_t w = width(len), D = p.head_dim;
     const In* kb = packed_k.data() + slots.slot(hb.b, hb.n / p.group(), blk) * D * kKvBlock;
-    at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, slots.block_width(hb.b, blk), w, false,
-                                hb.q, kb, s);
+    Gemm::gemm(hb.rows, w, D, p.q.stride_s, slots.block_width(hb.b, blk), w, false, hb.q, kb, s);
   }
   // acc[rows, Dv] += P V, P [rows, width(len)] over the first len keys of key block blk
   void add_pv(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, const In* probs,
@@ -557,8 +623,7 @@ struct BrgemmTiles {
     const In* vb = packed_v.data() + slots.slot(hb.b, hb.n / p.group(), blk) * kKvBlock * Dv;
     for (int64_t c = 0; c < Dv; c += kPanel) {
       const int64_t cols = std::min(kPanel, Dv - c);
-      at::native::cpublas::brgemm(hb.rows, cols, w, w, cols, Dv, true, probs, vb + c * panel_rows,
-                                  acc + c);
+      Gemm::gemm(hb.rows, cols, w, w, cols, Dv, true, probs, vb + c * panel_rows, acc + c);
     }
   }
 };
@@ -681,9 +746,17 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   T* smax = max_t.data_ptr<T>();  // float32, float64 for float64 inputs
   T* ssum = sum_t.data_ptr<T>();
   if constexpr (kRoundsOperands<T, In>) {
-    if (BrgemmTiles<In>::supports(p, q_t.scalar_type())) {
-      const BrgemmTiles<In> tiles(p, k, v, q_t.scalar_type());
+    const at::ScalarType dtype = q_t.scalar_type();
+    const TilePath path = tile_path();
+    if (path == TilePath::kAuto && BrgemmTiles<In, OneDnnBrgemm>::supports(p, dtype)) {
+      const BrgemmTiles<In, OneDnnBrgemm> tiles(p, k, v, dtype);
       return attention_fwd_tiles<T, In>(p, q, k, v, tiles, out, smax, ssum);
+    }
+    if constexpr (std::is_same_v<In, at::BFloat16>) {
+      if (path != TilePath::kBlas && BrgemmTiles<In, Avx512Bf16Dot>::supports(p, dtype)) {
+        const BrgemmTiles<In, Avx512Bf16Dot> tiles(p, k, v, dtype);
+        return attention_fwd_tiles<T, In>(p, q, k, v, tiles, out, smax, ssum);
+      }
     }
   }
   attention_fwd_tiles<T, In>(p, q, k, v, BlasTiles<T, In>{p}, out, smax, ssum);
@@ -867,7 +940,7 @@ struct BlasBwdTiles {
 //   transposed once per query block, and dK^T / dV^T accumulate per head in fp32 and are
 //   transposed into dk/dv once at the end of the head.
 // Padding keys and rows are zero in the operands, so they add nothing.
-template <typename In>
+template <typename In, typename Gemm>
 struct BrgemmBwdTiles {
   using T = float;
   const AttentionProblem& p;
@@ -877,7 +950,7 @@ struct BrgemmBwdTiles {
 
   static int64_t width(int64_t len) { return vnni_width(len); }
   static bool supports(const AttentionProblem& p, at::ScalarType dtype) {
-    return p.head_dim % 2 == 0 && p.head_dim_v % 2 == 0 && at::native::cpublas::could_pack(dtype);
+    return p.head_dim % 2 == 0 && p.head_dim_v % 2 == 0 && Gemm::available(dtype);
   }
 
   BrgemmBwdTiles(const AttentionProblem& prob, const In* k, const In* v)
@@ -907,7 +980,7 @@ struct BrgemmBwdTiles {
     int64_t rows_pad = 0, ldt = 0;
     Local(int64_t D, int64_t Dv)
         : qt(D * kRowsPad), dyt(Dv * kRowsPad), staging(std::max(D, Dv) * kRowsPad) {}
-    void release() const { at::native::cpublas::brgemm_release(); }
+    void release() const { Gemm::release(); }
   };
   Local local() const { return Local(p.head_dim, p.head_dim_v); }
 
@@ -940,15 +1013,15 @@ struct BrgemmBwdTiles {
   // s[rows, width(len)] = Q K^T (unscaled)
   void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len, T* s) const {
     const int64_t w = width(len), D = p.head_dim;
-    at::native::cpublas::brgemm(hb.rows, w, D, p.q.stride_s, slots.block_width(hb.b, blk), w, false,
-                                hb.q, packed(packed_kt, hb, blk, D * kBwdKvBlock), s);
+    Gemm::gemm(hb.rows, w, D, p.q.stride_s, slots.block_width(hb.b, blk), w, false, hb.q,
+               packed(packed_kt, hb, blk, D * kBwdKvBlock), s);
   }
   // dp[rows, width(len)] = dO V^T
   void dprobs(const HeadBlock<T, In>& hb, const In* dy_blk, int64_t blk, int64_t /*j0*/, int64_t len,
               T* dp) const {
     const int64_t w = width(len), Dv = p.head_dim_v;
-    at::native::cpublas::brgemm(hb.rows, w, Dv, p.out.stride_s, slots.block_width(hb.b, blk), w,
-                                false, dy_blk, packed(packed_vt, hb, blk, Dv * kBwdKvBlock), dp);
+    Gemm::gemm(hb.rows, w, Dv, p.out.stride_s, slots.block_width(hb.b, blk), w, false, dy_blk,
+               packed(packed_vt, hb, blk, Dv * kBwdKvBlock), dp);
   }
   // P' and dS rounded to In once, straight into the layouts the GEMMs take: dS row-major, P'
   // and dS as row pairs. Two rows at a time, 2 x 16 columns per step; the fp32 tiles are read
@@ -996,13 +1069,12 @@ struct BrgemmBwdTiles {
   void accumulate(Local& w, const HeadBlock<T, In>& hb, const In* /*dy_blk*/, int64_t blk, int64_t j0,
                   int64_t len, const T* /*pt*/, const T* /*ds*/, const BwdTargets<T>& to) const {
     const int64_t rows = hb.rows, wd = width(len), D = p.head_dim, Dv = p.head_dim_v;
-    using at::native::cpublas::brgemm;
-    brgemm(Dv, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.dyt.data(), w.p_pairs.data(),
-           w.dvt.data() + j0);
-    brgemm(D, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.qt.data(), w.ds_pairs.data(),
-           w.dkt.data() + j0);
-    brgemm(rows, D, wd, wd, D, D, true, w.ds_row.data(),
-           packed(packed_k, hb, blk, kBwdKvBlock * D), to.dq_acc);
+    Gemm::gemm(Dv, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.dyt.data(), w.p_pairs.data(),
+               w.dvt.data() + j0);
+    Gemm::gemm(D, wd, w.rows_pad, w.rows_pad, wd, w.ldt, true, w.qt.data(), w.ds_pairs.data(),
+               w.dkt.data() + j0);
+    Gemm::gemm(rows, D, wd, wd, D, D, true, w.ds_row.data(),
+               packed(packed_k, hb, blk, kBwdKvBlock * D), to.dq_acc);
   }
   // The head's dk/dv slices <- dK^T / dV^T (every row: those no query saw are 0)
   void finish_head(Local& w, const BwdTargets<T>& to, int64_t skv) const {
@@ -1155,8 +1227,15 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
       dsink_t.defined() ? dsink_t.data_ptr<float>() : nullptr,
       dpse_t.defined() ? dpse_t.size(2) : 0, p.tnd ? dk_heads_t.size(1) : 0};
   if constexpr (kRoundsOperands<T, In>) {
-    if (BrgemmBwdTiles<In>::supports(p, q_t.scalar_type())) {
-      return attention_bwd_tiles<T, In>(p, x, BrgemmBwdTiles<In>(p, x.k, x.v));
+    const at::ScalarType dtype = q_t.scalar_type();
+    const TilePath path = tile_path();
+    if (path == TilePath::kAuto && BrgemmBwdTiles<In, OneDnnBrgemm>::supports(p, dtype)) {
+      return attention_bwd_tiles<T, In>(p, x, BrgemmBwdTiles<In, OneDnnBrgemm>(p, x.k, x.v));
+    }
+    if constexpr (std::is_same_v<In, at::BFloat16>) {
+      if (path != TilePath::kBlas && BrgemmBwdTiles<In, Avx512Bf16Dot>::supports(p, dtype)) {
+        return attention_bwd_tiles<T, In>(p, x, BrgemmBwdTiles<In, Avx512Bf16Dot>(p, x.k, x.v));
+      }
     }
   }
   attention_bwd_tiles<T, In>(p, x, BlasBwdTiles<T, In>{p});
