@@ -10,7 +10,10 @@
 // (+ C), A bf16 row-major, B bf16 in the VNNI layout (B[k, n] at ((k / 2) * ldb + n) * 2 + k % 2)
 // and K even. vdpbf16ps multiplies each pair exactly (bf16 x bf16 fits fp32) and adds both
 // products to the fp32 accumulator, so the result is an fp32-accumulated GEMM, as the other
-// tile paths compute; only the order of the additions differs.
+// tile paths compute, but for the order of the additions and for subnormals: the instruction
+// ignores MXCSR, reads subnormal bf16 inputs as 0 and flushes subnormal results to 0 (absolute
+// changes below 1.2e-38, as oneDNN's bf16 kernels make; the attention's P is rounded with that
+// flush already, see store_bf16_native in vec.h).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -95,6 +98,7 @@ OPENNPU_AVX512_BF16_TARGET inline void vnni_gemm_bf16(int64_t M, int64_t N, int6
                                                       const c10::BFloat16* A,
                                                       const c10::BFloat16* B, float* C) {
   using namespace vnni_detail;
+  TORCH_INTERNAL_ASSERT_DEBUG_ONLY(K % 2 == 0);
   const int64_t k_pairs = K / 2;
   const auto* b_pairs = reinterpret_cast<const uint32_t*>(B);
   if (k_pairs == 0) {  // an empty product: C keeps its value, or becomes 0

@@ -287,19 +287,23 @@ def test_half_precision_backward_tiles(dtype, case):
                         grad_scale=8.0, stats_scale=4.0)
 
 
-def _cpu_has_avx512_bf16() -> bool:
+def _avx512_bf16_tiles_run_here() -> bool:
+    """The CPU has AVX512_BF16 and opennpu runs its AVX-512 kernels (not ATEN_CPU_CAPABILITY=avx2)."""
     try:
         with open("/proc/cpuinfo") as f:
-            return " avx512_bf16" in f.read()
+            flags = f.read()
     except OSError:
         return False
+    return " avx512_bf16" in flags and opennpu.cpu_isa() == "AVX512"
 
 
 # bf16 on the AVX512_BF16 tile GEMM (vdpbf16ps), the path of CPUs with the extension but no AMX;
-# OPENNPU_ATTENTION_TILES=avx512_bf16 also takes it where oneDNN's brgemm is offered. Its tiles
-# are 12 rows x 32 columns: the shapes end in row tails (Sq = 37, 259), column tails of < 16 and
-# 16..31 columns (Dv = 8, 24, 40; keys 1029 = two 512-key blocks + a 5-key tail, odd: padded with
-# a zero key), and K passes of 128 pairs (the 512-key P V, the backward's 256-key blocks).
+# OPENNPU_ATTENTION_TILES=avx512_bf16 also takes it where oneDNN's brgemm is offered, and raises
+# where a call cannot (so these tests never pass on another path). Its tiles are 12 rows x 32
+# columns: the shapes end in row tails (Sq = 37, 259, 130, with 64-row causal blocks in the
+# backward), column tails of < 16 and 16..31 columns (Dv = 8, 24, 40; keys 1029 = two 512-key
+# blocks + a 5-key tail, odd: padded with a zero key), and a second pass over K beyond 128 pairs
+# (the forward's P V over 512-key blocks).
 AVX512_BF16_CASES = [  # (B, Nq, Nkv, Sq, Skv, D, Dv, mode)
     (2, 4, 2, 37, 1029, 32, 24, "mask"),
     (1, 4, 1, 259, 517, 64, 40, "causal"),
@@ -308,11 +312,13 @@ AVX512_BF16_CASES = [  # (B, Nq, Nkv, Sq, Skv, D, Dv, mode)
 ]
 
 
-@pytest.mark.skipif(not _cpu_has_avx512_bf16(), reason="needs a CPU with AVX512_BF16")
+@pytest.mark.skipif(not _avx512_bf16_tiles_run_here(),
+                    reason="needs a CPU with AVX512_BF16 and opennpu's AVX-512 kernels")
 @pytest.mark.parametrize("case", AVX512_BF16_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_avx512_bf16_tiles(monkeypatch, case):
     b, nq, nkv, sq, skv, d, dv, mode = case
     monkeypatch.setenv("OPENNPU_ATTENTION_TILES", "avx512_bf16")
+    monkeypatch.delenv("OPENNPU_ATTENTION_HALF_GEMM", raising=False)
     q, k, v = make_qkv(b, nq, nkv, sq, skv, d, dv, "BNSD", BF16)
     if mode == "causal":
         check_attention(q, k, v, nq, "BNSD", scale=d ** -0.5, atten_mask=CAUSAL_2048,
@@ -324,10 +330,19 @@ def test_avx512_bf16_tiles(monkeypatch, case):
 
 
 def test_tile_path_setting_is_checked(monkeypatch):
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, 16, "BNSD", F32)
     monkeypatch.setenv("OPENNPU_ATTENTION_TILES", "amx")
-    q, k, v = make_qkv(1, 2, 2, 8, 8, 16, 16, "BNSD", BF16)
-    with pytest.raises(RuntimeError, match="OPENNPU_ATTENTION_TILES must be auto, avx512_bf16 "
-                                           "or blas, but got 'amx'"):
+    with pytest.raises(RuntimeError, match="npu_fusion_attention: OPENNPU_ATTENTION_TILES must be "
+                                           "auto, avx512_bf16 or blas, but got 'amx'"):
+        fa(q, k, v, 2, "BNSD")
+    dy = torch.randn_like(q)
+    with pytest.raises(RuntimeError, match="npu_fusion_attention_grad: OPENNPU_ATTENTION_TILES"):
+        fa_grad(q, k, v, dy, 2, "BNSD")
+    # A bf16 call that cannot take the forced tiles (an odd head size, on any CPU) says so.
+    monkeypatch.setenv("OPENNPU_ATTENTION_TILES", "avx512_bf16")
+    q, k, v = make_qkv(1, 2, 2, 8, 8, 33, 16, "BNSD", BF16)
+    with pytest.raises(RuntimeError, match="OPENNPU_ATTENTION_TILES=avx512_bf16 takes bf16 computed "
+                                           "in bf16 .* but this call has D=33, Dv=16"):
         fa(q, k, v, 2, "BNSD")
 
 

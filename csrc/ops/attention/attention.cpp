@@ -19,6 +19,7 @@
 
 #include "common/blas.h"
 #include "common/checks.h"
+#include "common/cpu_dispatch.h"
 #include "common/dtype.h"
 #include "common/random.h"
 
@@ -220,6 +221,27 @@ bool use_half_gemm(at::ScalarType t) {
   return blas::half_gemm_available(t);
 }
 
+// OPENNPU_ATTENTION_TILES (see TilePath), read on every call, as use_half_gemm reads its setting.
+TilePath requested_tiles(const char* op) {
+  const char* env = std::getenv("OPENNPU_ATTENTION_TILES");
+  const std::string value = env == nullptr ? "" : env;
+  if (value.empty() || value == "auto") return TilePath::kAuto;
+  if (value == "avx512_bf16") return TilePath::kAvx512Bf16;
+  if (value == "blas") return TilePath::kBlas;
+  TORCH_CHECK(false, op, ": OPENNPU_ATTENTION_TILES must be auto, avx512_bf16 or blas, but got '",
+              value, "'");
+}
+
+// Whether the kernels chosen for this CPU (cpu_isa) include the AVX512_BF16 tile GEMM.
+bool has_avx512_bf16_tiles() {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  return cpu_isa() == CpuIsa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+#else
+  return false;
+#endif
+}
+
 Prepared prepare(const char* op, const SharedArgs& a) {
   Prepared out;
   AttentionProblem& p = out.p;
@@ -416,6 +438,14 @@ Prepared prepare(const char* op, const SharedArgs& a) {
   const at::ScalarType acc = acc_dtype(a.query);
   out.dtype = a.query.scalar_type();
   const at::ScalarType compute = use_half_gemm(out.dtype) ? out.dtype : acc;
+  p.tiles = requested_tiles(op);
+  TORCH_CHECK(p.tiles != TilePath::kAvx512Bf16 || out.dtype != at::kBFloat16 ||
+                  (compute == at::kBFloat16 && has_avx512_bf16_tiles() && d % 2 == 0 &&
+                   vd.dim % 2 == 0),
+              op, ": OPENNPU_ATTENTION_TILES=avx512_bf16 takes bf16 computed in bf16 (not with "
+              "OPENNPU_ATTENTION_HALF_GEMM=0) on a CPU with AVX512_BF16 and AVX-512 kernels, with "
+              "even head sizes, but this call has D=", d, ", Dv=", vd.dim, " on ",
+              cpu_isa_name(cpu_isa()), " kernels", has_avx512_bf16_tiles() ? "" : " without AVX512_BF16");
   out.q = a.query.to(compute).contiguous();
   out.k = a.key.to(compute).contiguous();
   out.v = a.value.to(compute).contiguous();

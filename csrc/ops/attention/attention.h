@@ -41,6 +41,13 @@ enum SparseMode : int64_t {
   kVarlenLeftUp = 8,     // TND: left-up causal; the first non-empty sequence is a band (mode 4)
 };
 
+// Which tiles fp16/bf16 problems take (OPENNPU_ATTENTION_TILES). kAuto: oneDNN's brgemm where it
+// is offered (AMX), else for bf16 the AVX512_BF16 tile GEMM where the CPU has the extension, else
+// BLAS. kAvx512Bf16 ("avx512_bf16"): the AVX512_BF16 tiles also where oneDNN's brgemm is offered
+// (to test or compare them; a bf16 call that cannot take them is an error). kBlas ("blas"): the
+// BLAS tiles.
+enum class TilePath { kAuto, kAvx512Bf16, kBlas };
+
 struct AttentionProblem {
   int64_t batch = 0;
   int64_t heads_q = 0;
@@ -52,6 +59,7 @@ struct AttentionProblem {
   SeqView q, k, v, out;  // out also describes dy and attention_in, which share its layout
 
   double scale = 1.0;
+  TilePath tiles = TilePath::kAuto;
 
   // Visibility: a key j is visible from query i iff lo(i) <= j <= hi(i) (computed per batch from
   // the sparse mode, pre/next tokens and prefix) and the user mask, when read, is false there.

@@ -30,10 +30,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <cstdlib>
 #include <limits>
 #include <memory>
-#include <string>
 #include <tuple>
 #include <vector>
 
@@ -67,23 +65,6 @@ static_assert(kBwdQBlock <= kQBlock);
 // How far a block's row max may exceed the reference its exps are taken against (see
 // attention_fwd_tiles) before the row is recomputed against the new max.
 constexpr float kStaleMaxSlack = 8.0f;
-
-// Which tiles fp16/bf16 problems take. kAuto: oneDNN's brgemm where it is offered, else (bf16)
-// the AVX512_BF16 tile GEMM where the CPU has the extension, else BLAS. OPENNPU_ATTENTION_TILES=
-// avx512_bf16 skips oneDNN's brgemm (to test or compare the AVX512_BF16 tiles on an AMX CPU),
-// =blas takes the BLAS tiles.
-enum class TilePath { kAuto, kAvx512Bf16, kBlas };
-
-TilePath tile_path() {
-  const char* env = std::getenv("OPENNPU_ATTENTION_TILES");
-  if (env == nullptr) return TilePath::kAuto;
-  const std::string value(env);
-  if (value == "avx512_bf16") return TilePath::kAvx512Bf16;
-  if (value == "blas") return TilePath::kBlas;
-  TORCH_CHECK(value.empty() || value == "auto", "npu_fusion_attention: OPENNPU_ATTENTION_TILES must "
-              "be auto, avx512_bf16 or blas, but got '", value, "'");
-  return TilePath::kAuto;
-}
 
 // exp of the softmax: exp_fast for fp32 (relative error <= 2.3e-7, far below the rounding of
 // anything computed from a weighted sum of values; it maps -inf to 0), exact for fp64.
@@ -520,7 +501,8 @@ struct KeyBlockSlots {
 
 // The tile GEMM behind BrgemmTiles / BrgemmBwdTiles, C[M, N] = A[M, K] B[K, N] (+ C when add_c)
 // with A row-major, B in VNNI, K even and an fp32 C, and the forward's packing of V into VNNI
-// panels of kPanel columns ([len_pad / 2][panel][2] each, at panel * len_pad).
+// panels of `panel` columns ([len_pad / 2][width][2] each, at c * len_pad for the panel whose
+// first column is c).
 // OneDnnBrgemm: oneDNN's brgemm through ATen's cpublas, offered where the CPU has matrix units
 // (could_pack: AMX); V goes through oneDNN's own transform, whose panels must be 16, 32, 48 or 64
 // columns wide (Dv a multiple of 16).
@@ -748,7 +730,7 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   T* ssum = sum_t.data_ptr<T>();
   if constexpr (kRoundsOperands<T, In>) {
     const at::ScalarType dtype = q_t.scalar_type();
-    const TilePath path = tile_path();
+    const TilePath path = p.tiles;
     if (path == TilePath::kAuto && BrgemmTiles<In, OneDnnBrgemm>::supports(p, dtype)) {
       const BrgemmTiles<In, OneDnnBrgemm> tiles(p, k, v, dtype);
       return attention_fwd_tiles<T, In>(p, q, k, v, tiles, out, smax, ssum);
@@ -1238,7 +1220,7 @@ void attention_bwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
       dpse_t.defined() ? dpse_t.size(2) : 0, p.tnd ? dk_heads_t.size(1) : 0};
   if constexpr (kRoundsOperands<T, In>) {
     const at::ScalarType dtype = q_t.scalar_type();
-    const TilePath path = tile_path();
+    const TilePath path = p.tiles;
     if (path == TilePath::kAuto && BrgemmBwdTiles<In, OneDnnBrgemm>::supports(p, dtype)) {
       return attention_bwd_tiles<T, In>(p, x, BrgemmBwdTiles<In, OneDnnBrgemm>(p, x.k, x.v));
     }

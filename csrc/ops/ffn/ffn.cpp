@@ -109,8 +109,8 @@ at::Tensor deq_table(const char* arg, const at::Tensor& t, bool experts, int64_t
 // GEMMs' 196), whole ATen GEMMs (the same sgemm) from there (T=1024: 596 ms against the tiles'
 // 633 and the two GEMMs' 568). Where MKL's bf16 GEMM does not use the CPU's bf16 instructions
 // (blas::mkl_multiplies_natively: an AMD Zen 4), bf16 goes through ATen (oneDNN) too: one thread,
-// T=512, H=1024, I=2816, silu: 63.7 ms with MKL's tiles, 30.9 ms through ATen, the two GEMMs
-// alone 27.2. OPENNPU_FFN_GEMM=blas|fp32|aten forces a path (the tests run every path on every
+// T=512, H=1024, I=2816, silu: 63.7 ms with MKL's tiles, 30.2-30.9 ms through ATen, the two
+// GEMMs alone 27.2. OPENNPU_FFN_GEMM=blas|fp32|aten forces a path (the tests run every path on every
 // machine); "blas" falls back to fp32 tiles where MKL has no fp16 / bf16 GEMM.
 constexpr int64_t kWholeGemmRows = 512;
 
