@@ -329,6 +329,28 @@ def test_avx512_bf16_tiles(monkeypatch, case):
                         mask_full=R.full_visibility_mask(0, sq, skv, user_mask=user))
 
 
+@pytest.mark.parametrize("kind", ["causal", "padding", "rows_fully_masked"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_user_mask_prefix_and_suffix_are_skipped(dtype, kind):
+    # Each row's span is narrowed to its first and last unmasked key (8 mask bytes at a time), so
+    # tiles past a causal diagonal or over padding are skipped; keys inside stay masked one by
+    # one. Skv = 531 ends mid-word and mid-block; rows that see nothing give 0.
+    b, n, sq, skv = 2, 4, 150, 531
+    q, k, v = make_qkv(b, n, 2, sq, skv, 32, 32, "BNSD", dtype)
+    if kind == "causal":  # bottom-right aligned, as a tensor, with a few interior holes
+        mask = torch.ones(sq, skv, dtype=torch.bool).triu(skv - sq + 1) | (torch.rand(sq, skv) < 0.05)
+        mask = mask.expand(b, 1, sq, skv)
+    elif kind == "padding":  # right padding in batch 0, left padding in batch 1
+        mask = torch.zeros(b, 1, sq, skv, dtype=torch.bool)
+        mask[0, ..., 517:] = True
+        mask[1, ..., :8] = True
+    else:
+        mask = torch.rand(b, 1, sq, skv) < 0.1
+        mask[:, :, 7::11] = True  # rows with every key masked
+    check_attention(q, k, v, n, "BNSD", scale=0.2, atten_mask=mask, grad_scale=8.0,
+                    mask_full=R.full_visibility_mask(0, sq, skv, b, n, user_mask=mask))
+
+
 def test_tile_path_setting_is_checked(monkeypatch):
     q, k, v = make_qkv(1, 2, 2, 8, 8, 16, 16, "BNSD", F32)
     monkeypatch.setenv("OPENNPU_ATTENTION_TILES", "amx")
