@@ -711,7 +711,9 @@ def test_fully_masked_rows_give_zeros(case):
                                       atten_mask=mask_for(mode, user), mask_full=full, **kw)[:3]
     assert out[dead].abs().max() == 0
     assert (smax[dead] == float("-inf")).all() and (ssum[dead] == 0).all()
-    assert torch.isfinite(smax[~dead]).all() and (ssum[~dead] >= 1).all()
+    # A row's max term is exp(fma(s, scale, -max)) with max = s * scale rounded: exp of that
+    # product's rounding error, so the sum may fall 1 ulp short of 1 (it did on the AVX2 kernels).
+    assert torch.isfinite(smax[~dead]).all() and (ssum[~dead] >= 1 - 2 ** -23).all()
 
 
 # ----------------------------------------------------------------------------- TND (varlen)
