@@ -466,13 +466,12 @@ def run_example(example: Example, threads: int, min_run_time: float, copy_bw: fl
         native_call = time.perf_counter() - start
         del expected
         trial.native_compiled()  # compiles before it is timed
-        fns = (trial.ours, trial.native, trial.native_compiled)
         if native_call > SLOW_CALL:  # its untimed first call was as slow as any: it is the time
             ours = time_fn(trial.ours, threads, min_run_time, min_samples=3)["median"]
             eager, comp = native_call, _time_once(trial.native_compiled)
         else:
             ours, eager, comp = (time_fn(fn, threads, min_run_time, min_samples=3)["median"]
-                                 for fn in fns)
+                                 for fn in (trial.ours, trial.native, trial.native_compiled))
     return ROW.format(
         example.op, example.direction, shape_name(example.shape),
         DTYPE_NAMES[example.dtype], example.native, f"{err_ours:.1e}", f"{err_native:.1e}",

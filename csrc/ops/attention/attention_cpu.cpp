@@ -568,7 +568,7 @@ struct OneDnnBrgemm {
 struct Avx512Bf16Dot {
   static constexpr bool kAnyValueWidth = true;
   static bool available(at::ScalarType dtype) {
-    return dtype == at::kBFloat16 && kNativeBf16Build && has_avx512_bf16();
+    return dtype == at::kBFloat16 && has_avx512_bf16();  // false outside the AVX-512 build
   }
   template <typename In>
   static void gemm(int64_t m, int64_t n, int64_t k, int64_t lda, int64_t ldb, int64_t ldc,
