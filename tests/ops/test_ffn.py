@@ -543,10 +543,15 @@ def test_rejects_bad_expert_tokens():
     f = opennpu.npu_ffn
     _raises(lambda: f(x, w1, w2, "relu"), "argument 'expert_tokens'", "required")
     _raises(lambda: f(x, w1, w2, "relu", expert_tokens=[1, 2, 2]), "argument 'expert_tokens'",
-            "M = 4", "got 5")
+            "M = 4", "entry 2 is 2 after 3")
+    # counts whose int64 sum wraps around (once a heap-corrupting crash)
+    _raises(lambda: f(x, w1, w2, "relu", expert_tokens=[2**63 - 1, 2**63 - 1, 10]),
+            "argument 'expert_tokens'", "M = 4", "entry 0 is 9223372036854775807")
+    _raises(lambda: f(x[:0], w1, w2, "relu", expert_tokens=[2**62] * 3),
+            "argument 'expert_tokens'", "M = 0")
     _raises(lambda: f(x, w1, w2, "relu", expert_tokens=[2, 2]), "argument 'expert_tokens'",
             "one entry per expert", "E = 3")
-    _raises(lambda: f(x, w1, w2, "relu", expert_tokens=[5, -1, 0]), "argument 'expert_tokens'",
+    _raises(lambda: f(x, w1, w2, "relu", expert_tokens=[3, -1, 2]), "argument 'expert_tokens'",
             ">= 0")
     _raises(lambda: f(x, w1, w2, "relu", expert_tokens_index=[1, 3, 2]),
             "argument 'expert_tokens_index'", "non-decreasing")

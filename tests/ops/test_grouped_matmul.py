@@ -218,7 +218,7 @@ def test_bad_inputs():
            group_list=gl, split_item=3, group_type=0, output_dtype=torch.float16)
     raises(r"argument 'group_list' must have one entry per group \(3", [x], [w],
            group_list=cumsum([2, 7]), split_item=3, group_type=0)
-    raises(r"'group_list' must cover at most the 9 rows of x\[0\], but its groups hold 10", [x],
+    raises(r"'group_list' must cover at most the 9 rows of x\[0\], but group 2 holds 5 rows after 5", [x],
            [w], group_list=cumsum([2, 3, 5]), split_item=3, group_type=0)
     raises("must be non-negative and non-decreasing .* entry 1 is 1 after 2", [x], [w],
            group_list=torch.tensor([2, 1, 9]), split_item=3, group_type=0)

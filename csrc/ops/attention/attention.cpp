@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -49,14 +50,34 @@ void philox_keep_bits(uint64_t seed, uint64_t offset, int64_t first, int64_t cou
   }
 }
 
+namespace {
+
+// a + b and a - b clamped to int64's range. |i + origin| is bounded by the sequence lengths, far
+// from the limits; only the user's token counts can be extreme.
+int64_t saturating_add(int64_t a, int64_t b) {
+  int64_t sum = 0;
+  if (!__builtin_add_overflow(a, b, &sum)) return sum;
+  return b > 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+}
+
+int64_t saturating_sub(int64_t a, int64_t b) {
+  int64_t difference = 0;
+  if (!__builtin_sub_overflow(a, b, &difference)) return difference;
+  return b < 0 ? std::numeric_limits<int64_t>::max() : std::numeric_limits<int64_t>::min();
+}
+
+}  // namespace
+
 KeyInterval visible_keys(const AttentionProblem& p, int64_t b, int64_t i) {
   const int64_t sq = p.q_len[b], skv = p.kv_len[b];
   int64_t lo = 0, hi = skv - 1;
   if (p.apply_band) {
     const int64_t shift = skv - sq;  // bottom-right alignment of the causal modes
+    // pre/next_tokens may be anywhere in int64 (2**63 - 1 means "no limit"): the band's ends
+    // are formed with saturating arithmetic, so they clamp instead of wrapping around.
     auto band = [&](int64_t origin) {
-      lo = i + origin - p.pre_tokens;
-      hi = i + origin + p.next_tokens;
+      lo = saturating_sub(i + origin, p.pre_tokens);
+      hi = saturating_add(i + origin, p.next_tokens);
     };
     switch (p.sparse_mode) {
       case kDefaultMask: band(0); break;
@@ -606,6 +627,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
                     "must be the forward's mask bit count ", prep.numels, ", but got ", numels);
   configure_dropout(kBwd, prep, seed, offset, std::nullopt);
   check_same_device(kBwd, "dy", dy, "query", query);
+  check_floating(kBwd, "dy", dy);
+  OPENNPU_CHECK_ARG(dy.scalar_type() == query.scalar_type(), kBwd, "dy",
+                    "must have the dtype of 'query' (", query.scalar_type(), "), but got ",
+                    dy.scalar_type());
   OPENNPU_CHECK_ARG(dy.sizes().equals(prep.out_shape), kBwd, "dy",
                     "must have the shape of attention_out ", shape_str(prep.out_shape),
                     ", but got ", shape_str(dy.sizes()));
@@ -676,7 +701,10 @@ at::Tensor npu_dropout_gen_mask(const at::Tensor& self, c10::IntArrayRef size, d
   int64_t numels = 1;
   for (const int64_t s : size) {
     OPENNPU_CHECK_ARG(s >= 0, op, "size", "must have non-negative sizes, but got ", size);
-    numels *= s;
+    // numels + 127 below must not overflow either
+    OPENNPU_CHECK_ARG(!__builtin_mul_overflow(numels, s, &numels) &&
+                          numels <= std::numeric_limits<int64_t>::max() - 127,
+                      op, "size", "must describe fewer than 2**63 - 127 elements, but got ", size);
   }
   const int64_t bytes = (numels + 127) / 128 * 16;
   at::Tensor mask = at::zeros({bytes}, self.options().dtype(at::kByte));

@@ -175,6 +175,10 @@ std::vector<int64_t> expert_offsets(at::OptionalIntArrayRef tokens, at::Optional
     if (tokens.has_value()) {
       OPENNPU_CHECK_ARG(list[i] >= 0, kOp, arg, "must hold token counts >= 0, but entry ", i,
                         " is ", list[i]);
+      // Compared with the rows left, so that counts near the int64 limit cannot wrap around.
+      OPENNPU_CHECK_ARG(list[i] <= m - offsets.back(), kOp, arg, "must sum to the M = ", m,
+                        " rows of x, but entry ", i, " is ", list[i], " after ", offsets.back(),
+                        " tokens in the entries before it");
       offsets.push_back(offsets.back() + list[i]);
     } else {
       OPENNPU_CHECK_ARG(list[i] >= offsets.back(), kOp, arg,

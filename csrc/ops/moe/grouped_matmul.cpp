@@ -91,11 +91,22 @@ std::vector<int64_t> group_sizes(const std::vector<int64_t>& values, int64_t typ
   return sizes;
 }
 
-// A 2-D matrix whose layout BLAS takes as it is (rows or columns contiguous), else a copy.
-at::Tensor fit(const at::Tensor& t) {
+// Whether BLAS can read a 2-D view as it is, row-major (rows contiguous) or column-major. The
+// stride of a dim of size 0 or 1 never addresses a second element, so it is ignored: a [1, 1]
+// view with strides (2, 2) is both (at::Tensor::contiguous() returns such views unchanged).
+bool fits_row_major(const at::Tensor& t) {
   const int64_t rows = t.size(0), cols = t.size(1);
-  if (t.stride(1) == 1 && (rows <= 1 || t.stride(0) >= std::max<int64_t>(cols, 1))) return t;
-  if (t.stride(0) == 1 && (cols <= 1 || t.stride(1) >= std::max<int64_t>(rows, 1))) return t;
+  return (cols <= 1 || t.stride(1) == 1) && (rows <= 1 || t.stride(0) >= std::max<int64_t>(cols, 1));
+}
+
+bool fits_col_major(const at::Tensor& t) {
+  const int64_t rows = t.size(0), cols = t.size(1);
+  return (rows <= 1 || t.stride(0) == 1) && (cols <= 1 || t.stride(1) >= std::max<int64_t>(rows, 1));
+}
+
+// A 2-D matrix whose layout BLAS takes as it is, else a row-major copy.
+at::Tensor fit(const at::Tensor& t) {
+  if (fits_row_major(t) || fits_col_major(t)) return t;
   return t.contiguous();
 }
 
@@ -108,10 +119,10 @@ struct Operand {
 // The BLAS description of a 2-D view already passed through fit().
 Operand operand(const at::Tensor& t) {
   const int64_t rows = t.size(0), cols = t.size(1);
-  if (t.stride(1) == 1 && (rows <= 1 || t.stride(0) >= std::max<int64_t>(cols, 1))) {
+  if (fits_row_major(t)) {
     return {t.const_data_ptr(), rows <= 1 ? std::max<int64_t>(cols, 1) : t.stride(0), false};
   }
-  TORCH_INTERNAL_ASSERT(t.stride(0) == 1);
+  TORCH_INTERNAL_ASSERT(fits_col_major(t));
   return {t.const_data_ptr(), cols <= 1 ? std::max<int64_t>(rows, 1) : t.stride(1), true};
 }
 
@@ -192,11 +203,15 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     OPENNPU_CHECK_ARG(static_cast<int64_t>(rows.size()) == groups, kOp, "group_list",
                       "must have one entry per group (", groups, single_weight ?
                       ", weight[0].size(0)" : ", len(weight)", "), but got ", rows.size());
+    // Summed against the rows left, so that sizes near the int64 limit cannot wrap around.
+    const int64_t m_total = x[0].size(0);
     int64_t total = 0;
-    for (int64_t m : rows) total += m;
-    OPENNPU_CHECK_ARG(total <= x[0].size(0), kOp, "group_list",
-                      "must cover at most the ", x[0].size(0),
-                      " rows of x[0], but its groups hold ", total, " rows");
+    for (size_t g = 0; g < rows.size(); ++g) {
+      OPENNPU_CHECK_ARG(rows[g] <= m_total - total, kOp, "group_list",
+                        "must cover at most the ", m_total, " rows of x[0], but group ", g,
+                        " holds ", rows[g], " rows after ", total, " in the groups before it");
+      total += rows[g];
+    }
     OPENNPU_CHECK_STRICT(total == x[0].size(0), kOp, "group_list",
                          "must cover all ", x[0].size(0), " rows of x[0], but its groups hold ",
                          total);

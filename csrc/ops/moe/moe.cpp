@@ -200,7 +200,11 @@ at::Tensor npu_moe_compute_expert_tokens(const at::Tensor& sorted_expert_for_sou
   check_index(op, "sorted_expert_for_source_row", sorted);
   OPENNPU_CHECK_ARG(sorted.dim() == 1, op, "sorted_expert_for_source_row",
                     "must be 1-D, but got shape ", shape_str(sorted.sizes()));
-  OPENNPU_CHECK_ARG(num_expert >= 0, op, "num_expert", "must be >= 0, but got ", num_expert);
+  // Expert ids are int32 on Ascend, so the count fits one; Ascend's kernel also caps it at 2048.
+  OPENNPU_CHECK_ARG(num_expert >= 0 && num_expert <= kInt32Max, op, "num_expert",
+                    "must be in [0, 2147483647] (a count of int32 expert ids), but got ", num_expert);
+  OPENNPU_CHECK_STRICT(num_expert >= 1 && num_expert <= 2048, op, "num_expert",
+                       "must be in [1, 2048], but got ", num_expert);
   const std::vector<int64_t> values = index_values(sorted);
   const auto unsorted = std::is_sorted_until(values.begin(), values.end());
   OPENNPU_CHECK_ARG(unsorted == values.end(), op, "sorted_expert_for_source_row",
@@ -264,7 +268,7 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
   const int64_t nk = src.size(0);
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"skip1", skip1},
                                 {"skip2", skip2}, {"bias", bias}, {"scales", scales},
-                                {"expert_for_source_row", expert},
+                                {"export_for_source_row", expert},
                                 {"expanded_src_to_dst_row", src}}) {
     if (t.defined()) check_same_device(op, name, t, "expanded_permuted_rows", rows);
   }
@@ -280,7 +284,7 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
     n = scales.size(0);
     k = scales.size(1);
   } else if (expert.defined()) {
-    OPENNPU_CHECK_ARG(expert.dim() == 2, op, "expert_for_source_row",
+    OPENNPU_CHECK_ARG(expert.dim() == 2, op, "export_for_source_row",
                       "must be 2-D [num_rows, k], but got shape ", shape_str(expert.sizes()));
     n = expert.size(0);
     k = expert.size(1);
@@ -303,8 +307,8 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
   const std::vector<int64_t> nk_shape{n, k}, nh_shape{n, h};
   if (scales.defined()) check_floating(op, "scales", scales);
   if (expert.defined()) {
-    check_index(op, "expert_for_source_row", expert);
-    check_shape(op, "expert_for_source_row", expert, nk_shape, "[num_rows, k]");
+    check_index(op, "export_for_source_row", expert);
+    check_shape(op, "export_for_source_row", expert, nk_shape, "[num_rows, k]");
   }
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"skip1", skip1},
                                 {"skip2", skip2}}) {
@@ -322,14 +326,14 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
     OPENNPU_CHECK_ARG(bias.dim() == 2 && bias.size(1) == h, op, "bias",
                       "must be 2-D [E, H] with H = ", h, ", but got shape ",
                       shape_str(bias.sizes()));
-    OPENNPU_CHECK_ARG(expert.defined(), op, "expert_for_source_row",
+    OPENNPU_CHECK_ARG(expert.defined(), op, "export_for_source_row",
                       "must be given with a bias (it picks each term's bias row), but got None");
     OPENNPU_CHECK_STRICT(bias.scalar_type() == rows.scalar_type(), op, "bias",
                          "must have the dtype of expanded_permuted_rows (", rows.scalar_type(),
                          "), but got ", bias.scalar_type());
     experts = index_values(expert);
     for (int64_t e : experts) {
-      OPENNPU_CHECK_ARG(e >= 0 && e < bias.size(0), op, "expert_for_source_row",
+      OPENNPU_CHECK_ARG(e >= 0 && e < bias.size(0), op, "export_for_source_row",
                         "must hold experts in [0, ", bias.size(0), ") (the rows of bias), but got ",
                         e);
     }

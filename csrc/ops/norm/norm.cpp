@@ -184,10 +184,9 @@ std::tuple<at::Tensor, at::Tensor> npu_rms_norm_backward(const at::Tensor& dy,
   check_same_shape(op, "dy", dy, "self", self);
   check_floating(op, "rstd", rstd);
   check_same_device(op, "rstd", rstd, "self", self);
-  OPENNPU_CHECK_ARG(rstd.numel() == self.numel() / std::max<int64_t>(gamma.numel(), 1) ||
-                        self.numel() == 0,
-                    op, "rstd", "must hold one value per normalised row of 'self' (shape ",
-                    shape_str(rstd_shape), "), but got shape ", shape_str(rstd.sizes()));
+  OPENNPU_CHECK_ARG(rstd.sizes().equals(rstd_shape), op, "rstd",
+                    "must hold one value per normalised row of 'self' in the forward's shape ",
+                    shape_str(rstd_shape), ", but got shape ", shape_str(rstd.sizes()));
 
   const auto acc = acc_dtype(self);
   const at::Tensor x = self.contiguous();

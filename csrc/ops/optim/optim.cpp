@@ -43,13 +43,27 @@ struct StateList {
   at::TensorList tensors;
 };
 
-// The slots of a call. `index` maps each slot back to its position in the lists; `grads` keeps
+// A gradient whose layout differs from its parameter's (a transposed gradient, or a contiguous
+// one on a permuted parameter): the kernels walk parameter, state and gradient with one index,
+// so they read and write `copy`, laid out as the parameter; calls that write gradients copy it
+// back into `original` (write_back_grads).
+struct RelaidGrad {
+  at::Tensor original;
+  at::Tensor copy;
+};
+
+// The slots of a call. `index` maps each slot back to its position in the lists; `relaid` keeps
 // alive the gradient copies made for gradients whose layout differs from their parameter's.
 struct Slots {
   std::vector<Slot> slots;
   std::vector<size_t> index;
-  std::vector<at::Tensor> grads;
+  std::vector<RelaidGrad> relaid;
 };
+
+// After a kernel that scaled gradients in place: the re-laid copies go back to the gradients.
+void write_back_grads(const Slots& s) {
+  for (const auto& grad : s.relaid) grad.original.copy_(grad.copy);
+}
 
 bool same_layout(const at::Tensor& a, const at::Tensor& b) {
   if (a.is_contiguous() && b.is_contiguous()) return true;
@@ -98,8 +112,9 @@ Slots collect(const char* op, at::TensorList params, std::initializer_list<State
                       "] must have a gradient of its shape ", shape_str(p.sizes()), ", but got ",
                       shape_str(g.sizes()));
     if (!same_layout(g, p)) {
-      g = at::empty_like(p).copy_(g);  // read-only: a copy in the parameter's layout will do
-      out.grads.push_back(g);
+      at::Tensor relaid = at::empty_like(p).copy_(g);
+      out.relaid.push_back({g, relaid});
+      g = relaid;
     }
     Slot slot;
     slot.dtype = dtype;
@@ -427,7 +442,9 @@ at::Tensor fused_grad_norm(at::TensorList params, double norm_type) {
 
 void fused_scale_grads_(at::TensorList params, double scale) {
   Slots s = collect("_fused_scale_grads_", params, {}, {});
-  if (scale != 1.0) grad_scale_cpu.get("_fused_scale_grads_")(nonempty(s.slots), scale, false);
+  if (scale == 1.0) return;
+  grad_scale_cpu.get("_fused_scale_grads_")(nonempty(s.slots), scale, false);
+  write_back_grads(s);
 }
 
 // GradScaler's unscale in one pass over every gradient: g *= inv_scale, and found_inf = 1 when
@@ -444,6 +461,7 @@ void fused_unscale_grads_(at::TensorList params, at::Tensor& found_inf,
   Slots s = collect(op, params, {}, {});
   const double scale = inv_scale.item<float>();
   if (grad_scale_cpu.get(op)(nonempty(s.slots), scale, true)) found_inf.fill_(1.0);
+  write_back_grads(s);
 }
 
 }  // namespace

@@ -182,7 +182,10 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
     } else {
       t = v / vscale;
     }
-    return at::vec::minimum(at::vec::maximum(t.round(), lo), hi);
+    // NaN (a NaN in the row, or inf / inf when the row's max is inf) gives code 0: the cast
+    // would turn it into INT_MIN, then -128, as if the value were very negative.
+    const Vec clamped = at::vec::minimum(at::vec::maximum(t.round(), lo), hi);
+    return Vec::blendv(clamped, Vec(0), clamped.isnan());
   };
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     if (next != nullptr) prefetch_step(next, next2, next_elem_size, i);

@@ -8,7 +8,19 @@ from __future__ import annotations
 
 import torch
 
-from opennpu.ops._registry import accepts_input_keyword
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _unrepresentable_int(schema, args, kwargs):
+    """(argument, value) of the first int or int[] argument outside int64, or None."""
+    bound = list(zip((a.name for a in schema.arguments), args)) + list(kwargs.items())
+    for arg, value in bound:
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        for v in values:
+            if isinstance(v, int) and not isinstance(v, bool) and not _INT64_MIN <= v <= _INT64_MAX:
+                return arg, value
+    return None
 
 
 def op_alias(name: str):
@@ -16,13 +28,29 @@ def op_alias(name: str):
 
     torch_npu binds `self` arguments to Python's `input=` keyword too (its tests call
     `torch_npu.fast_gelu(input=x)`); the dispatcher only knows `self`, so `input` is renamed.
+    An integer that int64 cannot hold fails in PyTorch's argument parser with a message that
+    names neither the op nor the argument; the alias names both.
     """
     packet = getattr(torch.ops.npu, name)
     schema = getattr(packet, packet.overloads()[0])._schema  # e.g. _npu_dropout_gen_mask.Tensor
-    if "self" not in (arg.name for arg in schema.arguments):
-        return packet
-    call = accepts_input_keyword(packet)
+    renames_input = "self" in (arg.name for arg in schema.arguments)
+
+    def call(*args, **kwargs):
+        if renames_input and "input" in kwargs:
+            kwargs["self"] = kwargs.pop("input")
+        if torch.compiler.is_compiling():  # traced: the graph holds the op, not this wrapper
+            return packet(*args, **kwargs)
+        try:
+            return packet(*args, **kwargs)
+        except (RuntimeError, TypeError, OverflowError) as error:
+            bad = _unrepresentable_int(schema, args, kwargs)
+            if bad is None:
+                raise
+            raise RuntimeError(f"{name}: argument '{bad[0]}' must hold integers in int64 "
+                               f"[-2**63, 2**63 - 1], but got {bad[1]}") from error
+
     call.__name__ = call.__qualname__ = name
+    call.__doc__ = packet.__doc__
     return call
 
 

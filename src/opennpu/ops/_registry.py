@@ -14,6 +14,57 @@ import torch
 DIFFERENTIABILITY: dict[str, str] = {}
 
 
+def _named_tensors(schema, args, kwargs):
+    """(argument name, tensor) for every tensor an op call received, tensor lists as name[i]."""
+    names = [a.name for a in schema.arguments]
+    bound = list(zip(names, args)) + list(kwargs.items())
+    for name, value in bound:
+        if isinstance(value, torch.Tensor):
+            yield name, value
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                if isinstance(item, torch.Tensor):
+                    yield f"{name}[{i}]", item
+
+
+def check_one_device(op: str, schema, args, kwargs) -> None:
+    """All tensors of a call share one device, 0-dim CPU tensors aside (as PyTorch's own ops
+    allow). The dispatcher picks the kernel of the highest-priority device among the arguments
+    (meta, then npu, then CPU), so a mixed call lands in a kernel that would otherwise allocate on
+    the first argument's device and read the others' bytes as if they were its own."""
+    reference = None
+    for name, t in _named_tensors(schema, args, kwargs):
+        if t.dim() == 0 and t.device.type == "cpu":
+            continue
+        if reference is None:
+            reference = (name, t.device)
+        elif t.device != reference[1]:
+            raise RuntimeError(
+                f"{op}: argument '{name}' must be on the device of '{reference[0]}' "
+                f"({reference[1]}), but got {t.device}")
+
+
+def register_fake(qualname: str):
+    """torch.library.register_fake, with the one-device check in front of the shape math: the
+    fake kernel also serves meta tensors, where a device mix would otherwise give outputs on the
+    first argument's device (and, with the other arguments real CPU tensors, garbage)."""
+    ns_name, _, overload = qualname.partition(".")
+    namespace, name = ns_name.split("::")
+    schema = getattr(getattr(torch.ops, namespace), name)
+    schema = getattr(schema, overload or "default")._schema
+
+    def decorator(fake):
+        @functools.wraps(fake)
+        def checked(*args, **kwargs):
+            check_one_device(name, schema, args, kwargs)
+            return fake(*args, **kwargs)
+
+        torch.library.register_fake(qualname, checked)
+        return fake
+
+    return decorator
+
+
 def register_autograd(name: str, backward, setup_context) -> None:
     torch.library.register_autograd(f"npu::{name}", backward, setup_context=setup_context)
     DIFFERENTIABILITY[name] = "autograd"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import accepts_input_keyword, mark_backward_op, register_autograd
+from ._registry import accepts_input_keyword, mark_backward_op, register_autograd, register_fake
 
 _ops = torch.ops.npu
 
@@ -38,7 +38,13 @@ def npu_geglu(self: torch.Tensor, dim: int = -1, approximate: int = 1, activate_
 @accepts_input_keyword
 def npu_geglu_grad(grad_output, self, gelu, dim: int = -1, approximate: int = 1,
                    activate_left: bool = False):
-    """Gradient of npu_geglu's ``out`` with respect to ``self``."""
+    """Gradient of npu_geglu's ``out`` with respect to ``self``.
+
+    ``gelu`` (npu_geglu's second output) is checked for shape and device but not read: both
+    halves' gradients are recomputed from ``self`` in float32 (``dx_linear = dy * gelu(x_gate)``,
+    ``dx_gate = dy * x_linear * gelu'(x_gate)``), which is never less accurate than multiplying by
+    the fp16/bf16-rounded ``gelu`` that torch_npu reads, and the same in float32.
+    """
     return _ops.npu_geglu_grad(grad_output, self, gelu, dim, approximate, activate_left)
 
 
@@ -71,50 +77,50 @@ def _halved(x, dim):
     return shape
 
 
-@torch.library.register_fake("npu::npu_swiglu")
+@register_fake("npu::npu_swiglu")
 def _swiglu_fake(self, dim=-1):
     return self.new_empty(_halved(self, dim))
 
 
-@torch.library.register_fake("npu::npu_swiglu_backward")
+@register_fake("npu::npu_swiglu_backward")
 def _swiglu_backward_fake(grad_output, self, dim=-1):
     return self.new_empty(self.shape)
 
 
-@torch.library.register_fake("npu::npu_geglu")
+@register_fake("npu::npu_geglu")
 def _geglu_fake(self, dim=-1, approximate=1, activate_left=False):
     shape = _halved(self, dim)
     return self.new_empty(shape), self.new_empty(shape)
 
 
-@torch.library.register_fake("npu::npu_geglu_grad")
+@register_fake("npu::npu_geglu_grad")
 def _geglu_grad_fake(grad_output, self, gelu, dim=-1, approximate=1, activate_left=False):
     return self.new_empty(self.shape)
 
 
-@torch.library.register_fake("npu::fast_gelu")
+@register_fake("npu::fast_gelu")
 def _fast_gelu_fake(self):
     return self.new_empty(self.shape)
 
 
-@torch.library.register_fake("npu::npu_fast_gelu")
+@register_fake("npu::npu_fast_gelu")
 def _npu_fast_gelu_fake(self):
     return self.new_empty(self.shape)
 
 
-@torch.library.register_fake("npu::npu_fast_gelu_backward")
+@register_fake("npu::npu_fast_gelu_backward")
 def _fast_gelu_backward_fake(grad, self):
     return self.new_empty(self.shape)
 
 
-@torch.library.register_fake("opennpu::_silu_mul")
+@register_fake("opennpu::_silu_mul")
 def _silu_mul_fake(gate, up):
     torch._check(gate.shape == up.shape and gate.dtype == up.dtype,
                  lambda: "_silu_mul: gate and up must share shape and dtype")
     return gate.new_empty(gate.shape)
 
 
-@torch.library.register_fake("opennpu::_silu_mul_backward")
+@register_fake("opennpu::_silu_mul_backward")
 def _silu_mul_backward_fake(grad, gate, up):
     return gate.new_empty(gate.shape), gate.new_empty(gate.shape)
 

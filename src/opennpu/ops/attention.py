@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import (DIFFERENTIABILITY, acc_dtype, accepts_input_keyword, mark_backward_op,
-                        register_autograd)
+                        register_autograd, register_fake)
 
 _ops = torch.ops.npu
 
@@ -164,7 +164,7 @@ def _numels(query, key, head_num, layout, actual_seq_qlen, actual_seq_kvlen):
 # ----------------------------------------------------------------------------- fake kernels
 
 
-@torch.library.register_fake("npu::npu_fusion_attention")
+@register_fake("npu::npu_fusion_attention")
 def _fusion_attention_fake(query, key, value, head_num, input_layout, pse=None,
                            padding_mask=None, atten_mask=None, scale=1.0, keep_prob=1.0,
                            pre_tockens=MAX_TOKENS, next_tockens=MAX_TOKENS, inner_precise=0,
@@ -189,7 +189,7 @@ def _fusion_attention_fake(query, key, value, head_num, input_layout, pse=None,
     )
 
 
-@torch.library.register_fake("npu::npu_fusion_attention_grad")
+@register_fake("npu::npu_fusion_attention_grad")
 def _fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, *, pse=None,
                                 sink=None, **kwargs):
     return (
@@ -201,7 +201,7 @@ def _fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, *
     )
 
 
-@torch.library.register_fake("npu::_npu_dropout_gen_mask.Tensor")
+@register_fake("npu::_npu_dropout_gen_mask.Tensor")
 def _dropout_gen_mask_fake(self, size, p, seed, offset, *, parallel=True, sync=None):
     numels = 1
     for s in size:

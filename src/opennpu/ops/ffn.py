@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import DIFFERENTIABILITY
+from ._registry import DIFFERENTIABILITY, register_fake
 
 _ops = torch.ops.npu
 _ops.npu_ffn  # resolves the op, so that dir(torch.ops.npu) (the torch_npu alias list) has it
@@ -58,7 +58,7 @@ def npu_ffn(x, weight1, weight2, activation, *, expert_tokens=None, expert_token
 # ----------------------------------------------------------------------------- fake kernel
 
 
-@torch.library.register_fake("npu::npu_ffn")
+@register_fake("npu::npu_ffn")
 def _ffn_fake(x, weight1, weight2, activation, *, expert_tokens=None, expert_tokens_index=None,
               bias1=None, bias2=None, scale=None, offset=None, deq_scale1=None, deq_scale2=None,
               antiquant_scale1=None, antiquant_scale2=None, antiquant_offset1=None,

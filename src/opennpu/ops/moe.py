@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._registry import mark_not_differentiable
+from ._registry import mark_not_differentiable, register_fake
 
 _ops = torch.ops.npu
 
@@ -154,14 +154,14 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
 # ----------------------------------------------------------------------------- fake kernels
 
 
-@torch.library.register_fake("npu::npu_moe_gating_top_k_softmax")
+@register_fake("npu::npu_moe_gating_top_k_softmax")
 def _gating_fake(x, finished=None, k=1):
     shape = (*x.shape[:-1], k)
     return (x.new_empty(shape), x.new_empty(shape, dtype=torch.int32),
             x.new_empty(shape, dtype=torch.int32))
 
 
-@torch.library.register_fake("npu::npu_moe_init_routing")
+@register_fake("npu::npu_moe_init_routing")
 def _init_routing_fake(x, row_idx, expert_idx, active_num):
     n, h = x.shape
     k = expert_idx.shape[1]
@@ -169,12 +169,12 @@ def _init_routing_fake(x, row_idx, expert_idx, active_num):
             x.new_empty((n * k,), dtype=torch.int32), x.new_empty((n * k,), dtype=torch.int32))
 
 
-@torch.library.register_fake("npu::npu_moe_compute_expert_tokens")
+@register_fake("npu::npu_moe_compute_expert_tokens")
 def _compute_expert_tokens_fake(sorted_expert_for_source_row, num_expert):
     return sorted_expert_for_source_row.new_empty((num_expert,))
 
 
-@torch.library.register_fake("npu::npu_moe_finalize_routing")
+@register_fake("npu::npu_moe_finalize_routing")
 def _finalize_routing_fake(expanded_permuted_rows, skip1, skip2, bias, scales,
                            expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0):
     if scales is not None:
@@ -213,7 +213,7 @@ def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type):
     return [x[0].new_empty((m, n)) for m, n in zip(sizes, n_of)]
 
 
-@torch.library.register_fake("npu::npu_grouped_matmul")
+@register_fake("npu::npu_grouped_matmul")
 def _grouped_matmul_tensor_fake(x, weight, *, bias=None, scale=None, offset=None,
                                 antiquant_scale=None, antiquant_offset=None, per_token_scale=None,
                                 group_list=None, activation_input=None,
@@ -223,7 +223,7 @@ def _grouped_matmul_tensor_fake(x, weight, *, bias=None, scale=None, offset=None
     return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type)
 
 
-@torch.library.register_fake("npu::npu_grouped_matmul.List")
+@register_fake("npu::npu_grouped_matmul.List")
 def _grouped_matmul_list_fake(x, weight, *, bias=None, scale=None, offset=None,
                               antiquant_scale=None, antiquant_offset=None, per_token_scale=None,
                               group_list=None, activation_input=None, activation_quant_scale=None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._registry import (accepts_input_keyword, acc_dtype, mark_backward_op, mark_not_differentiable,
-                        register_autograd)
+                        register_autograd, register_fake)
 
 _ops = torch.ops.npu
 
@@ -72,7 +72,7 @@ def npu_add_rms_norm_cast(x1, x2, gamma, epsilon: float = 1e-6):
 # ----------------------------------------------------------------------------- fake kernels
 
 
-@torch.library.register_fake("npu::npu_rms_norm")
+@register_fake("npu::npu_rms_norm")
 def _rms_norm_fake(self, gamma, epsilon=1e-6):
     return (
         self.new_empty(self.shape),
@@ -80,12 +80,12 @@ def _rms_norm_fake(self, gamma, epsilon=1e-6):
     )
 
 
-@torch.library.register_fake("npu::npu_gemma_rms_norm")
+@register_fake("npu::npu_gemma_rms_norm")
 def _gemma_rms_norm_fake(self, gamma, epsilon=1e-6):
     return _rms_norm_fake(self, gamma, epsilon)
 
 
-@torch.library.register_fake("npu::npu_add_rms_norm")
+@register_fake("npu::npu_add_rms_norm")
 def _add_rms_norm_fake(x1, x2, gamma, epsilon=1e-6):
     return (
         x1.new_empty(x1.shape),
@@ -94,7 +94,7 @@ def _add_rms_norm_fake(x1, x2, gamma, epsilon=1e-6):
     )
 
 
-@torch.library.register_fake("npu::npu_add_rms_norm_cast")
+@register_fake("npu::npu_add_rms_norm_cast")
 def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
     acc = acc_dtype(x1.dtype)
     return (
@@ -105,7 +105,7 @@ def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
     )
 
 
-@torch.library.register_fake("npu::npu_rms_norm_backward")
+@register_fake("npu::npu_rms_norm_backward")
 def _rms_norm_backward_fake(dy, self, gamma, rstd):
     return self.new_empty(self.shape), gamma.new_empty(gamma.shape, dtype=acc_dtype(self.dtype))
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import mark_not_differentiable
+from ._registry import mark_not_differentiable, register_fake
 
 _ops = torch.ops.npu
 
@@ -82,7 +82,7 @@ def _code_shape(x, int4: bool) -> list:
     return shape
 
 
-@torch.library.register_fake("npu::npu_dynamic_quant")
+@register_fake("npu::npu_dynamic_quant")
 def _dynamic_quant_fake(input, *, smooth_scales=None, group_index=None, dst_type=None,
                         quant_mode="pertoken", dst_type_max=0.0):
     int4 = _is_int4(dst_type)
@@ -91,7 +91,7 @@ def _dynamic_quant_fake(input, *, smooth_scales=None, group_index=None, dst_type
     return y, input.new_empty(scale_shape, dtype=torch.float32)
 
 
-@torch.library.register_fake("npu::npu_add_rms_norm_dynamic_quant")
+@register_fake("npu::npu_add_rms_norm_dynamic_quant")
 def _add_rms_norm_dynamic_quant_fake(x1, x2, gamma, *, smooth_scale1=None, smooth_scale2=None,
                                      beta=None, epsilon=1e-6, output_mask=None, y_dtype=None):
     if output_mask is None:

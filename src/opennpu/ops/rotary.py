@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import accepts_input_keyword, mark_backward_op, register_autograd
+from ._registry import accepts_input_keyword, mark_backward_op, register_autograd, register_fake
 
 _ops = torch.ops.npu
 
@@ -33,17 +33,17 @@ def npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode: str = "half"):
     return _ops.npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode)
 
 
-@torch.library.register_fake("npu::npu_rotary_mul")
+@register_fake("npu::npu_rotary_mul")
 def _rotary_mul_fake(self, r1, r2, rotary_mode="half", rotate=None):
     return self.new_empty(self.shape)
 
 
-@torch.library.register_fake("npu::npu_rotary_mul_backward")
+@register_fake("npu::npu_rotary_mul_backward")
 def _rotary_mul_backward_fake(grad, self, r1, r2, rotary_mode="half"):
     return self.new_empty(self.shape), self.new_empty(r1.shape), self.new_empty(r2.shape)
 
 
-@torch.library.register_fake("opennpu::_rotary_mul_backward_dx")
+@register_fake("opennpu::_rotary_mul_backward_dx")
 def _rotary_mul_backward_dx_fake(grad, self, r1, r2, rotary_mode="half"):
     return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 

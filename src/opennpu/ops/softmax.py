@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import mark_backward_op, register_autograd
+from ._registry import mark_backward_op, register_autograd, register_fake
 
 _ops = torch.ops.npu
 
@@ -49,12 +49,12 @@ def npu_scaled_masked_softmax_backward(y_grad: torch.Tensor, y: torch.Tensor, ma
     return _ops.npu_scaled_masked_softmax_backward(y_grad, y, mask, scale, fixed_triu_mask)
 
 
-@torch.library.register_fake("npu::npu_scaled_masked_softmax")
+@register_fake("npu::npu_scaled_masked_softmax")
 def _scaled_masked_softmax_fake(x, mask, scale=1, fixed_triu_mask=False):
     return x.new_empty(x.shape)
 
 
-@torch.library.register_fake("npu::npu_scaled_masked_softmax_backward")
+@register_fake("npu::npu_scaled_masked_softmax_backward")
 def _scaled_masked_softmax_backward_fake(y_grad, y, mask, scale, fixed_triu_mask):
     return y_grad.new_empty(y_grad.shape)
 

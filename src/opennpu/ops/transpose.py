@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import accepts_input_keyword, mark_backward_op, register_autograd
+from ._registry import accepts_input_keyword, mark_backward_op, register_autograd, register_fake
 
 _ops = torch.ops.npu
 
@@ -52,7 +52,7 @@ def npu_confusion_transpose_backward(grad: torch.Tensor, perm, shape, transpose_
 # ----------------------------------------------------------------------------- fake kernels
 
 
-@torch.library.register_fake("npu::npu_confusion_transpose")
+@register_fake("npu::npu_confusion_transpose")
 def _confusion_transpose_fake(self, perm, shape, transpose_first):
     op = "npu_confusion_transpose"
     if transpose_first:
@@ -62,7 +62,7 @@ def _confusion_transpose_fake(self, perm, shape, transpose_first):
     return self.new_empty([shape[p] for p in perm])
 
 
-@torch.library.register_fake("npu::npu_confusion_transpose_backward")
+@register_fake("npu::npu_confusion_transpose_backward")
 def _confusion_transpose_backward_fake(grad, perm, shape, transpose_first):
     return grad.new_empty(shape)
 

@@ -91,7 +91,8 @@ def quantize(v, qmax=127.0, code_range=INT8_RANGE, per_tensor=False):
         absmax = v.abs().amax(dim=-1, keepdim=True)
     scale = absmax / qmax
     scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-    codes = torch.round(v / scale).clamp(*code_range).to(torch.int8)
+    # NaN quotients (a NaN in the row, or inf / inf) give code 0, as opennpu's kernels define it
+    codes = torch.nan_to_num(torch.round(v / scale), nan=0.0).clamp(*code_range).to(torch.int8)
     return codes, (scale.reshape(1) if per_tensor else scale.squeeze(-1))
 
 
@@ -292,14 +293,15 @@ def native_rotary_mul(x, r1, r2):
 # ----------------------------------------------------------------------------- fusion attention
 
 
-def attention_to_bnsd(x, layout, head_dim=None):
+def attention_to_bnsd(x, layout, head_dim=None, heads=-1):
     """A q/k/v-shaped tensor in `layout` (BSH, SBH, BSND, BNSD) viewed as [B, N, S, D].
 
-    BSH/SBH need the head size `head_dim` to split H = N * D."""
+    BSH/SBH need the head size `head_dim` to split H = N * D (and the head count `heads` when
+    D is 0)."""
     if layout == "BSH":
-        return x.unflatten(2, (-1, head_dim)).transpose(1, 2)
+        return x.unflatten(2, (heads, head_dim)).transpose(1, 2)
     if layout == "SBH":
-        return x.unflatten(2, (-1, head_dim)).permute(1, 2, 0, 3)
+        return x.unflatten(2, (heads, head_dim)).permute(1, 2, 0, 3)
     if layout == "BSND":
         return x.transpose(1, 2)
     if layout == "BNSD":
@@ -386,7 +388,8 @@ def attention_reference(q, k, v, head_num, layout, *, pse=None, mask_full=None, 
     kv_heads = k.shape[-1] // d if layout in ("BSH", "SBH") else None
     qb = attention_to_bnsd(qf, layout, d)
     kb = attention_to_bnsd(kf, layout, d)
-    vb = attention_to_bnsd(vf, layout, v.shape[-1] // kv_heads if kv_heads else None)
+    vb = attention_to_bnsd(vf, layout, v.shape[-1] // kv_heads if kv_heads else None,
+                           kv_heads or -1)
     out, smax, ssum = _attention_bnsd(qb, kb, vb, pse=pf, mask_full=mask_full, scale=scale,
                                       sink=sk, keep=keep, keep_prob=keep_prob)
     return attention_from_bnsd(out, layout), smax, ssum
@@ -651,7 +654,7 @@ def grouped_matmul(x, weight, bias=None, group_list=None, split_item=0, group_li
         y = _up(xg) @ _up(w)
         ys.append(y if b is None else y + _up(b))
     if split_item >= 2:
-        out = torch.cat([y.reshape(-1, y.shape[-1]) for y in ys]) if ys else \
+        out = torch.cat([y.flatten(0, -2) for y in ys]) if ys else \
             _up(x[0]).new_zeros(0, ws[0].shape[-1] if ws else weight[0].shape[-1])
         return [torch.cat([out, out.new_zeros(tail, out.shape[-1])])]
     return ys
