@@ -16,8 +16,19 @@ import sys
 
 ALIASES = {
     "torch_npu": "opennpu.compat.torch_npu",
+    "torch_npu.npu": "opennpu.npu",  # torch_npu.npu is torch.npu, the very same module
     "torchair": "opennpu.compat.torchair",
 }
+
+
+def _alias_target(fullname: str) -> str:
+    """opennpu's module for `fullname`, through the longest aliased prefix."""
+    parts = fullname.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in ALIASES:
+            return ALIASES[prefix] + fullname[len(prefix):]
+    raise KeyError(fullname)
 
 
 def real_package_origin(name: str) -> str | None:
@@ -48,7 +59,7 @@ class CompatFinder(importlib.abc.MetaPathFinder):
                 return None  # the real package wins
         elif top not in sys.modules or sys.modules[top] is not sys.modules.get(ALIASES[top]):
             return None  # a submodule of the real package
-        target_name = ALIASES[top] + ("." + rest if rest else "")
+        target_name = _alias_target(fullname)
         if importlib.util.find_spec(target_name) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target_name), is_package=True)
