@@ -121,6 +121,9 @@ struct FallbackStats {
   int64_t view_outputs = 0;      // outputs that alias an npu input's storage
 };
 FallbackStats fallback_stats();
+// Makes every aten op that has a CPU kernel run it on npu too (see the definition); returns how
+// many ops that took. Idempotent; called once by opennpu._device.register().
+int64_t route_cpu_kernels_to_fallback();
 
 // A CPU tensor over the bytes of npu tensor `t` (same sizes, strides, offset, dtype, conj/neg
 // bits), on `cpu_storage`: a CPU StorageImpl over the npu storage's memory (make_cpu_alias_storage).

@@ -33,6 +33,8 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <mutex>
+#include <string>
 
 #include "device/npu_device.h"
 
@@ -132,7 +134,9 @@ class FallbackCall {
           TORCH_CHECK(t.layout() == c10::kStrided, "npu: ", schema_.operator_name(),
                       ": only strided npu tensors are supported, but '", arguments[i].name(),
                       "' has layout ", t.layout());
-        } else if (d.is_cpu() && !written && (cpu_allowed || t.dim() == 0)) {
+        } else if (d.is_cpu() && (t.dim() == 0 || (cpu_allowed && !written))) {
+          // 0-dim CPU tensors (scalars, optimizer step counters) are read and written in place by
+          // the CPU kernel, as CUDA kernels accept CPU scalars.
           cpu_inputs_.push_back(t.unsafeGetTensorImpl());
           cpu_input_storages_.push_back(t.has_storage() ? t.storage().unsafeGetStorageImpl() : nullptr);
         } else {
@@ -168,6 +172,13 @@ class FallbackCall {
     const size_t storage = alias_storage(t);
     at::Tensor cpu = make_cpu_alias(t, storages_[storage].cpu);
     tensors_.push_back({t, cpu, storage});
+    // Kernels that take parameters read and scale their .grad (opennpu's fused optimizer steps):
+    // the alias carries an alias of the gradient.
+    const at::Tensor& grad = t.unsafeGetTensorImpl()->grad();
+    if (grad.defined() && grad.device().type() == kNpu) {
+      at::Tensor grad_alias = alias_of(grad);
+      cpu.mutable_grad() = grad_alias;
+    }
     return cpu;
   }
 
@@ -177,7 +188,8 @@ class FallbackCall {
     for (size_t i = 0; i < arguments.size(); ++i) {
       c10::IValue& v = arg(i);
       if (v.isTensor()) {
-        if (v.toTensor().device().type() == kNpu) v = alias_of(v.toTensor());
+        const at::Tensor& t = v.toTensor();
+        if (t.defined() && t.device().type() == kNpu) v = alias_of(t);
       } else if (v.isTensorList()) {
         c10::List<at::Tensor> list;
         list.reserve(v.toTensorList().size());
@@ -355,6 +367,39 @@ at::Tensor make_npu_view(const c10::Storage& npu_storage, const at::Tensor& like
   if (like.is_conj()) impl->_set_conj(true);
   if (like.is_neg()) impl->_set_neg(true);
   return at::Tensor(std::move(impl));
+}
+
+int64_t route_cpu_kernels_to_fallback() {
+  // An op with both a CPU kernel and a CompositeExplicitAutograd(NonFunctional) one runs the
+  // composite on a backend without a kernel of its own: on npu, native_layer_norm would decompose
+  // into math_native_layer_norm while CPU runs its fused kernel, and the results would differ in
+  // the last bits. Registering the fallback as the npu kernel of every such op makes npu run each
+  // op's CPU kernel wherever CPU does. Ops with no CPU kernel (copy_, _to_copy, clone, expand...)
+  // keep their composites, as CPU does.
+  static std::mutex mutex;
+  static torch::Library* library = nullptr;
+  static int64_t routed = 0;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (library != nullptr) return routed;
+  library = new torch::Library(torch::Library::IMPL, "aten", c10::DispatchKey::PrivateUse1, __FILE__, __LINE__);
+  auto& dispatcher = c10::Dispatcher::singleton();
+  for (const c10::OperatorName& name : dispatcher.getAllOpNames()) {
+    if (name.name.rfind("aten::", 0) != 0) continue;
+    const auto op = dispatcher.findOp(name);
+    if (!op.has_value() || !op->hasKernelForDispatchKey(c10::DispatchKey::CPU) ||
+        op->hasKernelForDispatchKey(c10::DispatchKey::PrivateUse1)) {
+      continue;
+    }
+    if (!op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutograd) &&
+        !op->hasKernelForDispatchKey(c10::DispatchKey::CompositeExplicitAutogradNonFunctional)) {
+      continue;
+    }
+    std::string qualified = name.name.substr(6);
+    if (!name.overload_name.empty()) qualified += "." + name.overload_name;
+    library->impl(qualified.c_str(), torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+    ++routed;
+  }
+  return routed;
 }
 
 FallbackStats fallback_stats() {

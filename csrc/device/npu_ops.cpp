@@ -51,11 +51,18 @@ TORCH_LIBRARY_FRAGMENT(opennpu, m) {
   // The default generator of a device (torch.npu.default_generators).
   m.def("_npu_default_generator(int device) -> Generator?",
         [](int64_t device) { return default_generator(checked_index(device)); });
+  // Milliseconds between two recorded npu events, given as torch.Event.event_id (torch.Event's own
+  // elapsed_time accepts no subclass, such as torch.npu.Event). 0 = an event never recorded.
+  m.def("_npu_event_elapsed_ms(int start, int end) -> float", [](int64_t start, int64_t end) {
+    return event_elapsed_ms(reinterpret_cast<void*>(start), reinterpret_cast<void*>(end));
+  });
   // [copies, bytes] made by _copy_from to, from or between npu tensors.
   m.def("_npu_copy_stats() -> int[]", []() {
     const CopyStats s = copy_stats();
     return std::vector<int64_t>{s.copies, s.bytes};
   });
+  // Routes the aten ops that have CPU and composite kernels to the fallback (once); returns how many.
+  m.def("_npu_route_cpu_kernels() -> int", []() { return route_cpu_kernels_to_fallback(); });
   // [ops run by the fallback, fresh outputs adopted, outputs that view an npu argument].
   m.def("_npu_fallback_stats() -> int[]", []() {
     const FallbackStats s = fallback_stats();

@@ -25,6 +25,10 @@ def register() -> None:
     elif registered is not npu:
         raise RuntimeError(f"opennpu: torch.npu is already provided by {registered!r}")
 
+    # npu runs the CPU kernel of every aten op that has one, even where a composite exists
+    # (csrc/device/npu_fallback.cpp), so npu computes CPU's bits.
+    torch.ops.opennpu._npu_route_cpu_kernels()
+
     if not hasattr(torch.Tensor, "is_npu"):
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)

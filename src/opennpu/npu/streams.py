@@ -69,6 +69,12 @@ class Event(torch.Event):
                                enable_timing=enable_timing, blocking=blocking,
                                interprocess=interprocess)
 
+    def elapsed_time(self, end_event: torch.Event) -> float:
+        """Milliseconds of host time between this event's record and `end_event`'s."""
+        if not isinstance(end_event, torch.Event) or end_event.device.type != "npu":
+            raise TypeError(f"expected other to be an npu torch.Event, but got {end_event!r}")
+        return float(torch.ops.opennpu._npu_event_elapsed_ms(self.event_id, end_event.event_id))
+
     def __repr__(self) -> str:
         return f"<torch_npu.npu.Event event_id={self.event_id}>"
 
