@@ -1,9 +1,10 @@
-"""Import hook that lets `import torch_npu` (and `import torchair`) load opennpu's compatibility
-modules on machines without the real packages.
+"""Import hook that lets `import torch_npu` (and `import torchair`, `import apex`) load opennpu's
+compatibility modules on machines without the real packages.
 
 Installed next to opennpu and activated by opennpu-compat.pth at interpreter start-up, so it must
 stay cheap: standard library only, and nothing is imported until a script asks for torch_npu.
-When the real torch_npu (or torchair) is installed, the hook steps aside and the real package loads.
+When the real torch_npu (or torchair, or any package named apex) is installed, the hook steps
+aside and the real package loads.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ ALIASES = {
     "torch_npu": "opennpu.compat.torch_npu",
     "torch_npu.npu": "opennpu.npu",  # torch_npu.npu is torch.npu, the very same module
     "torchair": "opennpu.compat.torchair",
+    "apex": "opennpu.compat.apex",  # Ascend's apex fork: amp and the NpuFused* optimizers
 }
 
 
