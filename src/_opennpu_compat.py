@@ -1,9 +1,10 @@
-"""Import hook that lets `import torch_npu` (and `import torchair`) load opennpu's compatibility
-modules on machines without the real packages.
+"""Import hook that lets `import torch_npu` (and `import torchair`, `import apex`) load opennpu's
+compatibility modules on machines without the real packages.
 
 Installed next to opennpu and activated by opennpu-compat.pth at interpreter start-up, so it must
 stay cheap: standard library only, and nothing is imported until a script asks for torch_npu.
-When the real torch_npu (or torchair) is installed, the hook steps aside and the real package loads.
+When the real torch_npu (or torchair, or any package named apex) is installed, the hook steps
+aside and the real package loads.
 """
 
 from __future__ import annotations
@@ -16,8 +17,20 @@ import sys
 
 ALIASES = {
     "torch_npu": "opennpu.compat.torch_npu",
+    "torch_npu.npu": "opennpu.npu",  # torch_npu.npu is torch.npu, the very same module
     "torchair": "opennpu.compat.torchair",
+    "apex": "opennpu.compat.apex",  # Ascend's apex fork: amp and the NpuFused* optimizers
 }
+
+
+def _alias_target(fullname: str) -> str:
+    """opennpu's module for `fullname`, through the longest aliased prefix."""
+    parts = fullname.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in ALIASES:
+            return ALIASES[prefix] + fullname[len(prefix):]
+    raise KeyError(fullname)
 
 
 def real_package_origin(name: str) -> str | None:
@@ -48,7 +61,7 @@ class CompatFinder(importlib.abc.MetaPathFinder):
                 return None  # the real package wins
         elif top not in sys.modules or sys.modules[top] is not sys.modules.get(ALIASES[top]):
             return None  # a submodule of the real package
-        target_name = ALIASES[top] + ("." + rest if rest else "")
+        target_name = _alias_target(fullname)
         if importlib.util.find_spec(target_name) is None:
             return None
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target_name), is_package=True)

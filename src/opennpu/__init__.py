@@ -1,7 +1,7 @@
 """opennpu: an open implementation of the torch_npu fused-operator system on CPUs and GPUs.
 
 Importing opennpu registers the ``torch.ops.npu`` operators (C++ kernels, fake kernels, autograd)
-and exposes them as ``opennpu.<name>``; ``import torch_npu`` maps the Ascend names onto them when
+and exposes them as ``opennpu.<name>``, and registers the emulated ``npu`` device (``torch.npu``); ``import torch_npu`` maps the Ascend names onto them when
 the real torch_npu is not installed.
 """
 
@@ -29,7 +29,11 @@ if _REAL_TORCH_NPU is not None:
 
 _library.load(conflicting_package=_REAL_TORCH_NPU)
 
-from . import ops, optim  # noqa: E402
+from . import _device  # noqa: E402
+
+_device.register()  # the `npu` device: torch.npu, Tensor.npu(), "npu:0"
+
+from . import npu, ops, optim  # noqa: E402
 from ._library import cpu_isa  # noqa: E402
 from ._strict import is_strict, set_strict, strict  # noqa: E402
 from .ops import *  # noqa: E402,F401,F403

@@ -18,4 +18,6 @@ for _name in npu_op_names():
 __all__ = npu_op_names()
 del _name
 
-from . import npu, optim  # noqa: E402  (torch_npu.npu.amp.GradScaler, torch_npu.optim.*)
+from opennpu import npu  # noqa: E402  (torch_npu.npu is torch.npu; the import hook maps its submodules)
+
+from . import optim  # noqa: E402  (torch_npu.optim.*)

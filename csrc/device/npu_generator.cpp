@@ -1,0 +1,94 @@
+// npu random number generators. Each wraps a CPUGeneratorImpl (mt19937 plus the cached normal
+// samples) under an npu device: random ops on npu run their CPU kernels, which the fallback hands
+// this engine, so torch.npu.manual_seed(s) followed by torch.randn(n, device="npu") draws the very
+// numbers torch.manual_seed(s); torch.randn(n) draws on CPU. The state (get_state / set_state) is
+// the CPU generator's byte tensor.
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/core/Generator.h>
+#include <c10/core/GeneratorImpl.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <mutex>
+
+#include "device/npu_device.h"
+
+namespace opennpu::device {
+
+namespace {
+
+class NpuGeneratorImpl final : public c10::GeneratorImpl {
+ public:
+  NpuGeneratorImpl(c10::DeviceIndex index, uint64_t seed)
+      : c10::GeneratorImpl(c10::Device(kNpu, index), c10::DispatchKeySet(c10::DispatchKey::PrivateUse1)),
+        engine_(at::make_generator<at::CPUGeneratorImpl>(seed)) {}
+
+  // Every access to the engine holds its mutex, the one CPU kernels hold while drawing.
+  void set_current_seed(uint64_t seed) override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    engine_.set_current_seed(seed);
+  }
+  void set_offset(uint64_t offset) override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    engine_.set_offset(offset);
+  }
+  uint64_t get_offset() const override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    return engine_.get_offset();
+  }
+  uint64_t current_seed() const override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    return engine_.current_seed();
+  }
+  uint64_t seed() override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    return engine_.seed();
+  }
+  void set_state(const c10::TensorImpl& new_state) override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    engine_.unsafeGetGeneratorImpl()->set_state(new_state);
+  }
+  c10::intrusive_ptr<c10::TensorImpl> get_state() const override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    return engine_.unsafeGetGeneratorImpl()->get_state();
+  }
+  static c10::DeviceType device_type() { return kNpu; }
+
+  const at::Generator& engine() const { return engine_; }
+
+ private:
+  NpuGeneratorImpl* clone_impl() const override {
+    std::lock_guard<std::mutex> lock(engine_.mutex());
+    auto* copy = new NpuGeneratorImpl(device().index(), 0);
+    copy->engine_ = engine_.clone();
+    return copy;
+  }
+
+  mutable at::Generator engine_;  // a CPUGeneratorImpl
+};
+
+}  // namespace
+
+const at::Generator& default_generator(c10::DeviceIndex index) {
+  const c10::DeviceIndex device = npu_device(index).index();
+  static std::array<at::Generator, kMaxDevices> generators;
+  static std::array<std::once_flag, kMaxDevices> created;
+  std::call_once(created[device], [device] {
+    // The default seed is the CPU default generator's, so unseeded npu draws match unseeded CPU
+    // draws too.
+    generators[device] = at::make_generator<NpuGeneratorImpl>(device, c10::default_rng_seed_val);
+  });
+  return generators[device];
+}
+
+at::Generator new_generator(c10::DeviceIndex index) {
+  return at::make_generator<NpuGeneratorImpl>(npu_device(index).index(), c10::default_rng_seed_val);
+}
+
+at::Generator cpu_engine_of(const at::Generator& npu_generator) {
+  TORCH_CHECK(npu_generator.device().type() == kNpu, "Expected a 'npu' device type for generator "
+              "but found '", npu_generator.device().type(), "'");
+  return at::check_generator<NpuGeneratorImpl>(npu_generator)->engine();
+}
+
+}  // namespace opennpu::device

@@ -1,0 +1,57 @@
+"""`torch.npu` (also `torch_npu.npu`): the device module of opennpu's emulated Ascend NPU.
+
+PrivateUse1 is renamed `npu` and this module registered as `torch.npu` when opennpu is imported
+(by `import torch_npu`, `import opennpu`, or `import torch` through the backend entry point). Device
+memory is host memory and every ATen op runs its CPU kernel on it without copies
+(csrc/device/npu_fallback.cpp), so Ascend code runs unchanged on a machine without an accelerator.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import amp  # noqa: F401  (torch.npu.amp.autocast, GradScaler, custom_fwd / custom_bwd)
+from .device import *  # noqa: F401,F403
+from .device import __all__ as _device_all
+from .device import _get_device_index, _is_in_bad_fork, _lazy_init  # noqa: F401
+from .memory import *  # noqa: F401,F403
+from .memory import __all__ as _memory_all
+from .random import *  # noqa: F401,F403
+from .random import __all__ as _random_all
+from .streams import *  # noqa: F401,F403
+from .streams import __all__ as _streams_all
+
+
+def get_amp_supported_dtype() -> list[torch.dtype]:
+    """The dtypes torch.autocast("npu") accepts."""
+    return [torch.float16, torch.bfloat16]
+
+
+def is_autocast_enabled() -> bool:
+    """Whether the calling thread is in an enabled torch.autocast("npu") region."""
+    return torch.is_autocast_enabled("npu")
+
+
+def set_autocast_enabled(enabled: bool) -> None:
+    torch.set_autocast_enabled("npu", bool(enabled))
+
+
+def get_autocast_dtype() -> torch.dtype:
+    """The dtype torch.autocast("npu") uses when given none (float16 unless set)."""
+    return torch.get_autocast_dtype("npu")
+
+
+def set_autocast_dtype(dtype: torch.dtype) -> None:
+    if dtype not in get_amp_supported_dtype():
+        raise ValueError(f"torch.npu.set_autocast_dtype: dtype must be one of "
+                         f"{get_amp_supported_dtype()}, but got {dtype}")
+    torch.set_autocast_dtype("npu", dtype)
+
+
+def _is_compiled() -> bool:
+    return True
+
+
+__all__ = ["amp", "get_amp_supported_dtype", "get_autocast_dtype", "is_autocast_enabled",
+           "set_autocast_dtype", "set_autocast_enabled", *_device_all, *_memory_all, *_random_all,
+           *_streams_all]
