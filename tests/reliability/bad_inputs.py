@@ -1,7 +1,7 @@
 """The bad and edge inputs of the sweep, derived from each op's valid call and its schema.
 
 A Mutation rewrites the keyword arguments of a valid call (op_specs.py). Which mutations apply is
-read off the schema: every tensor argument gets wrong dtypes, ranks and shapes, another device,
+read off the schema: every tensor argument gets wrong dtypes, ranks and shapes, another device (meta, npu),
 non-contiguous, stride-0 and overlapping views, NaN/inf and empty dims; every int argument the
 int32 and int64 limits and past them; every int[] argument those values, a reversed and a
 negative list; index tensors extreme, negative and non-monotone values in int32 and int64.
@@ -121,6 +121,7 @@ def _resized(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 def _tensor_mutations(name: str, t: torch.Tensor, is_index: bool) -> list[Mutation]:
     m = [
         Mutation(f"{name}:meta", _with(name, lambda v: v.to("meta"))),
+        Mutation(f"{name}:npu", _with(name, lambda v: v.to("npu"))),
         Mutation(f"{name}:rank+1", _with(name, lambda v: v.unsqueeze(0))),
         Mutation(f"{name}:noncontiguous", _with(name, _strided_copy)),
     ]
@@ -175,10 +176,20 @@ def _list_mutations(name: str, ts: list) -> list[Mutation]:
     return m
 
 
+def _all_on(device: str) -> Callable[[dict], dict]:
+    def move(v):
+        if isinstance(v, torch.Tensor):
+            return v.to(device)
+        if isinstance(v, list):
+            return [move(t) for t in v]
+        return v
+    return lambda kw: {k: move(v) for k, v in kw.items()}
+
+
 def mutations(spec: OpSpec) -> list[Mutation]:
     """Every bad or edge case of spec's valid call."""
     base = spec.build()
-    out = []
+    out = [Mutation("all:npu", _all_on("npu"))]  # the valid call on the npu device
     for arg in spec.schema.arguments:
         name, kind = arg.name, _kind(arg)
         value = base.get(name)
@@ -323,6 +334,13 @@ def judge(spec: OpSpec, mutation: Mutation, seed: int) -> str | None:
     all_meta = bool(tensors) and all(t.device.type == "meta" for t in tensors)
     if all_meta:  # meta in, meta out: judged by shape and dtype against CPU zeros
         kw = _on_cpu(kw)
+    if tensors and all(t.device.type == "npu" for t in tensors):
+        # npu in, npu out: the same values as on CPU (npu memory is host memory)
+        for i, t in enumerate(outputs):
+            if isinstance(t, torch.Tensor) and t.device.type != "npu":
+                return f"output {i} on {t.device} from npu inputs"
+        outputs = [t.cpu() if isinstance(t, torch.Tensor) else t for t in outputs]
+        kw = _all_on("cpu")(kw)
     # The reference runs in float64 (exact past float32's range), and again on the arguments as
     # given when that differs: an op computing in float32 may overflow where float64 does not,
     # as the native float32 composition would. Matching either one passes.
