@@ -21,3 +21,5 @@ del _name
 from opennpu import npu  # noqa: E402  (torch_npu.npu is torch.npu; the import hook maps its submodules)
 
 from . import optim  # noqa: E402  (torch_npu.optim.*)
+from . import utils  # noqa: E402  (torch_npu.utils)
+from .utils import storage as _storage  # noqa: E402,F401  (loads pre-2.1 torch_npu checkpoints)
