@@ -218,3 +218,22 @@ def test_setup_seeds_torch_and_numpy_from_seed_env(tc, monkeypatch):
     torch.manual_seed(1234)
     np.random.seed(1234)
     assert torch.equal(drawn[0], torch.randn(3)) and np.array_equal(drawn[1], np.random.rand(3))
+
+
+def test_multi_npu_gate_counts_visible_devices():
+    from torch_npu.testing.common_distributed import TEST_SKIPS, skipIfUnsupportMultiNPU
+
+    ran = []
+
+    class Gated(TestCase):
+        @skipIfUnsupportMultiNPU(2)
+        def test_two(self):
+            ran.append(2)
+
+        @skipIfUnsupportMultiNPU(torch.npu.device_count() + 1)
+        def test_too_many(self):
+            ran.append("too many")
+
+    result = _run(Gated)
+    assert ran == [2] and len(result.skipped) == 1
+    assert TEST_SKIPS["multi-npu-8"].message == "Need at least 8 ASCEND devices"
