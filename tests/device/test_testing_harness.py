@@ -237,3 +237,10 @@ def test_multi_npu_gate_counts_visible_devices():
     result = _run(Gated)
     assert ran == [2] and len(result.skipped) == 1
     assert TEST_SKIPS["multi-npu-8"].message == "Need at least 8 ASCEND devices"
+
+
+def test_assert_equal_with_none_and_mixed_types(tc):
+    tc.assertNotEqual(12345, None)
+    with pytest.raises(AssertionError):
+        tc.assertEqual(1, None)
+    tc.assertEqual(None, None)

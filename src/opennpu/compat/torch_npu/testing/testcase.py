@@ -166,7 +166,8 @@ class TestCase(_Base):
             y = torch.from_numpy(np.ascontiguousarray(y))
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             self._assert_tensors_equal(x, y, prec, message, allow_inf, exact_dtype)
-        elif isinstance(x, (Number, np.number)) or isinstance(y, (Number, np.number)):
+        elif isinstance(x, (Number, np.number, torch.Tensor)) and \
+                isinstance(y, (Number, np.number, torch.Tensor)):
             self._assert_numbers_equal(x, y, prec, message, allow_inf)
         elif isinstance(x, (np.bool_, bool)) or isinstance(y, (np.bool_, bool)):
             base_equal(bool(x.item() if isinstance(x, torch.Tensor) else x),
@@ -239,7 +240,7 @@ class TestCase(_Base):
         """The opposite of assertEqual, with the same tolerance."""
         try:
             self.assertEqual(x, y, prec, message)
-        except AssertionError:
+        except (AssertionError, TypeError):  # TypeError: values that cannot be compared
             return
         self.fail(f"assertNotEqual: {x!r} and {y!r} are equal within the tolerance. {message}")
 
