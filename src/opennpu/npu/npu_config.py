@@ -100,23 +100,26 @@ class _Switches:
     _fields: dict[str, tuple[str, bool]] = {}
     _owner = ""
 
+    def _unknown(self, name: str) -> AttributeError:
+        return AttributeError(f"{self._owner}.{name} is not provided by opennpu (known switches: "
+                              f"{sorted(self._fields)})")
+
     def __getattr__(self, name: str) -> bool:
         if name not in self._fields:
-            raise AttributeError(f"{self._owner}.{name} is not provided by opennpu (known switches: "
-                                 f"{sorted(self._fields)})")
+            raise self._unknown(name)
         option, default = self._fields[name]
         value = _options.get(option)
         return default if value is None else value == "enable"
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name not in self._fields:
-            raise AttributeError(f"{self._owner}.{name} is not provided by opennpu (known switches: "
-                                 f"{sorted(self._fields)})")
+            raise self._unknown(name)
         _require_bool(f"{self._owner}.{name}", value)
         _options[self._fields[name][0]] = "enable" if value else "disable"
 
     def __repr__(self) -> str:
-        return f"<{self._owner}: " + ", ".join(f"{n}={getattr(self, n)}" for n in self._fields) + ">"
+        values = ", ".join(f"{n}={getattr(self, n)}" for n in self._fields)
+        return f"<{self._owner}: {values}>"
 
 
 class _Config(_Switches):
