@@ -11,11 +11,15 @@ from __future__ import annotations
 import torch
 
 from . import amp  # noqa: F401  (torch.npu.amp.autocast, GradScaler, custom_fwd / custom_bwd)
+from . import utils  # noqa: F401  (torch_npu.npu.utils)
+from ._not_provided import missing as _missing
 from .device import *  # noqa: F401,F403
 from .device import __all__ as _device_all
 from .device import _get_device_index, _is_in_bad_fork, _lazy_init  # noqa: F401
 from .memory import *  # noqa: F401,F403
 from .memory import __all__ as _memory_all
+from .npu_config import *  # noqa: F401,F403  (Ascend-only switches: accepted, no effect here)
+from .npu_config import __all__ as _config_all
 from .random import *  # noqa: F401,F403
 from .random import __all__ as _random_all
 from .streams import *  # noqa: F401,F403
@@ -52,6 +56,10 @@ def _is_compiled() -> bool:
     return True
 
 
+def __getattr__(name: str):
+    raise _missing("torch.npu", name)
+
+
 __all__ = ["amp", "get_amp_supported_dtype", "get_autocast_dtype", "is_autocast_enabled",
-           "set_autocast_dtype", "set_autocast_enabled", *_device_all, *_memory_all, *_random_all,
-           *_streams_all]
+           "set_autocast_dtype", "set_autocast_enabled", "utils", *_config_all, *_device_all,
+           *_memory_all, *_random_all, *_streams_all]

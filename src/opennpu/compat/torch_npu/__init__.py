@@ -21,3 +21,10 @@ del _name
 from opennpu import npu  # noqa: E402  (torch_npu.npu is torch.npu; the import hook maps its submodules)
 
 from . import optim  # noqa: E402  (torch_npu.optim.*)
+from . import utils  # noqa: E402  (torch_npu.utils)
+from .utils import storage as _storage  # noqa: E402,F401  (loads pre-2.1 torch_npu checkpoints)
+from ._format import get_npu_format, npu_format_cast, npu_format_cast_  # noqa: E402
+from ._format import install_tensor_methods as _install_tensor_methods  # noqa: E402
+
+_install_tensor_methods()
+__all__ += ["get_npu_format", "npu_format_cast", "npu_format_cast_"]
