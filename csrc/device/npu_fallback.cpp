@@ -341,13 +341,16 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/, t
 }  // namespace
 
 c10::Storage make_cpu_alias_storage(const c10::Storage& npu_storage) {
+  // Resizing the alias (an out= argument a kernel grows) allocates through the CPU allocator,
+  // which the fallback's CpuAllocationRedirect points at the device pool.
+  static c10::Allocator* const cpu_allocator = c10::GetCPUAllocator();
   c10::StorageImpl* impl = npu_storage.unsafeGetStorageImpl();
   void* data = impl->_mutable_data_ptr_no_checks().get();
   c10::raw::intrusive_ptr::incref(impl);
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), impl->nbytes(),
       c10::DataPtr(data, impl, &release_npu_storage, c10::Device(c10::DeviceType::CPU)),
-      c10::GetCPUAllocator(), impl->resizable()));
+      cpu_allocator, impl->resizable()));
 }
 
 at::Tensor make_cpu_alias(const at::Tensor& t, c10::Storage cpu_storage) {
