@@ -201,3 +201,14 @@ def test_arithmetic_fast_path_keeps_cpu_semantics():
         x.mul(torch.ones(6))
     y.mul_(torch.tensor(0.5)).div_(torch.tensor([1.0, 2, 3, 4, 5, 6]).npu())
     torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 1.5 / torch.arange(1.0, 7))
+
+
+def test_untyped_storage_on_npu():
+    s = torch.UntypedStorage(8, device="npu")
+    assert s.device.type == "npu" and s.nbytes() == 8
+    t = torch.tensor([1.0, 2.0]).npu()
+    storage = t.untyped_storage()
+    storage.resize_(16)  # through the hooks' resizePrivateUse1Bytes, keeping the first bytes
+    assert storage.nbytes() == 16 and storage.device.type == "npu"
+    assert torch.empty(0, device="npu").set_(storage, 0, (2,), (1,)).tolist() == [1.0, 2.0]
+    assert storage.cpu().device.type == "cpu"

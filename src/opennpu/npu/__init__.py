@@ -20,6 +20,8 @@ from .random import *  # noqa: F401,F403
 from .random import __all__ as _random_all
 from .streams import *  # noqa: F401,F403
 from .streams import __all__ as _streams_all
+from .tensor_types import *  # noqa: F401,F403
+from .tensor_types import __all__ as _tensor_types_all
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -32,4 +34,4 @@ def _is_compiled() -> bool:
 
 
 __all__ = ["amp", "get_amp_supported_dtype", *_device_all, *_memory_all, *_random_all,
-           *_streams_all]
+           *_streams_all, *_tensor_types_all]
