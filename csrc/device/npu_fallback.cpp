@@ -413,4 +413,12 @@ TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
 }
 
+// Composites that choose a kernel by the input's device type would send npu tensors to the
+// *_overrideable ops (which have no kernel): run them on the CPU aliases instead, where they pick
+// CPU's kernels (oneDNN / slow convolutions) exactly as on CPU.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+}
+
 }  // namespace opennpu::device
