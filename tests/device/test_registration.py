@@ -25,7 +25,9 @@ def test_torch_npu_and_torch_npu_module_are_one_object():
     import torch_npu
     import torch_npu.npu
     import torch_npu.npu.amp
+    import torch_npu.npu.utils
 
+    assert torch_npu.npu.utils.get_device_name is torch.npu.get_device_name
     assert torch.npu is opennpu.npu
     assert torch_npu.npu is torch.npu
     assert sys.modules["torch.npu"] is torch.npu

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import amp  # noqa: F401  (torch.npu.amp.GradScaler)
+from . import amp, utils  # noqa: F401  (torch.npu.amp.GradScaler, torch_npu.npu.utils)
 from .device import *  # noqa: F401,F403
 from .device import __all__ as _device_all
 from .device import _get_device_index, _is_in_bad_fork, _lazy_init  # noqa: F401
