@@ -90,33 +90,33 @@ class BinaryArgs {
   at::Tensor self_, other_;
 };
 
-template <at::Tensor (*CpuOp)(const at::Tensor&, const at::Tensor&, const c10::Scalar&)>
+template <const char* Name, at::Tensor (*CpuOp)(const at::Tensor&, const at::Tensor&, const c10::Scalar&)>
 at::Tensor binary_alpha(const at::Tensor& self, const at::Tensor& other, const c10::Scalar& alpha) {
-  BinaryArgs args("binary op", self, other);
+  BinaryArgs args(Name, self, other);
   return args.adopt(args.run([&] { return CpuOp(args.self(), args.other(), alpha); }));
 }
 
-template <at::Tensor (*CpuOp)(const at::Tensor&, const at::Tensor&)>
+template <const char* Name, at::Tensor (*CpuOp)(const at::Tensor&, const at::Tensor&)>
 at::Tensor binary(const at::Tensor& self, const at::Tensor& other) {
-  BinaryArgs args("binary op", self, other);
+  BinaryArgs args(Name, self, other);
   return args.adopt(args.run([&] { return CpuOp(args.self(), args.other()); }));
 }
 
 // In-place: the CPU kernel writes self's bytes through its alias; self keeps its metadata.
-template <at::Tensor& (at::Tensor::*CpuOp)(const at::Tensor&, const c10::Scalar&) const>
+template <const char* Name, at::Tensor& (at::Tensor::*CpuOp)(const at::Tensor&, const c10::Scalar&) const>
 at::Tensor& binary_alpha_(at::Tensor& self, const at::Tensor& other, const c10::Scalar& alpha) {
   TORCH_CHECK(self.device().type() == kNpu, "Expected all tensors to be on the same device, but "
               "found at least two devices, ", other.device(), " and ", self.device(), "!");
-  BinaryArgs args("in-place binary op", self, other);
+  BinaryArgs args(Name, self, other);
   args.run([&] { (args.self().*CpuOp)(args.other(), alpha); return 0; });
   return self;
 }
 
-template <at::Tensor& (at::Tensor::*CpuOp)(const at::Tensor&) const>
+template <const char* Name, at::Tensor& (at::Tensor::*CpuOp)(const at::Tensor&) const>
 at::Tensor& binary_(at::Tensor& self, const at::Tensor& other) {
   TORCH_CHECK(self.device().type() == kNpu, "Expected all tensors to be on the same device, but "
               "found at least two devices, ", other.device(), " and ", self.device(), "!");
-  BinaryArgs args("in-place binary op", self, other);
+  BinaryArgs args(Name, self, other);
   args.run([&] { (args.self().*CpuOp)(args.other()); return 0; });
   return self;
 }
@@ -126,17 +126,20 @@ at::Tensor cpu_sub(const at::Tensor& a, const at::Tensor& b, const c10::Scalar& 
 at::Tensor cpu_mul(const at::Tensor& a, const at::Tensor& b) { return at::mul(a, b); }
 at::Tensor cpu_div(const at::Tensor& a, const at::Tensor& b) { return at::div(a, b); }
 
+constexpr char kAdd[] = "add.Tensor", kSub[] = "sub.Tensor", kMul[] = "mul.Tensor", kDiv[] = "div.Tensor";
+constexpr char kAdd_[] = "add_.Tensor", kSub_[] = "sub_.Tensor", kMul_[] = "mul_.Tensor", kDiv_[] = "div_.Tensor";
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
-  m.impl("add.Tensor", TORCH_FN(binary_alpha<&cpu_add>));
-  m.impl("sub.Tensor", TORCH_FN(binary_alpha<&cpu_sub>));
-  m.impl("mul.Tensor", TORCH_FN(binary<&cpu_mul>));
-  m.impl("div.Tensor", TORCH_FN(binary<&cpu_div>));
-  m.impl("add_.Tensor", TORCH_FN(binary_alpha_<&at::Tensor::add_>));
-  m.impl("sub_.Tensor", TORCH_FN(binary_alpha_<&at::Tensor::sub_>));
-  m.impl("mul_.Tensor", TORCH_FN(binary_<&at::Tensor::mul_>));
-  m.impl("div_.Tensor", TORCH_FN(binary_<&at::Tensor::div_>));
+  m.impl(kAdd, TORCH_FN((binary_alpha<kAdd, &cpu_add>)));
+  m.impl(kSub, TORCH_FN((binary_alpha<kSub, &cpu_sub>)));
+  m.impl(kMul, TORCH_FN((binary<kMul, &cpu_mul>)));
+  m.impl(kDiv, TORCH_FN((binary<kDiv, &cpu_div>)));
+  m.impl(kAdd_, TORCH_FN((binary_alpha_<kAdd_, &at::Tensor::add_>)));
+  m.impl(kSub_, TORCH_FN((binary_alpha_<kSub_, &at::Tensor::sub_>)));
+  m.impl(kMul_, TORCH_FN((binary_<kMul_, &at::Tensor::mul_>)));
+  m.impl(kDiv_, TORCH_FN((binary_<kDiv_, &at::Tensor::div_>)));
 }
 
 }  // namespace opennpu::device
