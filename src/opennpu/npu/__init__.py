@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import amp, utils  # noqa: F401  (torch.npu.amp.GradScaler, torch_npu.npu.utils)
+from . import utils  # noqa: F401  (torch_npu.npu.utils)
 from .device import *  # noqa: F401,F403
 from .device import __all__ as _device_all
 from .device import _get_device_index, _is_in_bad_fork, _lazy_init  # noqa: F401
@@ -31,6 +31,17 @@ def get_amp_supported_dtype() -> list[torch.dtype]:
 
 def _is_compiled() -> bool:
     return True
+
+
+def __getattr__(name: str):
+    # torch.npu.amp (GradScaler) imports opennpu.optim and with it torch._dynamo: loaded on first
+    # use, so that `import torch` (which loads this module through the backend entry point) stays
+    # fast.
+    if name == "amp":
+        import importlib
+
+        return importlib.import_module(".amp", __name__)
+    raise AttributeError(f"module 'torch.npu' has no attribute {name!r}")
 
 
 __all__ = ["amp", "get_amp_supported_dtype", *_device_all, *_memory_all, *_random_all,
