@@ -49,7 +49,7 @@ def __getattr__(name: str):
     if name in ("compile", "optim"):
         import importlib
 
-        return importlib.import_module(".compile", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'opennpu' has no attribute {name!r}")
 
 __all__ = ["cpu_isa", "is_strict", "set_strict", "strict", *ops.__all__]

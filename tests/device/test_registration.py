@@ -63,6 +63,15 @@ def test_import_torch_alone_brings_the_device():
     assert result.stdout.split() == ["npu:0", "True"]
 
 
+def test_autoload_stays_light_and_lazy_modules_load_on_use():
+    """torch._dynamo (seconds to import) is left to the modules that need it: opennpu.optim and
+    torch.npu.amp load on first use."""
+    result = run_python("import sys, torch, opennpu; print('torch._dynamo' in sys.modules); "
+                        "print(opennpu.optim.NpuFusedAdamW.__name__, torch.npu.amp.GradScaler.__name__)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "NpuFusedAdamW", "GradScaler"]
+
+
 def test_autoload_can_be_turned_off():
     result = run_python("import torch; print(hasattr(torch, 'npu'), torch._C._get_privateuse1_backend_name())",
                         TORCH_DEVICE_BACKEND_AUTOLOAD="0")

@@ -111,3 +111,16 @@ def test_conv_batchnorm_attention_match_cpu_bitwise():
     attention = nn.functional.scaled_dot_product_attention
     torch.testing.assert_close(attention(q.npu(), q.npu(), q.npu(), is_causal=True).cpu(),
                                attention(q, q, q, is_causal=True), rtol=0, atol=0)
+
+
+def test_a_training_step_on_npu_copies_nothing():
+    model = MLP().npu()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16).npu(), torch.randint(0, 4, (8,)).npu()
+    for _ in range(2):  # the first step creates the optimizer state
+        before = copies()
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert copies() == before
