@@ -84,10 +84,15 @@ std::string format_bytes(int64_t bytes) {
   return out.str();
 }
 
+struct Block;
+using LiveMap = std::unordered_map<void*, Block*>;
+
 struct Block {
   void* ptr;
   size_t size;  // rounded size: what the statistics count
   c10::DeviceIndex device;
+  // While cached, the block keeps its node of the live map, so reusing a block allocates nothing.
+  LiveMap::node_type live_node;
 };
 
 // Host memory adopted from a CPU storage: `original` (or `owner`) keeps it alive until the npu
@@ -110,7 +115,7 @@ struct Pool {
 struct AllocatorState {
   std::mutex mutex;
   std::array<Pool, kMaxDevices> pools;
-  std::unordered_map<void*, Block*> live;  // live blocks by pointer (DataPtr context == pointer)
+  LiveMap live;                            // live blocks by pointer (DataPtr context == pointer)
   int64_t capacity = -1;                   // parsed on first use
 };
 
@@ -179,7 +184,7 @@ void free_block(void* ptr) {
   auto it = st.live.find(ptr);
   TORCH_INTERNAL_ASSERT(it != st.live.end(), "npu allocator: freeing an unknown block");
   Block* block = it->second;
-  st.live.erase(it);
+  block->live_node = st.live.extract(it);
   Pool& pool = st.pools[block->device];
   pool.stats.allocated_current -= static_cast<int64_t>(block->size);
   pool.stats.active_blocks -= 1;
@@ -313,12 +318,16 @@ c10::DataPtr allocate(c10::DeviceIndex index, size_t nbytes, c10::Device data_pt
   } else {
     reserve_locked(st, pool, index, size);
     void* ptr = c10::alloc_cpu(size);
-    block = new Block{ptr, size, index};
+    block = new Block{ptr, size, index, {}};
     pool.stats.reserved_current += static_cast<int64_t>(size);
     pool.stats.segments += 1;
     pool.stats.num_host_allocs += 1;
   }
-  st.live.emplace(block->ptr, block);
+  if (block->live_node.empty()) {
+    st.live.emplace(block->ptr, block);
+  } else {
+    st.live.insert(std::move(block->live_node));
+  }
   pool.stats.allocated_current += static_cast<int64_t>(size);
   pool.stats.active_blocks += 1;
   pool.stats.num_allocs += 1;

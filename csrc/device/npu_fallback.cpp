@@ -341,13 +341,16 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/, t
 }  // namespace
 
 c10::Storage make_cpu_alias_storage(const c10::Storage& npu_storage) {
+  // Resizing the alias (an out= argument a kernel grows) allocates through the CPU allocator,
+  // which the fallback's CpuAllocationRedirect points at the device pool.
+  static c10::Allocator* const cpu_allocator = c10::GetCPUAllocator();
   c10::StorageImpl* impl = npu_storage.unsafeGetStorageImpl();
   void* data = impl->_mutable_data_ptr_no_checks().get();
   c10::raw::intrusive_ptr::incref(impl);
   return c10::Storage(c10::make_intrusive<c10::StorageImpl>(
       c10::StorageImpl::use_byte_size_t(), impl->nbytes(),
       c10::DataPtr(data, impl, &release_npu_storage, c10::Device(c10::DeviceType::CPU)),
-      c10::GetCPUAllocator(), impl->resizable()));
+      cpu_allocator, impl->resizable()));
 }
 
 at::Tensor make_cpu_alias(const at::Tensor& t, c10::Storage cpu_storage) {
@@ -408,6 +411,14 @@ FallbackStats fallback_stats() {
 
 TORCH_LIBRARY_IMPL(_, PrivateUse1, m) {
   m.fallback(torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+}
+
+// Composites that choose a kernel by the input's device type would send npu tensors to the
+// *_overrideable ops (which have no kernel): run them on the CPU aliases instead, where they pick
+// CPU's kernels (oneDNN / slow convolutions) exactly as on CPU.
+TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
+  m.impl("convolution", torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
+  m.impl("convolution_backward", torch::CppFunction::makeFromBoxedFunction<&npu_fallback>());
 }
 
 }  // namespace opennpu::device

@@ -33,7 +33,9 @@ from . import _device  # noqa: E402
 
 _device.register()  # the `npu` device: torch.npu, Tensor.npu(), "npu:0"
 
-from . import npu, ops, optim  # noqa: E402
+# opennpu.optim (and torch.npu.amp) import torch._dynamo (torch.compiler.disable), seconds of work
+# that `import torch` would pay through the backend autoload: they load on first use.
+from . import npu, ops  # noqa: E402
 from ._library import cpu_isa  # noqa: E402
 from ._strict import is_strict, set_strict, strict  # noqa: E402
 from .ops import *  # noqa: E402,F401,F403
@@ -42,11 +44,12 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # opennpu.compile (graph mode) imports torch._inductor, so it loads on first use only.
-    if name == "compile":
+    # opennpu.compile (graph mode) imports torch._inductor, opennpu.optim torch._dynamo: both
+    # load on first use only.
+    if name in ("compile", "optim"):
         import importlib
 
-        return importlib.import_module(".compile", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'opennpu' has no attribute {name!r}")
 
 __all__ = ["cpu_isa", "is_strict", "set_strict", "strict", *ops.__all__]

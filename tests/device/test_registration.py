@@ -25,7 +25,9 @@ def test_torch_npu_and_torch_npu_module_are_one_object():
     import torch_npu
     import torch_npu.npu
     import torch_npu.npu.amp
+    import torch_npu.npu.utils
 
+    assert torch_npu.npu.utils.get_device_name is torch.npu.get_device_name
     assert torch.npu is opennpu.npu
     assert torch_npu.npu is torch.npu
     assert sys.modules["torch.npu"] is torch.npu
@@ -61,6 +63,15 @@ def test_import_torch_alone_brings_the_device():
     assert result.stdout.split() == ["npu:0", "True"]
 
 
+def test_autoload_stays_light_and_lazy_modules_load_on_use():
+    """torch._dynamo (seconds to import) is left to the modules that need it: opennpu.optim and
+    torch.npu.amp load on first use."""
+    result = run_python("import sys, torch, opennpu; print('torch._dynamo' in sys.modules); "
+                        "print(opennpu.optim.NpuFusedAdamW.__name__, torch.npu.amp.GradScaler.__name__)")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "NpuFusedAdamW", "GradScaler"]
+
+
 def test_autoload_can_be_turned_off():
     result = run_python("import torch; print(hasattr(torch, 'npu'), torch._C._get_privateuse1_backend_name())",
                         TORCH_DEVICE_BACKEND_AUTOLOAD="0")
@@ -70,3 +81,48 @@ def test_autoload_can_be_turned_off():
                         TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "8"
+
+
+def test_legacy_tensor_types():
+    x = torch.npu.FloatTensor(2, 3)
+    assert x.shape == (2, 3) and x.dtype == torch.float32 and x.device.type == "npu"
+    assert isinstance(x, torch.npu.FloatTensor) and not isinstance(x, torch.npu.HalfTensor)
+    assert not isinstance(torch.zeros(2), torch.npu.FloatTensor)
+    y = torch.npu.LongTensor([1, 2], device="npu:1")
+    assert y.dtype == torch.int64 and y.device == torch.device("npu:1") and y.tolist() == [1, 2]
+    assert torch.npu.HalfTensor(torch.ones(2)).dtype == torch.float16
+    assert torch.npu.BoolTensor(torch.Size([3])).shape == (3,)
+
+
+SEED_001_SCRIPT = """
+import torch
+import torch_npu
+from torch import nn
+
+device = torch.device("npu:0")
+torch.npu.set_device(device)
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)).to(device)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+loss_fn = nn.CrossEntropyLoss().npu()
+x = torch.randn(32, 8).npu()
+y = (x[:, 0] > 0).long().to(device)
+losses = []
+for _ in range(20):
+    loss = loss_fn(model(x), y)
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    losses.append(loss.item())
+torch.npu.synchronize()
+assert next(model.parameters()).device == device
+print(torch.npu.device_count(), torch.npu.memory_allocated() > 0, losses[-1] < losses[0])
+"""
+
+
+def test_seed_001_manual_migration_runs():
+    """Seed 001's manual migration (without AMP, not provided yet): import torch_npu, npu:0,
+    set_device, .to(device) / .npu(), synchronize."""
+    result = run_python(SEED_001_SCRIPT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["8", "True", "True"]

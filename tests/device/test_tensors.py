@@ -176,3 +176,39 @@ def test_autograd_runs_on_npu():
     loss_npu.backward()
     assert wn.grad.device.type == "npu"
     torch.testing.assert_close(wn.grad.cpu(), w.grad, rtol=0, atol=0)
+
+
+def test_arithmetic_fast_path_keeps_cpu_semantics():
+    x = torch.arange(6.0).npu()
+    i = torch.arange(6).npu()
+    # type promotion, wrapped Python numbers, 0-dim CPU tensors on either side
+    for got, want in (((x + i), torch.arange(6.0) * 2), ((i * 2.5), torch.arange(6) * 2.5),
+                      ((torch.tensor(1.0) - x), 1.0 - torch.arange(6.0)),
+                      ((i / 2), torch.arange(6) / 2), ((x - i).dtype, torch.float32)):
+        if isinstance(got, torch.Tensor):
+            assert got.device.type == "npu"
+            got = got.cpu()
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    y = x.clone()
+    ptr = y.data_ptr()
+    assert y.add_(y, alpha=2) is y and y.data_ptr() == ptr
+    torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 3)
+    with pytest.raises(RuntimeError, match="refer to a single memory location"):
+        y[1:].add_(y[:-1])  # partial overlap, rejected as on CPU
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.ones(6).add_(x)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        x.mul(torch.ones(6))
+    y.mul_(torch.tensor(0.5)).div_(torch.tensor([1.0, 2, 3, 4, 5, 6]).npu())
+    torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 1.5 / torch.arange(1.0, 7))
+
+
+def test_untyped_storage_on_npu():
+    s = torch.UntypedStorage(8, device="npu")
+    assert s.device.type == "npu" and s.nbytes() == 8
+    t = torch.tensor([1.0, 2.0]).npu()
+    storage = t.untyped_storage()
+    storage.resize_(16)  # through the hooks' resizePrivateUse1Bytes, keeping the first bytes
+    assert storage.nbytes() == 16 and storage.device.type == "npu"
+    assert torch.empty(0, device="npu").set_(storage, 0, (2,), (1,)).tolist() == [1.0, 2.0]
+    assert storage.cpu().device.type == "cpu"

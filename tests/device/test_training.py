@@ -90,3 +90,37 @@ def test_state_dict_moves_between_devices():
     back = {k: v.cpu() for k, v in moved.state_dict().items()}
     for key, value in model.state_dict().items():
         torch.testing.assert_close(back[key], value, rtol=0, atol=0)
+
+
+def test_conv_batchnorm_attention_match_cpu_bitwise():
+    """Composites that pick kernels by device type (convolution, sdpa) take CPU's kernels on npu."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(4 * 6 * 6, 8))
+    moved = copy.deepcopy(model).npu()
+    x = torch.randn(2, 3, 8, 8)
+    out, out_npu = model(x), moved(x.npu())
+    out.sum().backward()
+    out_npu.sum().backward()
+    assert out_npu.device.type == "npu"
+    torch.testing.assert_close(out_npu.cpu(), out, rtol=0, atol=0)
+    for p, q in zip(model.parameters(), moved.parameters()):
+        torch.testing.assert_close(q.grad.cpu(), p.grad, rtol=0, atol=0)
+    torch.testing.assert_close(moved[1].running_var.cpu(), model[1].running_var, rtol=0, atol=0)
+    q = torch.randn(1, 2, 5, 8)
+    attention = nn.functional.scaled_dot_product_attention
+    torch.testing.assert_close(attention(q.npu(), q.npu(), q.npu(), is_causal=True).cpu(),
+                               attention(q, q, q, is_causal=True), rtol=0, atol=0)
+
+
+def test_a_training_step_on_npu_copies_nothing():
+    model = MLP().npu()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 16).npu(), torch.randint(0, 4, (8,)).npu()
+    for _ in range(2):  # the first step creates the optimizer state
+        before = copies()
+        loss = nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        assert copies() == before

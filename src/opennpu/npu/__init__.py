@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from . import amp  # noqa: F401  (torch.npu.amp.autocast, GradScaler, custom_fwd / custom_bwd)
 from . import utils  # noqa: F401  (torch_npu.npu.utils)
 from ._not_provided import missing as _missing
 from .device import *  # noqa: F401,F403
@@ -24,6 +23,8 @@ from .random import *  # noqa: F401,F403
 from .random import __all__ as _random_all
 from .streams import *  # noqa: F401,F403
 from .streams import __all__ as _streams_all
+from .tensor_types import *  # noqa: F401,F403
+from .tensor_types import __all__ as _tensor_types_all
 
 
 def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -57,9 +58,16 @@ def _is_compiled() -> bool:
 
 
 def __getattr__(name: str):
+    # torch.npu.amp (autocast, GradScaler) imports opennpu.optim and with it torch._dynamo:
+    # loaded on first use, so that `import torch` (which loads this module through the backend
+    # entry point) stays fast.
+    if name == "amp":
+        import importlib
+
+        return importlib.import_module(".amp", __name__)
     raise _missing("torch.npu", name)
 
 
 __all__ = ["amp", "get_amp_supported_dtype", "get_autocast_dtype", "is_autocast_enabled",
            "set_autocast_dtype", "set_autocast_enabled", "utils", *_config_all, *_device_all,
-           *_memory_all, *_random_all, *_streams_all]
+           *_memory_all, *_random_all, *_streams_all, *_tensor_types_all]

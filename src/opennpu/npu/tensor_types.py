@@ -1,0 +1,46 @@
+"""torch.npu.FloatTensor and the other legacy tensor types: constructors of npu tensors of one
+dtype, and isinstance checks against them.
+
+`FloatTensor(2, 3)` is uninitialised of that shape, `FloatTensor([1, 2])` holds the data,
+`FloatTensor(t)` converts a tensor, all on the current device (or `device=`). Tensor.type() does
+not accept these classes (PyTorch knows only its own legacy types); use `.to(dtype)` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .device import _get_device_index
+
+_TYPES = {
+    "DoubleTensor": torch.float64, "FloatTensor": torch.float32, "HalfTensor": torch.float16,
+    "BFloat16Tensor": torch.bfloat16, "LongTensor": torch.int64, "IntTensor": torch.int32,
+    "ShortTensor": torch.int16, "CharTensor": torch.int8, "ByteTensor": torch.uint8,
+    "BoolTensor": torch.bool,
+}
+
+__all__ = list(_TYPES)
+
+
+class _LegacyTensorType(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, torch.Tensor) and obj.device.type == "npu" and obj.dtype == cls.dtype
+
+
+def _new(cls, *args, device=None):
+    device = torch.device("npu", _get_device_index(device))
+    if len(args) == 1 and not isinstance(args[0], int):
+        data = args[0]
+        if isinstance(data, torch.Tensor):
+            return data.to(device=device, dtype=cls.dtype)
+        if isinstance(data, torch.Size):
+            return torch.empty(data, dtype=cls.dtype, device=device)
+        return torch.tensor(data, dtype=cls.dtype, device=device)
+    return torch.empty(args, dtype=cls.dtype, device=device)
+
+
+for _name, _dtype in _TYPES.items():
+    globals()[_name] = _LegacyTensorType(_name, (), {
+        "dtype": _dtype, "is_npu": True, "is_sparse": False, "__new__": _new,
+        "__module__": "torch.npu", "__doc__": f"npu tensors of dtype {_dtype}."})
+del _name, _dtype
