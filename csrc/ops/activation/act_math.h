@@ -17,6 +17,7 @@ constexpr double kGeluCubic = 0.044715;
 constexpr double kFastGeluScale = 1.702;
 constexpr double kInvSqrt2 = 0.70710678118654752440;
 constexpr double kInvSqrt2Pi = 0.39894228040143267794;  // 1 / sqrt(2 pi)
+constexpr double kGradClampZ = 200.0;  // |z| past which the gate's derivative term is 0
 
 // u(z) and u'(z) of the sigmoid-gated forms.
 template <Act kAct, typename Vec>
@@ -69,7 +70,11 @@ OPENNPU_VEC_INLINE void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_
   } else {
     const Vec s = sigmoid_for<scalar_t>(gate_arg<kAct>(z));
     value = z * s;
-    grad = at::vec::fmadd(z * s * (Vec(T(1)) - s), gate_arg_grad<kAct>(z), s);
+    // The term z * s * (1 - s) * u'(z) vanishes for |z| > kGradClampZ (s (1 - s) is below
+    // 1e-80 there, or 1 - s rounds to 0 or to one ulp); z clamped, z = +-inf gives the limits
+    // 1 and 0 instead of inf * 0 = NaN (or inf, where 1 - s rounds to one ulp).
+    const Vec zc = at::vec::clamp(z, Vec(T(-kGradClampZ)), Vec(T(kGradClampZ)));
+    grad = at::vec::fmadd(zc * s * (Vec(T(1)) - s), gate_arg_grad<kAct>(zc), s);
   }
 }
 

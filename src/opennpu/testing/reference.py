@@ -193,7 +193,7 @@ def swiglu_backward(grad, x, dim=-1):
     a, b = _halves(x, dim)
     g = _up(grad)
     s = torch.sigmoid(a)
-    da = g * b * (s + a * s * (1 - s))
+    da = g * b * (s + a.clamp(-200, 200) * s * (1 - s))  # limits at a = +-inf, as above
     db = g * a * s
     return torch.cat([da, db], dim=dim)
 
@@ -233,9 +233,11 @@ def fast_gelu(x):
 
 
 def fast_gelu_backward(grad, x):
+    """d/dx x * sigmoid(1.702 x); at x = +-inf its limits 1 and 0 (the product term, which
+    vanishes for |x| > 200, is formed with x clamped there)."""
     xf = _up(x)
     s = torch.sigmoid(1.702 * xf)
-    return _up(grad) * (s + 1.702 * xf * s * (1 - s))
+    return _up(grad) * (s + 1.702 * xf.clamp(-200, 200) * s * (1 - s))
 
 
 def native_fast_gelu(x):
