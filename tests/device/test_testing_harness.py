@@ -244,3 +244,13 @@ def test_assert_equal_with_none_and_mixed_types(tc):
     with pytest.raises(AssertionError):
         tc.assertEqual(1, None)
     tc.assertEqual(None, None)
+
+
+def test_import_makes_device_type_tests_run_on_npu():
+    import os
+
+    import torch_npu.testing  # noqa: F401
+    from torch.testing._internal import common_device_type
+
+    assert common_device_type.onlyCUDA is common_device_type.onlyPRIVATEUSE1
+    assert os.environ["PYTORCH_TESTING_DEVICE_FOR_CUSTOM"] == "privateuse1"
