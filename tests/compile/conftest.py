@@ -22,3 +22,16 @@ def _no_norm_rotary_speed_gate(monkeypatch):
     from opennpu.compile.rules import _util
 
     monkeypatch.setattr(_util, "INFERENCE_MIN_TOKENS", 0)
+
+
+@pytest.fixture(autouse=True)
+def _whole_graph_caches_off():
+    """Tests that look at backend.graphs need the passes to run in this process: AOTAutograd's and
+    the FX graph cache are off (a warm cache would replay the record instead, without
+    GraphModules). The generated kernels' cache stays on. The warm-cache tests turn them back on."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch(fx_graph_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):
+        yield

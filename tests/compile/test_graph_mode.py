@@ -3,6 +3,7 @@ user passes, graph dumps, the Inductor path with training, and the FX graph cach
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -230,16 +231,21 @@ def test_cache_key_covers_rules_and_autograd_formulas(monkeypatch):
     assert ("compile", "fusion.py") in names and ("rules", "rotary.py") in names
 
 
-def test_inductor_training_and_fx_graph_cache(tmp_path, monkeypatch):
+def test_inductor_training_and_fx_graph_cache(tmp_path, monkeypatch, request):
     """One module through Inductor: fused ops in forward and backward, outputs and gradients equal
     to eager; a second compile is served from the FX graph cache with the fusion intact, and a
     compile with fusion off does not hit the fused entry."""
     from torch._dynamo.utils import counters
     import torch._inductor.config as inductor_config
 
+    import torch._functorch.config as functorch_config
+
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    assert inductor_config.fx_graph_cache  # on by default (patching Inductor's config from a
-    # test and undoing it breaks later compiles on the same worker, so it is only checked)
+    # The compile tests' fixture turns the whole-graph caches off; this test is about them.
+    stack = contextlib.ExitStack()
+    stack.enter_context(inductor_config.patch(fx_graph_cache=True))
+    stack.enter_context(functorch_config.patch(enable_autograd_cache=True))
+    request.addfinalizer(stack.close)
     model = _AddNorm(32)
     x, r = torch.randn(4, 5, 32, requires_grad=True), torch.randn(4, 5, 32)
 
@@ -273,6 +279,7 @@ def test_inductor_training_and_fx_graph_cache(tmp_path, monkeypatch):
     backend2, y2, _, second = compile_once(True)
     assert second.get("fxgraph_cache_hit", 0) >= 1 and second.get("fxgraph_cache_miss", 0) == 0
     torch.testing.assert_close(y2, y)
+    assert backend2.fusions == backend.fusions  # replayed from the passes' record
 
     _, y3, _, third = compile_once(False)
     assert third.get("fxgraph_cache_miss", 0) >= 1

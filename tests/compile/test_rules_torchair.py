@@ -131,3 +131,133 @@ def test_fused_graph_dump_shows_the_fused_op(tmp_path):
     assert "torch.ops.npu.npu_add_rms_norm_cast.default(" in text
     assert 'i8[6, 32]' in text and "torch.ops.aten.reshape.default" in text
     assert "npu_dynamic_quant.default" not in text
+
+
+_WARM_CACHE_SCRIPT = """
+import sys
+import torch, torch_npu, torchair
+
+class Model(torch.nn.Module):
+    def forward(self, x1, x2, gamma):
+        y, _, x = torch_npu.npu_add_rms_norm(x1, x2, gamma)
+        q, scale = torch_npu.npu_dynamic_quant(y)
+        return q, scale, x
+
+config = torchair.CompilerConfig()
+config.debug.graph_dump.type = "py"
+config.debug.graph_dump.path = sys.argv[1]
+backend = torchair.get_npu_backend(compiler_config=config)
+args = [torch.randn(2, 3, 32, dtype=torch.float16), torch.randn(2, 3, 32, dtype=torch.float16),
+        torch.rand(32, dtype=torch.float16) + 0.5]
+torch.compile(Model(), backend=backend)(*args)
+print(dict(backend.fusions))
+"""
+
+
+def test_graph_dump_and_fusion_counts_survive_a_warm_compile_cache(tmp_path):
+    """Issue 25: two fresh processes sharing one Inductor cache directory compile the same model;
+    the second, served by warm caches, must still dump its fused graph and count its fusions."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "compile_twice.py"
+    script.write_text(_WARM_CACHE_SCRIPT)
+    env = {**__import__("os").environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("TORCHINDUCTOR_FORCE_DISABLE_CACHES", None)
+    for run in ("cold", "warm"):
+        dump_dir = tmp_path / run
+        done = subprocess.run([sys.executable, str(script), str(dump_dir)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.strip().splitlines()[-1] == \
+            "{'torchair_add_rms_norm_dynamic_quant': 1}", (run, done.stdout)
+        dumps = list(dump_dir.glob("forward_graph_*_rank_0_pid_*_ts_*.py"))
+        assert len(dumps) == 1, (run, sorted(p.name for p in dump_dir.glob("*")))
+        assert "torch.ops.npu.npu_add_rms_norm_dynamic_quant.default(" in dumps[0].read_text()
+
+
+class _QuantNorm(nn.Module):
+    """Seed 003's dump example: npu_add_rms_norm's y quantised without smooth scales (rule a)."""
+
+    def forward(self, x1, x2, gamma):
+        y, _, x = npu.npu_add_rms_norm(x1, x2, gamma)
+        q, scale = npu.npu_dynamic_quant(y)
+        return q, scale, x
+
+
+class _NativeNorm(nn.Module):
+    """A Llama-style RMSNorm in native PyTorch (the pre_autograd rms_norm rule), trainable: its
+    post_grad forward and backward graphs are dumped, with no post_grad rule firing."""
+
+    def forward(self, x1, x2, gamma):
+        h = (x1 + x2).float()
+        return gamma * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x1.dtype)
+
+
+def _compile_with_dump(path, *args, backward=False):
+    from opennpu.compile import CompilerConfig, get_npu_backend
+
+    config = CompilerConfig()
+    config.debug.graph_dump.type = "txt"
+    config.debug.graph_dump.path = str(path)
+    backend = get_npu_backend(compiler_config=config)
+    torch._dynamo.reset()
+    model = _NativeNorm() if backward else _QuantNorm()
+    out = torch.compile(model, backend=backend, fullgraph=True)(*args)
+    if backward:
+        out.float().square().sum().backward()
+    return backend, out
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["inference", "training"])
+def test_a_cache_served_compile_replays_its_fusions_and_dumps(tmp_path, monkeypatch, backward):
+    """The second compile of one graph is served by AOTAutograd's / Inductor's caches, which skip
+    the passes: the record the first compile kept reports the same fusions and dumps the same
+    graphs (forward, and backward when training)."""
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    args = _inputs(torch.float16)[:2] + [(torch.rand(32) + 0.5).half()]
+    if backward:
+        args = [a.requires_grad_() for a in args]
+    with inductor_config.patch(fx_graph_cache=True), \
+            functorch_config.patch(enable_autograd_cache=True):
+        cold, want = _compile_with_dump(tmp_path / "cold", *args, backward=backward)
+        warm, got = _compile_with_dump(tmp_path / "warm", *args, backward=backward)
+    want_fusions = ({"rms_norm": 1, "add_rms_norm": 1} if backward
+                    else {"torchair_add_rms_norm_dynamic_quant": 1})
+    assert cold.fusions == warm.fusions == want_fusions
+    cold_phases = {phase for phase, _ in cold.graphs} - {"pre_autograd"}
+    assert cold_phases == ({"forward", "backward"} if backward else {"forward"})
+    assert {phase for phase, _ in warm.graphs} <= {"pre_autograd"}, "the warm compile re-ran the passes"
+
+    def dumps(folder):
+        return {p.name.split("_rank_")[0].split("_graph_")[0]: p.read_text()
+                for p in folder.glob("*_graph_*_rank_0_pid_*.txt")}
+
+    assert dumps(tmp_path / "warm") == dumps(tmp_path / "cold")
+    fused_op = "npu_add_rms_norm.default" if backward else "npu_add_rms_norm_dynamic_quant.default"
+    assert fused_op in dumps(tmp_path / "warm")["forward"]
+    for a, b in zip(got if isinstance(got, tuple) else [got], want if isinstance(want, tuple) else [want]):
+        assert torch.equal(a, b)
+
+
+def test_a_cache_served_compile_without_a_record_compiles_again(tmp_path, monkeypatch):
+    """With the record gone (deleted, or the cache filled by a build that kept none), the compile
+    runs again with the caches off, so the passes run and report."""
+    import shutil
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache"))
+    args = _inputs(torch.float16)[:2] + [(torch.rand(32) + 0.5).half()]
+    with inductor_config.patch(fx_graph_cache=True), \
+            functorch_config.patch(enable_autograd_cache=True):
+        _compile_with_dump(tmp_path / "cold", *args)
+        shutil.rmtree(tmp_path / "cache" / "opennpu_passes")
+        warm, _ = _compile_with_dump(tmp_path / "warm", *args)
+    assert warm.fusions == {"torchair_add_rms_norm_dynamic_quant": 1}
+    assert "forward" in {phase for phase, _ in warm.graphs}
+    assert len(list((tmp_path / "warm").glob("forward_graph_*.txt"))) == 1

@@ -8,9 +8,14 @@ The pipeline for each graph Dynamo captures:
 2. AOTAutograd builds the functional forward/backward (or inference) graphs; on each, the user's
    post_grad_custom_pre_pass, the post_grad rules (TorchAir's defaults and `register_replacement`
    rules) and post_grad_custom_post_pass run, in that order.
-3. Inductor compiles the result (the post_grad rules run as its post_grad_custom_pre_pass, a
-   CustomGraphPass whose uuid covers the rule sources and the options, so the FX graph cache stays
-   correct), or with ``debug.run_eagerly`` the graphs run op by op.
+3. Inductor compiles the result (the post_grad rules run as its post_grad_custom_pre_pass), or
+   with ``debug.run_eagerly`` the graphs run op by op.
+
+Every compile reports what fused, warm caches included: AOTAutograd's cache and Inductor's FX
+graph cache serve a compiled graph without running the passes, so the passes keep a record beside
+those caches and a cache-served compile replays it into the counters, the dumps and the log
+(pass_record.py). User passes (post_grad_custom_pre_pass / _post_pass) are opaque callables that
+must run on every compile, so with either set the two caches are bypassed.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import fusion
 from .config import CompilerConfig
+from .pass_record import PassRecord, graph_key
 
 log = logging.getLogger("opennpu.compile")
 
@@ -149,7 +155,6 @@ class NpuBackend:
         post_grad = PostGradPasses(config, self, graph_id)
         if config.debug.run_eagerly:
             return self._aot_eager(gm, example_inputs, config, post_grad)
-        from torch._inductor.compile_fx import compile_fx
 
         patches: dict[str, Any] = {"post_grad_custom_pre_pass": post_grad}
         if config.mode == "reduce-overhead":
@@ -163,7 +168,18 @@ class NpuBackend:
             from torch._inductor.decomposition import select_decomp_table
 
             decompositions = {**select_decomp_table(), **self.decompositions}
-        compiled = compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+        post_grad.record = PassRecord(graph_key(gm, example_inputs, post_grad.uuid()))
+        user_passes = (config.post_grad_custom_pre_pass is not None
+                       or config.post_grad_custom_post_pass is not None)
+        compiled = _compile_fx(gm, example_inputs, patches, decompositions, caches=not user_passes)
+        if not post_grad.record.saw_forward():  # served by a cache: replay what the passes did
+            recorded = post_grad.record.load()
+            if recorded is not None:
+                post_grad.replay(recorded)
+            else:
+                log.info("opennpu.compile: graph %d came from Inductor's cache without a record of "
+                         "its fusions; compiling it again with the caches off", graph_id)
+                compiled = _compile_fx(gm, example_inputs, patches, decompositions, caches=False)
         if kept is None:
             return compiled
         return lambda *args: compiled(*[args[i] for i in kept])
@@ -225,14 +241,20 @@ class NpuBackend:
 
     # -- bookkeeping -----------------------------------------------------------------------------
 
-    def _record(self, phase: str, gm: torch.fx.GraphModule, counts: Counter,
-                config: CompilerConfig, graph_id: int) -> None:
+    def _record(self, phase: str, gm: torch.fx.GraphModule | None, counts: Counter,
+                config: CompilerConfig, graph_id: int, texts: dict[str, str] | None = None) -> None:
+        """Count, log and dump one graph after fusion; `texts` (the dump formats' renderings)
+        stands in for `gm` when a cache-served compile replays its record."""
         self.fusions.update(counts)
-        self.graphs.append((phase, gm))
+        if gm is not None:
+            self.graphs.append((phase, gm))
         if counts:
             log.debug("opennpu.compile: graph %d (%s): fused %s", graph_id, phase,
                       ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())))
-        dump_graph(gm, f"{phase}_graph_{graph_id}", config)
+        kind = config.debug.graph_dump.type
+        if kind is not None:
+            text = texts[kind] if texts is not None else _render(gm, kind)
+            _write_dump(text, f"{phase}_graph_{graph_id}", config)
 
 
 def _phase_of(gm: torch.fx.GraphModule) -> str:
@@ -260,10 +282,22 @@ def _source_hash() -> str:
 
 
 class PostGradPasses(CustomGraphPass):
-    """Stage 2, run by Inductor as post_grad_custom_pre_pass (or by the eager path directly)."""
+    """Stage 2, run by Inductor as post_grad_custom_pre_pass (or by the eager path directly).
+    `record` (Inductor path) keeps what the passes did, for compiles the caches serve."""
 
     def __init__(self, config: CompilerConfig, backend: NpuBackend, graph_id: int):
         self.config, self.backend, self.graph_id = config, backend, graph_id
+        self.record: PassRecord | None = None
+        self.replayed: set[str] = set()
+
+    def replay(self, recorded: dict[str, dict[str, Any]]) -> None:
+        """Report the recorded phases as if the passes had run. A phase compiled later in this
+        process anyway (a backward compiled lazily, its FX cache entry missing) is not counted
+        twice."""
+        for phase, entry in recorded.items():
+            self.replayed.add(phase)
+            self.backend._record(phase, None, Counter(entry["counts"]), self.config,
+                                 self.graph_id, texts=entry)
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.run(graph.owning_module, _phase_of(graph.owning_module))
@@ -279,6 +313,10 @@ class PostGradPasses(CustomGraphPass):
         if config.post_grad_custom_post_pass is not None:
             config.post_grad_custom_post_pass(gm, _graph_inputs(gm), config)
             gm.recompile()
+        if phase in self.replayed:
+            return
+        if self.record is not None:
+            self.record.add(phase, counts, gm)
         self.backend._record(phase, gm, counts, config, self.graph_id)
 
     def uuid(self) -> Any:
@@ -292,17 +330,35 @@ def dump_graph(gm: torch.fx.GraphModule, name: str, config: CompilerConfig) -> P
     kind = config.debug.graph_dump.type
     if kind is None:
         return None
+    return _write_dump(_render(gm, kind), name, config)
+
+
+def _render(gm: torch.fx.GraphModule, kind: str) -> str:
+    if kind == "py":
+        return gm.print_readable(print_output=False, include_stride=False, include_device=False)
+    return str(gm.graph)
+
+
+def _write_dump(text: str, name: str, config: CompilerConfig) -> Path:
     rank = torch.distributed.get_rank() if (torch.distributed.is_available()
                                             and torch.distributed.is_initialized()) else 0
     folder = Path(config.debug.graph_dump.path)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}_rank_{rank}_pid_{os.getpid()}_ts_{time.time_ns()}.{kind}"
-    if kind == "py":
-        text = gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    else:
-        text = str(gm.graph)
+    path = folder / f"{name}_rank_{rank}_pid_{os.getpid()}_ts_{time.time_ns()}.{config.debug.graph_dump.type}"
     path.write_text(text)
     return path
+
+
+def _compile_fx(gm, example_inputs, patches: dict[str, Any], decompositions, *, caches: bool):
+    """Inductor's compile_fx; with caches=False, without AOTAutograd's and the FX graph cache
+    (the generated kernels' own cache still serves: the C++ build is not repeated)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    if caches:
+        return compile_fx(gm, example_inputs, config_patches=patches, decompositions=decompositions)
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, config_patches={**patches, "fx_graph_cache": False},
+                          decompositions=decompositions)
 
 
 def get_npu_backend(*, compiler_config: CompilerConfig | None = None,

@@ -1,7 +1,8 @@
 """TorchAir's three default rules (seed 003), on the post_grad graphs, in TorchAir's variants.
 
-(a) npu_add_rms_norm's y into npu_dynamic_quant(y, smooth_scales=s)
-    -> npu_add_rms_norm_dynamic_quant(..., smooth_scale1=s, output_mask=[True, False])
+(a) npu_add_rms_norm's y into npu_dynamic_quant(y, smooth_scales=s), or into
+    npu_dynamic_quant(y) (seed 003's dump example)
+    -> npu_add_rms_norm_dynamic_quant(..., [smooth_scale1=s,] output_mask=[True, False])
 (b) npu_add_rms_norm's y through flatten(0, 1) into npu_dynamic_quant(y) (no smooth scales),
     the scale viewed (-1, 1) -> the same fused op, flatten and view applied to its outputs
 (c) npu_add_rms_norm's y, optionally viewed (-1, h) with h its last size, cast to float32
@@ -41,6 +42,8 @@ def _fused_ok(match) -> bool:
 
 
 def _smooth_ok(match) -> bool:
+    if "smooth" not in match.kwargs:  # a call without smooth scales is the plain pattern's
+        return False
     scale = val(match, "smooth")
     return _fused_ok(match) and scale.dtype == val(match, "x1").dtype and scale.dim() == 1
 
@@ -110,6 +113,26 @@ def _quant_search_no_x(x1, x2, gamma, smooth, eps):
 
 def _quant_replace_no_x(x1, x2, gamma, smooth, eps):
     return _quant_replace(x1, x2, gamma, smooth, eps)[:2]
+
+
+def _plain_search(x1, x2, gamma, eps):
+    y, _, x = _arn(x1, x2, gamma, eps)
+    q, s = npu.npu_dynamic_quant(y)
+    return q, s, x
+
+
+def _plain_replace(x1, x2, gamma, eps):
+    q, _, x, s, _ = npu.npu_add_rms_norm_dynamic_quant(
+        x1, x2, gamma, output_mask=[True, False], **_eps_kwargs(eps))
+    return q, s, x
+
+
+def _plain_search_no_x(x1, x2, gamma, eps):
+    return _plain_search(x1, x2, gamma, eps)[:2]
+
+
+def _plain_replace_no_x(x1, x2, gamma, eps):
+    return _plain_replace(x1, x2, gamma, eps)[:2]
 
 
 def _flatten_search(x1, x2, gamma, eps):
@@ -188,10 +211,13 @@ def _norm_inputs(dtype, *, smooth: bool = False):
 
 
 @fusion_rule("torchair_add_rms_norm_dynamic_quant", stage="post_grad",
-             doc="npu_add_rms_norm + npu_dynamic_quant(smooth_scales) -> npu_add_rms_norm_dynamic_quant")
+             doc="npu_add_rms_norm + npu_dynamic_quant([smooth_scales]) "
+                 "-> npu_add_rms_norm_dynamic_quant")
 def _register_a(r) -> None:
     _register(r, [(_quant_search, _quant_replace), (_quant_search_no_x, _quant_replace_no_x)],
               lambda dtype: _norm_inputs(dtype, smooth=True), _smooth_ok)
+    _register(r, [(_plain_search, _plain_replace), (_plain_search_no_x, _plain_replace_no_x)],
+              _norm_inputs, _fused_ok)
 
 
 @fusion_rule("torchair_add_rms_norm_flatten_dynamic_quant", stage="post_grad",
