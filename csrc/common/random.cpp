@@ -36,7 +36,18 @@ void set_rng_state(uint64_t seed, uint64_t offset) {
   state().offset = offset;
 }
 
+namespace {
+thread_local PhiloxSource* current_source = nullptr;
+}  // namespace
+
+PhiloxSourceGuard::PhiloxSourceGuard(PhiloxSource* source) : previous_(current_source) {
+  current_source = source;
+}
+
+PhiloxSourceGuard::~PhiloxSourceGuard() { current_source = previous_; }
+
 std::pair<uint64_t, uint64_t> reserve_philox(uint64_t words) {
+  if (current_source != nullptr) return current_source->reserve_philox(words);
   std::lock_guard<std::mutex> guard(state().lock);
   const std::pair<uint64_t, uint64_t> drawn{state().seed, state().offset};
   state().offset += (words + 3) / 4;

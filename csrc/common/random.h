@@ -17,7 +17,30 @@ uint64_t initial_seed();
 std::pair<uint64_t, uint64_t> rng_state();
 void set_rng_state(uint64_t seed, uint64_t offset);
 // Reserves `words` 32-bit words (rounded up to whole 4-word Philox blocks); returns their
-// (seed, offset), offset counted in Philox blocks.
+// (seed, offset), offset counted in Philox blocks. While a PhiloxSourceGuard is alive on this
+// thread the words come from its source instead of opennpu's own stream.
 std::pair<uint64_t, uint64_t> reserve_philox(uint64_t words);
+
+// Another Philox stream: the npu device generator, whose (seed, offset) a fused op running on npu
+// tensors must draw from, as torch_npu's ops do (torch.npu.manual_seed governs their dropout).
+class PhiloxSource {
+ public:
+  virtual std::pair<uint64_t, uint64_t> reserve_philox(uint64_t words) = 0;
+
+ protected:
+  ~PhiloxSource() = default;
+};
+
+// Routes this thread's reserve_philox to `source` for the guard's lifetime (nests).
+class PhiloxSourceGuard {
+ public:
+  explicit PhiloxSourceGuard(PhiloxSource* source);
+  ~PhiloxSourceGuard();
+  PhiloxSourceGuard(const PhiloxSourceGuard&) = delete;
+  PhiloxSourceGuard& operator=(const PhiloxSourceGuard&) = delete;
+
+ private:
+  PhiloxSource* previous_;
+};
 
 }  // namespace opennpu

@@ -15,6 +15,10 @@
 #include <string>
 #include <vector>
 
+namespace opennpu {
+class PhiloxSource;
+}
+
 namespace opennpu::device {
 
 constexpr c10::DeviceType kNpu = c10::DeviceType::PrivateUse1;
@@ -104,6 +108,8 @@ const at::Generator& default_generator(c10::DeviceIndex index);
 at::Generator new_generator(c10::DeviceIndex index);
 // The CPU generator that a CPU kernel running an npu op must be given in place of `npu_generator`.
 at::Generator cpu_engine_of(const at::Generator& npu_generator);
+// The generator's Philox stream, which fused ops with dropout draw from on npu.
+PhiloxSource* philox_source_of(const at::Generator& npu_generator);
 
 // ---- npu_copy.cpp --------------------------------------------------------------------------
 // Counters of the copies the device has made (cross-device copies and npu copy_), for tests that

@@ -36,6 +36,7 @@
 #include <mutex>
 #include <string>
 
+#include "common/random.h"
 #include "device/npu_device.h"
 
 namespace opennpu::device {
@@ -86,6 +87,8 @@ class FallbackCall {
         ~RestoreDevice() { if (current_device() != index) set_current_device(index); }
       } restore{previous};
       CpuAllocationRedirect redirect(device_);
+      // Fused ops with dropout draw their Philox words from the device's generator.
+      PhiloxSourceGuard philox(philox_source_of(default_generator(device_)));
       op_.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack_);
     }
     write_back_arguments();

@@ -81,6 +81,17 @@ void npu_record_stream(at::Tensor& /*self*/, c10::Stream /*stream*/) {
   // Memory is freed in program order on the host: nothing to defer.
 }
 
+// `param.data = t.npu()` (and back): PyTorch lets .data swap between dense tensors of its own
+// backends only; an npu tensor has CPU's TensorImpl type and layout, so dense npu and CPU tensors
+// are interchangeable, as torch_npu allows.
+bool npu_has_compatible_shallow_copy_type(const at::Tensor& self, const at::Tensor& from) {
+  auto dense_host = [](c10::DispatchKeySet keys) {
+    return keys.has(c10::DispatchKey::CPU) || keys.has(c10::DispatchKey::PrivateUse1);
+  };
+  return self.unsafeGetTensorImpl()->has_compatible_shallow_copy_type(from.key_set()) ||
+         (dense_host(self.key_set()) && dense_host(from.key_set()));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
@@ -96,6 +107,7 @@ TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) {
   m.impl("set_.source_Tensor", TORCH_FN(at::native::set_tensor_));
   m.impl("set_", TORCH_FN(npu_set_empty));
   m.impl("record_stream", TORCH_FN(npu_record_stream));
+  m.impl("_has_compatible_shallow_copy_type", TORCH_FN(npu_has_compatible_shallow_copy_type));
 }
 
 }  // namespace opennpu::device

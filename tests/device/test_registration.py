@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import opennpu
@@ -92,6 +93,24 @@ def test_legacy_tensor_types():
     assert y.dtype == torch.int64 and y.device == torch.device("npu:1") and y.tolist() == [1, 2]
     assert torch.npu.HalfTensor(torch.ones(2)).dtype == torch.float16
     assert torch.npu.BoolTensor(torch.Size([3])).shape == (3,)
+    # Tensor.type with the classes, as with torch.cuda's
+    z = torch.arange(3).type(torch.npu.FloatTensor)
+    assert z.device.type == "npu" and z.dtype == torch.float32 and z.type() == "torch.npu.FloatTensor"
+    assert z.type(torch.npu.HalfTensor).dtype == torch.float16
+    assert repr(torch.npu.FloatTensor) == "<class 'torch.npu.FloatTensor'>"
+
+
+def test_data_swaps_between_cpu_and_npu():
+    """`param.data = param.data.npu()` (older training scripts move parameters this way)."""
+    p = torch.nn.Parameter(torch.arange(4.0))
+    p.data = p.data.npu()
+    assert p.device.type == "npu" and isinstance(p, torch.nn.Parameter) and p.requires_grad
+    p.sum().backward()
+    assert p.grad.device.type == "npu" and p.grad.tolist() == [1.0] * 4
+    p.data = p.data.cpu()
+    assert p.device.type == "cpu" and p.tolist() == [0.0, 1.0, 2.0, 3.0]
+    with pytest.raises(RuntimeError, match="incompatible tensor type"):
+        p.data = torch.zeros(4).to_sparse()
 
 
 SEED_001_SCRIPT = """

@@ -115,6 +115,49 @@ def test_dropout_on_npu_matches_cpu():
     torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0)
 
 
+def _attention_with_dropout(q):
+    import torch_npu
+
+    out, _, _, _, seed, offset, numels = torch_npu.npu_fusion_attention(
+        q, q, q, 2, "BSH", keep_prob=0.5)
+    return out, seed, offset, numels
+
+
+def test_fused_dropout_draws_from_the_device_generator():
+    """npu_fusion_attention on npu takes its Philox (seed, offset) from the device's generator,
+    as torch_npu's does: torch.npu.manual_seed(s) makes it reproducible and the first call draws
+    (s, 0); the offset advances; get/set_rng_state replay it; other devices and opennpu's own
+    stream (CPU tensors) are untouched."""
+    import opennpu
+
+    q = torch.randn(1, 8, 16).npu()
+    torch.npu.manual_seed(11)
+    first, seed, offset, numels = _attention_with_dropout(q)
+    assert (seed, offset) == (11, 0)
+    state = torch.npu.get_rng_state()
+    second, seed2, offset2, _ = _attention_with_dropout(q)
+    assert seed2 == 11 and offset2 == (numels + 3) // 4
+    assert not torch.equal(first, second)
+    torch.npu.set_rng_state(state)
+    torch.testing.assert_close(_attention_with_dropout(q)[0], second, rtol=0, atol=0)
+    torch.npu.manual_seed(11)
+    torch.testing.assert_close(_attention_with_dropout(q)[0], first, rtol=0, atol=0)
+    # Reseeding with another value changes the mask; npu:1 has its own stream.
+    torch.npu.manual_seed(12)
+    assert not torch.equal(_attention_with_dropout(q)[0], first)
+    with torch.npu.device(1):
+        torch.npu.manual_seed(11)
+    assert _attention_with_dropout(q.to("npu:1"))[1:3] == (11, 0)
+    # CPU tensors keep drawing from opennpu's own stream.
+    opennpu.manual_seed(11)
+    before = opennpu.get_rng_state()
+    torch.npu.manual_seed(99)
+    _attention_with_dropout(q)
+    assert opennpu.get_rng_state() == before
+    _, cpu_seed, cpu_offset, _ = _attention_with_dropout(q.cpu())
+    assert (cpu_seed, cpu_offset) == (11, 0)
+
+
 def test_memory_statistics():
     torch.npu.empty_cache()
     torch.npu.reset_peak_memory_stats()

@@ -2,8 +2,8 @@
 dtype, and isinstance checks against them.
 
 `FloatTensor(2, 3)` is uninitialised of that shape, `FloatTensor([1, 2])` holds the data,
-`FloatTensor(t)` converts a tensor, all on the current device (or `device=`). Tensor.type() does
-not accept these classes (PyTorch knows only its own legacy types); use `.to(dtype)` instead.
+`FloatTensor(t)` converts a tensor, all on the current device (or `device=`). `t.type(cls)`
+converts to the class's dtype on npu, as `t.type(torch.cuda.FloatTensor)` does on CUDA.
 """
 
 from __future__ import annotations
@@ -39,8 +39,12 @@ def _new(cls, *args, device=None):
     return torch.empty(args, dtype=cls.dtype, device=device)
 
 
+# Tensor.type(cls) reads the class's C-level type name (tp_name), which for a class defined in
+# Python is its __name__: the full "torch.npu.FloatTensor" makes PyTorch parse it as the string
+# form. __qualname__ keeps the short name for repr and pickling.
 for _name, _dtype in _TYPES.items():
-    globals()[_name] = _LegacyTensorType(_name, (), {
+    globals()[_name] = _LegacyTensorType(f"torch.npu.{_name}", (), {
         "dtype": _dtype, "is_npu": True, "is_sparse": False, "__new__": _new,
-        "__module__": "torch.npu", "__doc__": f"npu tensors of dtype {_dtype}."})
+        "__module__": "torch.npu", "__qualname__": _name,
+        "__doc__": f"npu tensors of dtype {_dtype}."})
 del _name, _dtype
