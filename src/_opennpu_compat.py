@@ -50,6 +50,11 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module):
         pass
 
+    def get_code(self, fullname):
+        # `python -m torch_npu.utils.collect_env` runs the target module's code as __main__.
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target)
+
 
 class CompatFinder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
@@ -62,9 +67,12 @@ class CompatFinder(importlib.abc.MetaPathFinder):
         elif top not in sys.modules or sys.modules[top] is not sys.modules.get(ALIASES[top]):
             return None  # a submodule of the real package
         target_name = _alias_target(fullname)
-        if importlib.util.find_spec(target_name) is None:
+        target_spec = importlib.util.find_spec(target_name)
+        if target_spec is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(target_name), is_package=True)
+        return importlib.machinery.ModuleSpec(
+            fullname, _AliasLoader(target_name),
+            is_package=target_spec.submodule_search_locations is not None)
 
 
 def install() -> None:

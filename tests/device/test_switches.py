@@ -123,3 +123,23 @@ def test_npu_utils_module_names():
     assert utils.synchronize is torch.npu.synchronize
     assert utils.current_device() == torch.npu.current_device()
     assert utils.is_support_inf_nan()
+
+
+def test_collect_env_reports_the_emulated_device():
+    """torch_npu.utils.collect_env (the bug template's `python -m torch_npu.utils.collect_env`):
+    a module, runnable with -m through the compatibility alias, reporting opennpu and no CANN."""
+    import importlib.util
+
+    from torch_npu.utils import collect_env
+
+    spec = importlib.util.find_spec("torch_npu.utils.collect_env")
+    assert spec.submodule_search_locations is None and spec.loader.get_code(spec.name) is not None
+    assert collect_env.get_cann_version() == "not known"
+    assert collect_env.get_torch_npu_version().startswith("opennpu ")
+    info = collect_env.SystemEnv(**{f: None for f in collect_env.SystemEnv._fields})._replace(
+        torch_version="2.11.0", pip_version="pip3", pip_packages="numpy==2.0\ntorch==2.11.0",
+        conda_packages="", npu_device="Ascend910B (emulated), 8 devices", cann_version="not known")
+    text = collect_env.pretty_str(info)
+    assert "PyTorch version: 2.11.0" in text and "NPU: Ascend910B (emulated), 8 devices" in text
+    assert "[pip3] numpy==2.0\n[pip3] torch==2.11.0" in text and "[conda] No relevant packages" in text
+    assert "GCC version: Could not collect" in text and "CANN: not known" in text
