@@ -7,11 +7,21 @@
 2. Large fresh outputs: npu_rms_norm at [8192, 4096] fp32, where each call's output is a new
    128 MiB tensor. On CPU it is a fresh host allocation whose pages fault on first touch; on npu it
    is a block the caching allocator keeps.
+3. A transformers training step (forward, backward, AdamW) of a small Llama and a small GPT-2
+   (hidden 256, 4 layers, batch 4 x 128 tokens) on npu vs the same model on CPU: steps
+   interleaved, median of each; the losses must be bit-identical. Then the peak resident memory
+   of a process running 8 such steps on each device (separate processes, default allocator
+   settings: glibc malloc on CPU, opennpu's caching allocator on npu).
+Run it on a quiet machine: OpenMP threads that wait for busy cores make timings meaningless.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
+import subprocess
+import sys
 import time
 import timeit
 
@@ -54,9 +64,63 @@ def large_outputs(repeats: int) -> dict[str, float]:
     return {"cpu_ms": cpu, "npu_ms": npu, "speedup": cpu / npu}
 
 
+def _transformer(kind: str) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(
+            hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=4, vocab_size=4096, max_position_embeddings=256))
+    return GPT2LMHeadModel(GPT2Config(n_embd=256, n_layer=4, n_head=8, vocab_size=4096,
+                                      n_positions=256))
+
+
+def _trainer(model: torch.nn.Module, device: str):
+    model = model.to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, 4096, (4, 128), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def step() -> float:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    return step
+
+
+def training_step(kind: str, steps: int) -> dict[str, float]:
+    model = _transformer(kind)
+    cpu_step, npu_step = _trainer(copy.deepcopy(model), "cpu"), _trainer(model, "npu")
+    cpu_ms, npu_ms, identical = [], [], True
+    for i in range(steps + 2):
+        for fn, times in ((cpu_step, cpu_ms), (npu_step, npu_ms)):
+            start = time.perf_counter()
+            loss = fn()
+            times.append((time.perf_counter() - start) * 1e3)
+            if fn is cpu_step:
+                cpu_loss = loss
+        identical &= loss == cpu_loss
+    cpu, npu = statistics.median(cpu_ms[2:]), statistics.median(npu_ms[2:])  # 2 warm-up steps
+    return {"cpu_ms": cpu, "npu_ms": npu, "ratio": cpu / npu, "identical_losses": identical}
+
+
+def _peak_rss_mib(kind: str, device: str) -> float:
+    """Peak resident memory of a fresh process that trains `kind` for 8 steps on `device`."""
+    code = ("import resource, torch, opennpu; from benchmarks.device_overhead import _transformer, "
+            f"_trainer; step = _trainer(_transformer({kind!r}), {device!r}); "
+            "[step() for _ in range(8)]; "
+            "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.split()[-1]) / 1024
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=10, help="timed training steps per device")
     args = parser.parse_args()
     add = tiny_add(args.repeats)
     print(f"16-element a + b: cpu {add['cpu_us']:.2f} us, npu {add['npu_us']:.2f} us, "
@@ -64,6 +128,13 @@ def main() -> None:
     big = large_outputs(max(3, args.repeats // 3))
     print(f"npu_rms_norm [8192, 4096] fp32 (fresh 128 MiB output): cpu {big['cpu_ms']:.1f} ms, "
           f"npu {big['npu_ms']:.1f} ms, npu {big['speedup']:.2f}x faster")
+    for kind in ("llama", "gpt2"):
+        r = training_step(kind, args.steps)
+        cpu_peak, npu_peak = _peak_rss_mib(kind, "cpu"), _peak_rss_mib(kind, "npu")
+        print(f"{kind} training step: cpu {r['cpu_ms']:.0f} ms, npu {r['npu_ms']:.0f} ms, "
+              f"npu speed {r['ratio']:.3f}x cpu's, losses bit-identical: {r['identical_losses']}; "
+              f"peak RSS cpu {cpu_peak:.0f} MiB, npu {npu_peak:.0f} MiB "
+              f"({(npu_peak / cpu_peak - 1) * 100:+.1f}%)")
 
 
 if __name__ == "__main__":

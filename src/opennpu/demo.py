@@ -509,6 +509,8 @@ def run(threads: int | None = None, min_run_time: float = 0.2) -> None:
     print(training_demo(threads))
     print()
     print(compiled_model_demo(threads))
+    print()
+    print(npu_device_demo(threads))
     missing = sorted({op for e in EXAMPLES for op in _ops_of(e) if not has_cpu_kernel(op)})
     if missing:
         print(f"not available yet (no CPU kernel): {', '.join(missing)}")
@@ -641,3 +643,48 @@ def compiled_model_demo(threads: int, seq: int = 512) -> str:
     for name, t, err in rows:
         lines.append(f"{name:<30}{t * 1e3:>10.3f}{base / t:>8.2f}x{err:>20.2e}")
     return "\n".join(lines)
+
+
+def _seed001_training(device: str, use_amp: bool, steps: int) -> tuple[list[float], float]:
+    """Seed 001's manual-migration training loop (an MLP, SGD with momentum, MSE, autocast and
+    GradScaler) on `device`; returns the losses and the median step time."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256),
+                              torch.nn.ReLU(), torch.nn.Linear(256, 64)).to(device)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    scaler = torch.amp.GradScaler(device, enabled=use_amp)
+    inputs = [torch.randn(128, 256) for _ in range(4)]
+    batches = [(x.to(device), torch.tanh(x[:, :64]).to(device)) for x in inputs]  # learnable
+    losses, times = [], []
+    for step in range(steps):
+        inp, target = batches[step % 4]
+        start = time.perf_counter()
+        with torch.autocast(device_type=device, dtype=torch.float16, enabled=use_amp):
+            loss = torch.nn.functional.mse_loss(net(inp).float(), target)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+    return losses, sorted(times[2:])[len(times[2:]) // 2]
+
+
+def npu_device_demo(threads: int, steps: int = 20) -> str:
+    """Seed 001's training loop on the npu device and on CPU: the same losses, bit for bit in
+    fp32, and the step times side by side (npu tensors run the CPU kernels on the same memory)."""
+    lines = [f"npu device demo: seed 001's training loop (MLP 256-256-256-64, batch 128, SGD, "
+             f"{steps} steps) on {torch.npu.get_device_name(0)}, {threads} thread(s)",
+             f"{'':<26}{'first loss':>12}{'last loss':>12}{'step ms':>10}{'losses vs cpu':>16}"]
+    with num_threads(threads):
+        for use_amp in (False, True):
+            cpu_losses, cpu_time = _seed001_training("cpu", use_amp, steps)
+            npu_losses, npu_time = _seed001_training("npu", use_amp, steps)
+            label = "fp16 autocast + scaler" if use_amp else "fp32"
+            for device, losses, t in (("cpu", cpu_losses, cpu_time), ("npu", npu_losses, npu_time)):
+                same = "bit-identical" if losses == cpu_losses else (
+                    f"{max(abs(a - b) for a, b in zip(losses, cpu_losses)):.1e}")
+                lines.append(f"{label + ' ' + device:<26}{losses[0]:>12.5f}{losses[-1]:>12.5f}"
+                             f"{t * 1e3:>10.3f}{same if device == 'npu' else '':>16}")
+    return "\n".join(lines)
+
