@@ -98,8 +98,9 @@ class CacheCompiledFunction:
             "format": FORMAT_VERSION, "torch": torch.__version__, "meta": meta,
             "artifacts": base64.b64encode(saved[0]).decode() if saved is not None else "",
             "pass_records": records,
-            "graphs": {f"{phase}_{i}": gm.print_readable(print_output=False)
-                       for i, (phase, gm) in enumerate(self.backend.graphs)},
+            # from the records: a compile the local caches served has texts, not GraphModules
+            "graphs": {f"{phase}_{i}": kept["py"] for i, text in enumerate(records.values())
+                       for phase, kept in json.loads(text).items()},
         }
         self.path.parent.mkdir(parents=True, exist_ok=True)
         scratch = self.path.with_name(f"{CACHE_FILE}.{os.getpid()}.tmp")
