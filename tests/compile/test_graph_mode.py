@@ -36,8 +36,9 @@ def test_config_defaults_follow_torchair():
      "unknown option CompilerConfig.experimental_config.pattern_fusion_pas"),
     (lambda c: setattr(c.experimental_config, "pattern_fusion_pass", 1), TypeError,
      "CompilerConfig.experimental_config.pattern_fusion_pass must be bool, got int"),
-    (lambda c: setattr(c.debug.graph_dump, "type", "pbtxt"), ValueError,
-     "CompilerConfig.debug.graph_dump.type must be one of [None, 'py', 'txt'], got 'pbtxt'"),
+    (lambda c: setattr(c.debug.graph_dump, "type", "onnx"), ValueError,
+     "CompilerConfig.debug.graph_dump.type must be one of [None, 'py', 'txt', 'pbtxt'], "
+     "got 'onnx'"),
     (lambda c: setattr(c, "mode", "fast"), ValueError, "CompilerConfig.mode must be one of"),
     (lambda c: setattr(c.experimental_config, "disabled_patterns", ["rms"]), ValueError,
      "names unknown rules ['rms']"),

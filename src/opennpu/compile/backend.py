@@ -9,7 +9,8 @@ The pipeline for each graph Dynamo captures:
    post_grad_custom_pre_pass, the post_grad rules (TorchAir's defaults and `register_replacement`
    rules) and post_grad_custom_post_pass run, in that order.
 3. Inductor compiles the result (the post_grad rules run as its post_grad_custom_pre_pass), or
-   with ``debug.run_eagerly`` the graphs run op by op.
+   with ``debug.run_eagerly`` (and always for graphs on the npu device, which Inductor cannot
+   generate code for) the graphs run op by op.
 
 Every compile reports what fused, warm caches included: AOTAutograd's cache and Inductor's FX
 graph cache serve a compiled graph without running the passes, so the passes keep a record beside
@@ -34,7 +35,7 @@ from typing import Any, Sequence
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import fusion
+from . import fusion, graph_text
 from .config import CompilerConfig
 from .pass_record import PassRecord, graph_key
 
@@ -80,6 +81,22 @@ def _specialize_floats() -> None:
         dynamo_config.specialize_float = True
         log.info("opennpu.compile: torch._dynamo.config.specialize_float set to True so that float "
                  "constants stay matchable by the fusion rules")
+
+
+def on_npu(example_inputs: Sequence[Any]) -> bool:
+    """Whether a graph works on npu tensors. Inductor has no code generator for the npu device, so
+    such graphs run op by op after the passes, as with debug.run_eagerly (logged once)."""
+    if not any(isinstance(x, torch.Tensor) and x.device.type == "npu" for x in example_inputs):
+        return False
+    global _NPU_EAGER_LOGGED
+    if not _NPU_EAGER_LOGGED:
+        _NPU_EAGER_LOGGED = True
+        log.info("opennpu.compile: graphs on the npu device run op by op after fusion (Inductor "
+                 "generates no npu code); CPU graphs are compiled by Inductor")
+    return True
+
+
+_NPU_EAGER_LOGGED = False
 
 
 def _graph_inputs(gm: torch.fx.GraphModule) -> list[Any]:
@@ -142,6 +159,7 @@ class NpuBackend:
         self.decompositions = dict(decompositions or {})
         self.fusions: Counter = Counter()
         self.graphs: list[tuple[str, torch.fx.GraphModule]] = []
+        self.pass_records: list[PassRecord] = []  # of the Inductor compiles, for cache_compile
         _specialize_floats()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs, **kwargs):
@@ -149,15 +167,19 @@ class NpuBackend:
         if kwargs:
             raise TypeError(f"opennpu backend: unexpected arguments {sorted(kwargs)}")
         graph_id = next(_graph_ids)
+        log.debug("opennpu.compile: graph %d as Dynamo captured it: %s", graph_id, gm.graph)
+        if config.debug.graph_dump.type is not None:  # TorchAir's name for the captured graph
+            _write_dump(_render(gm, config.debug.graph_dump.type),
+                        f"dynamo_original_graph_{graph_id}", config)
         sources = _input_sources(gm)  # before the pre-autograd stage re-traces the graph
         if config.experimental_config.pattern_fusion_pass:
             gm = self._pre_autograd(gm, example_inputs, config, graph_id)
         post_grad = PostGradPasses(config, self, graph_id)
-        if config.debug.run_eagerly:
+        if config.debug.run_eagerly or on_npu(example_inputs):
             return self._aot_eager(gm, example_inputs, config, post_grad)
 
         patches: dict[str, Any] = {"post_grad_custom_pre_pass": post_grad}
-        if config.mode == "reduce-overhead":
+        if config.mode in ("reduce-overhead", "npugraph_ex"):
             patches["triton.cudagraphs"] = True
         kept = None
         if config.experimental_config.frozen_parameter and not torch.is_grad_enabled():
@@ -169,6 +191,7 @@ class NpuBackend:
 
             decompositions = {**select_decomp_table(), **self.decompositions}
         post_grad.record = PassRecord(graph_key(gm, example_inputs, post_grad.uuid()))
+        self.pass_records.append(post_grad.record)
         user_passes = (config.post_grad_custom_pre_pass is not None
                        or config.post_grad_custom_post_pass is not None)
         compiled = _compile_fx(gm, example_inputs, patches, decompositions, caches=not user_passes)
@@ -334,9 +357,7 @@ def dump_graph(gm: torch.fx.GraphModule, name: str, config: CompilerConfig) -> P
 
 
 def _render(gm: torch.fx.GraphModule, kind: str) -> str:
-    if kind == "py":
-        return gm.print_readable(print_output=False, include_stride=False, include_device=False)
-    return str(gm.graph)
+    return graph_text.render(gm, kind)
 
 
 def _write_dump(text: str, name: str, config: CompilerConfig) -> Path:

@@ -3,7 +3,7 @@
 AOTAutograd's cache and Inductor's FX graph cache serve a whole compiled graph without running the
 passes, so on a warm cache the fusion counters, the graph dumps and the log of what fused would go
 silent. Each compile therefore writes, for every graph phase the passes ran on, the counts and the
-graph after fusion (as text, both dump formats) into `{inductor cache dir}/opennpu_passes/{key}.json`.
+graph after fusion (as text, in every dump format) into `{inductor cache dir}/opennpu_passes/{key}.json`.
 A compile the caches serve replays that record; a compile served without one (its record deleted,
 or written by a build that did not keep records) compiles again with the two caches off.
 
@@ -47,7 +47,7 @@ def graph_key(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], pass_uuid
 
 
 class PassRecord:
-    """The record of one compile: phase -> {"counts": {rule: n}, "py": text, "txt": text}."""
+    """The record of one compile: phase -> {"counts": {rule: n}, and one text per dump format}."""
 
     def __init__(self, key: str):
         self.key = key
@@ -62,11 +62,9 @@ class PassRecord:
     def add(self, phase: str, counts: Counter, gm: torch.fx.GraphModule) -> None:
         """Keep what the passes did to `phase`'s graph, and write the record (atomically: two
         processes compiling one graph write the same content)."""
-        self.phases[phase] = {
-            "counts": dict(counts),
-            "py": gm.print_readable(print_output=False, include_stride=False, include_device=False),
-            "txt": str(gm.graph),
-        }
+        from .graph_text import KINDS, render
+
+        self.phases[phase] = {"counts": dict(counts), **{kind: render(gm, kind) for kind in KINDS}}
         path = self.path
         path.parent.mkdir(parents=True, exist_ok=True)
         scratch = path.with_suffix(f".{id(self)}.tmp")
