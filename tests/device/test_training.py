@@ -124,3 +124,34 @@ def test_a_training_step_on_npu_copies_nothing():
         loss.backward()
         optimizer.step()
         assert copies() == before
+
+
+def test_transformers_detects_npu_and_trains_llama_identically():
+    """transformers' own Ascend detection finds the device, and a tiny LlamaForCausalLM trains on
+    npu (SDPA attention, RMSNorm, rotary, AdamW) with losses bit-identical to CPU."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.utils import is_torch_npu_available
+
+    assert is_torch_npu_available()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=128, max_position_embeddings=32)
+    cpu_model = transformers.LlamaForCausalLM(config)
+    npu_model = copy.deepcopy(cpu_model).npu()
+    ids = torch.randint(0, 128, (2, 16))
+
+    def train(model, device):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(4):
+            loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    cpu_losses, npu_losses = train(cpu_model, "cpu"), train(npu_model, "npu")
+    assert npu_losses == cpu_losses and npu_losses[-1] < npu_losses[0]
+    assert next(npu_model.parameters()).device.type == "npu"
