@@ -141,8 +141,9 @@ class NpuInterface(DeviceInterface):
 
 
 class _NpuWrapperMixin:
-    """What the Python wrapper does differently on npu: allocations name the device index, and
-    the C++ kernels are called as on the CPU."""
+    """What the Python wrapper does differently on npu: allocations are npu tensors on the
+    buffer's device index. (Kernel calls are written while NpuScheduling has made the CPU the
+    current device, so they take the CPU's form.)"""
 
     def make_allocation(self, name, device, dtype, shape, stride, allocation_shape=None,
                         is_pinned=False):
@@ -161,15 +162,6 @@ class _NpuWrapperMixin:
         if shape_code != allocation_code:
             line += f".as_strided({shape_code}, {stride_code})"
         return line
-
-    def _generate_kernel_call_helper(self, kernel_name, call_args, *, device=None,
-                                     triton=True, **kwargs):
-        device = device or V.graph.get_current_device_or_throw()
-        if device.type == "npu":
-            # CppScheduling's kernels take raw data pointers of host memory, npu's included.
-            device = _CPU
-        super()._generate_kernel_call_helper(kernel_name, call_args, device=device,
-                                             triton=triton, **kwargs)
 
 
 class NpuPythonWrapperCodegen(_NpuWrapperMixin, PythonWrapperCodegen):
