@@ -57,11 +57,11 @@ BACKWARD = {"npu_add_rms_norm": "npu_rms_norm_backward"}
 
 
 @pytest.mark.parametrize("index", range(7), ids=[c[0] for c in cases("cpu")])
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", "npu", "cuda"])
 def test_rules_see_the_device_of_the_traced_graph(index, device):
     """The pre_autograd rules on a graph traced with fake tensors of `device` (no GPU needed):
-    fused on CPU, where the kernels are; on CUDA only once the op and its backward have CUDA
-    kernels."""
+    fused on CPU, where the kernels are, and on npu, which runs the CPU kernels; on CUDA only once
+    the op and its backward have CUDA kernels."""
     rule, module, args = cases("cpu")[index]
     mode = FakeTensorMode()
 
@@ -78,7 +78,7 @@ def test_rules_see_the_device_of_the_traced_graph(index, device):
     with mode:
         counts = fusion.apply_rules("pre_autograd", gm)
     op = OPS[rule]
-    fused = device == "cpu" or (device == "cuda" and _cuda_kernel(op)
+    fused = device in ("cpu", "npu") or (device == "cuda" and _cuda_kernel(op)
                                 and _cuda_kernel(BACKWARD.get(op, f"{op}_backward")))
     # add_rms_norm fuses the residual add into the norm the rms_norm rule made first.
     expected = {"rms_norm": 1, "add_rms_norm": 1} if rule == "add_rms_norm" else {rule: 1}

@@ -8,9 +8,9 @@ The pipeline for each graph Dynamo captures:
 2. AOTAutograd builds the functional forward/backward (or inference) graphs; on each, the user's
    post_grad_custom_pre_pass, the post_grad rules (TorchAir's defaults and `register_replacement`
    rules) and post_grad_custom_post_pass run, in that order.
-3. Inductor compiles the result (the post_grad rules run as its post_grad_custom_pre_pass), or
-   with ``debug.run_eagerly`` (and always for graphs on the npu device, which Inductor cannot
-   generate code for) the graphs run op by op.
+3. Inductor compiles the result (the post_grad rules run as its post_grad_custom_pre_pass; on
+   the npu device with the C++ kernels it writes for CPU, see opennpu/npu/_inductor.py), or with
+   ``debug.run_eagerly`` the graphs run op by op.
 
 Every compile reports what fused, warm caches included: AOTAutograd's cache and Inductor's FX
 graph cache serve a compiled graph without running the passes, so the passes keep a record beside
@@ -81,22 +81,6 @@ def _specialize_floats() -> None:
         dynamo_config.specialize_float = True
         log.info("opennpu.compile: torch._dynamo.config.specialize_float set to True so that float "
                  "constants stay matchable by the fusion rules")
-
-
-def on_npu(example_inputs: Sequence[Any]) -> bool:
-    """Whether a graph works on npu tensors. Inductor has no code generator for the npu device, so
-    such graphs run op by op after the passes, as with debug.run_eagerly (logged once)."""
-    if not any(isinstance(x, torch.Tensor) and x.device.type == "npu" for x in example_inputs):
-        return False
-    global _NPU_EAGER_LOGGED
-    if not _NPU_EAGER_LOGGED:
-        _NPU_EAGER_LOGGED = True
-        log.info("opennpu.compile: graphs on the npu device run op by op after fusion (Inductor "
-                 "generates no npu code); CPU graphs are compiled by Inductor")
-    return True
-
-
-_NPU_EAGER_LOGGED = False
 
 
 def _graph_inputs(gm: torch.fx.GraphModule) -> list[Any]:
@@ -175,7 +159,7 @@ class NpuBackend:
         if config.experimental_config.pattern_fusion_pass:
             gm = self._pre_autograd(gm, example_inputs, config, graph_id)
         post_grad = PostGradPasses(config, self, graph_id)
-        if config.debug.run_eagerly or on_npu(example_inputs):
+        if config.debug.run_eagerly:
             return self._aot_eager(gm, example_inputs, config, post_grad)
 
         patches: dict[str, Any] = {"post_grad_custom_pre_pass": post_grad}

@@ -65,7 +65,18 @@ def __getattr__(name: str):
         import importlib
 
         return importlib.import_module(".amp", __name__)
+    if name in _INDUCTOR_HOOKS:
+        # Inductor's init_backend_registration() looks these up on the PrivateUse1 device module
+        # before its first compile; the lookup registers npu's code generator and Dynamo device
+        # interface (_inductor.py), so importing torch.npu never imports torch._inductor.
+        from . import _inductor
+
+        return getattr(_inductor, _INDUCTOR_HOOKS[name])
     raise _missing("torch.npu", name)
+
+
+_INDUCTOR_HOOKS = {"Scheduling": "NpuScheduling", "PythonWrapperCodegen": "NpuPythonWrapperCodegen",
+                   "CppWrapperCodegen": "NpuCppWrapperCodegen"}
 
 
 __all__ = ["amp", "get_amp_supported_dtype", "get_autocast_dtype", "is_autocast_enabled",

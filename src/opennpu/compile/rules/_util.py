@@ -184,7 +184,9 @@ def guard_even(size) -> bool:
     return known(size % 2 == 0) or bool(size % 2 == 0)
 
 
-_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+# An op runs on npu exactly where it has a CPU kernel: npu's boxed fallback runs the CPU kernel on
+# the npu tensors' host memory (csrc/device/npu_fallback.cpp), fused ops included.
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA", "npu": "CPU"}
 
 
 def has_kernels(ops, *tensors) -> bool:
