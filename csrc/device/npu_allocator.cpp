@@ -177,6 +177,14 @@ void reserve_locked(AllocatorState& st, Pool& pool, c10::DeviceIndex device, siz
                    "OPENNPU_DEVICE_MEMORY and torch.npu.set_per_process_memory_fraction.");
 }
 
+// torch.profiler(profile_memory=True) sees npu allocations and frees as on CUDA: the block's
+// size (as the stats count it), and the device's totals after the change.
+void report_to_profiler(void* ptr, int64_t delta, const MemoryStats& s, c10::DeviceIndex device) {
+  if (!c10::memoryProfilingEnabled()) return;
+  c10::reportMemoryUsageToProfiler(ptr, delta, static_cast<size_t>(s.allocated_current),
+                                   static_cast<size_t>(s.reserved_current), c10::Device(kNpu, device));
+}
+
 // The deleter of every pool block (its context is its pointer, so raw_deallocate works too).
 void free_block(void* ptr) {
   auto& st = state();
@@ -190,6 +198,7 @@ void free_block(void* ptr) {
   pool.stats.active_blocks -= 1;
   pool.stats.num_frees += 1;
   pool.cached[block->size].push_back(block);
+  report_to_profiler(ptr, -static_cast<int64_t>(block->size), pool.stats, block->device);
 }
 
 void free_adopted(void* context) {
@@ -332,6 +341,7 @@ c10::DataPtr allocate(c10::DeviceIndex index, size_t nbytes, c10::Device data_pt
   pool.stats.active_blocks += 1;
   pool.stats.num_allocs += 1;
   update_peaks(pool.stats);
+  report_to_profiler(block->ptr, static_cast<int64_t>(size), pool.stats, index);
   return c10::DataPtr(block->ptr, block->ptr, &free_block, data_ptr_device);
 }
 

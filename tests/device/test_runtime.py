@@ -241,3 +241,17 @@ def test_visible_devices_and_device_count_from_the_environment():
                             env={**os.environ, "OPENNPU_DEVICE_COUNT": "2", "OPENNPU_SOC_NAME": "Ascend910_9392"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("2 Ascend910_9392 (emulated")
+
+
+def test_profiler_sees_npu_allocations():
+    """torch.profiler(profile_memory=True) reports npu tensor memory as device memory, per op."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = torch.randn(256, 256, device="npu")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        y = x * 2
+        del y
+    events = list(prof.events())
+    mul = [e for e in events if e.name == "aten::mul"]
+    assert mul and mul[0].self_device_memory_usage == 256 * 256 * 4
+    assert sum(e.self_device_memory_usage for e in events) == 0  # the free is reported too
