@@ -3,6 +3,7 @@ test/npu): argument checks and their messages, and the values torch_npu answers 
 
 from __future__ import annotations
 
+import copy
 import uuid
 import warnings
 
@@ -121,6 +122,33 @@ def test_use_compatible_impl_reads_back():
         assert torch.npu.are_compatible_impl_enabled() is False
     finally:
         torch.npu.use_compatible_impl(old)
+
+
+def test_empty_with_format_and_storage_size():
+    x = torch_npu.empty_with_format((2, 3), dtype=torch.float16, device="npu", acl_format=29)
+    assert x.shape == (2, 3) and x.dtype == torch.float16 and x.device.type == "npu"
+    assert torch_npu.get_npu_format(x) == 2  # stored in ND whatever format was asked for
+    with pytest.raises(ValueError, match="empty_with_format: acl_format 5"):
+        torch_npu.empty_with_format((2,), device="npu", acl_format=5)
+    with pytest.raises(NotImplementedError, match="base_addr_aligned_kb"):
+        torch_npu.empty_with_format((2,), device="npu", base_addr_aligned_kb=2)
+    base = torch.randn(4, 5).npu()
+    assert torch_npu.get_storage_size(base) == 20
+    assert torch_npu.get_storage_size(base[1:3]) == 20  # the storage, not the view
+    assert torch_npu.get_storage_size(copy.deepcopy(base)) == 20
+    with pytest.raises(RuntimeError, match="get_storage_size: expected an npu tensor"):
+        torch_npu.get_storage_size(torch.ones(2))
+
+
+def test_erase_stream_checks_its_arguments():
+    s = torch.npu.Stream()
+    t = torch.ones(4, device="npu")
+    t.record_stream(s)
+    torch_npu.erase_stream(t, s)
+    with pytest.raises(TypeError, match="erase_stream: tensor should be torch.Tensor"):
+        torch_npu.erase_stream([1], s)
+    with pytest.raises(TypeError, match="erase_stream: stream should be"):
+        torch_npu.erase_stream(t, "npu")
 
 
 def test_legacy_storage_types():
