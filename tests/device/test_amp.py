@@ -399,3 +399,76 @@ def test_real_apex_wins(tmp_path):
                             text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+def _two_models_one_overflowing(scaler_cls):
+    """Two models, each with its own optimizer; only model 0's gradients overflow."""
+    torch.manual_seed(0)
+    models = [nn.Linear(4, 4).to("npu") for _ in range(2)]
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    before = [[p.detach().clone() for p in m.parameters()] for m in models]
+    scaler = scaler_cls(init_scale=8.0)
+    x = torch.randn(2, 4, device="npu")
+    scaler.scale(sum(m(x).sum() for m in models)).backward()
+    models[0].weight.grad.fill_(float("inf"))
+    for opt in optimizers:
+        scaler.step(opt)
+    scaler.update()
+    moved = [any(not torch.equal(p, b) for p, b in zip(m.parameters(), bs))
+             for m, bs in zip(models, before)]
+    return moved, scaler.get_scale()
+
+
+def test_torch_npu_grad_scaler_overflow_skips_every_later_step_of_the_iteration():
+    from torch_npu.npu.amp import GradScaler
+
+    moved, scale = _two_models_one_overflowing(GradScaler)
+    assert moved == [False, False] and scale == 4.0
+    # torch.amp.GradScaler decides per optimizer: model 1's finite step is taken.
+    moved, scale = _two_models_one_overflowing(
+        lambda **kw: torch.amp.GradScaler("npu", **kw))
+    assert moved == [False, True] and scale == 4.0
+
+
+def test_torch_npu_grad_scaler_overflow_flag_resets_at_update():
+    from torch_npu.npu.amp import GradScaler
+
+    model = nn.Linear(3, 1).to("npu")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = GradScaler(init_scale=4.0)
+    x = torch.ones(1, 3, device="npu")
+    scaler.scale(model(x).sum()).backward()
+    model.weight.grad.fill_(float("nan"))
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    w = model.weight.detach().clone()
+    scaler.scale(model(x).sum()).backward()
+    scaler.step(opt)  # finite gradients in the next iteration: the step is taken
+    scaler.update()
+    assert not torch.equal(model.weight, w)
+
+
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_torch_npu_grad_scaler_unscales_fused_optimizer_grads_in_place(dynamic):
+    from torch_npu.npu.amp import GradScaler
+    from torch_npu.optim import NpuFusedSGD
+
+    def train(opt_cls):
+        torch.manual_seed(0)
+        model = nn.Linear(4, 2).to("npu")
+        opt = opt_cls(model.parameters(), lr=0.1, momentum=0.9)
+        scaler = GradScaler(init_scale=128.0, dynamic=dynamic)
+        grads = []
+        for _ in range(3):  # no zero_grad: gradients accumulate across steps
+            scaler.scale(model(torch.ones(2, 4, device="npu")).pow(2).sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+            grads.append(model.weight.grad.clone())
+        return grads, model.weight.detach()
+
+    ref_grads, ref_weight = train(torch.optim.SGD)
+    fused_grads, fused_weight = train(NpuFusedSGD)
+    for r, f in zip(ref_grads, fused_grads):
+        torch.testing.assert_close(f, r)  # unscaled, as the plain optimizer's are
+    torch.testing.assert_close(fused_weight, ref_weight)

@@ -177,7 +177,9 @@ def test_memory_statistics():
     assert torch.npu.memory_reserved() == torch.npu.memory_allocated()
     torch.npu.reset_peak_memory_stats()
     assert torch.npu.max_memory_allocated() == torch.npu.memory_allocated()
-    assert "npu:0" in torch.npu.memory_summary()
+    summary = torch.npu.memory_summary()
+    assert "PyTorch NPU memory summary, device ID 0 " in summary.splitlines()[1]
+    assert "PyTorch NPU memory summary, device ID 1 " in torch.npu.memory_summary(1)
     ptr = torch.npu.caching_allocator_alloc(1000)
     assert torch.npu.memory_allocated() == base + 1024
     torch.npu.caching_allocator_delete(ptr)

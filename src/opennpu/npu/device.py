@@ -8,12 +8,16 @@ named after OPENNPU_SOC_NAME (default Ascend910B).
 from __future__ import annotations
 
 import os
+import re
+import uuid
+import warnings
 from typing import Any
 
 import torch
 
 __all__ = [
-    "can_device_access_peer", "current_device", "device", "device_count", "device_of",
+    "can_device_access_peer", "current_blas_handle", "current_device", "device", "device_count",
+    "device_of",
     "get_device_capability", "get_device_name", "get_device_properties", "get_sync_debug_mode",
     "init", "is_available", "is_bf16_supported", "is_initialized", "set_device",
     "set_sync_debug_mode", "synchronize",
@@ -43,17 +47,17 @@ def _get_device_index(device: Any = None, optional: bool = True) -> int:
     current device)."""
     if device is None:
         if not optional:
-            raise ValueError("Expected an npu device, but got None")
+            raise ValueError("Expected a npu device, but got None")
         return current_device()
     if isinstance(device, str):
         device = torch.device(device)
     if isinstance(device, torch.device):
         if device.type != "npu":
-            raise ValueError(f"Expected an npu device, but got: {device}")
+            raise ValueError(f"Expected a npu device, but got: {device}")
         return current_device() if device.index is None else device.index
     if isinstance(device, int) and not isinstance(device, bool):
         return device
-    raise TypeError(f"Expected an npu device (int, str or torch.device), but got {device!r}")
+    raise TypeError(f"Expected a npu device (int, str or torch.device), but got {device!r}")
 
 
 def _checked_index(device: Any = None) -> int:
@@ -117,8 +121,15 @@ def get_device_name(device: Any = None) -> str:
 
 
 class _NPUDeviceProperties:
-    """torch_npu's device properties: name, total_memory (the emulated capacity) and the core
-    counts, here the host's CPU count."""
+    """torch_npu's device properties: name, total_memory (the emulated capacity), the core counts
+    (here the host's CPU count) and a uuid that is stable for a device index and SoC name.
+
+    The CUDA-only fields that torch_npu also answers with None (major, minor, warp_size, ...) are
+    None here too, so code written for torch.cuda's properties can read them."""
+
+    _CUDA_ONLY = ("major", "minor", "is_multi_gpu_board", "is_integrated",
+                  "max_threads_per_multi_processor", "warp_size", "regs_per_multiprocessor",
+                  "gcnArchName")
 
     def __init__(self, index: int):
         cores = os.cpu_count() or 1
@@ -130,28 +141,63 @@ class _NPUDeviceProperties:
         self.L2_cache_size = 0
         self.index = index
         self.type = "npu"
+        self.uuid = uuid.uuid5(uuid.NAMESPACE_URL, f"opennpu:{_soc_name()}:{index}")
+        for field in self._CUDA_ONLY:
+            setattr(self, field, None)
 
     def __repr__(self) -> str:
         return (f"_NPUDeviceProperties(name='{self.name}', total_memory="
                 f"{self.total_memory // (1024 * 1024)}MB, cube_core_num={self.cube_core_num}, "
-                f"vector_core_num={self.vector_core_num}, L2_cache_size={self.L2_cache_size}MB)")
+                f"vector_core_num={self.vector_core_num}, L2_cache_size={self.L2_cache_size}MB, "
+                f"uuid={self.uuid})")
 
 
 def get_device_properties(device: Any = None) -> _NPUDeviceProperties:
     return _NPUDeviceProperties(_checked_index(device))
 
 
-def get_device_capability(device: Any = None) -> None:
-    """CANN has no compute capability; torch_npu returns None, and so does this."""
-    _checked_index(device)
-    return None
+_CAPABILITY = re.compile(r"^(\d+)\.(\d+)$")
+
+
+def get_device_capability(device: Any = None) -> tuple[int, int] | None:
+    """CANN has no compute capability. As in torch_npu, the answer is what the environment
+    variable TORCH_NPU_DEVICE_CAPABILITY ("major.minor", e.g. "8.0") says, or None (with a
+    warning) when it is unset or malformed; `device` is accepted and not used."""
+    env = os.environ.get("TORCH_NPU_DEVICE_CAPABILITY")
+    if not env:
+        warnings.warn("torch.npu.get_device_capability: the npu has no compute capability; set "
+                      "TORCH_NPU_DEVICE_CAPABILITY=major.minor to report one for code written "
+                      "for torch.cuda", stacklevel=2)
+        return None
+    match = _CAPABILITY.match(env)
+    if match is None:
+        warnings.warn(f"torch.npu.get_device_capability can't parse TORCH_NPU_DEVICE_CAPABILITY="
+                      f"{env!r}: expected 'major.minor' with non-negative integers, e.g. '8.0'",
+                      stacklevel=2)
+        return None
+    return int(match.group(1)), int(match.group(2))
 
 
 def can_device_access_peer(device: Any, peer_device: Any) -> bool:
-    """All emulated devices share host memory, so every pair of valid devices can."""
-    _checked_index(device)
-    _checked_index(peer_device)
-    return True
+    """Whether `device` can access `peer_device`'s memory directly: every pair of distinct
+    emulated devices can (they share host memory); a device is never its own peer. An index
+    outside the visible devices is an AssertionError, as in torch_npu and torch.cuda."""
+    count = device_count()
+    index = _get_device_index(device)
+    peer = _get_device_index(peer_device)
+    if not 0 <= index < count:
+        raise AssertionError(f"Invalid device id {index}: torch.npu.can_device_access_peer "
+                             f"expects 0 <= id < {count}")
+    if not 0 <= peer < count:
+        raise AssertionError(f"Invalid peer device id {peer}: torch.npu.can_device_access_peer "
+                             f"expects 0 <= id < {count}")
+    return index != peer
+
+
+def current_blas_handle() -> None:
+    """The npu has no BLAS handle: None, with torch_npu's warning."""
+    warnings.warn("NPU does not use blas handle.", stacklevel=2)
+    return None
 
 
 _sync_debug_mode = 0
@@ -166,6 +212,8 @@ def set_sync_debug_mode(debug_mode: int | str) -> None:
         if debug_mode not in modes:
             raise RuntimeError("invalid value of debug_mode, expected one of `default`, `warn`, `error`")
         debug_mode = modes[debug_mode]
+    if int(debug_mode) not in (0, 1, 2):
+        raise RuntimeError("invalid value of debug_mode, expected one of 0,1,2")
     _sync_debug_mode = int(debug_mode)
 
 

@@ -16,7 +16,7 @@ import torch
 from .device import _checked_index
 
 __all__ = [
-    "caching_allocator_alloc", "caching_allocator_delete", "empty_cache",
+    "caching_allocator_alloc", "caching_allocator_delete", "empty_cache", "get_allocator_backend",
     "get_per_process_memory_fraction", "max_memory_allocated", "max_memory_cached",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_cached", "memory_reserved",
     "memory_snapshot", "memory_stats", "memory_stats_as_nested_dict", "memory_summary",
@@ -113,10 +113,15 @@ def empty_cache() -> None:
 
 
 def set_per_process_memory_fraction(fraction: float, device: Any = None) -> None:
-    """Caps what this process may hold on `device` at `fraction` (0..1) of its capacity."""
-    if not isinstance(fraction, (int, float)) or isinstance(fraction, bool):
-        raise TypeError("Invalid type for fraction argument, must be `float`")
-    _ops._npu_set_memory_fraction(float(fraction), _checked_index(device))
+    """Caps what this process may hold on `device` at `fraction` (a float in [0, 1]) of its
+    capacity."""
+    if not isinstance(fraction, float):
+        raise TypeError("Invalid type for fraction argument, must be `float`, but got "
+                        f"{type(fraction).__name__} (torch.npu.set_per_process_memory_fraction)")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"Invalid fraction value: {fraction}. Allowed range: 0~1 "
+                         "(torch.npu.set_per_process_memory_fraction)")
+    _ops._npu_set_memory_fraction(fraction, _checked_index(device))
 
 
 def get_per_process_memory_fraction(device: Any = None) -> float:
@@ -152,19 +157,66 @@ def memory_snapshot() -> list:
     return []
 
 
+def get_allocator_backend() -> str:
+    """The npu allocator in use: "native", torch_npu's name for its caching allocator (the only
+    allocator opennpu has; NPUPluggableAllocator is not provided)."""
+    return "native"
+
+
+def _format_bytes(n: int) -> str:
+    for unit in ("B  ", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 10 * 1024 or unit == "TiB":
+            return f"{n:6d} {unit}"
+        n //= 1024
+    return f"{n:6d} TiB"
+
+
+def _format_count(n: int) -> str:
+    for unit in (" ", "K", "M"):
+        if abs(n) < 10 * 1000 or unit == "M":
+            return f"{n:7d} {unit} "
+        n //= 1000
+    return f"{n:7d} M "
+
+
 def memory_summary(device: Any = None, abbreviated: bool = False) -> str:
+    """A table of the allocator's statistics for `device` in torch.cuda.memory_summary's layout
+    (header "PyTorch NPU memory summary, device ID N", one row per metric with current, peak,
+    total allocated and total freed). The allocator does not split blocks or keep pools apart, so
+    the table has the "all" rows only."""
     index = _checked_index(device)
     s = memory_stats(index)
-
-    def mib(n: int) -> str:
-        return f"{n / 2**20:12.2f} MiB"
-
-    lines = [
-        f"opennpu memory summary, device npu:{index} (capacity {mib(int(_ops._npu_device_capacity(index))).strip()})",
-        f"  allocated  current {mib(s['allocated_bytes.all.current'])}   peak {mib(s['allocated_bytes.all.peak'])}",
-        f"  reserved   current {mib(s['reserved_bytes.all.current'])}   peak {mib(s['reserved_bytes.all.peak'])}",
-        f"  blocks     current {s['allocation.all.current']:12d}       peak {s['allocation.all.peak']:12d}",
-        f"  segments   current {s['segment.all.current']:12d}       peak {s['segment.all.peak']:12d}",
-        f"  alloc retries {s['num_alloc_retries']}, OOMs {s['num_ooms']}",
+    raw = _raw_stats(index)
+    bar, thin = "=" * 75, "-" * 75
+    rows = [
+        bar,
+        " {:16} PyTorch NPU memory summary, device ID {:<18d} ".format("", index),
+        thin,
+        "  {:9} NPU OOMs: {:<13d} | {:6} npuMalloc retries: {:<9d}  ".format(
+            "", s["num_ooms"], "", s["num_alloc_retries"]),
+        bar,
+        "        Metric         | Cur Usage  | Peak Usage | Tot Alloc  | Tot Freed  ",
+        thin,
     ]
-    return "\n".join(lines) + "\n"
+    # (label, current, peak, total allocated, total freed, formatter); byte totals are not
+    # counted by the allocator, so those cells stay empty rather than show a made-up figure.
+    metrics = [
+        ("Allocated memory", s["allocated_bytes.all.current"], s["allocated_bytes.all.peak"],
+         None, None, _format_bytes),
+        ("NPU reserved memory", s["reserved_bytes.all.current"], s["reserved_bytes.all.peak"],
+         None, None, _format_bytes),
+        ("Allocations", s["allocation.all.current"], s["allocation.all.peak"],
+         raw["allocs"], raw["frees"], _format_count),
+        ("Active allocs", s["active.all.current"], s["active.all.peak"],
+         raw["allocs"], raw["frees"], _format_count),
+        ("NPU reserved segments", s["segment.all.current"], s["segment.all.peak"],
+         raw["host_allocs"], raw["host_frees"], _format_count),
+    ]
+    blank = " " * 10
+    for label, cur, peak, total, freed, fmt in metrics:
+        cells = [fmt(cur), fmt(peak), blank if total is None else fmt(total),
+                 blank if freed is None else fmt(freed)]
+        rows.append(" {:<21} | {} | {} | {} | {} ".format(label, *cells))
+        rows.append(thin)
+    rows[-1] = bar
+    return "|" + "|\n|".join(rows) + "|\n"

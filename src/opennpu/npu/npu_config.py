@@ -8,6 +8,11 @@ as torch_npu does and records the value, which reads back:
   private layouts (NZ, 5HD). opennpu keeps every tensor in its logical (ND) layout.
 - `torch.npu.matmul.allow_hf32` (default False), `torch.npu.conv.allow_hf32` (default True):
   HiFloat32 for fp32 matmul / convolution on the Cube unit. CPU kernels compute in fp32.
+- `torch.npu.aclnn.allow_hf32`: the same switch as `torch.npu.conv.allow_hf32`, under torch_npu's
+  aclnn namespace; `torch.npu.aclnn.version()` is None (with a warning), as torch_npu answers.
+- `torch.npu.use_compatible_impl(bool)`, `are_compatible_impl_enabled()` (default False): whether
+  ops use implementations whose results match PyTorch's. Every op here is PyTorch's CPU kernel or
+  written against it, so the switch is recorded only.
 - `torch.npu.set_compile_mode(jit_compile=False)`, `is_jit_compile_false()`: CANN's just-in-time
   operator compilation. No operator is compiled here.
 - `torch.npu.set_option(dict)`: CANN session options (ACL_PRECISION_MODE, ...); values are checked
@@ -21,8 +26,8 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-__all__ = ["conv", "config", "get_mm_bmm_format_nd", "is_jit_compile_false", "matmul",
-           "set_compile_mode", "set_mm_bmm_format_nd", "set_option"]
+__all__ = ["aclnn", "are_compatible_impl_enabled", "conv", "config", "get_mm_bmm_format_nd", "is_jit_compile_false", "matmul",
+           "set_compile_mode", "set_mm_bmm_format_nd", "set_option", "use_compatible_impl"]
 
 # The values CANN accepts for the options it checks; None: any value.
 _OPTION_VALUES: dict[str, list[str] | Callable[[str], bool] | None] = {
@@ -94,6 +99,16 @@ def get_mm_bmm_format_nd() -> bool:
     return _options.get("MM_BMM_ND_ENABLE", "enable") == "enable"
 
 
+def use_compatible_impl(is_enable: bool) -> None:
+    """Records torch_npu's TORCH_NPU_USE_COMPATIBLE_IMPL option (module docstring); like
+    torch_npu, any truthy `is_enable` enables it."""
+    _options["TORCH_NPU_USE_COMPATIBLE_IMPL"] = "1" if is_enable else "0"
+
+
+def are_compatible_impl_enabled() -> bool:
+    return _options.get("TORCH_NPU_USE_COMPATIBLE_IMPL") == "1"
+
+
 class _Switches:
     """Attributes backed by an option of `_options`: name -> (option, value when unset)."""
 
@@ -137,6 +152,18 @@ class _ConvHF32(_Switches):
     _owner = "torch.npu.conv"
 
 
+class _Aclnn(_Switches):
+    _fields = {"allow_hf32": ("ALLOW_CONV_HF32", True)}
+    _owner = "torch.npu.aclnn"
+
+    @staticmethod
+    def version() -> None:
+        """The aclnn library's version: torch_npu does not report one (None, with a warning)."""
+        warnings.warn("torch.npu.aclnn.version isn't implemented!", stacklevel=2)
+        return None
+
+
 config = _Config()
+aclnn = _Aclnn()
 matmul = _MatmulHF32()
 conv = _ConvHF32()

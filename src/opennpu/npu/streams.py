@@ -128,3 +128,16 @@ class StreamContext:
 
 def stream(stream: torch.Stream | None) -> StreamContext:
     return StreamContext(stream)
+
+
+def _erase_stream(tensor: torch.Tensor, stream: torch.Stream) -> None:
+    """torch_npu.erase_stream: drops the mark that `tensor.record_stream(stream)` left, so that
+    the tensor's memory returns to the pool when freed rather than after `stream`'s work. Here
+    record_stream marks nothing (work runs in program order on the host, so freed memory is
+    reusable at once): after the argument checks there is nothing to erase."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"torch_npu.erase_stream: tensor should be torch.Tensor, could not be "
+                        f"{type(tensor)}")
+    if not isinstance(stream, torch.Stream) or stream.device.type != "npu":
+        raise TypeError(f"torch_npu.erase_stream: stream should be torch_npu.npu.Stream, could "
+                        f"not be {stream!r}")

@@ -1,5 +1,6 @@
 """torch.npu.FloatTensor and the other legacy tensor types: constructors of npu tensors of one
-dtype, and isinstance checks against them.
+dtype, and isinstance checks against them; torch.npu.FloatStorage and the other legacy storage
+types do the same for npu TypedStorages.
 
 `FloatTensor(2, 3)` is uninitialised of that shape, `FloatTensor([1, 2])` holds the data,
 `FloatTensor(t)` converts a tensor, all on the current device (or `device=`). `t.type(cls)`
@@ -19,7 +20,7 @@ _TYPES = {
     "BoolTensor": torch.bool,
 }
 
-__all__ = list(_TYPES)
+__all__ = [*_TYPES, *(name.replace("Tensor", "Storage") for name in _TYPES)]
 
 
 class _LegacyTensorType(type):
@@ -48,3 +49,25 @@ for _name, _dtype in _TYPES.items():
         "__module__": "torch.npu", "__qualname__": _name,
         "__doc__": f"npu tensors of dtype {_dtype}."})
 del _name, _dtype
+
+
+class _LegacyStorageType(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return (isinstance(obj, torch.TypedStorage) and obj.device.type == "npu"
+                and obj.dtype == cls.dtype)
+
+
+def _new_storage(cls, *args, device=None):
+    """`FloatStorage()` / `FloatStorage(n)` (uninitialised) / `FloatStorage([1, 2])` on the
+    current device (or `device=`); `wrap_storage=` as torch.TypedStorage takes it."""
+    device = torch.device("npu", _get_device_index(device))
+    return torch.TypedStorage(*args, dtype=cls.dtype, device=device, _internal=True)
+
+
+for _name, _dtype in _TYPES.items():
+    _storage_name = _name.replace("Tensor", "Storage")
+    globals()[_storage_name] = _LegacyStorageType(_storage_name, (), {
+        "dtype": _dtype, "is_npu": True, "is_sparse": False, "__new__": _new_storage,
+        "__module__": "torch.npu", "__qualname__": _storage_name,
+        "__doc__": f"npu TypedStorages of dtype {_dtype}."})
+del _name, _dtype, _storage_name

@@ -23,8 +23,11 @@ from opennpu import npu  # noqa: E402  (torch_npu.npu is torch.npu; the import h
 from . import optim  # noqa: E402  (torch_npu.optim.*)
 from . import utils  # noqa: E402  (torch_npu.utils)
 from .utils import storage as _storage  # noqa: E402,F401  (loads pre-2.1 torch_npu checkpoints)
-from ._format import get_npu_format, npu_format_cast, npu_format_cast_  # noqa: E402
+from opennpu.npu.streams import _erase_stream as erase_stream  # noqa: E402
+from ._format import empty_with_format, get_npu_format, get_storage_size  # noqa: E402
+from ._format import npu_format_cast, npu_format_cast_  # noqa: E402
 from ._format import install_tensor_methods as _install_tensor_methods  # noqa: E402
 
 _install_tensor_methods()
-__all__ += ["get_npu_format", "npu_format_cast", "npu_format_cast_"]
+__all__ += ["empty_with_format", "erase_stream", "get_npu_format", "get_storage_size",
+            "npu_format_cast", "npu_format_cast_"]

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["ACL_FORMATS", "get_npu_format", "npu_format_cast", "npu_format_cast_"]
+__all__ = ["ACL_FORMATS", "empty_with_format", "get_npu_format", "get_storage_size",
+           "npu_format_cast", "npu_format_cast_"]
 
 # ACL's format numbers (aclFormat).
 ACL_FORMATS = {
@@ -65,6 +66,33 @@ def get_npu_format(self: torch.Tensor) -> int:
         where = self.device if isinstance(self, torch.Tensor) else type(self).__name__
         raise RuntimeError(f"torch_npu.get_npu_format: expected an npu tensor, got {where}")
     return ACL_FORMAT_ND
+
+
+def empty_with_format(size, *, dtype=None, layout=None, device=None, pin_memory=None,
+                      acl_format: int = ACL_FORMAT_ND, base_addr_aligned_kb=None) -> torch.Tensor:
+    """An uninitialised tensor, as torch.empty, requested in ACL format `acl_format`; stored in
+    ND like every npu tensor here (module docstring). Host blocks are 64-byte aligned; a larger
+    alignment of the data's address (`base_addr_aligned_kb`) is not offered and is an error."""
+    if isinstance(acl_format, bool) or not isinstance(acl_format, int) or acl_format not in _KNOWN:
+        raise ValueError(f"torch_npu.empty_with_format: acl_format {acl_format!r} is not an ACL "
+                         f"format; expected one of {sorted(_KNOWN)}")
+    if base_addr_aligned_kb:
+        raise NotImplementedError(
+            "torch_npu.empty_with_format: base_addr_aligned_kb is not supported by opennpu (npu "
+            f"memory is 64-byte aligned host memory), got {base_addr_aligned_kb!r}")
+    if device is None:
+        device = torch.device("npu", torch.npu.current_device())
+    return torch.empty(size, dtype=dtype, layout=layout or torch.strided, device=device,
+                       pin_memory=bool(pin_memory))
+
+
+def get_storage_size(self: torch.Tensor) -> int:
+    """The number of elements of `self`'s storage (not of the view), as torch_npu counts the
+    storage of an npu tensor; in ND that is the storage's bytes over the element size."""
+    if not isinstance(self, torch.Tensor) or self.device.type != "npu":
+        where = self.device if isinstance(self, torch.Tensor) else type(self).__name__
+        raise RuntimeError(f"torch_npu.get_storage_size: expected an npu tensor, got {where}")
+    return self.untyped_storage().nbytes() // self.element_size()
 
 
 def install_tensor_methods() -> None:

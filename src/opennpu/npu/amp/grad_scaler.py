@@ -10,6 +10,14 @@ A ``torch.amp.GradScaler`` for the npu device with torch_npu's two additions:
 * ``dynamic=False`` is torch_npu's static loss scale: gradients are still divided by the scale, but
   never checked for inf/NaN, no step is skipped and ``update()`` leaves the scale as it is.
 
+And torch_npu's two departures from torch.amp.GradScaler's semantics:
+
+* an overflow is per iteration, not per optimizer: once any optimizer's gradients held an inf or
+  NaN since the last ``update()``, every optimizer unscaled after it also skips its step;
+* ``step()`` leaves every optimizer's gradients unscaled in place, fused ones included (torch.amp
+  lets an optimizer with ``_step_supports_amp_scaling`` fold the scale into its step and keep
+  scaled gradients, which then differ when gradients accumulate across steps).
+
 The scale lives on the device of the first loss it scales (as in torch.amp.GradScaler), so the same
 scaler serves a model on npu and one on CPU.
 """
@@ -19,6 +27,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+from torch.amp.grad_scaler import OptState
 
 __all__ = ["GradScaler"]
 
@@ -71,6 +80,8 @@ class GradScaler(torch.amp.GradScaler):
                          backoff_factor=a["backoff_factor"], growth_interval=a["growth_interval"],
                          enabled=a["enabled"])
         self._dynamic = bool(a["dynamic"])
+        # Whether an inf/NaN was found in any optimizer's gradients since the last update().
+        self._has_overflow = False
 
     def is_dynamic(self) -> bool:
         """False for a static loss scale (``dynamic=False``)."""
@@ -79,10 +90,18 @@ class GradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
         fused = getattr(optimizer, "is_fused_optimizer", False)
         if self._dynamic:
-            if not fused:
-                return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-            # found_inf and inv_scale are on the scale's device, which must be the parameters'.
-            optimizer._unscale_grads_(inv_scale, found_inf)
+            if fused:
+                # found_inf and inv_scale are on the scale's device, which must be the parameters'.
+                optimizer._unscale_grads_(inv_scale, found_inf)
+                per_device = {found_inf.device: found_inf}
+            else:
+                per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+            if not self._has_overflow:
+                self._has_overflow = any(bool(t.item()) for t in per_device.values())
+            if self._has_overflow:  # an earlier optimizer's overflow skips this one's step too
+                for t in per_device.values():
+                    t.fill_(1.0)
+            return per_device
         else:  # static scale: divide, never check, so found_inf stays 0 and no step is skipped
             with torch.no_grad():
                 if fused:
@@ -98,11 +117,20 @@ class GradScaler(torch.amp.GradScaler):
                             g.mul_(inv_scale.to(g.device))
         return {found_inf.device: found_inf}
 
+    def step(self, optimizer, *args, **kwargs):
+        if (self._enabled and getattr(optimizer, "_step_supports_amp_scaling", False)
+                and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.READY):
+            # Unscale in place first: torch.amp.GradScaler.step then hands the optimizer no scale
+            # to fold in, and the gradients read as torch_npu leaves them (module docstring).
+            self.unscale_(optimizer)
+        return super().step(optimizer, *args, **kwargs)
+
     def update(self, new_scale=None) -> None:
         if self._enabled and not self._dynamic and new_scale is None:
             scale, _ = self._check_scale_growth_tracker("update")
             new_scale = float(scale)  # a static scale stays as it is
         super().update(new_scale)
+        self._has_overflow = False
 
     def state_dict(self) -> dict:
         state = super().state_dict()
