@@ -1,0 +1,119 @@
+"""The `hccl` process-group backend for the npu device.
+
+npu memory is host memory, so a collective on npu tensors is gloo's collective on CPU tensors that
+alias the same bytes (torch.ops.opennpu._npu_cpu_alias: no copy in or out; what gloo writes into
+the alias is the npu tensor's data). `ProcessGroupHCCL` is a Python `torch.distributed.ProcessGroup`
+(PyTorch's trampoline class, as its `threaded` backend uses) holding one ProcessGroupGloo; each
+collective replaces the npu tensors among its arguments by their CPU aliases and runs gloo's, CPU
+tensors passing through unchanged, and returns gloo's Work (wait, is_completed, get_future, the
+timeout all gloo's). Registered through `torch.distributed.Backend.register_backend("hccl", ...,
+devices=["npu"])`, so `init_process_group("hccl")`, `init_process_group()` (npu is the
+accelerator) and `"cpu:gloo,npu:hccl"` all give it. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+__all__ = ["ProcessGroupHCCL", "register"]
+
+_alias = None
+_ALLTOALL_TAG = 0x4C4C  # the tag of all_to_all's point-to-point messages
+
+
+def _to_cpu(x):
+    """x with each npu tensor replaced by a CPU tensor over the same memory (lists recursed)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "npu":
+            return _alias(x)
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(e) for e in x)
+    return x
+
+
+# ProcessGroup methods that torch.distributed's Python functions call, with their gloo namesakes.
+_FORWARDED = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+    "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
+    "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "gather", "scatter",
+    "alltoall_base", "send", "recv", "recv_anysource",
+)
+
+
+class ProcessGroupHCCL(dist.ProcessGroup):
+    """torch.distributed's hccl backend on the emulated npu device: gloo on CPU aliases."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._timeout = timeout
+
+    def getBackendName(self) -> str:  # noqa: N802  (ProcessGroup's name)
+        return "hccl"
+
+    def name(self) -> str:
+        return "hccl"
+
+    def barrier(self, opts=None):
+        gloo_opts = dist.BarrierOptions()
+        if opts is not None:
+            gloo_opts.timeout = opts.timeout
+        return self._gloo.barrier(gloo_opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """all_to_all with tensor lists, which gloo lacks: a send and a receive per peer (its
+        tensors sent in place, no staging), finished before it returns."""
+        outs, ins = _to_cpu(list(output_tensors)), _to_cpu(list(input_tensors))
+        rank, size = self.rank(), self.size()
+        if len(outs) != size or len(ins) != size:
+            raise ValueError(f"all_to_all: expected {size} input and output tensors, got "
+                             f"{len(ins)} and {len(outs)}")
+        outs[rank].copy_(ins[rank])
+        works = []
+        for step in range(1, size):
+            to, frm = (rank + step) % size, (rank - step) % size
+            works.append(self._gloo.send([ins[to].contiguous()], to, _ALLTOALL_TAG))
+            works.append(self._gloo.recv([outs[frm]], frm, _ALLTOALL_TAG))
+        for w in works:
+            w.wait()
+        fut = torch.futures.Future()
+        fut.set_result(list(output_tensors))
+        return _create_work_from_future(fut)
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        return self._gloo.monitored_barrier(timeout or self._timeout, wait_all_ranks)
+
+
+def _forward(name):
+    def method(self, *args):
+        return getattr(self._gloo, name)(*_to_cpu(args))
+
+    method.__name__ = name
+    method.__doc__ = f"gloo's {name} on CPU aliases of the npu tensors."
+    return method
+
+
+for _name in _FORWARDED:
+    setattr(ProcessGroupHCCL, _name, _forward(_name))
+del _name
+
+
+def _create(store, rank, size, timeout):
+    return ProcessGroupHCCL(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Registers `hccl` with torch.distributed for the npu device (idempotent)."""
+    global _alias
+    if not dist.is_available():
+        return
+    _alias = torch.ops.opennpu._npu_cpu_alias
+    if "HCCL" in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend("hccl", _create, devices=["npu"])
