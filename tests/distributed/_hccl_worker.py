@@ -141,6 +141,56 @@ def case_ddp(rank: int, world: int) -> dict:
     return res
 
 
+def case_fsdp2(rank: int, world: int) -> dict:
+    """fully_shard on npu over the hccl group against the same model trained in one process."""
+    from torch.distributed.fsdp import fully_shard
+
+    _init(rank, world, backend=None)
+    d = torch.device("npu", rank)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).to(d)
+    ref = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    ref.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    for m in model:
+        if isinstance(m, torch.nn.Linear):
+            fully_shard(m)
+    fully_shard(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x, y = torch.randn(world * 4, 8, generator=gen), torch.randn(world * 4, 4, generator=gen)
+        mine = slice(rank * 4, rank * 4 + 4)
+        loss = torch.nn.functional.mse_loss(model(x[mine].to(d)), y[mine].to(d))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        ref_loss = torch.nn.functional.mse_loss(ref(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        losses.append((total.item() / world, ref_loss.item()))
+    full = {k: v.full_tensor().cpu() for k, v in model.state_dict().items()}
+    res = {"losses": losses, "params": full, "ref": ref.state_dict()}
+    dist.destroy_process_group()
+    return res
+
+
+def case_torchrun(rank: int, world: int) -> dict:
+    """Launched by torchrun: the env:// rendezvous, set_device(LOCAL_RANK), the default backend."""
+    local = int(os.environ["LOCAL_RANK"])
+    torch.npu.set_device(local)
+    dist.init_process_group()
+    t = torch.full((3,), rank + 1.0, device="npu")
+    dist.all_reduce(t)
+    res = {"sum": t.cpu(), "device": str(t.device), "config": dist.get_backend_config()}
+    dist.destroy_process_group()
+    return res
+
+
 def case_peer_dies(rank: int, world: int) -> dict:
     _init(rank, world, timeout_s=5.0)
     t = torch.ones(4, device=f"npu:{rank}")
@@ -173,8 +223,12 @@ def case_peer_silent(rank: int, world: int) -> dict:
 
 
 def main() -> None:
-    case, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    if len(sys.argv) == 3:  # under torchrun: python _hccl_worker.py CASE OUT_PREFIX
+        case, rank, world = sys.argv[1], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        out = f"{sys.argv[2]}.{rank}.pt"
+    else:
+        case, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
     res = globals()[f"case_{case}"](rank, world)
     torch.save(res, out)
     sys.stdout.flush()

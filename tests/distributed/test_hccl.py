@@ -101,6 +101,30 @@ def test_ddp_matches_gloo_on_cpu(tmp_path):
             assert torch.equal(a, b)
 
 
+def test_fsdp2_matches_one_process(tmp_path):
+    for res in _spawn("fsdp2", tmp_path):
+        for loss, ref in res["losses"]:
+            assert abs(loss - ref) <= 1e-6 * abs(ref)
+        for name, ref in res["ref"].items():
+            torch.testing.assert_close(res["params"][name], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_torchrun(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           str(WORKER), "torchrun", str(tmp_path / "torchrun")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(WORLD):
+        res = torch.load(tmp_path / f"torchrun.{rank}.pt")
+        torch.testing.assert_close(res["sum"], torch.full((3,), 3.0))
+        assert res["device"] == f"npu:{rank}"
+        assert res["config"] == "npu:hccl"
+
+
 def test_dead_peer_raises_within_timeout(tmp_path):
     r0, _ = _spawn("peer_dies", tmp_path)
     assert r0["error"] is not None, "rank 0's collective returned though its peer died"

@@ -40,8 +40,7 @@ def _to_cpu(x):
 # ProcessGroup methods that torch.distributed's Python functions call, with their gloo namesakes.
 _FORWARDED = (
     "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
-    "allgather_coalesced", "allgather_into_tensor_coalesced", "reduce_scatter",
-    "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "gather", "scatter",
+    "allgather_coalesced", "reduce_scatter", "_reduce_scatter_base", "gather", "scatter",
     "alltoall_base", "send", "recv", "recv_anysource",
 )
 
@@ -53,6 +52,11 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
         self._timeout = timeout
+        # Group names and descriptions live on a ProcessGroup's backends (ProcessGroup::
+        # getGroupName reads its first backend's), and DeviceMesh / FSDP2 read them: gloo is this
+        # group's backend for both devices as far as C++ is concerned.
+        for device in ("cpu", "npu"):
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
 
     def getBackendName(self) -> str:  # noqa: N802  (ProcessGroup's name)
         return "hccl"
@@ -86,8 +90,28 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         fut.set_result(list(output_tensors))
         return _create_work_from_future(fut)
 
+    # The coalesced tensor collectives (functional collectives, FSDP2, DTensor call them) have no
+    # gloo binding: one gloo collective per pair, the Work finishing when all have.
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return _all_of([self._gloo._allgather_base(_to_cpu(o), _to_cpu(i), opts)
+                        for o, i in zip(outputs, inputs)], list(outputs))
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        return _all_of([self._gloo._reduce_scatter_base(_to_cpu(o), _to_cpu(i), opts)
+                        for o, i in zip(outputs, inputs)], list(outputs))
+
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return self._gloo.monitored_barrier(timeout or self._timeout, wait_all_ranks)
+
+
+def _all_of(works, result):
+    """A Work done when every one of `works` is, its result `result`."""
+    if len(works) == 1:
+        return works[0]
+    fut = torch.futures.collect_all([w.get_future() for w in works]).then(lambda f: (f.wait(), result)[1])
+    return _create_work_from_future(fut)
 
 
 def _forward(name):
