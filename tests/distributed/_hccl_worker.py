@@ -191,6 +191,29 @@ def case_torchrun(rank: int, world: int) -> dict:
     return res
 
 
+def case_mismatch(rank: int, world: int) -> dict:
+    """Ranks disagreeing on shape, then on dtype, then on the collective: the same clear error on
+    each, and the group still usable after."""
+    _init(rank, world)
+    d = torch.device("npu", rank)
+    res = {}
+    for what, t, call in (
+        ("shape", torch.ones(4 + rank, device=d), dist.all_reduce),
+        ("dtype", torch.ones(4, device=d, dtype=torch.float32 if rank == 0 else torch.float64), dist.all_reduce),
+        ("op", torch.ones(4, device=d), dist.all_reduce if rank == 0 else (lambda t: dist.broadcast(t, 0))),
+    ):
+        try:
+            call(t)
+            res[what] = None
+        except RuntimeError as e:
+            res[what] = str(e)
+    t = torch.ones(2, device=d)
+    dist.all_reduce(t)
+    res["after"] = t.cpu()
+    dist.destroy_process_group()
+    return res
+
+
 def case_peer_dies(rank: int, world: int) -> dict:
     _init(rank, world, timeout_s=5.0)
     t = torch.ones(4, device=f"npu:{rank}")

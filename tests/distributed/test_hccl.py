@@ -125,6 +125,15 @@ def test_torchrun(tmp_path):
         assert res["config"] == "npu:hccl"
 
 
+def test_mismatched_collectives_raise(tmp_path):
+    for res in _spawn("mismatch", tmp_path):
+        for what, expected in (("shape", ("4 elements", "5 elements")), ("dtype", ("float32", "float64")),
+                               ("op", ("allreduce", "broadcast"))):
+            assert res[what] is not None and "mismatched collectives" in res[what], (what, res[what])
+            assert all(e in res[what] for e in expected), res[what]
+        torch.testing.assert_close(res["after"], torch.full((2,), 2.0))
+
+
 def test_dead_peer_raises_within_timeout(tmp_path):
     r0, _ = _spawn("peer_dies", tmp_path)
     assert r0["error"] is not None, "rank 0's collective returned though its peer died"

@@ -18,7 +18,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions, _create_work_from_future
 
 __all__ = ["ProcessGroupHCCL", "register"]
 
@@ -44,6 +44,54 @@ _FORWARDED = (
     "alltoall_base", "send", "recv", "recv_anysource",
 )
 
+# Which arguments every rank passes alike (the same shapes and dtypes), checked across ranks before
+# the collective runs: gloo itself aborts the process on a size mismatch ("Received data size
+# doesn't match expected size") or reduces garbage. "all": every tensor argument; an index: that
+# argument only (gather's outputs and scatter's inputs exist on the root alone); "dtype": dtypes
+# only (all_to_all's splits may differ by rank). Point-to-point ops are not checked.
+_CHECKED = {
+    "allreduce": "all", "allreduce_coalesced": "all", "broadcast": "all", "reduce": "all",
+    "allgather": "all", "_allgather_base": "all", "allgather_coalesced": "all",
+    "reduce_scatter": "all", "_reduce_scatter_base": "all", "gather": 1, "scatter": 0,
+    "alltoall_base": "dtype", "alltoall": "dtype", "allgather_into_tensor_coalesced": "all",
+    "reduce_scatter_tensor_coalesced": "all",
+}
+_OPS = {name: i for i, name in enumerate(_CHECKED)}
+# A dtype's number, the same in every process running this torch.
+_DTYPES = {d: i for i, d in enumerate(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
+                                             key=str))}
+_FP_LEN = 8
+_CHECK = os.environ.get("OPENNPU_HCCL_CHECK", "1") != "0"
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for e in x:
+            yield from _tensors(e)
+
+
+def _fingerprint(name: str, args) -> list:
+    what = _CHECKED[name]
+    ts = list(_tensors(args if what in ("all", "dtype") else args[what]))
+    first = ts[0] if ts else None
+    dtype = -1 if first is None else _DTYPES.get(first.dtype, -2)
+    if what == "dtype":
+        return [_OPS[name], dtype] + [-1] * (_FP_LEN - 2)
+    shape = list(first.shape[:4]) if first is not None else []
+    return ([_OPS[name], dtype, len(ts), sum(t.numel() for t in ts), len(shape)] + shape + [-1] * 4)[:_FP_LEN]
+
+
+def _describe(fp: list) -> str:
+    if fp[0] < 0 or fp[0] >= len(_OPS):
+        return "?"
+    op = list(_OPS)[fp[0]]
+    dtype = next((str(d).removeprefix("torch.") for d, i in _DTYPES.items() if i == fp[1]), "?")
+    if fp[2] == -1:
+        return f"{op} of {dtype}"
+    return f"{op} of {fp[2]} tensor(s), {fp[3]} elements, dtype {dtype}, first shape {tuple(fp[5:5 + min(fp[4], 3)])}"
+
 
 class ProcessGroupHCCL(dist.ProcessGroup):
     """torch.distributed's hccl backend on the emulated npu device: gloo on CPU aliases."""
@@ -64,6 +112,20 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     def name(self) -> str:
         return "hccl"
 
+    def _check(self, name: str, args) -> None:
+        """Raises the same error on every rank when the ranks' collectives differ in kind, dtype or
+        shape (a small all_gather of each rank's fingerprint; OPENNPU_HCCL_CHECK=0 skips it)."""
+        if not _CHECK or self.size() == 1:
+            return
+        mine = torch.tensor(_fingerprint(name, args), dtype=torch.int64)
+        every = torch.empty(self.size() * _FP_LEN, dtype=torch.int64)
+        self._gloo._allgather_base(every, mine, AllgatherOptions()).wait()
+        every = every.view(self.size(), _FP_LEN)
+        if not bool((every == every[0]).all()):
+            ranks = "; ".join(f"rank {r}: {_describe(row.tolist())}" for r, row in enumerate(every))
+            raise RuntimeError(f"hccl: ranks called mismatched collectives ({ranks}); every rank must "
+                               "call the same collective with the same shapes and dtypes")
+
     def barrier(self, opts=None):
         gloo_opts = dist.BarrierOptions()
         if opts is not None:
@@ -73,6 +135,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     def alltoall(self, output_tensors, input_tensors, opts=None):
         """all_to_all with tensor lists, which gloo lacks: a send and a receive per peer (its
         tensors sent in place, no staging), finished before it returns."""
+        self._check("alltoall", (output_tensors, input_tensors))
         outs, ins = _to_cpu(list(output_tensors)), _to_cpu(list(input_tensors))
         rank, size = self.rank(), self.size()
         if len(outs) != size or len(ins) != size:
@@ -93,12 +156,14 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     # The coalesced tensor collectives (functional collectives, FSDP2, DTensor call them) have no
     # gloo binding: one gloo collective per pair, the Work finishing when all have.
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.AllgatherOptions()
+        self._check("allgather_into_tensor_coalesced", (outputs, inputs))
+        opts = opts or AllgatherOptions()
         return _all_of([self._gloo._allgather_base(_to_cpu(o), _to_cpu(i), opts)
                         for o, i in zip(outputs, inputs)], list(outputs))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        opts = opts or dist.ReduceScatterOptions()
+        self._check("reduce_scatter_tensor_coalesced", (outputs, inputs))
+        opts = opts or ReduceScatterOptions()
         return _all_of([self._gloo._reduce_scatter_base(_to_cpu(o), _to_cpu(i), opts)
                         for o, i in zip(outputs, inputs)], list(outputs))
 
@@ -115,7 +180,11 @@ def _all_of(works, result):
 
 
 def _forward(name):
+    checked = name in _CHECKED
+
     def method(self, *args):
+        if checked:
+            self._check(name, args)
         return getattr(self._gloo, name)(*_to_cpu(args))
 
     method.__name__ = name
