@@ -68,6 +68,14 @@ TORCH_LIBRARY_FRAGMENT(opennpu, m) {
     const FallbackStats s = fallback_stats();
     return std::vector<int64_t>{s.calls, s.adopted_outputs, s.view_outputs};
   });
+  // A CPU tensor over an npu tensor's memory (same sizes, strides, offset; no copy): what the
+  // hccl process group hands gloo. Writes through either are seen by the other; the alias keeps
+  // the npu storage alive.
+  m.def("_npu_cpu_alias(Tensor self) -> Tensor", [](const at::Tensor& self) {
+    TORCH_CHECK(self.device().type() == c10::DeviceType::PrivateUse1,
+                "_npu_cpu_alias expects an npu tensor, got one on ", self.device());
+    return make_cpu_alias(self, make_cpu_alias_storage(self.storage()));
+  });
 }
 
 }  // namespace opennpu::device

@@ -33,6 +33,10 @@ from . import _device  # noqa: E402
 
 _device.register()  # the `npu` device: torch.npu, Tensor.npu(), "npu:0"
 
+from . import distributed  # noqa: E402
+
+distributed.register()  # torch.distributed's `hccl` backend for npu tensors
+
 # opennpu.optim (and torch.npu.amp) import torch._dynamo (torch.compiler.disable), seconds of work
 # that `import torch` would pay through the backend autoload: they load on first use.
 from . import npu, ops  # noqa: E402

@@ -1,0 +1,212 @@
+"""The `hccl` process-group backend for the npu device.
+
+npu memory is host memory, so a collective on npu tensors is gloo's collective on CPU tensors that
+alias the same bytes (torch.ops.opennpu._npu_cpu_alias: no copy in or out; what gloo writes into
+the alias is the npu tensor's data). `ProcessGroupHCCL` is a Python `torch.distributed.ProcessGroup`
+(PyTorch's trampoline class, as its `threaded` backend uses) holding one ProcessGroupGloo; each
+collective replaces the npu tensors among its arguments by their CPU aliases and runs gloo's, CPU
+tensors passing through unchanged, and returns gloo's Work (wait, is_completed, get_future, the
+timeout all gloo's). Registered through `torch.distributed.Backend.register_backend("hccl", ...,
+devices=["npu"])`, so `init_process_group("hccl")`, `init_process_group()` (npu is the
+accelerator) and `"cpu:gloo,npu:hccl"` all give it. See docs/distributed.md.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions, _create_work_from_future
+
+__all__ = ["ProcessGroupHCCL", "register"]
+
+_alias = None
+_ALLTOALL_TAG = 0x4C4C  # the tag of all_to_all's point-to-point messages
+
+
+def _to_cpu(x):
+    """x with each npu tensor replaced by a CPU tensor over the same memory (lists recursed)."""
+    if isinstance(x, torch.Tensor):
+        if x.device.type == "npu":
+            return _alias(x)
+        return x
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(e) for e in x)
+    return x
+
+
+# ProcessGroup methods that torch.distributed's Python functions call, with their gloo namesakes.
+_FORWARDED = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
+    "allgather_coalesced", "reduce_scatter", "_reduce_scatter_base", "gather", "scatter",
+    "alltoall_base", "send", "recv", "recv_anysource",
+)
+
+# Which arguments every rank passes alike (the same shapes and dtypes), checked across ranks before
+# the collective runs: gloo itself aborts the process on a size mismatch ("Received data size
+# doesn't match expected size") or reduces garbage. "all": every tensor argument; an index: that
+# argument only (gather's outputs and scatter's inputs exist on the root alone); "dtype": dtypes
+# only (all_to_all's splits may differ by rank). Point-to-point ops are not checked.
+_CHECKED = {
+    "allreduce": "all", "allreduce_coalesced": "all", "broadcast": "all", "reduce": "all",
+    "allgather": "all", "_allgather_base": "all", "allgather_coalesced": "all",
+    "reduce_scatter": "all", "_reduce_scatter_base": "all", "gather": 1, "scatter": 0,
+    "alltoall_base": "dtype", "alltoall": "dtype", "allgather_into_tensor_coalesced": "all",
+    "reduce_scatter_tensor_coalesced": "all",
+}
+_OPS = {name: i for i, name in enumerate(_CHECKED)}
+# A dtype's number, the same in every process running this torch.
+_DTYPES = {d: i for i, d in enumerate(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
+                                             key=str))}
+_FP_LEN = 8
+_CHECK = os.environ.get("OPENNPU_HCCL_CHECK", "1") != "0"
+
+
+def _tensors(x):
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for e in x:
+            yield from _tensors(e)
+
+
+def _fingerprint(name: str, args) -> list:
+    what = _CHECKED[name]
+    ts = list(_tensors(args if what in ("all", "dtype") else args[what]))
+    first = ts[0] if ts else None
+    dtype = -1 if first is None else _DTYPES.get(first.dtype, -2)
+    if what == "dtype":
+        return [_OPS[name], dtype] + [-1] * (_FP_LEN - 2)
+    shape = list(first.shape[:4]) if first is not None else []
+    return ([_OPS[name], dtype, len(ts), sum(t.numel() for t in ts), len(shape)] + shape + [-1] * 4)[:_FP_LEN]
+
+
+def _describe(fp: list) -> str:
+    if fp[0] < 0 or fp[0] >= len(_OPS):
+        return "?"
+    op = list(_OPS)[fp[0]]
+    dtype = next((str(d).removeprefix("torch.") for d, i in _DTYPES.items() if i == fp[1]), "?")
+    if fp[2] == -1:
+        return f"{op} of {dtype}"
+    return f"{op} of {fp[2]} tensor(s), {fp[3]} elements, dtype {dtype}, first shape {tuple(fp[5:5 + min(fp[4], 3)])}"
+
+
+class ProcessGroupHCCL(dist.ProcessGroup):
+    """torch.distributed's hccl backend on the emulated npu device: gloo on CPU aliases."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta):
+        super().__init__(rank, size)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        self._timeout = timeout
+        # Group names and descriptions live on a ProcessGroup's backends (ProcessGroup::
+        # getGroupName reads its first backend's), and DeviceMesh / FSDP2 read them: gloo is this
+        # group's backend for both devices as far as C++ is concerned.
+        for device in ("cpu", "npu"):
+            self._register_backend(torch.device(device), dist.ProcessGroup.BackendType.CUSTOM, self._gloo)
+
+    def getBackendName(self) -> str:  # noqa: N802  (ProcessGroup's name)
+        return "hccl"
+
+    def name(self) -> str:
+        return "hccl"
+
+    def _check(self, name: str, args) -> None:
+        """Raises the same error on every rank when the ranks' collectives differ in kind, dtype or
+        shape (a small all_gather of each rank's fingerprint; OPENNPU_HCCL_CHECK=0 skips it)."""
+        if not _CHECK or self.size() == 1:
+            return
+        mine = torch.tensor(_fingerprint(name, args), dtype=torch.int64)
+        every = torch.empty(self.size() * _FP_LEN, dtype=torch.int64)
+        self._gloo._allgather_base(every, mine, AllgatherOptions()).wait()
+        every = every.view(self.size(), _FP_LEN)
+        if not bool((every == every[0]).all()):
+            ranks = "; ".join(f"rank {r}: {_describe(row.tolist())}" for r, row in enumerate(every))
+            raise RuntimeError(f"hccl: ranks called mismatched collectives ({ranks}); every rank must "
+                               "call the same collective with the same shapes and dtypes")
+
+    def barrier(self, opts=None):
+        gloo_opts = dist.BarrierOptions()
+        if opts is not None:
+            gloo_opts.timeout = opts.timeout
+        return self._gloo.barrier(gloo_opts)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """all_to_all with tensor lists, which gloo lacks: a send and a receive per peer (its
+        tensors sent in place, no staging), finished before it returns."""
+        self._check("alltoall", (output_tensors, input_tensors))
+        outs, ins = _to_cpu(list(output_tensors)), _to_cpu(list(input_tensors))
+        rank, size = self.rank(), self.size()
+        if len(outs) != size or len(ins) != size:
+            raise ValueError(f"all_to_all: expected {size} input and output tensors, got "
+                             f"{len(ins)} and {len(outs)}")
+        outs[rank].copy_(ins[rank])
+        works = []
+        for step in range(1, size):
+            to, frm = (rank + step) % size, (rank - step) % size
+            works.append(self._gloo.send([ins[to].contiguous()], to, _ALLTOALL_TAG))
+            works.append(self._gloo.recv([outs[frm]], frm, _ALLTOALL_TAG))
+        for w in works:
+            w.wait()
+        fut = torch.futures.Future()
+        fut.set_result(list(output_tensors))
+        return _create_work_from_future(fut)
+
+    # The coalesced tensor collectives (functional collectives, FSDP2, DTensor call them) have no
+    # gloo binding: one gloo collective per pair, the Work finishing when all have.
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._check("allgather_into_tensor_coalesced", (outputs, inputs))
+        opts = opts or AllgatherOptions()
+        return _all_of([self._gloo._allgather_base(_to_cpu(o), _to_cpu(i), opts)
+                        for o, i in zip(outputs, inputs)], list(outputs))
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        self._check("reduce_scatter_tensor_coalesced", (outputs, inputs))
+        opts = opts or ReduceScatterOptions()
+        return _all_of([self._gloo._reduce_scatter_base(_to_cpu(o), _to_cpu(i), opts)
+                        for o, i in zip(outputs, inputs)], list(outputs))
+
+    def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        return self._gloo.monitored_barrier(timeout or self._timeout, wait_all_ranks)
+
+
+def _all_of(works, result):
+    """A Work done when every one of `works` is, its result `result`."""
+    if len(works) == 1:
+        return works[0]
+    fut = torch.futures.collect_all([w.get_future() for w in works]).then(lambda f: (f.wait(), result)[1])
+    return _create_work_from_future(fut)
+
+
+def _forward(name):
+    checked = name in _CHECKED
+
+    def method(self, *args):
+        if checked:
+            self._check(name, args)
+        return getattr(self._gloo, name)(*_to_cpu(args))
+
+    method.__name__ = name
+    method.__doc__ = f"gloo's {name} on CPU aliases of the npu tensors."
+    return method
+
+
+for _name in _FORWARDED:
+    setattr(ProcessGroupHCCL, _name, _forward(_name))
+del _name
+
+
+def _create(store, rank, size, timeout):
+    return ProcessGroupHCCL(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Registers `hccl` with torch.distributed for the npu device (idempotent)."""
+    global _alias
+    if not dist.is_available():
+        return
+    _alias = torch.ops.opennpu._npu_cpu_alias
+    if "HCCL" in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend("hccl", _create, devices=["npu"])

@@ -1,0 +1,147 @@
+"""torch.distributed's `hccl` backend on the emulated npu device (opennpu.distributed): two ranks
+spawned as processes on loopback 127.0.0.1, each case bounded by a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+WORKER = Path(__file__).with_name("_hccl_worker.py")
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(case: str, tmp_path: Path, timeout: float = 60.0) -> list:
+    """Runs CASE on WORLD ranks; returns each rank's results (None where a rank wrote none)."""
+    port = str(_free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    outs = [tmp_path / f"{case}.{r}.pt" for r in range(WORLD)]
+    procs = [subprocess.Popen([sys.executable, str(WORKER), case, str(r), str(WORLD), port, str(outs[r])],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(WORLD)]
+    deadline = time.monotonic() + timeout
+    errors = []
+    for r, p in enumerate(procs):
+        try:
+            _, err = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            for q in procs:
+                q.communicate()
+            pytest.fail(f"{case}: rank {r} still running after {timeout} s")
+        if p.returncode != 0:
+            errors.append(f"rank {r} exited {p.returncode}:\n{err[-3000:]}")
+    assert not errors, "\n".join(errors)
+    return [torch.load(o, weights_only=False) if o.exists() else None for o in outs]
+
+
+def test_collectives(tmp_path):
+    r0, r1 = _spawn("collectives", tmp_path)
+    for rank, res in enumerate((r0, r1)):
+        eq = lambda name, *v: torch.testing.assert_close(res[name], torch.tensor(v), msg=name)  # noqa: E731
+        assert res["backend"] == "hccl"
+        eq("all_reduce_SUM", 3.0, 3.0)
+        eq("all_reduce_PRODUCT", 2.0, 2.0)
+        eq("all_reduce_MIN", 1.0, 1.0)
+        eq("all_reduce_MAX", 2.0, 2.0)
+        eq("all_reduce_BAND", 1 & 2, 6)
+        eq("all_reduce_BOR", 1 | 2, 6)
+        eq("all_reduce_BXOR", 1 ^ 2, 0)
+        eq("broadcast", 0.0, 2.0, 4.0, 6.0)
+        eq("all_gather", [0.0, 0.0], [1.0, 1.0])
+        torch.testing.assert_close(res["all_gather_into_tensor"], torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
+        eq("reduce_scatter_tensor", *[2.0 * (2 * rank + i) + 1 for i in range(2)])
+        eq("scatter", 20.0 + rank, 20.0 + rank)
+        eq("all_to_all_single", rank, 10.0 + rank)
+        eq("all_to_all", rank, 100.0 + rank)
+        eq("batch_isend_irecv", 1.5 - rank, 1.5 - rank)
+        assert res["async_completed"] is True
+        eq("async", 2.0, 2.0)
+        eq("new_group", 3.0, 3.0)
+        assert res["new_group_backend"] == "hccl"
+        assert res["zero_copy"] == (True, 0, 2.0)
+    torch.testing.assert_close(r0["reduce"], torch.tensor([3.0, 3.0, 3.0]))
+    torch.testing.assert_close(r0["gather"], torch.tensor([[10.0, 10.0], [11.0, 11.0]]))
+    torch.testing.assert_close(r1["send_recv"], torch.tensor([7.0, 8.0]))
+
+
+def test_default_backend_and_device_map(tmp_path):
+    for res in _spawn("default_backend", tmp_path):
+        for spec in ("None", "cpu:gloo,npu:hccl"):
+            backend, t, c = res[spec]
+            torch.testing.assert_close(t, torch.tensor([3.0, 3.0]))
+            torch.testing.assert_close(c, torch.tensor([3.0, 3.0]))
+        assert res["None"][0] == "npu:hccl"  # the accelerator's backend, as CUDA gets nccl
+        assert res["cpu:gloo,npu:hccl"][0] == "cpu:gloo,npu:hccl"
+
+
+def test_ddp_matches_gloo_on_cpu(tmp_path):
+    for res in _spawn("ddp", tmp_path):
+        npu, cpu = res["npu"], res["cpu"]
+        assert npu["losses"] == cpu["losses"]
+        for gn, gc in zip(npu["grads"], cpu["grads"]):
+            for a, b in zip(gn, gc):
+                assert torch.equal(a, b)
+        for a, b in zip(npu["params"], cpu["params"]):
+            assert torch.equal(a, b)
+
+
+def test_fsdp2_matches_one_process(tmp_path):
+    for res in _spawn("fsdp2", tmp_path):
+        for loss, ref in res["losses"]:
+            assert abs(loss - ref) <= 1e-6 * abs(ref)
+        for name, ref in res["ref"].items():
+            torch.testing.assert_close(res["params"][name], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_torchrun(tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    src = str(Path(__file__).resolve().parents[2] / "src")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH")) if p)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+           "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
+           str(WORKER), "torchrun", str(tmp_path / "torchrun")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for rank in range(WORLD):
+        res = torch.load(tmp_path / f"torchrun.{rank}.pt")
+        torch.testing.assert_close(res["sum"], torch.full((3,), 3.0))
+        assert res["device"] == f"npu:{rank}"
+        assert res["config"] == "npu:hccl"
+
+
+def test_mismatched_collectives_raise(tmp_path):
+    for res in _spawn("mismatch", tmp_path):
+        for what, expected in (("shape", ("4 elements", "5 elements")), ("dtype", ("float32", "float64")),
+                               ("op", ("allreduce", "broadcast"))):
+            assert res[what] is not None and "mismatched collectives" in res[what], (what, res[what])
+            assert all(e in res[what] for e in expected), res[what]
+        torch.testing.assert_close(res["after"], torch.full((2,), 2.0))
+
+
+def test_dead_peer_raises_within_timeout(tmp_path):
+    r0, _ = _spawn("peer_dies", tmp_path)
+    assert r0["error"] is not None, "rank 0's collective returned though its peer died"
+    assert r0["seconds"] < 20
+
+
+def test_silent_peer_times_out(tmp_path):
+    r0, _ = _spawn("peer_silent", tmp_path)
+    assert r0["error"] is not None, "rank 0's collective returned though its peer never joined"
+    assert r0["seconds"] < 10
+    assert "Timed out" in r0["error"], r0["error"]
