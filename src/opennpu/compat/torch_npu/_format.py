@@ -25,10 +25,11 @@ _KNOWN = frozenset(ACL_FORMATS.values())
 ACL_FORMAT_ND = 2
 
 
-def _check(fn: str, self, acl_format) -> None:
+def _check(fn: str, self, acl_format, *, on_npu: bool = True) -> None:
+    """`self` a tensor (on npu unless `on_npu` is False) and `acl_format` an ACL format number."""
     if not isinstance(self, torch.Tensor):
         raise TypeError(f"{fn}: self must be a Tensor, got {type(self).__name__}")
-    if self.device.type != "npu":
+    if on_npu and self.device.type != "npu":
         raise RuntimeError(f"{fn}: self must be an npu tensor (storage formats exist only on the "
                            f"device), got a tensor on {self.device}")
     if isinstance(acl_format, bool) or not isinstance(acl_format, int):

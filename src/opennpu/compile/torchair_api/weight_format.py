@@ -24,17 +24,9 @@ def npu_format_cast_via_cpu(self: torch.Tensor, acl_format: int,
                             input_dtype: int | None = None) -> torch.Tensor:
     """`self` unchanged (ND is the only layout here) once `acl_format` is checked to be an ACL
     format number; `customize_dtype` / `input_dtype` (GE dtype codes) are accepted."""
-    from opennpu.compat.torch_npu._format import _KNOWN
+    from opennpu.compat.torch_npu._format import _check
 
-    if not isinstance(self, torch.Tensor):
-        raise TypeError(f"npu_format_cast_via_cpu: self must be a Tensor, got "
-                        f"{type(self).__name__}")
-    if isinstance(acl_format, bool) or not isinstance(acl_format, int):
-        raise TypeError(f"npu_format_cast_via_cpu: acl_format must be an int (an ACL format "
-                        f"number), got {type(acl_format).__name__}")
-    if acl_format not in _KNOWN:
-        raise ValueError(f"npu_format_cast_via_cpu: acl_format {acl_format} is not an ACL "
-                         f"format; expected one of {sorted(_KNOWN)}")
+    _check("npu_format_cast_via_cpu", self, acl_format, on_npu=False)
     for name, value in (("customize_dtype", customize_dtype), ("input_dtype", input_dtype)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             raise TypeError(f"npu_format_cast_via_cpu: {name} must be None or an int, got "
