@@ -313,8 +313,13 @@ c10::Allocator* device_allocator(c10::DeviceIndex index) {
 }
 
 c10::DataPtr allocate(c10::DeviceIndex index, size_t nbytes, c10::Device data_ptr_device) {
+  initialize_devices();
   check_device_index(index);
   if (nbytes == 0) return c10::DataPtr(nullptr, data_ptr_device);
+  // c10's CUDA caching allocator's bound and message; it also keeps round_size from overflowing.
+  constexpr size_t kOneExbibyte = size_t(1) << 60;
+  TORCH_CHECK_WITH(OutOfMemoryError, nbytes < kOneExbibyte,
+                   "NPU out of memory. Tried to allocate more than 1EB memory.");
   const size_t size = round_size(nbytes);
   auto& st = state();
   std::lock_guard<std::mutex> lock(st.mutex);

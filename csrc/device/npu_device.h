@@ -3,6 +3,7 @@
 // bytes (npu_fallback.cpp), so nothing here models a separate address space.
 #pragma once
 
+#include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/Generator.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
@@ -27,12 +28,15 @@ constexpr int kMaxDevices = 64;
 
 // ---- npu_device_count.cpp ------------------------------------------------------------------
 // Devices visible to this process: OPENNPU_DEVICE_COUNT (default 8) physical devices, narrowed and
-// re-indexed from 0 by ASCEND_RT_VISIBLE_DEVICES. Read once.
+// re-indexed from 0 by ASCEND_RT_VISIBLE_DEVICES. Re-read on every query until the runtime is
+// initialised (the first npu allocation or set_device), then fixed, as CANN does.
 c10::DeviceIndex device_count() noexcept;
+void initialize_devices();  // idempotent; fixes the visible devices
+bool devices_initialized() noexcept;
 // Throws a clear error unless 0 <= index < device_count().
 void check_device_index(int64_t index);
 // The physical id of each visible device (ASCEND_RT_VISIBLE_DEVICES order).
-const std::vector<int64_t>& visible_physical_ids();
+std::vector<int64_t> visible_physical_ids();
 
 // ---- npu_guard.cpp -------------------------------------------------------------------------
 // The calling thread's current device (0 until set_device).
@@ -50,6 +54,7 @@ c10::Stream new_stream(c10::DeviceIndex index);
 void record_event(void** event, const c10::Stream& stream, c10::DeviceIndex index, c10::EventFlag flag);
 void destroy_event(void* event) noexcept;
 double event_elapsed_ms(void* start, void* end);
+int64_t event_recorded_ns(void* event);  // host steady-clock time of the last record
 
 // ---- npu_allocator.cpp ---------------------------------------------------------------------
 // The caching allocator of one device: its DataPtrs carry device npu:index.
@@ -98,8 +103,12 @@ void set_memory_fraction(double fraction, c10::DeviceIndex index);
 double memory_fraction(c10::DeviceIndex index);
 
 // ---- npu_pinned.cpp ------------------------------------------------------------------------
+// pin_memory()'s caching allocator; empty_pinned_cache returns its cached blocks to the system.
 c10::Allocator* pinned_host_allocator();
-bool is_pinned_host_ptr(const void* ptr);
+void empty_pinned_cache();
+at::HostStats pinned_host_stats();
+void reset_pinned_host_stats(bool peak_only);
+bool is_pinned_host_ptr(const void* ptr);  // true inside any pinned block
 
 // ---- npu_generator.cpp ---------------------------------------------------------------------
 // npu generators are CPUGeneratorImpl engines (mt19937) under an npu device, so an npu op draws

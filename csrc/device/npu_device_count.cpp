@@ -2,8 +2,10 @@
 // Atlas 800T A2 server's), narrowed by ASCEND_RT_VISIBLE_DEVICES as CANN does.
 #include <c10/util/Exception.h>
 
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -59,15 +61,39 @@ std::vector<int64_t> parse_visible_devices(int64_t physical) {
   return ids;
 }
 
+// The visible devices once the runtime is initialised (first allocation or set_device); until
+// then every query re-reads the environment, so a script may still set ASCEND_RT_VISIBLE_DEVICES
+// after `import torch`, as with torch_npu.
+std::atomic<const std::vector<int64_t>*> frozen_ids{nullptr};
+
 }  // namespace
 
-const std::vector<int64_t>& visible_physical_ids() {
-  static const std::vector<int64_t> ids = parse_visible_devices(physical_device_count());
-  return ids;
+void initialize_devices() {
+  if (frozen_ids.load(std::memory_order_acquire) != nullptr) return;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    // Leaked on purpose: device queries may run during static destruction.
+    frozen_ids.store(new std::vector<int64_t>(parse_visible_devices(physical_device_count())),
+                     std::memory_order_release);
+  });
+}
+
+bool devices_initialized() noexcept { return frozen_ids.load(std::memory_order_acquire) != nullptr; }
+
+std::vector<int64_t> visible_physical_ids() {
+  if (const auto* ids = frozen_ids.load(std::memory_order_acquire)) return *ids;
+  return parse_visible_devices(physical_device_count());
 }
 
 c10::DeviceIndex device_count() noexcept {
-  return static_cast<c10::DeviceIndex>(visible_physical_ids().size());
+  if (const auto* ids = frozen_ids.load(std::memory_order_acquire)) {
+    return static_cast<c10::DeviceIndex>(ids->size());
+  }
+  try {
+    return static_cast<c10::DeviceIndex>(parse_visible_devices(physical_device_count()).size());
+  } catch (...) {  // only std::bad_alloc can come out of the parse
+    return 0;
+  }
 }
 
 void check_device_index(int64_t index) {

@@ -72,6 +72,7 @@ struct NpuGuardImpl final : c10::impl::DeviceGuardImplInterface {
 c10::DeviceIndex current_device() noexcept { return tls_current_device; }
 
 void set_current_device(c10::DeviceIndex index) {
+  initialize_devices();
   check_device_index(index);
   tls_current_device = index;
 }

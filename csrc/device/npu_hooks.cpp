@@ -20,7 +20,7 @@ struct NpuHooks final : at::PrivateUse1HooksInterface {
   bool hasPrimaryContext(c10::DeviceIndex index) const override {
     return index >= 0 && index < device_count();
   }
-  void init() const override {}
+  void init() const override { initialize_devices(); }
 
   c10::DeviceIndex deviceCount() const override { return device_count(); }
   void setCurrentDevice(c10::DeviceIndex index) const override { set_current_device(index); }

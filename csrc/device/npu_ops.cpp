@@ -20,6 +20,24 @@ TORCH_LIBRARY_FRAGMENT(opennpu, m) {
   // Devices visible to the process, and the physical id of each (ASCEND_RT_VISIBLE_DEVICES).
   m.def("_npu_device_count() -> int", []() -> int64_t { return device_count(); });
   m.def("_npu_visible_devices() -> int[]", []() { return visible_physical_ids(); });
+  // torch.npu.init(): fixes the visible devices (also done by the first allocation/set_device).
+  // Releases the cached blocks of pin_memory()'s allocator (torch_npu._C._npu_hostEmptyCache).
+  m.def("_npu_host_empty_cache() -> ()", []() { empty_pinned_cache(); });
+  // Pinned allocator statistics: [current, peak, allocated, freed] of allocations,
+  // allocated_bytes, active_requests and active_bytes, then num_host_alloc, num_host_free.
+  m.def("_npu_host_memory_stats() -> int[]", []() {
+    const at::HostStats s = pinned_host_stats();
+    std::vector<int64_t> out;
+    for (const auto* stat : {&s.allocations, &s.allocated_bytes, &s.active_requests, &s.active_bytes}) {
+      out.insert(out.end(), {stat->current, stat->peak, stat->allocated, stat->freed});
+    }
+    out.insert(out.end(), {s.num_host_alloc, s.num_host_free});
+    return out;
+  });
+  m.def("_npu_host_reset_stats(bool peak_only) -> ()",
+        [](bool peak_only) { reset_pinned_host_stats(peak_only); });
+  m.def("_npu_init() -> ()", []() { initialize_devices(); });
+  m.def("_npu_is_initialized() -> bool", []() { return devices_initialized(); });
   // The calling thread's current device.
   m.def("_npu_current_device() -> int", []() -> int64_t { return current_device(); });
   m.def("_npu_set_device(int device) -> ()", [](int64_t device) { set_current_device(checked_index(device)); });
@@ -51,6 +69,10 @@ TORCH_LIBRARY_FRAGMENT(opennpu, m) {
   // The default generator of a device (torch.npu.default_generators).
   m.def("_npu_default_generator(int device) -> Generator?",
         [](int64_t device) { return default_generator(checked_index(device)); });
+  // Event.recorded_time(): the host steady clock's nanoseconds when the event was last recorded.
+  m.def("_npu_event_recorded_ns(int event) -> int", [](int64_t event) {
+    return event_recorded_ns(reinterpret_cast<void*>(event));
+  });
   // Milliseconds between two recorded npu events, given as torch.Event.event_id (torch.Event's own
   // elapsed_time accepts no subclass, such as torch.npu.Event). 0 = an event never recorded.
   m.def("_npu_event_elapsed_ms(int start, int end) -> float", [](int64_t start, int64_t end) {

@@ -76,4 +76,11 @@ double event_elapsed_ms(void* start, void* end) {
   return std::chrono::duration<double, std::milli>(b->recorded_at - a->recorded_at).count();
 }
 
+int64_t event_recorded_ns(void* event) {
+  TORCH_CHECK(event != nullptr, "Event.recorded_time(): the event has not been recorded");
+  const auto* npu_event = static_cast<const NpuEvent*>(event);
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             npu_event->recorded_at.time_since_epoch()).count();
+}
+
 }  // namespace opennpu::device

@@ -12,7 +12,9 @@ import torch
 
 
 def test_device_queries():
-    assert torch.npu.is_available() and torch.npu.is_initialized()
+    assert torch.npu.is_available()
+    torch.npu.init()
+    assert torch.npu.is_initialized()
     assert torch.npu.device_count() == 8
     name = torch.npu.get_device_name(0)
     assert name.startswith("Ascend910B") and "emulated" in name
@@ -198,8 +200,41 @@ def test_cache_reuses_blocks():
 def test_pinned_memory():
     x = torch.randn(4).pin_memory()
     assert x.is_pinned() and x.device.type == "cpu"
+    assert x[1:].is_pinned()  # any address inside a pinned block
     assert not torch.randn(4).is_pinned()
     torch.testing.assert_close(x.to("npu", non_blocking=True).cpu(), x)
+
+
+def test_pinned_blocks_are_cached_and_reused():
+    torch.npu.host_empty_cache()
+    x = torch.empty(3000, dtype=torch.uint8).pin_memory()
+    ptr, held = x.data_ptr(), torch.npu.host_memory_stats()["allocations.current"]
+    del x
+    y = torch.empty(2500, dtype=torch.uint8).pin_memory()  # same power-of-two bin: the same block
+    assert y.data_ptr() == ptr and y.is_pinned()
+    assert torch.npu.host_memory_stats()["allocations.current"] == held
+    del y
+    torch.npu.host_empty_cache()
+    stats = torch.npu.host_memory_stats()
+    assert stats["allocations.current"] == held - 1 and stats["num_host_free"] >= 1
+
+
+def test_event_recorded_time():
+    first, second = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+    first.record()
+    second.record()
+    t1, t2 = first.recorded_time(), second.recorded_time()
+    assert isinstance(t1, int) and 0 < t1 < t2
+    with pytest.raises(RuntimeError, match="not been recorded"):
+        torch.npu.Event().recorded_time()
+
+
+def test_an_allocation_beyond_one_exbibyte_fails_cleanly():
+    x = torch.zeros(4, device="npu")
+    with pytest.raises(torch.OutOfMemoryError, match="Tried to allocate more than 1EB memory"):
+        torch.empty(2**63 - 1, dtype=torch.int8, device="npu")
+    x.fill_(1)
+    assert x.cpu().tolist() == [1, 1, 1, 1]
 
 
 OOM_SCRIPT = """
@@ -243,6 +278,26 @@ def test_visible_devices_and_device_count_from_the_environment():
                             env={**os.environ, "OPENNPU_DEVICE_COUNT": "2", "OPENNPU_SOC_NAME": "Ascend910_9392"})
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("2 Ascend910_9392 (emulated")
+
+
+LAZY_INIT_SCRIPT = """
+import os, torch, torch_npu
+before = torch.npu.is_initialized()
+os.environ["ASCEND_RT_VISIBLE_DEVICES"] = "0,1"
+count = torch.npu.device_count()
+torch.empty(1, device="npu")  # initialises the runtime: the visible devices are fixed
+os.environ["ASCEND_RT_VISIBLE_DEVICES"] = "0"
+print(before, count, torch.npu.is_initialized(), torch.npu.device_count(),
+      torch_npu._C._npu_getDeviceCount())
+"""
+
+
+def test_visible_devices_are_read_until_the_runtime_initialises():
+    env = {k: v for k, v in os.environ.items() if k != "ASCEND_RT_VISIBLE_DEVICES"}
+    result = subprocess.run([sys.executable, "-c", LAZY_INIT_SCRIPT], capture_output=True,
+                            text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["False", "2", "True", "2", "2"]
 
 
 def test_profiler_sees_npu_allocations():

@@ -23,9 +23,7 @@ REASONS: dict[str, str] = {
         "NPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing",
         "make_graphed_callables", "ExternalEvent", "ipc_collect", "MemPool", "MemPoolContext",
         "use_mem_pool", "NPUPluggableAllocator",
-        "change_current_allocator", "host_empty_cache", "host_memory_stats",
-        "host_memory_stats_as_nested_dict", "reset_accumulated_host_memory_stats",
-        "reset_peak_host_memory_stats",
+        "change_current_allocator",
     ], _LATER),
 }
 

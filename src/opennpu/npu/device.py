@@ -222,15 +222,20 @@ def get_sync_debug_mode() -> int:
 
 
 def init() -> None:
-    """Initialises the device runtime: nothing to do for the emulated devices."""
+    """Initialises the device runtime: from here on the visible devices are fixed.
+
+    Until then (or the first npu allocation or `set_device`), `device_count()` re-reads
+    ASCEND_RT_VISIBLE_DEVICES, as torch_npu does.
+    """
+    _ops._npu_init()
 
 
 def is_initialized() -> bool:
-    return True
+    return bool(_ops._npu_is_initialized())
 
 
 def _lazy_init() -> None:
-    pass
+    _ops._npu_init()
 
 
 def _is_in_bad_fork() -> bool:

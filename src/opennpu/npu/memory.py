@@ -17,11 +17,13 @@ from .device import _checked_index
 
 __all__ = [
     "caching_allocator_alloc", "caching_allocator_delete", "empty_cache", "get_allocator_backend",
-    "get_per_process_memory_fraction", "max_memory_allocated", "max_memory_cached",
+    "get_per_process_memory_fraction", "host_empty_cache", "host_memory_stats",
+    "host_memory_stats_as_nested_dict", "max_memory_allocated", "max_memory_cached",
     "max_memory_reserved", "mem_get_info", "memory_allocated", "memory_cached", "memory_reserved",
     "memory_snapshot", "memory_stats", "memory_stats_as_nested_dict", "memory_summary",
-    "reset_accumulated_memory_stats", "reset_max_memory_allocated", "reset_max_memory_cached",
-    "reset_peak_memory_stats", "set_per_process_memory_fraction",
+    "reset_accumulated_host_memory_stats", "reset_accumulated_memory_stats",
+    "reset_max_memory_allocated", "reset_max_memory_cached",
+    "reset_peak_host_memory_stats", "reset_peak_memory_stats", "set_per_process_memory_fraction",
 ]
 
 _ops = torch.ops.opennpu
@@ -155,6 +157,49 @@ def caching_allocator_delete(mem_ptr: int) -> None:
 def memory_snapshot() -> list:
     """The allocator keeps no per-block history; an empty snapshot."""
     return []
+
+
+def host_empty_cache() -> None:
+    """Returns the cached blocks of the pinned-memory allocator (`pin_memory()`) to the system."""
+    _ops._npu_host_empty_cache()
+
+
+_HOST_STATS = ("allocations", "allocated_bytes", "active_requests", "active_bytes")
+_HOST_METRICS = ("current", "peak", "allocated", "freed")
+
+
+def host_memory_stats_as_nested_dict() -> dict:
+    """The pinned-memory allocator's statistics, nested as torch.cuda's."""
+    raw = [int(v) for v in _ops._npu_host_memory_stats()]
+    stats: dict = {}
+    for i, name in enumerate(_HOST_STATS):
+        stats[name] = dict(zip(_HOST_METRICS, raw[4 * i: 4 * i + 4]))
+    stats["num_host_alloc"], stats["num_host_free"] = raw[16], raw[17]
+    return stats
+
+
+def host_memory_stats() -> dict[str, int]:
+    """The pinned-memory allocator's statistics with torch.cuda.host_memory_stats()'s keys
+    ("allocations.current", "allocated_bytes.peak", ..., "num_host_alloc", "num_host_free").
+
+    `allocations` and `allocated_bytes` count blocks held (in use and cached), `active_*` those
+    in use; block sizes are rounded up to powers of two. Host timing figures are not kept.
+    """
+    flat = {}
+    for name, value in host_memory_stats_as_nested_dict().items():
+        if isinstance(value, dict):
+            flat.update({f"{name}.{metric}": v for metric, v in value.items()})
+        else:
+            flat[name] = value
+    return collections.OrderedDict(sorted(flat.items()))
+
+
+def reset_peak_host_memory_stats() -> None:
+    _ops._npu_host_reset_stats(True)
+
+
+def reset_accumulated_host_memory_stats() -> None:
+    _ops._npu_host_reset_stats(False)
 
 
 def get_allocator_backend() -> str:

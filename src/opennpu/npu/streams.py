@@ -75,6 +75,10 @@ class Event(torch.Event):
             raise TypeError(f"expected other to be an npu torch.Event, but got {end_event!r}")
         return float(torch.ops.opennpu._npu_event_elapsed_ms(self.event_id, end_event.event_id))
 
+    def recorded_time(self) -> int:
+        """When the event was last recorded: the host steady clock, in nanoseconds."""
+        return int(torch.ops.opennpu._npu_event_recorded_ns(self.event_id))
+
     def __repr__(self) -> str:
         return f"<torch_npu.npu.Event event_id={self.event_id}>"
 

@@ -1,0 +1,27 @@
+"""`torch_npu._C`: the runtime bindings that scripts and torch_npu's own tests call directly.
+
+torch_npu's `_C` is its C++ extension; opennpu's runtime is reached through `torch.ops.opennpu`,
+so only the entry points with a meaning off Ascend are mapped here. Any other name raises an
+AttributeError that names it (an AttributeError, so `hasattr` probes still answer False).
+"""
+
+from __future__ import annotations
+
+import torch
+
+_ops = torch.ops.opennpu
+
+
+def _npu_getDeviceCount() -> int:
+    """The number of visible npu devices (torch.npu.device_count())."""
+    return int(_ops._npu_device_count())
+
+
+def _npu_hostEmptyCache() -> None:
+    """Releases the pinned-memory allocator's cached blocks (torch.npu.host_empty_cache())."""
+    _ops._npu_host_empty_cache()
+
+
+def __getattr__(name: str):
+    raise AttributeError(f"torch_npu._C.{name} is not provided by opennpu (a binding of the "
+                         "Ascend runtime with no counterpart on the emulated device)")
