@@ -7,6 +7,8 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <mutex>
+#include <unordered_set>
 
 #include "device/npu_device.h"
 
@@ -25,6 +27,26 @@ struct NpuEvent {
   bool timing = false;  // EventFlag::BACKEND_DEFAULT, i.e. Event(enable_timing=True)
   std::chrono::steady_clock::time_point recorded_at;
 };
+
+// Every NpuEvent alive, so that the event ids Python passes to the ops below are checked before
+// they are dereferenced.
+struct LiveEvents {
+  std::mutex mutex;
+  std::unordered_set<const void*> events;
+};
+
+LiveEvents& live_events() {
+  static auto* live = new LiveEvents();  // leaked: events may be destroyed during exit
+  return *live;
+}
+
+const NpuEvent* checked_event(void* event, const char* what) {
+  TORCH_CHECK(event != nullptr, what, ": the event has not been recorded");
+  auto& live = live_events();
+  std::lock_guard<std::mutex> lock(live.mutex);
+  TORCH_CHECK(live.events.count(event) != 0, what, ": ", event, " is not a live npu event");
+  return static_cast<const NpuEvent*>(event);
+}
 
 }  // namespace
 
@@ -60,25 +82,35 @@ void record_event(void** event, const c10::Stream& stream, c10::DeviceIndex inde
     npu_event->device = stream.device_index();
     npu_event->timing = flag == c10::EventFlag::BACKEND_DEFAULT;
     *event = npu_event;
+    auto& live = live_events();
+    std::lock_guard<std::mutex> lock(live.mutex);
+    live.events.insert(npu_event);
   }
   npu_event->recorded_at = std::chrono::steady_clock::now();
 }
 
-void destroy_event(void* event) noexcept { delete static_cast<NpuEvent*>(event); }
+void destroy_event(void* event) noexcept {
+  if (event == nullptr) return;
+  {
+    auto& live = live_events();
+    std::lock_guard<std::mutex> lock(live.mutex);
+    live.events.erase(event);
+  }
+  delete static_cast<NpuEvent*>(event);
+}
 
 double event_elapsed_ms(void* start, void* end) {
   TORCH_CHECK(start != nullptr && end != nullptr,
               "Both events must be recorded before calculating elapsed time.");
-  const auto* a = static_cast<const NpuEvent*>(start);
-  const auto* b = static_cast<const NpuEvent*>(end);
+  const auto* a = checked_event(start, "Event.elapsed_time");
+  const auto* b = checked_event(end, "Event.elapsed_time");
   TORCH_CHECK(a->timing && b->timing,
               "Both events must be created with argument 'enable_timing=True'.");
   return std::chrono::duration<double, std::milli>(b->recorded_at - a->recorded_at).count();
 }
 
 int64_t event_recorded_ns(void* event) {
-  TORCH_CHECK(event != nullptr, "Event.recorded_time(): the event has not been recorded");
-  const auto* npu_event = static_cast<const NpuEvent*>(event);
+  const auto* npu_event = checked_event(event, "Event.recorded_time()");
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              npu_event->recorded_at.time_since_epoch()).count();
 }

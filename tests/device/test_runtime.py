@@ -227,6 +227,8 @@ def test_event_recorded_time():
     assert isinstance(t1, int) and 0 < t1 < t2
     with pytest.raises(RuntimeError, match="not been recorded"):
         torch.npu.Event().recorded_time()
+    with pytest.raises(RuntimeError, match="not a live npu event"):  # ids are checked, not trusted
+        torch.ops.opennpu._npu_event_recorded_ns(first.event_id + 8)
 
 
 def test_an_allocation_beyond_one_exbibyte_fails_cleanly():
