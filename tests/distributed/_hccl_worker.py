@@ -47,6 +47,12 @@ def case_collectives(rank: int, world: int) -> dict:
     out = torch.empty(2 * world, 3, device=d)
     dist.all_gather_into_tensor(out, torch.full((2, 3), float(rank), device=d))
     res["all_gather_into_tensor"] = out.cpu()
+    flat = torch.empty(world * 6, device=d)  # any shape with world * numel elements, as NCCL
+    dist.all_gather_into_tensor(flat, torch.full((2, 3), float(rank), device=d))
+    res["all_gather_into_flat_tensor"] = flat.cpu()
+    out = torch.empty(1, 2, device=d)
+    dist.reduce_scatter_tensor(out, (torch.arange(2.0 * world, device=d) + rank).view(world, 2))
+    res["reduce_scatter_shaped_tensor"] = out.cpu()
     out = torch.empty(2, device=d)
     dist.reduce_scatter_tensor(out, torch.arange(2.0 * world, device=d) + rank)
     res["reduce_scatter_tensor"] = out.cpu()

@@ -75,6 +75,9 @@ def test_collectives(tmp_path):
         eq("all_gather", [0.0, 0.0], [1.0, 1.0])
         torch.testing.assert_close(res["all_gather_into_tensor"], torch.tensor([[0.0] * 3] * 2 + [[1.0] * 3] * 2))
         eq("reduce_scatter_tensor", *[2.0 * (2 * rank + i) + 1 for i in range(2)])
+        torch.testing.assert_close(res["all_gather_into_flat_tensor"], torch.tensor([0.0] * 6 + [1.0] * 6))
+        torch.testing.assert_close(res["reduce_scatter_shaped_tensor"],
+                                   torch.tensor([[2.0 * (2 * rank + i) + 1 for i in range(2)]]))
         eq("scatter", 20.0 + rank, 20.0 + rank)
         eq("all_to_all_single", rank, 10.0 + rank)
         eq("all_to_all", rank, 100.0 + rank)

@@ -39,8 +39,8 @@ def _to_cpu(x):
 
 # ProcessGroup methods that torch.distributed's Python functions call, with their gloo namesakes.
 _FORWARDED = (
-    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base",
-    "allgather_coalesced", "reduce_scatter", "_reduce_scatter_base", "gather", "scatter",
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+    "allgather_coalesced", "reduce_scatter", "gather", "scatter",
     "alltoall_base", "send", "recv", "recv_anysource",
 )
 
@@ -153,22 +153,57 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         fut.set_result(list(output_tensors))
         return _create_work_from_future(fut)
 
+    # all_gather_into_tensor / reduce_scatter_tensor take the world-sized tensor in any shape with
+    # the right number of elements, as NCCL and HCCL do (accelerate gathers into a flat tensor);
+    # gloo wants it shaped as the per-rank tensors stacked on dim 0, so it gets such a view.
+    def _allgather_base(self, output, input, opts=None):
+        self._check("_allgather_base", (output, input))
+        out, inp = _stacked_views(_to_cpu(output), _to_cpu(input), self.size(), "all_gather_into_tensor")
+        return self._gloo._allgather_base(out, inp, opts or AllgatherOptions())
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        self._check("_reduce_scatter_base", (output, input))
+        inp, out = _stacked_views(_to_cpu(input), _to_cpu(output), self.size(), "reduce_scatter_tensor")
+        return self._gloo._reduce_scatter_base(out, inp, opts or ReduceScatterOptions())
+
     # The coalesced tensor collectives (functional collectives, FSDP2, DTensor call them) have no
     # gloo binding: one gloo collective per pair, the Work finishing when all have.
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         self._check("allgather_into_tensor_coalesced", (outputs, inputs))
         opts = opts or AllgatherOptions()
-        return _all_of([self._gloo._allgather_base(_to_cpu(o), _to_cpu(i), opts)
-                        for o, i in zip(outputs, inputs)], list(outputs))
+        pairs = [_stacked_views(_to_cpu(o), _to_cpu(i), self.size(), "all_gather_into_tensor")
+                 for o, i in zip(outputs, inputs)]
+        return _all_of([self._gloo._allgather_base(o, i, opts) for o, i in pairs], list(outputs))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         self._check("reduce_scatter_tensor_coalesced", (outputs, inputs))
         opts = opts or ReduceScatterOptions()
-        return _all_of([self._gloo._reduce_scatter_base(_to_cpu(o), _to_cpu(i), opts)
-                        for o, i in zip(outputs, inputs)], list(outputs))
+        pairs = [_stacked_views(_to_cpu(i), _to_cpu(o), self.size(), "reduce_scatter_tensor")
+                 for o, i in zip(outputs, inputs)]
+        return _all_of([self._gloo._reduce_scatter_base(o, i, opts) for i, o in pairs], list(outputs))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
         return self._gloo.monitored_barrier(timeout or self._timeout, wait_all_ranks)
+
+
+def _stacked_views(whole, part, size: int, op: str):
+    """(whole, part) viewed as gloo wants them: `whole` as `size` copies of `part` along dim 0.
+
+    `whole` must be contiguous with size * part.numel() elements (NCCL's only requirement); a
+    0-dim `part` becomes shape (1,).
+    """
+    if whole.numel() != size * part.numel():
+        raise ValueError(f"{op}: the world-sized tensor must have world_size * {part.numel()} = "
+                         f"{size * part.numel()} elements, but it has {whole.numel()} "
+                         f"(shape {tuple(whole.shape)})")
+    if part.dim() == 0:
+        part = part.view(1)
+    if whole.shape[0] == size * part.shape[0] and whole.shape[1:] == part.shape[1:]:
+        return whole, part
+    if not whole.is_contiguous():
+        raise ValueError(f"{op}: a world-sized tensor of shape {tuple(whole.shape)} must be "
+                         "contiguous when it is not shaped as the per-rank tensors stacked on dim 0")
+    return whole.view(size * part.shape[0], *part.shape[1:]), part
 
 
 def _all_of(works, result):
