@@ -164,3 +164,22 @@ def test_optimizer_phase():
     assert {op: r.phase_text() for op, r in census.records.items()} == {
         "aten::add_.Tensor": "optimizer"}
     assert census.records["aten::add_.Tensor"].calls == 2
+
+
+def test_inner_calls_of_composites():
+    """logcumsumexp is composite (on Ascend too); the _logcumsumexp it calls is in no Ascend
+    list: the census sees it as an inner call and flags it."""
+    x = torch.randn(5, 3, device="npu")
+    with OpCensus(fusion=False) as census:
+        torch.logcumsumexp(x, 0)
+        x.t()
+    rows = {r.op: r for r in census.rows()}
+    outer, inner = rows["aten::logcumsumexp"], rows["aten::_logcumsumexp"]
+    assert (outer.status, outer.calls, outer.inner) == ("composite", 1, 0)
+    assert (inner.status, inner.calls, inner.inner) == ("ascend-cpu-fallback", 0, 1)
+    assert inner.signatures == "1x: float32(5,3)"
+    assert (rows["aten::t"].calls, rows["aten::transpose.int"].inner) == (1, 1)
+    assert "aten::_logcumsumexp" in census.table().split("flagged: ")[1]
+    with OpCensus(fusion=False, inner=False) as census:
+        torch.logcumsumexp(x, 0)
+    assert set(census.records) == {"aten::logcumsumexp"}

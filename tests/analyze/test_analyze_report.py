@@ -7,8 +7,6 @@ import html.parser
 import importlib.util
 import io
 import json
-import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -20,7 +18,7 @@ from opennpu.analyze import OpCensus, ascend_data, report, runner
 from opennpu.analyze.support import DATA_DIR, Row
 
 REPO = Path(__file__).resolve().parents[2]
-COLUMNS = ["op", "status", "npu", "ascend", "calls", "forward", "backward", "optimizer", "other",
+COLUMNS = ["op", "status", "npu", "ascend", "calls", "inner", "forward", "backward", "optimizer", "other",
            "dtypes", "devices", "signatures", "npu_detail", "note"]
 
 
@@ -96,7 +94,7 @@ def test_html_well_formed_and_self_contained(census, tmp_path):
 def test_table_text(census):
     text = census.table()
     lines = text.splitlines()
-    assert lines[0].split() == ["op", "calls", "phase", "status", "npu", "ascend", "top", "signature"]
+    assert lines[0].split() == ["op", "calls", "inner", "phase", "status", "npu", "ascend", "top", "signature"]
     assert any(line.startswith("aten::addmm ") and "1x: float32(16), float32(4,8)" in line
                for line in lines)
     assert "Ascend data: torch v2.11" in text
@@ -189,15 +187,18 @@ def test_runner_steps(tmp_path, capsys):
     assert sys.argv[0] != str(script)  # restored
 
 
-def test_cli_subcommand(tmp_path):
+def test_cli_subcommand(tmp_path, capsys):
+    """`opennpu analyze` (the package's command line, run in-process: a fresh interpreter would
+    spend most of the test importing torch)."""
+    from opennpu.__main__ import main
+
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, PYTHONPATH=str(Path(__import__("opennpu").__file__).parents[1]))
-    result = subprocess.run(
-        [sys.executable, "-m", "opennpu", "analyze", "--steps", "1", "-o", str(tmp_path / "o"),
-         "--no-fusion", str(script), "3"],
-        capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert "aten::addmm" in result.stdout and "finished step" not in result.stdout
+    assert main(["analyze", "--steps", "1", "-o", str(tmp_path / "o"), "--no-fusion",
+                 str(script), "3"]) == 0
+    out = capsys.readouterr().out
+    assert "aten::addmm" in out and "finished step" not in out
     assert sorted(p.name for p in (tmp_path / "o").iterdir()) == \
         ["op_census.csv", "op_census.html", "op_census.txt"]
+    with pytest.raises(SystemExit):
+        main(["analyze", "--step-on", "epoch", str(script)])

@@ -5,7 +5,9 @@ the ops of the forward pass after CompositeImplicitAutograd ops (aten::linear, a
 have decomposed, the backward formulas' ops, the optimizer's. Each is keyed by its dispatcher name
 (`aten::add.Tensor`, `aten::addmm` for a default overload, `npu::npu_rms_norm`) and counted with
 its input signatures (torchair's fx_summary style, `24x: float16(12,1,512,64), float16(64)`), the
-phase it ran in and the devices of its tensors. Phases: `backward` (inside torch.autograd.backward
+phase it ran in and the devices of its tensors. Ops called by the kernel of a composite op
+(CompositeExplicitAutograd: aten::t calls transpose, logcumsumexp calls _logcumsumexp) are counted
+apart, as `inner` calls, so `calls` stays the program's own op stream. Phases: `backward` (inside torch.autograd.backward
 or the autograd engine), `optimizer` (inside an optimizer's step()), `forward` (inside an
 nn.Module call), `other` (anything else: initialisation, inputs, a loss computed outside the
 model).
@@ -73,6 +75,7 @@ class OpRecord:
 
     op: str
     calls: int = 0
+    inner: int = 0  # calls made by the kernels of composite ops (with OpCensus(inner=True))
     phases: Counter = dataclasses.field(default_factory=Counter)
     signatures: Counter = dataclasses.field(default_factory=Counter)
     dtypes: set = dataclasses.field(default_factory=set)      # of the inputs
@@ -95,12 +98,31 @@ class _Mode(TorchDispatchMode):
     def __init__(self, census: OpCensus):
         super().__init__()
         self.census = census
+        self.expanding: list = []  # the composite ops whose kernels are running, innermost last
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        self.census._record(func, args, kwargs, out)
+        census = self.census
+        if census.inner and func not in self.expanding and _runs_composite(func):
+            # The CompositeExplicitAutograd kernel npu would run, with the census still active,
+            # so the ops it calls are seen (as inner calls)
+            self.expanding.append(func)
+            try:
+                with self:
+                    out = func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args,
+                                      **kwargs)
+            finally:
+                self.expanding.pop()
+        else:
+            out = func(*args, **kwargs)
+        census._record(func, args, kwargs, out, inner=bool(self.expanding))
         return out
+
+
+def _runs_composite(func) -> bool:
+    from .support import npu_dispatch
+
+    return npu_dispatch(op_key(func))[0] == "composite"
 
 
 class OpCensus:
@@ -113,15 +135,19 @@ class OpCensus:
 
     `steps`/`step_on`: stop the program after that many steps (see the module docstring).
     `fusion`: keep the first outermost module call for `fusions()` (graph mode's rules).
+    `inner`: run the kernels of composite ops (aten::t, _to_copy, logcumsumexp ...) under the
+    census too, counting the ops they call as `inner` calls: a composite is only as supported
+    as what it calls.
     """
 
     def __init__(self, *, steps: int | None = None, step_on: str = "optimizer",
-                 fusion: bool = True, top: int = 3):
+                 fusion: bool = True, inner: bool = True, top: int = 3):
         if step_on not in STEP_EVENTS:
             raise ValueError(f"OpCensus: step_on must be one of {STEP_EVENTS}, got {step_on!r}")
         if steps is not None and steps < 1:
             raise ValueError(f"OpCensus: steps must be >= 1, got {steps}")
         self.steps, self.step_on, self.fusion, self.top = steps, step_on, fusion, top
+        self.inner = inner
         self.records: dict[str, OpRecord] = {}
         self.steps_done = 0
         self.stopped_early = False
@@ -144,7 +170,7 @@ class OpCensus:
             return "optimizer"
         return "forward" if self._module_depth else "other"
 
-    def _record(self, func, args, kwargs, out) -> None:
+    def _record(self, func, args, kwargs, out, inner: bool = False) -> None:
         inputs = _tensors((args, kwargs))
         if not inputs and not _tensors(out):
             return  # runtime queries (device counts, ...) are not tensor operators
@@ -152,8 +178,11 @@ class OpCensus:
         record = self.records.get(key)
         if record is None:
             record = self.records[key] = OpRecord(key)
-        record.calls += 1
-        record.phases[self._phase()] += 1
+        if inner:
+            record.inner += 1
+        else:
+            record.calls += 1
+            record.phases[self._phase()] += 1
         record.signatures[signature(args, kwargs)] += 1
         for t in inputs:
             record.dtypes.add(str(t.dtype).removeprefix("torch."))

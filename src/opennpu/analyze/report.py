@@ -69,14 +69,14 @@ def _format_table(header: list[str], body: list[list[str]], widths: dict[int, in
 def table(rows: list[Row], fusions=None, *, census=None, signature_width: int = 60) -> str:
     """A readable text table: most-called ops first within each status."""
     order = {s: i for i, s in enumerate(STATUS_ORDER)}
-    ranked = sorted(rows, key=lambda r: (order.get(r.status, len(order)), -r.calls, r.op))
-    header = ["op", "calls", "phase", "status", "npu", "ascend", "top signature"]
+    ranked = sorted(rows, key=lambda r: (order.get(r.status, len(order)), -r.calls, -r.inner, r.op))
+    header = ["op", "calls", "inner", "phase", "status", "npu", "ascend", "top signature"]
     body = []
     for r in ranked:
-        phase = "+".join(p for p in PHASES if getattr(r, p))
+        phase = "+".join(p for p in PHASES if getattr(r, p)) or "inner"
         top = r.signatures.split(" | ")[0]
-        body.append([r.op, str(r.calls), phase, r.status, r.npu, r.ascend, top])
-    lines = _format_table(header, body, {6: signature_width})
+        body.append([r.op, str(r.calls), str(r.inner), phase, r.status, r.npu, r.ascend, top])
+    lines = _format_table(header, body, {7: signature_width})
     lines += ["", f"{len(rows)} ops: {_summary(rows)}", _provenance()]
     if census is not None and census.steps is not None:
         lines.append(f"steps: {census.steps_done} {census.step_on} step(s)"
@@ -109,7 +109,7 @@ def to_html(rows: list[Row], fusions=None, *, title: str = "opennpu op census") 
     out.append("<h2>Operators</h2>")
     out.append("<table>")
     out.append("<tr>" + "".join(f"<th>{esc(c)}</th>" for c in Row.columns()) + "</tr>")
-    numeric = {"calls", *PHASES}
+    numeric = {"calls", "inner", *PHASES}
     for r in sorted(rows, key=lambda r: r.op):
         cells = []
         for c in Row.columns():

@@ -80,6 +80,7 @@ class Row:
     npu: str
     ascend: str
     calls: int
+    inner: int
     forward: int
     backward: int
     optimizer: int
@@ -215,7 +216,7 @@ def classify(record, *, top: int = 3, version: str | None = None) -> Row:
     npu, detail = npu_dispatch(record.op)
     ascend = ascend_support(record.op, version)
     return Row(op=record.op, status=status_of(record.op, npu, ascend), npu=npu, ascend=ascend,
-               calls=record.calls, forward=record.phases.get("forward", 0),
+               calls=record.calls, inner=record.inner, forward=record.phases.get("forward", 0),
                backward=record.phases.get("backward", 0),
                optimizer=record.phases.get("optimizer", 0), other=record.phases.get("other", 0),
                dtypes=" ".join(sorted(record.dtypes)), devices=" ".join(sorted(record.devices)),
