@@ -183,3 +183,14 @@ def test_inner_calls_of_composites():
     with OpCensus(fusion=False, inner=False) as census:
         torch.logcumsumexp(x, 0)
     assert set(census.records) == {"aten::logcumsumexp"}
+
+
+def test_root_call_is_the_largest_outermost_module():
+    model = torch.nn.Linear(4, 4).to("npu")
+    loss_fn = torch.nn.MSELoss()
+    x = torch.ones(2, 4, device="npu")
+    with OpCensus() as census:
+        loss_fn(x, x)  # called first, outside the model, no parameters
+        loss_fn(model(x), x)
+    module, args, kwargs, grad = census.root_call
+    assert module is model and args[0] is x and kwargs == {} and grad

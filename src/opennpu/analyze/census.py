@@ -17,8 +17,8 @@ through torch.optim's global step hook), backward() calls (torch.autograd.backwa
 outermost nn.Module (forward). With `steps=N`, the N-th event raises StopCensus (a BaseException,
 so `except Exception` in the script does not swallow it) once that step is complete.
 
-The first call of an outermost nn.Module is kept (module and arguments) for the fusion report
-(fusion_report.py), which re-runs it through graph mode's rules.
+The first call of each outermost nn.Module is kept (module and arguments); the fusion report
+(fusion_report.py) re-runs the largest one through graph mode's rules.
 """
 
 from __future__ import annotations
@@ -151,7 +151,8 @@ class OpCensus:
         self.records: dict[str, OpRecord] = {}
         self.steps_done = 0
         self.stopped_early = False
-        self.root_call: tuple | None = None  # (module, args, kwargs, grad_enabled)
+        # the first call of each outermost module: id -> (module, args, kwargs, grad_enabled)
+        self._root_calls: dict[int, tuple] = {}
         self._fusions = None
         self._in_optimizer = 0
         self._in_backward = 0
@@ -215,9 +216,9 @@ class OpCensus:
         call = self._saved_call = torch.nn.Module.__call__
 
         def module_call(module, *args, **kwargs):
-            if self._module_depth == 0 and self.fusion and self.root_call is None \
+            if self._module_depth == 0 and self.fusion and id(module) not in self._root_calls \
                     and torch._C._current_graph_task_id() == -1:
-                self.root_call = (module, args, kwargs, torch.is_grad_enabled())
+                self._root_calls[id(module)] = (module, args, kwargs, torch.is_grad_enabled())
             self._module_depth += 1
             try:
                 result = call(module, *args, **kwargs)
@@ -273,6 +274,17 @@ class OpCensus:
         return kind is not None and issubclass(kind, StopCensus)
 
     # -- results ---------------------------------------------------------------------------------
+
+    @property
+    def root_call(self) -> tuple | None:
+        """The outermost module call the fusion report compiles: of the modules the program
+        called outside any other module, the one with the most parameters (the model rather than
+        a loss module), at its first call."""
+        calls = list(self._root_calls.values())
+        if not calls:
+            return None
+        size = lambda call: sum(p.numel() for p in call[0].parameters())  # noqa: E731
+        return max(calls, key=size)  # the first of equals: max keeps the first maximum
 
     def rows(self):
         """One classified row per operator, sorted by name (support.Row)."""
