@@ -173,6 +173,7 @@ def test_inner_calls_of_composites():
     with OpCensus(fusion=False) as census:
         torch.logcumsumexp(x, 0)
         x.t()
+        x.clone()
     rows = {r.op: r for r in census.rows()}
     outer, inner = rows["aten::logcumsumexp"], rows["aten::_logcumsumexp"]
     assert (outer.status, outer.calls, outer.inner) == ("composite", 1, 0)
@@ -180,6 +181,12 @@ def test_inner_calls_of_composites():
     assert inner.signatures == "1x: float32(5,3)"
     assert (rows["aten::t"].calls, rows["aten::transpose.int"].inner) == (1, 1)
     assert "aten::_logcumsumexp" in census.table().split("flagged: ")[1]
+    # clone -> copy_ -> _copy_from: torch_npu implements clone and copy_ itself, so on Ascend
+    # _copy_from (in no Ascend list) is never reached
+    copy_from = rows["aten::_copy_from"]
+    assert census.records["aten::_copy_from"].chains == {("aten::clone", "aten::copy_"): 1}
+    assert (copy_from.ascend, copy_from.status) == ("via-parent", "native")
+    assert "aten::clone" in copy_from.note
     with OpCensus(fusion=False, inner=False) as census:
         torch.logcumsumexp(x, 0)
     assert set(census.records) == {"aten::logcumsumexp"}

@@ -76,6 +76,7 @@ class OpRecord:
     op: str
     calls: int = 0
     inner: int = 0  # calls made by the kernels of composite ops (with OpCensus(inner=True))
+    chains: Counter = dataclasses.field(default_factory=Counter)  # composite ops around them
     phases: Counter = dataclasses.field(default_factory=Counter)
     signatures: Counter = dataclasses.field(default_factory=Counter)
     dtypes: set = dataclasses.field(default_factory=set)      # of the inputs
@@ -115,7 +116,8 @@ class _Mode(TorchDispatchMode):
                 self.expanding.pop()
         else:
             out = func(*args, **kwargs)
-        census._record(func, args, kwargs, out, inner=bool(self.expanding))
+        census._record(func, args, kwargs, out,
+                       chain=tuple(op_key(f) for f in self.expanding))
         return out
 
 
@@ -171,7 +173,7 @@ class OpCensus:
             return "optimizer"
         return "forward" if self._module_depth else "other"
 
-    def _record(self, func, args, kwargs, out, inner: bool = False) -> None:
+    def _record(self, func, args, kwargs, out, chain: tuple = ()) -> None:
         inputs = _tensors((args, kwargs))
         if not inputs and not _tensors(out):
             return  # runtime queries (device counts, ...) are not tensor operators
@@ -179,8 +181,9 @@ class OpCensus:
         record = self.records.get(key)
         if record is None:
             record = self.records[key] = OpRecord(key)
-        if inner:
+        if chain:
             record.inner += 1
+            record.chains[chain] += 1
         else:
             record.calls += 1
             record.phases[self._phase()] += 1

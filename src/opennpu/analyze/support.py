@@ -29,10 +29,12 @@ scripts/update_ascend_op_list.py):
 - ``cpu-fallback``: listed in neither and not composite: torch_npu's PrivateUse1 fallback copies
   the tensors to the host, runs the CPU kernel and warns ("will fall back to run on the CPU"),
   or raises where CPU fallback is disallowed;
-- ``via-parent``: the op does not occur on Ascend: it is what a CompositeImplicitAutograd op
-  decomposes into on opennpu's device, and op-plugin gives that parent op an NPU kernel of its own
-  (SDPA: opennpu picks CPU's flash kernel, Ascend runs aten::scaled_dot_product_attention as
-  npu_fusion_attention). Known cases only (PARENTS), each checked against the data;
+- ``via-parent``: the op does not occur on Ascend: opennpu's device reaches it only inside a
+  composite op that Ascend implements itself, so there the composite never decomposes into it.
+  Either the census saw it only as an inner call of composites (copy_ -> _copy_from), each with
+  an op-plugin / torch_npu ancestor, or it is a known CompositeImplicitAutograd case (PARENTS;
+  SDPA: opennpu picks CPU's flash kernel, Ascend runs aten::scaled_dot_product_attention as
+  npu_fusion_attention), checked against the data;
 - ``not-in-op-plugin``: an npu:: op that op-plugin does not list (an opennpu op Ascend lacks, or
   a newer one than the data);
 - ``opennpu-only``: opennpu's own helper ops (namespace opennpu), never on Ascend.
@@ -200,7 +202,7 @@ def status_of(op: str, npu: str, ascend: str) -> str:
         return "missing"
     if namespace in ("npu", "opennpu"):
         return "fused"
-    if ascend in ("op-plugin", "torch_npu", "via-parent"):
+    if ascend in ASCEND_HAS:
         return "native"
     if ascend == "composite":
         return "composite"
@@ -211,24 +213,47 @@ def format_signatures(record, top: int) -> str:
     return " | ".join(f"{count}x: {sig}" for count, sig in record.top_signatures(top))
 
 
+ASCEND_HAS = ("op-plugin", "torch_npu", "via-parent")
+
+
+def _inside_ascend_op(record, version) -> str | None:
+    """For an op seen only inside composites: the composites Ascend implements itself around
+    every one of its calls (joined), or None if some call would happen on Ascend too."""
+    if record.calls or not record.chains:
+        return None
+    found = []
+    for chain in record.chains:
+        native = next((op for op in chain if ascend_support(op, version) in ASCEND_HAS), None)
+        if native is None:
+            return None
+        found.append(native)
+    return ", ".join(sorted(set(found)))
+
+
 def classify(record, *, top: int = 3, version: str | None = None) -> Row:
     """The report row of a census.OpRecord."""
     npu, detail = npu_dispatch(record.op)
     ascend = ascend_support(record.op, version)
+    parent = None
+    if ascend not in ASCEND_HAS:
+        parent = _inside_ascend_op(record, version)
+        if parent is not None:
+            ascend = "via-parent"
     return Row(op=record.op, status=status_of(record.op, npu, ascend), npu=npu, ascend=ascend,
                calls=record.calls, inner=record.inner, forward=record.phases.get("forward", 0),
                backward=record.phases.get("backward", 0),
                optimizer=record.phases.get("optimizer", 0), other=record.phases.get("other", 0),
                dtypes=" ".join(sorted(record.dtypes)), devices=" ".join(sorted(record.devices)),
                signatures=format_signatures(record, top), npu_detail=detail,
-               note=_note(record.op, ascend, record.devices))
+               note=_note(record.op, ascend, record.devices, parent))
 
 
-def _note(op: str, ascend: str, devices) -> str:
+def _note(op: str, ascend: str, devices, parent: str | None) -> str:
     if "npu" not in devices and devices:
         return "ran on " + "/".join(sorted(devices)) + " tensors only, not on npu"
     if ascend == "via-parent":
-        return f"on Ascend, {PARENTS[op]} has an op-plugin kernel and does not decompose into this"
+        parent = parent or PARENTS[op]
+        return f"on Ascend, {parent} has a kernel of its own and does not decompose into this"
     if ascend == "cpu-fallback":
         return "not in op-plugin: Ascend's torch_npu runs it on the host CPU (copies, a warning)"
     if ascend == "not-in-op-plugin":
