@@ -201,3 +201,19 @@ def test_root_call_is_the_largest_outermost_module():
         loss_fn(model(x), x)
     module, args, kwargs, grad = census.root_call
     assert module is model and args[0] is x and kwargs == {} and grad
+
+
+def test_npu_dispatch_without_the_table(monkeypatch):
+    """If the dump format changed, the yes/no dispatcher queries still classify."""
+    from opennpu.analyze import support
+
+    monkeypatch.setattr(torch._C, "_dispatch_dump_table", lambda name: "")
+    support.npu_dispatch.cache_clear()
+    try:
+        assert support.npu_dispatch("aten::add.Tensor")[0] == "npu-kernel"
+        assert support.npu_dispatch("aten::t")[0] == "composite"
+        assert support.npu_dispatch("aten::linear")[0] == "composite-implicit"
+        assert support.npu_dispatch("aten::relu")[0] == "fallback"
+        assert support.npu_dispatch("aten::_scaled_dot_product_flash_attention")[0] == "missing"
+    finally:
+        support.npu_dispatch.cache_clear()

@@ -117,10 +117,16 @@ def npu_dispatch(op: str) -> tuple[str, str]:
         return "missing", "not a registered operator"
     entry = next((m for m in map(_TABLE_LINE.match, table.splitlines()) if m), None)
     has_cpu = _has(op, "CPU")
-    if entry is None:
+    if entry is None:  # a table this parser does not understand: the dispatcher's yes/no queries
+        if _has(op, "PrivateUse1"):
+            return "npu-kernel", "a PrivateUse1 registration (source unknown)"
         if _has(op, "CompositeExplicitAutograd"):
-            return "composite", "CompositeExplicitAutograd"
-        return "missing", "no PrivateUse1 entry in the dispatch table"
+            return "composite", "CompositeExplicitAutograd kernel: its ops dispatch to npu"
+        if _has(op, "CompositeImplicitAutograd"):
+            return "composite-implicit", "CompositeImplicitAutograd: decomposes above autograd"
+        if has_cpu:
+            return "fallback", "the CPU kernel, through a PrivateUse1 fallback"
+        return "missing", "no PrivateUse1 entry in the dispatch table and no CPU kernel"
     where, kind = Path(entry.group("where")).name, entry.group("kind")
     source = f"{where}:{entry.group('line')}"
     if kind == "backend fallback":
