@@ -47,6 +47,16 @@ def test_fused_replacements(census):
     assert "rms_norm matched 5x -> use torch_npu.npu_rms_norm (or compile with " \
            "backend='opennpu')" in text
     assert "attention matched 2x -> use torch_npu.npu_fusion_attention" in text
+    from opennpu.analyze.report import fusions_to_csv
+
+    lines = fusions_to_csv(fusions).splitlines()
+    assert lines[0] == "rule,matches,stage,replacement,eager_only,advice"
+    assert [line.split(",")[:4] for line in lines[1:]] == [
+        ["add_rms_norm", "4", "pre_autograd", "npu_add_rms_norm"],
+        ["attention", "2", "pre_autograd", "npu_fusion_attention"],
+        ["rms_norm", "5", "pre_autograd", "npu_rms_norm"],
+        ["rotary", "4", "pre_autograd", "npu_rotary_mul"],
+        ["silu_mul", "2", "pre_autograd", "opennpu::_silu_mul"]]
 
 
 def test_training_step_ops(census):

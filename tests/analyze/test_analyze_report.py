@@ -86,6 +86,9 @@ def test_html_well_formed_and_self_contained(census, tmp_path):
     assert checker.cells == len(census.records) * len(COLUMNS)
     assert "aten::threshold_backward" in page and "Fused replacements" in page
     assert (tmp_path / "op_census.csv").read_text().startswith(",".join(COLUMNS))
+    # a Linear + ReLU matches no rule: the fusion CSV has its header only
+    assert (tmp_path / "fusions.csv").read_text() == \
+        "rule,matches,stage,replacement,eager_only,advice\n"
     assert "aten::addmm" in (tmp_path / "op_census.txt").read_text()
     with pytest.raises(ValueError, match="unknown format"):
         census.report(tmp_path, formats=("pdf",))

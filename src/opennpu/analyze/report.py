@@ -14,6 +14,8 @@ from .support import Row, ascend_data
 
 FORMATS = ("csv", "table", "html")
 FILE_NAMES = {"csv": "op_census.csv", "table": "op_census.txt", "html": "op_census.html"}
+FUSION_CSV = "fusions.csv"  # written beside op_census.csv when the fusion report ran
+FUSION_COLUMNS = ("rule", "matches", "stage", "replacement", "eager_only", "advice")
 STATUS_ORDER = ("fused", "native", "composite", "ascend-cpu-fallback", "missing")
 
 
@@ -23,6 +25,16 @@ def to_csv(rows: list[Row]) -> str:
     writer.writerow(Row.columns())
     for row in sorted(rows, key=lambda r: r.op):
         writer.writerow([getattr(row, c) for c in Row.columns()])
+    return out.getvalue()
+
+
+def fusions_to_csv(fusions) -> str:
+    """One row per rule that matched, sorted by rule; no rows when none did (or on an error)."""
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(FUSION_COLUMNS)
+    for m in sorted(fusions.matches, key=lambda m: m.rule):
+        writer.writerow([m.rule, m.matches, m.stage, m.replacement, m.eager_only, m.advice()])
     return out.getvalue()
 
 
@@ -140,4 +152,6 @@ def write(census, directory=None, *, formats=("table",), fusions=None) -> str:
                     "html": lambda: to_html(rows, fusions)}
         for kind in formats:
             (folder / FILE_NAMES[kind]).write_text(rendered[kind]())
+        if "csv" in formats and fusions is not None:
+            (folder / FUSION_CSV).write_text(fusions_to_csv(fusions))
     return text
