@@ -205,3 +205,25 @@ def test_cli_subcommand(tmp_path, capsys):
         ["op_census.csv", "op_census.html", "op_census.txt"]
     with pytest.raises(SystemExit):
         main(["analyze", "--step-on", "epoch", str(script)])
+
+
+def test_module_entry_point_and_lazy_attribute(tmp_path, monkeypatch, capsys):
+    """`python -m opennpu.analyze` (its __main__ run as such) and `opennpu.analyze` reached as
+    an attribute of the package."""
+    import runpy
+
+    import opennpu
+
+    assert opennpu.analyze.OpCensus is OpCensus
+    script = tmp_path / "infer.py"
+    script.write_text("import torch, opennpu\nm = torch.nn.Linear(2, 2).npu()\n"
+                      "with torch.no_grad():\n    for _ in range(4):\n"
+                      "        m(torch.ones(1, 2).npu())\n")
+    monkeypatch.setattr(sys, "argv", ["opennpu.analyze", "--step-on", "forward", "--steps", "3",
+                                      "--format", "table", "--no-fusion", str(script)])
+    with pytest.raises(SystemExit) as exit_:
+        runpy.run_module("opennpu.analyze", run_name="__main__")
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert "steps: 3 forward step(s) (stopped there)" in out
+    assert next(line for line in out.splitlines() if line.startswith("aten::addmm ")).split()[1] == "3"
