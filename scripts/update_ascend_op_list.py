@@ -51,7 +51,8 @@ def _versions(spec, all_versions: list[str]) -> set[str]:
     if spec is True or spec == "all_version":
         return set(all_versions)
     if isinstance(spec, list):
-        if len(spec) == 2 and spec[0] in all_versions and (spec[1] == "newest" or spec[1] in all_versions):
+        if len(spec) == 2 and spec[0] in all_versions and \
+                (spec[1] == "newest" or spec[1] in all_versions):
             first = all_versions.index(spec[0])
             last = len(all_versions) - 1 if spec[1] == "newest" else all_versions.index(spec[1])
             return set(all_versions[first:last + 1])
@@ -78,7 +79,8 @@ def op_plugin_ops(document: dict, torch_version: str) -> dict[str, list[str]]:
         for entry in document.get(section) or []:
             if not isinstance(entry, dict) or "func" not in entry:
                 continue
-            if any(torch_version in _versions(entry.get(kind), all_versions) for kind in IMPLEMENTATIONS):
+            if any(torch_version in _versions(entry.get(kind), all_versions)
+                   for kind in IMPLEMENTATIONS):
                 name = op_name(entry["func"])
                 found[_namespace(section, name, namespace)].add(name)
     return {namespace: sorted(names) for namespace, names in found.items()}
@@ -106,7 +108,8 @@ def _ref(text: str) -> dict[str, str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--op-plugin-yaml", required=True, type=Path)
-    parser.add_argument("--op-plugin-ref", required=True, help="<branch>@<commit> of Ascend/op-plugin")
+    parser.add_argument("--op-plugin-ref", required=True,
+                        help="<branch>@<commit> of Ascend/op-plugin")
     parser.add_argument("--torch-npu-yaml", type=Path)
     parser.add_argument("--torch-npu-ref", help="<branch>@<commit> of Ascend/pytorch")
     parser.add_argument("--torch-version", default="v2.11", help="the PyTorch version to list for")
@@ -122,7 +125,8 @@ def main(argv=None) -> int:
         "sources": {"op_plugin": {"repository": "https://github.com/Ascend/op-plugin",
                                   "path": "op_plugin/config/op_plugin_functions.yaml",
                                   **_ref(args.op_plugin_ref)}},
-        "op_plugin": op_plugin_ops(yaml.safe_load(args.op_plugin_yaml.read_text()), args.torch_version),
+        "op_plugin": op_plugin_ops(yaml.safe_load(args.op_plugin_yaml.read_text()),
+                                   args.torch_version),
     }
     if args.torch_npu_yaml is not None:
         if not args.torch_npu_ref:

@@ -5,12 +5,15 @@ the ops of the forward pass after CompositeImplicitAutograd ops (aten::linear, a
 have decomposed, the backward formulas' ops, the optimizer's. Each is keyed by its dispatcher name
 (`aten::add.Tensor`, `aten::addmm` for a default overload, `npu::npu_rms_norm`) and counted with
 its input signatures (torchair's fx_summary style, `24x: float16(12,1,512,64), float16(64)`), the
-phase it ran in and the devices of its tensors. Ops called by the kernel of a composite op
-(CompositeExplicitAutograd: aten::t calls transpose, logcumsumexp calls _logcumsumexp) are counted
-apart, as `inner` calls, so `calls` stays the program's own op stream. Phases: `backward` (inside torch.autograd.backward
-or the autograd engine), `optimizer` (inside an optimizer's step()), `forward` (inside an
-nn.Module call), `other` (anything else: initialisation, inputs, a loss computed outside the
-model).
+phase it ran in and the devices of its tensors.
+
+Ops called by the kernel of a composite op (CompositeExplicitAutograd: aten::t calls transpose,
+logcumsumexp calls _logcumsumexp) are counted apart, as `inner` calls, so `calls` stays the
+program's own op stream.
+
+Phases: `backward` (inside torch.autograd.backward or the autograd engine), `optimizer` (inside
+an optimizer's step()), `forward` (inside an nn.Module call), `other` (anything else:
+initialisation, inputs, a loss computed outside the model).
 
 Steps: the census counts steps by one event (`step_on`): optimizer.step() calls (every optimizer,
 through torch.optim's global step hook), backward() calls (torch.autograd.backward), or calls of an
@@ -155,7 +158,7 @@ class OpCensus:
         self.stopped_early = False
         # the first call of each outermost module: id -> (module, args, kwargs, grad_enabled)
         self._root_calls: dict[int, tuple] = {}
-        self._fusions = None
+        self._fusions: dict = {}  # speed_gates -> FusionReport
         self._in_optimizer = 0
         self._in_backward = 0
         self._module_depth = 0
@@ -297,12 +300,12 @@ class OpCensus:
 
     def fusions(self, *, speed_gates: bool = False):
         """Graph mode's fusion rules run over the first outermost module call (cached)."""
-        if self._fusions is None:
+        if speed_gates not in self._fusions:
             from .fusion_report import match_rules
 
-            self._fusions = match_rules(self.root_call, speed_gates=speed_gates) \
+            self._fusions[speed_gates] = match_rules(self.root_call, speed_gates=speed_gates) \
                 if self.root_call is not None else None
-        return self._fusions
+        return self._fusions[speed_gates]
 
     def report(self, directory=None, *, formats=("table",), fusion: bool | None = None) -> str:
         """The terminal table as text; with `directory`, also the files of `formats`

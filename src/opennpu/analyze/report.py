@@ -142,7 +142,8 @@ def write(census, directory=None, *, formats=("table",), fusions=None) -> str:
     terminal table."""
     unknown = set(formats) - set(FORMATS)
     if unknown:
-        raise ValueError(f"opennpu.analyze: unknown format(s) {sorted(unknown)}; choose from {FORMATS}")
+        raise ValueError(f"opennpu.analyze: unknown format(s) {sorted(unknown)}; "
+                         f"choose from {FORMATS}")
     rows = census.rows()
     text = table(rows, fusions, census=census)
     if directory is not None:

@@ -59,8 +59,8 @@ from pathlib import Path
 import torch
 
 DATA_DIR = Path(__file__).parent / "data"
-_TABLE_LINE = re.compile(r"^PrivateUse1: (?:fallthrough )?registered at (?P<where>.*?):(?P<line>\d+) "
-                         r"\[(?P<kind>[^\]]+)\]")
+_TABLE_LINE = re.compile(r"^PrivateUse1: (?:fallthrough )?registered at "
+                         r"(?P<where>.*?):(?P<line>\d+) \[(?P<kind>[^\]]+)\]")
 _FALLBACK_FILE = "npu_fallback.cpp"
 
 # Ops our npu device reaches only through a CompositeImplicitAutograd parent that op-plugin
@@ -137,7 +137,8 @@ def npu_dispatch(op: str) -> tuple[str, str]:
         return "fallback", "zero-copy fallback: the CPU kernel on the npu memory"
     if kind == "kernel":
         if where == _FALLBACK_FILE:
-            return "fallback", "zero-copy fallback, routed per op over the composite: the CPU kernel"
+            return "fallback", ("zero-copy fallback, routed per op over the composite: "
+                                "the CPU kernel")
         return "npu-kernel", f"PrivateUse1 kernel ({source})"
     if kind == "default backend kernel":
         return "composite", "CompositeExplicitAutograd kernel: its ops dispatch to npu"
