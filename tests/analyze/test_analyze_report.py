@@ -227,3 +227,18 @@ def test_module_entry_point_and_lazy_attribute(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "steps: 3 forward step(s) (stopped there)" in out
     assert next(line for line in out.splitlines() if line.startswith("aten::addmm ")).split()[1] == "3"
+
+
+def test_failing_script_still_reported(tmp_path, capsys):
+    script = tmp_path / "broken.py"
+    script.write_text("import torch, opennpu\nx = torch.ones(3, device='npu')\ny = x * 2\n"
+                      "raise RuntimeError('boom after one op')\n")
+    assert runner.main(["-o", str(tmp_path / "o"), "--format", "csv", "--no-fusion",
+                        str(script)]) == 1
+    captured = capsys.readouterr()
+    assert "boom after one op" in captured.err and "aten::mul.Tensor" in captured.out
+    rows = {r["op"]: r for r in csv.DictReader(open(tmp_path / "o" / "op_census.csv"))}
+    assert rows["aten::mul.Tensor"]["calls"] == "1"
+    script.write_text("import sys\nsys.exit(3)\n")
+    census = runner.run_script(script, fusion=False)
+    assert census.error == "the script exited with status 3"

@@ -156,6 +156,7 @@ class OpCensus:
         self.records: dict[str, OpRecord] = {}
         self.steps_done = 0
         self.stopped_early = False
+        self.error: str | None = None  # set by run_script when the script failed
         # the first call of each outermost module: id -> (module, args, kwargs, grad_enabled)
         self._root_calls: dict[int, tuple] = {}
         self._fusions: dict = {}  # speed_gates -> FusionReport

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import runpy
 import sys
+import traceback
 from pathlib import Path
 
 from .census import STEP_EVENTS, OpCensus
@@ -15,7 +16,8 @@ def run_script(path, argv=(), *, steps: int | None = None, step_on: str = "optim
                fusion: bool = True, top: int = 3) -> OpCensus:
     """Run `path` as __main__ (sys.argv = [path, *argv], its folder first on sys.path) under an
     OpCensus and return the census. A script that ends by sys.exit(0) is fine; after `steps`
-    steps the script is stopped and the census keeps what ran."""
+    steps the script is stopped and the census keeps what ran. A script that fails (an exception,
+    a non-zero exit) leaves its error in `census.error`, and the census of what ran before it."""
     path = Path(path)
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *argv]
@@ -27,7 +29,9 @@ def run_script(path, argv=(), *, steps: int | None = None, step_on: str = "optim
                 runpy.run_path(str(path), run_name="__main__")
             except SystemExit as exit_:
                 if exit_.code not in (None, 0):
-                    raise
+                    census.error = f"the script exited with status {exit_.code}"
+            except Exception:  # the census of what ran up to the error still stands
+                census.error = traceback.format_exc()
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
     return census
@@ -66,8 +70,12 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
         return 2
     census = run_script(args.script, args.args, steps=args.steps, step_on=args.step_on,
                         fusion=not args.no_fusion, top=args.top)
+    if census.error:
+        print(census.error, file=sys.stderr)
+        print("opennpu analyze: the script failed; the report covers what ran before",
+              file=sys.stderr)
     text = census.report(args.output, formats=formats)
     print(text, end="")
     if args.output:
         print(f"report written to {args.output}", file=sys.stderr)
-    return 0
+    return 1 if census.error else 0
