@@ -180,12 +180,13 @@ def test_runner_steps(tmp_path, capsys):
     script.write_text(SCRIPT)
     # options before the script are the analyzer's, after it the script's
     assert runner.main(["--steps", "2", "-o", str(tmp_path / "out"), "--format", "csv",
-                        "--no-fusion", str(script), "5"]) == 0
+                        "--no-fusion", "--no-inner", str(script), "5"]) == 0
     out = capsys.readouterr().out
     assert "finished step 0" in out and "finished step 1" not in out  # stopped in step 2's hook
     assert "steps: 2 optimizer step(s) (stopped there)" in out
     rows = {r["op"]: r for r in csv.DictReader(open(tmp_path / "out" / "op_census.csv"))}
     assert rows["aten::addmm"]["calls"] == "2" and rows["aten::add_.Tensor"]["optimizer"] == "4"
+    assert all(r["inner"] == "0" for r in rows.values())  # --no-inner
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["op_census.csv"]
     assert sys.argv[0] != str(script)  # restored
 

@@ -13,7 +13,7 @@ from .report import FORMATS
 
 
 def run_script(path, argv=(), *, steps: int | None = None, step_on: str = "optimizer",
-               fusion: bool = True, top: int = 3) -> OpCensus:
+               fusion: bool = True, inner: bool = True, top: int = 3) -> OpCensus:
     """Run `path` as __main__ (sys.argv = [path, *argv], its folder first on sys.path) under an
     OpCensus and return the census. A script that ends by sys.exit(0) is fine; after `steps`
     steps the script is stopped and the census keeps what ran. A script that fails (an exception,
@@ -22,7 +22,7 @@ def run_script(path, argv=(), *, steps: int | None = None, step_on: str = "optim
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [str(path), *argv]
     sys.path.insert(0, str(path.resolve().parent))
-    census = OpCensus(steps=steps, step_on=step_on, fusion=fusion, top=top)
+    census = OpCensus(steps=steps, step_on=step_on, fusion=fusion, inner=inner, top=top)
     try:
         with census:
             try:
@@ -55,6 +55,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help=f"comma-separated, of {','.join(FORMATS)} (default: all three)")
     parser.add_argument("--no-fusion", action="store_true",
                         help="skip the fused-replacement report (it compiles the model once)")
+    parser.add_argument("--no-inner", action="store_true",
+                        help="do not look inside composite ops (no `inner` calls)")
     parser.add_argument("--top", type=int, default=3, help="signatures kept per op (default 3)")
     return parser
 
@@ -69,7 +71,7 @@ def main(argv=None, args: argparse.Namespace | None = None) -> int:
               file=sys.stderr)
         return 2
     census = run_script(args.script, args.args, steps=args.steps, step_on=args.step_on,
-                        fusion=not args.no_fusion, top=args.top)
+                        fusion=not args.no_fusion, inner=not args.no_inner, top=args.top)
     if census.error:
         print(census.error, file=sys.stderr)
         print("opennpu analyze: the script failed; the report covers what ran before",
