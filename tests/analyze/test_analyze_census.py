@@ -43,6 +43,9 @@ def test_linear_relu_forward_backward_ops_exactly():
                         "aten::view": 1}
     assert census.records["aten::addmm"].calls == 1
     assert census.records["aten::addmm"].devices == {"npu"}
+    assert census.records["aten::addmm"].modules == {"Linear": 1}
+    assert census.records["aten::relu"].modules == {"ReLU": 1}
+    assert not census.records["aten::mm"].modules  # backward runs outside module calls
 
 
 def test_signatures_torchair_style():

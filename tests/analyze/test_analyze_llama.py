@@ -65,6 +65,7 @@ def test_training_step_ops(census):
     assert rows["aten::rsqrt"].forward == 2 * LAYERS + 1
     assert rows["aten::mean.dim"].forward == 2 * LAYERS + 1
     assert rows["aten::silu"].forward == LAYERS
+    assert rows["aten::rsqrt"].modules == f"LlamaRMSNorm {2 * LAYERS + 1}x"
     for op in ("aten::silu_backward", "aten::embedding_dense_backward",
                "aten::_log_softmax_backward_data", "aten::nll_loss_backward",
                "aten::_scaled_dot_product_flash_attention_for_cpu_backward"):

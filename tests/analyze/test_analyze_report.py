@@ -18,8 +18,8 @@ from opennpu.analyze import OpCensus, ascend_data, report, runner
 from opennpu.analyze.support import DATA_DIR, Row
 
 REPO = Path(__file__).resolve().parents[2]
-COLUMNS = ["op", "status", "npu", "ascend", "calls", "inner", "forward", "backward", "optimizer", "other",
-           "dtypes", "devices", "signatures", "npu_detail", "note"]
+COLUMNS = ["op", "status", "npu", "ascend", "calls", "inner", "forward", "backward", "optimizer",
+           "other", "modules", "dtypes", "devices", "signatures", "npu_detail", "note"]
 
 
 @pytest.fixture(scope="module")

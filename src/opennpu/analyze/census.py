@@ -11,6 +11,9 @@ Ops called by the kernel of a composite op (CompositeExplicitAutograd: aten::t c
 logcumsumexp calls _logcumsumexp) are counted apart, as `inner` calls, so `calls` stays the
 program's own op stream.
 
+The class of the innermost nn.Module a call ran in is counted too (`modules`: LlamaRMSNorm,
+Linear ...); backward and optimizer ops run outside any module call.
+
 Phases: `backward` (inside torch.autograd.backward or the autograd engine), `optimizer` (inside
 an optimizer's step()), `forward` (inside an nn.Module call), `other` (anything else:
 initialisation, inputs, a loss computed outside the model).
@@ -80,6 +83,7 @@ class OpRecord:
     calls: int = 0
     inner: int = 0  # calls made by the kernels of composite ops (with OpCensus(inner=True))
     chains: Counter = dataclasses.field(default_factory=Counter)  # composite ops around them
+    modules: Counter = dataclasses.field(default_factory=Counter)  # innermost nn.Module class
     phases: Counter = dataclasses.field(default_factory=Counter)
     signatures: Counter = dataclasses.field(default_factory=Counter)
     dtypes: set = dataclasses.field(default_factory=set)      # of the inputs
@@ -89,6 +93,10 @@ class OpRecord:
         """The n most frequent signatures, most frequent first (ties by text, so stable)."""
         ranked = sorted(self.signatures.items(), key=lambda item: (-item[1], item[0]))
         return [(count, sig) for sig, count in ranked[:n]]
+
+    def top_modules(self, n: int = 3) -> list[tuple[int, str]]:
+        ranked = sorted(self.modules.items(), key=lambda item: (-item[1], item[0]))
+        return [(count, name) for name, count in ranked[:n]]
 
     def phase_text(self) -> str:
         return "+".join(p for p in PHASES if self.phases.get(p))
@@ -163,6 +171,7 @@ class OpCensus:
         self._in_optimizer = 0
         self._in_backward = 0
         self._module_depth = 0
+        self._modules: list[str] = []  # class names of the nn.Module calls in progress
         self._handles: list = []
         self._mode: _Mode | None = None
         self._saved_backward = None
@@ -191,6 +200,8 @@ class OpCensus:
         else:
             record.calls += 1
             record.phases[self._phase()] += 1
+            if self._modules:
+                record.modules[self._modules[-1]] += 1
         record.signatures[signature(args, kwargs)] += 1
         for t in inputs:
             record.dtypes.add(str(t.dtype).removeprefix("torch."))
@@ -227,10 +238,12 @@ class OpCensus:
                     and torch._C._current_graph_task_id() == -1:
                 self._root_calls[id(module)] = (module, args, kwargs, torch.is_grad_enabled())
             self._module_depth += 1
+            self._modules.append(type(module).__name__)
             try:
                 result = call(module, *args, **kwargs)
             finally:
                 self._module_depth -= 1
+                self._modules.pop()
             if self._module_depth == 0:
                 self._step("forward")
             return result

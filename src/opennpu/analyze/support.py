@@ -87,6 +87,7 @@ class Row:
     backward: int
     optimizer: int
     other: int
+    modules: str
     dtypes: str
     devices: str
     signatures: str
@@ -250,6 +251,7 @@ def classify(record, *, top: int = 3, version: str | None = None) -> Row:
                calls=record.calls, inner=record.inner, forward=record.phases.get("forward", 0),
                backward=record.phases.get("backward", 0),
                optimizer=record.phases.get("optimizer", 0), other=record.phases.get("other", 0),
+               modules=", ".join(f"{name} {count}x" for count, name in record.top_modules(top)),
                dtypes=" ".join(sorted(record.dtypes)), devices=" ".join(sorted(record.devices)),
                signatures=format_signatures(record, top), npu_detail=detail,
                note=_note(record.op, ascend, record.devices, parent))
