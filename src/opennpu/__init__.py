@@ -48,9 +48,8 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # opennpu.compile (graph mode) imports torch._inductor, opennpu.optim torch._dynamo (and
-    # opennpu.analyze either): they
-    # load on first use only.
+    # opennpu.compile (graph mode) imports torch._inductor, opennpu.optim torch._dynamo,
+    # opennpu.analyze either on use: they load on first use only.
     if name in ("analyze", "compile", "optim"):
         import importlib
 
