@@ -48,9 +48,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # opennpu.compile (graph mode) imports torch._inductor, opennpu.optim torch._dynamo: both
-    # load on first use only.
-    if name in ("compile", "optim"):
+    # opennpu.compile (graph mode) imports torch._inductor, opennpu.optim torch._dynamo,
+    # opennpu.analyze either on use: they load on first use only.
+    if name in ("analyze", "compile", "optim"):
         import importlib
 
         return importlib.import_module(f".{name}", __name__)

@@ -13,7 +13,15 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default="cpu", choices=("cpu",), help="where the ops run")
     demo.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     demo.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timing")
+    from .analyze.runner import build_parser as analyze_parser
+
+    analyze_parser(commands.add_parser("analyze", help="op-support census of a script (see "
+                                       "python -m opennpu.analyze --help)"))
     args = parser.parse_args(argv)
+    if args.command == "analyze":
+        from .analyze.runner import main as analyze
+
+        return analyze(args=args)
 
     from . import demo as demo_module  # imports torch and loads the operator library
 
