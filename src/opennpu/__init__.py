@@ -57,3 +57,9 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'opennpu' has no attribute {name!r}")
 
 __all__ = ["cpu_isa", "is_strict", "set_strict", "strict", *ops.__all__]
+
+# TORCH_TRANSFER_TO_NPU=1 migrates CUDA code at run time as soon as opennpu loads (import torch,
+# import torch_npu), as torch_npu does; other values than 0 and 1 are a ValueError.
+from .migrate import transfer as _transfer  # noqa: E402
+
+_transfer.enable_from_env()
