@@ -29,6 +29,7 @@ in a CSV with msFmkTransplt's ``change_list.csv`` columns. Every patch is record
 from __future__ import annotations
 
 import csv
+import dis
 import functools
 import importlib
 import importlib.abc
@@ -74,6 +75,8 @@ CUDA_FUNCTIONS = (
     "can_device_access_peer", "current_stream", "utilization", "set_per_process_memory_fraction",
     "caching_allocator_alloc",
 )
+# torch.cuda's random functions that take a device.
+_RANDOM_FUNCTIONS = ("get_rng_state", "set_rng_state")
 # Keyword arguments that name a device; an int among them means "npu:<int>".
 DEVICE_KWARGS = ("device", "device_type", "map_location", "device_id")
 # Functions whose positional ints are device indices.
@@ -127,8 +130,7 @@ def _rewrite_call(args: tuple, kwargs: dict, ints: bool, where: str):
                 new_args = list(args)
             new_args[i] = new
             if _log is not None:
-                _log.record(f"change positional argument {i} of {where} from {_show(arg)} to "
-                            f"{_show(new)}")
+                _log.record(f"change device {_show(arg)} of {where} to {_show(new)}")
     if kwargs:
         for name in DEVICE_KWARGS:
             value = kwargs.get(name)
@@ -278,10 +280,18 @@ def _call_site(frame):
 
 def _call_lines(frame) -> tuple[int, int]:
     """First and last line of the expression `frame` is executing (a call may span lines)."""
+    current = None
     try:
-        start, end, _, _ = list(frame.f_code.co_positions())[frame.f_lasti // 2]
-    except (AttributeError, IndexError, ValueError):
-        return frame.f_lineno, frame.f_lineno
+        for instruction in dis.get_instructions(frame.f_code):
+            if instruction.offset > frame.f_lasti:
+                break
+            current = instruction
+    except (AttributeError, ValueError):
+        pass
+    positions = getattr(current, "positions", None)  # Python >= 3.11
+    if positions is None or not current.opname.startswith("CALL") or positions.lineno is None:
+        return frame.f_lineno, frame.f_lineno  # e.g. a `with` statement: its first line
+    start, end = positions.lineno, positions.end_lineno
     start = start or frame.f_lineno
     return start, max(end or start, start)
 
@@ -432,8 +442,8 @@ class _Generator(torch.Generator, metaclass=_KeepsBaseInstances):
     """torch.Generator with a CUDA device read as npu."""
 
     def __new__(cls, device="cpu"):
-        (device,), _ = _rewrite_call((device,), {}, True, "torch.Generator")
-        return super().__new__(cls, device)
+        _, kwargs = _rewrite_call((), {"device": device}, False, "torch.Generator")
+        return super().__new__(cls, kwargs["device"])
 
 
 class _Event(torch.Event, metaclass=_KeepsBaseInstances):
@@ -568,20 +578,38 @@ def _redirect(dst: types.ModuleType, src: types.ModuleType, names, dst_name: str
             continue
         if name in device_functions:
             value = _with_device_rewrite(value, f"{dst_name}.{name}", ints=False)
+        elif name in _DEVICE_CLASSES and isinstance(value, type):
+            value = _device_class(value, f"{dst_name}.{name}")
         if _log is not None and callable(value):
             kind = "class" if isinstance(value, type) else "function"
             value = _logged(value, f"change {kind} {dst_name}.{name} to {src_name}.{name}")
         _set(dst, name, value)
 
 
+# torch.npu classes whose constructors take a device.
+_DEVICE_CLASSES = ("device", "Stream", "ExternalStream")
+
+
+def _device_class(cls: type, qualname: str) -> type:
+    """A subclass of `cls` whose constructor rewrites CUDA devices; objects of `cls` itself pass
+    isinstance checks against it (torch.cuda.current_stream() returns a torch.npu.Stream)."""
+    ns = {"__module__": qualname.rpartition(".")[0], "__qualname__": cls.__qualname__,
+          "__doc__": cls.__doc__}
+    if cls.__new__ is not object.__new__:
+        def __new__(sub, *args, **kwargs):
+            args, kwargs = _rewrite_call(args, kwargs, False, qualname)
+            return cls.__new__(sub, *args, **kwargs)
+        ns["__new__"] = __new__
+    else:
+        ns["__init__"] = _with_device_rewrite(cls.__init__, qualname, ints=False)
+    return _KeepsBaseInstances(cls.__name__, (cls,), ns)
+
+
 def _patch_cuda() -> None:
     npu = torch.npu
     npu_amp = npu.amp
-    _redirect(torch.cuda, npu, npu.__all__, "torch.cuda", "torch.npu", CUDA_FUNCTIONS)
-    cls = vars(torch.cuda)["device"]
-    _set(torch.cuda, "device", type("device", (cls,), {
-        "__init__": _with_device_rewrite(cls.__init__, "torch.cuda.device", ints=False),
-        "__module__": "torch.cuda", "__qualname__": "device", "__doc__": cls.__doc__}))
+    _redirect(torch.cuda, npu, npu.__all__, "torch.cuda", "torch.npu",
+              CUDA_FUNCTIONS + _RANDOM_FUNCTIONS)
     _redirect(torch.cuda.amp, npu_amp, npu_amp.__all__, "torch.cuda.amp", "torch.npu.amp")
     for sub in ("autocast_mode", "grad_scaler", "common"):
         npu_sub = getattr(npu_amp, sub, None)
@@ -593,9 +621,52 @@ def _patch_cuda() -> None:
                       f"torch.npu.amp.{sub}")
         _set(torch.cuda.amp, sub, npu_sub)
     _redirect(torch.cuda.random, npu.random, npu.random.__all__, "torch.cuda.random",
-              "torch.npu.random")
+              "torch.npu.random", _RANDOM_FUNCTIONS)
     _redirect(torch.cuda.memory, npu.memory, npu.memory.__all__, "torch.cuda.memory",
               "torch.npu.memory", CUDA_FUNCTIONS)
+
+
+def _not_capturing(stream=None) -> bool:
+    """torch.cuda.is_current_stream_capturing under transfer_to_npu: the npu device has no graph
+    capture, so never (PyTorch's optimizers and GradScaler ask before every step)."""
+    return False
+
+
+def _unavailable(qualname: str, npu_name: str) -> Callable:
+    """A stand-in for a CUDA API the npu device lacks: raises a RuntimeError that says so (instead
+    of CUDA's driver or NVML error)."""
+    from opennpu.npu._not_provided import REASONS
+
+    reason = REASONS.get(npu_name, "opennpu has no npu counterpart")
+
+    def unavailable(*args, **kwargs):
+        raise RuntimeError(f"{qualname} has no npu counterpart under transfer_to_npu: "
+                           f"torch.npu.{npu_name} is not provided by opennpu ({reason})")
+
+    unavailable.__name__ = unavailable.__qualname__ = qualname.rpartition(".")[2]
+    return unavailable
+
+
+# CUDA APIs without an npu counterpart in opennpu: name in torch.cuda (or a submodule) -> torch_npu's name.
+_CUDA_ONLY = {
+    "utilization": "utilization", "CUDAGraph": "NPUGraph", "graph": "graph",
+    "graph_pool_handle": "graph_pool_handle", "make_graphed_callables": "make_graphed_callables",
+    "MemPool": "MemPool", "use_mem_pool": "use_mem_pool", "ipc_collect": "ipc_collect",
+    "host_memory_stats": "host_memory_stats", "memory._record_memory_history": "memory._record_memory_history",
+    "memory._snapshot": "memory._snapshot", "memory._dump_snapshot": "memory._dump_snapshot",
+}
+
+
+def _patch_cuda_only() -> None:
+    _set(torch.cuda, "is_current_stream_capturing", _not_capturing)
+    graphs = sys.modules.get("torch.cuda.graphs")
+    if graphs is not None:
+        _set(graphs, "is_current_stream_capturing", _not_capturing)
+    for name, npu_name in _CUDA_ONLY.items():
+        owner_name, _, attr = ("torch.cuda." + name).rpartition(".")
+        owner = sys.modules.get(owner_name)
+        if owner is not None and hasattr(owner, attr) and not hasattr(torch.npu, npu_name):
+            _set(owner, attr, _unavailable(f"{owner_name}.{attr}", npu_name))
 
 
 def _patch_tensors_and_modules() -> None:
@@ -628,20 +699,19 @@ def _patch_tensors_and_modules() -> None:
           lambda fn: _with_device_rewrite(fn, "torch.autocast"))
     _wrap(torch.amp.GradScaler, "__init__", lambda fn: _with_device_rewrite(fn, "torch.amp.GradScaler"))
     _wrap(torch.utils._device.DeviceContext, "__init__",
-          lambda fn: _with_device_rewrite(fn, "torch.device (as a context manager)"))
+          lambda fn: _with_device_rewrite(fn, "torch.device context"))
     _set(torch, "Generator", _Generator)
     _set(torch, "Event", _Event)
     from torch.autograd.profiler_util import Kernel
     _wrap(Kernel, "__new__", lambda fn: _with_device_rewrite(fn, "torch.autograd.profiler_util.Kernel"))
-    # Lazy modules keep a list of the Tensor methods they allow before materialisation.
+    # Lazy modules allow a list of Tensor methods before materialisation: the patched `to` and
+    # the npu/cuda moves (Module.cuda is Module.npu, which calls the generated Tensor.npu).
     from torch.nn.parameter import UninitializedTensorMixin
     allowed = UninitializedTensorMixin._allowed_methods
-    for i, method in enumerate(allowed):
-        if getattr(method, "__name__", None) == "to":
-            old = allowed[i]
-            allowed[i] = torch.Tensor.to
-            _undo.append(lambda i=i, old=old: allowed.__setitem__(i, old))
-            break
+    before = list(allowed)
+    allowed[:] = [torch.Tensor.to if getattr(m, "__name__", None) == "to" else m for m in allowed]
+    allowed += [torch.Tensor.npu, torch.Tensor.cuda]
+    _undo.append(lambda: allowed.__setitem__(slice(None), before))
 
 
 def _patch_distributed() -> None:
@@ -719,10 +789,17 @@ def apply() -> None:
         if _applied:
             return
         import opennpu  # noqa: F401  (registers the npu device and the hccl backend)
+        # Under TORCH_TRANSFER_TO_NPU=1 this runs while `import torch` finishes: the patched
+        # modules may not be loaded yet.
+        for module in ("torch.utils._device", "torch.fft", "torch.amp", "torch.storage",
+                       "torch.autograd.profiler_util", "torch.nn.parameter", "torch.cuda.amp",
+                       "torch.cuda.random", "torch.cuda.memory", "torch.distributed"):
+            importlib.import_module(module)
         path = os.environ.get("TORCH_NPU_MIGRATION_LOG")
         _log = _MigrationLog(path) if path else None
         try:
             _patch_cuda()
+            _patch_cuda_only()
             _patch_tensors_and_modules()
             _patch_distributed()
             _patch_compilers()
