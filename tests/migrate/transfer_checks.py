@@ -308,6 +308,7 @@ def check_distributed():
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     assert dist.is_nccl_available()
+    assert dist.ProcessGroupNCCL.Options().is_high_priority_stream is False
     assert dist.ProcessGroupNCCL is __import__("opennpu.distributed").distributed.ProcessGroupHCCL
     with tempfile.TemporaryDirectory() as d:
         dist.init_process_group("nccl", init_method=f"file://{d}/store", rank=0, world_size=1)  # LOG: change backend of torch.distributed.init_process_group from 'nccl' to 'hccl'

@@ -459,6 +459,17 @@ def _is_hccl_available() -> bool:
     return torch.distributed.is_available() and "hccl" in torch.distributed.Backend.backend_list
 
 
+class _HcclOptions:
+    """ProcessGroupNCCL.Options under transfer_to_npu (code builds them to pass as pg_options):
+    the fields are accepted; the hccl backend over gloo has no use for them."""
+
+    def __init__(self, is_high_priority_stream: bool = False):
+        self.is_high_priority_stream = is_high_priority_stream
+        self.hccl_config: dict = {}
+        self.global_ranks_in_group: list[int] = []
+        self.group_name = ""
+
+
 def _has_triton() -> bool:
     return False
 
@@ -733,6 +744,8 @@ def _patch_distributed() -> None:
     _wrap(dist.ProcessGroup, "_get_backend",
           lambda fn: _with_device_rewrite(fn, "torch.distributed.ProcessGroup._get_backend"))
     from opennpu.distributed import ProcessGroupHCCL
+    if not hasattr(ProcessGroupHCCL, "Options"):
+        _set(ProcessGroupHCCL, "Options", _HcclOptions)
     _set(dist, "ProcessGroupNCCL", ProcessGroupHCCL)
     _set(c10d, "ProcessGroupNCCL", ProcessGroupHCCL)
     _del_nccl_device_backend_map()
