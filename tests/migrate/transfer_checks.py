@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import traceback
+from unittest import mock
 import warnings
 
 import torch
@@ -237,6 +238,17 @@ def check_load_map_location():
         torch.save(torch.ones(2), buffer)
         buffer.seek(0)
         _npu(torch.load(buffer, map_location=lambda s, loc: s.npu()))
+    # A checkpoint saved on a GPU: its storages carry "cuda:1".
+    gpu_checkpoint = io.BytesIO()
+    with mock.patch("torch.serialization.location_tag", lambda storage: "cuda:1"):
+        torch.save({"w": torch.arange(3.0)}, gpu_checkpoint)
+    for location, index in ((None, 1), ({"cuda:1": "cuda:0"}, 0), ("cuda:0", 0)):
+        gpu_checkpoint.seek(0)
+        w = torch.load(gpu_checkpoint, map_location=location)["w"]  # LOG: change storage location 'cuda:1' of torch.load to 'npu:1'
+        _npu(w, index)
+        assert w.tolist() == [0.0, 1.0, 2.0]
+    gpu_checkpoint.seek(0)
+    assert torch.load(gpu_checkpoint, map_location="cpu")["w"].device.type == "cpu"
 
 
 def check_data_loader_pin_memory():

@@ -106,12 +106,19 @@ def _npu_device(value: Any, ints: bool) -> Any:
         if ints:
             return f"npu:{value}"
     elif kind is dict:
+        # map_location: values become npu devices; a key naming CUDA stays (a checkpoint saved on
+        # a GPU has "cuda:N" locations) and gets its npu twin (one saved under transfer_to_npu).
         changed = False
         new = {}
         for k, v in value.items():
-            k2, v2 = _npu_device(k, False), _npu_device(v, False)
-            changed = changed or k2 is not k or v2 is not v
-            new[k2] = v2
+            v2 = _npu_device(v, False)
+            changed = changed or v2 is not v
+            new[k] = v2
+        for k in value:
+            k2 = _npu_device(k, False)
+            if k2 is not k and k2 not in value:
+                new[k2] = new[k]
+                changed = True
         if changed:
             return new
     elif isinstance(value, str) and _CUDA_DEVICE.fullmatch(value):  # str subclasses
@@ -668,6 +675,29 @@ _CUDA_ONLY = {
 }
 
 
+def _restore_location(storage, location: str):
+    """torch.serialization.default_restore_location under transfer_to_npu: storages a checkpoint
+    saved on a CUDA device ("cuda:N") are restored on npu:N (every map_location form ends here
+    for the locations it does not map)."""
+    if location.startswith("cuda"):
+        new = _npu_device(location, False)
+        if new is not location:
+            if _log is not None:
+                _log.record(f"change storage location {location!r} of torch.load to {new!r}")
+            location = new
+    return _default_restore_location(storage, location)
+
+
+_default_restore_location = None
+
+
+def _patch_serialization() -> None:
+    global _default_restore_location
+    serialization = importlib.import_module("torch.serialization")
+    _default_restore_location = serialization.default_restore_location
+    _set(serialization, "default_restore_location", _restore_location)
+
+
 def _patch_cuda_only() -> None:
     _set(torch.cuda, "is_current_stream_capturing", _not_capturing)
     graphs = sys.modules.get("torch.cuda.graphs")
@@ -813,6 +843,7 @@ def apply() -> None:
         try:
             _patch_cuda()
             _patch_cuda_only()
+            _patch_serialization()
             _patch_tensors_and_modules()
             _patch_distributed()
             _patch_compilers()
