@@ -97,6 +97,7 @@ def check_streams_and_events():
     assert torch.cuda.current_stream(0) == torch.npu.current_stream(0)
     assert torch.cuda.current_stream(torch.device("cuda:0")) == torch.npu.current_stream(0)
     assert torch.cuda.default_stream("cuda:0") == torch.npu.default_stream(0)
+    assert isinstance(torch.npu.Event(), torch.cuda.Event) and isinstance(torch.cuda.Event(), torch.npu.Event)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     y.sum().item()
@@ -356,8 +357,18 @@ def check_compilers():
         return x + 1
 
     assert torch.jit.script(f) is f and torch.jit.script_method(f) is f
-    from torch.utils._triton import has_triton
-    assert has_triton() is False
+    from torch.utils._triton import has_triton, has_triton_package
+    assert has_triton() is False and has_triton_package() is False
+    # Dynamo traces through the patched functions; a CUDA device inside the graph is npu.
+    m = torch.nn.Linear(4, 4).cuda()
+
+    def g(x):
+        return m(x) + torch.ones(4, device="cuda")
+
+    x = torch.randn(2, 4, device="cuda")
+    out = torch.compile(g, backend="eager", fullgraph=True)(x)
+    _npu(out)
+    assert torch.equal(out, g(x))
 
 
 # -- the log ----------------------------------------------------------------------------------

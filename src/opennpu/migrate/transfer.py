@@ -94,7 +94,8 @@ _NPU = torch.device("npu")
 def _npu_device(value: Any, ints: bool) -> Any:
     """`value` with a CUDA device it names replaced by the npu device of the same index; `value`
     itself (the same object) when it names none. Strings are rewritten only when they are a device
-    name ("cuda", "cuda:1"); a dict (map_location) has its keys and values rewritten."""
+    name ("cuda", "cuda:1"); a dict (map_location) has its values rewritten and its CUDA keys
+    doubled by npu ones."""
     kind = type(value)
     if kind is str:
         if _CUDA_DEVICE.fullmatch(value):
@@ -316,7 +317,8 @@ def _logged(fn: Callable, message: str) -> Callable:
             _log.record(message)
             return meta.__call__(cls, *args, **kwargs)
 
-        logged_meta = type(f"_Logged{meta.__name__}", (meta,), {"__call__": call})
+        bases = (meta,) if issubclass(meta, _KeepsBaseInstances) else (_KeepsBaseInstances, meta)
+        logged_meta = type(f"_Logged{meta.__name__}", bases, {"__call__": call})
         return logged_meta(fn.__name__, (fn,), {"__module__": fn.__module__,
                                                 "__qualname__": fn.__qualname__,
                                                 "__doc__": fn.__doc__})
@@ -340,7 +342,7 @@ _undo: list[Callable[[], None]] = []
 def _set(owner: Any, name: str, value: Any) -> None:
     """setattr(owner, name, value), remembering what owner itself held (inherited attributes are
     restored by deleting the override)."""
-    own = vars(owner).get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name, _MISSING)
+    own = vars(owner).get(name, _MISSING)
 
     def undo():
         if own is _MISSING:
@@ -389,17 +391,16 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if loader is None or not hasattr(loader, "exec_module"):
             return spec
         hooks = self.pending.pop(fullname)
+        run = loader.exec_module
 
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, spec):
-                return loader.create_module(spec)
+        def exec_module(module):
+            run(module)
+            for hook in hooks:
+                hook(module)
 
-            def exec_module(self, module):
-                loader.exec_module(module)
-                for hook in hooks:
-                    hook(module)
-
-        spec.loader = _Loader()
+        # The loader object is this module's own (finders make one per spec): it stays the
+        # module's __loader__ (inspect.getsource and reload keep working).
+        loader.exec_module = exec_module
         return spec
 
 
@@ -435,8 +436,9 @@ def _replace_everywhere(source: types.ModuleType, name: str, replacement: Callab
 # Replacement objects
 
 class _KeepsBaseInstances(type):
-    """Metaclass of the torch.Generator / torch.Event stand-ins: objects of the original class
-    (made by C++ or before the patch) still pass isinstance."""
+    """Metaclass of the stand-in subclasses (torch.Generator, torch.Event, torch.cuda.Stream ...,
+    and the logged classes): objects of the class they stand in for (made by C++, by torch.npu or
+    before the patch) pass isinstance and issubclass checks against the stand-in."""
 
     def __instancecheck__(cls, instance):
         return type.__instancecheck__(cls, instance) or isinstance(instance, cls.__bases__[0])
@@ -809,7 +811,10 @@ def _patch_compilers() -> None:
         _set(torch.jit, "script", _jit_script)
         _set(torch.jit, "script_method", _jit_script_method)
     triton_utils = importlib.import_module("torch.utils._triton")
-    _replace_everywhere(triton_utils, "has_triton", _has_triton)
+    # Triton generates CUDA kernels: on npu it is absent even where the package is installed
+    # (torch then never asks the CUDA-only questions, like the compute capability, it guards).
+    for name in ("has_triton", "has_triton_package"):
+        _replace_everywhere(triton_utils, name, _has_triton)
     for module in ("torch._inductor.utils", "torch._inductor.fx_passes.post_grad",
                    "torch._inductor.fx_passes.joint_graph", "torch._inductor.autotune_process"):
         _when_imported(module, lambda m: _set(m, "get_gpu_type", _gpu_type)
