@@ -34,7 +34,6 @@ import functools
 import importlib
 import importlib.abc
 import importlib.metadata
-import importlib.util
 import json
 import os
 import re
