@@ -7,6 +7,7 @@ the real torch_npu is not installed.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch  # noqa: F401  (the operator library links against the loaded torch)
@@ -57,3 +58,11 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'opennpu' has no attribute {name!r}")
 
 __all__ = ["cpu_isa", "is_strict", "set_strict", "strict", *ops.__all__]
+
+# TORCH_TRANSFER_TO_NPU=1 migrates CUDA code at run time as soon as opennpu loads (import torch,
+# import torch_npu), as torch_npu does; other values than 0 and 1 are a ValueError. The patcher
+# is imported only then: `import torch` stays as fast without it.
+if os.environ.get("TORCH_TRANSFER_TO_NPU", "0") != "0":
+    from .migrate import transfer as _transfer
+
+    _transfer.enable_from_env()

@@ -5,7 +5,7 @@ torch_npu does), for float16 (the default) and bfloat16; the GradScaler unscales
 optimizers in one pass and has torch_npu's static loss scale (``dynamic=False``).
 """
 
-from . import autocast_mode, grad_scaler  # noqa: F401
+from . import autocast_mode, common, grad_scaler  # noqa: F401
 from .autocast_mode import autocast, custom_bwd, custom_fwd
 from .grad_scaler import GradScaler
 
