@@ -32,6 +32,10 @@ def register() -> None:
     if not hasattr(torch.Tensor, "is_npu"):
         torch.utils.generate_methods_for_privateuse1_backend(
             for_tensor=True, for_module=True, for_packed_sequence=True, for_storage=True)
+        # Lazy modules (nn.LazyLinear) allow a list of Tensor methods before materialisation;
+        # `.npu()` joins `.cuda()` there, so `LazyLinear(4).npu()` works as on CUDA.
+        from torch.nn.parameter import UninitializedTensorMixin
+        UninitializedTensorMixin._allowed_methods.append(torch.Tensor.npu)
 
 
 def autoload() -> None:

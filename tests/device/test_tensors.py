@@ -212,3 +212,9 @@ def test_untyped_storage_on_npu():
     assert storage.nbytes() == 16 and storage.device.type == "npu"
     assert torch.empty(0, device="npu").set_(storage, 0, (2,), (1,)).tolist() == [1.0, 2.0]
     assert storage.cpu().device.type == "cpu"
+
+
+def test_lazy_modules_move_to_npu_before_materialisation():
+    layer = torch.nn.LazyLinear(4).npu()
+    y = layer(torch.randn(2, 3, device="npu"))
+    assert y.device.type == "npu" and layer.weight.shape == (4, 3) and layer.weight.is_npu

@@ -31,6 +31,7 @@ def _npu(t, index=None):
 def check_cuda_device_api():
     assert torch.cuda.is_available() is True
     assert torch.cuda.device_count() == torch.npu.device_count() > 1
+    torch.cuda.init()  # the npu runtime initialises lazily, as CUDA's
     assert torch.cuda.is_initialized() and torch.cuda.is_bf16_supported()
     torch.cuda.set_device("cuda:1")  # LOG: change device 'cuda:1' of torch.cuda.set_device to 'npu:1'
     assert torch.cuda.current_device() == 1 == torch.npu.current_device()

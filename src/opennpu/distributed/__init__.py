@@ -96,6 +96,16 @@ def _describe(fp: list) -> str:
 class ProcessGroupHCCL(dist.ProcessGroup):
     """torch.distributed's hccl backend on the emulated npu device: gloo on CPU aliases."""
 
+    class Options:
+        """torch_npu's ProcessGroupHCCL.Options (scripts build them to pass as `pg_options`):
+        the fields are accepted; the backend over gloo has no use for them."""
+
+        def __init__(self, is_high_priority_stream: bool = False):
+            self.is_high_priority_stream = is_high_priority_stream
+            self.hccl_config: dict = {}
+            self.global_ranks_in_group: list[int] = []
+            self.group_name = ""
+
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)

@@ -468,17 +468,6 @@ def _is_hccl_available() -> bool:
     return torch.distributed.is_available() and "hccl" in torch.distributed.Backend.backend_list
 
 
-class _HcclOptions:
-    """ProcessGroupNCCL.Options under transfer_to_npu (code builds them to pass as pg_options):
-    the fields are accepted; the hccl backend over gloo has no use for them."""
-
-    def __init__(self, is_high_priority_stream: bool = False):
-        self.is_high_priority_stream = is_high_priority_stream
-        self.hccl_config: dict = {}
-        self.global_ranks_in_group: list[int] = []
-        self.group_name = ""
-
-
 def _has_triton() -> bool:
     return False
 
@@ -672,7 +661,7 @@ _CUDA_ONLY = {
     "utilization": "utilization", "CUDAGraph": "NPUGraph", "graph": "graph",
     "graph_pool_handle": "graph_pool_handle", "make_graphed_callables": "make_graphed_callables",
     "MemPool": "MemPool", "use_mem_pool": "use_mem_pool", "ipc_collect": "ipc_collect",
-    "host_memory_stats": "host_memory_stats", "memory._record_memory_history": "memory._record_memory_history",
+    "memory._record_memory_history": "memory._record_memory_history",
     "memory._snapshot": "memory._snapshot", "memory._dump_snapshot": "memory._dump_snapshot",
 }
 
@@ -705,6 +694,8 @@ def _patch_cuda_only() -> None:
     graphs = sys.modules.get("torch.cuda.graphs")
     if graphs is not None:
         _set(graphs, "is_current_stream_capturing", _not_capturing)
+    # torch._C._host_emptyCache (CUDA's pinned-memory cache) releases the npu one instead.
+    _set(torch._C, "_host_emptyCache", torch.npu.host_empty_cache)
     for name, npu_name in _CUDA_ONLY.items():
         owner_name, _, attr = ("torch.cuda." + name).rpartition(".")
         owner = sys.modules.get(owner_name)
@@ -776,8 +767,6 @@ def _patch_distributed() -> None:
     _wrap(dist.ProcessGroup, "_get_backend",
           lambda fn: _with_device_rewrite(fn, "torch.distributed.ProcessGroup._get_backend"))
     from opennpu.distributed import ProcessGroupHCCL
-    if not hasattr(ProcessGroupHCCL, "Options"):
-        _set(ProcessGroupHCCL, "Options", _HcclOptions)
     _set(dist, "ProcessGroupNCCL", ProcessGroupHCCL)
     _set(c10d, "ProcessGroupNCCL", ProcessGroupHCCL)
     _del_nccl_device_backend_map()
