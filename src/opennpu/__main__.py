@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["migrate"]:  # all of its options belong to the converter's own parser
+        from .migrate.convert.cli import main as migrate_main
+
+        return migrate_main(argv[1:])
     parser = argparse.ArgumentParser(prog="opennpu",
                                      description="opennpu: torch_npu's fused operators on CPU")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -13,6 +19,9 @@ def main(argv=None) -> int:
     demo.add_argument("--device", default="cpu", choices=("cpu",), help="where the ops run")
     demo.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     demo.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timing")
+    commands.add_parser("migrate", add_help=False,
+                        help="convert a CUDA project to NPU code (msFmkTransplt-compatible; "
+                             "`opennpu migrate -h` for its options)")
     args = parser.parse_args(argv)
 
     from . import demo as demo_module  # imports torch and loads the operator library
