@@ -27,11 +27,11 @@ from .transformer import INSERT, MODIFY, Scanner, dotted_name, qualified_names
 _SETUP = """\
 import torch.distributed
 DEVICE_ID = int(os.environ.get('DEVICE_ID', '0'))  # the NPU of this process (opennpu.migrate distributed)
+torch_npu.npu.set_device(f'npu:{DEVICE_ID}')
 """
 _INIT = """\
 RANK_ID = int(os.environ.get('RANK_ID', str(DEVICE_ID)))
 RANK_SIZE = int(os.environ.get('RANK_SIZE', '1'))
-torch_npu.npu.set_device(f'npu:{DEVICE_ID}')
 torch.distributed.init_process_group('hccl', rank=RANK_ID, world_size=RANK_SIZE)
 """
 _DDP = """\

@@ -178,6 +178,7 @@ class FileConverter(cst.CSTTransformer):
         self.changes: list[tuple[int, int, str, str]] = []
         self.uses_device_id = False
         self._in_import = 0
+        self._dropped: set[int] = set()
 
     # -- helpers ----------------------------------------------------------------------------
     def _record(self, node, op: str, message: str):
@@ -255,8 +256,10 @@ class FileConverter(cst.CSTTransformer):
                     kept[-1] = kept[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
                     small = small.with_changes(names=kept)
             body.append(small)
-        if not body:
-            return cst.RemoveFromParent()
+        if not body:  # dropped by the enclosing block, which keeps the blank lines above it
+            placeholder = updated_node.with_changes(body=[cst.Pass()])
+            self._dropped.add(id(placeholder))
+            return placeholder
         if len(body) != len(updated_node.body):
             body[-1] = body[-1].with_changes(semicolon=cst.MaybeSentinel.DEFAULT)
         updated_node = updated_node.with_changes(body=body)
@@ -271,12 +274,28 @@ class FileConverter(cst.CSTTransformer):
                 return cst.FlattenSentinel([*new_stmts, updated_node.with_changes(leading_lines=())])
         return updated_node
 
+    def _drop_removed(self, body) -> list:
+        """Drops the statements emptied by RemoveImport; their leading blank and comment lines
+        move to the next statement."""
+        out, carry = [], []
+        for stmt in body:
+            if id(stmt) in self._dropped:
+                carry += list(stmt.leading_lines)
+                continue
+            if carry:
+                stmt = stmt.with_changes(leading_lines=[*carry, *stmt.leading_lines])
+                carry = []
+            out.append(stmt)
+        return out
+
     def leave_IndentedBlock(self, original_node, updated_node):
-        if not updated_node.body:  # every statement was a removed import
-            return updated_node.with_changes(body=[cst.SimpleStatementLine([cst.Pass()])])
-        return updated_node
+        body = self._drop_removed(updated_node.body)
+        if not body:  # every statement was a removed import
+            body = [cst.SimpleStatementLine([cst.Pass()])]
+        return updated_node.with_changes(body=body)
 
     def leave_Module(self, original_node, updated_node):
+        updated_node = updated_node.with_changes(body=self._drop_removed(updated_node.body))
         if not (self.uses_device_id and not self.scan.defines_device_id):
             return updated_node
         rules = [r for r in self.rules.inserts if r.where == "after_imports"]
@@ -393,7 +412,7 @@ class FileConverter(cst.CSTTransformer):
             args[index] = args[index].with_changes(value=new_value)
             if rule.drop_later_args and original_node.args[index].keyword is None:
                 args = args[:index + 1]
-        if args:
+        if args and len(args) != len(updated_node.args):
             args[-1] = args[-1].with_changes(comma=cst.MaybeSentinel.DEFAULT)
         return updated_node.with_changes(args=args)
 
