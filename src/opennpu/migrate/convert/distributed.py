@@ -16,6 +16,7 @@ data loading is handled, like msFmkTransplt.
 
 from __future__ import annotations
 
+import difflib
 import os
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from .transformer import INSERT, MODIFY, Scanner, dotted_name, qualified_names
 
 _SETUP = """\
 import torch.distributed
-DEVICE_ID = int(os.environ.get('DEVICE_ID', '0'))  # the NPU of this process (opennpu.migrate distributed)
+DEVICE_ID = int(os.environ.get('DEVICE_ID', '0'))  # the NPU of this process (inserted by opennpu.migrate)
 torch_npu.npu.set_device(f'npu:{DEVICE_ID}')
 """
 _INIT = """\
@@ -167,10 +168,24 @@ def convert_main(result, target_model: str) -> None:
                 index = i + 1
     new = list(cst.parse_module(code).body)
     new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine()])
+    line = module.code_for_node(module.with_changes(body=body[:index])).count("\n") if index else 1
+    to_original = _line_map(result.source, result.converted)
+    moved = [(to_original(a), to_original(b), op, msg) for a, b, op, msg in transformer.changes]
     result.converted = module.with_changes(body=body[:index] + new + body[index:]).code
-    result.changes = sorted(result.changes + transformer.changes +
-                            [(index, index, INSERT, "insert init_process_group('hccl') with "
-                              "DEVICE_ID, RANK_ID and RANK_SIZE from the environment")])
+    result.changes = sorted(result.changes + moved + [
+        (to_original(line), to_original(line), INSERT, "insert init_process_group('hccl') with "
+         "DEVICE_ID, RANK_ID and RANK_SIZE from the environment")])
+
+
+def _line_map(before: str, after: str):
+    """Maps a line of `after` (1-based) to the line of `before` it came from (or follows)."""
+    mapping = {}
+    matcher = difflib.SequenceMatcher(None, before.splitlines(), after.splitlines(), autojunk=False)
+    for tag, i1, i2, j1, j2 in matcher.get_opcodes():
+        for j in range(j1, j2):
+            i = i1 + (j - j1) if tag == "equal" else min(i1 + (j - j1), max(i1, i2 - 1))
+            mapping[j + 1] = i + 1 if tag != "insert" else max(i1, 1)
+    return lambda line: mapping.get(line, line)
 
 
 def write_launcher(result_dir: Path, main_rel: str) -> Path:

@@ -315,7 +315,12 @@ class FileConverter(cst.CSTTransformer):
             lines += rule.code
         new = list(cst.parse_module("\n".join(lines) + "\n").body)
         new[0] = new[0].with_changes(leading_lines=[cst.EmptyLine()])
-        line = self.get_metadata(PositionProvider, original_node.body[index - 1]).end.line if index else 1
+        line = 1
+        for stmt in original_node.body:
+            if isinstance(stmt, (cst.FunctionDef, cst.ClassDef)):
+                break
+            if _imported_module_names(stmt):
+                line = self.get_metadata(PositionProvider, stmt).end.line
         self.changes.append((line, line, INSERT, "insert DEVICE_ID (environment variable DEVICE_ID, "
                                                  "default 0) and torch_npu.npu.set_device"))
         return updated_node.with_changes(body=body[:index] + new + body[index:])
