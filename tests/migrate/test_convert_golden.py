@@ -1,6 +1,7 @@
 """Golden projects for the offline converter: golden/<project>/input is converted with the CLI and
-every file of the result (converted sources, run_distributed_npu.sh and the report CSVs; not the
-log, which has timestamps) must equal golden/<project>/expected<suffix>/.
+the converted sources, run_distributed_npu.sh and the report CSVs of the result (not the log, which
+has timestamps) must equal golden/<project>/expected<suffix>/; every other file is a copy of the
+input.
 
 Regenerate after an intended change with OPENNPU_REGEN_GOLDEN=1 and review the diff by hand.
 """
@@ -30,10 +31,16 @@ CASES = {  # id: (project, expected folder, extra arguments)
 }
 
 
-def _tree(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): p.read_text(encoding="utf-8")
-            for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != "msFmkTranspltlog.txt" and "__pycache__" not in p.parts}
+def _tree(root: Path, compared: bool = True) -> dict[str, str]:
+    """The files of a result: those the golden expected/ holds (`compared`: converted .py files,
+    run_distributed_npu.sh, report CSVs), or the others, which are plain copies of the input."""
+    files = {}
+    for p in sorted(root.rglob("*")):
+        if not p.is_file() or p.name == "msFmkTranspltlog.txt" or "__pycache__" in p.parts:
+            continue
+        if (p.suffix in (".py", ".sh", ".csv")) == compared:
+            files[p.relative_to(root).as_posix()] = p.read_text(encoding="utf-8")
+    return files
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -45,6 +52,8 @@ def test_golden_project(case, tmp_path, capsys):
     assert "change_list.csv" in out and "rows" in out
     assert (result / "transplant_result_file" / "msFmkTranspltlog.txt").is_file()
     got = _tree(result)
+    input_dir = GOLDEN / project / "input"
+    assert _tree(result, compared=False) == _tree(input_dir, compared=False)  # copied as they are
     expected_dir = GOLDEN / project / expected_name
     if os.environ.get("OPENNPU_REGEN_GOLDEN"):
         shutil.rmtree(expected_dir, ignore_errors=True)
