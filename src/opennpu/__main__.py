@@ -11,7 +11,7 @@ def main(argv=None) -> int:
     if argv[:1] == ["migrate"]:  # all of its options belong to the converter's own parser
         from .migrate.convert.cli import main as migrate_main
 
-        return migrate_main(argv[1:])
+        return migrate_main(argv[1:], prog="opennpu migrate")
     parser = argparse.ArgumentParser(prog="opennpu",
                                      description="opennpu: torch_npu's fused operators on CPU")
     commands = parser.add_subparsers(dest="command", required=True)

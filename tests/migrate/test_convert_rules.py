@@ -66,6 +66,7 @@ CASES = [
      f"{N}import torch\ny = x.to(torch.float16)\nz = x.to(w.dtype)\n"),
     ("to('cpu')", "y = x.to('cpu')\n", "y = x.to('cpu')\n"),
     ("to(call)-not-guarded", "y = x.to(pick())\n", "y = x.to(pick())\n"),
+    ("to(x)-inside-f-string", "s = f'{x.to(device)} on cuda:0'\n", "s = f'{x.to(device)} on npu:0'\n"),
     ("to(device=)", "y = x.to(device=dev)\n",
      "y = x.to(device=f'npu:{dev}' if isinstance(dev, int) else dev)\n"),
     ("factory-device=", "import torch\nz = torch.zeros(2, device=dev)\n",

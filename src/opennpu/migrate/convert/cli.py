@@ -27,9 +27,9 @@ MAX_FILE_BYTES = 10 * 1024 * 1024  # like msFmkTransplt: larger files are skippe
 log = logging.getLogger("opennpu.migrate")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = PROG) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=PROG, description="Convert a CUDA PyTorch project to Ascend NPU (torch_npu) code; "
+        prog=prog, description="Convert a CUDA PyTorch project to Ascend NPU (torch_npu) code; "
         "msFmkTransplt-compatible options and result files.")
     parser.add_argument("-i", "--input", required=True, metavar="PATH",
                         help="project directory (or a single .py file) to convert")
@@ -223,7 +223,7 @@ def run(args, parser) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    parser = build_parser()
+def main(argv=None, prog: str = PROG) -> int:
+    parser = build_parser(prog)
     args = parser.parse_args(argv)
     return run(args, parser)

@@ -179,6 +179,7 @@ class FileConverter(cst.CSTTransformer):
         self.uses_device_id = False
         self._in_import = 0
         self._dropped: set[int] = set()
+        self._in_fstring = 0
 
     # -- helpers ----------------------------------------------------------------------------
     def _record(self, node, op: str, message: str):
@@ -372,6 +373,13 @@ class FileConverter(cst.CSTTransformer):
                 self._record(original_node, MODIFY, f'replace string "{rule.old}" with "{rule.new}"')
         return updated_node.with_changes(value=value)
 
+    def visit_FormattedString(self, node):
+        self._in_fstring += 1
+
+    def leave_FormattedString(self, original_node, updated_node):
+        self._in_fstring -= 1
+        return updated_node
+
     # -- calls ------------------------------------------------------------------------------
     def leave_Call(self, original_node, updated_node):
         func = original_node.func
@@ -381,7 +389,7 @@ class FileConverter(cst.CSTTransformer):
                 updated_node = updated_node.with_changes(
                     func=updated_node.func.with_changes(attr=cst.Name(rule.new_name)))
                 self._record(original_node, MODIFY, f"change function {rule.old_name} to {rule.new_name}")
-        if not self.rules.args:
+        if not self.rules.args or self._in_fstring:  # no f'npu:..' nested in an f-string
             return updated_node
         qnames = None
         handled: set[int | str] = set()
