@@ -186,7 +186,8 @@ def test_unsupported_apis_through_aliases_and_nccl_comparisons():
 def test_unknown_apis_are_torch_names_that_do_not_resolve():
     result = convert_source("import torch\nimport torch.nn.functional as F\n"
                             "a = F.relu(x)\nb = torch.nn.functonal.relu(x)\nc = torch.not_an_api\n"
-                            "d = torch.zeros(2).cuda()\ne = torch.utils.checkpoint.checkpoint\n")
+                            "d = torch.zeros(2).cuda()\ne = torch.utils.checkpoint.checkpoint\n"
+                            "layer = torch.nn.Linear\nw = layer.weight\n")
     assert [(row[0], row[2]) for row in result.unknown] == [
         (4, "torch.nn.functonal.relu"), (5, "torch.not_an_api")]
     assert resolves("torch.ops.aten.add") and resolves("torch.utils.cpp_extension.load")

@@ -8,7 +8,8 @@ api_performance_advice.csv.
 * unknown: a reference whose qualified name (from an import, through aliases) starts with
   ``torch.`` and does not resolve in the installed torch: importing the longest importable module
   prefix and reading the remaining attributes fails. Only names the code refers to are checked
-  (the outermost node of a dotted chain; import statements themselves are not rows).
+  (the outermost node of a dotted chain; import statements themselves are not rows), and only
+  names resolved through imports: `layer = nn.Linear; layer.weight` is not checked.
 * performance: qualified names listed in ``rules/performance_advice.json`` plus the code-shape
   matchers below, each named in its tip (``[norm.rms_norm]`` ...).
 """
@@ -138,6 +139,7 @@ class Analyser(cst.CSTVisitor):
         parent = self.get_metadata(ParentNodeProvider, node, None)
         if isinstance(parent, cst.Attribute) and parent.value is node:
             return  # not the outermost node of its dotted chain
+        direct = qualified_names(self, {}, node)  # through imports only, not `CD = torch.cuda`
         for name in qualified_names(self, self.aliases, node):
             self.used_apis.add(name)
             tip = self._table.get(name)
@@ -148,7 +150,7 @@ class Analyser(cst.CSTVisitor):
                         break
             if tip is not None:
                 self._add(self.unsupported, node, name, tip)
-            elif name.startswith("torch."):
+            elif name.startswith("torch.") and name in direct:
                 if resolves(name) is False:
                     self._add(self.unknown, node, name)
                 elif _missing_on_npu(name):
