@@ -133,6 +133,10 @@ def qualified_names(visitor: cst.MetadataDependent, aliases: dict[str, str], nod
             head, _, rest = q.name.partition(".")
             if head in aliases:
                 out.add(aliases[head] + ("." + rest if rest else ""))
+    if not out and isinstance(node, cst.Attribute):
+        # LibCST names no `torch.cuda` where `import torch.cuda` comes later in the same scope
+        # (it looks only for that import); the name then follows from `torch`'s own.
+        out = {f"{q}.{node.attr.value}" for q in qualified_names(visitor, aliases, node.value)}
     return out
 
 
