@@ -3,7 +3,7 @@
 # when everything is already in place:
 #   1. build tools from Debian (g++, cmake, ninja, ccache) if missing;
 #   2. torch (the pinned version below) from PyPI into the machine's Python, once;
-#   3. build and test dependencies from PyPI, only those missing;
+#   3. build, run-time (libcst) and test dependencies from PyPI, only those missing;
 #   4. opennpu itself with `pip install --no-build-isolation`, only when its sources changed
 #      since the last install (the persistent build/ folder and ccache keep rebuilds incremental).
 set -euo pipefail
@@ -42,6 +42,10 @@ if [ "$installed_torch" != "$TORCH_VERSION" ]; then
 fi
 
 # 3. Build and test dependencies.
+if ! "$PYTHON" -c 'import libcst' 2>/dev/null; then
+  say "installing libcst from PyPI (the offline converter, opennpu.migrate)"
+  "$PYTHON" -m pip install --quiet "libcst>=1.0"
+fi
 if ! "$PYTHON" -c 'import scikit_build_core, numpy, pytest, xdist, hypothesis, expecttest' 2>/dev/null; then
   say "installing build and test dependencies from PyPI"
   "$PYTHON" -m pip install --quiet "scikit-build-core>=0.10" numpy "pytest>=8" pytest-xdist \

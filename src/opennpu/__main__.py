@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["migrate"]:  # all of its options belong to the converter's own parser
+        from .migrate.convert.cli import main as migrate_main
+
+        return migrate_main(argv[1:], prog="opennpu migrate")
     parser = argparse.ArgumentParser(prog="opennpu",
                                      description="opennpu: torch_npu's fused operators on CPU")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -17,6 +23,9 @@ def main(argv=None) -> int:
 
     analyze_parser(commands.add_parser("analyze", help="op-support census of a script (see "
                                        "python -m opennpu.analyze --help)"))
+    commands.add_parser("migrate", add_help=False,
+                        help="convert a CUDA project to NPU code (msFmkTransplt-compatible; "
+                             "`opennpu migrate -h` for its options)")
     args = parser.parse_args(argv)
     if args.command == "analyze":
         from .analyze.runner import main as analyze

@@ -1,0 +1,3 @@
+from .model import TinyGPT
+
+__all__ = ["TinyGPT"]
