@@ -18,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+import opennpu
+
 from opennpu.migrate.convert import cli
 
 GOLDEN = Path(__file__).with_name("golden")
-SRC = Path(__file__).resolve().parents[2] / "src"
+SRC = Path(opennpu.__file__).resolve().parents[1]  # the opennpu this test imports (installed)
 CASES = {  # id: (project, expected folder, extra arguments)
     "single_script": ("single_script", "expected", []),
     "single_script-distributed": ("single_script", "expected_distributed",
