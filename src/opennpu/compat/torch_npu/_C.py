@@ -17,9 +17,9 @@ def _npu_getDeviceCount() -> int:
     return int(_ops._npu_device_count())
 
 
-def _npu_hostEmptyCache() -> None:
-    """Releases the pinned-memory allocator's cached blocks (torch.npu.host_empty_cache())."""
-    _ops._npu_host_empty_cache()
+# Releases the pinned-memory allocator's cached blocks: the same function as
+# torch.npu.host_empty_cache, which transfer_to_npu installs as torch._C._host_emptyCache.
+from opennpu.npu.memory import host_empty_cache as _npu_hostEmptyCache  # noqa: E402
 
 
 def __getattr__(name: str):
