@@ -10,16 +10,20 @@ is copied to a temporary folder and never modified. Each mode is a function
 
 * ``cpu``: the program as published, told to use the CPU;
 * ``transfer``: the program as published, with its default CUDA device, run with
-  TORCH_TRANSFER_TO_NPU=1 (transfer_to_npu applied when `import torch` loads opennpu).
+  TORCH_TRANSFER_TO_NPU=1 (transfer_to_npu applied when `import torch` loads opennpu);
+* ``convert``: the program's folder, as extracted, converted by the offline converter
+  (``python -m opennpu.migrate -i <copy> -o <out>``, as a user runs it), then the converted
+  program run with the command line of ``transfer`` (its CUDA device is now npu), without
+  transfer_to_npu.
 
-A later mode (the offline converter: convert the copy, then run it on npu) is one more function
-and one more MODES entry. The process inherits this process's environment (PYTHONPATH included),
-so it tests whichever opennpu that environment imports.
+The processes inherit this process's environment (PYTHONPATH included), so they test whichever
+opennpu that environment imports.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import os
 import pickle
@@ -43,6 +47,7 @@ class Run:
     losses: list[float]
     output: str
     weights: dict | None = None  # final weights (CPU tensors) when the program saved them
+    report: dict[str, int] | None = None  # convert: rows of each CSV the converter wrote
 
 
 @dataclasses.dataclass
@@ -57,6 +62,7 @@ class Program:
     losses: Callable[[str], list[float]]
     weights: Callable[[Path, str], dict | None]
     subdir: str = ""  # the program's folder in its repository
+    outputs: tuple[str, ...] = ()  # glob patterns of what the runs write (not converted)
 
     def folder(self, workdir: Path) -> Path:
         return workdir / self.subdir
@@ -143,17 +149,17 @@ def _wlm_weights(folder: Path, mode: str) -> dict | None:
 
 PROGRAMS = {
     "nanogpt": Program("nanogpt", ("train.py", "model.py", "configurator.py"), _nanogpt_data,
-                       _nanogpt_command, _nanogpt_losses, _nanogpt_weights),
+                       _nanogpt_command, _nanogpt_losses, _nanogpt_weights, outputs=("out_*",)),
     "word_language_model": Program("word_language_model", ("main.py", "model.py", "data.py"),
                                    _wlm_data, _wlm_command, _wlm_losses, _wlm_weights,
-                                   subdir="word_language_model"),
+                                   subdir="word_language_model", outputs=("model_*.pt",)),
 }
 
 
 # -- modes ---------------------------------------------------------------------------------------
 
-def _run(program: Program, workdir: Path, mode: str, env: dict) -> Run:
-    folder = program.folder(workdir)
+def _run(program: Program, workdir: Path, mode: str, env: dict, folder: Path | None = None) -> Run:
+    folder = program.folder(workdir) if folder is None else folder
     proc = subprocess.run([sys.executable, *program.command(mode)], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=1800)
     output = proc.stdout + proc.stderr
@@ -179,7 +185,33 @@ def run_transfer(program: Program, workdir: Path) -> Run:
     return _run(program, workdir, "transfer", _env(TORCH_TRANSFER_TO_NPU="1"))
 
 
-MODES: dict[str, Callable[[Program, Path], Run]] = {"cpu": run_cpu, "transfer": run_transfer}
+def run_convert(program: Program, workdir: Path) -> Run:
+    """The program's folder copied to <workdir>_convert/<name>, converted with the converter's
+    command line into <workdir>_convert/out/<name>_msft, and run there on its (now npu) device."""
+    base = workdir.with_name(workdir.name + "_convert")
+    source = base / program.name
+    shutil.copytree(program.folder(workdir), source,
+                    ignore=shutil.ignore_patterns("__pycache__", *program.outputs))
+    (base / "out").mkdir()
+    env = _env(TORCH_TRANSFER_TO_NPU="0")
+    proc = subprocess.run([sys.executable, "-m", "opennpu.migrate", "-i", str(source), "-o",
+                           str(base / "out")], env=env, capture_output=True, text=True, timeout=600)
+    converter = f"$ python -m opennpu.migrate -i {source} -o {base / 'out'}\n{proc.stdout}{proc.stderr}"
+    if proc.returncode != 0:
+        return Run("convert", proc.returncode, [], converter)
+    converted = base / "out" / f"{program.name}_msft"
+    run = _run(program, workdir, "convert", env, folder=converted)
+    run.output = converter + run.output
+    results = converted / "transplant_result_file"
+    run.report = {}
+    for path in sorted(results.glob("*.csv")):
+        with open(path, newline="", encoding="utf-8") as f:
+            run.report[path.name] = max(0, sum(1 for _ in csv.reader(f)) - 1)  # less the header
+    return run
+
+
+MODES: dict[str, Callable[[Program, Path], Run]] = {"cpu": run_cpu, "transfer": run_transfer,
+                                                     "convert": run_convert}
 
 
 # -- source ----------------------------------------------------------------------------------------
@@ -247,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args(argv)
 
-    workdir = Path(tempfile.mkdtemp(prefix="public_program_"))
+    root = Path(tempfile.mkdtemp(prefix="public_program_"))
+    workdir = root / "program"
     try:
         program, origin = extract(args.source.resolve(), workdir, args.ref, args.program)
         program.synthesize(program.folder(workdir))
@@ -257,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         ok = True
         for run in runs:
             print(f"{run.mode:>9}: exit {run.returncode}, losses {run.losses}")
+            if run.report is not None:
+                print(f"{'':>9}  converter report rows: "
+                      + ", ".join(f"{name} {rows}" for name, rows in run.report.items()))
             if run.returncode != 0 or not run.losses:
                 ok = False
                 print(run.output[-4000:])
@@ -269,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if ok else 1
     finally:
         if args.keep:
-            print(f"work folder kept: {workdir}")
+            print(f"work folder kept: {root}")
         else:
-            shutil.rmtree(workdir, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

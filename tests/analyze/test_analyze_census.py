@@ -242,3 +242,15 @@ def test_results_unchanged_by_the_census():
     assert census.records["aten::_logcumsumexp"].inner == 3
     assert all(torch.equal(a.cpu(), b.cpu()) and a.device.type == b.device.type == "npu"
                for a, b in zip(plain, counted))
+
+
+def test_scalar_arguments_of_inner_calls():
+    """remainder.Scalar's composite kernel calls remainder.Tensor with the scalar as a wrapped
+    number, which reaches the census as a Python int: the call still runs (it failed with
+    "Expected a value of type 'Tensor' for argument 'other'"), with the same result."""
+    x = torch.arange(8, device="npu")
+    with OpCensus(fusion=False) as census:
+        y = x % 3
+    assert torch.equal(y.cpu(), torch.arange(8) % 3) and y.device.type == "npu"
+    assert census.records["aten::remainder.Scalar"].calls == 1
+    assert census.records["aten::remainder.Tensor"].inner == 1

@@ -115,7 +115,12 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         census = self.census
-        if census.inner and func not in self.expanding and _runs_composite(func):
+        if _number_for_tensor(func, args, kwargs):
+            # A composite kernel passed a Python scalar as a "wrapped number" tensor, which
+            # reaches a dispatch mode as a Python number; the overload itself rejects a number,
+            # so call the op's packet, which picks the Scalar overload (that wraps it again)
+            out = func.overloadpacket(*args, **kwargs)
+        elif census.inner and func not in self.expanding and _runs_composite(func):
             # The CompositeExplicitAutograd kernel npu would run, with the census still active,
             # so the ops it calls are seen (as inner calls)
             self.expanding.append(func)
@@ -130,6 +135,19 @@ class _Mode(TorchDispatchMode):
         census._record(func, args, kwargs, out,
                        chain=tuple(op_key(f) for f in self.expanding))
         return out
+
+
+_NUMBERS = (bool, int, float, complex)
+
+
+def _number_for_tensor(func, args, kwargs) -> bool:
+    """Whether a Python number came for an argument of type Tensor of the schema."""
+    for i, arg in enumerate(func._schema.arguments):
+        if isinstance(arg.type, torch._C.TensorType):
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(value, _NUMBERS):
+                return True
+    return False
 
 
 def _runs_composite(func) -> bool:
