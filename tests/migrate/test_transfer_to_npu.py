@@ -154,7 +154,7 @@ def test_cuda_training_program_matches_cpu_bit_for_bit(runs):
     assert losses["cpu_bf16"] != losses["cpu_fp32"]  # autocast really ran
 
 
-def test_unpatch_restores_torch_and_log_off_overhead(runs):
+def test_unpatch_restores_torch_and_the_log_is_off_by_default(runs):
     code, out, err = runs.result("unpatch")
     assert code == 0 and "UNPATCH ok" in out, err[-3000:]
 

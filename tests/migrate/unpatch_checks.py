@@ -1,11 +1,10 @@
-"""Run in a subprocess by test_transfer_to_npu.py: without TORCH_NPU_MIGRATION_LOG the log is off
-and the per-call cost of a rewritten function stays small; `_unpatch()` restores every patched
-object. Prints "UNPATCH ok" or raises."""
+"""Run in a subprocess by test_transfer_to_npu.py: without TORCH_NPU_MIGRATION_LOG the log is off;
+`_unpatch()` restores every patched object. Prints "UNPATCH ok" or raises. (The per-call cost of
+the patches is measured by benchmarks/transfer_overhead.py, not here.)"""
 
 from __future__ import annotations
 
 import sys
-import timeit
 
 import torch
 import torch.distributed as dist
@@ -29,20 +28,12 @@ def snapshot():
     }
 
 
-def per_call_us(fn, n=20000):
-    return min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e6
-
-
 def main():
     before = snapshot()
-    a = torch.ones(4)
-    plain = per_call_us(lambda: a.to(torch.float32))
     transfer.apply()
     assert transfer.is_applied() and transfer._log is None
     assert torch.zeros is not before["zeros"] and torch.cuda.is_available is torch.npu.is_available
-    patched = per_call_us(lambda: a.to(torch.float32))
-    # The wrapper adds a few microseconds to a call that names no CUDA device.
-    assert patched - plain < 15, (plain, patched)
+    assert torch.ones(2).to(torch.float64).dtype == torch.float64
     transfer.apply()  # idempotent
     transfer._unpatch()
     after = snapshot()
@@ -50,7 +41,7 @@ def main():
     assert not changed, changed
     assert not transfer.is_applied()
     assert torch.zeros(1).device.type == "cpu"
-    print(f"UNPATCH ok {plain:.2f} {patched:.2f}")
+    print("UNPATCH ok")
 
 
 if __name__ == "__main__":
