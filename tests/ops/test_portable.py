@@ -67,6 +67,20 @@ def test_force_switches_the_cpu_kernel_and_restores_it():
         assert not _cpu_kernel_is_portable()
 
 
+def test_environment_variable_forces_the_whole_process():
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, opennpu; from opennpu.ops import portable; "
+            "d = torch._C._dispatch_dump('npu::npu_swiglu').split('CPU:')[1].split(chr(10))[0]; "
+            "print(portable.is_forced(), 'portable.py' in d)")
+    env = dict(os.environ, OPENNPU_FORCE_PORTABLE="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.stdout.split() == ["True", "True"], out.stderr[-2000:]
+
+
 # ----------------------------------------------------------------------------- cases
 
 
@@ -620,6 +634,54 @@ def test_every_op_decomposes_when_forced():
     args, kwargs = CASES[0].make(F32)
     gm = make_fx(lambda *a: CASES[0].op(*a), decomposition_table=table, tracing_mode="fake")(*args)
     assert _npu_nodes(gm) == ["npu.npu_rms_norm.default"]
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    return value
+
+
+@pytest.mark.parametrize("dtype", (F32, torch.bfloat16), ids=dtype_id)
+def test_every_op_traces_on_fake_cuda_tensors(dtype):
+    """No GPU needed: each case traced (Inductor's table, not forced) with fake CUDA inputs runs
+    the composition on CUDA-device fake tensors, so a CPU-only constructor or a host round trip
+    in it fails here, and no npu op is left in the graph."""
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    table = select_decomp_table()
+    for case in CASES:
+        if case.id == "grouped_matmul_tensor_group_list" or dtype not in case.dtypes:
+            continue
+        args, kwargs = case.make(dtype)
+        mode = FakeTensorMode()
+        with mode:
+            to_cuda = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,  # noqa: E731
+                                                    device="cuda")
+            fargs = _map_tensors(args, to_cuda)
+            fkwargs = {k: _map_tensors(v, to_cuda) for k, v in kwargs.items()}
+            gm = make_fx(lambda *a: case.op(*a, **fkwargs), decomposition_table=table)(*fargs)
+        assert _npu_nodes(gm) == [], (case.id, _npu_nodes(gm))
+        devices = {n.meta["val"].device.type for n in gm.graph.nodes
+                   if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()}
+        assert devices <= {"cuda"}, (case.id, devices)
+
+
+def test_decompositions_decline_cpu_and_host_data():
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = select_decomp_table()
+    (x, w), kw = _gmm(F32)
+    gmm = table[npu.npu_grouped_matmul.default]
+    assert table[npu.npu_rms_norm.default](*_x_gamma(F32)[0]) is NotImplemented  # CPU
+    with portable.force():
+        assert table[npu.npu_rms_norm.default](*_x_gamma(F32)[0]) is not NotImplemented
+        assert gmm(x, w, group_list=torch.tensor([5, 5, 20])) is NotImplemented
+        assert gmm(x, w, group_list=None) is not NotImplemented
 
 
 def test_forced_inductor_compiles_and_matches():

@@ -54,6 +54,10 @@ NATIVE_DEVICES = ("cpu", "npu", "privateuseone", "meta")
 
 IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
 NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor"}  # run eagerly, never traced into graphs
+# Calls whose composition would read tensor data on the host to decide shapes: the decomposition
+# declines them (the op stays in the graph and runs its portable kernel eagerly).
+DECLINED = {"npu::npu_grouped_matmul": lambda args, kwargs: isinstance(kwargs.get("group_list"),
+                                                                       torch.Tensor)}
 _forced = 0
 
 
@@ -614,8 +618,8 @@ def _visibility(mode, sq, skv, b, user, pre, nxt, prefix, device):
     elif mode == 4:
         rule = (j > i + shift + nxt) | (j < i + shift - pre)
     elif mode in (5, 6):
-        pf = torch.tensor(list(prefix)[:b], device=device).view(-1, 1, 1, 1)
-        rule = (j > i + shift) & (j >= pf)
+        past_prefix = torch.stack([j >= p for p in list(prefix)[:b]])  # [b, skv], no host copy
+        rule = (j > i + shift) & past_prefix[:, None, None, :]
     else:
         raise NotImplementedError(f"npu_fusion_attention: sparse_mode {mode} (portable path)")
     if mode in (0, 1, 5) and user is not None:
@@ -876,13 +880,16 @@ def _first_device(args, kwargs):
     return None
 
 
-def _decomposition(fn):
+def _decomposition(qualname, fn):
     """Traces fn into the graph for portable devices (and CPU when forced); otherwise declines,
     and the op stays in the graph as the fused kernel."""
+    declined = DECLINED.get(qualname)
 
     def decompose(*args, **kwargs):
         device = _first_device(args, kwargs)
         if device in NATIVE_DEVICES and not (_forced and device == "cpu"):
+            return NotImplemented
+        if declined is not None and declined(args, kwargs):
             return NotImplemented
         return fn(*args, **kwargs)
 
@@ -905,7 +912,7 @@ def _register() -> None:
         for key in PORTABLE_KEYS:
             lib.impl(name, fn, key)
         if qualname not in NOT_DECOMPOSED:
-            inductor_decomposition.decompositions[_overload(qualname)] = _decomposition(fn)
+            inductor_decomposition.decompositions[_overload(qualname)] = _decomposition(qualname, fn)
     # select_decomp_table() serves a cached copy of that table; drop it so it sees ours
     inductor_decomposition.fast_random_decomps.cache_clear()
     _libraries.extend(libs.values())
