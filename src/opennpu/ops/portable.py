@@ -4,7 +4,8 @@ native opennpu kernel (CUDA, XPU, MPS), and as its Inductor decomposition there.
 Where it sits in the dispatcher
     CPU          the C++ kernels (csrc/ops/<family>/<family>_cpu.cpp), unchanged
     npu          PrivateUse1 runs the CPU kernels on the same host bytes (csrc/device), unchanged
-    CUDA/XPU/MPS the functions below, registered from Python for those dispatch keys, so the
+    CUDA/XPU/MPS the functions below, registered from Python for each of those dispatch keys
+                 that has no native kernel (a *_cuda.cu kernel, once built, wins), so the
                  Autograd formulas of the family modules (register_autograd) apply unchanged:
                  autograd calls the backward op, which lands here too
     torch.compile a decomposition in Inductor's table per op: it traces the function below into
@@ -39,8 +40,11 @@ nothing: no Python runs in front of the C++ CPU kernels unless forced.
 from __future__ import annotations
 
 import contextlib
+import importlib.abc
+import importlib.machinery
 import math
 import os
+import sys
 import warnings
 
 import torch
@@ -49,8 +53,9 @@ import torch.nn.functional as F
 from .quant import _code_shape, _is_int4
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
-# Devices whose tensors keep the fused op: the C++ kernels serve them.
-NATIVE_DEVICES = ("cpu", "npu", "privateuseone", "meta")
+# qualname -> the device types whose kernel is the portable one (decomposed under compile); CPU,
+# npu and any device with a native C++ kernel keep the fused op.
+PORTABLE_DEVICES: dict[str, frozenset] = {}
 
 IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
 NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor"}  # run eagerly, never traced into graphs
@@ -880,14 +885,14 @@ def _first_device(args, kwargs):
     return None
 
 
-def _decomposition(qualname, fn):
-    """Traces fn into the graph for portable devices (and CPU when forced); otherwise declines,
-    and the op stays in the graph as the fused kernel."""
+def _decomposition(qualname, fn, devices):
+    """Traces fn into the graph for the devices where fn is the op's kernel (and CPU when
+    forced); otherwise declines, and the op stays in the graph as the fused kernel."""
     declined = DECLINED.get(qualname)
 
     def decompose(*args, **kwargs):
         device = _first_device(args, kwargs)
-        if device in NATIVE_DEVICES and not (_forced and device == "cpu"):
+        if device not in devices and not (_forced and device == "cpu"):
             return NotImplemented
         if declined is not None and declined(args, kwargs):
             return NotImplemented
@@ -899,26 +904,90 @@ def _decomposition(qualname, fn):
 _libraries: list[torch.library.Library] = []
 
 
-def _register() -> None:
-    from torch._inductor import decomposition as inductor_decomposition
-
+def _register_kernels() -> None:
     libs = {}
     for qualname, fn in IMPLS.items():
-        ns = qualname.split("::")[0]
+        ns, name = qualname.split("::")
         lib = libs.get(ns)
         if lib is None:
             lib = libs[ns] = torch.library.Library(ns, "IMPL")
-        name = qualname.split("::")[1]
-        for key in PORTABLE_KEYS:
+        # A device whose native kernel is built (csrc/ops/<family>/*_cuda.cu) keeps it.
+        keys = [key for key in PORTABLE_KEYS
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)]
+        for key in keys:
             lib.impl(name, fn, key)
-        if qualname not in NOT_DECOMPOSED:
-            inductor_decomposition.decompositions[_overload(qualname)] = _decomposition(qualname, fn)
-    # select_decomp_table() serves a cached copy of that table; drop it so it sees ours
-    inductor_decomposition.fast_random_decomps.cache_clear()
+        PORTABLE_DEVICES[qualname] = frozenset(key.lower() for key in keys)
     _libraries.extend(libs.values())
 
 
-_register()
+def _decomposed():
+    return [(q, fn) for q, fn in IMPLS.items() if q not in NOT_DECOMPOSED]
+
+
+def _register_decompositions(module) -> None:
+    """Into torch._inductor.decomposition's table (what select_decomp_table() serves)."""
+    for qualname, fn in _decomposed():
+        module.decompositions[_overload(qualname)] = _decomposition(
+            qualname, fn, PORTABLE_DEVICES[qualname])
+    module.fast_random_decomps.cache_clear()  # a cached copy of the table; rebuilt with ours
+
+
+def _register_fallbacks(module) -> None:
+    """Where a decomposition declines (CPU, npu) the op reaches Inductor's lowering, whose
+    implicit fallback refuses an op that also has a decomposition ("both a fallback and a decomp
+    for same op"). Registered here instead, with the layout constraint the implicit fallback
+    would pick (the op's tag, else Inductor's default for custom ops)."""
+    from torch._library.utils import get_layout_constraint_tag
+
+    for qualname, _ in _decomposed():
+        op = _overload(qualname)
+        if op not in module.lowerings:
+            constraint = module.tag_to_layout_constraint(
+                get_layout_constraint_tag(op, with_default=True))
+            module.make_fallback(op, layout_constraint=constraint, warn=False,
+                                 override_decomp=True)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback right after a module is first imported: Inductor's modules cost seconds to
+    import, so `import opennpu` does not import them; the registrations happen when (and if)
+    Inductor or its decomposition table is loaded."""
+
+    def __init__(self):
+        self.callbacks: dict[str, object] = {}
+
+    def find_spec(self, name, path, target=None):
+        callback = self.callbacks.pop(name, None)
+        if callback is None:
+            return None
+        if not self.callbacks:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            callback(module)
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def _after_import(name: str, callback) -> None:
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    if not _HOOK.callbacks:
+        sys.meta_path.insert(0, _HOOK)
+    _HOOK.callbacks[name] = callback
+
+
+_HOOK = _AfterImport()
+_register_kernels()
+_after_import("torch._inductor.decomposition", _register_decompositions)
+_after_import("torch._inductor.lowering", _register_fallbacks)
 
 
 @contextlib.contextmanager
@@ -972,6 +1041,14 @@ def missing_portable_kernels(keys=PORTABLE_KEYS) -> list[str]:
     return missing
 
 
-if os.environ.get("OPENNPU_FORCE_PORTABLE", "") not in ("", "0"):
-    _process_force = force(True)
-    _process_force.__enter__()
+def force_from_environment():
+    """OPENNPU_FORCE_PORTABLE=1 (any value but "" and "0"): force the portable path from import
+    on, for the whole process. Returns the entered context, or None."""
+    if os.environ.get("OPENNPU_FORCE_PORTABLE", "") in ("", "0"):
+        return None
+    context = force(True)
+    context.__enter__()
+    return context
+
+
+_process_force = force_from_environment()
