@@ -461,16 +461,53 @@ def _qualname(op):
     return name if op._overloadname == "default" else f"{name}.{op._overloadname}"
 
 
+def test_opcheck_forced():
+    """Schema and fake-kernel agreement (shapes, dtypes, strides) of the portable kernels."""
+    seen = set()
+    with portable.force():
+        for case in CASES:
+            name = _qualname(case.op)
+            if name in seen or case.id == "grouped_matmul_tensor_group_list":
+                continue
+            seen.add(name)
+            op = case.op.default if isinstance(case.op, torch._ops.OpOverloadPacket) else case.op
+            args, kwargs = case.make(F32)
+            torch.library.opcheck(op, args, kwargs, test_utils=("test_schema", "test_faketensor"))
+
+
 def test_cases_cover_every_op():
     covered = {_qualname(c.op) for c in CASES}
     wanted = {q for q in portable.IMPLS if q.startswith("npu::")} - portable.NOT_DECOMPOSED
     assert wanted <= covered, sorted(wanted - covered)
 
 
-def test_dropout_is_a_clear_gap_on_the_portable_path():
-    args, kwargs = _attention(F32)
-    with portable.force(), pytest.raises(NotImplementedError, match="keep_prob < 1"):
-        npu.npu_fusion_attention(*args, **kwargs, keep_prob=0.9)
+@pytest.mark.parametrize("dtype", (F32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("kind", ["bsh", "tnd", "given_mask"])
+def test_attention_dropout_matches_the_kernel(kind, dtype):
+    """Dropout draws the same Philox bits and advances the generator as the CPU kernel does;
+    gradients through autograd regenerate them."""
+    if kind == "tnd":
+        args, kwargs = _attention_tnd(dtype)
+    else:
+        args, kwargs = _attention(dtype, "BSH", 3, pse=True, sink=True)
+    kwargs["keep_prob"] = 0.7
+    if kind == "given_mask":
+        numels = 2 * 4 * 17 * 23
+        kwargs["dropout_mask"] = npu._npu_dropout_gen_mask.Tensor(args[0], [numels], 0.3, 9, 4)
+
+    def run():
+        opennpu.manual_seed(5)
+        leaves = [t.detach().clone().requires_grad_() for t in args[:3]]
+        res = opennpu.npu_fusion_attention(*leaves, *args[3:], **kwargs)
+        grads = torch.autograd.grad(res[0], leaves, torch.ones_like(res[0]))
+        return [*res, *grads], opennpu.get_rng_state()
+
+    kernel, kernel_state = run()
+    with portable.force():
+        port, port_state = run()
+    assert port_state == kernel_state
+    case = Case("dropout", None, None, kernel_scale=8)
+    _compare(case, port, kernel, dtype=dtype)
 
 
 def test_gen_mask_portable_gives_the_kernel_bits():

@@ -11,7 +11,9 @@ Where it sits in the dispatcher
     torch.compile a decomposition in Inductor's table per op: it traces the function below into
                  the graph when the inputs are on a portable device (so Inductor fuses it with its
                  neighbours into Triton kernels) and returns NotImplemented on CPU / npu, where the
-                 op stays one fused extern kernel
+                 op stays one fused extern kernel (registered by us: Inductor refuses an
+                 implicit fallback for an op that has a decomposition). Both are registered when
+                 Inductor's modules are first imported, so `import opennpu` stays light
 
 Numerics follow the CPU kernels' contract: fp16 / bf16 are computed in float32 (float64 stays
 float64) and every output is rounded once to its dtype; the quantisers round half to even and
@@ -24,11 +26,12 @@ group_list of npu_grouped_matmul), and stay traceable under torch.compile(fullgr
 They are deliberately independent of opennpu.testing.reference (the test oracles): the tests
 compare the two, so a shared bug cannot hide.
 
-Not covered by the portable path (a clear NotImplementedError names the op and the feature):
-dropout (keep_prob < 1) in npu_fusion_attention and its grad (the Philox mask order is the CPU
-kernel's); _npu_dropout_gen_mask runs the CPU kernel and copies its bytes (exact bits, one host
-round trip, not decomposed). npu_grouped_matmul's quantised paths are unimplemented on every
-device.
+Host-side pieces: dropout (keep_prob < 1) in npu_fusion_attention and its grad draws its keep
+mask from opennpu's Philox generator through the CPU kernel of _npu_dropout_gen_mask (the same
+bits and generator offsets as on CPU) and copies it to the device; _npu_dropout_gen_mask itself
+does the same. Those calls, and npu_grouped_matmul with a Tensor group_list (sizes read on the
+host), are not decomposed under torch.compile: the op stays in the graph and runs eagerly.
+npu_grouped_matmul's quantised paths are unimplemented on every device (NotImplementedError).
 
 force(): the switch tests use to run the portable path on CPU tensors. Inside it the portable
 functions are also registered for the CPU key (torch.library, allow_override), and the
@@ -40,6 +43,7 @@ nothing: no Python runs in front of the C++ CPU kernels unless forced.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
 import math
@@ -61,8 +65,23 @@ IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
 NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor"}  # run eagerly, never traced into graphs
 # Calls whose composition would read tensor data on the host to decide shapes: the decomposition
 # declines them (the op stays in the graph and runs its portable kernel eagerly).
-DECLINED = {"npu::npu_grouped_matmul": lambda args, kwargs: isinstance(kwargs.get("group_list"),
-                                                                       torch.Tensor)}
+# Dropout in attention draws from opennpu's host-side generator, so it is not traced either.
+DECLINED = {
+    "npu::npu_grouped_matmul": lambda args, kwargs: isinstance(kwargs.get("group_list"),
+                                                                torch.Tensor),
+    "npu::npu_fusion_attention": lambda args, kwargs: _argument(
+        "npu::npu_fusion_attention", args, kwargs, "keep_prob", 1.0) < 1.0,
+    "npu::npu_fusion_attention_grad": lambda args, kwargs: kwargs.get("keep_prob", 1.0) < 1.0,
+}
+
+
+def _argument(qualname, args, kwargs, name, default):
+    """The value of argument `name` of a call (positional or keyword)."""
+    if name in kwargs:
+        return kwargs[name]
+    names = [a.name for a in _overload(qualname)._schema.arguments]
+    index = names.index(name)
+    return args[index] if index < len(args) else default
 _forced = 0
 
 
@@ -633,9 +652,10 @@ def _visibility(mode, sq, skv, b, user, pre, nxt, prefix, device):
     return rule
 
 
-def _attention_core(q, k, v, pse, masked, scale, sink):
-    """BNSD operands in the accumulator dtype (k / v with Nkv heads). Returns (out, P without the
-    sink column, row max, row sum, alive rows) with P the softmax probabilities."""
+def _attention_core(q, k, v, pse, masked, scale, sink, keep=None, keep_prob=1.0):
+    """BNSD operands in the accumulator dtype (k / v with Nkv heads); `keep` the bool dropout
+    keep mask broadcastable to [B, N, Sq, Skv]. Returns (out, P with the sink column, row max,
+    row sum, P' = P * keep / keep_prob without the sink column)."""
     group = q.shape[1] // max(k.shape[1], 1)
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
@@ -661,27 +681,34 @@ def _attention_core(q, k, v, pse, masked, scale, sink):
     row_sum = e.sum(dim=-1, keepdim=True)
     p = e / row_sum * alive
     p_kv = p[..., :skv]
+    if keep is not None:
+        p_kv = p_kv * keep.to(p.dtype) / keep_prob
     out = p_kv @ v
     smax = torch.where(alive, row_max, float("-inf")).squeeze(-1)
     ssum = (row_sum * alive).squeeze(-1)
-    return out, p, smax, ssum, alive
+    return out, p, smax, ssum, p_kv
 
 
-def _attention_backward_core(q, k, v, dy, pse, masked, scale, sink):
-    """(dq, dk, dv, dpse_full, dsink) for BNSD operands in the accumulator dtype."""
+def _attention_backward_core(q, k, v, dy, pse, masked, scale, sink, keep=None, keep_prob=1.0,
+                             out_given=None):
+    """(dq, dk, dv, dpse_full, dsink) for BNSD operands in the accumulator dtype. With dropout
+    (P' = P * keep / keep_prob): dV = P'^T dO, dP = (dO V^T) * keep / keep_prob, and the softmax
+    gradient dS = P * (dP - rowsum(dO * O)) (rowsum(P * dP) = rowsum(dO * O))."""
     nkv = k.shape[1]
     group = q.shape[1] // max(nkv, 1)
-    out, p, _, _, _ = _attention_core(q, k, v, pse, masked, scale, sink)
+    out, p, _, _, p_drop = _attention_core(q, k, v, pse, masked, scale, sink, keep, keep_prob)
     skv = k.shape[2]
     kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    p_kv = p[..., :skv]
     dp = dy @ vr.transpose(-1, -2)
+    if keep is not None:
+        dp = dp * keep.to(dp.dtype) / keep_prob
+    if out_given is not None:  # the forward's output (attention_in), as the CPU kernel uses it
+        out = out_given
     delta = (dy * out).sum(dim=-1, keepdim=True)
-    dlogit = p_kv * (dp - delta)  # gradient with respect to the scaled logits
+    dlogit = p[..., :skv] * (dp - delta)  # gradient with respect to the scaled logits
     dq = scale * (dlogit @ kr)
     dk = scale * (dlogit.transpose(-1, -2) @ q)
-    dv = p_kv.transpose(-1, -2) @ dy
-    b, n = q.shape[:2]
+    dv = p_drop.transpose(-1, -2) @ dy
     dk = dk.unflatten(1, (nkv, group)).sum(dim=2)
     dv = dv.unflatten(1, (nkv, group)).sum(dim=2)
     dsink = None
@@ -727,11 +754,28 @@ def _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode):
     return out
 
 
-def _no_dropout(op, keep_prob):
-    if keep_prob < 1.0:
-        raise NotImplementedError(
-            f"{op}: keep_prob < 1 (dropout with opennpu's Philox mask) is not implemented on the "
-            "portable path; it runs on CPU and npu tensors")
+def _keep_bits(device, numels, keep_prob, seed, offset, dropout_mask=None):
+    """The dropout keep mask as `numels` bools, bit k = score k in the kernel's order ([B, N, Sq,
+    Skv] row-major; TND: the sequences one after another, each [N, sq, skv]). The bits are the
+    CPU kernel's (opennpu's Philox stream, _npu_dropout_gen_mask), made on the host and copied."""
+    if dropout_mask is None:
+        dropout_mask = torch.ops.npu._npu_dropout_gen_mask.Tensor(
+            torch.empty(0), [numels], 1.0 - keep_prob, seed, offset)
+    bits = dropout_mask.to(device=device, dtype=torch.int64)
+    shifts = torch.arange(8, device=device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).flatten()[:numels].bool()
+
+
+def _reserve_philox(numels):
+    """(seed, offset) of the next draw of opennpu's generator, advanced past `numels` words (one
+    Philox word per score, four per block), as the CPU kernel reserves them."""
+    seed, offset = torch.ops.opennpu.get_rng_state()
+    torch.ops.opennpu.set_rng_state(seed, offset + (numels + 3) // 4)
+    return seed, offset
+
+
+def _tnd_numels(head_num, seqs):
+    return sum(head_num * sq * skv for _, sq, _, skv, _ in seqs if sq)
 
 
 def _fa_bnsd_operands(query, key, value, head_num, layout):
@@ -753,18 +797,23 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                          actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
                          gen_mask_parallel=True, sync=False, softmax_layout="", sink=None,
                          dropout_mask=None, seed=0, offset=0):
-    _no_dropout("npu_fusion_attention", keep_prob)
     layout = input_layout.upper()
     acc = _acc(query.dtype)
     sk = sink.to(acc) if sink is not None else None
+    dropout = keep_prob < 1.0
     if layout == "TND":
         t, n = query.shape[0], head_num
-        outs, maxes, sums, covered, numels = [], [], [], 0, 0
-        for qs, sq, ks, skv, mode in _tnd_sequences(actual_seq_qlen, actual_seq_kvlen,
-                                                    sparse_mode):
+        seqs = _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+        numels = _tnd_numels(n, seqs)
+        keep = None
+        if dropout:
+            if dropout_mask is None:
+                seed, offset = _reserve_philox(numels)
+            keep = _keep_bits(query.device, numels, keep_prob, seed, offset, dropout_mask)
+        outs, maxes, sums, covered, pos = [], [], [], 0, 0
+        for qs, sq, ks, skv, mode in seqs:
             if sq == 0:
                 continue
-            numels += n * sq * skv
             qb = query[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
             kb = key[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
             vb = value[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
@@ -773,7 +822,12 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                 user = atten_mask[..., :sq, :skv]
                 masked = _visibility(mode, sq, skv, 1, user, pre_tockens, next_tockens,
                                      prefix[len(outs):] if prefix else None, query.device)
-            out, _, smax, ssum, _ = _attention_core(qb, kb, vb, None, masked, scale, sk)
+            kb_keep = None
+            if keep is not None:
+                kb_keep = keep[pos:pos + n * sq * skv].view(1, n, sq, skv)
+            pos += n * sq * skv
+            out, _, smax, ssum, _ = _attention_core(qb, kb, vb, None, masked, scale, sk, kb_keep,
+                                                    keep_prob)
             outs.append(out[0].permute(1, 0, 2))
             maxes.append(smax[0].t())
             sums.append(ssum[0].t())
@@ -790,13 +844,20 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     q, k, v = _fa_bnsd_operands(query, key, value, head_num, layout)
     b, _, sq, _ = q.shape
     skv = k.shape[2]
+    numels = b * head_num * sq * skv
     masked = None
     if atten_mask is not None:
         masked = _visibility(sparse_mode, sq, skv, b, atten_mask, pre_tockens, next_tockens,
                              prefix, query.device)
-    out, _, smax, ssum, _ = _attention_core(q, k, v, pse, masked, scale, sk)
+    keep = None
+    if dropout:
+        if dropout_mask is None:
+            seed, offset = _reserve_philox(numels)
+        keep = _keep_bits(query.device, numels, keep_prob, seed, offset,
+                          dropout_mask).view(b, head_num, sq, skv)
+    out, _, smax, ssum, _ = _attention_core(q, k, v, pse, masked, scale, sk, keep, keep_prob)
     return (_from_bnsd(out, layout).to(query.dtype), _stats8(smax), _stats8(ssum),
-            query.new_empty([0]), seed, offset, b * head_num * sq * skv)
+            query.new_empty([0]), seed, offset, numels)
 
 
 @_portable("npu::npu_fusion_attention_grad")
@@ -808,32 +869,45 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                               numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                               sparse_mode=0, gen_mask_parallel=True, sync=False,
                               softmax_layout="", sink=None):
-    # P is recomputed from Q and K (the saved statistics are not needed to be exact here).
-    _no_dropout("npu_fusion_attention_grad", keep_prob)
+    # P is recomputed from Q and K in fp32 (the saved statistics are not needed); rowsum(dO * O)
+    # takes the forward's output attention_in where given, as the CPU kernel does; dropout
+    # regenerates the mask from (seed, offset).
     layout = input_layout.upper()
     acc = _acc(query.dtype)
     sk = sink.to(acc) if sink is not None else None
     scale = scale_value
+    dropout = keep_prob < 1.0
     no_pse = query.new_empty([0])
     no_sink = query.new_zeros([0], dtype=torch.float32)
     if layout == "TND":
+        n = head_num
+        seqs = _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+        total = _tnd_numels(n, seqs)
+        keep = _keep_bits(query.device, total, keep_prob, seed, offset) if dropout else None
         dq = torch.zeros_like(query, dtype=acc)
         dk = torch.zeros_like(key, dtype=acc)
         dv = torch.zeros_like(value, dtype=acc)
         dsink = sk.new_zeros(sk.shape) if sk is not None else None
-        for i, (qs, sq, ks, skv, mode) in enumerate(
-                _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode)):
+        pos = 0
+        for i, (qs, sq, ks, skv, mode) in enumerate(seqs):
             if sq == 0:
                 continue
             qb = query[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
             kb = key[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
             vb = value[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
             gb = dy[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
+            ob = (attention_in[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
+                  if attention_in is not None else None)
             masked = None
             if atten_mask is not None:
                 masked = _visibility(mode, sq, skv, 1, atten_mask[..., :sq, :skv], pre_tockens,
                                      next_tockens, prefix[i:] if prefix else None, query.device)
-            g = _attention_backward_core(qb, kb, vb, gb, None, masked, scale, sk)
+            kb_keep = None
+            if keep is not None:
+                kb_keep = keep[pos:pos + n * sq * skv].view(1, n, sq, skv)
+            pos += n * sq * skv
+            g = _attention_backward_core(qb, kb, vb, gb, None, masked, scale, sk, kb_keep,
+                                         keep_prob, ob)
             dq[qs:qs + sq] = g[0][0].permute(1, 0, 2)
             dk[ks:ks + skv] = g[1][0].permute(1, 0, 2)
             dv[ks:ks + skv] = g[2][0].permute(1, 0, 2)
@@ -845,11 +919,19 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     d, nkv, dvh = _layout_dims(query, key, value, head_num, layout)
     g = _to_bnsd(dy.to(acc), layout, head_num, dvh)
     b, _, sq, _ = q.shape
+    skv = k.shape[2]
     masked = None
     if atten_mask is not None:
-        masked = _visibility(sparse_mode, sq, k.shape[2], b, atten_mask, pre_tockens,
+        masked = _visibility(sparse_mode, sq, skv, b, atten_mask, pre_tockens,
                              next_tockens, prefix, query.device)
-    dq, dk, dv, dlogit, dsink = _attention_backward_core(q, k, v, g, pse, masked, scale, sk)
+    keep = None
+    if dropout:
+        keep = _keep_bits(query.device, b * head_num * sq * skv, keep_prob, seed,
+                          offset).view(b, head_num, sq, skv)
+    out_given = (_to_bnsd(attention_in.to(acc), layout, head_num, dvh)
+                 if attention_in is not None else None)
+    dq, dk, dv, dlogit, dsink = _attention_backward_core(q, k, v, g, pse, masked, scale, sk,
+                                                         keep, keep_prob, out_given)
     dpse = dlogit.sum_to_size(pse.shape).to(pse.dtype) if pse is not None else no_pse
     return (_from_bnsd(dq, layout).to(query.dtype), _from_bnsd(dk, layout).to(key.dtype),
             _from_bnsd(dv, layout).to(value.dtype), dpse,
@@ -896,7 +978,7 @@ def _decomposition(qualname, fn, devices):
             return NotImplemented
         if declined is not None and declined(args, kwargs):
             return NotImplemented
-        return fn(*args, **kwargs)
+        return _as_decomposition_result(args, kwargs, fn(*args, **kwargs))
 
     return decompose
 
@@ -915,9 +997,62 @@ def _register_kernels() -> None:
         keys = [key for key in PORTABLE_KEYS
                 if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)]
         for key in keys:
-            lib.impl(name, fn, key)
+            lib.impl(name, _as_kernel(fn), key)
         PORTABLE_DEVICES[qualname] = frozenset(key.lower() for key in keys)
     _libraries.extend(libs.values())
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(v)
+
+
+def _map_outputs(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_outputs(v, fn) for v in value)
+    return value
+
+
+def _as_kernel(fn):
+    """The kernel form of fn: every output contiguous (as the fake and C++ kernels lay them out)
+    and in its own memory, neither an input's nor another output's (the schemas declare no
+    aliasing; the compositions may return an input or a view of it, e.g. a `.to` to the same
+    dtype)."""
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        taken = {t.untyped_storage().data_ptr() for t in _tensors((*args, *kwargs.values()))}
+
+        def own(t):
+            t = t.contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr and ptr in taken:
+                t = t.clone()
+            taken.add(t.untyped_storage().data_ptr())
+            return t
+
+        return _map_outputs(fn(*args, **kwargs), own)
+
+    return kernel
+
+
+def _as_decomposition_result(args, kwargs, result):
+    """A traced composition returns no input and no view (the op is functional)."""
+    inputs = {id(t) for t in _tensors((*args, *kwargs.values()))}
+    seen = set()
+
+    def own(t):
+        if id(t) in inputs or id(t) in seen or t._is_view():
+            t = t.clone()
+        seen.add(id(t))
+        return t
+
+    return _map_outputs(result, own)
 
 
 def _decomposed():
@@ -1003,7 +1138,7 @@ def _forcing():
             lib = libs.get(ns)
             if lib is None:
                 lib = libs[ns] = torch.library.Library(ns, "IMPL")
-            lib.impl(name, fn, "CPU", allow_override=True)
+            lib.impl(name, _as_kernel(fn), "CPU", allow_override=True)
     _forced += 1
     try:
         yield
