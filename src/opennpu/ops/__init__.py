@@ -11,5 +11,8 @@ from .rotary import *  # noqa: F401,F403
 from .softmax import *  # noqa: F401,F403
 from .transpose import *  # noqa: F401,F403
 
+# After the families: the portable path (CUDA / XPU / MPS kernels and Inductor decompositions).
+from . import portable  # noqa: E402,F401
+
 __all__ = [*norm.__all__, *activation.__all__, *rotary.__all__, *softmax.__all__,
            *attention.__all__, *transpose.__all__, *ffn.__all__, *moe.__all__, *quant.__all__]

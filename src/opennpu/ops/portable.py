@@ -1,0 +1,1189 @@
+"""The portable path: every torch.ops.npu op as a composition of ATen ops, for devices without a
+native opennpu kernel (CUDA, XPU, MPS), and as its Inductor decomposition there.
+
+Where it sits in the dispatcher
+    CPU          the C++ kernels (csrc/ops/<family>/<family>_cpu.cpp), unchanged
+    npu          PrivateUse1 runs the CPU kernels on the same host bytes (csrc/device), unchanged
+    CUDA/XPU/MPS the functions below, registered from Python for each of those dispatch keys
+                 that has no native kernel (a *_cuda.cu kernel, once built, wins), so the
+                 Autograd formulas of the family modules (register_autograd) apply unchanged:
+                 autograd calls the backward op, which lands here too
+    torch.compile a decomposition in Inductor's table per op: it traces the function below into
+                 the graph when the inputs are on a portable device (so Inductor fuses it with its
+                 neighbours into Triton kernels) and returns NotImplemented on CPU / npu, where the
+                 op stays one fused extern kernel (registered by us: Inductor refuses an
+                 implicit fallback for an op that has a decomposition). Both are registered when
+                 Inductor's modules are first imported, so `import opennpu` stays light
+
+Numerics follow the CPU kernels' contract: fp16 / bf16 are computed in float32 (float64 stays
+float64) and every output is rounded once to its dtype; the quantisers round half to even and
+send NaN quotients to code 0; add_rms_norm rounds the residual sum to x1's dtype before it
+normalises it, add_rms_norm_dynamic_quant does not; masked softmax fills with -10000.
+
+The compositions are written for the device of their inputs (no CPU-only tensor constructors,
+no host synchronisation except where an argument is data that decides shapes: a Tensor
+group_list of npu_grouped_matmul), and stay traceable under torch.compile(fullgraph=True).
+They are deliberately independent of opennpu.testing.reference (the test oracles): the tests
+compare the two, so a shared bug cannot hide.
+
+Host-side pieces: dropout (keep_prob < 1) in npu_fusion_attention and its grad draws its keep
+mask from opennpu's Philox generator through the CPU kernel of _npu_dropout_gen_mask (the same
+bits and generator offsets as on CPU) and copies it to the device; _npu_dropout_gen_mask itself
+does the same. Those calls, and npu_grouped_matmul with a Tensor group_list (sizes read on the
+host), are not decomposed under torch.compile: the op stays in the graph and runs eagerly.
+npu_grouped_matmul's quantised paths are unimplemented on every device (NotImplementedError).
+
+force(): the switch tests use to run the portable path on CPU tensors. Inside it the portable
+functions are also registered for the CPU key (torch.library, allow_override), and the
+decompositions accept CPU inputs; leaving it deregisters them, which restores the C++ kernels.
+OPENNPU_FORCE_PORTABLE=1 turns it on for the whole process at import. The normal path pays
+nothing: no Python runs in front of the C++ CPU kernels unless forced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.abc
+import importlib.machinery
+import math
+import os
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from .quant import _code_shape, _is_int4
+
+PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
+# qualname -> the device types whose kernel is the portable one (decomposed under compile); CPU,
+# npu and any device with a native C++ kernel keep the fused op.
+PORTABLE_DEVICES: dict[str, frozenset] = {}
+
+IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
+NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor"}  # run eagerly, never traced into graphs
+# Calls whose composition would read tensor data on the host to decide shapes: the decomposition
+# declines them (the op stays in the graph and runs its portable kernel eagerly).
+# Dropout in attention draws from opennpu's host-side generator, so it is not traced either.
+DECLINED = {
+    "npu::npu_grouped_matmul": lambda args, kwargs: isinstance(kwargs.get("group_list"),
+                                                                torch.Tensor),
+    "npu::npu_fusion_attention": lambda args, kwargs: _argument(
+        "npu::npu_fusion_attention", args, kwargs, "keep_prob", 1.0) < 1.0,
+    "npu::npu_fusion_attention_grad": lambda args, kwargs: kwargs.get("keep_prob", 1.0) < 1.0,
+}
+
+
+def _argument(qualname, args, kwargs, name, default):
+    """The value of argument `name` of a call (positional or keyword)."""
+    if name in kwargs:
+        return kwargs[name]
+    names = [a.name for a in _overload(qualname)._schema.arguments]
+    index = names.index(name)
+    return args[index] if index < len(args) else default
+_forced = 0
+
+
+def _portable(qualname):
+    def register(fn):
+        IMPLS[qualname] = fn
+        return fn
+
+    return register
+
+
+def _acc(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _up(t):
+    return t.to(_acc(t.dtype))
+
+
+def _reduce_dims(x, trailing):
+    return tuple(range(x.dim() - trailing, x.dim()))
+
+
+# ----------------------------------------------------------------------------- norm
+
+
+def _rms(xf, gamma, epsilon):
+    """(x * rstd * gamma, rstd) in xf's (accumulator) dtype; rstd keeps gamma's dims as 1."""
+    rstd = torch.rsqrt(xf.square().mean(dim=_reduce_dims(xf, gamma.dim()), keepdim=True) + epsilon)
+    return xf * rstd * gamma.to(xf.dtype), rstd
+
+
+@_portable("npu::npu_rms_norm")
+def npu_rms_norm(self, gamma, epsilon=1e-6):
+    y, rstd = _rms(_up(self), gamma, epsilon)
+    return y.to(self.dtype), rstd
+
+
+@_portable("npu::npu_gemma_rms_norm")
+def npu_gemma_rms_norm(self, gamma, epsilon=1e-6):
+    y, rstd = _rms(_up(self), gamma.to(_acc(self.dtype)) + 1, epsilon)
+    return y.to(self.dtype), rstd
+
+
+@_portable("npu::npu_rms_norm_backward")
+def npu_rms_norm_backward(dy, self, gamma, rstd):
+    acc = _acc(self.dtype)
+    g, x, w, r = dy.to(acc), self.to(acc), gamma.to(acc), rstd.to(acc)
+    dims = _reduce_dims(x, gamma.dim())
+    gw = g * w
+    dx = gw * r - x * r.pow(3) * (gw * x).mean(dim=dims, keepdim=True)
+    lead = tuple(range(x.dim() - gamma.dim()))
+    dgamma = g * x * r
+    if lead:
+        dgamma = dgamma.sum(dim=lead)
+    return dx.to(self.dtype), dgamma.reshape(gamma.shape)
+
+
+@_portable("npu::npu_add_rms_norm")
+def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
+    x = (x1 + x2).to(x1.dtype)  # rounded before it is normalised (torch_npu's golden)
+    y, rstd = _rms(_up(x), gamma, epsilon)
+    return y.to(x1.dtype), rstd, x
+
+
+@_portable("npu::npu_add_rms_norm_cast")
+def npu_add_rms_norm_cast(x1, x2, gamma, epsilon=1e-6):
+    x = (x1 + x2).to(x1.dtype)
+    y, rstd = _rms(_up(x), gamma, epsilon)
+    return y, y.to(x1.dtype), rstd, x
+
+
+# ----------------------------------------------------------------------------- quantisation
+
+
+def _quantize(v, qmax, int4, per_tensor):
+    """(codes int8 / packed int32, scale float32) of float32 v: scale = absmax / qmax (0 -> 1),
+    codes = clamp(round_half_even(v / scale)), NaN quotients -> 0."""
+    if per_tensor:  # an empty tensor's absmax is 0 (scale 1)
+        absmax = torch.cat([v.abs().reshape(-1), v.new_zeros(1)]).amax().reshape(1)
+    else:
+        absmax = v.abs().amax(dim=-1)
+    scale = absmax / qmax
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    s = scale if per_tensor else scale.unsqueeze(-1)
+    lo, hi = (-8, 7) if int4 else (-128, 127)
+    codes = torch.nan_to_num(torch.round(v / s), nan=0.0).clamp(lo, hi).to(torch.int8)
+    return (_pack_int4(codes) if int4 else codes), scale
+
+
+def _pack_int4(codes):
+    """int8 codes in [-8, 7] -> int32 words holding 8 each, code k in bits [4k, 4k + 4)."""
+    nibbles = (codes.to(torch.int64) & 0xF).unflatten(-1, (-1, 8))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int64, device=codes.device)
+    words = (nibbles << shifts).sum(dim=-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+@_portable("npu::npu_dynamic_quant")
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None,
+                      quant_mode="pertoken", dst_type_max=0.0):
+    v = input.float()
+    if smooth_scales is not None:
+        sm = smooth_scales.float()
+        if group_index is not None:  # rows [ends[g-1], ends[g]) use smooth_scales[g]
+            rows = v.reshape(-1, v.shape[-1])
+            row = torch.arange(rows.shape[0], device=v.device)
+            group = torch.searchsorted(group_index.to(torch.int64).contiguous(), row, right=True)
+            v = (rows * sm[group.clamp(max=sm.shape[0] - 1)]).reshape(v.shape)
+        else:
+            v = v * sm
+    int4 = _is_int4(dst_type)
+    qmax = dst_type_max or (7.0 if int4 else 127.0)
+    return _quantize(v, qmax, int4, quant_mode == "pertensor")
+
+
+@_portable("npu::npu_add_rms_norm_dynamic_quant")
+def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_scale2=None,
+                                   beta=None, epsilon=1e-6, output_mask=None, y_dtype=None):
+    x = x1.float() + x2.float()  # the float32 sum, normalised unrounded (torch_npu's golden)
+    y, _ = _rms(x, gamma, epsilon)
+    if beta is not None:
+        y = y + beta.float()
+    if output_mask is None:
+        on = (True, smooth_scale1 is not None and smooth_scale2 is not None)
+    else:
+        on = (bool(output_mask[0]), bool(output_mask[1]))
+    int4 = _is_int4(y_dtype)
+    outs = []
+    for enabled, smooth in zip(on, (smooth_scale1, smooth_scale2)):
+        if enabled:
+            outs.append(_quantize(y if smooth is None else y * smooth.float(),
+                                  7.0 if int4 else 127.0, int4, False))
+        else:  # a disabled branch gives 0-dim tensors
+            outs.append((x1.new_zeros((), dtype=torch.int32 if int4 else torch.int8),
+                         x1.new_zeros((), dtype=torch.float32)))
+    return outs[0][0], outs[1][0], x.to(x1.dtype), outs[0][1], outs[1][1]
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def _silu_grad(a):
+    """d silu(a) / da, with its limits at a = +-inf (the product term formed with a clamped)."""
+    s = torch.sigmoid(a)
+    return s + a.clamp(-200, 200) * s * (1 - s)
+
+
+def _gelu(z, approximate):
+    return F.gelu(z, approximate="tanh" if approximate == 1 else "none")
+
+
+def _gelu_grad(z, approximate):
+    zc = z.clamp(-200, 200)
+    if approximate == 1:
+        c = math.sqrt(2 / math.pi)
+        t = torch.tanh(c * (zc + 0.044715 * zc.pow(3)))
+        return 0.5 * (1 + t) + 0.5 * zc * (1 - t * t) * c * (1 + 3 * 0.044715 * zc * zc)
+    cdf = 0.5 * (1 + torch.erf(z * (1 / math.sqrt(2))))
+    return cdf + zc * torch.exp(-0.5 * zc * zc) / math.sqrt(2 * math.pi)
+
+
+@_portable("npu::npu_swiglu")
+def npu_swiglu(self, dim=-1):
+    a, b = _up(self).chunk(2, dim=dim)
+    return (F.silu(a) * b).to(self.dtype)
+
+
+@_portable("npu::npu_swiglu_backward")
+def npu_swiglu_backward(grad_output, self, dim=-1):
+    a, b = _up(self).chunk(2, dim=dim)
+    g = grad_output.to(a.dtype)
+    return torch.cat([g * b * _silu_grad(a), g * F.silu(a)], dim=dim).to(self.dtype)
+
+
+@_portable("npu::npu_geglu")
+def npu_geglu(self, dim=-1, approximate=1, activate_left=False):
+    a, b = _up(self).chunk(2, dim=dim)
+    if activate_left:
+        g = _gelu(a, approximate)
+        out = g * b
+    else:
+        g = _gelu(b, approximate)
+        out = a * g
+    return out.to(self.dtype), g.to(self.dtype)
+
+
+@_portable("npu::npu_geglu_grad")
+def npu_geglu_grad(grad_output, self, gelu, dim=-1, approximate=1, activate_left=False):
+    a, b = _up(self).chunk(2, dim=dim)
+    g = grad_output.to(a.dtype)
+    if activate_left:
+        parts = [g * b * _gelu_grad(a, approximate), g * _gelu(a, approximate)]
+    else:
+        parts = [g * _gelu(b, approximate), g * a * _gelu_grad(b, approximate)]
+    return torch.cat(parts, dim=dim).to(self.dtype)
+
+
+def _fast_gelu(self):
+    x = _up(self)
+    return (x * torch.sigmoid(1.702 * x)).to(self.dtype)
+
+
+IMPLS["npu::fast_gelu"] = _fast_gelu
+IMPLS["npu::npu_fast_gelu"] = _fast_gelu
+
+
+@_portable("npu::npu_fast_gelu_backward")
+def npu_fast_gelu_backward(grad, self):
+    x = _up(self)
+    s = torch.sigmoid(1.702 * x)
+    return (grad.to(x.dtype) * (s + 1.702 * x.clamp(-200, 200) * s * (1 - s))).to(self.dtype)
+
+
+@_portable("opennpu::_silu_mul")
+def _silu_mul(gate, up):
+    return (F.silu(_up(gate)) * _up(up)).to(gate.dtype)
+
+
+@_portable("opennpu::_silu_mul_backward")
+def _silu_mul_backward(grad, gate, up):
+    a, b, g = _up(gate), _up(up), _up(grad)
+    return (g * b * _silu_grad(a)).to(gate.dtype), (g * F.silu(a)).to(gate.dtype)
+
+
+# ----------------------------------------------------------------------------- rotary
+
+
+def _rotate(x, mode):
+    """half: cat(-x2, x1); interleave: pairs (-x[2i+1], x[2i])."""
+    if mode == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((-x2, x1), dim=-1)
+    pairs = x.unflatten(-1, (-1, 2))
+    return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+
+
+@_portable("npu::npu_rotary_mul")
+def npu_rotary_mul(self, r1, r2, rotary_mode="half", rotate=None):
+    x = _up(self)
+    rx = x @ rotate.to(x.dtype) if rotate is not None else _rotate(x, rotary_mode)
+    out = x * r1.to(x.dtype) + rx * r2.to(x.dtype)
+    return out.sum_to_size(self.shape).to(self.dtype)
+
+
+def _rotary_dx(grad, self, r1, r2, mode):
+    g = _up(grad)
+    dx = g * r1.to(g.dtype) - _rotate(g * r2.to(g.dtype), mode)  # rotate^T = -rotate
+    return dx.sum_to_size(self.shape).to(self.dtype)
+
+
+@_portable("npu::npu_rotary_mul_backward")
+def npu_rotary_mul_backward(grad, self, r1, r2, rotary_mode="half"):
+    g, x = _up(grad), _up(self)
+    dr1 = (x * g).sum_to_size(r1.shape)
+    dr2 = (_rotate(x, rotary_mode) * g).sum_to_size(r2.shape)
+    return (_rotary_dx(grad, self, r1, r2, rotary_mode), dr1.to(self.dtype),
+            dr2.to(self.dtype))
+
+
+@_portable("opennpu::_rotary_mul_backward_dx")
+def _rotary_mul_backward_dx(grad, self, r1, r2, rotary_mode="half"):
+    return _rotary_dx(grad, self, r1, r2, rotary_mode)
+
+
+# ----------------------------------------------------------------------------- softmax
+
+_MASK_FILL = -10000.0
+
+
+def _softmax_mask(x, mask, fixed_triu_mask):
+    if fixed_triu_mask:
+        h, w = x.shape[-2:]
+        return torch.ones(h, w, dtype=torch.bool, device=x.device).triu(diagonal=1)
+    return mask.bool()
+
+
+@_portable("npu::npu_scaled_masked_softmax")
+def npu_scaled_masked_softmax(x, mask, scale=1, fixed_triu_mask=False):
+    s = (_up(x) * scale).masked_fill(_softmax_mask(x, mask, fixed_triu_mask), _MASK_FILL)
+    return torch.softmax(s, dim=-1).to(x.dtype)
+
+
+@_portable("npu::npu_scaled_masked_softmax_backward")
+def npu_scaled_masked_softmax_backward(y_grad, y, mask, scale, fixed_triu_mask):
+    dy, yf = _up(y_grad), _up(y)
+    dx = scale * yf * (dy - (dy * yf).sum(dim=-1, keepdim=True))
+    return dx.masked_fill(_softmax_mask(y, mask, fixed_triu_mask), 0.0).to(y_grad.dtype)
+
+
+# ----------------------------------------------------------------------------- transpose
+
+
+@_portable("npu::npu_confusion_transpose")
+def npu_confusion_transpose(self, perm, shape, transpose_first):
+    if transpose_first:
+        return self.permute(perm).reshape(shape).contiguous()
+    return self.reshape(shape).permute(perm).contiguous()
+
+
+@_portable("npu::npu_confusion_transpose_backward")
+def npu_confusion_transpose_backward(grad, perm, shape, transpose_first):
+    perm = [p % len(perm) for p in perm]
+    inv = [0] * len(perm)
+    for i, p in enumerate(perm):
+        inv[p] = i
+    if transpose_first:
+        return grad.permute(inv).reshape(shape).contiguous()
+    return grad.reshape([shape[p] for p in perm]).permute(inv).contiguous()
+
+
+# ----------------------------------------------------------------------------- mixture of experts
+
+
+@_portable("npu::npu_moe_gating_top_k_softmax")
+def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+    p = torch.softmax(_up(x), dim=-1)
+    # ranked as rounded to x's dtype, ties to the lower expert (torch_npu's golden)
+    ranked = p.to(x.dtype) if x.dtype in (torch.float16, torch.bfloat16) else p
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
+    y = p.gather(-1, order).to(x.dtype)
+    expert_idx = order.to(torch.int32)
+    if finished is not None:
+        expert_idx = expert_idx.masked_fill(finished.bool().unsqueeze(-1), x.shape[-1])
+    rows = x.numel() // torch.sym_max(x.shape[-1], 1) if x.dim() else 1
+    row_idx = torch.arange(rows * k, dtype=torch.int32, device=x.device)
+    return y, expert_idx, row_idx.view(k, rows).t().reshape(y.shape)
+
+
+@_portable("npu::npu_moe_init_routing")
+def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
+    n, k = expert_idx.shape
+    sorted_experts, order = torch.sort(expert_idx.reshape(-1).to(torch.int64), stable=True)
+    dst_to_src = row_idx.reshape(-1).to(torch.int64)[order]
+    positions = torch.arange(n * k, dtype=torch.int64, device=x.device)
+    expanded_row_idx = torch.zeros_like(positions).scatter(0, dst_to_src, positions)
+    kept = dst_to_src[:torch.sym_min(active_num, n) * k]
+    expanded_x = x[kept % torch.sym_max(n, 1)]
+    return expanded_x, expanded_row_idx.to(torch.int32), sorted_experts.to(torch.int32)
+
+
+@_portable("npu::npu_moe_compute_expert_tokens")
+def npu_moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
+    s = sorted_expert_for_source_row
+    bounds = torch.arange(num_expert, dtype=torch.int64, device=s.device)
+    return torch.searchsorted(s.to(torch.int64).contiguous(), bounds, right=True).to(s.dtype)
+
+
+@_portable("npu::npu_moe_finalize_routing")
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
+                             expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0):
+    rows, src_to_dst, expert = expanded_permuted_rows, expanded_src_to_dst_row, export_for_source_row
+    h = rows.shape[-1]
+    flat = _up(rows).reshape(-1, h)
+    if scales is not None:
+        n, k = scales.shape
+    elif expert is not None:
+        n, k = expert.shape
+    elif skip1 is not None or skip2 is not None:
+        n = (skip1 if skip1 is not None else skip2).shape[0]
+        k = src_to_dst.numel() // torch.sym_max(n, 1)
+    else:
+        n, k = src_to_dst.numel(), 1
+    drop_pad_mode = drop_pad_mode or 0
+    src = src_to_dst.to(torch.int64)
+    src = src.view(n, k) if drop_pad_mode >= 2 else src.view(k, n).t()
+    # index -1 (a dropped slot in the drop-pad modes) picks the appended zero row
+    padded = torch.cat([flat, flat.new_zeros(1, h)])
+    terms = padded[src.clamp(min=-1) % (flat.shape[0] + 1)]
+    if bias is not None:
+        terms = terms + bias.to(flat.dtype)[expert.to(torch.int64)]
+        terms = torch.where((src >= 0).unsqueeze(-1), terms, 0.0)
+    if scales is not None:
+        terms = terms * scales.to(flat.dtype).unsqueeze(-1)
+    out = terms.sum(dim=1)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.to(flat.dtype)
+    return out.to(rows.dtype)
+
+
+def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, quantised):
+    if quantised:
+        raise NotImplementedError(
+            "npu_grouped_matmul: the quantised paths (scale, offset, antiquant_*, "
+            "per_token_scale, activation_*) are not implemented")
+    split_item = split_item or 0
+    single_weight = len(weight) == 1 and weight[0].dim() == 3
+    ws = list(weight[0].unbind(0)) if single_weight else list(weight)
+    bs = [None] * len(ws)
+    if bias:
+        bs = list(bias[0].unbind(0)) if single_weight else list(bias)
+    tail = 0
+    if group_list is not None and len(x) == 1:
+        values = group_list.tolist() if isinstance(group_list, torch.Tensor) else list(group_list)
+        values = [int(v) for v in values]
+        sizes = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
+        xs = list(x[0][:sum(sizes)].split(sizes))
+        tail = x[0].shape[0] - sum(sizes)
+    else:
+        xs = list(x)
+    ys = []
+    for xg, w, b in zip(xs, ws, bs):
+        acc = _acc(xg.dtype)
+        y = xg.to(acc) @ w.to(acc)
+        ys.append((y if b is None else y + b.to(acc)).to(xg.dtype))
+    if split_item >= 2:
+        ref = x[0]
+        n = ws[0].shape[-1] if ws else weight[0].shape[-1]
+        out = torch.cat([y.flatten(0, -2) for y in ys]) if ys else ref.new_zeros(0, n)
+        return [torch.cat([out, out.new_zeros(tail, out.shape[-1])])]
+    return ys
+
+
+def _gmm_quantised(kw):
+    return any(kw.get(name) for name in ("scale", "offset", "antiquant_scale", "antiquant_offset",
+                                         "per_token_scale", "activation_input",
+                                         "activation_quant_scale", "activation_quant_offset"))
+
+
+@_portable("npu::npu_grouped_matmul")
+def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0,
+                       group_list_type=0, **kw):
+    return _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type,
+                           _gmm_quantised(kw))
+
+
+IMPLS["npu::npu_grouped_matmul.List"] = npu_grouped_matmul
+
+
+# ----------------------------------------------------------------------------- FFN
+
+_FFN_GLU = ("geglu", "swiglu", "reglu")
+
+
+def _ffn_activation(h, activation):
+    def act(z, name):
+        if name == "fastgelu":
+            return z * torch.sigmoid(1.702 * z)
+        if name in ("gelu", "geglu"):
+            return F.gelu(z, approximate="tanh")
+        if name in ("relu", "reglu"):
+            return F.relu(z)
+        return F.silu(z)
+
+    if activation in _FFN_GLU:
+        a, b = h.chunk(2, dim=-1)
+        return a * act(b, activation)
+    return act(h, activation)
+
+
+def _deq_scale(t):
+    """deq_scale values: int64 / uint64 hold the float32 bits (19 significant) in the low word."""
+    if t.dtype in (torch.int64, torch.uint64):
+        return (t.view(torch.int64) & 0xFFFFE000).to(torch.int32).view(torch.float32)
+    return t.float()
+
+
+@_portable("npu::npu_ffn")
+def npu_ffn(x, weight1, weight2, activation, *, expert_tokens=None, expert_tokens_index=None,
+            bias1=None, bias2=None, scale=None, offset=None, deq_scale1=None, deq_scale2=None,
+            antiquant_scale1=None, antiquant_scale2=None, antiquant_offset1=None,
+            antiquant_offset2=None, inner_precise=None, output_dtype=None):
+    experts = weight1.dim() == 3
+    x2 = x.reshape(-1, x.shape[-1])
+    m = x2.shape[0]
+    if expert_tokens is not None:
+        offsets = [0]
+        for count in expert_tokens:
+            offsets.append(offsets[-1] + count)
+    elif expert_tokens_index is not None:
+        offsets = [0, *expert_tokens_index]
+    else:
+        offsets = [0, m]
+    quant = x.dtype == torch.int8
+    out_dtype = (output_dtype if output_dtype is not None else torch.float16) if quant else x.dtype
+    cd = torch.float64 if x.dtype == torch.float64 else torch.float32
+
+    def per_expert(t, e):
+        return None if t is None else (t[e] if experts else t)
+
+    pieces = []
+    for e in range(len(offsets) - 1):
+        rows = x2[offsets[e]:offsets[e + 1]].to(cd)
+        w1, w2 = (weight1[e], weight2[e]) if experts else (weight1, weight2)
+        b1, b2 = per_expert(bias1, e), per_expert(bias2, e)
+        w1, w2 = w1.to(cd), w2.to(cd)
+        if quant:
+            h = rows @ w1 + (b1.to(cd) if b1 is not None else 0)
+            h = _ffn_activation(h * _deq_scale(per_expert(deq_scale1, e)).to(cd), activation)
+            s = scale[e] if experts and scale.dim() == 1 else per_expert(scale, e)
+            o = (offset[e] if experts else offset[0]).to(cd) if offset is not None else 0.0
+            q = torch.round(h * s.to(cd) + o).clamp(-128, 127)
+            y = (q @ w2 + (b2.to(cd) if b2 is not None else 0))
+            pieces.append(y * _deq_scale(per_expert(deq_scale2, e)).to(cd))
+            continue
+        if weight1.dtype == torch.int8:  # weight-only quantisation, dequantised in x's dtype
+            deq = []
+            for w, sc, off in ((w1, antiquant_scale1, antiquant_offset1),
+                               (w2, antiquant_scale2, antiquant_offset2)):
+                sc, off = per_expert(sc, e), per_expert(off, e)
+                w = (w + (off.to(cd) if off is not None else 0)) * sc.to(cd)
+                deq.append(w.to(x.dtype).to(cd))
+            w1, w2 = deq
+        h = _ffn_activation(rows @ w1 + (b1.to(cd) if b1 is not None else 0), activation)
+        h = h.to(x.dtype).to(cd)  # what the second GEMM takes
+        pieces.append(h @ w2 + (b2.to(cd) if b2 is not None else 0))
+    n2 = weight2.shape[-1]
+    covered = offsets[-1]
+    if covered < m:
+        pieces.append(x2.new_zeros((m - covered, n2), dtype=cd))
+    out = torch.cat(pieces) if pieces else x2.new_zeros((m, n2), dtype=cd)
+    return out.to(out_dtype).reshape(*x.shape[:-1], n2)
+
+
+# ----------------------------------------------------------------------------- attention
+
+_MAX_TOKENS = 2147483647
+
+
+def _to_bnsd(t, layout, heads, head_dim):
+    if layout == "BSH":
+        return t.unflatten(2, (heads, head_dim)).transpose(1, 2)
+    if layout == "SBH":
+        return t.unflatten(2, (heads, head_dim)).permute(1, 2, 0, 3)
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    return t  # BNSD
+
+
+def _from_bnsd(t, layout):
+    if layout == "BSH":
+        return t.transpose(1, 2).flatten(2)
+    if layout == "SBH":
+        return t.permute(2, 0, 1, 3).flatten(2)
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    return t
+
+
+def _visibility(mode, sq, skv, b, user, pre, nxt, prefix, device):
+    """The complete masked-out pattern (True = masked) for sparse_mode, broadcastable to
+    [B, N, Sq, Skv]: 0 user | outside the band i - pre <= j <= i + next; 1 user; 2 j > i;
+    3 j > i + shift; 4 outside the band around i + shift; 5 user | (j > i + shift and j >=
+    prefix[b]); 6 as 5 without the user mask; shift = Skv - Sq. Modes 2-4 and 6 do not read
+    the mask."""
+    i = torch.arange(sq, device=device).unsqueeze(-1)
+    j = torch.arange(skv, device=device)
+    shift = skv - sq
+    if mode == 0:
+        rule = (j > i + nxt) | (j < i - pre)
+    elif mode == 1:
+        rule = None
+    elif mode == 2:
+        rule = j > i
+    elif mode == 3:
+        rule = j > i + shift
+    elif mode == 4:
+        rule = (j > i + shift + nxt) | (j < i + shift - pre)
+    elif mode in (5, 6):
+        past_prefix = torch.stack([j >= p for p in list(prefix)[:b]])  # [b, skv], no host copy
+        rule = (j > i + shift) & past_prefix[:, None, None, :]
+    else:
+        raise NotImplementedError(f"npu_fusion_attention: sparse_mode {mode} (portable path)")
+    if mode in (0, 1, 5) and user is not None:
+        u = user.bool()
+        return u if rule is None else u | rule
+    return rule
+
+
+def _attention_core(q, k, v, pse, masked, scale, sink, keep=None, keep_prob=1.0):
+    """BNSD operands in the accumulator dtype (k / v with Nkv heads); `keep` the bool dropout
+    keep mask broadcastable to [B, N, Sq, Skv]. Returns (out, P with the sink column, row max,
+    row sum, P' = P * keep / keep_prob without the sink column)."""
+    group = q.shape[1] // max(k.shape[1], 1)
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    s = q @ k.transpose(-1, -2)
+    if pse is not None:
+        s = s + pse.to(s.dtype)
+    s = s * scale
+    skv = s.shape[-1]
+    if masked is not None:
+        s = s.masked_fill(masked, float("-inf"))
+        alive = ~masked.expand(s.shape).all(dim=-1, keepdim=True)
+    else:
+        alive = torch.ones_like(s[..., :1], dtype=torch.bool)
+    if sink is not None:  # one extra logit per head, no value row
+        col = sink.to(s.dtype).view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        s = torch.cat([s, col], dim=-1)
+        alive = torch.ones_like(alive)
+    if skv == 0 and sink is None:
+        alive = torch.zeros_like(alive)
+    safe = s.masked_fill(~alive, 0.0)  # rows that see nothing: finite, zeroed afterwards
+    row_max = safe.amax(dim=-1, keepdim=True) if safe.shape[-1] else safe.new_zeros(*s.shape[:-1], 1)
+    e = torch.exp(safe - row_max)
+    row_sum = e.sum(dim=-1, keepdim=True)
+    p = e / row_sum * alive
+    p_kv = p[..., :skv]
+    if keep is not None:
+        p_kv = p_kv * keep.to(p.dtype) / keep_prob
+    out = p_kv @ v
+    smax = torch.where(alive, row_max, float("-inf")).squeeze(-1)
+    ssum = (row_sum * alive).squeeze(-1)
+    return out, p, smax, ssum, p_kv
+
+
+def _attention_backward_core(q, k, v, dy, pse, masked, scale, sink, keep=None, keep_prob=1.0,
+                             out_given=None):
+    """(dq, dk, dv, dpse_full, dsink) for BNSD operands in the accumulator dtype. With dropout
+    (P' = P * keep / keep_prob): dV = P'^T dO, dP = (dO V^T) * keep / keep_prob, and the softmax
+    gradient dS = P * (dP - rowsum(dO * O)) (rowsum(P * dP) = rowsum(dO * O))."""
+    nkv = k.shape[1]
+    group = q.shape[1] // max(nkv, 1)
+    out, p, _, _, p_drop = _attention_core(q, k, v, pse, masked, scale, sink, keep, keep_prob)
+    skv = k.shape[2]
+    kr, vr = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    dp = dy @ vr.transpose(-1, -2)
+    if keep is not None:
+        dp = dp * keep.to(dp.dtype) / keep_prob
+    if out_given is not None:  # the forward's output (attention_in), as the CPU kernel uses it
+        out = out_given
+    delta = (dy * out).sum(dim=-1, keepdim=True)
+    dlogit = p[..., :skv] * (dp - delta)  # gradient with respect to the scaled logits
+    dq = scale * (dlogit @ kr)
+    dk = scale * (dlogit.transpose(-1, -2) @ q)
+    dv = p_drop.transpose(-1, -2) @ dy
+    dk = dk.unflatten(1, (nkv, group)).sum(dim=2)
+    dv = dv.unflatten(1, (nkv, group)).sum(dim=2)
+    dsink = None
+    if sink is not None:  # d/d sink of the extra logit: p_sink * (0 - delta)
+        dsink = (-(p[..., skv:] * delta)).sum(dim=(0, 2, 3))
+    return dq, dk, dv, scale * dlogit, dsink
+
+
+def _layout_dims(query, key, value, head_num, layout):
+    """(head size, key/value head count, value head size) of a BSH/SBH/BSND/BNSD call."""
+    if layout in ("BSH", "SBH"):
+        d = query.shape[2] // head_num
+        nkv = key.shape[2] // d
+        return d, nkv, value.shape[2] // nkv
+    return query.shape[-1], None, value.shape[-1]
+
+
+def _spans(ends):
+    """[(start, length)] of cumulative ends; a trailing run of zeros ends the list."""
+    out, prev = [], 0
+    for end in ends:
+        if end < prev:
+            out.append((prev, 0))
+            continue
+        out.append((prev, end - prev))
+        prev = end
+    return out
+
+
+def _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode):
+    """(q start, sq, kv start, skv, the sequence's sparse mode) of a TND call (modes 7/8: 3/2
+    per sequence with the band, mode 4, on the last / first non-empty one)."""
+    sq_spans, kv_spans = _spans(actual_seq_qlen), _spans(actual_seq_kvlen)
+    nonempty = [i for i, (_, s) in enumerate(sq_spans) if s > 0]
+    out = []
+    for i, ((qs, sq), (ks, skv)) in enumerate(zip(sq_spans, kv_spans)):
+        mode = sparse_mode
+        if sparse_mode == 7:
+            mode = 4 if i == nonempty[-1] else 3
+        elif sparse_mode == 8:
+            mode = 4 if i == nonempty[0] else 2
+        out.append((qs, sq, ks, skv, mode))
+    return out
+
+
+def _keep_bits(device, numels, keep_prob, seed, offset, dropout_mask=None):
+    """The dropout keep mask as `numels` bools, bit k = score k in the kernel's order ([B, N, Sq,
+    Skv] row-major; TND: the sequences one after another, each [N, sq, skv]). The bits are the
+    CPU kernel's (opennpu's Philox stream, _npu_dropout_gen_mask), made on the host and copied."""
+    if dropout_mask is None:
+        dropout_mask = torch.ops.npu._npu_dropout_gen_mask.Tensor(
+            torch.empty(0), [numels], 1.0 - keep_prob, seed, offset)
+    bits = dropout_mask.to(device=device, dtype=torch.int64)
+    shifts = torch.arange(8, device=device)
+    return ((bits.unsqueeze(-1) >> shifts) & 1).flatten()[:numels].bool()
+
+
+def _reserve_philox(numels):
+    """(seed, offset) of the next draw of opennpu's generator, advanced past `numels` words (one
+    Philox word per score, four per block), as the CPU kernel reserves them."""
+    seed, offset = torch.ops.opennpu.get_rng_state()
+    torch.ops.opennpu.set_rng_state(seed, offset + (numels + 3) // 4)
+    return seed, offset
+
+
+def _tnd_numels(head_num, seqs):
+    return sum(head_num * sq * skv for _, sq, _, skv, _ in seqs if sq)
+
+
+def _fa_bnsd_operands(query, key, value, head_num, layout):
+    acc = _acc(query.dtype)
+    d, nkv, dv = _layout_dims(query, key, value, head_num, layout)
+    return (_to_bnsd(query.to(acc), layout, head_num, d),
+            _to_bnsd(key.to(acc), layout, nkv or -1, d),
+            _to_bnsd(value.to(acc), layout, nkv or -1, dv))
+
+
+def _stats8(stat):
+    return stat.unsqueeze(-1).expand(*stat.shape, 8).contiguous()
+
+
+@_portable("npu::npu_fusion_attention")
+def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None,
+                         atten_mask=None, scale=1.0, keep_prob=1.0, pre_tockens=_MAX_TOKENS,
+                         next_tockens=_MAX_TOKENS, inner_precise=0, prefix=None,
+                         actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         gen_mask_parallel=True, sync=False, softmax_layout="", sink=None,
+                         dropout_mask=None, seed=0, offset=0):
+    layout = input_layout.upper()
+    acc = _acc(query.dtype)
+    sk = sink.to(acc) if sink is not None else None
+    dropout = keep_prob < 1.0
+    if layout == "TND":
+        t, n = query.shape[0], head_num
+        seqs = _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+        numels = _tnd_numels(n, seqs)
+        keep = None
+        if dropout:
+            if dropout_mask is None:
+                seed, offset = _reserve_philox(numels)
+            keep = _keep_bits(query.device, numels, keep_prob, seed, offset, dropout_mask)
+        outs, maxes, sums, covered, pos = [], [], [], 0, 0
+        for qs, sq, ks, skv, mode in seqs:
+            if sq == 0:
+                continue
+            qb = query[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
+            kb = key[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
+            vb = value[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
+            masked = None
+            if atten_mask is not None:
+                user = atten_mask[..., :sq, :skv]
+                masked = _visibility(mode, sq, skv, 1, user, pre_tockens, next_tockens,
+                                     prefix[len(outs):] if prefix else None, query.device)
+            kb_keep = None
+            if keep is not None:
+                kb_keep = keep[pos:pos + n * sq * skv].view(1, n, sq, skv)
+            pos += n * sq * skv
+            out, _, smax, ssum, _ = _attention_core(qb, kb, vb, None, masked, scale, sk, kb_keep,
+                                                    keep_prob)
+            outs.append(out[0].permute(1, 0, 2))
+            maxes.append(smax[0].t())
+            sums.append(ssum[0].t())
+            covered = qs + sq
+        rest = t - covered
+        outs.append(query.new_zeros((rest, n, value.shape[-1]), dtype=acc))
+        maxes.append(torch.full((rest, n), float("-inf"), dtype=acc, device=query.device))
+        sums.append(query.new_zeros((rest, n), dtype=acc))
+        out, smax, ssum = torch.cat(outs), torch.cat(maxes), torch.cat(sums)
+        if softmax_layout == "":  # [N, T, 8] storage viewed as [T, N, 8]
+            smax, ssum = smax.t().reshape(t, n), ssum.t().reshape(t, n)
+        return (out.to(query.dtype), _stats8(smax), _stats8(ssum), query.new_empty([0]),
+                seed, offset, numels)
+    q, k, v = _fa_bnsd_operands(query, key, value, head_num, layout)
+    b, _, sq, _ = q.shape
+    skv = k.shape[2]
+    numels = b * head_num * sq * skv
+    masked = None
+    if atten_mask is not None:
+        masked = _visibility(sparse_mode, sq, skv, b, atten_mask, pre_tockens, next_tockens,
+                             prefix, query.device)
+    keep = None
+    if dropout:
+        if dropout_mask is None:
+            seed, offset = _reserve_philox(numels)
+        keep = _keep_bits(query.device, numels, keep_prob, seed, offset,
+                          dropout_mask).view(b, head_num, sq, skv)
+    out, _, smax, ssum, _ = _attention_core(q, k, v, pse, masked, scale, sk, keep, keep_prob)
+    return (_from_bnsd(out, layout).to(query.dtype), _stats8(smax), _stats8(ssum),
+            query.new_empty([0]), seed, offset, numels)
+
+
+@_portable("npu::npu_fusion_attention_grad")
+def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None,
+                              padding_mask=None, atten_mask=None, softmax_max=None,
+                              softmax_sum=None, softmax_in=None, attention_in=None,
+                              scale_value=1.0, keep_prob=1.0, pre_tockens=_MAX_TOKENS,
+                              next_tockens=_MAX_TOKENS, inner_precise=0, seed=0, offset=0,
+                              numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                              sparse_mode=0, gen_mask_parallel=True, sync=False,
+                              softmax_layout="", sink=None):
+    # P is recomputed from Q and K in fp32 (the saved statistics are not needed); rowsum(dO * O)
+    # takes the forward's output attention_in where given, as the CPU kernel does; dropout
+    # regenerates the mask from (seed, offset).
+    layout = input_layout.upper()
+    acc = _acc(query.dtype)
+    sk = sink.to(acc) if sink is not None else None
+    scale = scale_value
+    dropout = keep_prob < 1.0
+    no_pse = query.new_empty([0])
+    no_sink = query.new_zeros([0], dtype=torch.float32)
+    if layout == "TND":
+        n = head_num
+        seqs = _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode)
+        total = _tnd_numels(n, seqs)
+        keep = _keep_bits(query.device, total, keep_prob, seed, offset) if dropout else None
+        dq = torch.zeros_like(query, dtype=acc)
+        dk = torch.zeros_like(key, dtype=acc)
+        dv = torch.zeros_like(value, dtype=acc)
+        dsink = sk.new_zeros(sk.shape) if sk is not None else None
+        pos = 0
+        for i, (qs, sq, ks, skv, mode) in enumerate(seqs):
+            if sq == 0:
+                continue
+            qb = query[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
+            kb = key[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
+            vb = value[ks:ks + skv].to(acc).permute(1, 0, 2)[None]
+            gb = dy[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
+            ob = (attention_in[qs:qs + sq].to(acc).permute(1, 0, 2)[None]
+                  if attention_in is not None else None)
+            masked = None
+            if atten_mask is not None:
+                masked = _visibility(mode, sq, skv, 1, atten_mask[..., :sq, :skv], pre_tockens,
+                                     next_tockens, prefix[i:] if prefix else None, query.device)
+            kb_keep = None
+            if keep is not None:
+                kb_keep = keep[pos:pos + n * sq * skv].view(1, n, sq, skv)
+            pos += n * sq * skv
+            g = _attention_backward_core(qb, kb, vb, gb, None, masked, scale, sk, kb_keep,
+                                         keep_prob, ob)
+            dq[qs:qs + sq] = g[0][0].permute(1, 0, 2)
+            dk[ks:ks + skv] = g[1][0].permute(1, 0, 2)
+            dv[ks:ks + skv] = g[2][0].permute(1, 0, 2)
+            if dsink is not None:
+                dsink = dsink + g[4]
+        return (dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype), no_pse,
+                dsink.float() if dsink is not None else no_sink)
+    q, k, v = _fa_bnsd_operands(query, key, value, head_num, layout)
+    d, nkv, dvh = _layout_dims(query, key, value, head_num, layout)
+    g = _to_bnsd(dy.to(acc), layout, head_num, dvh)
+    b, _, sq, _ = q.shape
+    skv = k.shape[2]
+    masked = None
+    if atten_mask is not None:
+        masked = _visibility(sparse_mode, sq, skv, b, atten_mask, pre_tockens,
+                             next_tockens, prefix, query.device)
+    keep = None
+    if dropout:
+        keep = _keep_bits(query.device, b * head_num * sq * skv, keep_prob, seed,
+                          offset).view(b, head_num, sq, skv)
+    out_given = (_to_bnsd(attention_in.to(acc), layout, head_num, dvh)
+                 if attention_in is not None else None)
+    dq, dk, dv, dlogit, dsink = _attention_backward_core(q, k, v, g, pse, masked, scale, sk,
+                                                         keep, keep_prob, out_given)
+    dpse = dlogit.sum_to_size(pse.shape).to(pse.dtype) if pse is not None else no_pse
+    return (_from_bnsd(dq, layout).to(query.dtype), _from_bnsd(dk, layout).to(key.dtype),
+            _from_bnsd(dv, layout).to(value.dtype), dpse,
+            dsink.float() if dsink is not None else no_sink)
+
+
+@_portable("npu::_npu_dropout_gen_mask.Tensor")
+def _npu_dropout_gen_mask(self, size, p, seed, offset, *, parallel=True, sync=None):
+    """The CPU kernel's bits (the Philox stream is defined there), copied to self's device."""
+    probe = torch.empty(0)
+    bits = torch.ops.npu._npu_dropout_gen_mask.Tensor(probe, size, p, seed, offset,
+                                                       parallel=parallel, sync=sync)
+    return bits.to(self.device)
+
+
+# ----------------------------------------------------------------------------- registration
+
+
+def _overload(qualname):
+    ns_name, _, overload = qualname.partition(".")
+    ns, name = ns_name.split("::")
+    return getattr(getattr(getattr(torch.ops, ns), name), overload or "default")
+
+
+def _first_device(args, kwargs):
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, torch.Tensor):
+                    return item.device.type
+    return None
+
+
+def _decomposition(qualname, fn, devices):
+    """Traces fn into the graph for the devices where fn is the op's kernel (and CPU when
+    forced); otherwise declines, and the op stays in the graph as the fused kernel."""
+    declined = DECLINED.get(qualname)
+
+    def decompose(*args, **kwargs):
+        device = _first_device(args, kwargs)
+        if device not in devices and not (_forced and device == "cpu"):
+            return NotImplemented
+        if declined is not None and declined(args, kwargs):
+            return NotImplemented
+        return _as_decomposition_result(args, kwargs, fn(*args, **kwargs))
+
+    return decompose
+
+
+_libraries: list[torch.library.Library] = []
+
+
+def _register_kernels() -> None:
+    libs = {}
+    for qualname, fn in IMPLS.items():
+        ns, name = qualname.split("::")
+        lib = libs.get(ns)
+        if lib is None:
+            lib = libs[ns] = torch.library.Library(ns, "IMPL")
+        # A device whose native kernel is built (csrc/ops/<family>/*_cuda.cu) keeps it.
+        keys = [key for key in PORTABLE_KEYS
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)]
+        for key in keys:
+            lib.impl(name, _as_kernel(fn), key)
+        PORTABLE_DEVICES[qualname] = frozenset(key.lower() for key in keys)
+    _libraries.extend(libs.values())
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from _tensors(v)
+
+
+def _map_outputs(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_outputs(v, fn) for v in value)
+    return value
+
+
+def _as_kernel(fn):
+    """The kernel form of fn: every output contiguous (as the fake and C++ kernels lay them out)
+    and in its own memory, neither an input's nor another output's (the schemas declare no
+    aliasing; the compositions may return an input or a view of it, e.g. a `.to` to the same
+    dtype)."""
+
+    @functools.wraps(fn)
+    def kernel(*args, **kwargs):
+        taken = {t.untyped_storage().data_ptr() for t in _tensors((*args, *kwargs.values()))}
+
+        def own(t):
+            t = t.contiguous()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr and ptr in taken:
+                t = t.clone()
+            taken.add(t.untyped_storage().data_ptr())
+            return t
+
+        return _map_outputs(fn(*args, **kwargs), own)
+
+    return kernel
+
+
+def _as_decomposition_result(args, kwargs, result):
+    """A traced composition returns no input and no view (the op is functional)."""
+    inputs = {id(t) for t in _tensors((*args, *kwargs.values()))}
+    seen = set()
+
+    def own(t):
+        if id(t) in inputs or id(t) in seen or t._is_view():
+            t = t.clone()
+        seen.add(id(t))
+        return t
+
+    return _map_outputs(result, own)
+
+
+def _decomposed():
+    return [(q, fn) for q, fn in IMPLS.items() if q not in NOT_DECOMPOSED]
+
+
+def _register_decompositions(module) -> None:
+    """Into torch._inductor.decomposition's table (what select_decomp_table() serves)."""
+    for qualname, fn in _decomposed():
+        module.decompositions[_overload(qualname)] = _decomposition(
+            qualname, fn, PORTABLE_DEVICES[qualname])
+    module.fast_random_decomps.cache_clear()  # a cached copy of the table; rebuilt with ours
+
+
+def _register_fallbacks(module) -> None:
+    """Where a decomposition declines (CPU, npu) the op reaches Inductor's lowering, whose
+    implicit fallback refuses an op that also has a decomposition ("both a fallback and a decomp
+    for same op"). Registered here instead, with the layout constraint the implicit fallback
+    would pick (the op's tag, else Inductor's default for custom ops)."""
+    from torch._library.utils import get_layout_constraint_tag
+
+    for qualname, _ in _decomposed():
+        op = _overload(qualname)
+        if op not in module.lowerings:
+            constraint = module.tag_to_layout_constraint(
+                get_layout_constraint_tag(op, with_default=True))
+            module.make_fallback(op, layout_constraint=constraint, warn=False,
+                                 override_decomp=True)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Runs a callback right after a module is first imported: Inductor's modules cost seconds to
+    import, so `import opennpu` does not import them; the registrations happen when (and if)
+    Inductor or its decomposition table is loaded."""
+
+    def __init__(self):
+        self.callbacks: dict[str, object] = {}
+
+    def find_spec(self, name, path, target=None):
+        callback = self.callbacks.pop(name, None)
+        if callback is None:
+            return None
+        if not self.callbacks:
+            sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(name, path, target)
+        if spec is None or spec.loader is None:
+            return None
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            callback(module)
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+def _after_import(name: str, callback) -> None:
+    if name in sys.modules:
+        callback(sys.modules[name])
+        return
+    if not _HOOK.callbacks:
+        sys.meta_path.insert(0, _HOOK)
+    _HOOK.callbacks[name] = callback
+
+
+_HOOK = _AfterImport()
+_register_kernels()
+_after_import("torch._inductor.decomposition", _register_decompositions)
+_after_import("torch._inductor.lowering", _register_fallbacks)
+
+
+@contextlib.contextmanager
+def _forcing():
+    global _forced
+    libs = {}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
+        for qualname, fn in IMPLS.items():
+            ns, name = qualname.split("::")
+            if qualname in NOT_DECOMPOSED:
+                continue  # its portable form calls the CPU kernel
+            lib = libs.get(ns)
+            if lib is None:
+                lib = libs[ns] = torch.library.Library(ns, "IMPL")
+            lib.impl(name, _as_kernel(fn), "CPU", allow_override=True)
+    _forced += 1
+    try:
+        yield
+    finally:
+        _forced -= 1
+        for lib in libs.values():
+            lib._destroy()  # the C++ CPU kernels are current again
+
+
+def force(enabled: bool = True):
+    """Context manager: CPU tensors take the portable path (eager: the portable functions replace
+    the C++ CPU kernels; torch.compile: the decompositions accept CPU inputs). For tests.
+    ``force(False)`` is a no-op context."""
+    return _forcing() if enabled else contextlib.nullcontext()
+
+
+def is_forced() -> bool:
+    return _forced > 0
+
+
+def missing_portable_kernels(keys=PORTABLE_KEYS) -> list[str]:
+    """Every overload of torch.ops.npu without a kernel for one of `keys`."""
+    missing = []
+    for name in dir(torch.ops.npu):
+        packet = getattr(torch.ops.npu, name)
+        if not isinstance(packet, torch._ops.OpOverloadPacket):
+            continue
+        for overload in packet.overloads():
+            qualname = getattr(packet, overload)._schema.name
+            if overload != "default":
+                qualname = f"{qualname}.{overload}"
+            for key in keys:
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key):
+                    missing.append(f"{qualname} ({key})")
+    return missing
+
+
+def force_from_environment():
+    """OPENNPU_FORCE_PORTABLE=1 (any value but "" and "0"): force the portable path from import
+    on, for the whole process. Returns the entered context, or None."""
+    if os.environ.get("OPENNPU_FORCE_PORTABLE", "") in ("", "0"):
+        return None
+    context = force(True)
+    context.__enter__()
+    return context
+
+
+_process_force = force_from_environment()
