@@ -1690,3 +1690,18 @@ def test_hypothesis_tnd_sweep(lens, trailing, extra, nkv, group, mode, pre, nxt,
         masks = tnd_full_masks(mode, qlen, kvlen, user, pre, nxt, prefix)
     check_attention(q, k, v, n, "TND", mask_full=masks, grad_scale=8.0,
                     sink=torch.randn(n) if sink else None, **kw)
+
+
+def test_backward_rejects_a_dropout_mask_that_seed_and_offset_do_not_give():
+    # npu_fusion_attention_grad regenerates the mask from (seed, offset); a different caller mask
+    # would silently give the gradients of another forward
+    b, n, sq, skv = 1, 2, 5, 7
+    q, k, v = (t.requires_grad_() for t in make_qkv(b, n, n, sq, skv, 8, 8, "BNSD"))
+    numels = b * n * sq * skv
+    good = opennpu._npu_dropout_gen_mask(q, [numels], 0.25, 5, 4)
+    fa(q, k, v, n, "BNSD", keep_prob=0.75, dropout_mask=good, seed=5, offset=4)[0].sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    other = opennpu._npu_dropout_gen_mask(q, [numels], 0.25, 6, 4)
+    out = fa(q, k, v, n, "BNSD", keep_prob=0.75, dropout_mask=other, seed=5, offset=4)[0]
+    with pytest.raises(RuntimeError, match="backward needs the dropout mask that"):
+        out.sum().backward()

@@ -9,6 +9,7 @@ BLAS GEMMs for the products, fp32 accumulation for fp16/bf16, and O(S * D) memor
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ._registry import (DIFFERENTIABILITY, acc_dtype, accepts_input_keyword, mark_backward_op,
                         register_autograd, register_fake)
@@ -222,13 +223,42 @@ def _fusion_attention_setup(ctx, inputs, output):
     ctx.args.update(seed=seed, offset=offset, numels=numels)
     ctx.has_pse = args["pse"] is not None
     ctx.has_sink = args["sink"] is not None
+    # The gradient op regenerates the dropout mask from (seed, offset): a mask the caller passed in
+    # is kept to check, in backward, that it is the one (seed, offset) gives.
+    user_mask = args["dropout_mask"] if args["keep_prob"] < 1.0 else None
     ctx.save_for_backward(args["query"], args["key"], args["value"], args["pse"],
-                          args["atten_mask"], args["sink"], out, softmax_max, softmax_sum)
+                          args["atten_mask"], args["sink"], out, softmax_max, softmax_sum, user_mask)
+
+
+def _check_user_dropout_mask(q, mask, a) -> None:
+    """Backward regenerates the keep mask from (seed, offset); a caller's dropout_mask that is not
+    that mask would give gradients of a different forward, so it is an error, not a silent one.
+    Under tracing (torch.compile, opcheck) the mask's bits are not known, and the check is left out.
+    """
+    if is_fake(mask):
+        return
+    numels = int(a["numels"])
+    regenerated = _ops._npu_dropout_gen_mask(q, [numels], 1.0 - a["keep_prob"], int(a["seed"]),
+                                             int(a["offset"]))
+    full_bytes, tail_bits = divmod(numels, 8)
+    same = torch.equal(mask[:full_bytes], regenerated[:full_bytes])
+    if same and tail_bits:
+        low = (1 << tail_bits) - 1
+        same = int(mask[full_bytes]) & low == int(regenerated[full_bytes]) & low
+    if not same:
+        raise RuntimeError(
+            "npu_fusion_attention: backward needs the dropout mask that (seed, offset) = "
+            f"({int(a['seed'])}, {int(a['offset'])}) generates (npu_fusion_attention_grad "
+            "regenerates it), but the dropout_mask passed to the forward differs; pass "
+            "_npu_dropout_gen_mask(query, [numels], 1 - keep_prob, seed, offset) with the same seed "
+            "and offset, or let the op draw its own mask (dropout_mask=None)")
 
 
 def _fusion_attention_backward(ctx, grad_out, *unused_grads):
-    q, k, v, pse, atten_mask, sink, out, softmax_max, softmax_sum = ctx.saved_tensors
+    q, k, v, pse, atten_mask, sink, out, softmax_max, softmax_sum, user_mask = ctx.saved_tensors
     a = ctx.args
+    if user_mask is not None:
+        _check_user_dropout_mask(q, user_mask, a)
     dq, dk, dv, dpse, dsink = _ops.npu_fusion_attention_grad(
         q, k, v, grad_out.contiguous(), a["head_num"], a["input_layout"], pse=pse,
         atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
