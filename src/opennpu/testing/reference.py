@@ -609,13 +609,17 @@ def moe_compute_expert_tokens(sorted_experts, num_expert):
     return torch.searchsorted(sorted_experts.long(), bounds, right=True).to(sorted_experts.dtype)
 
 
-def moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst, expert, drop_pad_mode=0):
+def moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst, expert, drop_pad_mode=0,
+                         k=1):
     """out[i] = skip1[i] + skip2[i] + sum_j scales[i, j] * (rows[src(i, j)] + bias[expert[i, j]]),
-    src -1 (drop-pad modes) = a zero row."""
+    src -1 (drop-pad modes) = a zero row. Without scales, k != 1 gives n = len(src) / k."""
     h = rows.shape[-1]
     flat = _up(rows).reshape(-1, h)
+    k_arg = 1 if k is None else k
     if scales is not None:
         n, k = scales.shape
+    elif k_arg != 1:
+        n, k = src_to_dst.numel() // k_arg, k_arg
     elif expert is not None:
         n, k = expert.shape
     elif skip1 is not None or skip2 is not None:
