@@ -8,7 +8,9 @@
 //
 // Numerics: float paths accumulate in fp32 and compute bias and activation in fp32; for fp16 /
 // bf16 the intermediate is rounded once to x's dtype (the operand of the second GEMM, as on
-// Ascend's cube unit, and as the native composition rounds it), then the output once. Where the
+// Ascend's cube unit, and as the native composition rounds it), then the output once. The
+// weight-only and quantised paths round where op-plugin's golden (test_npu_ffn) does: see
+// weight_tile(), dequant() and epilogue_a(). Where the
 // CPU has no fp16 / bf16 matrix instructions, tiles are converted to fp32 instead, with the same
 // rounding of the intermediate (and of dequantised weights), so results do not depend on the
 // machine beyond GEMM summation order. The kATen path rounds the first GEMM (+ bias1) to x's
