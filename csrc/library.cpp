@@ -29,7 +29,7 @@ TORCH_LIBRARY(npu, m) {
   // y * smooth_scale_k; returns (y1, y2, x, scale1, scale2), 0-dim tensors for a disabled branch.
   m.def("npu_add_rms_norm_dynamic_quant(Tensor x1, Tensor x2, Tensor gamma, *, "
         "Tensor? smooth_scale1=None, Tensor? smooth_scale2=None, Tensor? beta=None, "
-        "float epsilon=1e-06, bool[2]? output_mask=None, int? y_dtype=None) "
+        "float epsilon=1e-6, bool[2]? output_mask=None, int? y_dtype=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 
   // SwiGLU over halves of `dim`: silu(first) * second.
@@ -110,18 +110,22 @@ TORCH_LIBRARY(npu, m) {
   // Cumulative rows per expert ([num_expert], one past each expert's last row) of sorted experts.
   m.def("npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor");
   // MoE combine: out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src(i, k)] + bias[expert[i, k]]).
+  // k: the slots per token when scales is None (num_rows = len(expanded_src_to_dst_row) / k).
   m.def("npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, "
         "Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, "
-        "Tensor? export_for_source_row, int? drop_pad_mode=0) -> Tensor");
+        "Tensor? export_for_source_row, int? drop_pad_mode=0, int? k=1) -> Tensor");
   // Grouped matmul y_g = x_g @ w_g (+ b_g): groups as separate tensors or row ranges of one x
-  // (group_list, a Tensor here and int[] in .List). Non-quantised paths only.
+  // (group_list, a Tensor here and int[] in .List). Non-quantised paths only. output_dtype and
+  // the *_dtype arguments are dtype codes (int; a torch.dtype passed from Python arrives as its
+  // ScalarType number); .List keeps ScalarType? output_dtype, as op-plugin's yaml does.
   m.def("npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "
         "Tensor[]? scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None, "
         "Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, Tensor? group_list=None, "
         "Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None, "
         "Tensor[]? activation_quant_offset=None, int? split_item=0, int? group_type=None, "
         "int? group_list_type=0, int? act_type=0, int[]? tuning_config=None, "
-        "ScalarType? output_dtype=None) -> Tensor[]");
+        "int? output_dtype=None, int? x_dtype=None, int? weight_dtype=None, int? scale_dtype=None, "
+        "int? per_token_scale_dtype=None) -> Tensor[]");
   m.def("npu_grouped_matmul.List(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, "
         "Tensor[]? scale=None, Tensor[]? offset=None, Tensor[]? antiquant_scale=None, "
         "Tensor[]? antiquant_offset=None, Tensor[]? per_token_scale=None, int[]? group_list=None, "

@@ -191,6 +191,46 @@ def test_converting_fallback_matches(tmp_path):
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-3000:]
 
 
+# ----------------------------------------------------------------------------- grouping on K
+
+
+def k_split_reference(x, w, sizes):
+    """Group g: x[:, K_g] @ w[K_g, :] in float64, stacked into [G, M, N]."""
+    out, k0 = [], 0
+    for kg in sizes:
+        out.append(x[:, k0:k0 + kg].double() @ w[k0:k0 + kg].double())
+        k0 += kg
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("dtype", [F32, *LOW_DTYPES], ids=dtype_id)
+@pytest.mark.parametrize("transposed_x", [False, True])
+@pytest.mark.parametrize("group_list_type", [0, 1])
+def test_group_type_2_groups_on_k(dtype, transposed_x, group_list_type):
+    # op-plugin's test_npu_grouped_matmul_6: x = x1.T, weight [K, N], cumulative K ends.
+    sizes = [3, 0, 7, 13]  # an empty group gives zeros; the last K column is not used
+    m, k, n = 5, 24, 6
+    x = randn(k, m, dtype=dtype).t() if transposed_x else randn(m, k, dtype=dtype)
+    w = randn(k, n, dtype=dtype)
+    gl = torch.tensor(sizes, dtype=I64) if group_list_type == 1 else cumsum(sizes)
+    (out,) = npu.npu_grouped_matmul([x], [w], group_list=gl, split_item=3, group_type=2,
+                                    group_list_type=group_list_type)
+    assert out.shape == (4, m, n) and out.dtype == dtype
+    assert_close(out, k_split_reference(x, w, sizes), dtype=dtype)
+    assert not out[1].any()
+    (out_list,) = npu.npu_grouped_matmul.List([x], [w], group_list=gl.tolist(), split_item=2,
+                                              group_type=2, group_list_type=group_list_type)
+    torch.testing.assert_close(out_list, out)
+
+
+def test_group_type_2_opcheck():
+    x, w = randn(10, 6).t(), randn(10, 3)
+    opcheck(npu.npu_grouped_matmul.default,
+            [(([x], [w]), dict(group_list=cumsum([4, 6]), split_item=3, group_type=2))])
+    opcheck(npu.npu_grouped_matmul.List,
+            [(([x], [w]), dict(group_list=[4, 10], split_item=2, group_type=2))])
+
+
 # ----------------------------------------------------------------------------- errors
 
 
@@ -208,8 +248,25 @@ def test_bad_inputs():
            group_list=gl, split_item=3, group_type=0)
     raises("argument 'act_type' must be 0", [x], [w], group_list=gl, split_item=3, group_type=0,
            act_type=1)
-    raises("grouping on K .2. is not implemented", [x], [w], group_list=gl, split_item=3,
-           group_type=2)
+    raises(r"argument 'weight' must hold one 2-D tensor \[K, N\] with group_type 2", [x], [w],
+           group_list=gl, split_item=3, group_type=2)
+    raises(r"argument 'split_item' must be 2 or 3 .* with group_type 2", [x], [randn(8, 4)],
+           group_list=gl, split_item=0, group_type=2)
+    raises(r"argument 'bias' must be None with group_type 2", [x], [randn(8, 4)],
+           bias=[randn(4)], group_list=gl, split_item=3, group_type=2)
+    raises(r"'group_list' must cover at most the K = 8 columns", [x], [randn(8, 4)],
+           group_list=cumsum([4, 5]), split_item=3, group_type=2)
+    for bad in (1, 3, 100):  # op-plugin's words, which its test_npu_grouped_matmul matches
+        raises(rf"The group type must be -1 .*, 0 .* or 2 .*but now is \[{bad}\]", [x], [w],
+               group_list=gl, split_item=3, group_type=bad)
+    raises(r"argument 'x_dtype' must be None or the dtype of x \(Float\).*quantised", [x], [w],
+           group_list=gl, split_item=3, group_type=0, x_dtype=torch.int8)
+    raises(r"argument 'weight_dtype' must be None or a torch dtype; the code 296", [x], [w],
+           group_list=gl, split_item=3, group_type=0, weight_dtype=296)
+    raises(r"argument 'scale_dtype' must be None: it gives the dtype of scale", [x], [w],
+           group_list=gl, split_item=3, group_type=0, scale_dtype=torch.float32)
+    raises(r"argument 'per_token_scale_dtype' must be None", [x], [w], group_list=gl,
+           split_item=3, group_type=0, per_token_scale_dtype=torch.float32)
     raises("argument 'group_list' must be None with group_type -1", [x], [w], group_list=gl,
            split_item=3, group_type=-1)
     raises("argument 'split_item' must be 0 or 1", [x], [w], group_list=gl, split_item=4,
@@ -245,8 +302,14 @@ def test_bad_inputs():
     raises(r"'group_list' must give each group the rows of its x tensor, but group 1 has 2 rows",
            [randn(2, 8), randn(3, 8)], [randn(8, 4), randn(8, 4)], group_list=cumsum([2, 2]),
            split_item=2, group_type=0)
-    with opennpu.strict():
-        raises("'group_type' must be given .*strict mode", [x], [w], group_list=gl, split_item=3)
+    # The op (torch_npu.npu_grouped_matmul) requires group_type, in op-plugin's words; the
+    # opennpu wrapper picks it (0 with a group_list splitting one x, else -1).
+    with pytest.raises(RuntimeError, match="Requires manual passing group_type"):
+        npu.npu_grouped_matmul([x], [w], group_list=gl, split_item=3)
+    with pytest.raises(RuntimeError, match="Requires manual passing group_type"):
+        npu.npu_grouped_matmul([randn(2, 8)], [randn(8, 4)])
+    torch.testing.assert_close(gmm([x], [w], group_list=gl, split_item=3)[0],
+                               gmm([x], [w], group_list=gl, split_item=3, group_type=0)[0])
 
 
 # ----------------------------------------------------------------------------- opcheck, compile

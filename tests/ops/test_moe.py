@@ -393,6 +393,45 @@ def test_finalize_non_contiguous_and_empty():
     assert out.shape == (0, 8)
 
 
+@pytest.mark.parametrize("mode", [0, 2])
+def test_finalize_k_without_scales(mode):
+    # op-plugin's `int? k=1`: without scales, num_rows = len(expanded_src_to_dst_row) / k.
+    n, k, h = 7, 3, 19
+    rows, _, _, _, _, src, _ = finalize_inputs(n, k, 4, h, mode=mode, parts="")
+    out = opennpu.npu_moe_finalize_routing(rows, None, None, None, None, src, None, mode, k)
+    assert out.shape == (n, h)
+    ref = R.moe_finalize_routing(rows, None, None, None, None, src, None, mode, k)
+    assert_close(out, ref, scale=4)
+    view = src.long().view(n, k) if mode == 2 else src.long().view(k, n).t()
+    torch.testing.assert_close(out, rows[view].sum(1))
+    # k=1 (the default) keeps the old behaviour: one slot per entry of expanded_src_to_dst_row
+    assert opennpu.npu_moe_finalize_routing(rows, None, None, None, None, src, None,
+                                            mode).shape == (n * k, h)
+    # with scales, k must be 1 or scales' k; the terms then come from scales
+    scales = randn(n, k)
+    torch.testing.assert_close(
+        opennpu.npu_moe_finalize_routing(rows, None, None, None, scales, src, None, mode, k),
+        opennpu.npu_moe_finalize_routing(rows, None, None, None, scales, src, None, mode))
+    opcheck(npu.npu_moe_finalize_routing.default,
+            [((rows, None, None, None, None, src, None, mode, k), {})])
+
+
+def test_finalize_k_bad_inputs():
+    op = opennpu.npu_moe_finalize_routing
+    rows, skip1, skip2, bias, scales, src, expert = finalize_inputs(4, 2, 3, 8)
+    with pytest.raises(RuntimeError, match=r"argument 'k' must be 1 \(the default\) or "
+                                           r"scales.size\(1\) = 2 when scales is given, but got 3"):
+        op(rows, skip1, skip2, bias, scales, src, expert, 0, 3)
+    with pytest.raises(RuntimeError, match="argument 'k' must be >= 1 .* but got 0"):
+        op(rows, None, None, None, None, src, None, 0, 0)
+    with pytest.raises(RuntimeError, match=r"'expanded_src_to_dst_row' must have num_rows \* k "
+                                           r"entries for k = 3, but got 8"):
+        op(rows, None, None, None, None, src, None, 0, 3)
+    with pytest.raises(RuntimeError, match=re.escape("'export_for_source_row' must have shape "
+                                                     "[2, 4]")):
+        op(rows, None, None, bias, None, src, expert, 0, 4)
+
+
 def test_finalize_bad_inputs():
     op = opennpu.npu_moe_finalize_routing
     rows, skip1, skip2, bias, scales, src, expert = finalize_inputs(4, 2, 3, 8)

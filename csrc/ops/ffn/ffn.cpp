@@ -124,8 +124,10 @@ FfnGemm choose_gemm(at::ScalarType xt, bool weight_only, int64_t rows_per_expert
   // MKL's half-precision GEMM exists (cpu_multiplies_natively is a separate, speed question).
   const bool mkl_half = xt == at::kBFloat16 ? cblas_gemm_bf16bf16f32 != nullptr
                                             : cblas_gemm_f16f16f32 != nullptr;
-  // The weight-only path dequantises weight tiles, so it always tiles.
-  if (forced == "aten" && !weight_only) return FfnGemm::kATen;
+  // The weight-only path dequantises weight tiles (rounded to x's dtype) and keeps the
+  // intermediate in fp32, as op-plugin's golden does, so it always multiplies fp32 tiles.
+  if (weight_only) return FfnGemm::kFp32Tiles;
+  if (forced == "aten") return FfnGemm::kATen;
   if (!half) {
     const bool whole = forced.empty() || forced == "auto" ? rows_per_expert >= kWholeGemmRows
                                                            : false;

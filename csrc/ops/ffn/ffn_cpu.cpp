@@ -8,7 +8,9 @@
 //
 // Numerics: float paths accumulate in fp32 and compute bias and activation in fp32; for fp16 /
 // bf16 the intermediate is rounded once to x's dtype (the operand of the second GEMM, as on
-// Ascend's cube unit, and as the native composition rounds it), then the output once. Where the
+// Ascend's cube unit, and as the native composition rounds it), then the output once. The
+// weight-only and quantised paths round where op-plugin's golden (test_npu_ffn) does: see
+// weight_tile(), dequant() and epilogue_a(). Where the
 // CPU has no fp16 / bf16 matrix instructions, tiles are converted to fp32 instead, with the same
 // rounding of the intermediate (and of dequantised weights), so results do not depend on the
 // machine beyond GEMM summation order. The kATen path rounds the first GEMM (+ bias1) to x's
@@ -111,15 +113,6 @@ inline Vec load_from(const G* src, int64_t n) {
   }
 }
 
-// Whether any lane of a is not <= the same lane of b (NaN lanes included).
-C10_ALWAYS_INLINE bool any_not_le(const Vec& a, const Vec& b) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_cmp_ps_mask(a, b, _CMP_NLE_UQ) != 0;
-#else
-  return (a <= b).zero_mask() != 0;
-#endif
-}
-
 // How far ahead of the current element the passes over whole GEMM results (kATen) prefetch
 // them: the results are far larger than L2, and the hardware prefetchers stop at each 4 KB
 // page, which the epilogues' rows of 1024 int32 span exactly (measured on the epilogue alone,
@@ -138,53 +131,11 @@ inline void for_each_vec(int64_t len, const Body& body) {
   if (j < len) body(j, len - j);
 }
 
-// The precision tag of act() for the quantised path's first, cheap try at requantisation.
-struct Filter {};
-
-// sigmoid(u) for Filter. Measured as z * sigmoid(u(z)) of FastGelu, tanh-GELU and SiLU against
-// the exact exp and division over every float z: within 4.8e-7 (relative) where the exact
-// result is at least 1e-30 in magnitude (the 20-ulp exp with a reciprocal step: 5.6e-7), within
-// 1.5e-33 (absolute) where it is smaller, and otherwise not finite (z not finite, or above 1.3e5
-// for tanh-GELU, 9e13 for FastGelu, 1.5e14 for SiLU), which the requantisation redoes exactly.
-// On AVX-512: exp(-u) by a two-part ln 2 reduction, a degree-6 Taylor polynomial and
-// vscalefps, then the reciprocal estimate with one Newton step; where -u > 80 (or is NaN) the
-// result is 0, the exact one being below 1.9e-35 (and 1 + exp(-u) would overflow the
-// reciprocal's input). Other ISAs use the fp16 / bf16 outputs' sigmoid.
-C10_ALWAYS_INLINE Vec sigmoid_filter(const Vec& u) {
-#if defined(CPU_CAPABILITY_AVX512)
-  const __m512 neg = _mm512_sub_ps(_mm512_setzero_ps(), u);
-  const __mmask16 live = _mm512_cmp_ps_mask(neg, _mm512_set1_ps(80.f), _CMP_LE_OQ);
-  const __m512 x = _mm512_min_ps(neg, _mm512_set1_ps(80.f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  // r = x - n ln 2 in two fused steps (ln 2 split in a 15-bit leading part and the rest).
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-6f), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.f / 720), r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  const __m512 d = _mm512_add_ps(_mm512_scalef_ps(p, n), _mm512_set1_ps(1.f));
-  const __m512 rc = _mm512_rcp14_ps(d);
-  return Vec(_mm512_maskz_mul_ps(live, rc, _mm512_fnmadd_ps(d, rc, _mm512_set1_ps(2.f))));
-#else
-  return sigmoid_for<c10::BFloat16>(u);
-#endif
-}
-
-// act(z); P picks the exp (fp32 outputs: ATen's 1-ulp exp; fp16 / bf16: the 20-ulp polynomial;
-// Filter: sigmoid_filter).
+// act(z); P picks the exp (fp32 outputs: ATen's 1-ulp exp; fp16 / bf16: the 20-ulp polynomial).
 template <FfnAct kA, typename P>
 C10_ALWAYS_INLINE Vec act(const Vec& z) {
   if constexpr (kA == FfnAct::kRelu || kA == FfnAct::kReglu) {
     return at::vec::maximum(z, Vec(0.f));
-  } else if constexpr (std::is_same_v<P, Filter>) {
-    constexpr Act kGate = kA == FfnAct::kFastGelu                        ? Act::kFastGelu
-                          : kA == FfnAct::kGelu || kA == FfnAct::kGeglu ? Act::kGeluTanh
-                                                                        : Act::kSilu;
-    return z * sigmoid_filter(activation::gate_arg<kGate>(z));
   } else if constexpr (kA == FfnAct::kFastGelu) {
     return activation::act_value<Act::kFastGelu, P>(z);
   } else if constexpr (kA == FfnAct::kGelu || kA == FfnAct::kGeglu) {
@@ -274,12 +225,11 @@ class Runner {
   static constexpr bool kConvertX = !std::is_same_v<X, G>;
   static constexpr bool kConvertW = !std::is_same_v<W, G>;
   // The precision the intermediate is rounded to and the exp it uses; the quantised path
-  // rounds to int8, with an exact fp32 activation so that ties fall where the reference's do.
-  using P = std::conditional_t<kQuant, float, X>;
+  // rounds to int8, with an exact fp32 activation so that ties fall where the reference's do;
+  // the weight-only path keeps the intermediate in fp32 (op-plugin's golden: both GEMMs and the
+  // activation in float32, only the output rounded).
+  using P = std::conditional_t<kQuant || kWeightOnly, float, X>;
   using Acc = std::conditional_t<std::is_same_v<G, int8_t>, int32_t, float>;
-  // Requantisation: the margin around half-integers inside which the cheap activation is
-  // redone exactly (5x its error bound at |y * scale| = 128).
-  static constexpr float kNearTie = 1.f / 1024;
 
   struct Scratch {
     blas::TileBuffer<Acc> acc;
@@ -395,8 +345,10 @@ class Runner {
         for (int64_t r = 0; r < k; ++r) {
           int8_to_float(src + r * n, row, nc);
           for_each_vec(nc, [&](int64_t j, int64_t len) {
+            // In x's dtype, one rounding per operation, as op-plugin's golden computes it:
+            // round(round(W + offset) * scale).
             Vec v = Vec::loadu(row + j, len);
-            if (offset) v = v + Vec::loadu(offset + j, len);
+            if (offset) v = round_to<X>(v + Vec::loadu(offset + j, len));
             store_as<G>(dst + r * nc + j, round_to<X>(v * Vec::loadu(scale + j, len)), len);
           });
         }
@@ -489,12 +441,18 @@ class Runner {
   }
 
   // The GEMM result at acc (column c) in fp32: + bias (int32 for the quantised path, added
-  // before the dequantisation scale, as Ascend's formula has it), times the scale.
+  // before the dequantisation scale, as Ascend's formula has it), times the scale. The
+  // quantised path rounds as op-plugin's golden (test_npu_ffn) does: the first GEMM's sum
+  // (+ bias) times deq_scale1 in fp32, rounded to the output dtype O; the second GEMM's sum
+  // (+ bias) first converted to O (kSecond), then times deq_scale2 in fp32, rounded to O.
+  template <bool kSecond = false>
   static C10_ALWAYS_INLINE Vec dequant(const Acc* acc, const Channels& ch, int64_t c, int64_t len) {
     if constexpr (kQuant) {
       auto v = at::vec::Vectorized<int32_t>::loadu(acc, len);
       if (ch.ibias != nullptr) v = v + at::vec::Vectorized<int32_t>::loadu(ch.ibias + c, len);
-      return at::vec::convert_to_fp_of_same_size<float>(v) * Vec::loadu(ch.deq + c, len);
+      Vec f = at::vec::convert_to_fp_of_same_size<float>(v);
+      if constexpr (kSecond) f = round_to<O>(f);
+      return round_to<O>(f * Vec::loadu(ch.deq + c, len));
     } else {
       const Vec v = Vec::loadu(acc, len);
       return ch.bias != nullptr ? v + Vec::loadu(ch.bias + c, len) : v;
@@ -529,24 +487,17 @@ class Runner {
         if constexpr (kQuant) {
           __builtin_prefetch(l + j + kPrefetchAhead);
           if constexpr (kGlu) __builtin_prefetch(r + j + kPrefetchAhead);
-          // Requantise t = y * scale + offset: round half to even, saturate to int8. y comes
-          // first from sigmoid_filter (relative error < 1.5e-6, so t is off by
-          // less than 1e-4 while |y * scale| <= 128 and less than kNearTie up to ~650); a
-          // vector with a lane within kNearTie of a half-integer (more than 0.5 - kNearTie
-          // from the integer it rounds to), where that error could move the rounding, or with
-          // a lane that is not finite, is recomputed with the exact exp and division, so the
-          // codes are those of the exact activation, ties included. About 3% of vectors are
-          // redone.
-          const Vec qs = Vec::loadu(qscale + j, len), qo(qoffset);
-          Vec t = at::vec::fmadd(value.template operator()<Filter>(), qs, qo);
-          Vec q = t.round();
-          if (any_not_le((t - q).abs(), Vec(0.5f - kNearTie))) {
-            t = at::vec::fmadd(value.template operator()<P>(), qs, qo);
-            q = t.round();
-          }
-          store_int8(h + j, at::vec::clamp(q, Vec(-128.f), Vec(127.f)), len);
+          // op-plugin's golden (test_npu_ffn) computes the requantisation in the output dtype
+          // O: the activation's result rounded to O, times the scale in O, plus the offset in
+          // O, each operation rounded to O; then round half to even and saturate to int8. The
+          // activation is the exact fp32 one: after the roundings to O, the cheap one's error
+          // could move a code by a whole step of O, which no margin on t can bound.
+          const Vec qs = round_to<O>(Vec::loadu(qscale + j, len)), qo(round_to<O>(Vec(qoffset)));
+          const Vec y = round_to<O>(value.template operator()<P>());
+          const Vec t = round_to<O>(round_to<O>(y * qs) + qo);
+          store_int8(h + j, at::vec::clamp(t.round(), Vec(-128.f), Vec(127.f)), len);
         } else {
-          store_as<G>(h + j, round_to<X>(value.template operator()<P>()), len);
+          store_as<G>(h + j, round_to<P>(value.template operator()<P>()), len);
         }
       });
     }
@@ -570,7 +521,7 @@ class Runner {
     for (int64_t i = i0; i < i1; ++i) {
       for_each_vec(nc, [&](int64_t j, int64_t len) C10_ALWAYS_INLINE_ATTRIBUTE {
         if constexpr (kQuant) __builtin_prefetch(acc + i * ld + j + kPrefetchAhead);
-        store_as<O>(out + i * n2_ + j, dequant(acc + i * ld + j, ch, c0 + j, len), len);
+        store_as<O>(out + i * n2_ + j, dequant<true>(acc + i * ld + j, ch, c0 + j, len), len);
       });
     }
   }

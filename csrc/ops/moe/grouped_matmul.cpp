@@ -65,6 +65,40 @@ void check_no_quantisation(const OptionalList& scale, const OptionalList& offset
   check_absent("activation_quant_offset", activation_quant_offset);
 }
 
+// The dtype codes of the Tensor overload (int?: a torch.dtype passed from Python arrives as its
+// ScalarType number; torch_npu's own codes for packed types such as float4_e2m1fn_x2 or
+// float8_e8m0fnu lie past ATen's ScalarTypes).
+std::optional<at::ScalarType> dtype_from_code(const char* name, std::optional<int64_t> code) {
+  if (!code.has_value()) return std::nullopt;
+  const int64_t c = *code;
+  OPENNPU_CHECK_ARG(c >= 0 && c < static_cast<int64_t>(at::ScalarType::NumOptions), kOp, name,
+                    "must be None or a torch dtype; the code ", c, " is not one of PyTorch's "
+                    "dtypes (torch_npu's packed / low-bit dtypes such as float4_e2m1fn_x2, "
+                    "hifloat8 or float8_e8m0fnu belong to the quantised paths, which opennpu does "
+                    "not implement)");
+  return static_cast<at::ScalarType>(c);
+}
+
+// x_dtype / weight_dtype reinterpret the storage of x / weight (packed float4, hifloat8 ...), a
+// quantised-path feature: accepted when None or equal to the tensors' own dtype (a no-op).
+void check_storage_dtype(const char* name, std::optional<int64_t> code, at::TensorList tensors,
+                         const char* tensors_name) {
+  const std::optional<at::ScalarType> dtype = dtype_from_code(name, code);
+  if (!dtype.has_value() || tensors.empty() || !tensors[0].defined()) return;
+  OPENNPU_CHECK_ARG(*dtype == tensors[0].scalar_type(), kOp, name,
+                    "must be None or the dtype of ", tensors_name, " (", tensors[0].scalar_type(),
+                    "): reinterpreting ", tensors_name, "'s storage as another dtype belongs to "
+                    "the quantised paths, which opennpu does not implement, but got ", *dtype);
+}
+
+// scale_dtype / per_token_scale_dtype describe tensors of the quantised paths, which must be None.
+void check_quant_dtype_absent(const char* name, std::optional<int64_t> code,
+                              const char* tensor_name) {
+  OPENNPU_CHECK_ARG(!code.has_value(), kOp, name, "must be None: it gives the dtype of ",
+                    tensor_name, ", an argument of the quantised paths of npu_grouped_matmul, "
+                    "which opennpu does not implement, but got ", *code);
+}
+
 // Group sizes from group_list values: cumulative ends (type 0) or sizes (type 1).
 std::vector<int64_t> group_sizes(const std::vector<int64_t>& values, int64_t type) {
   OPENNPU_CHECK_ARG(type == 0 || type == 1, kOp, "group_list_type",
@@ -126,6 +160,77 @@ Operand operand(const at::Tensor& t) {
   return {t.const_data_ptr(), cols <= 1 ? std::max<int64_t>(rows, 1) : t.stride(1), true};
 }
 
+// Grouping on K (group_type 2): x [M, K] (x may be a transposed view) and weight [K, N], one
+// tensor each; group g is y[g] = x[:, K_g] @ weight[K_g, :] over the g-th column range of x (the
+// g-th row range of weight) that group_list cuts; one output [G, M, N] (split_item 2 / 3). A
+// group with no columns gives zeros; columns past the last group are not used.
+std::vector<at::Tensor> grouped_matmul_on_k(at::TensorList x, at::TensorList weight,
+                                            const std::optional<at::TensorList>& bias,
+                                            const std::optional<std::vector<int64_t>>& group_values,
+                                            int64_t split, std::optional<int64_t> group_list_type) {
+  OPENNPU_CHECK_ARG(split >= 2, kOp, "split_item",
+                    "must be 2 or 3 (one output [G, M, N]) with group_type 2 (grouping on K) in "
+                    "opennpu, but got ", split);
+  OPENNPU_CHECK_ARG(x.size() == 1 && x[0].dim() == 2, kOp, "x",
+                    "must hold one 2-D tensor [M, K] with group_type 2 (grouping on K), but got ",
+                    x.size(), " tensors", x.size() == 1 ? " of shape " + shape_str(x[0].sizes())
+                                                         : std::string());
+  OPENNPU_CHECK_ARG(weight.size() == 1 && weight[0].dim() == 2, kOp, "weight",
+                    "must hold one 2-D tensor [K, N] with group_type 2 (grouping on K), but got ",
+                    weight.size(), " tensors", weight.size() == 1
+                        ? " of shape " + shape_str(weight[0].sizes()) : std::string());
+  OPENNPU_CHECK_ARG(!bias.has_value() || bias->empty(), kOp, "bias",
+                    "must be None with group_type 2 (grouping on K) in opennpu, but got ",
+                    bias.has_value() ? bias->size() : 0, " tensors");
+  OPENNPU_CHECK_ARG(group_values.has_value(), kOp, "group_list",
+                    "must be given with group_type 2 (it cuts K into the groups), but got None");
+  const at::Tensor& xk = x[0];
+  const at::Tensor& w = weight[0];
+  const int64_t m = xk.size(0), k_total = xk.size(1), n = w.size(1);
+  OPENNPU_CHECK_ARG(w.size(0) == k_total, kOp, "weight[0]", "must have K = ", k_total,
+                    " rows (x[0] is ", shape_str(xk.sizes()), "), but got shape ",
+                    shape_str(w.sizes()));
+  const std::vector<int64_t> sizes = group_sizes(*group_values, group_list_type.value_or(0));
+  const int64_t groups = static_cast<int64_t>(sizes.size());
+  int64_t total = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    OPENNPU_CHECK_ARG(sizes[g] <= k_total - total, kOp, "group_list",
+                      "must cover at most the K = ", k_total, " columns of x[0], but group ", g,
+                      " holds ", sizes[g], " after ", total, " in the groups before it");
+    total += sizes[g];
+  }
+  at::Tensor y = at::zeros({groups, m, n}, xk.options());
+  std::vector<GemmGroup> gemms;
+  std::vector<at::Tensor> keep;
+  int64_t k0 = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t kg = sizes[g];
+    const int64_t start = k0;
+    k0 += kg;
+    if (kg == 0 || m == 0 || n == 0) continue;  // y[g] stays 0
+    const at::Tensor a = fit(xk.narrow(1, start, kg));
+    const at::Tensor b = fit(w.narrow(0, start, kg));
+    keep.push_back(a);
+    keep.push_back(b);
+    const Operand oa = operand(a), ob = operand(b);
+    GemmGroup gemm;
+    gemm.a = oa.ptr;
+    gemm.lda = oa.ld;
+    gemm.ta = oa.trans;
+    gemm.b = ob.ptr;
+    gemm.ldb = ob.ld;
+    gemm.tb = ob.trans;
+    gemm.out = y[g].mutable_data_ptr();
+    gemm.ldout = n;
+    gemm.m = m;
+    gemm.n = n;
+    gemm.k = kg;
+    gemms.push_back(gemm);
+  }
+  grouped_gemm_cpu.get(kOp)(xk.scalar_type(), gemms);
+  return {y};
+}
+
 std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                                        const std::optional<at::TensorList>& bias,
                                        const std::optional<std::vector<int64_t>>& group_values,
@@ -148,12 +253,12 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                     "does not implement (apply the activation to the output), but got ", act);
   if (group_type.has_value()) {
     const int64_t gt = *group_type;
-    OPENNPU_CHECK_ARG(gt == -1 || gt == 0, kOp, "group_type",
-                      "must be -1 (no grouping: x[i] @ weight[i]) or 0 (x's rows grouped by "
-                      "group_list)",
-                      gt == 2 ? "; grouping on K (2) is not implemented by opennpu" : "",
-                      ", but got ", gt);
-    OPENNPU_CHECK_ARG(gt == 0 || !group_values.has_value(), kOp, "group_list",
+    // op-plugin's words ("The group type must be -1, 0 or 2"), which its tests match.
+    OPENNPU_CHECK_ARG(gt == -1 || gt == 0 || gt == 2, kOp, "group_type",
+                      "is invalid. The group type must be -1 (no grouping: x[i] @ weight[i]), 0 "
+                      "(x's rows grouped by group_list) or 2 (grouping on K), but now is [", gt,
+                      "]");
+    OPENNPU_CHECK_ARG(gt != -1 || !group_values.has_value(), kOp, "group_list",
                       "must be None with group_type -1 (no grouping), but got ",
                       group_values ? group_values->size() : 0, " entries");
   }
@@ -190,6 +295,9 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     check_same_device(kOp, name.c_str(), w, "x[0]", x[0]);
   }
   const auto weight_of = [&](int64_t g) { return single_weight ? weight[0][g] : weight[g]; };
+  if (group_type.value_or(-1) == 2) {
+    return grouped_matmul_on_k(x, weight, bias, group_values, split, group_list_type);
+  }
 
   // The groups' rows: separate x tensors, or row ranges of x[0].
   const int64_t nx = static_cast<int64_t>(x.size());
@@ -381,12 +489,20 @@ std::vector<at::Tensor> npu_grouped_matmul(
     const std::optional<at::TensorList>& activation_quant_offset,
     std::optional<int64_t> split_item, std::optional<int64_t> group_type,
     std::optional<int64_t> group_list_type, std::optional<int64_t> act_type,
-    at::OptionalIntArrayRef tuning_config, std::optional<at::ScalarType> output_dtype) {
+    at::OptionalIntArrayRef tuning_config, std::optional<int64_t> output_dtype,
+    std::optional<int64_t> x_dtype, std::optional<int64_t> weight_dtype,
+    std::optional<int64_t> scale_dtype, std::optional<int64_t> per_token_scale_dtype) {
   (void)tuning_config;  // a tiling hint (expected tokens per expert); nothing to tune here
   check_no_quantisation(scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
                         activation_input, activation_quant_scale, activation_quant_offset);
-  OPENNPU_CHECK_STRICT(group_type.has_value(), kOp, "group_type",
-                       "must be given (-1 or 0) when group_list is a Tensor, but got None");
+  check_storage_dtype("x_dtype", x_dtype, x, "x");
+  check_storage_dtype("weight_dtype", weight_dtype, weight, "weight");
+  check_quant_dtype_absent("scale_dtype", scale_dtype, "scale");
+  check_quant_dtype_absent("per_token_scale_dtype", per_token_scale_dtype, "per_token_scale");
+  // op-plugin requires it on this overload, in these words (its tests match them).
+  OPENNPU_CHECK_ARG(group_type.has_value(), kOp, "group_type",
+                    "is missing: Requires manual passing group_type, current is None (pass -1 for "
+                    "x[i] @ weight[i] or 0 to group x's rows by group_list)");
   std::optional<std::vector<int64_t>> values;
   if (group_list.has_value() && group_list->defined()) {
     const at::Tensor& gl = *group_list;
@@ -401,7 +517,7 @@ std::vector<at::Tensor> npu_grouped_matmul(
     values.emplace(c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel());
   }
   return grouped_matmul(x, weight, bias, values, split_item, group_type, group_list_type, act_type,
-                        output_dtype);
+                        dtype_from_code("output_dtype", output_dtype));
 }
 
 std::vector<at::Tensor> npu_grouped_matmul_list(

@@ -233,7 +233,8 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
                                     const std::optional<at::Tensor>& scales_opt,
                                     const at::Tensor& expanded_src_to_dst_row,
                                     const std::optional<at::Tensor>& expert_opt,
-                                    std::optional<int64_t> drop_pad_mode_opt) {
+                                    std::optional<int64_t> drop_pad_mode_opt,
+                                    std::optional<int64_t> k_opt) {
   constexpr const char* op = "npu_moe_finalize_routing";
   const at::Tensor& rows = expanded_permuted_rows;
   const auto given = [](const std::optional<at::Tensor>& t) {
@@ -275,14 +276,26 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
   OPENNPU_CHECK_STRICT(skip1.defined() || !skip2.defined(), op, "skip2",
                        "must be None when skip1 is None");
 
-  // num_rows and k: from scales [N, K], else expert_for_source_row [N, K], else the skips [N, H],
-  // else k = 1 (torch_npu's golden: K = scales.shape[1] if scales is not None else 1).
+  // num_rows and k: from scales [N, K]; else op-plugin's k argument when it is not 1 (num_rows =
+  // len(expanded_src_to_dst_row) / k, as op-plugin sizes its output); else expert_for_source_row
+  // [N, K], else the skips [N, H], else k = 1 (torch_npu's golden: K = scales.shape[1] if scales
+  // is not None else 1).
+  const int64_t k_arg = k_opt.value_or(1);
+  OPENNPU_CHECK_ARG(k_arg >= 1, op, "k", "must be >= 1 (the slots per token), but got ", k_arg);
   int64_t n = -1, k = -1;
   if (scales.defined()) {
     OPENNPU_CHECK_ARG(scales.dim() == 2, op, "scales", "must be 2-D [num_rows, k], but got shape ",
                       shape_str(scales.sizes()));
     n = scales.size(0);
     k = scales.size(1);
+    OPENNPU_CHECK_ARG(k_arg == 1 || k_arg == k, op, "k",
+                      "must be 1 (the default) or scales.size(1) = ", k,
+                      " when scales is given, but got ", k_arg);
+  } else if (k_arg != 1) {
+    OPENNPU_CHECK_ARG(nk % k_arg == 0, op, "expanded_src_to_dst_row",
+                      "must have num_rows * k entries for k = ", k_arg, ", but got ", nk);
+    k = k_arg;
+    n = nk / k;
   } else if (expert.defined()) {
     OPENNPU_CHECK_ARG(expert.dim() == 2, op, "export_for_source_row",
                       "must be 2-D [num_rows, k], but got shape ", shape_str(expert.sizes()));

@@ -86,7 +86,7 @@ def npu_moe_finalize_routing(expanded_permuted_rows: torch.Tensor, skip1: torch.
                              skip2: torch.Tensor | None, bias: torch.Tensor | None,
                              scales: torch.Tensor | None, expanded_src_to_dst_row: torch.Tensor,
                              export_for_source_row: torch.Tensor | None,
-                             drop_pad_mode: int | None = 0) -> torch.Tensor:
+                             drop_pad_mode: int | None = 0, k: int | None = 1) -> torch.Tensor:
     """Combines the experts' output rows back into tokens, in one pass:
 
     ``out[i] = skip1[i] + skip2[i] + sum_j scales[i, j] * (rows[src(i, j)] + bias[e(i, j)])``
@@ -95,15 +95,16 @@ def npu_moe_finalize_routing(expanded_permuted_rows: torch.Tensor, skip1: torch.
     ``[i * k + j]`` (2 / 3) and ``e(i, j) = export_for_source_row[i, j]`` (the [N, k] expert_idx;
     needed only with a bias). Every term is optional: no skips = 0, no scales = 1, no bias = 0.
     drop_pad_mode 1 / 3: rows is ``[E, C, H]`` and src -1 marks a dropped slot whose row counts as
-    0 (its bias still counts, as in torch_npu's golden). N and k come from scales [N, k] (else
-    export_for_source_row, else the skips [N, H], else k = 1).
+    0 (its bias still counts, as in torch_npu's golden). N and k come from scales [N, k]; without
+    scales, ``k`` (op-plugin's argument: N = len(expanded_src_to_dst_row) / k) when it is not 1,
+    else export_for_source_row, else the skips [N, H], else k = 1.
 
     rows, skip1, skip2: one dtype (fp16 / bf16 / fp32), the output's; bias [E, H] and scales
     [N, k] may be float32 too. Accumulated in float32 (float64 for float64), rounded once.
     """
     return _ops.npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
                                          expanded_src_to_dst_row, export_for_source_row,
-                                         drop_pad_mode)
+                                         drop_pad_mode, k)
 
 
 def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *,
@@ -114,7 +115,9 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
                        activation_quant_offset=None, split_item: int = 0,
                        group_type: int | None = None, group_list_type: int = 0,
                        act_type: int = 0, tuning_config: Sequence[int] | None = None,
-                       output_dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+                       output_dtype: torch.dtype | int | None = None, x_dtype=None,
+                       weight_dtype=None, scale_dtype=None,
+                       per_token_scale_dtype=None) -> list[torch.Tensor]:
     """Grouped matmul: ``y_g = x_g @ w_g (+ b_g)`` for G groups, returned as a list.
 
     The groups (G = ``len(weight)``, or E for one 3-D weight ``[E, K, N]``):
@@ -127,6 +130,10 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
       npu_moe_compute_expert_tokens returns) or group sizes (``group_list_type=1``); groups may
       be empty.
 
+    - ``group_type=2`` (grouping on K): one x ``[M, K]`` (may be a transposed view), one weight
+      ``[K, N]``; group g is ``x[:, K_g] @ weight[K_g, :]`` over the g-th range of K that
+      ``group_list`` cuts; ``split_item`` 2 / 3, no bias; one output ``[G, M, N]``.
+
     ``split_item`` 0 / 1: one output per group; 2 / 3: one output ``[rows, N]`` with the groups'
     rows in order (all groups share N; rows of x after the last group are 0). ``bias``: one
     ``[N_g]`` tensor per weight tensor, or one ``[E, N]`` with a 3-D weight, in x's dtype or
@@ -135,9 +142,18 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
     dtypes: float16, bfloat16, float32 (and float64); fp16 / bf16 accumulate in float32 (bias
     added in float32) and round once. Each group's GEMM is BLAS (MKL), tiled and spread over the
     threads. The quantised paths (``scale``, ``offset``, ``antiquant_*``, ``per_token_scale``,
-    int8 x / weights), ``act_type`` != 0, ``group_type=2`` and ``group_list_type=2`` are not
-    implemented (a clear error says so); ``tuning_config`` is accepted and ignored.
+    int8 x / weights), ``act_type`` != 0 and ``group_list_type=2`` are not implemented (a clear
+    error says so); ``tuning_config`` is accepted and ignored.
+    ``output_dtype`` must be None or x's dtype. ``x_dtype`` / ``weight_dtype`` (torch_npu's
+    reinterpretation of packed storage) must be None or the tensors' own dtype;
+    ``scale_dtype`` / ``per_token_scale_dtype`` (dtypes of quantised-path tensors) must be None.
+
+    ``group_type`` None: this wrapper picks 0 when ``group_list`` splits one x, else -1
+    (torch_npu, like ``torch.ops.npu.npu_grouped_matmul`` with a Tensor or no ``group_list``,
+    requires it: "Requires manual passing group_type").
     """
+    if group_type is None:
+        group_type = 0 if group_list is not None and len(x) == 1 else -1
     kwargs = dict(bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
                   antiquant_offset=antiquant_offset, per_token_scale=per_token_scale,
                   group_list=group_list, activation_input=activation_input,
@@ -146,9 +162,16 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
                   group_type=group_type, group_list_type=group_list_type, act_type=act_type,
                   output_dtype=output_dtype)
     if group_list is not None and not isinstance(group_list, torch.Tensor):
+        if x_dtype is not None or weight_dtype is not None or scale_dtype is not None \
+                or per_token_scale_dtype is not None:
+            raise RuntimeError("npu_grouped_matmul: argument 'x_dtype' / 'weight_dtype' / "
+                               "'scale_dtype' / 'per_token_scale_dtype' exist only with a Tensor "
+                               "group_list (the .List overload lacks them); got a list group_list")
         return _ops.npu_grouped_matmul.List(list(x), list(weight), **kwargs)
     return _ops.npu_grouped_matmul.default(list(x), list(weight), tuning_config=tuning_config,
-                                           **kwargs)
+                                           x_dtype=x_dtype, weight_dtype=weight_dtype,
+                                           scale_dtype=scale_dtype,
+                                           per_token_scale_dtype=per_token_scale_dtype, **kwargs)
 
 
 # ----------------------------------------------------------------------------- fake kernels
@@ -176,9 +199,11 @@ def _compute_expert_tokens_fake(sorted_expert_for_source_row, num_expert):
 
 @register_fake("npu::npu_moe_finalize_routing")
 def _finalize_routing_fake(expanded_permuted_rows, skip1, skip2, bias, scales,
-                           expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0):
+                           expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0, k=1):
     if scales is not None:
         n = scales.shape[0]
+    elif k is not None and k != 1:
+        n = expanded_src_to_dst_row.shape[0] // k
     elif export_for_source_row is not None:
         n = export_for_source_row.shape[0]
     elif skip1 is not None or skip2 is not None:
@@ -194,7 +219,11 @@ def _group_sizes(values, group_list_type):
     return [b - a for a, b in zip([0, *values[:-1]], values)]
 
 
-def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type):
+def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type=None):
+    if group_type == 2:  # grouping on K: one output [G, M, N]
+        groups = len(group_list) if not isinstance(group_list, torch.Tensor) \
+            else group_list.shape[0]
+        return [x[0].new_empty((groups, x[0].shape[0], weight[0].shape[1]))]
     single_weight = len(weight) == 1 and weight[0].dim() == 3
     groups = weight[0].shape[0] if single_weight else len(weight)
     n_of = [weight[0].shape[2]] * groups if single_weight else [w.shape[1] for w in weight]
@@ -219,8 +248,9 @@ def _grouped_matmul_tensor_fake(x, weight, *, bias=None, scale=None, offset=None
                                 group_list=None, activation_input=None,
                                 activation_quant_scale=None, activation_quant_offset=None,
                                 split_item=0, group_type=None, group_list_type=0, act_type=0,
-                                tuning_config=None, output_dtype=None):
-    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type)
+                                tuning_config=None, output_dtype=None, x_dtype=None,
+                                weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
+    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type)
 
 
 @register_fake("npu::npu_grouped_matmul.List")
@@ -229,7 +259,7 @@ def _grouped_matmul_list_fake(x, weight, *, bias=None, scale=None, offset=None,
                               group_list=None, activation_input=None, activation_quant_scale=None,
                               activation_quant_offset=None, split_item=0, group_type=None,
                               group_list_type=0, act_type=0, output_dtype=None):
-    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type)
+    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type)
 
 
 _INFERENCE_ONLY = "inference only: torch_npu registers no backward for it"

@@ -609,13 +609,17 @@ def moe_compute_expert_tokens(sorted_experts, num_expert):
     return torch.searchsorted(sorted_experts.long(), bounds, right=True).to(sorted_experts.dtype)
 
 
-def moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst, expert, drop_pad_mode=0):
+def moe_finalize_routing(rows, skip1, skip2, bias, scales, src_to_dst, expert, drop_pad_mode=0,
+                         k=1):
     """out[i] = skip1[i] + skip2[i] + sum_j scales[i, j] * (rows[src(i, j)] + bias[expert[i, j]]),
-    src -1 (drop-pad modes) = a zero row."""
+    src -1 (drop-pad modes) = a zero row. Without scales, k != 1 gives n = len(src) / k."""
     h = rows.shape[-1]
     flat = _up(rows).reshape(-1, h)
+    k_arg = 1 if k is None else k
     if scales is not None:
         n, k = scales.shape
+    elif k_arg != 1:
+        n, k = src_to_dst.numel() // k_arg, k_arg
     elif expert is not None:
         n, k = expert.shape
     elif skip1 is not None or skip2 is not None:
@@ -758,10 +762,13 @@ def ffn(x, weight1, weight2, activation, *, expert_tokens=None, expert_tokens_in
 
     Float paths: ``act(x @ W1 + b1) @ W2 + b2``; with ``round_intermediate`` the intermediate
     is rounded to x's dtype before the second GEMM (what npu_ffn's second GEMM takes, and what
-    the native composition does too), otherwise kept exact. Weight-only: ``W' = (W +
-    antiquant_offset) * antiquant_scale`` rounded to x's dtype. Quantised (int8 x): the
-    intermediate ``act((x @ W1 + b1) * deq_scale1) * scale + offset`` is rounded half to even
-    (torch.round) and clamped to [-128, 127] explicitly, then ``(q @ W2 + b2) * deq_scale2``.
+    the native composition does too), otherwise kept exact. Weight-only: ``W' = round(round(W +
+    antiquant_offset) * antiquant_scale)`` in x's dtype, and the intermediate is never rounded
+    (op-plugin's golden in test_npu_ffn: both GEMMs in float32). Quantised (int8 x), with the
+    rounding points of op-plugin's golden (O = the output dtype, round_O = rounded to O):
+    ``h = round_O(round_O((x @ W1 + b1) * deq_scale1) activated)``, ``q = round(round_O(
+    round_O(h * round_O(scale)) + round_O(offset)))`` half to even, clamped to [-128, 127],
+    then ``round_O(q @ W2 + b2) * deq_scale2``.
     """
     cd = compute_dtype
     lead, k1 = x.shape[:-1], x.shape[-1]
@@ -777,27 +784,39 @@ def ffn(x, weight1, weight2, activation, *, expert_tokens=None, expert_tokens_in
         w1, w2 = w1.to(cd), w2.to(cd)
         b1, b2 = _per_expert(bias1, e, experts), _per_expert(bias2, e, experts)
         if quant:
+            od = output_dtype if output_dtype is not None else (
+                torch.bfloat16 if deq_scale1.dtype == torch.bfloat16 else torch.float16)
+
+            def r(t):  # rounded to the output dtype, back in the compute dtype
+                return t.to(od).to(cd)
+
             h = rows @ w1 + (b1.to(cd) if b1 is not None else 0)
             deq1 = ffn_deq_scale(_per_expert(deq_scale1, e, experts)).to(cd)
-            h = ffn_activation(h * deq1, activation)
+            z = r((h * deq1).float()).float()
+            # act(-inf) = its limit 0 (the formula's -inf * 0 is NaN): an fp16 overflow
+            a = ffn_activation(z, activation)
+            h = r(a if activation in FFN_GLU else torch.where(torch.isneginf(z), 0.0, a))
             s = scale[e] if experts and scale.dim() == 1 else _per_expert(scale, e, experts)
             o = (offset[e] if experts else offset[0]).to(cd) if offset is not None else 0.0
-            q = torch.round(h * s.to(cd) + o).clamp(-128, 127)
+            o = r(torch.as_tensor(o, dtype=cd))
+            q = torch.round(r(r(h * r(s.to(cd))) + o)).clamp(-128, 127)
             y = q @ w2 + (b2.to(cd) if b2 is not None else 0)
             deq2 = ffn_deq_scale(_per_expert(deq_scale2, e, experts)).to(cd)
-            out[offsets[e]:offsets[e + 1]] = y * deq2
+            out[offsets[e]:offsets[e + 1]] = r(y) * deq2
             continue
         if weight1.dtype == torch.int8:
             ws = []
             for w, sc, off in ((w1, antiquant_scale1, antiquant_offset1),
                                (w2, antiquant_scale2, antiquant_offset2)):
                 sc, off = _per_expert(sc, e, experts), _per_expert(off, e, experts)
-                w = (w + (off.to(cd) if off is not None else 0)) * sc.to(cd)
+                if off is not None:
+                    w = (w + off.to(cd)).to(x.dtype).to(cd)
+                w = w * sc.to(cd)
                 ws.append(w.to(x.dtype).to(cd))
             w1, w2 = ws
         h = rows @ w1 + (b1.to(cd) if b1 is not None else 0)
         h = ffn_activation(h, activation)
-        if round_intermediate:
+        if round_intermediate and weight1.dtype != torch.int8:
             h = h.to(x.dtype).to(cd)
         out[offsets[e]:offsets[e + 1]] = h @ w2 + (b2.to(cd) if b2 is not None else 0)
     return out.reshape(*lead, weight2.shape[-1])
