@@ -163,7 +163,7 @@ def _gmm(dtype, split_item=0):
 def _gmm_tensor(dtype):
     x = [randn(4, 16, dtype=dtype), randn(7, 3, 16, dtype=dtype)]
     w = [randn(16, 8, dtype=dtype), randn(16, 5, dtype=dtype).t().contiguous().t()]
-    return [x, w], dict(group_list=None)
+    return [x, w], dict(group_list=None, group_type=-1)
 
 
 def _ffn(dtype, activation="swiglu", experts=False):
@@ -373,7 +373,7 @@ CASES = [
     Case("grouped_matmul_tensors", npu.npu_grouped_matmul, _gmm_tensor, scale=4),
     Case("grouped_matmul_tensor_group_list", npu.npu_grouped_matmul,
          lambda d: ([_gmm(d)[0][0], _gmm(d)[0][1]],
-                    dict(group_list=torch.tensor([5, 5, 20]), split_item=2)), scale=4),
+                    dict(group_list=torch.tensor([5, 5, 20]), split_item=2, group_type=0)), scale=4),
     Case("ffn_swiglu", npu.npu_ffn, _ffn, scale=4),
     Case("ffn_experts_gelu", npu.npu_ffn, lambda d: _ffn(d, "gelu", True), scale=4),
     Case("ffn_int8", npu.npu_ffn, _ffn_int8, dtypes=(F32,), scale=4),
@@ -710,8 +710,8 @@ def test_decompositions_decline_cpu_and_host_data():
     assert table[npu.npu_rms_norm.default](*_x_gamma(F32)[0]) is NotImplemented  # CPU
     with portable.force():
         assert table[npu.npu_rms_norm.default](*_x_gamma(F32)[0]) is not NotImplemented
-        assert gmm(x, w, group_list=torch.tensor([5, 5, 20])) is NotImplemented
-        assert gmm(x, w, group_list=None) is not NotImplemented
+        assert gmm(x, w, group_list=torch.tensor([5, 5, 20]), group_type=0) is NotImplemented
+        assert gmm(x, w, group_list=None, group_type=-1) is not NotImplemented
 
 
 def test_inductor_keeps_the_fused_op_on_cpu():
@@ -799,3 +799,29 @@ def test_cuda_inductor_fuses_the_composition():
     fused = torch.compile(_layer, backend="inductor", fullgraph=True)
     torch.testing.assert_close(fused(*inputs).cpu(), _layer(*[t.cpu() for t in inputs]),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_matmul_over_k_and_dtype_arguments_follow_the_kernel():
+    # group_type 2 groups K (x's columns, weight's rows); the Tensor overload requires group_type
+    x, w = randn(6, 10), randn(10, 4)
+    kw = dict(group_list=torch.tensor([3, 3, 10]), split_item=3, group_type=2)
+    want = npu.npu_grouped_matmul([x], [w], **kw)
+    with portable.force():
+        got = npu.npu_grouped_matmul([x], [w], **kw)
+        assert torch.equal(got[0][1], torch.zeros(6, 4))  # the empty K range
+        with pytest.raises(RuntimeError, match="Requires manual passing group_type"):
+            npu.npu_grouped_matmul([x], [w], group_list=None)
+        with pytest.raises(RuntimeError, match="'per_token_scale_dtype' must be None"):
+            npu.npu_grouped_matmul([x], [w], group_list=None, group_type=-1,
+                                   per_token_scale_dtype=6)
+    assert_close(got[0], want[0])
+
+
+def test_finalize_routing_k_without_scales_follows_the_kernel():
+    rows = randn(12, 5)
+    src_to_dst = torch.randperm(12, dtype=torch.int32)
+    want = npu.npu_moe_finalize_routing(rows, None, None, None, None, src_to_dst, None, k=3)
+    with portable.force():
+        got = npu.npu_moe_finalize_routing(rows, None, None, None, None, src_to_dst, None, k=3)
+    assert got.shape == (4, 5)
+    assert_close(got, want)

@@ -432,7 +432,7 @@ def npu_moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
 
 @_portable("npu::npu_moe_finalize_routing")
 def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
-                             expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0):
+                             expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0, k=1):
     rows, src_to_dst, expert = expanded_permuted_rows, expanded_src_to_dst_row, export_for_source_row
     h = rows.shape[-1]
     flat = _up(rows).reshape(-1, h)
@@ -443,8 +443,9 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     elif skip1 is not None or skip2 is not None:
         n = (skip1 if skip1 is not None else skip2).shape[0]
         k = src_to_dst.numel() // torch.sym_max(n, 1)
-    else:
-        n, k = src_to_dst.numel(), 1
+    else:  # only the routing: k (op-plugin's argument, default 1) gives the rows
+        k = k or 1
+        n = src_to_dst.numel() // k
     drop_pad_mode = drop_pad_mode or 0
     src = src_to_dst.to(torch.int64)
     src = src.view(n, k) if drop_pad_mode >= 2 else src.view(k, n).t()
@@ -502,14 +503,65 @@ def _gmm_quantised(kw):
                                          "activation_quant_scale", "activation_quant_offset"))
 
 
+def _grouped_matmul_over_k(x, weight, group_list, group_list_type):
+    """group_type 2: group g multiplies x's columns and weight's rows of the g-th K range;
+    the result stacks the groups' [M, N] products (an empty range gives zeros)."""
+    (xk,), (wk,) = x, weight
+    values = group_list.tolist() if isinstance(group_list, torch.Tensor) else list(group_list)
+    values = [int(v) for v in values]
+    sizes = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
+    acc = _acc(xk.dtype)
+    starts = [sum(sizes[:g]) for g in range(len(sizes))]
+    ys = [xk[:, a:a + n].to(acc) @ wk[a:a + n].to(acc) for a, n in zip(starts, sizes)]
+    return [torch.stack(ys).to(xk.dtype)]
+
+
+def _check_gmm_dtype_arguments(x, weight, kw):
+    """The C++ entry's checks of the dtype arguments (torch_npu's current schema)."""
+    for name, tensors in (("x_dtype", x), ("weight_dtype", weight)):
+        code = kw.get(name)
+        if code is not None and tensors and code != _dtype_code(tensors[0].dtype):
+            raise RuntimeError(f"npu_grouped_matmul: argument '{name}' must be None or the dtype of "
+                               f"{name[:-6]} ({tensors[0].dtype}): reinterpreting storage belongs "
+                               f"to the quantised paths, which opennpu does not implement, but got "
+                               f"{code}")
+    for name in ("scale_dtype", "per_token_scale_dtype"):
+        if kw.get(name) is not None:
+            raise RuntimeError(f"npu_grouped_matmul: argument '{name}' must be None (quantised "
+                               f"paths are not implemented), but got {kw[name]}")
+
+
+def _dtype_code(dtype: torch.dtype) -> int | None:
+    return _SCALAR_TYPES.index(dtype) if dtype in _SCALAR_TYPES else None
+
+
+# c10::ScalarType numbering of the dtypes grouped_matmul's dtype arguments can name.
+_SCALAR_TYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
+                 torch.float32, torch.float64, None, None, None, torch.bool, None, None, None,
+                 torch.bfloat16)
+
+
 @_portable("npu::npu_grouped_matmul")
-def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0,
+def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, group_type=None,
                        group_list_type=0, **kw):
+    _check_gmm_dtype_arguments(x, weight, kw)
+    if group_type is None:
+        raise RuntimeError("npu_grouped_matmul: argument 'group_type' is missing: Requires manual "
+                           "passing group_type, current is None (pass -1 for x[i] @ weight[i] or 0 "
+                           "to group x's rows by group_list)")
+    if group_type == 2 and not _gmm_quantised(kw):
+        return _grouped_matmul_over_k(x, weight, group_list, group_list_type or 0)
     return _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type,
                            _gmm_quantised(kw))
 
 
-IMPLS["npu::npu_grouped_matmul.List"] = npu_grouped_matmul
+@_portable("npu::npu_grouped_matmul.List")
+def npu_grouped_matmul_list(x, weight, *, bias=None, group_list=None, split_item=0,
+                            group_type=None, group_list_type=0, **kw):
+    if group_type == 2 and not _gmm_quantised(kw):
+        return _grouped_matmul_over_k(x, weight, group_list, group_list_type or 0)
+    return _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type,
+                           _gmm_quantised(kw))
 
 
 # ----------------------------------------------------------------------------- FFN
