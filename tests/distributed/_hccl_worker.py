@@ -251,6 +251,25 @@ def case_peer_silent(rank: int, world: int) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def case_hccl_env(rank: int, world: int) -> dict:
+    """Run with HCCL_EXEC_TIMEOUT=2, HCCL_CONNECT_TIMEOUT and HCCL_SOCKET_IFNAME=lo and no
+    timeout= given: the collectives go over lo, and rank 1 staying away makes rank 0's collective
+    time out after 2 s (torch's default would be 30 minutes)."""
+    torch.npu.set_device(rank)
+    dist.init_process_group("hccl", rank=rank, world_size=world)
+    t = torch.ones(4, device=f"npu:{rank}")
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(8)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        return {"sum": t.cpu(), "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"sum": t.cpu(), "error": None, "seconds": time.monotonic() - start}
+
+
 def main() -> None:
     if len(sys.argv) == 3:  # under torchrun: python _hccl_worker.py CASE OUT_PREFIX
         case, rank, world = sys.argv[1], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -93,6 +93,50 @@ def _describe(fp: list) -> str:
     return f"{op} of {fp[2]} tensor(s), {fp[3]} elements, dtype {dtype}, first shape {tuple(fp[5:5 + min(fp[4], 3)])}"
 
 
+def _env_seconds(name: str) -> timedelta | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a number of seconds") from None
+    return timedelta(seconds=seconds) if seconds > 0 else None
+
+
+def _hccl_timeouts(timeout: timedelta) -> tuple[timedelta, timedelta]:
+    """(connection timeout, collective timeout) of a new group. A `timeout=` given to
+    init_process_group / new_group (anything but torch's default) applies to both, as for gloo;
+    with torch's default, HCCL_CONNECT_TIMEOUT (seconds) bounds connecting the ranks and
+    HCCL_EXEC_TIMEOUT (seconds) each collective, as on Ascend. Unset or 0: torch's default."""
+    if timeout != dist.constants.default_pg_timeout:
+        return timeout, timeout
+    execute = _env_seconds("HCCL_EXEC_TIMEOUT") or timeout
+    return _env_seconds("HCCL_CONNECT_TIMEOUT") or execute, execute
+
+
+def _gloo_options(timeout: timedelta):
+    """gloo's options: TIMEOUT and the network interface. GLOO_SOCKET_IFNAME as gloo reads it;
+    where it is unset, HCCL_SOCKET_IFNAME (interface names, comma-separated; a leading "=" for
+    an exact match is accepted, "^" exclusion lists are not mapped) or HCCL_IF_IP (the address of
+    the interface to use); else gloo's default (the interface of this host's name)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    hccl_ifname = os.environ.get("HCCL_SOCKET_IFNAME", "").strip()
+    if hccl_ifname.startswith("^"):
+        hccl_ifname = ""
+    if_ip = os.environ.get("HCCL_IF_IP", "").strip()
+    if gloo_ifname or hccl_ifname:
+        names = (gloo_ifname or hccl_ifname.lstrip("=")).split(",")
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=n.strip()) for n in names if n.strip()]
+    elif if_ip:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=if_ip)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return opts
+
+
 class ProcessGroupHCCL(dist.ProcessGroup):
     """torch.distributed's hccl backend on the emulated npu device: gloo on CPU aliases."""
 
@@ -108,7 +152,10 @@ class ProcessGroupHCCL(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        connect, timeout = _hccl_timeouts(timeout)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, _gloo_options(connect))
+        if timeout != connect:
+            self._gloo._set_default_timeout(timeout)
         self._timeout = timeout
         # Group names and descriptions live on a ProcessGroup's backends (ProcessGroup::
         # getGroupName reads its first backend's), and DeviceMesh / FSDP2 read them: gloo is this
@@ -240,6 +287,85 @@ def _forward(name):
 for _name in _FORWARDED:
     setattr(ProcessGroupHCCL, _name, _forward(_name))
 del _name
+
+
+# ReduceOp.AVG and PREMUL_SUM, which HCCL has and gloo lacks: PREMUL_SUM(f) scales the inputs by f
+# (in place for the in-place allreduce and reduce, else a scaled copy) and sums; AVG sums and then
+# divides the result by the group size (integers rounding down, as HCCL), after waiting for the sum:
+# an AVG collective completes before it returns.
+_AVG, _PREMUL = dist.ReduceOp.RedOpType.AVG, dist.ReduceOp.RedOpType.PREMUL_SUM
+
+
+def _special_op(opts):
+    """(kind, factor) of opts' reduce op: kind None (gloo's own op), "avg" or "premul"; the op is
+    replaced by SUM in opts when it is one of the two."""
+    op = getattr(opts, "reduceOp", None)
+    kind = getattr(op, "op", None)
+    if kind == _AVG:
+        opts.reduceOp = dist.ReduceOp.SUM
+        return "avg", None
+    if kind == _PREMUL:
+        factor = op.__getstate__()[1]
+        opts.reduceOp = dist.ReduceOp.SUM
+        return "premul", factor
+    return None, None
+
+
+def _average(tensors, size: int):
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            t.div_(size)
+        else:
+            t.div_(size, rounding_mode="floor")
+
+
+def _finished(work, outputs, size: int):
+    """Waits for WORK, divides OUTPUTS by SIZE, and returns a completed Work."""
+    work.wait()
+    _average(outputs, size)
+    fut = torch.futures.Future()
+    fut.set_result(list(outputs))
+    return _create_work_from_future(fut)
+
+
+def _with_reduce_ops(name, gloo_opts, inputs, outputs, in_place: bool):
+    """Wraps the forwarded method NAME with AVG / PREMUL_SUM (gloo_opts: its options type;
+    inputs(args) / outputs(args): its input and output tensors; in_place: inputs are outputs)."""
+    forward = getattr(ProcessGroupHCCL, name)
+
+    def method(self, *args):
+        args = list(args)
+        opts = args[-1] if len(args) > 1 and isinstance(args[-1], gloo_opts) else None
+        kind, factor = _special_op(opts) if opts is not None else (None, None)
+        if kind == "premul":
+            if in_place:
+                for t in inputs(args):
+                    t.mul_(factor)
+            else:
+                args = _replace_inputs(name, args, factor)
+        work = forward(self, *args)
+        if kind == "avg":
+            return _finished(work, outputs(self, args), self.size())
+        return work
+
+    method.__name__ = name
+    method.__doc__ = forward.__doc__
+    setattr(ProcessGroupHCCL, name, method)
+
+
+def _replace_inputs(name, args, factor):
+    if name == "reduce_scatter":  # (outputs, input_lists, opts)
+        args[1] = [[t * factor for t in ts] for ts in args[1]]
+    else:  # _reduce_scatter_base: (output, input, opts)
+        args[1] = args[1] * factor
+    return args
+
+
+_with_reduce_ops("allreduce", dist.AllreduceOptions, lambda a: a[0], lambda pg, a: a[0], True)
+_with_reduce_ops("reduce", dist.ReduceOptions, lambda a: a[0],
+                 lambda pg, a: a[0] if a[-1].rootRank == pg.rank() else [], True)
+_with_reduce_ops("reduce_scatter", ReduceScatterOptions, None, lambda pg, a: a[0], False)
+_with_reduce_ops("_reduce_scatter_base", ReduceScatterOptions, None, lambda pg, a: [a[0]], False)
 
 
 def _create(store, rank, size, timeout):
