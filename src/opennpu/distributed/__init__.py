@@ -375,6 +375,9 @@ def _create(store, rank, size, timeout):
 def register() -> None:
     """Registers `hccl` with torch.distributed for the npu device (idempotent)."""
     global _alias
+    from . import data_parallel
+
+    data_parallel.install()  # nn.DataParallel's copies between npu devices
     if not dist.is_available():
         return
     _alias = torch.ops.opennpu._npu_cpu_alias
