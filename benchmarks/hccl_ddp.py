@@ -1,5 +1,6 @@
-"""A DDP training step over 2 ranks on loopback: hccl on npu (with and without the cross-rank
-mismatch check) against gloo on CPU, steps interleaved in the same two processes.
+"""A DDP training step over 2 ranks on loopback: hccl on npu (the cross-rank mismatch check in
+the launcher thread as by default, in the caller as with OPENNPU_HCCL_CHECK=sync, or none) against
+gloo on CPU, steps interleaved in the same two processes.
 python -m benchmarks.hccl_ddp [steps]
 
 Prints, for each npu variant, the median over steps of the per-step time ratio npu/CPU (each npu
@@ -43,9 +44,10 @@ def _rank(rank: int, port: int, steps: int) -> None:
         return m, torch.optim.AdamW(m.parameters(), lr=1e-3), torch.randn(64, 512).to(device), torch.randn(64, 512).to(device)
 
     # (name, check, model, optimizer, x, y)
-    runs = [("npu hccl", True, *make(npu, None)), ("npu hccl, no check", False, *make(npu, None)),
-            ("cpu gloo", False, *make("cpu", gloo)),
-            ("npu no DDP", False, *make(npu, None, False)), ("cpu no DDP", False, *make("cpu", None, False))]
+    runs = [("npu hccl", "1", *make(npu, None)), ("npu hccl, sync check", "sync", *make(npu, None)),
+            ("npu hccl, no check", "0", *make(npu, None)),
+            ("cpu gloo", "0", *make("cpu", gloo)),
+            ("npu no DDP", "0", *make(npu, None, False)), ("cpu no DDP", "0", *make("cpu", None, False))]
     calls = [0]
     allreduce = hccl.ProcessGroupHCCL.allreduce
 
@@ -57,7 +59,7 @@ def _rank(rank: int, port: int, steps: int) -> None:
     times = {r[0]: [] for r in runs}
     for i in range(steps + 2):
         for name, check, m, opt, x, y in runs:
-            hccl._CHECK = check
+            hccl._CHECK, hccl._DEFERRED = check != "0", check == "1"
             dist.barrier(group=gloo)
             calls[0] = 0
             start = time.perf_counter()
@@ -72,7 +74,8 @@ def _rank(rank: int, port: int, steps: int) -> None:
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         print(f"DDP step (4x Linear 512, batch 64/rank, AdamW), 2 ranks, 1 thread each, {steps} steps, "
               f"{per_step} allreduce(s) per step; medians: " + ", ".join(f"{k} {v:.2f} ms" for k, v in med.items()))
-        for name, ref in (("npu hccl", "cpu gloo"), ("npu hccl, no check", "cpu gloo"), ("npu no DDP", "cpu no DDP")):
+        for name, ref in (("npu hccl", "cpu gloo"), ("npu hccl, sync check", "cpu gloo"),
+                          ("npu hccl, no check", "cpu gloo"), ("npu no DDP", "cpu no DDP")):
             q1, q2, q3 = _quartiles([a / b for a, b in zip(times[name], times[ref])])
             print(f"  {name} / {ref}: per-step time ratio median {q2:.3f} (IQR {q1:.3f}-{q3:.3f})")
     dist.destroy_process_group()

@@ -135,8 +135,10 @@ def test_torchrun(tmp_path):
         assert res["config"] == "npu:hccl"
 
 
-def test_mismatched_collectives_raise(tmp_path):
-    for res in _spawn("mismatch", tmp_path):
+@pytest.mark.parametrize("mode", ["1", "sync"])
+def test_mismatched_collectives_raise(tmp_path, mode):
+    """The check in the launcher thread (the default) and in the caller (OPENNPU_HCCL_CHECK=sync)."""
+    for res in _spawn("mismatch", tmp_path, env={"OPENNPU_HCCL_CHECK": mode}):
         for what, expected in (("shape", ("4 elements", "5 elements")), ("dtype", ("float32", "float64")),
                                ("op", ("allreduce", "broadcast"))):
             assert res[what] is not None and "mismatched collectives" in res[what], (what, res[what])
