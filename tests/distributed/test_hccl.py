@@ -92,6 +92,16 @@ def test_collectives(tmp_path):
     torch.testing.assert_close(r1["send_recv"], torch.tensor([7.0, 8.0]))
 
 
+def test_reduce_ops_and_uneven(tmp_path):
+    for rank, res in enumerate(_spawn("reduce_ops", tmp_path)):
+        torch.testing.assert_close(res["avg"], torch.tensor([1.5, 1.5]))
+        torch.testing.assert_close(res["avg_int"], torch.tensor([1, 2], dtype=torch.int32))  # (1+2)//2, (1+3)//2
+        torch.testing.assert_close(res["premul"], torch.tensor([6.0]))  # 2 * (1 + 2)
+        torch.testing.assert_close(res["reduce_scatter_avg"], torch.tensor([0.0, 1.5]) if rank == 0 else torch.tensor([3.0, 4.5]))
+        torch.testing.assert_close(res["reduce_scatter_uneven"], torch.tensor([0.0]) if rank == 0 else torch.tensor([2.0, 4.0]))
+        torch.testing.assert_close(res["all_gather_uneven"], torch.tensor([5.0, 6.0, 6.0]))
+
+
 def test_default_backend_and_device_map(tmp_path):
     for res in _spawn("default_backend", tmp_path):
         for spec in ("None", "cpu:gloo,npu:hccl"):
