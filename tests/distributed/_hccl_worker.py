@@ -251,6 +251,53 @@ def case_peer_silent(rank: int, world: int) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def case_reduce_ops(rank: int, world: int) -> dict:
+    """ReduceOp.AVG and PREMUL_SUM (HCCL's, not gloo's) and torch_npu.distributed's uneven
+    reduce_scatter / all_gather."""
+    _init(rank, world)
+    d = torch.device("npu", rank)
+    res = {}
+    t = torch.tensor([rank + 1.0, 3.0 * rank], device=d)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    res["avg"] = t.cpu()
+    t = torch.tensor([rank + 1, 2 * rank + 1], dtype=torch.int32, device=d)
+    dist.all_reduce(t, op=dist.ReduceOp.AVG)
+    res["avg_int"] = t.cpu()
+    t = torch.tensor([rank + 1.0], device=d)
+    dist.all_reduce(t, op=torch_npu.distributed._make_hccl_premul_sum(2.0))
+    res["premul"] = t.cpu()
+    out = torch.empty(2, device=d)
+    dist.reduce_scatter_tensor(out, torch.arange(4.0, device=d) * (rank + 1), op=dist.ReduceOp.AVG)
+    res["reduce_scatter_avg"] = out.cpu()
+    out = torch.empty(1 + rank, device=d)
+    torch_npu.distributed.reduce_scatter_tensor_uneven(out, torch.arange(3.0, device=d), [1, 2])
+    res["reduce_scatter_uneven"] = out.cpu()
+    out = torch.empty(3, device=d)
+    torch_npu.distributed.all_gather_into_tensor_uneven(out, torch.full((1 + rank,), rank + 5.0, device=d), [1, 2])
+    res["all_gather_uneven"] = out.cpu()
+    dist.destroy_process_group()
+    return res
+
+
+def case_hccl_env(rank: int, world: int) -> dict:
+    """Run with HCCL_EXEC_TIMEOUT=2, HCCL_CONNECT_TIMEOUT and HCCL_SOCKET_IFNAME=lo and no
+    timeout= given: the collectives go over lo, and rank 1 staying away makes rank 0's collective
+    time out after 2 s (torch's default would be 30 minutes)."""
+    torch.npu.set_device(rank)
+    dist.init_process_group("hccl", rank=rank, world_size=world)
+    t = torch.ones(4, device=f"npu:{rank}")
+    dist.all_reduce(t)
+    if rank == 1:
+        time.sleep(8)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        dist.all_reduce(t)
+    except Exception as e:  # noqa: BLE001
+        return {"sum": t.cpu(), "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"sum": t.cpu(), "error": None, "seconds": time.monotonic() - start}
+
+
 def main() -> None:
     if len(sys.argv) == 3:  # under torchrun: python _hccl_worker.py CASE OUT_PREFIX
         case, rank, world = sys.argv[1], int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -23,21 +23,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(case: str, tmp_path: Path, timeout: float = 60.0) -> list:
+def _spawn(case: str, tmp_path: Path, timeout: float = 60.0, env: dict | None = None) -> list:
     """Runs CASE on WORLD ranks; returns each rank's results (None where a rank wrote none). A
     port taken by another process between _free_port and the store's bind (tests run in parallel)
     gets one more try on a new port."""
     try:
-        return _spawn_once(case, tmp_path, timeout)
+        return _spawn_once(case, tmp_path, timeout, env or {})
     except AssertionError as error:
         if "address already in use" not in str(error).lower():
             raise
-        return _spawn_once(case, tmp_path, timeout)
+        return _spawn_once(case, tmp_path, timeout, env or {})
 
 
-def _spawn_once(case: str, tmp_path: Path, timeout: float) -> list:
+def _spawn_once(case: str, tmp_path: Path, timeout: float, extra_env: dict) -> list:
     port = str(_free_port())
-    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0", **extra_env)
     outs = [tmp_path / f"{case}.{r}.pt" for r in range(WORLD)]
     procs = [subprocess.Popen([sys.executable, str(WORKER), case, str(r), str(WORLD), port, str(outs[r])],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -92,6 +92,16 @@ def test_collectives(tmp_path):
     torch.testing.assert_close(r1["send_recv"], torch.tensor([7.0, 8.0]))
 
 
+def test_reduce_ops_and_uneven(tmp_path):
+    for rank, res in enumerate(_spawn("reduce_ops", tmp_path)):
+        torch.testing.assert_close(res["avg"], torch.tensor([1.5, 1.5]))
+        torch.testing.assert_close(res["avg_int"], torch.tensor([1, 2], dtype=torch.int32))  # (1+2)//2, (1+3)//2
+        torch.testing.assert_close(res["premul"], torch.tensor([6.0]))  # 2 * (1 + 2)
+        torch.testing.assert_close(res["reduce_scatter_avg"], torch.tensor([0.0, 1.5]) if rank == 0 else torch.tensor([3.0, 4.5]))
+        torch.testing.assert_close(res["reduce_scatter_uneven"], torch.tensor([0.0]) if rank == 0 else torch.tensor([2.0, 4.0]))
+        torch.testing.assert_close(res["all_gather_uneven"], torch.tensor([5.0, 6.0, 6.0]))
+
+
 def test_default_backend_and_device_map(tmp_path):
     for res in _spawn("default_backend", tmp_path):
         for spec in ("None", "cpu:gloo,npu:hccl"):
@@ -135,8 +145,10 @@ def test_torchrun(tmp_path):
         assert res["config"] == "npu:hccl"
 
 
-def test_mismatched_collectives_raise(tmp_path):
-    for res in _spawn("mismatch", tmp_path):
+@pytest.mark.parametrize("mode", ["1", "sync"])
+def test_mismatched_collectives_raise(tmp_path, mode):
+    """The check in the launcher thread (the default) and in the caller (OPENNPU_HCCL_CHECK=sync)."""
+    for res in _spawn("mismatch", tmp_path, env={"OPENNPU_HCCL_CHECK": mode}):
         for what, expected in (("shape", ("4 elements", "5 elements")), ("dtype", ("float32", "float64")),
                                ("op", ("allreduce", "broadcast"))):
             assert res[what] is not None and "mismatched collectives" in res[what], (what, res[what])
@@ -155,3 +167,38 @@ def test_silent_peer_times_out(tmp_path):
     assert r0["error"] is not None, "rank 0's collective returned though its peer never joined"
     assert r0["seconds"] < 10
     assert "Timed out" in r0["error"], r0["error"]
+
+
+def test_hccl_env_variables(tmp_path):
+    """HCCL_EXEC_TIMEOUT bounds each collective (no timeout= given), HCCL_SOCKET_IFNAME picks
+    gloo's interface, HCCL_CONNECT_TIMEOUT is accepted."""
+    env = {"HCCL_EXEC_TIMEOUT": "2", "HCCL_CONNECT_TIMEOUT": "30", "HCCL_SOCKET_IFNAME": "lo",
+           "HCCL_WHITELIST_DISABLE": "1", "HCCL_BUFFSIZE": "200"}
+    r0, _ = _spawn("hccl_env", tmp_path, env=env)
+    torch.testing.assert_close(r0["sum"], torch.full((4,), 2.0))
+    assert r0["error"] is not None and "Timed out" in r0["error"], r0["error"]
+    assert r0["seconds"] < 7
+
+
+def test_torchrun_two_nodes(tmp_path):
+    """The multi-machine command line, both "machines" on this host: two torchrun invocations
+    with --nnodes 2 --node_rank R --master_addr --master_port, one npu rank each."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    port = str(_free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                               "--node_rank", str(node), "--nproc_per_node", "1",
+                               "--master_addr", "127.0.0.1", "--master_port", port,
+                               str(WORKER), "torchrun", str(tmp_path / "nodes")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in range(2)]
+    try:
+        errs = [p.communicate(timeout=90)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    for p, err in zip(procs, errs):
+        assert p.returncode == 0, err[-3000:]
+    for rank in range(2):
+        res = torch.load(tmp_path / f"nodes.{rank}.pt")
+        torch.testing.assert_close(res["sum"], torch.full((3,), 3.0))
+        assert res["config"] == "npu:hccl"

@@ -14,6 +14,9 @@ accelerator) and `"cpu:gloo,npu:hccl"` all give it. See docs/distributed.md.
 from __future__ import annotations
 
 import os
+import queue
+import threading
+import weakref
 from datetime import timedelta
 
 import torch
@@ -61,7 +64,12 @@ _OPS = {name: i for i, name in enumerate(_CHECKED)}
 _DTYPES = {d: i for i, d in enumerate(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)},
                                              key=str))}
 _FP_LEN = 8
-_CHECK = os.environ.get("OPENNPU_HCCL_CHECK", "1") != "0"
+# OPENNPU_HCCL_CHECK: "1" (default) checks each collective without blocking its caller (the
+# group's launcher thread starts the collective once the check passed); "sync" checks it in the
+# calling thread before starting it; "0" does not check. See docs/distributed.md.
+_CHECK_MODE = os.environ.get("OPENNPU_HCCL_CHECK", "1").strip().lower()
+_CHECK = _CHECK_MODE not in ("0", "off", "false", "no")
+_DEFERRED = _CHECK and _CHECK_MODE != "sync"
 
 
 def _tensors(x):
@@ -93,6 +101,50 @@ def _describe(fp: list) -> str:
     return f"{op} of {fp[2]} tensor(s), {fp[3]} elements, dtype {dtype}, first shape {tuple(fp[5:5 + min(fp[4], 3)])}"
 
 
+def _env_seconds(name: str) -> timedelta | None:
+    value = os.environ.get(name, "").strip()
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r}: expected a number of seconds") from None
+    return timedelta(seconds=seconds) if seconds > 0 else None
+
+
+def _hccl_timeouts(timeout: timedelta) -> tuple[timedelta, timedelta]:
+    """(connection timeout, collective timeout) of a new group. A `timeout=` given to
+    init_process_group / new_group (anything but torch's default) applies to both, as for gloo;
+    with torch's default, HCCL_CONNECT_TIMEOUT (seconds) bounds connecting the ranks and
+    HCCL_EXEC_TIMEOUT (seconds) each collective, as on Ascend. Unset or 0: torch's default."""
+    if timeout != dist.constants.default_pg_timeout:
+        return timeout, timeout
+    execute = _env_seconds("HCCL_EXEC_TIMEOUT") or timeout
+    return _env_seconds("HCCL_CONNECT_TIMEOUT") or execute, execute
+
+
+def _gloo_options(timeout: timedelta):
+    """gloo's options: TIMEOUT and the network interface. GLOO_SOCKET_IFNAME as gloo reads it;
+    where it is unset, HCCL_SOCKET_IFNAME (interface names, comma-separated; a leading "=" for
+    an exact match is accepted, "^" exclusion lists are not mapped) or HCCL_IF_IP (the address of
+    the interface to use); else gloo's default (the interface of this host's name)."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    gloo_ifname = os.environ.get("GLOO_SOCKET_IFNAME", "").strip()
+    hccl_ifname = os.environ.get("HCCL_SOCKET_IFNAME", "").strip()
+    if hccl_ifname.startswith("^"):
+        hccl_ifname = ""
+    if_ip = os.environ.get("HCCL_IF_IP", "").strip()
+    if gloo_ifname or hccl_ifname:
+        names = (gloo_ifname or hccl_ifname.lstrip("=")).split(",")
+        opts._devices = [dist.ProcessGroupGloo.create_device(interface=n.strip()) for n in names if n.strip()]
+    elif if_ip:
+        opts._devices = [dist.ProcessGroupGloo.create_device(hostname=if_ip)]
+    else:
+        opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return opts
+
+
 class ProcessGroupHCCL(dist.ProcessGroup):
     """torch.distributed's hccl backend on the emulated npu device: gloo on CPU aliases."""
 
@@ -108,8 +160,12 @@ class ProcessGroupHCCL(dist.ProcessGroup):
 
     def __init__(self, store, rank: int, size: int, timeout: timedelta):
         super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(store, rank, size, timeout)
+        connect, timeout = _hccl_timeouts(timeout)
+        self._gloo = dist.ProcessGroupGloo(store, rank, size, _gloo_options(connect))
+        if timeout != connect:
+            self._gloo._set_default_timeout(timeout)
         self._timeout = timeout
+        self._launcher = None
         # Group names and descriptions live on a ProcessGroup's backends (ProcessGroup::
         # getGroupName reads its first backend's), and DeviceMesh / FSDP2 read them: gloo is this
         # group's backend for both devices as far as C++ is concerned.
@@ -122,24 +178,61 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     def name(self) -> str:
         return "hccl"
 
+    def _exchange(self, name: str, args):
+        """Starts the all_gather of this rank's fingerprint of collective NAME: (work, result)."""
+        return _exchange(self._gloo, torch.tensor(_fingerprint(name, args), dtype=torch.int64), self.size())
+
     def _check(self, name: str, args) -> None:
         """Raises the same error on every rank when the ranks' collectives differ in kind, dtype or
-        shape (a small all_gather of each rank's fingerprint; OPENNPU_HCCL_CHECK=0 skips it)."""
+        shape (a small all_gather of each rank's fingerprint), before the collective starts. Used
+        where the collective runs in the calling thread (all_to_all with lists, sync mode)."""
         if not _CHECK or self.size() == 1:
             return
+        self._drain()
+        work, every = self._exchange(name, args)
+        work.wait()
+        error = _mismatch(every, self.size())
+        if error is not None:
+            raise error
+
+    def _run(self, name, args, cpu_args, start):
+        """Runs collective NAME (start(): gloo's Work on the CPU aliases cpu_args), checked across
+        ranks.
+
+        Deferred mode: a Work comes back at once; the group's launcher thread, taking the
+        collectives in the order they were called, exchanges the fingerprints and starts the
+        collective only if every rank's matched, else fails the Work with the mismatch error on
+        every rank. Exchanges and collectives all start from that one thread, in call order, so
+        gloo numbers them alike on every rank; nothing reaches gloo's data messages before the
+        check passed. The Work's result holds the npu tensors (gloo's would be their aliases).
+        """
+        if not _CHECK or self.size() == 1 or name not in _CHECKED:
+            return start()
+        if not _DEFERRED:
+            self._check(name, args)
+            return start()
         mine = torch.tensor(_fingerprint(name, args), dtype=torch.int64)
-        every = torch.empty(self.size() * _FP_LEN, dtype=torch.int64)
-        self._gloo._allgather_base(every, mine, AllgatherOptions()).wait()
-        every = every.view(self.size(), _FP_LEN)
-        if not bool((every == every[0]).all()):
-            ranks = "; ".join(f"rank {r}: {_describe(row.tolist())}" for r, row in enumerate(every))
-            raise RuntimeError(f"hccl: ranks called mismatched collectives ({ranks}); every rank must "
-                               "call the same collective with the same shapes and dtypes")
+        originals = {id(c): t for c, t in zip(_tensors(cpu_args), _tensors(args)) if c is not t}
+        fut = torch.futures.Future()
+        if self._launcher is None:
+            self._launcher = _Launcher(self.size())
+            weakref.finalize(self, self._launcher.stop)
+        # The result of a Work whose gloo Work has no future: the collective's output, as gloo's.
+        result = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
+        self._launcher.submit((self._gloo, mine, start, fut, originals, result))
+        return _CheckedWork(fut)
+
+    def _drain(self) -> None:
+        """Waits until the launcher has started every deferred collective (before one that starts
+        from the calling thread, so that gloo sees them in the order they were called)."""
+        if self._launcher is not None:
+            self._launcher.drain()
 
     def barrier(self, opts=None):
         gloo_opts = dist.BarrierOptions()
         if opts is not None:
             gloo_opts.timeout = opts.timeout
+        self._drain()
         return self._gloo.barrier(gloo_opts)
 
     def alltoall(self, output_tensors, input_tensors, opts=None):
@@ -167,32 +260,33 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     # the right number of elements, as NCCL and HCCL do (accelerate gathers into a flat tensor);
     # gloo wants it shaped as the per-rank tensors stacked on dim 0, so it gets such a view.
     def _allgather_base(self, output, input, opts=None):
-        self._check("_allgather_base", (output, input))
         out, inp = _stacked_views(_to_cpu(output), _to_cpu(input), self.size(), "all_gather_into_tensor")
-        return self._gloo._allgather_base(out, inp, opts or AllgatherOptions())
+        return self._run("_allgather_base", (output, input), (out, inp),
+                         lambda: self._gloo._allgather_base(out, inp, opts or AllgatherOptions()))
 
     def _reduce_scatter_base(self, output, input, opts=None):
-        self._check("_reduce_scatter_base", (output, input))
         inp, out = _stacked_views(_to_cpu(input), _to_cpu(output), self.size(), "reduce_scatter_tensor")
-        return self._gloo._reduce_scatter_base(out, inp, opts or ReduceScatterOptions())
+        return self._run("_reduce_scatter_base", (output, input), (out, inp),
+                         lambda: self._gloo._reduce_scatter_base(out, inp, opts or ReduceScatterOptions()))
 
     # The coalesced tensor collectives (functional collectives, FSDP2, DTensor call them) have no
     # gloo binding: one gloo collective per pair, the Work finishing when all have.
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        self._check("allgather_into_tensor_coalesced", (outputs, inputs))
         opts = opts or AllgatherOptions()
         pairs = [_stacked_views(_to_cpu(o), _to_cpu(i), self.size(), "all_gather_into_tensor")
                  for o, i in zip(outputs, inputs)]
-        return _all_of([self._gloo._allgather_base(o, i, opts) for o, i in pairs], list(outputs))
+        return self._run("allgather_into_tensor_coalesced", (outputs, inputs), (), lambda: _all_of(
+            [self._gloo._allgather_base(o, i, opts) for o, i in pairs], list(outputs)))
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        self._check("reduce_scatter_tensor_coalesced", (outputs, inputs))
         opts = opts or ReduceScatterOptions()
         pairs = [_stacked_views(_to_cpu(i), _to_cpu(o), self.size(), "reduce_scatter_tensor")
                  for o, i in zip(outputs, inputs)]
-        return _all_of([self._gloo._reduce_scatter_base(o, i, opts) for i, o in pairs], list(outputs))
+        return self._run("reduce_scatter_tensor_coalesced", (outputs, inputs), (), lambda: _all_of(
+            [self._gloo._reduce_scatter_base(o, i, opts) for i, o in pairs], list(outputs)))
 
     def monitored_barrier(self, timeout=None, wait_all_ranks=False):
+        self._drain()
         return self._gloo.monitored_barrier(timeout or self._timeout, wait_all_ranks)
 
 
@@ -224,13 +318,128 @@ def _all_of(works, result):
     return _create_work_from_future(fut)
 
 
-def _forward(name):
-    checked = name in _CHECKED
+def _exchange(gloo, mine, size: int):
+    every = torch.empty(size * _FP_LEN, dtype=torch.int64)
+    return gloo._allgather_base(every, mine, AllgatherOptions()), every
 
+
+def _mismatch(every, size: int) -> RuntimeError | None:
+    every = every.view(size, _FP_LEN)
+    if bool((every == every[0]).all()):
+        return None
+    ranks = "; ".join(f"rank {r}: {_describe(row.tolist())}" for r, row in enumerate(every))
+    return RuntimeError(f"hccl: ranks called mismatched collectives ({ranks}); every rank must "
+                        "call the same collective with the same shapes and dtypes")
+
+
+class _CheckedWork(dist.Work):
+    """The Work of a deferred collective: done when its future is; wait() raises its error (the
+    Work c10d makes from a future would return without raising)."""
+
+    def __init__(self, fut):
+        super().__init__()
+        self._fut = fut
+
+    def wait(self, timeout=None):
+        self._fut.wait()
+        return True
+
+    def get_future(self):
+        return self._fut
+
+    def is_completed(self):
+        return self._fut.done()
+
+    def is_success(self):
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001
+            return False
+        return True
+
+
+class _Launcher:
+    """A group's launcher thread: starts each deferred collective, in call order, once the
+    exchange of its fingerprints is done and they match."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0
+        self._cond = threading.Condition()
+        threading.Thread(target=self._loop, name="hccl-launcher", daemon=True).start()
+
+    def submit(self, item) -> None:
+        with self._cond:
+            self._pending += 1
+        self._queue.put(item)
+
+    def drain(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0)
+
+    def stop(self) -> None:
+        """Ends the thread (the group is gone). The thread holds no reference to the group or its
+        gloo between collectives, so that destroying the group releases its connections and store."""
+        self._queue.put(None)
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            gloo, mine, start, fut, originals, result = item
+            del item
+            work = every = started = done = None
+            try:
+                work, every = _exchange(gloo, mine, self._size)
+                work.wait()
+                error = _mismatch(every, self._size)
+                if error is not None:
+                    raise error
+                started = start()
+                try:
+                    done = started.get_future()
+                except RuntimeError:  # a gloo Work without a future (_reduce_scatter_base's)
+                    started.wait()
+                    fut.set_result(result)
+                else:
+                    done.add_done_callback(lambda f, fut=fut, originals=originals: _settle(fut, f, originals))
+            except Exception as e:  # noqa: BLE001  (handed to the caller's Work)
+                if not fut.done():
+                    fut.set_exception(e)
+            gloo = mine = start = fut = originals = result = work = every = started = done = None
+            with self._cond:
+                self._pending -= 1
+                if self._pending == 0:
+                    self._cond.notify_all()
+
+
+def _settle(fut, done, originals) -> None:
+    try:
+        value = done.value()
+    except Exception as e:  # noqa: BLE001
+        fut.set_exception(e)
+        return
+    fut.set_result(_restore(value, originals))
+
+
+def _restore(x, originals):
+    """x with the CPU aliases in `originals` replaced by their npu tensors (lists recursed)."""
+    if isinstance(x, torch.Tensor):
+        return originals.get(id(x), x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_restore(e, originals) for e in x)
+    return x
+
+
+def _forward(name):
     def method(self, *args):
-        if checked:
-            self._check(name, args)
-        return getattr(self._gloo, name)(*_to_cpu(args))
+        cpu_args = _to_cpu(args)
+        gloo_method = getattr(self._gloo, name)
+        return self._run(name, args, cpu_args, lambda: gloo_method(*cpu_args))
 
     method.__name__ = name
     method.__doc__ = f"gloo's {name} on CPU aliases of the npu tensors."
@@ -242,6 +451,85 @@ for _name in _FORWARDED:
 del _name
 
 
+# ReduceOp.AVG and PREMUL_SUM, which HCCL has and gloo lacks: PREMUL_SUM(f) scales the inputs by f
+# (in place for the in-place allreduce and reduce, else a scaled copy) and sums; AVG sums and then
+# divides the result by the group size (integers rounding down, as HCCL), after waiting for the sum:
+# an AVG collective completes before it returns.
+_AVG, _PREMUL = dist.ReduceOp.RedOpType.AVG, dist.ReduceOp.RedOpType.PREMUL_SUM
+
+
+def _special_op(opts):
+    """(kind, factor) of opts' reduce op: kind None (gloo's own op), "avg" or "premul"; the op is
+    replaced by SUM in opts when it is one of the two."""
+    op = getattr(opts, "reduceOp", None)
+    kind = getattr(op, "op", None)
+    if kind == _AVG:
+        opts.reduceOp = dist.ReduceOp.SUM
+        return "avg", None
+    if kind == _PREMUL:
+        factor = op.__getstate__()[1]
+        opts.reduceOp = dist.ReduceOp.SUM
+        return "premul", factor
+    return None, None
+
+
+def _average(tensors, size: int):
+    for t in tensors:
+        if t.is_floating_point() or t.is_complex():
+            t.div_(size)
+        else:
+            t.div_(size, rounding_mode="floor")
+
+
+def _finished(work, outputs, size: int):
+    """Waits for WORK, divides OUTPUTS by SIZE, and returns a completed Work."""
+    work.wait()
+    _average(outputs, size)
+    fut = torch.futures.Future()
+    fut.set_result(list(outputs))
+    return _create_work_from_future(fut)
+
+
+def _with_reduce_ops(name, gloo_opts, inputs, outputs, in_place: bool):
+    """Wraps the forwarded method NAME with AVG / PREMUL_SUM (gloo_opts: its options type;
+    inputs(args) / outputs(args): its input and output tensors; in_place: inputs are outputs)."""
+    forward = getattr(ProcessGroupHCCL, name)
+
+    def method(self, *args):
+        args = list(args)
+        opts = args[-1] if len(args) > 1 and isinstance(args[-1], gloo_opts) else None
+        kind, factor = _special_op(opts) if opts is not None else (None, None)
+        if kind == "premul":
+            if in_place:
+                for t in inputs(args):
+                    t.mul_(factor)
+            else:
+                args = _replace_inputs(name, args, factor)
+        work = forward(self, *args)
+        if kind == "avg":
+            return _finished(work, outputs(self, args), self.size())
+        return work
+
+    method.__name__ = name
+    method.__doc__ = forward.__doc__
+    setattr(ProcessGroupHCCL, name, method)
+
+
+def _replace_inputs(name, args, factor):
+    if name == "reduce_scatter":  # (outputs, input_lists, opts)
+        args[1] = [[t * factor for t in ts] for ts in args[1]]
+    else:  # _reduce_scatter_base: (output, input, opts)
+        args[1] = args[1] * factor
+    return args
+
+
+_with_reduce_ops("allreduce", dist.AllreduceOptions, lambda a: a[0], lambda pg, a: a[0], True)
+_with_reduce_ops("reduce", dist.ReduceOptions, lambda a: a[0],
+                 lambda pg, a: a[0] if a[-1].rootRank == pg.rank() else [], True)
+_with_reduce_ops("reduce_scatter", ReduceScatterOptions, None, lambda pg, a: a[0], False)
+_with_reduce_ops("_reduce_scatter_base", ReduceScatterOptions, None, lambda pg, a: [a[0]], False)
+
+
 def _create(store, rank, size, timeout):
     return ProcessGroupHCCL(store, rank, size, timeout)
 
@@ -249,6 +537,9 @@ def _create(store, rank, size, timeout):
 def register() -> None:
     """Registers `hccl` with torch.distributed for the npu device (idempotent)."""
     global _alias
+    from . import data_parallel
+
+    data_parallel.install()  # nn.DataParallel's copies between npu devices
     if not dist.is_available():
         return
     _alias = torch.ops.opennpu._npu_cpu_alias

@@ -22,6 +22,13 @@ def _npu_getDeviceCount() -> int:
 from opennpu.npu.memory import host_empty_cache as _npu_hostEmptyCache  # noqa: E402
 
 
+def _npu_getCurrentStream(device_index: int):
+    """The current stream of npu device `device_index` as torch_npu packs it: (stream_id,
+    device_index, device_type), the arguments of torch.npu.Stream."""
+    s = torch.npu.current_stream(device_index)
+    return (s.stream_id, s.device_index, s.device_type)
+
+
 def __getattr__(name: str):
     raise AttributeError(f"torch_npu._C.{name} is not provided by opennpu (a binding of the "
                          "Ascend runtime with no counterpart on the emulated device)")

@@ -23,6 +23,7 @@ from opennpu import npu  # noqa: E402  (torch_npu.npu is torch.npu; the import h
 from . import optim  # noqa: E402  (torch_npu.optim.*)
 from . import utils  # noqa: E402  (torch_npu.utils)
 from . import _C  # noqa: E402  (torch_npu._C: the runtime bindings with a meaning off Ascend)
+from . import distributed  # noqa: E402  (torch_npu.distributed: the hccl additions)
 from .utils import storage as _storage  # noqa: E402,F401  (loads pre-2.1 torch_npu checkpoints)
 from opennpu.npu.streams import _erase_stream as erase_stream  # noqa: E402
 from ._format import empty_with_format, get_npu_format, get_storage_size  # noqa: E402
