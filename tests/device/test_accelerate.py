@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -22,7 +23,8 @@ def _run(*command: str, timeout: float = 180.0) -> list[dict]:
     result = subprocess.run([sys.executable, *command], capture_output=True, text=True, env=env,
                             timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    # one flat JSON object per process; two ranks' lines may interleave on the shared stdout
+    return [json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", result.stdout)]
 
 
 def _free_port() -> int:
