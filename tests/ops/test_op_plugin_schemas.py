@@ -1,0 +1,58 @@
+"""torch.ops.npu against op-plugin's schemas (tests/data/op_plugin_schemas.txt, lines of its
+op_plugin_functions.yaml): same ops, same argument names, types, defaults and returns.
+
+One deliberate difference: where op-plugin says `int` for a size that torch.compile(dynamic=True)
+must carry symbolically (npu_fusion_attention's seed / offset / numels, npu_moe_init_routing's
+active_num), opennpu declares `SymInt`; Python callers see an int either way."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import opennpu  # noqa: F401
+
+_LIST = Path(__file__).parent.parent / "data" / "op_plugin_schemas.txt"
+
+
+def _expected() -> dict[str, str]:
+    out = {}
+    for line in _LIST.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            schema = torch._C.parse_schema(line)
+            name = schema.name + (f".{schema.overload_name}" if schema.overload_name else "")
+            assert name not in out, f"{name} listed twice in {_LIST.name}"
+            out[name] = str(schema)
+    return out
+
+
+def _registered() -> dict[str, str]:
+    out = {}
+    for name in dir(torch.ops.npu):
+        packet = getattr(torch.ops.npu, name)
+        if name.startswith("__") or not hasattr(packet, "overloads"):
+            continue
+        for overload in packet.overloads():
+            schema = getattr(packet, overload)._schema
+            key = name if overload == "default" else f"{name}.{overload}"
+            out[key] = str(schema).replace("npu::", "", 1).replace("SymInt", "int")
+    return out
+
+
+EXPECTED = _expected()
+REGISTERED = _registered()
+
+
+def test_every_registered_op_is_listed():
+    assert sorted(set(REGISTERED) - set(EXPECTED)) == []
+
+
+def test_every_listed_op_is_registered():
+    assert sorted(set(EXPECTED) - set(REGISTERED)) == []
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_schema_equals_op_plugin(name):
+    if name not in REGISTERED:
+        pytest.fail(f"torch.ops.npu.{name} is not registered")
+    assert REGISTERED[name] == EXPECTED[name].replace("SymInt", "int")
