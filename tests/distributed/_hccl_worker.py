@@ -216,6 +216,7 @@ def case_mismatch(rank: int, world: int) -> dict:
     t = torch.ones(2, device=d)
     dist.all_reduce(t)
     res["after"] = t.cpu()
+    res["same_host_rendezvous"] = dist.group.WORLD._rendezvous is not None
     dist.destroy_process_group()
     return res
 
@@ -305,6 +306,11 @@ def main() -> None:
     else:
         case, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank), WORLD_SIZE=str(world))
+    if os.environ.get("TEST_HOSTS_APART") == "1":
+        # Each rank claims a host of its own: the cross-rank check exchanges fingerprints through
+        # gloo, as between machines, instead of the same-host shared-memory rendezvous.
+        import opennpu.distributed as hccl
+        hccl._host_identity = lambda: f"test-host-{rank}"
     res = globals()[f"case_{case}"](rank, world)
     torch.save(res, out)
     sys.stdout.flush()

@@ -145,10 +145,14 @@ def test_torchrun(tmp_path):
         assert res["config"] == "npu:hccl"
 
 
+@pytest.mark.parametrize("hosts", ["one", "apart"])
 @pytest.mark.parametrize("mode", ["1", "sync"])
-def test_mismatched_collectives_raise(tmp_path, mode):
-    """The check in the launcher thread (the default) and in the caller (OPENNPU_HCCL_CHECK=sync)."""
-    for res in _spawn("mismatch", tmp_path, env={"OPENNPU_HCCL_CHECK": mode}):
+def test_mismatched_collectives_raise(tmp_path, mode, hosts):
+    """The check deferred (the default) and in the caller (OPENNPU_HCCL_CHECK=sync); fingerprints
+    exchanged in shared memory (ranks on one host) and through gloo (ranks on different hosts)."""
+    env = {"OPENNPU_HCCL_CHECK": mode, "TEST_HOSTS_APART": "1" if hosts == "apart" else "0"}
+    for res in _spawn("mismatch", tmp_path, env=env):
+        assert res["same_host_rendezvous"] == (hosts == "one")
         for what, expected in (("shape", ("4 elements", "5 elements")), ("dtype", ("float32", "float64")),
                                ("op", ("allreduce", "broadcast"))):
             assert res[what] is not None and "mismatched collectives" in res[what], (what, res[what])
@@ -162,8 +166,9 @@ def test_dead_peer_raises_within_timeout(tmp_path):
     assert r0["seconds"] < 20
 
 
-def test_silent_peer_times_out(tmp_path):
-    r0, _ = _spawn("peer_silent", tmp_path)
+@pytest.mark.parametrize("hosts", ["one", "apart"])
+def test_silent_peer_times_out(tmp_path, hosts):
+    r0, _ = _spawn("peer_silent", tmp_path, env={"TEST_HOSTS_APART": "1" if hosts == "apart" else "0"})
     assert r0["error"] is not None, "rank 0's collective returned though its peer never joined"
     assert r0["seconds"] < 10
     assert "Timed out" in r0["error"], r0["error"]

@@ -13,9 +13,12 @@ accelerator) and `"cpu:gloo,npu:hccl"` all give it. See docs/distributed.md.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
+import socket
 import threading
+import uuid
 import weakref
 from datetime import timedelta
 
@@ -166,6 +169,11 @@ class ProcessGroupHCCL(dist.ProcessGroup):
             self._gloo._set_default_timeout(timeout)
         self._timeout = timeout
         self._launcher = None
+        self._rendezvous = _open_rendezvous(store, rank, size, connect) if _CHECK and size > 1 else None
+        if self._rendezvous is not None:
+            weakref.finalize(self, torch.ops.opennpu._hccl_rendezvous_close, self._rendezvous)
+        self._fingerprints = functools.partial(_fingerprints, self._gloo, self._rendezvous, size,
+                                               timeout.total_seconds())
         # Group names and descriptions live on a ProcessGroup's backends (ProcessGroup::
         # getGroupName reads its first backend's), and DeviceMesh / FSDP2 read them: gloo is this
         # group's backend for both devices as far as C++ is concerned.
@@ -178,20 +186,14 @@ class ProcessGroupHCCL(dist.ProcessGroup):
     def name(self) -> str:
         return "hccl"
 
-    def _exchange(self, name: str, args):
-        """Starts the all_gather of this rank's fingerprint of collective NAME: (work, result)."""
-        return _exchange(self._gloo, torch.tensor(_fingerprint(name, args), dtype=torch.int64), self.size())
-
     def _check(self, name: str, args) -> None:
         """Raises the same error on every rank when the ranks' collectives differ in kind, dtype or
-        shape (a small all_gather of each rank's fingerprint), before the collective starts. Used
-        where the collective runs in the calling thread (all_to_all with lists, sync mode)."""
+        shape (an exchange of each rank's fingerprint), before the collective starts. Used where the
+        collective runs in the calling thread (all_to_all with lists, sync mode)."""
         if not _CHECK or self.size() == 1:
             return
         self._drain()
-        work, every = self._exchange(name, args)
-        work.wait()
-        error = _mismatch(every, self.size())
+        error = _mismatch(self._fingerprints(_fingerprint(name, args)), self.size())
         if error is not None:
             raise error
 
@@ -205,13 +207,16 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         every rank. Exchanges and collectives all start from that one thread, in call order, so
         gloo numbers them alike on every rank; nothing reaches gloo's data messages before the
         check passed. The Work's result holds the npu tensors (gloo's would be their aliases).
+        On one host, with nothing queued, the caller publishes its fingerprint itself and, if
+        every rank's is already there (it is the last to arrive), starts the collective at once;
+        else the launcher only waits for the others'.
         """
         if not _CHECK or self.size() == 1 or name not in _CHECKED:
             return start()
         if not _DEFERRED:
             self._check(name, args)
             return start()
-        mine = torch.tensor(_fingerprint(name, args), dtype=torch.int64)
+        mine = _fingerprint(name, args)
         originals = {id(c): t for c, t in zip(_tensors(cpu_args), _tensors(args)) if c is not t}
         fut = torch.futures.Future()
         if self._launcher is None:
@@ -219,7 +224,17 @@ class ProcessGroupHCCL(dist.ProcessGroup):
             weakref.finalize(self, self._launcher.stop)
         # The result of a Work whose gloo Work has no future: the collective's output, as gloo's.
         result = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
-        self._launcher.submit((self._gloo, mine, start, fut, originals, result))
+        if self._rendezvous is not None and self._launcher.idle():
+            number = torch.ops.opennpu._hccl_rendezvous_publish(self._rendezvous, mine)
+            every = torch.ops.opennpu._hccl_rendezvous_collect(self._rendezvous, number, 0.0)
+            if every:
+                _launch(every, self.size(), start, fut, originals, result)
+                return _CheckedWork(fut)
+            fingerprints = functools.partial(torch.ops.opennpu._hccl_rendezvous_collect, self._rendezvous,
+                                             number, self._timeout.total_seconds())
+        else:
+            fingerprints = functools.partial(self._fingerprints, mine)
+        self._launcher.submit((fingerprints, start, fut, originals, result))
         return _CheckedWork(fut)
 
     def _drain(self) -> None:
@@ -318,16 +333,59 @@ def _all_of(works, result):
     return _create_work_from_future(fut)
 
 
-def _exchange(gloo, mine, size: int):
-    every = torch.empty(size * _FP_LEN, dtype=torch.int64)
-    return gloo._allgather_base(every, mine, AllgatherOptions()), every
-
-
-def _mismatch(every, size: int) -> RuntimeError | None:
-    every = every.view(size, _FP_LEN)
-    if bool((every == every[0]).all()):
+def _open_rendezvous(store, rank: int, size: int, timeout: timedelta) -> int | None:
+    """The handle of the group's same-host rendezvous (csrc/distributed/hccl_rendezvous.cpp), or
+    None where the ranks are not all on this host (or /dev/shm is unusable): the check then
+    exchanges fingerprints through gloo. Every rank takes the same branch (the hosts are compared
+    through the group's store)."""
+    store.set(f"opennpu_hccl/host/{rank}", _host_identity())
+    hosts = {store.get(f"opennpu_hccl/host/{r}") for r in range(size)}
+    usable = len(hosts) == 1 and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
+    store.set(f"opennpu_hccl/usable/{rank}", b"1" if usable else b"0")
+    if any(store.get(f"opennpu_hccl/usable/{r}") != b"1" for r in range(size)):
         return None
-    ranks = "; ".join(f"rank {r}: {_describe(row.tolist())}" for r, row in enumerate(every))
+    if rank == 0:
+        path = f"/dev/shm/opennpu-hccl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, True)
+        store.set("opennpu_hccl/rendezvous", path)
+        try:
+            store.wait([f"opennpu_hccl/opened/{r}" for r in range(1, size)], timeout)
+        finally:
+            os.unlink(path)  # every rank has it mapped: nothing is left behind on any exit
+        return handle
+    path = store.get("opennpu_hccl/rendezvous").decode()
+    handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, False)
+    store.set(f"opennpu_hccl/opened/{rank}", b"1")
+    return handle
+
+
+def _host_identity() -> str:
+    """Equal for processes that share this kernel and this /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        shm = os.stat("/dev/shm")
+    except OSError:
+        return f"{socket.gethostname()}/{os.getpid()}"  # unique: no shared-memory rendezvous
+    return f"{socket.gethostname()}/{boot}/{shm.st_dev}/{shm.st_ino}"
+
+
+def _fingerprints(gloo, rendezvous: int | None, size: int, timeout_s: float, mine: list) -> list:
+    """Every rank's fingerprint of the collective about to run, rank after rank, once every rank
+    has published its own: through shared memory on one host, else a gloo all_gather."""
+    if rendezvous is not None:
+        number = torch.ops.opennpu._hccl_rendezvous_publish(rendezvous, mine)
+        return torch.ops.opennpu._hccl_rendezvous_collect(rendezvous, number, timeout_s)
+    every = torch.empty(size * _FP_LEN, dtype=torch.int64)
+    gloo._allgather_base(every, torch.tensor(mine, dtype=torch.int64), AllgatherOptions()).wait()
+    return every.tolist()
+
+
+def _mismatch(every: list, size: int) -> RuntimeError | None:
+    rows = [every[r * _FP_LEN:(r + 1) * _FP_LEN] for r in range(size)]
+    if all(row == rows[0] for row in rows):
+        return None
+    ranks = "; ".join(f"rank {r}: {_describe(row)}" for r, row in enumerate(rows))
     return RuntimeError(f"hccl: ranks called mismatched collectives ({ranks}); every rank must "
                         "call the same collective with the same shapes and dtypes")
 
@@ -380,6 +438,10 @@ class _Launcher:
         with self._cond:
             self._cond.wait_for(lambda: self._pending == 0)
 
+    def idle(self) -> bool:
+        """Nothing queued or running (only the calling thread submits, so it stays so)."""
+        return self._pending == 0
+
     def stop(self) -> None:
         """Ends the thread (the group is gone). The thread holds no reference to the group or its
         gloo between collectives, so that destroying the group releases its connections and store."""
@@ -390,31 +452,39 @@ class _Launcher:
             item = self._queue.get()
             if item is None:
                 return
-            gloo, mine, start, fut, originals, result = item
+            fingerprints, start, fut, originals, result = item
             del item
-            work = every = started = done = None
             try:
-                work, every = _exchange(gloo, mine, self._size)
-                work.wait()
-                error = _mismatch(every, self._size)
-                if error is not None:
-                    raise error
-                started = start()
-                try:
-                    done = started.get_future()
-                except RuntimeError:  # a gloo Work without a future (_reduce_scatter_base's)
-                    started.wait()
-                    fut.set_result(result)
-                else:
-                    done.add_done_callback(lambda f, fut=fut, originals=originals: _settle(fut, f, originals))
-            except Exception as e:  # noqa: BLE001  (handed to the caller's Work)
+                _launch(fingerprints(), self._size, start, fut, originals, result)
+            except Exception as e:  # noqa: BLE001  (a timeout, handed to the caller's Work)
                 if not fut.done():
                     fut.set_exception(e)
-            gloo = mine = start = fut = originals = result = work = every = started = done = None
+            fingerprints = start = fut = originals = result = None
             with self._cond:
                 self._pending -= 1
                 if self._pending == 0:
                     self._cond.notify_all()
+
+
+def _launch(every: list, size: int, start, fut, originals, result) -> None:
+    """Starts the collective if every rank's fingerprint matched, else fails its Work; fut gets
+    the collective's result (its npu tensors) when gloo's Work completes."""
+    error = _mismatch(every, size)
+    if error is not None:
+        fut.set_exception(error)
+        return
+    try:
+        started = start()
+        try:
+            done = started.get_future()
+        except RuntimeError:  # a gloo Work without a future (_reduce_scatter_base's)
+            started.wait()
+            fut.set_result(result)
+        else:
+            done.add_done_callback(lambda f, fut=fut, originals=originals: _settle(fut, f, originals))
+    except Exception as e:  # noqa: BLE001  (handed to the caller's Work)
+        if not fut.done():
+            fut.set_exception(e)
 
 
 def _settle(fut, done, originals) -> None:
