@@ -23,8 +23,6 @@ by name (`experimental_config.disabled_patterns`), and every replacement is coun
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import dataclasses
 import functools
 import logging
 from collections import Counter
@@ -33,40 +31,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch._inductor import pattern_matcher as pm
 
+from .rule_registry import _ACTIVE, _RULES, Rule, _Active
+
 log = logging.getLogger("opennpu.compile")
-
-STAGES = ("pre_autograd", "post_grad")
-
-
-@dataclasses.dataclass
-class Rule:
-    name: str
-    stage: str
-    doc: str
-    register: Callable[[Registrar], None]
-    order: int = 0  # rules of a higher order run after the lower ones, over their results
-    user: bool = False
-    # Only where the graph runs op by op (debug.run_eagerly): for a fused op that beats ATen's
-    # composition but not the code Inductor generates for it (see rules/transpose.py).
-    eager_only: bool = False
-
-
-_RULES: dict[str, Rule] = {}
-
-
-def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0, eager_only: bool = False):
-    """Decorator for a function that registers the patterns of one named rule."""
-    if stage not in STAGES:
-        raise ValueError(f"fusion_rule {name!r}: stage must be one of {STAGES}, got {stage!r}")
-
-    def wrap(register: Callable[[Registrar], None]):
-        if name in _RULES:
-            raise ValueError(f"fusion rule {name!r} is registered twice")
-        _RULES[name] = Rule(name, stage, doc, register, order, eager_only=eager_only)
-        return register
-
-    return wrap
-
 
 def rules() -> list[Rule]:
     from . import rules as _  # noqa: F401  (importing the package registers the built-in rules)
@@ -227,17 +194,6 @@ def post_grad_trace(fn: Callable, args: Iterable[Any], *, base=pm.fwd_only) -> t
 # --- registration -----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
-class _Active:
-    disabled: frozenset[str]
-    counts: Counter
-    training: bool = False  # the graph will be differentiated (see apply_rules)
-
-
-_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("opennpu_fusion",
-                                                                         default=None)
-
-
 def _gated(rule_name: str, extra_check: Callable[[pm.Match], bool]) -> Callable[[pm.Match], bool]:
     """extra_check plus the rule's on/off switch; a match that passes is counted for the rule."""
 
@@ -352,13 +308,6 @@ def inactive_rules(disabled: Iterable[str], run_eagerly: bool) -> frozenset[str]
     if not run_eagerly:
         off.update(r.name for r in rules() if r.eager_only)
     return frozenset(off)
-
-
-def training() -> bool:
-    """Whether the graph the rules are running on will be differentiated (for rules whose speed
-    differs between inference and training; inside extra_check only)."""
-    active = _ACTIVE.get()
-    return active is not None and active.training
 
 
 def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = (),

@@ -6,6 +6,6 @@ from . import attention, norm, rotary, softmax, swiglu, torchair, transpose  # n
 
 
 def rule_names() -> list[str]:
-    from ..fusion import rules
+    from ..rule_registry import _RULES
 
-    return [r.name for r in rules()]
+    return list(_RULES)

@@ -7,7 +7,7 @@ import inspect
 import torch
 from torch._inductor.pattern_matcher import Match
 
-from ..fusion import training
+from ..rule_registry import training
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

@@ -50,8 +50,8 @@ import math
 
 import torch
 
-from .. import fusion
-from ..fusion import fusion_rule
+from .. import rule_registry
+from ..rule_registry import fusion_rule
 from ._util import FLOAT_DTYPES, bsnd_in_memory, empty, known, size_hint, val
 
 aten = torch.ops.aten
@@ -126,7 +126,7 @@ def _fast_enough(q, k, v, is_sdpa: bool) -> bool:
     kv_len = size_hint(k.shape[2])
     if kv_len is None:
         return True
-    training = fusion.training()
+    training = rule_registry.training()
     if is_sdpa:
         return kv_len >= SDPA_MIN_KV or (training and q.dtype != torch.float32)
     return kv_len >= CHAIN_TRAINING_MIN_KV or not training

@@ -19,7 +19,7 @@ import math
 
 import torch
 
-from ..fusion import fusion_rule
+from ..rule_registry import fusion_rule
 from ._util import FLOAT_DTYPES, call_eps, drop_eps, empty, has_kernels, is_last_dim_vector, \
     number_or_absent, same_float_dtype, val, worth_fusing
 

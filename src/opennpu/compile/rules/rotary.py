@@ -42,7 +42,7 @@ import math
 import torch
 
 from ..._strict import is_strict
-from ..fusion import fusion_rule
+from ..rule_registry import fusion_rule
 from ._util import arg, broadcasts_into, bsnd_in_memory, empty, guard_even, halves_of_last_dim, \
     has_kernels, is_chunk_in_halves, is_last_dim, known, known_contiguous, known_same_shape, nodes, \
     same_float_dtype, val, worth_fusing

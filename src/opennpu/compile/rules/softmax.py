@@ -35,7 +35,7 @@ import math
 import torch
 
 from ..._strict import is_strict
-from ..fusion import fusion_rule
+from ..rule_registry import fusion_rule
 from ._util import FLOAT_DTYPES, arg, broadcasts_into, empty, has_kernels, is_last_dim, known, \
     nodes, number_or_absent, val
 

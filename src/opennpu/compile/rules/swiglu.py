@@ -33,7 +33,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from ..fusion import fusion_rule
+from ..rule_registry import fusion_rule
 from ._util import FLOAT_DTYPES, empty, guard_even, halves_of_last_dim, has_kernels, \
     is_chunk_in_halves, known_contiguous, known_same_shape, nodes, same_float_dtype, val
 

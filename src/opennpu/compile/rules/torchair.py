@@ -24,7 +24,7 @@ import operator
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..fusion import fusion_rule
+from ..rule_registry import fusion_rule
 from ._util import call_eps, drop_eps, empty, val
 
 EPS = 2e-6

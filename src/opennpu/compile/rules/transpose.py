@@ -41,7 +41,7 @@ import itertools
 
 import torch
 
-from ..fusion import fusion_rule
+from ..rule_registry import fusion_rule
 from ._util import empty, has_kernels, nodes, val
 
 aten = torch.ops.aten

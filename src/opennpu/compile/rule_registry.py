@@ -1,0 +1,65 @@
+"""The registry of fusion rules, apart from the machinery that applies them (fusion.py), so that
+the rule modules (compile/rules/) import it without importing fusion.py, which imports them.
+
+A rule module declares its rule with `@fusion_rule(...)`; `training()` is what its extra_check may
+ask about the compile in progress."""
+
+from __future__ import annotations
+
+import contextvars
+import dataclasses
+from collections import Counter
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from .fusion import Registrar
+
+STAGES = ("pre_autograd", "post_grad")
+
+
+@dataclasses.dataclass
+class Rule:
+    name: str
+    stage: str
+    doc: str
+    register: Callable[[Registrar], None]
+    order: int = 0  # rules of a higher order run after the lower ones, over their results
+    user: bool = False
+    # Only where the graph runs op by op (debug.run_eagerly): for a fused op that beats ATen's
+    # composition but not the code Inductor generates for it (see rules/transpose.py).
+    eager_only: bool = False
+
+
+_RULES: dict[str, Rule] = {}
+
+
+def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0, eager_only: bool = False):
+    """Decorator for a function that registers the patterns of one named rule."""
+    if stage not in STAGES:
+        raise ValueError(f"fusion_rule {name!r}: stage must be one of {STAGES}, got {stage!r}")
+
+    def wrap(register: Callable[[Registrar], None]):
+        if name in _RULES:
+            raise ValueError(f"fusion rule {name!r} is registered twice")
+        _RULES[name] = Rule(name, stage, doc, register, order, eager_only=eager_only)
+        return register
+
+    return wrap
+
+
+@dataclasses.dataclass
+class _Active:
+    disabled: frozenset[str]
+    counts: Counter
+    training: bool = False  # the graph will be differentiated (see apply_rules)
+
+
+_ACTIVE: contextvars.ContextVar[_Active | None] = contextvars.ContextVar("opennpu_fusion",
+                                                                         default=None)
+
+
+def training() -> bool:
+    """Whether the graph the rules are running on will be differentiated (for rules whose speed
+    differs between inference and training; inside extra_check only)."""
+    active = _ACTIVE.get()
+    return active is not None and active.training
