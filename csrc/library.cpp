@@ -132,6 +132,29 @@ TORCH_LIBRARY(npu, m) {
         "Tensor[]? activation_input=None, Tensor[]? activation_quant_scale=None, "
         "Tensor[]? activation_quant_offset=None, int? split_item=0, int? group_type=None, "
         "int? group_list_type=0, int? act_type=0, ScalarType? output_dtype=None) -> Tensor[]");
+
+  // ScatterNdUpdate: self[indices[i]] = updates[i], indices [..., a] addressing self's first a
+  // dims; a copy of self, or self itself (_). Repeated indices: the last update wins.
+  m.def("npu_scatter_nd_update(Tensor self, Tensor indices, Tensor updates) -> Tensor");
+  m.def("npu_scatter_nd_update_(Tensor(a!) self, Tensor indices, Tensor updates) -> Tensor(a!)");
+  // Paged KV cache write: token t's key / value row to slot slot_mapping[t] (block slot //
+  // block_size, offset slot % block_size; negative = skip) of caches in 'Norm' [blocks,
+  // block_size, ...] or 'PA_NZ' [blocks, H / last, block_size, last] layout.
+  m.def("npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
+        "Tensor? seq_lens=None, str? cache_mode='PA_NZ') -> ()");
+  // The same into copies of the caches, returned.
+  m.def("npu_scatter_pa_kv_cache_functional(Tensor key, Tensor value, Tensor key_cache, Tensor value_cache, "
+        "Tensor slot_mapping, *, Tensor? compress_lens=None, Tensor? compress_seq_offsets=None, "
+        "Tensor? seq_lens=None, str? cache_mode='PA_NZ') -> (Tensor, Tensor)");
+  // Paged KV cache read: the seq_lens[i] tokens of each sequence through its block_tables row
+  // (from block seq_offset[i] // block_size) into consecutive rows of key / value.
+  m.def("npu_gather_pa_kv_cache(Tensor key_cache, Tensor value_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor(a!) key, Tensor(b!) value, *, Tensor? seq_offset=None, bool is_seq_lens_cumsum=False) -> ()");
+  // The same into copies of key / value, returned.
+  m.def("npu_gather_pa_kv_cache_functional(Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor key, Tensor value, *, Tensor? seq_offset=None, "
+        "bool is_seq_lens_cumsum=False) -> (Tensor, Tensor)");
 }
 
 // opennpu's own helpers, outside the torch_npu namespace.

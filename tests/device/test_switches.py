@@ -83,14 +83,55 @@ def test_mm_bmm_format_nd():
     assert not torch.npu.get_mm_bmm_format_nd()
 
 
-def test_format_cast_returns_the_same_values_and_reports_nd():
+def test_format_cast_records_the_format():
     x = torch.randn(4, 16).npu()
-    for acl_format in (2, 0, 3, 29):
-        y = torch_npu.npu_format_cast(x, acl_format)
-        assert torch.equal(y.cpu(), x.cpu()) and y.shape == x.shape
-        assert torch_npu.get_npu_format(y) == 2
-    assert torch_npu.npu_format_cast(x, torch_npu.npu_format_cast(x, 29)) is x
-    assert x.npu_format_cast(29) is x and x.npu_format_cast_(2) is x
+    before = x.cpu()
+    assert torch_npu.get_npu_format(x) == 2  # never cast: its rank's base format
+    assert torch_npu.npu_format_cast(x, 0) is x  # base to base: a relabel of x itself
+    assert torch_npu.get_npu_format(x) == 0 and torch_npu.get_npu_format(x[1:]) == 0
+    y = torch_npu.npu_format_cast(x, 29)  # to a private format: a new tensor, x keeps its own
+    assert y is not x and torch.equal(y.cpu(), before) and torch_npu.get_npu_format(y) == 29
+    assert torch_npu.get_npu_format(x) == 0 and torch_npu.get_npu_format(y[1:]) == 29
+    assert torch_npu.npu_format_cast(y, 29) is y
+    assert torch_npu.get_npu_format(torch_npu.npu_format_cast(x, y)) == 29  # the format of y
+    assert x.npu_format_cast_(29) is x and torch_npu.get_npu_format(x) == 29  # in place
+    assert torch_npu.get_npu_format(x.npu_format_cast(2)) == 2
+    p = torch.nn.Parameter(torch.randn(3, 8).npu())
+    p.data = torch_npu.npu_format_cast(p.data, 29)  # vllm-ascend's way of casting a weight
+    assert torch_npu.get_npu_format(p) == 29
+    assert torch_npu.get_npu_format(torch.empty(1, 2, 3, 4, device="npu")) == 0  # NCHW
+    assert torch_npu.get_npu_format(torch.empty(1, 2, 3, 4, 5, device="npu")) == 30  # NCDHW
+
+
+def test_format_cast_follows_torch_npus_storage_format_rules():
+    x4 = torch_npu.npu_format_cast(torch.randn(2, 2, 4, 4).npu(), 3)
+    assert torch_npu.get_npu_format(x4) == 3
+    x4 = torch_npu.npu_format_cast(x4, 2)
+    assert torch_npu.get_npu_format(x4) == 0  # out of 5HD, a 4-D ND is NCHW
+    assert torch_npu.get_npu_format(torch_npu.npu_format_cast(x4, 2)) == 2  # relabel NCHW -> ND
+    v = torch.randn(8).npu()
+    assert torch_npu.get_npu_format(torch_npu.npu_format_cast(v, 29)) == 2  # no NZ below rank 2
+    # a freed storage's record does not leak into a new tensor at the same address
+    for _ in range(3):
+        t = torch.randn(64, 64).npu()
+        assert torch_npu.get_npu_format(t) == 2
+        torch_npu.npu_format_cast_(t, 29)
+        del t
+
+
+def test_format_cast_keeps_autograd_and_compiles():
+    a = torch.randn(2, 3).npu().requires_grad_()
+    b = torch_npu.npu_format_cast(a, 29)
+    assert b.requires_grad
+    b.sum().backward()
+    assert torch.equal(a.grad.cpu(), torch.ones(2, 3))
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(t):
+        return torch_npu.npu_format_cast(t * 2, 29) + 1
+
+    x = torch.randn(3, 4).npu()
+    assert torch.equal(f(x).cpu(), (x * 2 + 1).cpu())
 
 
 def test_format_cast_errors_name_the_argument():
@@ -99,6 +140,10 @@ def test_format_cast_errors_name_the_argument():
         torch_npu.npu_format_cast(x, 5)
     with pytest.raises(TypeError, match="npu_format_cast: acl_format must be an int"):
         torch_npu.npu_format_cast(x, "ND")
+    with pytest.raises(ValueError, match="npu_format_cast_: acl_format -1 is not an ACL format"):
+        torch_npu.npu_format_cast_(x, -1)
+    with pytest.raises(TypeError, match="npu_format_cast: customize_dtype must be a dtype"):
+        torch_npu.npu_format_cast(x, 29, customize_dtype="fp16")
     with pytest.raises(RuntimeError, match="npu_format_cast: self must be an npu tensor"):
         torch_npu.npu_format_cast(torch.randn(4), 2)
     with pytest.raises(RuntimeError, match="get_npu_format: expected an npu tensor, got cpu"):

@@ -127,7 +127,7 @@ def test_use_compatible_impl_reads_back():
 def test_empty_with_format_and_storage_size():
     x = torch_npu.empty_with_format((2, 3), dtype=torch.float16, device="npu", acl_format=29)
     assert x.shape == (2, 3) and x.dtype == torch.float16 and x.device.type == "npu"
-    assert torch_npu.get_npu_format(x) == 2  # stored in ND whatever format was asked for
+    assert torch_npu.get_npu_format(x) == 29  # recorded; the bytes are stored in ND
     with pytest.raises(ValueError, match="empty_with_format: acl_format 5"):
         torch_npu.empty_with_format((2,), device="npu", acl_format=5)
     with pytest.raises(NotImplementedError, match="base_addr_aligned_kb"):

@@ -395,6 +395,9 @@ CASES = [
          lambda d: _attention_grad(d, layout="BSH", mode=2, pse=True, sink=True), kernel_scale=8),
     Case("fusion_attention_grad_tnd", npu.npu_fusion_attention_grad, _attention_grad_tnd,
          kernel_scale=8),
+    Case("scatter_nd_update", npu.npu_scatter_nd_update,
+         lambda d: ([randn(6, 5, 3, dtype=d), torch.tensor([[4, 1], [0, 2], [5, 0]]),
+                     randn(3, 3, dtype=d)], {})),
 ]
 
 

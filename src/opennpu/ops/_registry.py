@@ -154,7 +154,9 @@ def mark_not_differentiable(name: str, reason: str) -> None:
         qualname = overload._schema.name
         if overload_name != "default":
             qualname = f"{qualname}.{overload_name}"
-        if torch._library.utils.has_kwarg_only_tensors(overload._schema):
+        if not torch._library.utils.is_functional_schema(overload._schema):
+            _register_mutable_overload_kernel(qualname, overload, message)
+        elif torch._library.utils.has_kwarg_only_tensors(overload._schema):
             _register_raising_overload_kernel(qualname, overload, message)
         else:
             torch.library.register_autograd(qualname, backward, setup_context=setup_context)
@@ -197,3 +199,18 @@ def _register_raising_overload_kernel(qualname: str, overload, message: str) -> 
         if isinstance(result, torch.Tensor):
             return outs[0]
         return tuple(outs) if isinstance(result, tuple) else outs
+
+
+def _register_mutable_overload_kernel(qualname: str, overload, message: str) -> None:
+    """An Autograd kernel for an op that writes into its arguments (register_autograd refuses
+    those): runs the op below autograd, and raises when grad mode is on and an argument requires
+    grad, since a gradient would be silently lost through the write."""
+
+    @torch.library.impl(qualname, "Autograd")
+    def _autograd_kernel(*args, **kwargs):
+        if torch.is_grad_enabled():
+            for name, t in _named_tensors(overload._schema, args, kwargs):
+                if t.requires_grad:
+                    raise RuntimeError(f"{message}; argument '{name}' requires grad")
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(*args, **kwargs)

@@ -63,6 +63,12 @@ PORTABLE_DEVICES: dict[str, frozenset] = {}
 
 IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
 NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor"}  # run eagerly, never traced into graphs
+# Ops whose portable form plans its copies from index data read on the host (the KV-cache ops):
+# run eagerly, never traced into graphs, and unlike _npu_dropout_gen_mask forced onto CPU too.
+HOST_SIDE: set[str] = set()
+# Ops that write into their arguments: their kernel is the function itself (it returns the
+# argument it wrote, not a copy).
+MUTATING: set[str] = set()
 # Calls whose composition would read tensor data on the host to decide shapes: the decomposition
 # declines them (the op stays in the graph and runs its portable kernel eagerly).
 # Dropout in attention draws from opennpu's host-side generator, so it is not traced either.
@@ -1002,6 +1008,120 @@ def _npu_dropout_gen_mask(self, size, p, seed, offset, *, parallel=True, sync=No
 # ----------------------------------------------------------------------------- registration
 
 
+# ----------------------------------------------------------------------------- kvcache
+
+
+def _host_side(qualname, mutating=False):
+    NOT_DECOMPOSED.add(qualname)
+    HOST_SIDE.add(qualname)
+    if mutating:
+        MUTATING.add(qualname)
+    return _portable(qualname)
+
+
+def _nd_index(indices):
+    return tuple(indices.long().unbind(-1))
+
+
+@_portable("npu::npu_scatter_nd_update")
+def npu_scatter_nd_update(self, indices, updates):
+    return self.clone(memory_format=torch.contiguous_format).index_put_(_nd_index(indices),
+                                                                        updates)
+
+
+@_host_side("npu::npu_scatter_nd_update_", mutating=True)
+def npu_scatter_nd_update_(self, indices, updates):
+    return self.index_put_(_nd_index(indices), updates)
+
+
+def _scatter_cache(tok, cache, slots, nz):
+    keep = slots >= 0
+    slots = slots[keep].long()  # padding tokens (negative slots) skipped: a host-side count
+    block_size = cache.shape[2] if nz else cache.shape[1]
+    blocks, offsets = slots // block_size, slots % block_size
+    rows = tok[keep]
+    if nz:
+        cache[blocks, :, offsets, :] = rows.reshape(-1, cache.shape[1], cache.shape[3])
+    else:
+        cache[blocks, offsets] = rows.reshape(-1, *cache.shape[2:])
+
+
+@_host_side("npu::npu_scatter_pa_kv_cache", mutating=True)
+def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
+                            compress_lens=None, compress_seq_offsets=None, seq_lens=None,
+                            cache_mode="PA_NZ"):
+    if compress_lens is not None or compress_seq_offsets is not None or seq_lens is not None:
+        raise NotImplementedError("npu_scatter_pa_kv_cache: the compression scenario "
+                                  "(compress_lens, compress_seq_offsets, seq_lens) is not "
+                                  "implemented by opennpu")
+    if cache_mode not in (None, "Norm", "PA_NZ"):
+        raise RuntimeError("npu_scatter_pa_kv_cache: argument 'cache_mode' must be 'Norm', "
+                           f"'PA_NZ' or None, but got '{cache_mode}'")
+    nz = cache_mode == "PA_NZ"
+    _scatter_cache(key, key_cache, slot_mapping, nz)
+    _scatter_cache(value, value_cache, slot_mapping, nz)
+
+
+@_host_side("npu::npu_scatter_pa_kv_cache_functional")
+def npu_scatter_pa_kv_cache_functional(key, value, key_cache, value_cache, slot_mapping, **kw):
+    k = key_cache.clone(memory_format=torch.contiguous_format)
+    v = value_cache.clone(memory_format=torch.contiguous_format)
+    npu_scatter_pa_kv_cache(key, value, k, v, slot_mapping, **kw)
+    return k, v
+
+
+def _gather_plan(block_tables, seq_lens, seq_offset, cumsum, tokens, block_size, num_blocks):
+    """(row, block, offset) lists on the host: the tokens of each sequence in order, block -1
+    where the table has no valid block."""
+    lens = seq_lens.tolist()
+    if cumsum:
+        lens = [b - a for a, b in zip(lens, lens[1:])]
+    table = block_tables.tolist()
+    starts = [0] * len(lens) if seq_offset is None else [o // block_size
+                                                          for o in seq_offset.tolist()]
+    blocks, offsets = [], []
+    for i, n in enumerate(lens):
+        for j in range(n):
+            if len(blocks) >= tokens:
+                return blocks, offsets
+            k = starts[i] + j // block_size
+            b = table[i][k] if k < len(table[i]) else -1
+            blocks.append(b if 0 <= b < num_blocks else -1)
+            offsets.append(j % block_size)
+    return blocks, offsets
+
+
+def _gather_cache(cache, out, blocks, offsets, nz):
+    n = len(blocks)
+    b = torch.tensor(blocks, device=cache.device, dtype=torch.long)
+    o = torch.tensor(offsets, device=cache.device, dtype=torch.long)
+    rows = cache[b.clamp(min=0), :, o, :] if nz else cache[b.clamp(min=0), o]
+    rows = rows.reshape(n, *out.shape[1:])
+    out[:n] = torch.where((b >= 0).view(-1, *([1] * (out.dim() - 1))), rows,
+                          torch.zeros((), dtype=out.dtype, device=out.device))
+
+
+@_host_side("npu::npu_gather_pa_kv_cache", mutating=True)
+def npu_gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, key, value, *,
+                           seq_offset=None, is_seq_lens_cumsum=False):
+    h = key[0].numel() if key.dim() else 0
+    nz = not (key_cache.shape[2] * key_cache.shape[3] == h)  # 'Norm' where both fit
+    block_size = key_cache.shape[2] if nz else key_cache.shape[1]
+    blocks, offsets = _gather_plan(block_tables, seq_lens, seq_offset, is_seq_lens_cumsum,
+                                   key.shape[0], block_size, key_cache.shape[0])
+    _gather_cache(key_cache, key, blocks, offsets, nz)
+    _gather_cache(value_cache, value, blocks, offsets, nz)
+
+
+@_host_side("npu::npu_gather_pa_kv_cache_functional")
+def npu_gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_lens, key, value,
+                                      **kw):
+    k = key.clone(memory_format=torch.contiguous_format)
+    v = value.clone(memory_format=torch.contiguous_format)
+    npu_gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, k, v, **kw)
+    return k, v
+
+
 def _overload(qualname):
     ns_name, _, overload = qualname.partition(".")
     ns, name = ns_name.split("::")
@@ -1049,7 +1169,7 @@ def _register_kernels() -> None:
         keys = [key for key in PORTABLE_KEYS
                 if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, key)]
         for key in keys:
-            lib.impl(name, _as_kernel(fn), key)
+            lib.impl(name, fn if qualname in MUTATING else _as_kernel(fn), key)
         PORTABLE_DEVICES[qualname] = frozenset(key.lower() for key in keys)
     _libraries.extend(libs.values())
 
@@ -1185,12 +1305,13 @@ def _forcing():
         warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered kernel")
         for qualname, fn in IMPLS.items():
             ns, name = qualname.split("::")
-            if qualname in NOT_DECOMPOSED:
+            if qualname in NOT_DECOMPOSED and qualname not in HOST_SIDE:
                 continue  # its portable form calls the CPU kernel
             lib = libs.get(ns)
             if lib is None:
                 lib = libs[ns] = torch.library.Library(ns, "IMPL")
-            lib.impl(name, _as_kernel(fn), "CPU", allow_override=True)
+            kernel = fn if qualname in MUTATING else _as_kernel(fn)
+            lib.impl(name, kernel, "CPU", allow_override=True)
     _forced += 1
     try:
         yield

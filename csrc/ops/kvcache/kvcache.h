@@ -1,0 +1,40 @@
+// KV-cache and scatter data movement: npu_scatter_nd_update(_), npu_scatter_pa_kv_cache(_functional)
+// and npu_gather_pa_kv_cache(_functional) (Ascend's ScatterNdUpdate, ScatterPaKvCache,
+// GatherPaKvCache).
+//
+// All of them move rows of bytes between tensors at offsets computed from an index tensor (slots,
+// block tables, nd indices): the entry points (kvcache.cpp) validate the indices and turn them
+// into a RowPlan of byte offsets, and one CPU kernel executes any plan. The dtype never matters
+// (every element size is copied as bytes), so int8 / fp8 caches work as fp16 ones do.
+#pragma once
+
+#include <cstdint>
+
+#include "common/cpu_dispatch.h"
+
+namespace opennpu::kvcache {
+
+// Row r of the plan copies `chunks` chunks of `chunk_bytes` from src + src_off[r] +
+// c * src_chunk_stride to dst + dst_off[r] + c * dst_chunk_stride (c < chunks); a negative
+// src_off[r] writes zeros instead. A contiguous row is one chunk; the PA_NZ cache layout splits a
+// token's row into chunks one block-row apart. With `ordered`, rows are copied in order on one
+// thread (several rows write the same place and the last must win); otherwise rows are
+// independent and copied in parallel.
+struct RowPlan {
+  const char* src = nullptr;
+  char* dst = nullptr;
+  int64_t rows = 0;
+  int64_t chunks = 1;
+  int64_t chunk_bytes = 0;
+  int64_t src_chunk_stride = 0;
+  int64_t dst_chunk_stride = 0;
+  const int64_t* src_off = nullptr;
+  const int64_t* dst_off = nullptr;
+  bool ordered = false;
+};
+
+using CopyRowsFn = void(const RowPlan& plan);
+
+extern CpuKernel<CopyRowsFn> copy_rows_cpu;
+
+}  // namespace opennpu::kvcache
