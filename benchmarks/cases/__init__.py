@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-from . import (activation, attention, compile, ffn, moe, norm, optim, quant, rotary, softmax,
-               transpose)
+from . import (activation, attention, compile, ffn, infer_attention, moe, norm, optim, quant,
+               rotary, softmax, transpose)
 
 # The families --ops accepts, in the order the table lists them.
 OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_cast", "dynamic_quant",
        "add_rms_norm_dynamic_quant", "swiglu", "geglu", "fast_gelu", "rotary_mul",
-       "scaled_masked_softmax", "confusion_transpose", "attention", "ffn", "moe_layer", "adamw",
-       "clip_grad_norm", "decoder_layer")
+       "scaled_masked_softmax", "confusion_transpose", "attention", "infer_attention", "ffn",
+       "moe_layer", "adamw", "clip_grad_norm", "decoder_layer")
 
 
 def all_cases(quick: bool, dtypes):
     """Every case of every family, grouped by op and direction (shapes keep their order)."""
-    modules = (norm, quant, activation, rotary, softmax, transpose, attention, ffn, moe, optim,
-               compile)
+    modules = (norm, quant, activation, rotary, softmax, transpose, attention, infer_attention,
+               ffn, moe, optim, compile)
     cases = [c for module in modules for c in module.cases(quick, dtypes)]
     return sorted(cases, key=lambda c: (OPS.index(c.op), c.direction != "fwd"))

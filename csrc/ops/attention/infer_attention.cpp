@@ -782,8 +782,8 @@ std::tuple<at::Tensor, at::Tensor> infer_output(const char* op, const at::Tensor
   const Shapes sh = output_shapes(op, query, value, layout, block_table.has_value(), num_heads,
                                   num_key_value_heads, lse_flag);
   const at::ScalarType dt = quant_scale.has_value() ? at::kChar : query.scalar_type();
-  return {at::empty(sh.out, query.options().dtype(dt)),
-          at::empty(sh.lse, query.options().dtype(at::kFloat))};
+  return {at::zeros(sh.out, query.options().dtype(dt)),
+          at::zeros(sh.lse, query.options().dtype(at::kFloat))};
 }
 
 std::tuple<at::Tensor, at::Tensor> fia_v1_infer_output(

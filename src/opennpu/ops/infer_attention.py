@@ -88,7 +88,7 @@ def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwar
 
 
 def _npu_fused_infer_attention_score_infer_output(query, value, **kwargs):
-    """Empty ``(attention_out, softmax_lse)`` of npu_fused_infer_attention_score's shapes and
+    """Zero-filled ``(attention_out, softmax_lse)`` of npu_fused_infer_attention_score's shapes and
     dtypes (int8 out when quant_scale2 is given), for the ``.out`` overload."""
     return _ops._npu_fused_infer_attention_score_infer_output(query, value, **kwargs)
 
