@@ -83,6 +83,84 @@ TORCH_LIBRARY(npu, m) {
   // mask npu_fusion_attention uses for the same (seed, offset). uint8, padded to 128 bits.
   m.def("_npu_dropout_gen_mask.Tensor(Tensor self, int[] size, float p, int seed, int offset, *, "
         "bool? parallel=True, bool? sync=None) -> Tensor");
+  // Inference attention (PromptFlashAttention / IncreFlashAttention): softmax(scale * q k^T + pse + mask) v
+  // over BSH/BSND/BNSD/TND/NTD/NSD, GQA, paged KV cache (block_table), MLA rope parts; returns
+  // (attention_out, softmax_lse). Quantised and prefix/padding variants are rejected.
+  m.def("npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, "
+        "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
+        "SymInt[]? actual_seq_lengths_kv=None, Tensor? dequant_scale1=None, "
+        "Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
+        "Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
+        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, "
+        "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
+        "Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, "
+        "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
+        "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, "
+        "float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
+        "str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
+        "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
+        "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)");
+  // The same into attention_out / softmax_lse (workspace unused).
+  m.def("npu_fused_infer_attention_score.out(Tensor query, Tensor key, Tensor value, *, "
+        "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
+        "SymInt[]? actual_seq_lengths_kv=None, Tensor? dequant_scale1=None, "
+        "Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
+        "Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
+        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, "
+        "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
+        "Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, "
+        "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
+        "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, "
+        "float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
+        "str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
+        "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
+        "int value_antiquant_mode=0, bool softmax_lse_flag=False, Tensor? workspace=None, "
+        "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))");
+  // Workspace of npu_fused_infer_attention_score: empty uint8 (the CPU kernels need none).
+  m.def("_npu_fused_infer_attention_score_get_max_workspace(Tensor query, Tensor key, "
+        "Tensor value, *, Tensor? pse_shift=None, Tensor? atten_mask=None, "
+        "SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
+        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
+        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
+        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, "
+        "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
+        "Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
+        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, "
+        "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
+        "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, "
+        "float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
+        "str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
+        "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
+        "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> Tensor");
+  // Empty outputs of npu_fused_infer_attention_score with their shapes and dtypes.
+  m.def("_npu_fused_infer_attention_score_infer_output(Tensor query, Tensor value, *, "
+        "str input_layout=\"BSH\", Tensor? quant_scale2=None, Tensor? block_table=None, "
+        "int num_heads=1, int num_key_value_heads=0, bool softmax_lse_flag=False, "
+        "Tensor? query_rope=None) -> (Tensor, Tensor)");
+  // npu_fused_infer_attention_score with v2 names (actual_seq_qlen, softmax_scale, ...) and learnable_sink.
+  m.def("npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, "
+        "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? pse_shift=None, "
+        "Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+        "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, "
+        "Tensor? dequant_scale_query=None, Tensor? dequant_scale_key=None, "
+        "Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+        "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, "
+        "Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, "
+        "Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
+        "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, "
+        "int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
+        "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
+        "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
+        "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, "
+        "int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
+        "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+        "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
+        "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> (Tensor, Tensor)");
 
   // FFN: act(x @ W1 + b1) @ W2 + b2, dense or with experts (rows split by expert_tokens counts or
   // expert_tokens_index cumulative ends), plus the int8 (scale, offset, deq_scale1/2) and

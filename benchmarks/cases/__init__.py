@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from . import (activation, attention, compile, ffn, kvcache, moe, norm, optim, quant, rotary,
-               softmax, transpose)
+from . import (activation, attention, compile, ffn, infer_attention, kvcache, moe, norm, optim,
+               quant, rotary, softmax, transpose)
 
 # The families --ops accepts, in the order the table lists them.
 OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_cast", "dynamic_quant",
        "add_rms_norm_dynamic_quant", "swiglu", "geglu", "fast_gelu", "rotary_mul",
-       "scaled_masked_softmax", "confusion_transpose", "attention", "ffn", "moe_layer", "adamw",
-       "clip_grad_norm", "decoder_layer", "scatter_pa_kv_cache", "gather_pa_kv_cache",
-       "scatter_nd_update")
+       "scaled_masked_softmax", "confusion_transpose", "attention", "infer_attention", "ffn",
+       "moe_layer", "adamw", "clip_grad_norm", "decoder_layer", "scatter_pa_kv_cache",
+       "gather_pa_kv_cache", "scatter_nd_update")
 
 
 def all_cases(quick: bool, dtypes):
     """Every case of every family, grouped by op and direction (shapes keep their order)."""
-    modules = (norm, quant, activation, rotary, softmax, transpose, attention, ffn, moe, optim,
-               compile, kvcache)
+    modules = (norm, quant, activation, rotary, softmax, transpose, attention, infer_attention,
+               ffn, moe, optim, compile, kvcache)
     cases = [c for module in modules for c in module.cases(quick, dtypes)]
     return sorted(cases, key=lambda c: (OPS.index(c.op), c.direction != "fwd"))

@@ -263,6 +263,32 @@ def _arndq(dtype, **kw):
     return [x1, x2, g], kw
 
 
+def _fia_decode_paged(dtype):
+    q = randn(3, 1, 4 * 16, dtype=dtype)
+    k, v = randn(6, 8, 2 * 16, dtype=dtype), randn(6, 8, 2 * 16, dtype=dtype)
+    table = torch.tensor([[5, 1], [0, 2], [3, 4]], dtype=torch.int32)
+    return [q, k, v], dict(num_heads=4, num_key_value_heads=2, scale=0.25, block_table=table,
+                           block_size=8, actual_seq_lengths_kv=[13, 16, 1], softmax_lse_flag=True)
+
+
+def _fia_prefill(dtype):
+    q, k, v = randn(2, 4, 7, 16, dtype=dtype), randn(2, 2, 11, 16, dtype=dtype), \
+        randn(2, 2, 11, 16, dtype=dtype)
+    mask = torch.rand(2, 1, 7, 11) < 0.3
+    return [q, k, v], dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD", scale=0.3,
+                           atten_mask=mask, pre_tokens=4, next_tokens=1, softmax_lse_flag=True,
+                           actual_seq_lengths=[7, 5])
+
+
+def _fia_v2_tnd(dtype):
+    q, k, v = randn(9, 4, 16, dtype=dtype), randn(20, 2, 16, dtype=dtype), \
+        randn(20, 2, 16, dtype=dtype)
+    return [q, k, v], dict(num_query_heads=4, num_key_value_heads=2, softmax_scale=0.3,
+                           input_layout="TND", actual_seq_qlen=[1, 9], actual_seq_kvlen=[6, 20],
+                           sparse_mode=3, learnable_sink=randn(4, dtype=torch.bfloat16),
+                           return_softmax_lse=True)
+
+
 CASES = [
     Case("rms_norm", npu.npu_rms_norm, _x_gamma, R.rms_norm),
     Case("rms_norm_2d_gamma", npu.npu_rms_norm,
@@ -389,6 +415,14 @@ CASES = [
     Case("fusion_attention_tnd", npu.npu_fusion_attention, _attention_tnd, kernel_scale=4),
     Case("fusion_attention_tnd_mode8", npu.npu_fusion_attention,
          lambda d: _attention_tnd(d, 8), kernel_scale=4),
+    Case("fia_decode_paged_gqa", npu.npu_fused_infer_attention_score, _fia_decode_paged),
+    Case("fia_prefill_bnsd_mask", npu.npu_fused_infer_attention_score, _fia_prefill),
+    Case("fia_workspace", npu._npu_fused_infer_attention_score_get_max_workspace, _fia_prefill),
+    Case("fia_infer_output", npu._npu_fused_infer_attention_score_infer_output,
+         lambda d: ([randn(2, 4, 1, 8, dtype=d), randn(2, 2, 9, 8, dtype=d)],
+                    dict(input_layout="BNSD", num_heads=4, num_key_value_heads=2,
+                         softmax_lse_flag=True))),
+    Case("fia_v2_tnd_sink", npu.npu_fused_infer_attention_score_v2, _fia_v2_tnd),
     Case("fusion_attention_grad", npu.npu_fusion_attention_grad, _attention_grad,
          kernel_scale=8),
     Case("fusion_attention_grad_pse_sink", npu.npu_fusion_attention_grad,

@@ -231,6 +231,8 @@ void check_mask_dtype(const char* op, const at::Tensor& mask) {
                     mask.scalar_type());
 }
 
+}  // namespace
+
 // fp16/bf16 inputs stay in their dtype, for half-precision GEMMs with fp32 accumulation, where the
 // CPU has matrix units for them and PyTorch's MKL provides those GEMMs (blas::half_gemm_available);
 // elsewhere they are converted to fp32 once. OPENNPU_ATTENTION_HALF_GEMM=0 turns them off, e.g.
@@ -252,6 +254,8 @@ TilePath requested_tiles(const char* op) {
   TORCH_CHECK(false, op, ": OPENNPU_ATTENTION_TILES must be auto, avx512_bf16 or blas, but got '",
               value, "'");
 }
+
+namespace {
 
 // Whether the kernels chosen for this CPU (cpu_isa) include the AVX512_BF16 tile GEMM.
 bool has_avx512_bf16_tiles() {

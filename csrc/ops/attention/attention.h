@@ -136,6 +136,13 @@ using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
                             at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dk_heads,
                             at::Tensor& dv_heads, at::Tensor& dpse, at::Tensor& dsink);
 
+// Whether fp16/bf16 q/k/v reach the kernels in their own dtype (half-precision GEMMs, see the
+// top of this file) or converted to fp32; and the tiles OPENNPU_ATTENTION_TILES asks for. Shared
+// with npu_fused_infer_attention_score (infer_attention.cpp), which runs its prefill on these
+// kernels.
+bool use_half_gemm(at::ScalarType t);
+TilePath requested_tiles(const char* op);
+
 extern CpuKernel<AttentionFwdFn> attention_fwd_cpu;
 extern CpuKernel<AttentionBwdFn> attention_bwd_cpu;
 

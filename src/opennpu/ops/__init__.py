@@ -1,9 +1,11 @@
 """Public wrappers, fake kernels and autograd of every torch.ops.npu op, one module per family."""
 
-from . import activation, attention, ffn, kvcache, moe, norm, quant, rotary, softmax, transpose
+from . import (activation, attention, ffn, infer_attention, kvcache, moe, norm, quant, rotary,
+               softmax, transpose)
 from .activation import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .ffn import *  # noqa: F401,F403
+from .infer_attention import *  # noqa: F401,F403
 from .kvcache import *  # noqa: F401,F403
 from .moe import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
@@ -16,5 +18,5 @@ from .transpose import *  # noqa: F401,F403
 from . import portable  # noqa: E402,F401
 
 __all__ = [*norm.__all__, *activation.__all__, *rotary.__all__, *softmax.__all__,
-           *attention.__all__, *transpose.__all__, *ffn.__all__, *moe.__all__, *quant.__all__,
-           *kvcache.__all__]
+           *attention.__all__, *infer_attention.__all__, *transpose.__all__, *ffn.__all__,
+           *moe.__all__, *quant.__all__, *kvcache.__all__]

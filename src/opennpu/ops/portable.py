@@ -62,7 +62,8 @@ PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 PORTABLE_DEVICES: dict[str, frozenset] = {}
 
 IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
-NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor"}  # run eagerly, never traced into graphs
+NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor",
+                  "npu::npu_fused_infer_attention_score.out"}  # run eagerly, never traced into graphs
 # Ops whose portable form plans its copies from index data read on the host (the KV-cache ops):
 # run eagerly, never traced into graphs, and unlike _npu_dropout_gen_mask forced onto CPU too.
 HOST_SIDE: set[str] = set()
@@ -1003,6 +1004,241 @@ def _npu_dropout_gen_mask(self, size, p, seed, offset, *, parallel=True, sync=No
     bits = torch.ops.npu._npu_dropout_gen_mask.Tensor(probe, size, p, seed, offset,
                                                        parallel=parallel, sync=sync)
     return bits.to(self.device)
+
+
+# ----------------------------------------------------------------------------- inference attention
+
+
+def _fia_bnsd(t, layout, heads):
+    """[B, N, S, D] (varlen: [T, N, D]) view of a q/k/v tensor in `layout`."""
+    if layout == "BSH":
+        return t.unflatten(2, (heads, t.shape[2] // heads)).transpose(1, 2)
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "NSD":
+        return t.unsqueeze(0)
+    if layout == "NTD":
+        return t.transpose(0, 1)
+    return t
+
+
+def _fia_layout_out(t, layout):
+    """[B, N, S, D] (varlen [T, N, D]) -> the output layout."""
+    if layout == "BSH":
+        return t.transpose(1, 2).flatten(2)
+    if layout == "BSND":
+        return t.transpose(1, 2)
+    if layout == "NBSD":
+        return t.transpose(0, 1)
+    if layout == "NSD":
+        return t.squeeze(0)
+    if layout == "NTD":
+        return t.transpose(0, 1)
+    return t
+
+
+def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, query_rope,
+         key_rope, sink, num_heads, scale, pre_tokens, next_tokens, input_layout,
+         num_key_value_heads, sparse_mode, block_size, lse_flag, op):
+    from .infer_attention import LAYOUTS, output_shapes
+
+    lin, lout = LAYOUTS[input_layout.upper()]
+    n, kvn = num_heads, num_key_value_heads or num_heads
+    g = n // kvn
+    acc = _acc(query.dtype)
+    paged = block_table is not None
+    varlen = lin in ("TND", "NTD")
+    if sparse_mode not in (0, 1, 2, 3, 4):
+        raise NotImplementedError(f"{op}: sparse_mode {sparse_mode} (portable path)")
+    q = _fia_bnsd(query, lin, n)
+    qr = _fia_bnsd(query_rope, lin, n) if query_rope is not None else None
+
+    def cache(t):  # [blocks, block_size, KVN, D]
+        return t.unflatten(2, (kvn, t.shape[2] // kvn)) if t.dim() == 3 else t.transpose(1, 2)
+
+    if paged:
+        kc, vc = cache(key), cache(value)
+        krc = cache(key_rope) if key_rope is not None else None
+    else:
+        kc, vc = _fia_bnsd(key, lin, kvn), _fia_bnsd(value, lin, kvn)
+        krc = _fia_bnsd(key_rope, lin, kvn) if key_rope is not None else None
+    if varlen:
+        ends = list(seq)
+        q_starts, q_lens = [0] + ends[:-1], [e - s for s, e in zip([0] + ends[:-1], ends)]
+        batch = len(ends)
+        if paged:
+            kv_starts = [0] * batch
+            kv_lens = [seq_kv[0] if len(seq_kv) == 1 else seq_kv[b] for b in range(batch)]
+        else:
+            kv_ends = list(seq_kv)
+            kv_starts = [0] + kv_ends[:-1]
+            kv_lens = [e - s for s, e in zip(kv_starts, kv_ends)]
+        sq_all = q.shape[0]
+    else:
+        batch, sq_all = q.shape[0], q.shape[2]
+        full = kc.shape[2] if not paged else None
+        q_lens = [sq_all] * batch if seq is None or sq_all == 1 else \
+            [seq[0] if len(seq) == 1 else seq[b] for b in range(batch)]
+        kv_lens = [full] * batch if seq_kv is None else \
+            [seq_kv[0] if len(seq_kv) == 1 else seq_kv[b] for b in range(batch)]
+        q_starts = kv_starts = [0] * batch
+    decode = max(q_lens, default=0) <= 1 and (varlen or sq_all == 1)
+    ignore_sparse = decode and query_rope is None
+    shapes = output_shapes(query, value, input_layout, paged, n, num_key_value_heads, lse_flag)
+    dv = shapes[0][-1] if lout not in ("BSH",) else shapes[0][-1] // n
+    out_c = query.new_zeros((sq_all, n, dv) if varlen else (batch, n, sq_all, dv), dtype=acc)
+    lse_c = query.new_full((sq_all, n, 1) if varlen else (batch, n, sq_all, 1), -math.inf,
+                           dtype=torch.float32)
+    for b in range(batch):
+        sq, skv = q_lens[b], kv_lens[b]
+        if sq == 0:
+            continue
+        if varlen:
+            qb = q[q_starts[b]:q_starts[b] + sq].transpose(0, 1)
+            qrb = qr[q_starts[b]:q_starts[b] + sq].transpose(0, 1) if qr is not None else None
+        else:
+            qb = q[b, :, :sq]
+            qrb = qr[b, :, :sq] if qr is not None else None
+
+        def rows(c):
+            if c is None:
+                return None
+            if paged:
+                ids = block_table[b, :(skv + block_size - 1) // block_size].long()
+                return c[ids].flatten(0, 1)[:skv].transpose(0, 1)
+            if varlen:
+                return c[kv_starts[b]:kv_starts[b] + skv].transpose(0, 1)
+            return c[b, :, :skv]
+
+        kb, vb, krb = rows(kc), rows(vc), rows(krc)
+        kb = kb.to(acc).repeat_interleave(g, 0)
+        vb = vb.to(acc).repeat_interleave(g, 0)
+        s = qb.to(acc) @ kb.transpose(-1, -2)
+        if qrb is not None:
+            s = s + qrb.to(acc) @ krb.to(acc).repeat_interleave(g, 0).transpose(-1, -2)
+        s = s * scale
+        if pse_shift is not None:
+            s = s + pse_shift[b if pse_shift.shape[0] > 1 else 0, :, :sq, :skv].to(acc)
+        masked = None
+        if not ignore_sparse and (sparse_mode != 0 or atten_mask is not None):
+            masked = _visibility(sparse_mode, sq, skv, 1, None,
+                                 pre_tokens, next_tokens, None, query.device)
+        if atten_mask is not None and sparse_mode in (0, 1):
+            m = atten_mask
+            if decode and m.dim() == 2 and not varlen:
+                m = m[b if m.shape[0] > 1 else 0].unsqueeze(0)
+            elif m.dim() == 3:
+                m = m[b if m.shape[0] > 1 else 0]
+            elif m.dim() == 4:
+                m = m[b if m.shape[0] > 1 else 0]
+            m = m[..., :sq, :skv].bool() if m.shape[-2] > 1 else m[..., :1, :skv].bool()
+            masked = m if masked is None else masked | m
+        if masked is not None:
+            s = s.masked_fill(masked, -math.inf)
+        if sink is not None:
+            s = torch.cat([s, sink.to(acc).view(n, 1, 1).expand(n, sq, 1)], -1)
+            vb = torch.cat([vb, vb.new_zeros(n, 1, vb.shape[-1])], 1)
+        mx = s.amax(-1, keepdim=True) if s.shape[-1] > 0 else s.new_full((n, sq, 1), -math.inf)
+        mx_safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
+        e = torch.exp(s - mx_safe)
+        tot = e.sum(-1, keepdim=True)
+        ob = torch.where(tot > 0, (e @ vb) / torch.where(tot > 0, tot, torch.ones_like(tot)), 0.0)
+        lb = (torch.log(tot) + mx_safe).float()
+        if varlen:
+            out_c[q_starts[b]:q_starts[b] + sq] = ob.transpose(0, 1)
+            lse_c[q_starts[b]:q_starts[b] + sq] = lb.transpose(0, 1)
+        else:
+            out_c[b, :, :sq] = ob
+            lse_c[b, :, :sq] = lb
+    out = _fia_layout_out(out_c, lout).to(query.dtype).contiguous()
+    lse = lse_c if lse_flag else query.new_zeros(1, dtype=torch.float32)
+    return out, lse
+
+
+def _fia_reject(op, **tensors):
+    for name, t in tensors.items():
+        if t is not None:
+            raise RuntimeError(f"{op}: argument '{name}' is not supported by opennpu; pass None")
+
+
+@_portable("npu::npu_fused_infer_attention_score")
+def npu_fused_infer_attention_score(
+        query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None,
+        actual_seq_lengths_kv=None, dequant_scale1=None, quant_scale1=None, dequant_scale2=None,
+        quant_scale2=None, quant_offset2=None, antiquant_scale=None, antiquant_offset=None,
+        key_antiquant_scale=None, key_antiquant_offset=None, value_antiquant_scale=None,
+        value_antiquant_offset=None, block_table=None, query_padding_size=None,
+        kv_padding_size=None, key_shared_prefix=None, value_shared_prefix=None,
+        actual_shared_prefix_len=None, query_rope=None, key_rope=None,
+        key_rope_antiquant_scale=None, num_heads=1, scale=1.0, pre_tokens=_MAX_TOKENS,
+        next_tokens=_MAX_TOKENS, input_layout="BSH", num_key_value_heads=0, sparse_mode=0,
+        inner_precise=0, block_size=0, antiquant_mode=0, key_antiquant_mode=0,
+        value_antiquant_mode=0, softmax_lse_flag=False):
+    op = "npu_fused_infer_attention_score"
+    _fia_reject(op, dequant_scale1=dequant_scale1, quant_scale1=quant_scale1,
+                dequant_scale2=dequant_scale2, quant_scale2=quant_scale2,
+                quant_offset2=quant_offset2, antiquant_scale=antiquant_scale,
+                antiquant_offset=antiquant_offset, key_antiquant_scale=key_antiquant_scale,
+                key_antiquant_offset=key_antiquant_offset,
+                value_antiquant_scale=value_antiquant_scale,
+                value_antiquant_offset=value_antiquant_offset,
+                query_padding_size=query_padding_size, kv_padding_size=kv_padding_size,
+                key_shared_prefix=key_shared_prefix, value_shared_prefix=value_shared_prefix,
+                actual_shared_prefix_len=actual_shared_prefix_len)
+    return _fia(query, key, value, pse_shift, atten_mask, actual_seq_lengths,
+                actual_seq_lengths_kv, block_table, query_rope, key_rope, None, num_heads, scale,
+                pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode,
+                block_size, softmax_lse_flag, op)
+
+
+@_portable("npu::npu_fused_infer_attention_score.out")
+def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, attention_out,
+                                        softmax_lse, **kwargs):
+    out, lse = torch.ops.npu.npu_fused_infer_attention_score(query, key, value, **kwargs)
+    attention_out.resize_(out.shape).copy_(out)
+    softmax_lse.resize_(lse.shape).copy_(lse)
+    return attention_out, softmax_lse
+
+
+@_portable("npu::_npu_fused_infer_attention_score_get_max_workspace")
+def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
+    return query.new_empty(0, dtype=torch.uint8)
+
+
+@_portable("npu::_npu_fused_infer_attention_score_infer_output")
+def _npu_fused_infer_attention_score_infer_output(query, value, *, input_layout="BSH",
+                                                  quant_scale2=None, block_table=None,
+                                                  num_heads=1, num_key_value_heads=0,
+                                                  softmax_lse_flag=False, query_rope=None):
+    from .infer_attention import output_shapes
+
+    out, lse = output_shapes(query, value, input_layout, block_table is not None, num_heads,
+                             num_key_value_heads, softmax_lse_flag)
+    dtype = torch.int8 if quant_scale2 is not None else query.dtype
+    return query.new_zeros(out, dtype=dtype), query.new_zeros(lse, dtype=torch.float32)
+
+
+@_portable("npu::npu_fused_infer_attention_score_v2")
+def npu_fused_infer_attention_score_v2(
+        query, key, value, *, query_rope=None, key_rope=None, pse_shift=None, atten_mask=None,
+        actual_seq_qlen=None, actual_seq_kvlen=None, block_table=None, dequant_scale_query=None,
+        dequant_scale_key=None, dequant_offset_key=None, dequant_scale_value=None,
+        dequant_offset_value=None, dequant_scale_key_rope=None, quant_scale_out=None,
+        quant_offset_out=None, quant_scale_p=None, learnable_sink=None, num_query_heads=1,
+        num_key_value_heads=0, softmax_scale=1.0, pre_tokens=_MAX_TOKENS,
+        next_tokens=_MAX_TOKENS, input_layout="BSH", sparse_mode=0, block_size=0,
+        query_quant_mode=0, key_quant_mode=0, value_quant_mode=0, inner_precise=0,
+        return_softmax_lse=False, **_dtypes):
+    op = "npu_fused_infer_attention_score_v2"
+    _fia_reject(op, dequant_scale_query=dequant_scale_query, dequant_scale_key=dequant_scale_key,
+                dequant_offset_key=dequant_offset_key, dequant_scale_value=dequant_scale_value,
+                dequant_offset_value=dequant_offset_value, quant_scale_out=quant_scale_out,
+                quant_offset_out=quant_offset_out, quant_scale_p=quant_scale_p,
+                out_dtype=_dtypes.get("out_dtype"))
+    return _fia(query, key, value, pse_shift, atten_mask, actual_seq_qlen, actual_seq_kvlen,
+                block_table, query_rope, key_rope, learnable_sink, num_query_heads,
+                softmax_scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
+                sparse_mode, block_size, return_softmax_lse, op)
 
 
 # ----------------------------------------------------------------------------- registration

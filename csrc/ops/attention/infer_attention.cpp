@@ -1,0 +1,859 @@
+// Entry points of npu_fused_infer_attention_score (and .out, _get_max_workspace, _infer_output)
+// and npu_fused_infer_attention_score_v2: argument validation in torch_npu's terms, layouts,
+// sequence lengths, paged KV cache, masks; prefill on the training kernels (attention_fwd_cpu),
+// decode on infer_decode_cpu.
+#include "ops/attention/infer_attention.h"
+
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/log.h>
+#include <ATen/ops/zeros.h>
+#include <c10/core/SymIntArrayRef.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <limits>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common/checks.h"
+#include "common/dtype.h"
+
+namespace opennpu::attention {
+
+CpuKernel<InferDecodeFn> infer_decode_cpu;
+
+namespace {
+
+constexpr const char* kOp = "npu_fused_infer_attention_score";
+constexpr const char* kOpV2 = "npu_fused_infer_attention_score_v2";
+constexpr double kNegInf = -std::numeric_limits<double>::infinity();
+
+enum class L { BSH, BSND, BNSD, NBSD, TND, NTD, NSD };
+
+struct Layouts {
+  L in, out;
+};
+
+Layouts parse_layout(const char* op, c10::string_view text) {
+  std::string up(text);
+  for (char& c : up) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  static const std::pair<const char*, Layouts> table[] = {
+      {"BSH", {L::BSH, L::BSH}},         {"BSND", {L::BSND, L::BSND}},
+      {"BNSD", {L::BNSD, L::BNSD}},      {"TND", {L::TND, L::TND}},
+      {"NTD", {L::NTD, L::NTD}},         {"NSD", {L::NSD, L::NSD}},
+      {"BNSD_BSND", {L::BNSD, L::BSND}}, {"BSH_BNSD", {L::BSH, L::BNSD}},
+      {"BSND_BNSD", {L::BSND, L::BNSD}}, {"BSH_NBSD", {L::BSH, L::NBSD}},
+      {"BSND_NBSD", {L::BSND, L::NBSD}}, {"BNSD_NBSD", {L::BNSD, L::NBSD}},
+      {"TND_NTD", {L::TND, L::NTD}},     {"NTD_TND", {L::NTD, L::TND}},
+  };
+  for (const auto& [name, l] : table) {
+    if (up == name) return l;
+  }
+  OPENNPU_CHECK_ARG(false, op, "input_layout",
+                    "must be one of BSH, BSND, BNSD, TND, NTD, NSD, BNSD_BSND, BSH_BNSD, "
+                    "BSND_BNSD, BSH_NBSD, BSND_NBSD, BNSD_NBSD, TND_NTD, NTD_TND, but got '",
+                    std::string(text), "'");
+  return {};
+}
+
+bool varlen(L l) { return l == L::TND || l == L::NTD; }
+int64_t rank_of(L l) { return (l == L::BSND || l == L::BNSD) ? 4 : 3; }
+
+// [B, N, S, D] (or varlen [T, N, D]) view of a tensor in layout l with `heads` heads.
+at::Tensor canonical(const at::Tensor& t, L l, int64_t heads) {
+  switch (l) {
+    case L::BSH: return t.unflatten(2, {heads, t.size(2) / heads}).permute({0, 2, 1, 3});
+    case L::BSND: return t.permute({0, 2, 1, 3});
+    case L::BNSD: return t;
+    case L::NBSD: return t.permute({1, 0, 2, 3});
+    case L::NSD: return t.unsqueeze(0);
+    case L::TND: return t;
+    case L::NTD: return t.permute({1, 0, 2});
+  }
+  return t;
+}
+
+SeqView view_of(const at::Tensor& c) {
+  if (c.dim() == 3) return {0, c.stride(1), c.stride(0)};
+  return {c.stride(0), c.stride(1), c.stride(2)};
+}
+
+std::vector<int64_t> out_shape(L l, int64_t b, int64_t n, int64_t s, int64_t d) {
+  switch (l) {
+    case L::BSH: return {b, s, n * d};
+    case L::BSND: return {b, s, n, d};
+    case L::BNSD: return {b, n, s, d};
+    case L::NBSD: return {n, b, s, d};
+    case L::NSD: return {n, s, d};
+    case L::TND: return {s, n, d};
+    case L::NTD: return {n, s, d};
+  }
+  return {};
+}
+
+std::vector<int64_t> to_ints(at::OptionalSymIntArrayRef a) {
+  std::vector<int64_t> out;
+  if (!a.has_value()) return out;
+  for (const c10::SymInt& s : *a) out.push_back(s.guard_int(__FILE__, __LINE__));
+  return out;
+}
+
+void reject(const char* op, const char* arg, const std::optional<at::Tensor>& t, const char* what) {
+  OPENNPU_CHECK_ARG(!t.has_value(), op, arg, "is not supported by opennpu (", what,
+                    "); pass None");
+}
+
+// The arguments both versions share, in v1's names.
+struct Args {
+  const at::Tensor& query;
+  const at::Tensor& key;
+  const at::Tensor& value;
+  const std::optional<at::Tensor>& pse_shift;
+  const std::optional<at::Tensor>& atten_mask;
+  std::vector<int64_t> actual_seq_lengths, actual_seq_lengths_kv;
+  bool has_seq, has_seq_kv;
+  const std::optional<at::Tensor>& block_table;
+  const std::optional<at::Tensor>& query_rope;
+  const std::optional<at::Tensor>& key_rope;
+  const std::optional<at::Tensor>& sink;
+  int64_t num_heads;
+  double scale;
+  int64_t pre_tokens, next_tokens;
+  c10::string_view input_layout;
+  int64_t num_key_value_heads;
+  int64_t sparse_mode;
+  int64_t inner_precise;
+  int64_t block_size;
+  bool softmax_lse_flag;
+};
+
+// Shapes of the outputs (what _infer_output computes).
+struct Shapes {
+  Layouts l;
+  int64_t heads, kv_heads, batch, seq_q, dim_v;
+  std::vector<int64_t> out, lse;
+};
+
+Shapes output_shapes(const char* op, const at::Tensor& query, const at::Tensor& value,
+                     c10::string_view layout, bool paged, int64_t num_heads,
+                     int64_t num_key_value_heads, bool lse_flag) {
+  Shapes s;
+  s.l = parse_layout(op, layout);
+  OPENNPU_CHECK_ARG(num_heads > 0, op, "num_heads", "must be > 0, but got ", num_heads);
+  OPENNPU_CHECK_ARG(num_key_value_heads >= 0, op, "num_key_value_heads", "must be >= 0, but got ",
+                    num_key_value_heads);
+  s.heads = num_heads;
+  s.kv_heads = num_key_value_heads == 0 ? num_heads : num_key_value_heads;
+  OPENNPU_CHECK_ARG(num_heads % s.kv_heads == 0, op, "num_key_value_heads",
+                    "must divide num_heads ", num_heads, " (grouped-query attention), but got ",
+                    num_key_value_heads);
+  const L in = s.l.in;
+  OPENNPU_CHECK_ARG(query.dim() == rank_of(in), op, "query", "must be ", rank_of(in),
+                    "-D for input_layout '", std::string(layout), "', but got shape ",
+                    shape_str(query.sizes()));
+  OPENNPU_CHECK_ARG(in != L::BSH || query.size(2) % num_heads == 0, op, "query",
+                    "must have a hidden size divisible by num_heads ", num_heads,
+                    ", but got shape ", shape_str(query.sizes()));
+  const at::Tensor qc = canonical(query, in, num_heads);
+  OPENNPU_CHECK_ARG(qc.size(1) == num_heads, op, "num_heads",
+                    "must equal the head count of 'query' (", qc.size(1), "), but got ",
+                    num_heads);
+  s.batch = varlen(in) ? 1 : qc.size(0);
+  s.seq_q = varlen(in) ? qc.size(0) : qc.size(2);
+  // value's head size: its last dim, or H / kv_heads for hidden-size layouts (BSH, paged BnBsH).
+  const bool hidden = paged ? value.dim() == 3 : in == L::BSH;
+  if (hidden) {
+    OPENNPU_CHECK_ARG(value.dim() >= 1 && value.size(-1) % s.kv_heads == 0, op, "value",
+                      "must have a hidden size divisible by the key/value head count ",
+                      s.kv_heads, ", but got shape ", shape_str(value.sizes()));
+    s.dim_v = value.size(-1) / s.kv_heads;
+  } else {
+    OPENNPU_CHECK_ARG(value.dim() >= 1, op, "value", "must have a head dim, but got a scalar");
+    s.dim_v = value.size(-1);
+  }
+  OPENNPU_CHECK_ARG(varlen(in) == varlen(s.l.out), op, "input_layout", "is not supported: '",
+                    std::string(layout), "'");
+  s.out = out_shape(s.l.out, s.batch, num_heads, s.seq_q, s.dim_v);
+  if (lse_flag) {
+    s.lse = varlen(in) ? std::vector<int64_t>{s.seq_q, num_heads, 1}
+                       : std::vector<int64_t>{s.batch, num_heads, s.seq_q, 1};
+  } else {
+    s.lse = {1};
+  }
+  return s;
+}
+
+// Per-batch lengths: none -> `full`; one value -> every batch; else the first `batch` values.
+std::vector<int64_t> per_batch(const char* op, const char* arg, const std::vector<int64_t>& v,
+                               bool given, int64_t batch, int64_t full) {
+  if (!given) return std::vector<int64_t>(batch, full);
+  OPENNPU_CHECK_ARG(v.size() == 1 || static_cast<int64_t>(v.size()) >= batch, op, arg,
+                    "must hold one length or at least one per batch (", batch, "), but got ",
+                    c10::IntArrayRef(v));
+  std::vector<int64_t> out(batch);
+  for (int64_t b = 0; b < batch; ++b) {
+    out[b] = v.size() == 1 ? v[0] : v[b];
+    OPENNPU_CHECK_ARG(out[b] >= 0 && out[b] <= full, op, arg, "must hold lengths in [0, ", full,
+                      "], but got ", c10::IntArrayRef(v));
+  }
+  return out;
+}
+
+// Cumulative ends (TND) -> starts and lengths.
+void cumulative(const char* op, const char* arg, const std::vector<int64_t>& v, int64_t total,
+                std::vector<int64_t>& start, std::vector<int64_t>& len) {
+  int64_t prev = 0;
+  for (const int64_t end : v) {
+    OPENNPU_CHECK_ARG(end >= prev, op, arg,
+                      "must be non-decreasing cumulative sequence ends (lengths 2, 3 -> [2, 5]), "
+                      "but got ", c10::IntArrayRef(v));
+    start.push_back(prev);
+    len.push_back(end - prev);
+    prev = end;
+  }
+  OPENNPU_CHECK_ARG(prev <= total, op, arg, "ends at ", prev, " tokens, more than the tensor's T = ",
+                    total);
+}
+
+bool decode_kernel_enabled() {
+  const char* env = std::getenv("OPENNPU_FIA_DECODE");
+  return env == nullptr || std::string(env) != "0";
+}
+
+std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
+  const at::Tensor& query = a.query;
+  const bool paged = a.block_table.has_value();
+  const Shapes sh = output_shapes(op, query, a.value, a.input_layout, paged, a.num_heads,
+                                  a.num_key_value_heads, a.softmax_lse_flag);
+  const L in = sh.l.in;
+  const bool tnd = varlen(in);
+  const int64_t N = sh.heads, KVN = sh.kv_heads;
+
+  OPENNPU_CHECK_ARG(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16 ||
+                        query.scalar_type() == at::kFloat || query.scalar_type() == at::kDouble,
+                    op, "query", "must be float16, bfloat16, float32 or float64, but got ",
+                    query.scalar_type());
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"key", &a.key},
+                                {"value", &a.value}}) {
+    OPENNPU_CHECK_ARG(t->scalar_type() == query.scalar_type(), op, name,
+                      "must have the dtype of 'query' (", query.scalar_type(), "), but got ",
+                      t->scalar_type(),
+                      t->scalar_type() == at::kChar || t->scalar_type() == at::kInt
+                          ? " (int8/int4 key/value antiquant is not supported by opennpu)"
+                          : "");
+    check_same_device(op, name, *t, "query", query);
+  }
+  OPENNPU_CHECK_ARG(a.query_rope.has_value() == a.key_rope.has_value(), op,
+                    a.query_rope.has_value() ? "key_rope" : "query_rope",
+                    "must be given together with ",
+                    a.query_rope.has_value() ? "query_rope" : "key_rope");
+  OPENNPU_CHECK_ARG(a.sparse_mode >= 0 && a.sparse_mode <= 4, op, "sparse_mode",
+                    "must be 0, 1, 2, 3 or 4 (5-9 are not supported), but got ", a.sparse_mode);
+  OPENNPU_CHECK_ARG(a.inner_precise >= 0 && a.inner_precise <= 3, op, "inner_precise",
+                    "must be in [0, 3], but got ", a.inner_precise);
+
+  // Query view and the head size of q/k.
+  const at::Tensor q = canonical(query, in, N);
+  const int64_t D = q.size(-1);
+  const int64_t seq_q = sh.seq_q;
+
+  // Key / value views: contiguous [B, KVN, S, D] / [T, KVN, D], or the paged cache
+  // [blocks, block_size, KVN, D].
+  const auto kv_view = [&](const at::Tensor& t, const char* name) -> at::Tensor {
+    if (paged) {
+      OPENNPU_CHECK_ARG(t.dim() == 3 || t.dim() == 4, op, name,
+                        "must be a paged cache [num_blocks, block_size, H] or [num_blocks, "
+                        "num_key_value_heads, block_size, D] with block_table, but got shape ",
+                        shape_str(t.sizes()));
+      if (t.dim() == 3) {
+        OPENNPU_CHECK_ARG(t.size(2) % KVN == 0, op, name, "must have a hidden size divisible by ",
+                          KVN, " key/value heads, but got shape ", shape_str(t.sizes()));
+        return t.unflatten(2, {KVN, t.size(2) / KVN});
+      }
+      OPENNPU_CHECK_ARG(t.size(1) == KVN, op, name, "must have ", KVN,
+                        " key/value heads (dim 1 of [num_blocks, N, block_size, D]), but got "
+                        "shape ", shape_str(t.sizes()));
+      return t.permute({0, 2, 1, 3});
+    }
+    OPENNPU_CHECK_ARG(t.dim() == rank_of(in), op, name, "must be ", rank_of(in),
+                      "-D for input_layout '", std::string(a.input_layout), "', but got shape ",
+                      shape_str(t.sizes()));
+    if (in == L::BSH) {
+      OPENNPU_CHECK_ARG(t.size(2) % KVN == 0, op, name, "must have a hidden size divisible by ",
+                        KVN, " key/value heads, but got shape ", shape_str(t.sizes()));
+    }
+    const at::Tensor c = canonical(t, in, KVN);
+    OPENNPU_CHECK_ARG(c.size(1) == KVN, op, name, "must have ", KVN,
+                      " key/value heads (num_key_value_heads, or num_heads when 0), but got shape ",
+                      shape_str(t.sizes()));
+    return c;
+  };
+  const at::Tensor kc = kv_view(a.key, "key");
+  const at::Tensor vc = kv_view(a.value, "value");
+  OPENNPU_CHECK_ARG(kc.size(-1) == D, op, "key", "must have the head size of 'query' (", D,
+                    "), but got ", kc.size(-1), " (shape ", shape_str(a.key.sizes()), ")");
+  for (int64_t i = 0; i + 1 < kc.dim(); ++i) {
+    OPENNPU_CHECK_ARG(kc.size(i) == vc.size(i), op, "value",
+                      "must match 'key' in every dim but the head size (key ",
+                      shape_str(a.key.sizes()), "), but got shape ", shape_str(a.value.sizes()));
+  }
+  const int64_t Dv = vc.size(-1);
+  TORCH_INTERNAL_ASSERT(Dv == sh.dim_v);
+
+  AttentionProblem p;
+  p.heads_q = N;
+  p.heads_kv = KVN;
+  p.scale = a.scale;
+  p.tnd = tnd;
+  p.stats_token_major = tnd;
+
+  // Sequences.
+  int64_t batch = 0, kv_cap = 0;
+  int64_t table_cols = 0;
+  at::Tensor table;
+  if (paged) {
+    table = *a.block_table;
+    check_same_device(op, "block_table", table, "query", query);
+    OPENNPU_CHECK_ARG(table.scalar_type() == at::kInt && table.dim() == 2, op, "block_table",
+                      "must be an int32 [B, max_blocks_per_seq] tensor, but got ",
+                      table.scalar_type(), " ", shape_str(table.sizes()));
+    OPENNPU_CHECK_ARG(a.block_size > 0 && a.block_size == kc.size(1), op, "block_size",
+                      "must be the cache's block size ", kc.size(1), " (dim 1 of [num_blocks, "
+                      "block_size, H] / dim 2 of [num_blocks, N, block_size, D]), but got ",
+                      a.block_size);
+    OPENNPU_CHECK_ARG(a.has_seq_kv, op, "actual_seq_lengths_kv",
+                      "is required with block_table (the cached length of each sequence)");
+    table = table.contiguous();
+    table_cols = table.size(1);
+    kv_cap = table_cols * a.block_size;
+  }
+  if (tnd) {
+    OPENNPU_CHECK_ARG(a.has_seq, op, "actual_seq_lengths",
+                      "is required for input_layout TND/NTD (cumulative query ends), but got None");
+    cumulative(op, "actual_seq_lengths", a.actual_seq_lengths, seq_q, p.q_start, p.q_len);
+    batch = static_cast<int64_t>(p.q_len.size());
+    if (paged) {
+      // vllm-ascend's convention: per-sequence cached lengths, not cumulative ends.
+      p.kv_len = per_batch(op, "actual_seq_lengths_kv", a.actual_seq_lengths_kv, true, batch, kv_cap);
+      p.kv_start.assign(batch, 0);
+    } else {
+      OPENNPU_CHECK_ARG(a.has_seq_kv, op, "actual_seq_lengths_kv",
+                        "is required for input_layout TND/NTD (cumulative key ends), but got None");
+      OPENNPU_CHECK_ARG(a.actual_seq_lengths_kv.size() == p.q_len.size(), op,
+                        "actual_seq_lengths_kv", "must have as many entries as actual_seq_lengths (",
+                        p.q_len.size(), "), but got ", a.actual_seq_lengths_kv.size());
+      cumulative(op, "actual_seq_lengths_kv", a.actual_seq_lengths_kv, kc.size(0), p.kv_start,
+                 p.kv_len);
+    }
+  } else {
+    batch = q.size(0);
+    if (!paged) {
+      OPENNPU_CHECK_ARG(kc.size(0) == batch, op, "key", "must have the batch size of 'query' (",
+                        batch, "), but got shape ", shape_str(a.key.sizes()));
+      kv_cap = kc.size(2);
+    }
+    p.q_start.assign(batch, 0);
+    p.kv_start.assign(batch, 0);
+    // Q_S = 1: actual_seq_lengths has no effect (torch_npu's decode branch ignores it).
+    p.q_len = seq_q == 1 ? std::vector<int64_t>(batch, 1)
+                         : per_batch(op, "actual_seq_lengths", a.actual_seq_lengths, a.has_seq,
+                                     batch, seq_q);
+    p.kv_len = per_batch(op, "actual_seq_lengths_kv", a.actual_seq_lengths_kv, a.has_seq_kv,
+                         batch, kv_cap);
+  }
+  p.batch = batch;
+  p.stats_rows_per_head = seq_q;
+  p.bit_start.assign(batch, 0);
+  if (paged) {
+    OPENNPU_CHECK_ARG(table.size(0) >= batch, op, "block_table", "must have a row per batch (",
+                      batch, "), but got shape ", shape_str(table.sizes()));
+    const int32_t* t = table.const_data_ptr<int32_t>();
+    const int64_t blocks = kc.size(0);
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t need = (p.kv_len[b] + a.block_size - 1) / a.block_size;
+      for (int64_t j = 0; j < need; ++j) {
+        const int64_t id = t[b * table_cols + j];
+        OPENNPU_CHECK_ARG(id >= 0 && id < blocks, op, "block_table", "holds block id ", id,
+                          " at [", b, ", ", j, "], outside the cache's ", blocks, " blocks");
+      }
+    }
+  }
+  int64_t max_q = 0, max_kv = 0, sum_q = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    max_q = std::max(max_q, p.q_len[b]);
+    max_kv = std::max(max_kv, p.kv_len[b]);
+    sum_q += p.q_len[b];
+  }
+  const bool decode = max_q <= 1 && (tnd || seq_q == 1);
+  const bool rope = a.query_rope.has_value();
+  // torch_npu: with one query row and no rope, sparse_mode, pre_tokens and next_tokens are ignored.
+  const bool ignore_sparse = decode && !rope;
+
+  // Rope parts (MLA): scores = q . k + q_rope . k_rope.
+  at::Tensor qr, kr;
+  int64_t Dr = 0;
+  if (rope) {
+    const at::Tensor& qrt = *a.query_rope;
+    const at::Tensor& krt = *a.key_rope;
+    for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"query_rope", &qrt},
+                                  {"key_rope", &krt}}) {
+      OPENNPU_CHECK_ARG(t->scalar_type() == query.scalar_type(), op, name,
+                        "must have the dtype of 'query' (", query.scalar_type(), "), but got ",
+                        t->scalar_type());
+      check_same_device(op, name, *t, "query", query);
+    }
+    OPENNPU_CHECK_ARG(qrt.dim() == query.dim(), op, "query_rope", "must have query's rank (",
+                      query.dim(), "), but got shape ", shape_str(qrt.sizes()));
+    if (in == L::BSH) {
+      OPENNPU_CHECK_ARG(qrt.size(2) % N == 0, op, "query_rope",
+                        "must have a hidden size divisible by num_heads, but got shape ",
+                        shape_str(qrt.sizes()));
+    }
+    qr = canonical(qrt, in, N);
+    Dr = qr.size(-1);
+    for (int64_t i = 0; i + 1 < q.dim(); ++i) {
+      OPENNPU_CHECK_ARG(qr.size(i) == q.size(i), op, "query_rope",
+                        "must match 'query' in every dim but the head size (query ",
+                        shape_str(query.sizes()), "), but got shape ", shape_str(qrt.sizes()));
+    }
+    OPENNPU_CHECK_ARG(krt.dim() == a.key.dim(), op, "key_rope", "must have key's rank (",
+                      a.key.dim(), "), but got shape ", shape_str(krt.sizes()));
+    if ((paged && krt.dim() == 3) || (!paged && in == L::BSH)) {
+      OPENNPU_CHECK_ARG(krt.size(-1) % KVN == 0, op, "key_rope",
+                        "must have a hidden size divisible by the key/value head count, but got "
+                        "shape ", shape_str(krt.sizes()));
+    }
+    kr = kv_view(krt, "key_rope");
+    bool ok = kr.size(-1) == Dr;
+    for (int64_t i = 0; i + 1 < kc.dim(); ++i) ok = ok && kr.size(i) == kc.size(i);
+    OPENNPU_CHECK_ARG(ok, op, "key_rope", "must match 'key' but for a head size of ", Dr,
+                      " (query_rope's), but got shape ", shape_str(krt.sizes()));
+  }
+
+  // Masks.
+  at::Tensor mask;
+  if (a.atten_mask.has_value()) {
+    const at::Tensor& m = *a.atten_mask;
+    check_same_device(op, "atten_mask", m, "query", query);
+    OPENNPU_CHECK_ARG(m.scalar_type() == at::kBool || m.scalar_type() == at::kByte ||
+                          m.scalar_type() == at::kChar,
+                      op, "atten_mask", "must be bool, int8 or uint8 (nonzero = masked out), but got ",
+                      m.scalar_type());
+  }
+  const bool reads_mask = a.atten_mask.has_value() && (a.sparse_mode == 0 || a.sparse_mode == 1);
+  if (!ignore_sparse) {
+    p.sparse_mode = a.sparse_mode;
+    p.pre_tokens = a.pre_tokens;
+    p.next_tokens = a.next_tokens;
+    // Modes 2-4 describe the mask (the tensor is the compressed 2048 x 2048 placeholder).
+    p.apply_band = a.atten_mask.has_value() || a.sparse_mode >= 2;
+    if (a.sparse_mode == 0 && !a.atten_mask.has_value()) p.apply_band = false;
+  }
+  if (reads_mask) {
+    const at::Tensor& m = *a.atten_mask;
+    mask = (m.scalar_type() == at::kByte ? m : m.view(at::kByte));
+    if (mask.dim() > 0 && mask.stride(-1) != 1) mask = mask.contiguous();
+    int64_t rows = 0, cols = 0;
+    bool ok = true;
+    if (mask.dim() == 2 && decode && !tnd) {  // (B, KV_S)
+      ok = mask.size(0) == batch || mask.size(0) == 1;
+      p.mask_stride_b = mask.size(0) == 1 ? 0 : mask.stride(0);
+      rows = 1;
+    } else if (mask.dim() == 2) {  // (Q_S, KV_S)
+      p.mask_stride_i = mask.stride(0);
+      rows = mask.size(0);
+    } else if (mask.dim() == 3) {  // (B | 1, Q_S, KV_S)
+      ok = !tnd && (mask.size(0) == batch || mask.size(0) == 1);
+      p.mask_stride_b = mask.size(0) == 1 ? 0 : mask.stride(0);
+      p.mask_stride_i = mask.stride(1);
+      rows = mask.size(1);
+    } else if (mask.dim() == 4) {  // (B | 1, 1 | N, Q_S, KV_S)
+      ok = !tnd && (mask.size(0) == batch || mask.size(0) == 1) &&
+           (mask.size(1) == 1 || mask.size(1) == N);
+      p.mask_stride_b = mask.size(0) == 1 ? 0 : mask.stride(0);
+      p.mask_stride_n = mask.size(1) == 1 ? 0 : mask.stride(1);
+      p.mask_stride_i = mask.stride(2);
+      rows = mask.size(2);
+    } else {
+      ok = false;
+    }
+    if (mask.dim() > 0) cols = mask.size(-1);
+    ok = ok && rows >= max_q && cols >= max_kv;
+    OPENNPU_CHECK_ARG(ok, op, "atten_mask",
+                      "must be (Q_S, KV_S), (B | 1, Q_S, KV_S) or (B | 1, 1 | N, Q_S, KV_S) "
+                      "(decode also (B, KV_S)) covering ", max_q, " query rows and ", max_kv,
+                      " keys for batch ", batch, ", but got shape ", shape_str(m.sizes()));
+    if (rows == 1) p.mask_stride_i = 0;
+    p.user_mask = mask.const_data_ptr<uint8_t>();
+  }
+  at::Tensor sink;
+  if (a.sink.has_value()) {
+    check_same_device(op, "learnable_sink", *a.sink, "query", query);
+    OPENNPU_CHECK_ARG(a.sink->dim() == 1 && a.sink->size(0) == N && a.sink->is_floating_point(),
+                      op, "learnable_sink", "must be a floating [num_query_heads] = [", N,
+                      "] tensor, but got ", a.sink->scalar_type(), " ", shape_str(a.sink->sizes()));
+    sink = a.sink->to(at::kFloat).contiguous();
+    p.sink = sink.const_data_ptr<float>();
+  }
+
+  // Outputs.
+  const auto opts = query.options();
+  at::Tensor out = at::empty(sh.out, opts);
+  const bool rows_left = tnd ? sum_q < seq_q : max_q < seq_q || [&] {
+    for (int64_t b = 0; b < batch; ++b) if (p.q_len[b] < seq_q) return true;
+    return false;
+  }();
+  if (rows_left || out.numel() == 0) out.zero_();
+  at::Tensor lse = a.softmax_lse_flag ? at::empty(sh.lse, opts.dtype(at::kFloat))
+                                      : at::zeros({1}, opts.dtype(at::kFloat));
+  if (out.numel() == 0 || batch == 0) {
+    if (a.softmax_lse_flag) lse.fill_(kNegInf);
+    return {out, lse};
+  }
+
+  const bool fast_dtype = query.scalar_type() != at::kDouble;
+  if (decode && !a.pse_shift.has_value() && fast_dtype && decode_kernel_enabled()) {
+    const auto last_contig = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+    const at::Tensor qv = last_contig(q), kv = last_contig(kc), vv = last_contig(vc);
+    const at::Tensor qrv = rope ? last_contig(qr) : at::Tensor(), krv = rope ? last_contig(kr) : at::Tensor();
+    DecodeProblem d;
+    d.p = &p;
+    p.head_dim = D;
+    p.head_dim_v = Dv;
+    p.q = view_of(qv);
+    const at::Tensor oc = canonical(out, sh.l.out, N);
+    p.out = view_of(oc);
+    d.q = qv.const_data_ptr();
+    const auto rows_of = [&](const at::Tensor& t) {
+      KvRows r;
+      r.base = t.const_data_ptr();
+      if (paged) {
+        r.stride_blk = t.stride(0);
+        r.stride_s = t.stride(1);
+        r.stride_n = t.stride(2);
+      } else {
+        const SeqView sv = view_of(t);
+        r.stride_blk = sv.stride_b;
+        r.stride_s = sv.stride_s;
+        r.stride_n = sv.stride_n;
+      }
+      return r;
+    };
+    d.cache.k = rows_of(kv);
+    d.cache.v = rows_of(vv);
+    if (rope) {
+      d.cache.k_rope = rows_of(krv);
+      d.q_rope = qrv.const_data_ptr();
+      d.q_rope_view = view_of(qrv);
+      d.rope_dim = Dr;
+    }
+    if (paged) {
+      d.cache.block_table = table.const_data_ptr<int32_t>();
+      d.cache.table_stride = table_cols;
+      d.cache.block_size = a.block_size;
+    }
+    d.visible.resize(batch);
+    for (int64_t b = 0; b < batch; ++b) {
+      d.visible[b] = p.kv_len[b] == 0 || p.q_len[b] == 0 ? KeyInterval{0, -1} : visible_keys(p, b, 0);
+    }
+    if (a.softmax_lse_flag) {
+      lse.fill_(kNegInf);
+      d.lse = lse.data_ptr<float>();
+    }
+    // out's canonical view: writes go through p.out into `out`.
+    infer_decode_cpu.get(op)(d, query.scalar_type(), oc.data_ptr());
+    return {out, lse};
+  }
+
+  // Prefill (and decode with pse_shift / float64): the training forward kernel.
+  const at::ScalarType acc = acc_dtype(query);
+  const at::ScalarType compute = use_half_gemm(query.scalar_type()) ? query.scalar_type() : acc;
+  p.tiles = requested_tiles(op);
+  const auto conv = [&](const at::Tensor& t) { return t.to(compute); };
+  at::Tensor qx = conv(q), kx, vx;
+  if (paged) {
+    // Gather the blocks each sequence uses into [B, KVN, S, D]: O(S * D) next to O(Sq * S * D).
+    const int64_t cols = (max_kv + a.block_size - 1) / a.block_size;
+    at::Tensor idx = at::zeros({batch, std::max<int64_t>(cols, 1)}, table.options().dtype(at::kLong));
+    const int32_t* t = table.const_data_ptr<int32_t>();
+    int64_t* ix = idx.data_ptr<int64_t>();
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t need = (p.kv_len[b] + a.block_size - 1) / a.block_size;
+      for (int64_t j = 0; j < need; ++j) ix[b * idx.size(1) + j] = t[b * table_cols + j];
+    }
+    const auto gather = [&](const at::Tensor& c) {
+      return conv(c.index_select(0, idx.flatten()))
+          .reshape({batch, idx.size(1) * a.block_size, KVN, c.size(-1)})
+          .permute({0, 2, 1, 3});
+    };
+    kx = gather(kc);
+    vx = gather(vc);
+    if (rope) kr = gather(kr);
+  } else {
+    kx = conv(kc);
+    vx = conv(vc);
+    if (rope) kr = conv(kr);
+  }
+  if (rope) {
+    qx = at::cat({qx, conv(qr)}, -1);
+    kx = at::cat({kx, kr}, -1);
+  }
+  const auto contig_last = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
+  qx = contig_last(qx);
+  kx = contig_last(kx);
+  vx = contig_last(vx);
+  p.head_dim = D + Dr;
+  p.head_dim_v = Dv;
+  p.q = view_of(qx);
+  p.k = view_of(kx);
+  p.v = view_of(vx);
+  at::Tensor pse;
+  if (a.pse_shift.has_value()) {
+    const at::Tensor& ps = *a.pse_shift;
+    check_same_device(op, "pse_shift", ps, "query", query);
+    OPENNPU_CHECK_ARG(ps.is_floating_point() && ps.dim() == 4 &&
+                          (ps.size(0) == 1 || ps.size(0) == batch) && ps.size(1) == N &&
+                          ps.size(2) >= max_q && ps.size(3) >= max_kv && !tnd,
+                      op, "pse_shift", "must be a floating (B | 1, Q_N, Q_S, KV_S) = (", batch, ", ",
+                      N, ", ", max_q, ", ", max_kv, ") tensor (not with TND), but got ",
+                      ps.scalar_type(), " ", shape_str(ps.sizes()));
+    OPENNPU_CHECK_ARG(a.scale != 0.0, op, "scale", "must be nonzero with pse_shift");
+    // The kernel computes scale * (q k + pse): pse_shift / scale gives scale * q k + pse_shift.
+    pse = ps.to(acc).div(a.scale).contiguous();
+    p.pse = pse.const_data_ptr();
+    p.pse_stride_b = ps.size(0) == 1 ? 0 : pse.stride(0);
+    p.pse_stride_n = pse.stride(1);
+    p.pse_stride_i = ps.size(2) == 1 ? 0 : pse.stride(2);
+  }
+  at::Tensor out_c = compute == query.scalar_type() ? out : at::zeros(sh.out, opts.dtype(compute));
+  const at::Tensor oc = canonical(out_c, sh.l.out, N);
+  p.out = view_of(oc);
+  const std::vector<int64_t> stats_shape =
+      tnd ? std::vector<int64_t>{seq_q, N, 8} : std::vector<int64_t>{batch, N, seq_q, 8};
+  const at::ScalarType st = acc == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor smax = at::full(stats_shape, kNegInf, opts.dtype(st));
+  at::Tensor ssum = at::zeros(stats_shape, opts.dtype(st));
+  if (sum_q > 0) attention_fwd_cpu.get(op)(p, qx, kx, vx, out_c, smax, ssum);
+  if (!out_c.is_same(out)) out.copy_(out_c);
+  if (a.softmax_lse_flag) {
+    lse.copy_(smax.select(-1, 0).add(ssum.select(-1, 0).log()).unsqueeze(-1));
+  }
+  return {out, lse};
+}
+
+// torch_npu's out-of-scope arguments of v1, rejected with a clear message.
+void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
+               const std::optional<at::Tensor>& quant_scale1,
+               const std::optional<at::Tensor>& dequant_scale2,
+               const std::optional<at::Tensor>& quant_scale2,
+               const std::optional<at::Tensor>& quant_offset2,
+               const std::optional<at::Tensor>& antiquant_scale,
+               const std::optional<at::Tensor>& antiquant_offset,
+               const std::optional<at::Tensor>& key_antiquant_scale,
+               const std::optional<at::Tensor>& key_antiquant_offset,
+               const std::optional<at::Tensor>& value_antiquant_scale,
+               const std::optional<at::Tensor>& value_antiquant_offset,
+               const std::optional<at::Tensor>& query_padding_size,
+               const std::optional<at::Tensor>& kv_padding_size,
+               const std::optional<at::Tensor>& key_shared_prefix,
+               const std::optional<at::Tensor>& value_shared_prefix,
+               at::OptionalSymIntArrayRef actual_shared_prefix_len) {
+  reject(kOp, "dequant_scale1", dequant_scale1, "int8 full quantisation");
+  reject(kOp, "quant_scale1", quant_scale1, "int8 full quantisation");
+  reject(kOp, "dequant_scale2", dequant_scale2, "int8 full quantisation");
+  reject(kOp, "quant_scale2", quant_scale2, "int8 output quantisation");
+  reject(kOp, "quant_offset2", quant_offset2, "int8 output quantisation");
+  reject(kOp, "antiquant_scale", antiquant_scale, "int8 key/value antiquant");
+  reject(kOp, "antiquant_offset", antiquant_offset, "int8 key/value antiquant");
+  reject(kOp, "key_antiquant_scale", key_antiquant_scale, "int8 key/value antiquant");
+  reject(kOp, "key_antiquant_offset", key_antiquant_offset, "int8 key/value antiquant");
+  reject(kOp, "value_antiquant_scale", value_antiquant_scale, "int8 key/value antiquant");
+  reject(kOp, "value_antiquant_offset", value_antiquant_offset, "int8 key/value antiquant");
+  reject(kOp, "query_padding_size", query_padding_size, "left padding");
+  reject(kOp, "kv_padding_size", kv_padding_size, "left padding");
+  reject(kOp, "key_shared_prefix", key_shared_prefix, "shared prefix");
+  reject(kOp, "value_shared_prefix", value_shared_prefix, "shared prefix");
+  OPENNPU_CHECK_ARG(!actual_shared_prefix_len.has_value(), kOp, "actual_shared_prefix_len",
+                    "is not supported by opennpu (shared prefix); pass None");
+}
+
+#define FIA_V1_PARAMS                                                                             \
+  const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,                        \
+      const std::optional<at::Tensor>&pse_shift, const std::optional<at::Tensor>&atten_mask,      \
+      at::OptionalSymIntArrayRef actual_seq_lengths,                                              \
+      at::OptionalSymIntArrayRef actual_seq_lengths_kv,                                           \
+      const std::optional<at::Tensor>&dequant_scale1,                                             \
+      const std::optional<at::Tensor>&quant_scale1,                                               \
+      const std::optional<at::Tensor>&dequant_scale2,                                             \
+      const std::optional<at::Tensor>&quant_scale2,                                               \
+      const std::optional<at::Tensor>&quant_offset2,                                              \
+      const std::optional<at::Tensor>&antiquant_scale,                                            \
+      const std::optional<at::Tensor>&antiquant_offset,                                           \
+      const std::optional<at::Tensor>&key_antiquant_scale,                                        \
+      const std::optional<at::Tensor>&key_antiquant_offset,                                       \
+      const std::optional<at::Tensor>&value_antiquant_scale,                                      \
+      const std::optional<at::Tensor>&value_antiquant_offset,                                     \
+      const std::optional<at::Tensor>&block_table,                                                \
+      const std::optional<at::Tensor>&query_padding_size,                                         \
+      const std::optional<at::Tensor>&kv_padding_size,                                            \
+      const std::optional<at::Tensor>&key_shared_prefix,                                          \
+      const std::optional<at::Tensor>&value_shared_prefix,                                        \
+      at::OptionalSymIntArrayRef actual_shared_prefix_len,                                        \
+      const std::optional<at::Tensor>&query_rope, const std::optional<at::Tensor>&key_rope,       \
+      const std::optional<at::Tensor>&key_rope_antiquant_scale, int64_t num_heads, double scale,  \
+      int64_t pre_tokens, int64_t next_tokens, c10::string_view input_layout,                     \
+      int64_t num_key_value_heads, int64_t sparse_mode, int64_t inner_precise,                    \
+      int64_t block_size, int64_t antiquant_mode, int64_t key_antiquant_mode,                     \
+      int64_t value_antiquant_mode, bool softmax_lse_flag
+
+std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
+  reject_v1(dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2,
+            antiquant_scale, antiquant_offset, key_antiquant_scale, key_antiquant_offset,
+            value_antiquant_scale, value_antiquant_offset, query_padding_size, kv_padding_size,
+            key_shared_prefix, value_shared_prefix, actual_shared_prefix_len);
+  (void)key_rope_antiquant_scale;  // reserved by torch_npu
+  for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"antiquant_mode", antiquant_mode},
+                                   {"key_antiquant_mode", key_antiquant_mode},
+                                   {"value_antiquant_mode", value_antiquant_mode}}) {
+    OPENNPU_CHECK_ARG(mode >= 0 && mode <= 5, kOp, name, "must be in [0, 5], but got ", mode);
+  }
+  const std::optional<at::Tensor> no_sink;
+  return run(kOp, Args{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_lengths),
+                       to_ints(actual_seq_lengths_kv), actual_seq_lengths.has_value(),
+                       actual_seq_lengths_kv.has_value(), block_table, query_rope, key_rope,
+                       no_sink, num_heads, scale, pre_tokens, next_tokens, input_layout,
+                       num_key_value_heads, sparse_mode, inner_precise, block_size,
+                       softmax_lse_flag});
+}
+
+void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char* arg) {
+  OPENNPU_CHECK_ARG(dst.scalar_type() == src.scalar_type(), op, arg, "must be ",
+                    src.scalar_type(), ", but got ", dst.scalar_type());
+  if (!dst.sizes().equals(src.sizes())) dst.resize_(src.sizes());
+  dst.copy_(src);
+}
+
+std::tuple<at::Tensor&, at::Tensor&> fia_v1_out(FIA_V1_PARAMS,
+                                                const std::optional<at::Tensor>& /*workspace*/,
+                                                at::Tensor& attention_out,
+                                                at::Tensor& softmax_lse) {
+  auto [out, lse] = fia_v1(
+      query, key, value, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+      dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2, antiquant_scale,
+      antiquant_offset, key_antiquant_scale, key_antiquant_offset, value_antiquant_scale,
+      value_antiquant_offset, block_table, query_padding_size, kv_padding_size, key_shared_prefix,
+      value_shared_prefix, actual_shared_prefix_len, query_rope, key_rope,
+      key_rope_antiquant_scale, num_heads, scale, pre_tokens, next_tokens, input_layout,
+      num_key_value_heads, sparse_mode, inner_precise, block_size, antiquant_mode,
+      key_antiquant_mode, value_antiquant_mode, softmax_lse_flag);
+  copy_out(attention_out, out, kOp, "attention_out");
+  copy_out(softmax_lse, lse, kOp, "softmax_lse");
+  return {attention_out, softmax_lse};
+}
+
+// The CPU kernels need no workspace: an empty uint8 tensor.
+at::Tensor fia_v1_workspace(FIA_V1_PARAMS) {
+  (void)key; (void)pse_shift; (void)atten_mask; (void)actual_seq_lengths;
+  (void)actual_seq_lengths_kv; (void)dequant_scale1; (void)quant_scale1; (void)dequant_scale2;
+  (void)quant_scale2; (void)quant_offset2; (void)antiquant_scale; (void)antiquant_offset;
+  (void)key_antiquant_scale; (void)key_antiquant_offset; (void)value_antiquant_scale;
+  (void)value_antiquant_offset; (void)block_table; (void)query_padding_size;
+  (void)kv_padding_size; (void)key_shared_prefix; (void)value_shared_prefix;
+  (void)actual_shared_prefix_len; (void)query_rope; (void)key_rope; (void)key_rope_antiquant_scale;
+  (void)num_heads; (void)scale; (void)pre_tokens; (void)next_tokens; (void)input_layout;
+  (void)num_key_value_heads; (void)sparse_mode; (void)inner_precise; (void)block_size;
+  (void)antiquant_mode; (void)key_antiquant_mode; (void)value_antiquant_mode;
+  (void)softmax_lse_flag; (void)value;
+  return at::empty({0}, query.options().dtype(at::kByte));
+}
+
+std::tuple<at::Tensor, at::Tensor> infer_output(const char* op, const at::Tensor& query,
+                                                const at::Tensor& value, c10::string_view layout,
+                                                const std::optional<at::Tensor>& quant_scale,
+                                                const std::optional<at::Tensor>& block_table,
+                                                int64_t num_heads, int64_t num_key_value_heads,
+                                                bool lse_flag) {
+  const Shapes sh = output_shapes(op, query, value, layout, block_table.has_value(), num_heads,
+                                  num_key_value_heads, lse_flag);
+  const at::ScalarType dt = quant_scale.has_value() ? at::kChar : query.scalar_type();
+  return {at::zeros(sh.out, query.options().dtype(dt)),
+          at::zeros(sh.lse, query.options().dtype(at::kFloat))};
+}
+
+std::tuple<at::Tensor, at::Tensor> fia_v1_infer_output(
+    const at::Tensor& query, const at::Tensor& value, c10::string_view input_layout,
+    const std::optional<at::Tensor>& quant_scale2, const std::optional<at::Tensor>& block_table,
+    int64_t num_heads, int64_t num_key_value_heads, bool softmax_lse_flag,
+    const std::optional<at::Tensor>& /*query_rope*/) {
+  return infer_output("_npu_fused_infer_attention_score_infer_output", query, value,
+                      input_layout, quant_scale2, block_table, num_heads, num_key_value_heads,
+                      softmax_lse_flag);
+}
+
+std::tuple<at::Tensor, at::Tensor> fia_v2(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const std::optional<at::Tensor>& query_rope, const std::optional<at::Tensor>& key_rope,
+    const std::optional<at::Tensor>& pse_shift, const std::optional<at::Tensor>& atten_mask,
+    at::OptionalSymIntArrayRef actual_seq_qlen, at::OptionalSymIntArrayRef actual_seq_kvlen,
+    const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& dequant_scale_query,
+    const std::optional<at::Tensor>& dequant_scale_key,
+    const std::optional<at::Tensor>& dequant_offset_key,
+    const std::optional<at::Tensor>& dequant_scale_value,
+    const std::optional<at::Tensor>& dequant_offset_value,
+    const std::optional<at::Tensor>& /*dequant_scale_key_rope*/,
+    const std::optional<at::Tensor>& quant_scale_out,
+    const std::optional<at::Tensor>& quant_offset_out,
+    const std::optional<at::Tensor>& quant_scale_p,
+    const std::optional<at::Tensor>& learnable_sink, int64_t num_query_heads,
+    int64_t num_key_value_heads, double softmax_scale, int64_t pre_tokens, int64_t next_tokens,
+    c10::string_view input_layout, int64_t sparse_mode, int64_t block_size,
+    int64_t query_quant_mode, int64_t key_quant_mode, int64_t value_quant_mode,
+    int64_t inner_precise, bool return_softmax_lse, std::optional<int64_t> /*query_dtype*/,
+    std::optional<int64_t> /*key_dtype*/, std::optional<int64_t> /*value_dtype*/,
+    std::optional<int64_t> /*query_rope_dtype*/, std::optional<int64_t> /*key_rope_dtype*/,
+    std::optional<int64_t> /*key_shared_prefix_dtype*/,
+    std::optional<int64_t> /*value_shared_prefix_dtype*/,
+    std::optional<int64_t> /*dequant_scale_query_dtype*/,
+    std::optional<int64_t> /*dequant_scale_key_dtype*/,
+    std::optional<int64_t> /*dequant_scale_value_dtype*/,
+    std::optional<int64_t> /*dequant_scale_key_rope_dtype*/, std::optional<int64_t> out_dtype) {
+  reject(kOpV2, "dequant_scale_query", dequant_scale_query, "query dequantisation");
+  reject(kOpV2, "dequant_scale_key", dequant_scale_key, "int8 key/value antiquant");
+  reject(kOpV2, "dequant_offset_key", dequant_offset_key, "int8 key/value antiquant");
+  reject(kOpV2, "dequant_scale_value", dequant_scale_value, "int8 key/value antiquant");
+  reject(kOpV2, "dequant_offset_value", dequant_offset_value, "int8 key/value antiquant");
+  reject(kOpV2, "quant_scale_out", quant_scale_out, "quantised output");
+  reject(kOpV2, "quant_offset_out", quant_offset_out, "quantised output");
+  reject(kOpV2, "quant_scale_p", quant_scale_p, "quantised probabilities");
+  OPENNPU_CHECK_ARG(query_quant_mode == 0 && key_quant_mode == 0 && value_quant_mode == 0, kOpV2,
+                    "key_quant_mode", "quant modes other than 0 are not supported by opennpu, "
+                    "but got query/key/value ", query_quant_mode, "/", key_quant_mode, "/",
+                    value_quant_mode);
+  OPENNPU_CHECK_ARG(!out_dtype.has_value(), kOpV2, "out_dtype",
+                    "is not supported by opennpu (the output has query's dtype); pass None");
+  return run(kOpV2, Args{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_qlen),
+                         to_ints(actual_seq_kvlen), actual_seq_qlen.has_value(),
+                         actual_seq_kvlen.has_value(), block_table, query_rope, key_rope,
+                         learnable_sink, num_query_heads, softmax_scale, pre_tokens, next_tokens,
+                         input_layout, num_key_value_heads, sparse_mode, inner_precise,
+                         block_size, return_softmax_lse});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_fused_infer_attention_score", &fia_v1);
+  m.impl("npu_fused_infer_attention_score.out", &fia_v1_out);
+  m.impl("_npu_fused_infer_attention_score_get_max_workspace", &fia_v1_workspace);
+  m.impl("_npu_fused_infer_attention_score_infer_output", &fia_v1_infer_output);
+  m.impl("npu_fused_infer_attention_score_v2", &fia_v2);
+}
+
+}  // namespace opennpu::attention
