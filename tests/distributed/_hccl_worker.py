@@ -236,6 +236,28 @@ def case_peer_dies(rank: int, world: int) -> dict:
     return {"error": None, "seconds": time.monotonic() - start}
 
 
+def case_reinit(rank: int, world: int) -> dict:
+    """A group destroyed and created again on the same store (as under torchrun, whose agent's
+    store outlives process groups): the second group's check must not read the first's state."""
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=timedelta(seconds=30))
+    torch.npu.set_device(rank)
+    res = {}
+    for round_ in range(2):
+        dist.init_process_group("hccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+        t = torch.full((3,), float(rank + round_), device=f"npu:{rank}")
+        dist.all_reduce(t)
+        res[f"sum{round_}"] = t.cpu()
+        res[f"rendezvous{round_}"] = dist.group.WORLD._rendezvous is not None
+        try:
+            dist.all_reduce(torch.ones(2 + rank, device=f"npu:{rank}"))
+            res[f"mismatch{round_}"] = None
+        except RuntimeError as e:
+            res[f"mismatch{round_}"] = str(e)
+        dist.destroy_process_group()
+    return res
+
+
 def case_peer_silent(rank: int, world: int) -> dict:
     """Rank 1 stays alive but never joins the collective: rank 0 must time out, not hang."""
     _init(rank, world, timeout_s=3.0)

@@ -166,6 +166,14 @@ def test_dead_peer_raises_within_timeout(tmp_path):
     assert r0["seconds"] < 20
 
 
+def test_group_created_again_on_the_same_store(tmp_path):
+    for res in _spawn("reinit", tmp_path):
+        for round_ in range(2):
+            torch.testing.assert_close(res[f"sum{round_}"], torch.full((3,), 1.0 + 2 * round_))
+            assert res[f"rendezvous{round_}"]
+            assert "mismatched collectives" in (res[f"mismatch{round_}"] or ""), res
+
+
 @pytest.mark.parametrize("hosts", ["one", "apart"])
 def test_silent_peer_times_out(tmp_path, hosts):
     r0, _ = _spawn("peer_silent", tmp_path, env={"TEST_HOSTS_APART": "1" if hosts == "apart" else "0"})

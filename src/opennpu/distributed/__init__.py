@@ -14,6 +14,7 @@ accelerator) and `"cpu:gloo,npu:hccl"` all give it. See docs/distributed.md.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import queue
 import socket
@@ -169,7 +170,7 @@ class ProcessGroupHCCL(dist.ProcessGroup):
             self._gloo._set_default_timeout(timeout)
         self._timeout = timeout
         self._launcher = None
-        self._rendezvous = _open_rendezvous(store, rank, size, connect) if _CHECK and size > 1 else None
+        self._rendezvous = _open_rendezvous(self._gloo, rank, size) if _CHECK and size > 1 else None
         if self._rendezvous is not None:
             weakref.finalize(self, torch.ops.opennpu._hccl_rendezvous_close, self._rendezvous)
         self._fingerprints = functools.partial(_fingerprints, self._gloo, self._rendezvous, size,
@@ -333,30 +334,51 @@ def _all_of(works, result):
     return _create_work_from_future(fut)
 
 
-def _open_rendezvous(store, rank: int, size: int, timeout: timedelta) -> int | None:
+def _open_rendezvous(gloo, rank: int, size: int) -> int | None:
     """The handle of the group's same-host rendezvous (csrc/distributed/hccl_rendezvous.cpp), or
-    None where the ranks are not all on this host (or /dev/shm is unusable): the check then
-    exchanges fingerprints through gloo. Every rank takes the same branch (the hosts are compared
-    through the group's store)."""
-    store.set(f"opennpu_hccl/host/{rank}", _host_identity())
-    hosts = {store.get(f"opennpu_hccl/host/{r}") for r in range(size)}
-    usable = len(hosts) == 1 and os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK)
-    store.set(f"opennpu_hccl/usable/{rank}", b"1" if usable else b"0")
-    if any(store.get(f"opennpu_hccl/usable/{r}") != b"1" for r in range(size)):
+    None where the ranks are not all on this host or the shared file cannot be made: the check then
+    exchanges fingerprints through gloo. Agreed through a few collectives on the group's own gloo
+    (its connections are up once it is constructed), never through store keys, which a group
+    re-created on the same store (torchrun's agent store) would find left over from the last one."""
+
+    def every(values: list[int]) -> list[list[int]]:
+        mine = torch.tensor(values, dtype=torch.int64)
+        out = torch.empty(size * len(values), dtype=torch.int64)
+        gloo._allgather_base(out, mine, AllgatherOptions()).wait()
+        return out.view(size, len(values)).tolist()
+
+    # Rank 0's nonce names the file; every rank's host identity says whether one file can serve.
+    nonce = uuid.uuid4().int & (2 ** 63 - 1)
+    usable = int(os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK))
+    rows = every([nonce, _host_identity_hash(), usable])
+    if any(row[1:] != [rows[0][1], 1] for row in rows):
         return None
-    if rank == 0:
-        path = f"/dev/shm/opennpu-hccl-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-        handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, True)
-        store.set("opennpu_hccl/rendezvous", path)
+    path = f"/dev/shm/opennpu-hccl-{rows[0][0]:016x}"
+    handle = None
+    try:
+        if rank == 0:
+            handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, True)
+    except RuntimeError:
+        pass
+    if rank != 0 and every([0])[0][0]:
         try:
-            store.wait([f"opennpu_hccl/opened/{r}" for r in range(1, size)], timeout)
-        finally:
-            os.unlink(path)  # every rank has it mapped: nothing is left behind on any exit
-        return handle
-    path = store.get("opennpu_hccl/rendezvous").decode()
-    handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, False)
-    store.set(f"opennpu_hccl/opened/{rank}", b"1")
+            handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, False)
+        except RuntimeError:
+            pass
+    elif rank == 0:
+        every([int(handle is not None)])  # tells the others whether the file exists
+    opened = all(row[0] for row in every([int(handle is not None)]))
+    if rank == 0 and handle is not None:
+        os.unlink(path)  # every rank that could open it has: nothing is left behind on any exit
+    if not opened:
+        if handle is not None:
+            torch.ops.opennpu._hccl_rendezvous_close(handle)
+        return None
     return handle
+
+
+def _host_identity_hash() -> int:
+    return int.from_bytes(hashlib.sha256(_host_identity().encode()).digest()[:8], "little") & (2 ** 63 - 1)
 
 
 def _host_identity() -> str:
