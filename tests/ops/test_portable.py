@@ -712,7 +712,8 @@ def _map_tensors(value, fn):
 def test_every_op_traces_on_fake_cuda_tensors(dtype=F32):
     """No GPU needed: each case traced (Inductor's table, not forced) with fake CUDA inputs runs
     the composition on CUDA-device fake tensors, so a CPU-only constructor or a host round trip
-    in it fails here, and no npu op is left in the graph."""
+    in it fails here, and no npu op is left in the graph. An op with a native CUDA kernel
+    (csrc/ops/<family>/<family>_cuda.cu, where the build has CUDA) stays whole instead."""
     from torch._inductor.decomposition import select_decomp_table
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -732,6 +733,11 @@ def test_every_op_traces_on_fake_cuda_tensors(dtype=F32):
             fargs = _map_tensors(args, to_cuda)
             fkwargs = {k: _map_tensors(v, to_cuda) for k, v in kwargs.items()}
             gm = make_fx(lambda *a: case.op(*a, **fkwargs), decomposition_table=table)(*fargs)
+        if "cuda" not in portable.PORTABLE_DEVICES.get(_qualname(case.op), ()):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(_qualname(case.op), "CUDA")
+            assert _npu_nodes(gm) == [str(case.op if isinstance(case.op, torch._ops.OpOverload)
+                                          else case.op.default)], (case.id, _npu_nodes(gm))
+            continue
         assert _npu_nodes(gm) == [], (case.id, _npu_nodes(gm))
         devices = {n.meta["val"].device.type for n in gm.graph.nodes
                    if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].dim()}

@@ -1,4 +1,5 @@
-// Entry points of the activation family: validation, output allocation, CPU registration.
+// Entry points of the activation family: validation, output allocation, the kernel of the input's
+// device (common/kernel_slots.h), CPU registration.
 #include "ops/activation/activation.h"
 
 #include <ATen/ops/empty.h>
@@ -9,10 +10,10 @@
 
 namespace opennpu::activation {
 
-CpuKernel<GluFwdFn> glu_fwd_cpu;
-CpuKernel<GluBwdFn> glu_bwd_cpu;
-CpuKernel<UnaryFwdFn> unary_fwd_cpu;
-CpuKernel<UnaryBwdFn> unary_bwd_cpu;
+KernelSlots<GluFwdFn> glu_fwd;
+KernelSlots<GluBwdFn> glu_bwd;
+KernelSlots<UnaryFwdFn> unary_fwd;
+KernelSlots<UnaryBwdFn> unary_bwd;
 
 namespace {
 
@@ -68,7 +69,7 @@ at::Tensor glu_forward(const char* op, const at::Tensor& self, const GluShape& s
   const at::Tensor x = self.contiguous();
   at::Tensor out = at::empty(s.out_sizes, x.options());
   if (out.numel() > 0) {
-    glu_fwd_cpu.get(op)(split_halves(x, s, activate_left), s.outer, s.m, act, out, gelu_out);
+    glu_fwd.get(op, x)(split_halves(x, s, activate_left), s.outer, s.m, act, out, gelu_out);
   }
   return out;
 }
@@ -78,7 +79,7 @@ at::Tensor glu_backward(const char* op, const at::Tensor& grad, const at::Tensor
   const at::Tensor x = self.contiguous();
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   if (dx.numel() > 0) {
-    glu_bwd_cpu.get(op)(grad, split_halves(x, s, activate_left), s.outer, s.m, act,
+    glu_bwd.get(op, x)(grad, split_halves(x, s, activate_left), s.outer, s.m, act,
                         split_halves(dx, s, activate_left));
   }
   return dx;
@@ -145,7 +146,7 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   at::Tensor out = at::empty(g.sizes(), g.options());
   if (out.numel() > 0) {
     at::Tensor no_gelu;
-    glu_fwd_cpu.get(op)({g, u, 0, 0, g.numel()}, 1, g.numel(), Act::kSilu, out, no_gelu);
+    glu_fwd.get(op, g)({g, u, 0, 0, g.numel()}, 1, g.numel(), Act::kSilu, out, no_gelu);
   }
   return out;
 }
@@ -163,7 +164,7 @@ std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad,
   const at::Tensor gy = grad.to(g.scalar_type()).contiguous();
   at::Tensor dgate = at::empty(g.sizes(), g.options()), dup = at::empty(g.sizes(), g.options());
   if (g.numel() > 0) {
-    glu_bwd_cpu.get(op)(gy, {g, u, 0, 0, g.numel()}, 1, g.numel(), Act::kSilu,
+    glu_bwd.get(op, g)(gy, {g, u, 0, 0, g.numel()}, 1, g.numel(), Act::kSilu,
                         {dgate, dup, 0, 0, g.numel()});
   }
   return {dgate, dup};
@@ -177,7 +178,7 @@ at::Tensor fast_gelu_forward(const char* op, const at::Tensor& self) {
   check_strict_rank(op, "self", self, 0, 8);
   const at::Tensor x = self.contiguous();
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (y.numel() > 0) unary_fwd_cpu.get(op)(x, Act::kFastGelu, y);
+  if (y.numel() > 0) unary_fwd.get(op, x)(x, Act::kFastGelu, y);
   return y;
 }
 
@@ -198,7 +199,7 @@ at::Tensor npu_fast_gelu_backward(const at::Tensor& grad, const at::Tensor& self
   const at::Tensor x = self.contiguous();
   const at::Tensor g = grad.to(x.scalar_type()).contiguous();
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
-  if (dx.numel() > 0) unary_bwd_cpu.get(op)(g, x, Act::kFastGelu, dx);
+  if (dx.numel() > 0) unary_bwd.get(op, x)(g, x, Act::kFastGelu, dx);
   return dx;
 }
 

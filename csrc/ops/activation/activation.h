@@ -8,7 +8,9 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/cpu_dispatch.h"
+#include <tuple>
+
+#include "common/kernel_slots.h"
 
 namespace opennpu::activation {
 
@@ -41,9 +43,25 @@ using UnaryFwdFn = void(const at::Tensor& x, Act act, at::Tensor& y);
 // dx = grad * act'(x).
 using UnaryBwdFn = void(const at::Tensor& grad, const at::Tensor& x, Act act, at::Tensor& dx);
 
-extern CpuKernel<GluFwdFn> glu_fwd_cpu;
-extern CpuKernel<GluBwdFn> glu_bwd_cpu;
-extern CpuKernel<UnaryFwdFn> unary_fwd_cpu;
-extern CpuKernel<UnaryBwdFn> unary_bwd_cpu;
+// The family's kernels, one slot per device (common/kernel_slots.h).
+extern KernelSlots<GluFwdFn> glu_fwd;
+extern KernelSlots<GluBwdFn> glu_bwd;
+extern KernelSlots<UnaryFwdFn> unary_fwd;
+extern KernelSlots<UnaryBwdFn> unary_bwd;
+
+// The entry points (activation.cpp): validate, allocate with the input's options, call the slot
+// for the input's device. Registered for CPU here and for CUDA by activation_cuda.cu.
+at::Tensor npu_swiglu(const at::Tensor& self, int64_t dim);
+at::Tensor npu_swiglu_backward(const at::Tensor& grad_output, const at::Tensor& self, int64_t dim);
+std::tuple<at::Tensor, at::Tensor> npu_geglu(const at::Tensor& self, int64_t dim, int64_t approximate,
+                                             bool activate_left);
+at::Tensor npu_geglu_grad(const at::Tensor& grad_output, const at::Tensor& self, const at::Tensor& gelu,
+                          int64_t dim, int64_t approximate, bool activate_left);
+at::Tensor fast_gelu(const at::Tensor& self);
+at::Tensor npu_fast_gelu(const at::Tensor& self);
+at::Tensor npu_fast_gelu_backward(const at::Tensor& grad, const at::Tensor& self);
+at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate,
+                                                     const at::Tensor& up);
 
 }  // namespace opennpu::activation

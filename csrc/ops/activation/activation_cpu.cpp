@@ -171,10 +171,10 @@ void unary_bwd_kernel(const at::Tensor& grad, const at::Tensor& x, Act act, at::
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(glu_fwd_cpu, &glu_fwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(glu_bwd_cpu, &glu_bwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(unary_fwd_cpu, &unary_fwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(unary_bwd_cpu, &unary_bwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(glu_fwd, &glu_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(glu_bwd, &glu_bwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(unary_fwd, &unary_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(unary_bwd, &unary_bwd_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::activation
