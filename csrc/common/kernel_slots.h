@@ -25,8 +25,10 @@ struct KernelSlots {
   Fn* cuda = nullptr;
 
   // The kernel for the device `on` lives on. op names the op in the error.
-  Fn* get(const char* op, const at::Tensor& on) const {
-    switch (on.device().type()) {
+  Fn* get(const char* op, const at::Tensor& on) const { return get(op, on.device()); }
+
+  Fn* get(const char* op, c10::Device device) const {
+    switch (device.type()) {
       case c10::DeviceType::CPU:
       case c10::DeviceType::PrivateUse1:
         return cpu.get(op);
@@ -34,7 +36,7 @@ struct KernelSlots {
         TORCH_CHECK(cuda != nullptr, op, ": no CUDA kernel was built into opennpu for this op");
         return cuda;
       default:
-        TORCH_CHECK(false, op, ": no opennpu kernel for device type ", on.device().type());
+        TORCH_CHECK(false, op, ": no opennpu kernel for device type ", device.type());
     }
   }
 };

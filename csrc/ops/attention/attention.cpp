@@ -26,8 +26,8 @@
 
 namespace opennpu::attention {
 
-CpuKernel<AttentionFwdFn> attention_fwd_cpu;
-CpuKernel<AttentionBwdFn> attention_bwd_cpu;
+KernelSlots<AttentionFwdFn> attention_fwd;
+KernelSlots<AttentionBwdFn> attention_bwd;
 
 uint64_t keep_threshold(double keep_prob) {
   if (keep_prob >= 1.0) return uint64_t{1} << 32;
@@ -563,7 +563,7 @@ ForwardResult run_forward(const char* op, const Prepared& prep) {
     r.softmax_sum.zero_();
   }
   if (runs) {
-    attention_fwd_cpu.get(op)(prep.p, prep.q, prep.k, prep.v, r.out, r.softmax_max, r.softmax_sum);
+    attention_fwd.get(op, prep.q)(prep.p, prep.q, prep.k, prep.v, r.out, r.softmax_max, r.softmax_sum);
   }
   return r;
 }
@@ -679,7 +679,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
   at::Tensor dsink_parts;
   if (sink.has_value()) dsink_parts = at::zeros({p.batch, p.heads_q}, opts.dtype(at::kFloat));
   if (prep.numels > 0) {
-    attention_bwd_cpu.get(kBwd)(p, prep.q, prep.k, prep.v, dy_in, out_in, smax, ssum, dq, dk, dv,
+    attention_bwd.get(kBwd, prep.q)(p, prep.q, prep.k, prep.v, dy_in, out_in, smax, ssum, dq, dk, dv,
                                 dk_heads, dv_heads, dpse_acc, dsink_parts);
   }
 

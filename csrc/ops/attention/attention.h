@@ -16,7 +16,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::attention {
 
@@ -143,7 +143,7 @@ using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
 bool use_half_gemm(at::ScalarType t);
 TilePath requested_tiles(const char* op);
 
-extern CpuKernel<AttentionFwdFn> attention_fwd_cpu;
-extern CpuKernel<AttentionBwdFn> attention_bwd_cpu;
+extern KernelSlots<AttentionFwdFn> attention_fwd;
+extern KernelSlots<AttentionBwdFn> attention_bwd;
 
 }  // namespace opennpu::attention

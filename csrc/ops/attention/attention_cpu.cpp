@@ -613,7 +613,7 @@ struct BrgemmTiles {
     const int64_t D = p.head_dim, Dv = p.head_dim_v;
     packed_k = blas::TileBuffer<In>(slots.count() * D * kKvBlock);
     packed_v = blas::TileBuffer<In>(slots.count() * kKvBlock * Dv);
-    const auto& transpose = transpose::permute_copy_cpu.get("npu_fusion_attention");
+    const auto& transpose = transpose::permute_copy.cpu.get("npu_fusion_attention");
     slots.for_each([&](int64_t b, int64_t kvh, int64_t j0, int64_t len, int64_t sl) {
       thread_local std::vector<In> tmp;
       tmp.resize(std::max(D, Dv) * (kKvBlock + 1));
@@ -976,7 +976,7 @@ struct BrgemmBwdTiles {
   }
 
   BrgemmBwdTiles(const AttentionProblem& prob, const In* k, const In* v)
-      : p(prob), slots(prob, kBwdKvBlock), transpose(transpose::permute_copy_cpu.get("npu_fusion_attention_grad")) {
+      : p(prob), slots(prob, kBwdKvBlock), transpose(transpose::permute_copy.cpu.get("npu_fusion_attention_grad")) {
     const int64_t D = p.head_dim, Dv = p.head_dim_v;
     packed_kt = blas::TileBuffer<In>(slots.count() * D * kBwdKvBlock);
     packed_vt = blas::TileBuffer<In>(slots.count() * Dv * kBwdKvBlock);
@@ -1297,8 +1297,8 @@ void attention_bwd_kernel(const AttentionProblem& p, const at::Tensor& q, const 
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(attention_fwd_cpu, attention_fwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(attention_bwd_cpu, attention_bwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(attention_fwd, attention_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(attention_bwd, attention_bwd_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::attention

@@ -26,7 +26,7 @@
 
 namespace opennpu::attention {
 
-CpuKernel<InferDecodeFn> infer_decode_cpu;
+KernelSlots<InferDecodeFn> infer_decode;
 
 namespace {
 
@@ -567,7 +567,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
       d.lse = lse.data_ptr<float>();
     }
     // out's canonical view: writes go through p.out into `out`.
-    infer_decode_cpu.get(op)(d, query.scalar_type(), oc.data_ptr());
+    infer_decode.get(op, query)(d, query.scalar_type(), oc.data_ptr());
     return {out, lse};
   }
 
@@ -639,7 +639,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   const at::ScalarType st = acc == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor smax = at::full(stats_shape, kNegInf, opts.dtype(st));
   at::Tensor ssum = at::zeros(stats_shape, opts.dtype(st));
-  if (sum_q > 0) attention_fwd_cpu.get(op)(p, qx, kx, vx, out_c, smax, ssum);
+  if (sum_q > 0) attention_fwd.get(op, qx)(p, qx, kx, vx, out_c, smax, ssum);
   if (!out_c.is_same(out)) out.copy_(out_c);
   if (a.softmax_lse_flag) {
     lse.copy_(smax.select(-1, 0).add(ssum.select(-1, 0).log()).unsqueeze(-1));

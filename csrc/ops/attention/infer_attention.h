@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 #include "ops/attention/attention.h"
 
 namespace opennpu::attention {
@@ -55,6 +55,6 @@ struct DecodeProblem {
 // q, q_rope, k, v, k_rope and out share one dtype: float32, float16 or bfloat16.
 using InferDecodeFn = void(const DecodeProblem& d, at::ScalarType dtype, void* out);
 
-extern CpuKernel<InferDecodeFn> infer_decode_cpu;
+extern KernelSlots<InferDecodeFn> infer_decode;
 
 }  // namespace opennpu::attention

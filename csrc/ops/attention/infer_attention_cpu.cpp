@@ -387,7 +387,7 @@ void infer_decode_kernel(const DecodeProblem& d, at::ScalarType dtype, void* out
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(infer_decode_cpu, infer_decode_kernel);
+OPENNPU_REGISTER_CPU_SLOT(infer_decode, infer_decode_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::attention

@@ -28,7 +28,7 @@
 
 namespace opennpu::ffn {
 
-CpuKernel<FfnFn> ffn_cpu;
+KernelSlots<FfnFn> ffn;
 
 namespace {
 
@@ -427,7 +427,7 @@ at::Tensor npu_ffn(const at::Tensor& x, const at::Tensor& weight1, const at::Ten
   args.offsets = std::move(offsets);
   args.gemm = quant ? choose_quant_gemm() : choose_gemm(xt, weight_only, rows / e);
   args.out = out.view({rows, n2});
-  ffn_cpu.get(kOp)(args);
+  ffn.get(kOp, args.x)(args);
   return out;
 }
 

@@ -20,7 +20,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::ffn {
 
@@ -80,6 +80,6 @@ struct FfnArgs {
 };
 
 using FfnFn = void(const FfnArgs& args);
-extern CpuKernel<FfnFn> ffn_cpu;
+extern KernelSlots<FfnFn> ffn;
 
 }  // namespace opennpu::ffn

@@ -655,7 +655,7 @@ void ffn_kernel(const FfnArgs& a) {
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(ffn_cpu, &ffn_kernel);
+OPENNPU_REGISTER_CPU_SLOT(ffn, &ffn_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::ffn

@@ -13,7 +13,7 @@
 
 namespace opennpu::kvcache {
 
-CpuKernel<CopyRowsFn> copy_rows_cpu;
+KernelSlots<CopyRowsFn> row_copy;
 
 namespace {
 
@@ -65,12 +65,12 @@ RowPlan make_plan(const at::Tensor& src, at::Tensor& dst, int64_t chunks, int64_
   return plan;
 }
 
-void run(const char* op, RowPlan& plan, const std::vector<int64_t>& src_off,
+void run(const char* op, const at::Tensor& dst, RowPlan& plan, const std::vector<int64_t>& src_off,
          const std::vector<int64_t>& dst_off) {
   plan.rows = static_cast<int64_t>(dst_off.size());
   plan.src_off = src_off.data();
   plan.dst_off = dst_off.data();
-  if (plan.rows > 0) copy_rows_cpu.get(op)(plan);
+  if (plan.rows > 0) row_copy.get(op, dst)(plan);
 }
 
 // Runs `body` on `out` if its rows (dims from `from` on, and the last dim) are laid out as the
@@ -138,7 +138,7 @@ void scatter_nd_into(const char* op, at::Tensor& self, const at::Tensor& indices
       dst_off[r] = linear[r] * slice * es;
     }
     RowPlan plan = make_plan(src, dst, 1, slice * es, 0, 0, ordered);
-    run(op, plan, src_off, dst_off);
+    run(op, dst, plan, src_off, dst_off);
   });
 }
 
@@ -240,7 +240,7 @@ void scatter_cache(const char* op, const at::Tensor& tok, at::Tensor& cache,
     }
     RowPlan plan = make_plan(src, dst, g.chunks, g.chunk_elems * es, g.chunk_elems * es,
                              g.chunk_stride * es, ordered);
-    run(op, plan, src_off, dst_off);
+    run(op, dst, plan, src_off, dst_off);
   });
 }
 
@@ -347,7 +347,7 @@ void gather_cache(const char* op, const at::Tensor& cache, at::Tensor& out,
     }
     RowPlan plan = make_plan(src, dst, g.chunks, g.chunk_elems * es, gs.chunk_stride * es,
                              g.chunk_elems * es, false);
-    run(op, plan, src_off, dst_off);
+    run(op, dst, plan, src_off, dst_off);
   });
 }
 

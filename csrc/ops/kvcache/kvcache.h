@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::kvcache {
 
@@ -35,6 +35,6 @@ struct RowPlan {
 
 using CopyRowsFn = void(const RowPlan& plan);
 
-extern CpuKernel<CopyRowsFn> copy_rows_cpu;
+extern KernelSlots<CopyRowsFn> row_copy;
 
 }  // namespace opennpu::kvcache

@@ -43,7 +43,7 @@ void copy_rows(const RowPlan& p) {
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(copy_rows_cpu, &copy_rows);
+OPENNPU_REGISTER_CPU_SLOT(row_copy, &copy_rows);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::kvcache

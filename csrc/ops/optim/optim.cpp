@@ -25,15 +25,15 @@
 
 namespace opennpu::optim {
 
-CpuKernel<AdamFn> adam_cpu;
-CpuKernel<SgdFn> sgd_cpu;
-CpuKernel<RmspropFn> rmsprop_cpu;
-CpuKernel<AdadeltaFn> adadelta_cpu;
-CpuKernel<LambFn> lamb_cpu;
-CpuKernel<AdampMomentsFn> adamp_moments_cpu;
-CpuKernel<AdampApplyFn> adamp_apply_cpu;
-CpuKernel<GradNormFn> grad_norm_cpu;
-CpuKernel<GradScaleFn> grad_scale_cpu;
+KernelSlots<AdamFn> adam;
+KernelSlots<SgdFn> sgd;
+KernelSlots<RmspropFn> rmsprop;
+KernelSlots<AdadeltaFn> adadelta;
+KernelSlots<LambFn> lamb;
+KernelSlots<AdampMomentsFn> adamp_moments;
+KernelSlots<AdampApplyFn> adamp_apply;
+KernelSlots<GradNormFn> grad_norm;
+KernelSlots<GradScaleFn> grad_scale;
 
 namespace {
 
@@ -55,6 +55,7 @@ struct RelaidGrad {
 // The slots of a call. `index` maps each slot back to its position in the lists; `relaid` keeps
 // alive the gradient copies made for gradients whose layout differs from their parameter's.
 struct Slots {
+  c10::Device device{c10::kCPU};  // every parameter's (their kernels run there)
   std::vector<Slot> slots;
   std::vector<size_t> index;
   std::vector<RelaidGrad> relaid;
@@ -91,8 +92,9 @@ Slots collect(const char* op, at::TensorList params, std::initializer_list<State
     OPENNPU_CHECK_ARG(p.defined(), op, "params", "[", i, "] must be a tensor, but got None");
     at::Tensor g = p.grad();
     if (!g.defined()) continue;
-    OPENNPU_CHECK_ARG(p.device().is_cpu(), op, "params", "[", i,
-                      "] must be a CPU tensor (the fused optimizers have CPU kernels), but got ",
+    if (out.slots.empty()) out.device = p.device();
+    OPENNPU_CHECK_ARG(p.device() == out.device, op, "params", "[", i,
+                      "] must be on the device of the other parameters, ", out.device, ", but got ",
                       p.device());
     const auto dtype = p.scalar_type();
     OPENNPU_CHECK_ARG(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16 ||
@@ -205,7 +207,7 @@ void fused_adam_(at::TensorList params, at::TensorList exp_avgs, at::TensorList 
   }
   const AdamArgs args{lr, beta1, beta2, weight_decay, eps, grad_scale, amsgrad, maximize,
                       decoupled_weight_decay};
-  adam_cpu.get(op)(nonempty(s.slots), args);
+  adam.get(op, s.device)(nonempty(s.slots), args);
 }
 
 void fused_sgd_(at::TensorList params, at::TensorList momentum_buffers,
@@ -227,7 +229,7 @@ void fused_sgd_(at::TensorList params, at::TensorList momentum_buffers,
   }
   for (const auto k : c10::irange(s.slots.size())) s.slots[k].s[0] = fresh[s.index[k]] ? 1 : 0;
   const SgdArgs args{lr, momentum, dampening, weight_decay, grad_scale, nesterov, maximize};
-  sgd_cpu.get(op)(nonempty(s.slots), args);
+  sgd.get(op, s.device)(nonempty(s.slots), args);
 }
 
 void fused_rmsprop_(at::TensorList params, at::TensorList square_avgs, at::TensorList grad_avgs,
@@ -254,7 +256,7 @@ void fused_rmsprop_(at::TensorList params, at::TensorList square_avgs, at::Tenso
   advance_steps(s, state_steps);
   const RmspropArgs args{lr,       alpha,    eps,      weight_decay,   momentum,       grad_scale,
                          centered, maximize, tf_style, lr_in_momentum, decoupled_decay};
-  rmsprop_cpu.get(op)(nonempty(s.slots), args);
+  rmsprop.get(op, s.device)(nonempty(s.slots), args);
 }
 
 void fused_adadelta_(at::TensorList params, at::TensorList square_avgs, at::TensorList acc_deltas,
@@ -269,7 +271,7 @@ void fused_adadelta_(at::TensorList params, at::TensorList square_avgs, at::Tens
                     state_steps);
   advance_steps(s, state_steps);
   const AdadeltaArgs args{lr, rho, eps, weight_decay, grad_scale, maximize};
-  adadelta_cpu.get(op)(nonempty(s.slots), args);
+  adadelta.get(op, s.device)(nonempty(s.slots), args);
 }
 
 void check_moments(const char* op, at::TensorList params, at::TensorList exp_avgs,
@@ -296,17 +298,17 @@ void fused_lamb_(at::TensorList params, at::TensorList exp_avgs, at::TensorList 
   }
   const LambArgs args{beta1, beta2, eps, weight_decay};
   if (!use_trust_ratio) {
-    lamb_cpu.get(op)(slots, args, LambPhase::kFused);
+    lamb.get(op, s.device)(slots, args, LambPhase::kFused);
     return;
   }
-  lamb_cpu.get(op)(slots, args, LambPhase::kMoments);
+  lamb.get(op, s.device)(slots, args, LambPhase::kMoments);
   for (auto& slot : slots) {
     const double weight_norm = std::min(std::sqrt(slot.s[0]), 10.0);
     const double adam_norm = std::sqrt(slot.s[1]);
     const double trust = (weight_norm == 0 || adam_norm == 0) ? 1.0 : weight_norm / adam_norm;
     slot.s[2] = lr * trust;
   }
-  lamb_cpu.get(op)(slots, args, LambPhase::kApply);
+  lamb.get(op, s.device)(slots, args, LambPhase::kApply);
 }
 
 // The learning-rate factor of NpuFusedBertAdam's schedules at progress x = step / t_total.
@@ -351,7 +353,7 @@ void fused_bert_adam_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       }
       if (same.empty()) continue;
       // The norm of the unscaled gradients: the kernel returns sum(g^2) of the raw values.
-      const double norm = std::sqrt(grad_norm_cpu.get(op)(same, 2.0)) * grad_scale;
+      const double norm = std::sqrt(grad_norm.get(op, s.device)(same, 2.0)) * grad_scale;
       const double coef = max_grad_norm / (norm + 1e-6);
       if (coef < 1) {
         for (auto& slot : slots) {
@@ -360,7 +362,7 @@ void fused_bert_adam_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
       }
     }
   }
-  lamb_cpu.get(op)(slots, LambArgs{beta1, beta2, eps, weight_decay}, LambPhase::kFused);
+  lamb.get(op, s.device)(slots, LambArgs{beta1, beta2, eps, weight_decay}, LambPhase::kFused);
 }
 
 // AdamP (as NpuFusedAdamP): Adam with bias correction; for parameters with 2+ dims, when the
@@ -390,7 +392,7 @@ void fused_adamp_(at::TensorList params, at::TensorList exp_avgs, at::TensorList
   const AdampArgs args{beta1, beta2, eps, grad_scale, nesterov};
   std::vector<std::vector<double>> sums(slots.size());
   for (const auto k : c10::irange(slots.size())) sums[k].assign(4 * slots[k].rows, 0.0);
-  adamp_moments_cpu.get(op)(slots, args, sums);
+  adamp_moments.get(op, s.device)(slots, args, sums);
 
   auto cosine = [eps](double gp, double gg, double pp) {
     return std::abs(gp) / (std::sqrt(gg) + eps) / (std::sqrt(pp) + eps);
@@ -424,7 +426,7 @@ void fused_adamp_(at::TensorList params, at::TensorList exp_avgs, at::TensorList
     }
     slot.s[2] = weight_decay > 0 ? 1 - lr * weight_decay * ratio : 1.0;
   }
-  adamp_apply_cpu.get(op)(slots, args, coef);
+  adamp_apply.get(op, s.device)(slots, args, coef);
 }
 
 // Norm of all gradients as one vector: (sum |g|^p)^(1/p), max |g| for p = inf; float32 0-dim.
@@ -433,7 +435,7 @@ at::Tensor fused_grad_norm(at::TensorList params, double norm_type) {
   OPENNPU_CHECK_ARG(norm_type > 0 && !std::isnan(norm_type), op, "norm_type",
                     "must be positive or inf, but got ", norm_type);
   Slots s = collect(op, params, {}, {});
-  double total = grad_norm_cpu.get(op)(nonempty(s.slots), norm_type);
+  double total = grad_norm.get(op, s.device)(nonempty(s.slots), norm_type);
   if (!std::isinf(norm_type)) {
     total = norm_type == 2 ? std::sqrt(total) : std::pow(total, 1 / norm_type);
   }
@@ -443,7 +445,7 @@ at::Tensor fused_grad_norm(at::TensorList params, double norm_type) {
 void fused_scale_grads_(at::TensorList params, double scale) {
   Slots s = collect("_fused_scale_grads_", params, {}, {});
   if (scale == 1.0) return;
-  grad_scale_cpu.get("_fused_scale_grads_")(nonempty(s.slots), scale, false);
+  grad_scale.get("_fused_scale_grads_", s.device)(nonempty(s.slots), scale, false);
   write_back_grads(s);
 }
 
@@ -460,7 +462,7 @@ void fused_unscale_grads_(at::TensorList params, at::Tensor& found_inf,
                     inv_scale.scalar_type(), " ", shape_str(inv_scale.sizes()));
   Slots s = collect(op, params, {}, {});
   const double scale = inv_scale.item<float>();
-  if (grad_scale_cpu.get(op)(nonempty(s.slots), scale, true)) found_inf.fill_(1.0);
+  if (grad_scale.get(op, s.device)(nonempty(s.slots), scale, true)) found_inf.fill_(1.0);
   write_back_grads(s);
 }
 

@@ -15,7 +15,7 @@
 #include <array>
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::optim {
 
@@ -105,14 +105,14 @@ using GradScaleFn = bool(const std::vector<Slot>& slots, double scale, bool chec
 // huge pages only when THP_MEM_ALLOC_ENABLE is set.
 at::Tensor state_buffer(int64_t numel, at::ScalarType dtype);
 
-extern CpuKernel<AdamFn> adam_cpu;
-extern CpuKernel<SgdFn> sgd_cpu;
-extern CpuKernel<RmspropFn> rmsprop_cpu;
-extern CpuKernel<AdadeltaFn> adadelta_cpu;
-extern CpuKernel<LambFn> lamb_cpu;
-extern CpuKernel<AdampMomentsFn> adamp_moments_cpu;
-extern CpuKernel<AdampApplyFn> adamp_apply_cpu;
-extern CpuKernel<GradNormFn> grad_norm_cpu;
-extern CpuKernel<GradScaleFn> grad_scale_cpu;
+extern KernelSlots<AdamFn> adam;
+extern KernelSlots<SgdFn> sgd;
+extern KernelSlots<RmspropFn> rmsprop;
+extern KernelSlots<AdadeltaFn> adadelta;
+extern KernelSlots<LambFn> lamb;
+extern KernelSlots<AdampMomentsFn> adamp_moments;
+extern KernelSlots<AdampApplyFn> adamp_apply;
+extern KernelSlots<GradNormFn> grad_norm;
+extern KernelSlots<GradScaleFn> grad_scale;
 
 }  // namespace opennpu::optim

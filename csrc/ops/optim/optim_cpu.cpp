@@ -624,15 +624,15 @@ bool grad_scale_kernel(const std::vector<Slot>& slots, double scale, bool check_
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(adam_cpu, &adam_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(sgd_cpu, &sgd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(rmsprop_cpu, &rmsprop_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(adadelta_cpu, &adadelta_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(lamb_cpu, &lamb_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(adamp_moments_cpu, &adamp_moments_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(adamp_apply_cpu, &adamp_apply_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(grad_norm_cpu, &grad_norm_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(grad_scale_cpu, &grad_scale_kernel);
+OPENNPU_REGISTER_CPU_SLOT(adam, &adam_kernel);
+OPENNPU_REGISTER_CPU_SLOT(sgd, &sgd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(rmsprop, &rmsprop_kernel);
+OPENNPU_REGISTER_CPU_SLOT(adadelta, &adadelta_kernel);
+OPENNPU_REGISTER_CPU_SLOT(lamb, &lamb_kernel);
+OPENNPU_REGISTER_CPU_SLOT(adamp_moments, &adamp_moments_kernel);
+OPENNPU_REGISTER_CPU_SLOT(adamp_apply, &adamp_apply_kernel);
+OPENNPU_REGISTER_CPU_SLOT(grad_norm, &grad_norm_kernel);
+OPENNPU_REGISTER_CPU_SLOT(grad_scale, &grad_scale_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::optim

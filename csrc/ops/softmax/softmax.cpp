@@ -11,8 +11,8 @@
 
 namespace opennpu::softmax {
 
-CpuKernel<SoftmaxFwdFn> softmax_fwd_cpu;
-CpuKernel<SoftmaxBwdFn> softmax_bwd_cpu;
+KernelSlots<SoftmaxFwdFn> softmax_fwd;
+KernelSlots<SoftmaxBwdFn> softmax_bwd;
 
 namespace {
 
@@ -126,7 +126,7 @@ at::Tensor npu_scaled_masked_softmax(const at::Tensor& x, const at::Tensor& mask
   if (y.numel() == 0) return y;
   at::Tensor m = mask;
   const MaskLayout layout = mask_layout(xc, m, fixed_triu_mask);
-  softmax_fwd_cpu.get(op)(xc, mask_bytes(m, layout), layout, s, y);
+  softmax_fwd.get(op, xc)(xc, mask_bytes(m, layout), layout, s, y);
   return y;
 }
 
@@ -158,7 +158,7 @@ at::Tensor npu_scaled_masked_softmax_backward(const at::Tensor& y_grad, const at
   if (dx.numel() > 0) {
     at::Tensor m = mask;
     const MaskLayout layout = mask_layout(dy, m, fixed_triu_mask);
-    softmax_bwd_cpu.get(op)(dy, yc, mask_bytes(m, layout), layout, s, dx);
+    softmax_bwd.get(op, yc)(dy, yc, mask_bytes(m, layout), layout, s, dx);
   }
   return dx.to(out_dtype);
 }

@@ -12,7 +12,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::softmax {
 
@@ -45,7 +45,7 @@ using SoftmaxFwdFn = void(const at::Tensor& x, const uint8_t* mask, const MaskLa
 using SoftmaxBwdFn = void(const at::Tensor& dy, const at::Tensor& y, const uint8_t* mask,
                           const MaskLayout& layout, double scale, at::Tensor& dx);
 
-extern CpuKernel<SoftmaxFwdFn> softmax_fwd_cpu;
-extern CpuKernel<SoftmaxBwdFn> softmax_bwd_cpu;
+extern KernelSlots<SoftmaxFwdFn> softmax_fwd;
+extern KernelSlots<SoftmaxBwdFn> softmax_bwd;
 
 }  // namespace opennpu::softmax

@@ -425,8 +425,8 @@ void softmax_bwd_kernel(const at::Tensor& dy, const at::Tensor& y, const uint8_t
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(softmax_fwd_cpu, &softmax_fwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(softmax_bwd_cpu, &softmax_bwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(softmax_fwd, &softmax_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(softmax_bwd, &softmax_bwd_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::softmax

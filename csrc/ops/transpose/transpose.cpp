@@ -14,7 +14,7 @@
 
 namespace opennpu::transpose {
 
-CpuKernel<PermuteCopyFn> permute_copy_cpu;
+KernelSlots<PermuteCopyFn> permute_copy;
 
 namespace {
 
@@ -127,7 +127,7 @@ at::Tensor permute_into_new(const char* op, const at::Tensor& src, c10::IntArray
   at::Tensor out = at::empty(out_shape, src.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() == 0) return out;
   const CopyPlan plan = make_plan(sizes, strides, perm, src.element_size());
-  permute_copy_cpu.get(op)(static_cast<const char*>(src.const_data_ptr()),
+  permute_copy.get(op, src)(static_cast<const char*>(src.const_data_ptr()),
                            static_cast<char*>(out.mutable_data_ptr()), plan);
   return out;
 }

@@ -13,7 +13,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::transpose {
 
@@ -29,6 +29,6 @@ struct CopyPlan {
 // dst (contiguous, prod(sizes) * run units) <- the source view described by plan, based at src.
 using PermuteCopyFn = void(const char* src, char* dst, const CopyPlan& plan);
 
-extern CpuKernel<PermuteCopyFn> permute_copy_cpu;
+extern KernelSlots<PermuteCopyFn> permute_copy;
 
 }  // namespace opennpu::transpose

@@ -663,7 +663,7 @@ void permute_copy_kernel(const char* src, char* dst, const CopyPlan& plan) {
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(permute_copy_cpu, &permute_copy_kernel);
+OPENNPU_REGISTER_CPU_SLOT(permute_copy, &permute_copy_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::transpose
