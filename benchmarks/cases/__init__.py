@@ -8,7 +8,8 @@ from . import (activation, attention, compile, ffn, kvcache, moe, norm, optim, q
 # The families --ops accepts, in the order the table lists them.
 OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_cast", "dynamic_quant",
        "add_rms_norm_dynamic_quant", "swiglu", "geglu", "fast_gelu", "rotary_mul",
-       "scaled_masked_softmax", "confusion_transpose", "attention", "ffn", "moe_layer", "adamw",
+       "interleave_rope", "kv_rmsnorm_rope_cache", "scaled_masked_softmax", "confusion_transpose",
+       "attention", "ffn", "moe_layer", "adamw",
        "clip_grad_norm", "decoder_layer", "scatter_pa_kv_cache", "gather_pa_kv_cache",
        "scatter_nd_update")
 

@@ -103,37 +103,38 @@ void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int6
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
   using RIO = VecPair<r_t>;
+  const int64_t h = D / 2;
+  // Rotate-half of output lanes [k, k + l) of both halves, given the first-half inputs (a) and
+  // the second-half inputs (b): y1 = a*c1 - b*s1, y2 = b*c2 + a*s2.
+  const auto half_step = [&](int64_t k, int64_t l, const Vec& a0, const Vec& a1, const Vec& b0,
+                             const Vec& b1) {
+    Vec c10, c11, c20, c21, s10, s11, s20, s21;
+    RIO::load(c + k, c10, c11, l);
+    RIO::load(c + h + k, c20, c21, l);
+    RIO::load(s + k, s10, s11, l);
+    RIO::load(s + h + k, s20, s21, l);
+    IO::store(y + k, a0 * c10 - b0 * s10, a1 * c11 - b1 * s11, l);
+    IO::store(y + h + k, at::vec::fmadd(a0, s20, b0 * c20), at::vec::fmadd(a1, s21, b1 * c21), l);
+  };
   if (mode == Mode::kHalf) {
-    const int64_t h = D / 2;
     for_each_step<scalar_t>(h, [&](int64_t k, int64_t l) {
-      Vec a0, a1, b0, b1, c10, c11, c20, c21, s10, s11, s20, s21;
+      Vec a0, a1, b0, b1;
       IO::load(x + k, a0, a1, l);
       IO::load(x + h + k, b0, b1, l);
-      RIO::load(c + k, c10, c11, l);
-      RIO::load(c + h + k, c20, c21, l);
-      RIO::load(s + k, s10, s11, l);
-      RIO::load(s + h + k, s20, s21, l);
-      IO::store(y + k, a0 * c10 - b0 * s10, a1 * c11 - b1 * s11, l);
-      IO::store(y + h + k, at::vec::fmadd(a0, s20, b0 * c20), at::vec::fmadd(a1, s21, b1 * c21), l);
+      half_step(k, l, a0, a1, b0, b1);
     });
   } else if (mode == Mode::kDeinterleave) {
-    // Output lane k < h takes the pair (x[2k], x[2k+1]) = (e, o): y[k] = e*c1 - o*s1,
-    // y[h+k] = o*c2 + e*s2. One step reads 2 * kStep elements of x and splits evens from odds.
-    const int64_t h = D / 2;
+    // Output lane k < h takes the pair (x[2k], x[2k+1]) as (a, b). One step reads 2 * kStep
+    // elements of x and splits evens from odds.
     constexpr int64_t kStep = IO::kStep;
     for_each_step<scalar_t>(h, [&](int64_t k, int64_t l) {
-      Vec q0, q1, q2(0), q3(0), c10, c11, c20, c21, s10, s11, s20, s21;
+      Vec q0, q1, q2(0), q3(0);
       const int64_t n = 2 * l;
       IO::load(x + 2 * k, q0, q1, std::min(n, kStep));
       if (n > kStep) IO::load(x + 2 * k + kStep, q2, q3, n - kStep);
       const auto [e0, o0] = at::vec::deinterleave2(q0, q1);
       const auto [e1, o1] = at::vec::deinterleave2(q2, q3);
-      RIO::load(c + k, c10, c11, l);
-      RIO::load(c + h + k, c20, c21, l);
-      RIO::load(s + k, s10, s11, l);
-      RIO::load(s + h + k, s20, s21, l);
-      IO::store(y + k, e0 * c10 - o0 * s10, e1 * c11 - o1 * s11, l);
-      IO::store(y + h + k, at::vec::fmadd(e0, s20, o0 * c20), at::vec::fmadd(e1, s21, o1 * c21), l);
+      half_step(k, l, e0, e1, o0, o1);
     });
   } else {
     const Vec sign = alternating_sign<Vec>();
