@@ -50,6 +50,22 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode='half', Tensor? rotate=None) -> Tensor");
   // Returns (dx, dr1, dr2); dr1/dr2 are reduced over the dims r1/r2 broadcast along.
   m.def("npu_rotary_mul_backward(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> (Tensor, Tensor, Tensor)");
+  // DeepSeek's rope of one input: x de-interleaved (evens then odds), then x * cos + rotate_half(x) * sin.
+  m.def("npu_interleave_rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  // Rotary of query and key with one cos / sin, written into query and key (returned, as torch_npu).
+  m.def("npu_apply_rotary_pos_emb(Tensor query, Tensor key, Tensor cos, Tensor sin, str layout='BSND', str rotary_mode='half') -> (Tensor, Tensor)");
+  // MLA: RMSNorm of kv's first part, interleave-rope of its last, both written into paged / per-batch caches (in place, returned).
+  m.def("npu_kv_rmsnorm_rope_cache(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, Tensor k_cache, Tensor ckv_cache, *, "
+        "Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? k_rope_offset=None, Tensor? c_kv_offset=None, Tensor? v=None, "
+        "float epsilon=1e-5, str cache_mode='Norm', bool is_output_kv=False) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The same with the cache writes declared; returns (k_rope, c_kv).
+  m.def("npu_kv_rmsnorm_rope_cache_v2(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, Tensor(a!) k_cache, Tensor(b!) ckv_cache, *, "
+        "Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? k_rope_offset=None, Tensor? c_kv_offset=None, Tensor? v=None, "
+        "float epsilon=1e-5, str cache_mode='Norm', bool is_output_kv=False, int? k_cache_dtype=None, int? ckv_cache_dtype=None) -> (Tensor, Tensor)");
+  // The same into copies of the caches; returns (k_rope, c_kv, k_cache, ckv_cache).
+  m.def("npu_kv_rmsnorm_rope_cache_v2_functional(Tensor kv, Tensor gamma, Tensor cos, Tensor sin, Tensor index, Tensor k_cache, Tensor ckv_cache, *, "
+        "Tensor? k_rope_scale=None, Tensor? c_kv_scale=None, Tensor? k_rope_offset=None, Tensor? c_kv_offset=None, Tensor? v=None, "
+        "float epsilon=1e-5, str cache_mode='Norm', bool is_output_kv=False, int? k_cache_dtype=None, int? ckv_cache_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // softmax(where(mask, -10000, x * scale), dim=-1); mask True = masked out, broadcast to x;
   // fixed_triu_mask=True masks columns j > i (triu(ones(H, W), 1)) and ignores `mask`.

@@ -1,4 +1,6 @@
-"""npu_rotary_mul ('half' mode), forward and backward, in the BSND and BNSD layouts.
+"""npu_rotary_mul ('half' mode), forward and backward, in the BSND and BNSD layouts; the inference
+ropes npu_interleave_rope (DeepSeek's q_pe, decode) and npu_kv_rmsnorm_rope_cache (MLA's KV step
+into a 'PA' cache, decode), against their native compositions.
 
 Two backward rows: torch_npu's npu_rotary_mul_backward (dx, dr1, dr2), and "bwd dx", the dx-only
 backward autograd runs when cos/sin need no gradient (opennpu::_rotary_mul_backward_dx), against
@@ -69,7 +71,72 @@ def rotary_bwd_dx(layout, s, dtype, threads):
     )
 
 
+def _rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def native_interleave_rope(x, cos, sin):
+    """The doc's formula in ATen ops, fp32 math, one rounding."""
+    q = x.float().unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+    return (q * cos.float() + _rotate_half(q) * sin.float()).to(x.dtype)
+
+
+def interleave_rope_fwd(tokens, dtype, threads):
+    x = randn(tokens, HEADS, 1, 64, dtype=dtype)
+    cos, sin = randn(tokens, 1, 1, 64, dtype=dtype), randn(tokens, 1, 1, 64, dtype=dtype)
+    native_compiled = compiled(native_interleave_rope, x, cos, sin, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_interleave_rope(x, cos, sin),
+        baselines={"eager": lambda: native_interleave_rope(x, cos, sin),
+                   "compile": lambda: native_compiled(x, cos, sin)},
+        reference=lambda: native_interleave_rope(x.float(), cos.float(), sin.float()),
+    )
+
+
+def native_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, slots, k_cache, ckv_cache, eps=1e-5):
+    """RMSNorm of kv[..., :512], interleave rope of kv[..., 512:], index_copy_ into 'PA' caches."""
+    x = kv.float()
+    c = x[..., :512]
+    c = (c * torch.rsqrt(c.square().mean(-1, keepdim=True) + eps) * gamma.float()).to(kv.dtype)
+    k = native_interleave_rope(kv[..., 512:], cos, sin)
+    k_cache.view(-1, 64).index_copy_(0, slots, k.view(-1, 64))
+    ckv_cache.view(-1, 512).index_copy_(0, slots, c.view(-1, 512))
+    return k, c
+
+
+def kv_rmsnorm_rope_cache_fwd(tokens, dtype, threads):
+    kv = randn(tokens, 1, 1, 576, dtype=dtype)
+    gamma = randn(512, dtype=dtype)
+    cos, sin = randn(tokens, 1, 1, 64, dtype=dtype), randn(tokens, 1, 1, 64, dtype=dtype)
+    blocks, block_size = 4 * tokens // 128 + 1, 128
+    slots = torch.randperm(blocks * block_size)[:tokens]
+    k_cache = torch.zeros(blocks, block_size, 1, 64, dtype=dtype)
+    ckv_cache = torch.zeros(blocks, block_size, 1, 512, dtype=dtype)
+    args = (kv, gamma, cos, sin, slots, k_cache, ckv_cache)
+    native_compiled = compiled(native_kv_rmsnorm_rope_cache, *args, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_kv_rmsnorm_rope_cache(*args, cache_mode="PA")[2:],
+        baselines={"eager": lambda: native_kv_rmsnorm_rope_cache(*args),
+                   "compile": lambda: native_compiled(*args)},
+        reference=lambda: native_kv_rmsnorm_rope_cache(
+            kv.float(), gamma.float(), cos.float(), sin.float(), slots, k_cache.float(),
+            ckv_cache.float()),
+    )
+
+
 def cases(quick: bool, dtypes):
+    for tokens, dtype in itertools.product((256,) if quick else (256, 2048), dtypes):
+        e = dtype.itemsize
+        # interleave_rope reads x, cos, sin and writes out; kv_rmsnorm_rope_cache reads kv,
+        # cos, sin and writes k, c and the two cache rows.
+        yield Case("interleave_rope", "fwd", f"T={tokens} N={HEADS} D=64", dtype,
+                   (2 * tokens * HEADS * 64 + 2 * tokens * 64) * e,
+                   functools.partial(interleave_rope_fwd, tokens, dtype), ("npu_interleave_rope",))
+        yield Case("kv_rmsnorm_rope_cache", "fwd", f"T={tokens} 512+64 PA", dtype,
+                   (tokens * 576 * 3 + 2 * tokens * 64) * e,
+                   functools.partial(kv_rmsnorm_rope_cache_fwd, tokens, dtype),
+                   ("npu_kv_rmsnorm_rope_cache",))
     seqs = (4096,) if quick else (4096, 8192)
     for layout, s, dtype in itertools.product(("BSND", "BNSD"), seqs, dtypes):
         e = dtype.itemsize

@@ -16,6 +16,7 @@ namespace opennpu::rotary {
 
 CpuKernel<RotaryFwdFn> rotary_fwd_cpu;
 CpuKernel<RotaryBwdFn> rotary_bwd_cpu;
+CpuKernel<KvRopeFn> kv_rope_rows_cpu;
 
 namespace {
 
@@ -91,8 +92,10 @@ std::vector<int64_t> leading(c10::IntArrayRef v) { return {v.begin(), v.end() - 
 
 // x * c + rotate(x) * s into a new contiguous tensor; x's rows may be strided (a transposed view
 // of a projection's output is read in place), c and s are x-broadcastable views.
+// `into` (contiguous, x's shape and dtype) receives the result instead of a new tensor; it may
+// be x itself in the half and interleave modes (each step reads its lanes before it writes them).
 at::Tensor apply_rotary(const char* op, const at::Tensor& self, const at::Tensor& r1,
-                        const at::Tensor& r2, Mode mode) {
+                        const at::Tensor& r2, Mode mode, const at::Tensor& into = at::Tensor()) {
   const at::Tensor x = self.stride(-1) == 1 ? self : self.contiguous();
   const at::Tensor c = r1.contiguous();
   const at::Tensor s = r2.contiguous();
@@ -101,7 +104,9 @@ at::Tensor apply_rotary(const char* op, const at::Tensor& self, const at::Tensor
   layout.x_strides = leading(x.strides());
   layout.r1_strides = leading(c.expand(x.sizes()).strides());
   layout.r2_strides = leading(s.expand(x.sizes()).strides());
-  at::Tensor out = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor out = into.defined()
+                       ? into
+                       : at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
   if (out.numel() > 0) rotary_fwd_cpu.get(op)(x, c, s, layout, mode, out);
   return out;
 }
@@ -198,7 +203,80 @@ at::Tensor rotary_mul_backward_dx(const at::Tensor& grad, const at::Tensor& self
   return apply_rotary(op, grad.to(self.scalar_type()), c, s_adj, mode);
 }
 
+at::Tensor npu_interleave_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  constexpr const char* op = "npu_interleave_rope";
+  check_floating(op, "x", x);
+  OPENNPU_CHECK_ARG(x.dim() >= 1 && x.size(-1) % 2 == 0, op, "x",
+                    "must have an even last dim D (pairs are rotated), but got shape ",
+                    shape_str(x.sizes()));
+  check_strict_dtype(op, "x", x, {at::kHalf, at::kBFloat16});
+  check_strict_rank(op, "x", x, 4, 4);
+  OPENNPU_CHECK_STRICT(x.size(-1) == 64, op, "x", "must have D = 64, but got D = ", x.size(-1));
+  OPENNPU_CHECK_STRICT(cos.dim() == 4 && cos.size(1) == 1, op, "cos",
+                       "must be [B, 1, S or 1, D], but got ", shape_str(cos.sizes()));
+  const at::ScalarType rt = r_dtype(x, cos, sin);
+  const at::Tensor c = prepare_r(op, "cos", cos, x).to(rt);
+  const at::Tensor s = prepare_r(op, "sin", sin, x).to(rt);
+  OPENNPU_CHECK_ARG(cos.size(-1) == x.size(-1), op, "cos", "must have the last dim D = ",
+                    x.size(-1), " of 'x', but got ", shape_str(cos.sizes()));
+  OPENNPU_CHECK_ARG(sin.size(-1) == x.size(-1), op, "sin", "must have the last dim D = ",
+                    x.size(-1), " of 'x', but got ", shape_str(sin.sizes()));
+  return apply_rotary(op, x, c, s, Mode::kDeinterleave);
+}
+
+std::tuple<at::Tensor, at::Tensor> npu_apply_rotary_pos_emb(const at::Tensor& query,
+                                                            const at::Tensor& key,
+                                                            const at::Tensor& cos,
+                                                            const at::Tensor& sin,
+                                                            c10::string_view layout,
+                                                            c10::string_view rotary_mode) {
+  constexpr const char* op = "npu_apply_rotary_pos_emb";
+  OPENNPU_CHECK_ARG(rotary_mode == "half" || rotary_mode == "interleave", op, "rotary_mode",
+                    "must be 'half' or 'interleave' ('quarter' is not implemented by opennpu), "
+                    "but got '", rotary_mode, "'");
+  const Mode mode = rotary_mode == "half" ? Mode::kHalf : Mode::kInterleave;
+  OPENNPU_CHECK_ARG(layout == "BSND" || layout == "SBND" || layout == "BNSD" || layout == "TND", op,
+                    "layout", "must be 'BSND', 'SBND', 'BNSD' or 'TND', but got '", layout, "'");
+  const int64_t rank = layout == "TND" ? 3 : 4;
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor&>{"query", query},
+                                {"key", key}, {"cos", cos}, {"sin", sin}}) {
+    check_floating(op, name, t);
+    check_same_device(op, name, t, "query", query);
+    OPENNPU_CHECK_ARG(t.dim() == rank, op, name, "must be ", rank, "-D for layout '", layout,
+                      "', but got shape ", shape_str(t.sizes()));
+    OPENNPU_CHECK_ARG(t.scalar_type() == query.scalar_type(), op, name,
+                      "must have the dtype of 'query' (", query.scalar_type(), "), but got ",
+                      t.scalar_type());
+  }
+  check_x(op, "query", query);
+  const int64_t D = query.size(-1);
+  const int64_t n_dim = layout == "BNSD" ? 1 : rank - 2;
+  bool same = true;
+  for (int64_t d = 0; d < rank; ++d) same = same && (d == n_dim || key.size(d) == query.size(d));
+  OPENNPU_CHECK_ARG(same, op, "key", "must have the shape of 'query' ", shape_str(query.sizes()),
+                    " except in N, but got ", shape_str(key.sizes()));
+  OPENNPU_CHECK_STRICT(D == 64 || D == 128, op, "query", "must have D = 64 or 128, but got D = ", D);
+  const at::Tensor c = prepare_r(op, "cos", cos, query);
+  const at::Tensor s = prepare_r(op, "sin", sin, query);
+  OPENNPU_CHECK_ARG(cos.size(-1) == D && sin.size(-1) == D, op, "cos",
+                    "and 'sin' must have the last dim D = ", D, " of 'query', but got ",
+                    shape_str(cos.sizes()), " and ", shape_str(sin.sizes()));
+  // torch_npu updates query and key in place and returns them.
+  for (const at::Tensor* t : {&query, &key}) {
+    const at::Tensor cb = t == &query ? c : prepare_r(op, "cos", cos, key);
+    const at::Tensor sb = t == &query ? s : prepare_r(op, "sin", sin, key);
+    if (t->is_contiguous()) {
+      apply_rotary(op, *t, cb, sb, mode, *t);
+    } else {
+      t->copy_(apply_rotary(op, *t, cb, sb, mode));
+    }
+  }
+  return {query, key};
+}
+
 TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_interleave_rope", &npu_interleave_rope);
+  m.impl("npu_apply_rotary_pos_emb", &npu_apply_rotary_pos_emb);
   m.impl("npu_rotary_mul", &npu_rotary_mul);
   m.impl("npu_rotary_mul_backward", &npu_rotary_mul_backward);
 }

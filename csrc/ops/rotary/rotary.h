@@ -3,6 +3,8 @@
 //   out = x * r1 + rotate(x) * r2,   r1 = cos, r2 = sin, both broadcast against x
 //   'half':       rotate(x) = cat(-x[D/2:], x[:D/2])
 //   'interleave': rotate(x)[2i] = -x[2i+1], rotate(x)[2i+1] = x[2i]
+//   de-interleave (npu_interleave_rope, npu_kv_rmsnorm_rope_cache): q = (x[0], x[2], ..., x[1], x[3],
+//                 ...), out = q * r1 + rotate_half(q) * r2 (not in place: rows are permuted)
 // Any layout (BNSD, BSND, SBND, TND, ...) is a broadcast pattern of r over x's leading dims; the
 // kernels walk rows of D elements and find each row's r row through (possibly zero) strides.
 #pragma once
@@ -15,7 +17,7 @@
 
 namespace opennpu::rotary {
 
-enum class Mode { kHalf, kInterleave };
+enum class Mode { kHalf, kInterleave, kDeinterleave };
 
 // Leading-dim geometry: x has rows indexed by `sizes` (x.shape[:-1]); each tensor's row start is
 // sum(index[d] * strides[d]) in elements.
@@ -36,7 +38,39 @@ using RotaryBwdFn = void(const at::Tensor& grad, const at::Tensor& x, const at::
                          const at::Tensor& r2, Mode mode, at::Tensor& dx, at::Tensor& dr1,
                          at::Tensor& dr2);
 
+// npu_kv_rmsnorm_rope_cache's per-token rows (rope_cache.cpp prepares them). Token t (of T) has
+// its kv row at kv + t * kv_stride (kv's dtype, D_kv elements) and its cos / sin rows at
+// cos_off[t] / sin_off[t] (elements, cos's dtype = kv's, Dr elements). gamma: acc dtype.
+//   v == nullptr (MLA V1): c = rms_norm(kv[:Dc]) * gamma,  k = rope(kv[Dc:Dc + Dr])
+//   v != nullptr (V2):     y = rms_norm(kv) * gamma,  k = cat(rope(y[:Dr]), y[Dr:]),  c = v row
+// k / c are rounded to kv's dtype into k_out / c_out ([T, Wk] / [T, Wc], contiguous) and, where
+// k_stage / c_stage are set, also into those [T, W] rows: the cache's dtype, or int8 codes
+// round(value * scale) clamped to [-128, 127] where a scale (acc dtype, W elements) is given.
+struct KvRopeRows {
+  at::ScalarType dtype;  // kv's
+  int64_t T = 0, Dc = 0, Dr = 0, Wk = 0, Wc = 0;
+  const void* kv = nullptr;
+  int64_t kv_stride = 0;
+  const void* v = nullptr;
+  int64_t v_stride = 0;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  const int64_t* cos_off = nullptr;
+  const int64_t* sin_off = nullptr;
+  const void* gamma = nullptr;
+  double eps = 1e-5;
+  void* k_out = nullptr;
+  void* c_out = nullptr;
+  void* k_stage = nullptr;  // nullptr: k_out is what the cache receives
+  void* c_stage = nullptr;
+  const void* k_scale = nullptr;  // set: k_stage holds int8 codes
+  const void* c_scale = nullptr;
+};
+
+using KvRopeFn = void(const KvRopeRows& rows);
+
 extern CpuKernel<RotaryFwdFn> rotary_fwd_cpu;
+extern CpuKernel<KvRopeFn> kv_rope_rows_cpu;
 extern CpuKernel<RotaryBwdFn> rotary_bwd_cpu;
 
 }  // namespace opennpu::rotary

@@ -8,11 +8,14 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <array>
+#include <vector>
 #include <limits>
 #include <type_traits>
 
 #include "common/vec.h"
+#include "ops/norm/norm_rows.h"
 #include "ops/rotary/rotary.h"
 
 namespace opennpu::rotary {
@@ -100,18 +103,38 @@ void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int6
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
   using RIO = VecPair<r_t>;
+  const int64_t h = D / 2;
+  // Rotate-half of output lanes [k, k + l) of both halves, given the first-half inputs (a) and
+  // the second-half inputs (b): y1 = a*c1 - b*s1, y2 = b*c2 + a*s2.
+  const auto half_step = [&](int64_t k, int64_t l, const Vec& a0, const Vec& a1, const Vec& b0,
+                             const Vec& b1) {
+    Vec c10, c11, c20, c21, s10, s11, s20, s21;
+    RIO::load(c + k, c10, c11, l);
+    RIO::load(c + h + k, c20, c21, l);
+    RIO::load(s + k, s10, s11, l);
+    RIO::load(s + h + k, s20, s21, l);
+    IO::store(y + k, a0 * c10 - b0 * s10, a1 * c11 - b1 * s11, l);
+    IO::store(y + h + k, at::vec::fmadd(a0, s20, b0 * c20), at::vec::fmadd(a1, s21, b1 * c21), l);
+  };
   if (mode == Mode::kHalf) {
-    const int64_t h = D / 2;
     for_each_step<scalar_t>(h, [&](int64_t k, int64_t l) {
-      Vec a0, a1, b0, b1, c10, c11, c20, c21, s10, s11, s20, s21;
+      Vec a0, a1, b0, b1;
       IO::load(x + k, a0, a1, l);
       IO::load(x + h + k, b0, b1, l);
-      RIO::load(c + k, c10, c11, l);
-      RIO::load(c + h + k, c20, c21, l);
-      RIO::load(s + k, s10, s11, l);
-      RIO::load(s + h + k, s20, s21, l);
-      IO::store(y + k, a0 * c10 - b0 * s10, a1 * c11 - b1 * s11, l);
-      IO::store(y + h + k, at::vec::fmadd(a0, s20, b0 * c20), at::vec::fmadd(a1, s21, b1 * c21), l);
+      half_step(k, l, a0, a1, b0, b1);
+    });
+  } else if (mode == Mode::kDeinterleave) {
+    // Output lane k < h takes the pair (x[2k], x[2k+1]) as (a, b). One step reads 2 * kStep
+    // elements of x and splits evens from odds.
+    constexpr int64_t kStep = IO::kStep;
+    for_each_step<scalar_t>(h, [&](int64_t k, int64_t l) {
+      Vec q0, q1, q2(0), q3(0);
+      const int64_t n = 2 * l;
+      IO::load(x + 2 * k, q0, q1, std::min(n, kStep));
+      if (n > kStep) IO::load(x + 2 * k + kStep, q2, q3, n - kStep);
+      const auto [e0, o0] = at::vec::deinterleave2(q0, q1);
+      const auto [e1, o1] = at::vec::deinterleave2(q2, q3);
+      half_step(k, l, e0, e1, o0, o1);
     });
   } else {
     const Vec sign = alternating_sign<Vec>();
@@ -300,6 +323,93 @@ void rotary_bwd_impl(const at::Tensor& grad, const at::Tensor& x, const at::Tens
   });
 }
 
+// Rounds n acc_t values to int8 codes round_half_even(v * scale) clamped to [-128, 127].
+template <typename T>
+void quantize_row(const T* v, const T* scale, int8_t* q, int64_t n) {
+  using Vec = at::vec::Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec lo(T(-128)), hi(T(127));
+  T buf[W];
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t l = std::min<int64_t>(W, n - i);
+    const Vec y = at::vec::clamp((Vec::loadu(v + i, l) * Vec::loadu(scale + i, l)).round(), lo, hi);
+    y.store(buf, l);
+    for (int64_t j = 0; j < l; ++j) q[i + j] = static_cast<int8_t>(buf[j]);
+  }
+}
+
+// Converts n acc_t values to scalar_t (rounded once).
+template <typename scalar_t>
+void round_row(const acc_t<scalar_t>* v, scalar_t* y, int64_t n) {
+  using IO = VecPair<acc_t<scalar_t>>;
+  for_each_step<scalar_t>(n, [&](int64_t i, int64_t l) {
+    AccVec<scalar_t> a, b;
+    IO::load(v + i, a, b, l);
+    VecPair<scalar_t>::store(y + i, a, b, l);
+  });
+}
+
+template <typename scalar_t>
+void kv_rope_rows_impl(const KvRopeRows& p) {
+  using T = acc_t<scalar_t>;
+  const auto* kv = static_cast<const scalar_t*>(p.kv);
+  const auto* v = static_cast<const scalar_t*>(p.v);
+  const auto* cs = static_cast<const scalar_t*>(p.cos);
+  const auto* sn = static_cast<const scalar_t*>(p.sin);
+  const auto* gamma = static_cast<const T*>(p.gamma);
+  auto* k_out = static_cast<scalar_t*>(p.k_out);
+  auto* c_out = static_cast<scalar_t*>(p.c_out);
+  const T eps = static_cast<T>(p.eps);
+  const int64_t D_kv = p.v ? p.Wk : p.Dc + p.Dr;
+  at::parallel_for(0, p.T, grain_rows(D_kv + p.Wc), [&](int64_t begin, int64_t end) {
+    // Per-thread fp32 rows: the normalised row (y), the rope input and output, v.
+    std::vector<T> y(std::max(p.Dc, D_kv)), rin(p.Dr), k(p.Wk), c(p.Wc);
+    for (int64_t t = begin; t < end; ++t) {
+      const scalar_t* row = kv + t * p.kv_stride;
+      const auto to_acc = [](T* dst) {
+        return [dst](int64_t i, const AccVec<scalar_t>& a, const AccVec<scalar_t>& b, int64_t l) {
+          VecPair<T>::store(dst + i, a, b, l);
+        };
+      };
+      if (v == nullptr) {
+        opennpu::norm::rms_norm_row_to<scalar_t>(row, gamma, p.Dc, eps, to_acc(c.data()));
+        for_each_step<scalar_t>(p.Dr, [&](int64_t i, int64_t l) {
+          AccVec<scalar_t> a, b;
+          VecPair<scalar_t>::load(row + p.Dc + i, a, b, l);
+          VecPair<T>::store(rin.data() + i, a, b, l);
+        });
+        rotary_row<T, scalar_t>(rin.data(), cs + p.cos_off[t], sn + p.sin_off[t], k.data(), p.Dr,
+                                Mode::kDeinterleave);
+      } else {
+        opennpu::norm::rms_norm_row_to<scalar_t>(row, gamma, D_kv, eps, to_acc(y.data()));
+        rotary_row<T, scalar_t>(y.data(), cs + p.cos_off[t], sn + p.sin_off[t], k.data(), p.Dr,
+                                Mode::kDeinterleave);
+        std::copy(y.begin() + p.Dr, y.begin() + D_kv, k.begin() + p.Dr);
+        for_each_step<scalar_t>(p.Wc, [&](int64_t i, int64_t l) {
+          AccVec<scalar_t> a, b;
+          VecPair<scalar_t>::load(v + t * p.v_stride + i, a, b, l);
+          VecPair<T>::store(c.data() + i, a, b, l);
+        });
+      }
+      round_row<scalar_t>(k.data(), k_out + t * p.Wk, p.Wk);
+      round_row<scalar_t>(c.data(), c_out + t * p.Wc, p.Wc);
+      if (p.k_scale) {
+        quantize_row<T>(k.data(), static_cast<const T*>(p.k_scale),
+                        static_cast<int8_t*>(p.k_stage) + t * p.Wk, p.Wk);
+      }
+      if (p.c_scale) {
+        quantize_row<T>(c.data(), static_cast<const T*>(p.c_scale),
+                        static_cast<int8_t*>(p.c_stage) + t * p.Wc, p.Wc);
+      }
+    }
+  });
+}
+
+void kv_rope_rows_kernel(const KvRopeRows& p) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, p.dtype, "npu_kv_rmsnorm_rope_cache",
+                                  [&] { kv_rope_rows_impl<scalar_t>(p); });
+}
+
 void rotary_fwd_kernel(const at::Tensor& x, const at::Tensor& r1, const at::Tensor& r2,
                        const RowLayout& layout, Mode mode, at::Tensor& out) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "npu_rotary_mul", [&] {
@@ -328,6 +438,7 @@ void rotary_bwd_kernel(const at::Tensor& grad, const at::Tensor& x, const at::Te
 
 OPENNPU_REGISTER_CPU_KERNEL(rotary_fwd_cpu, &rotary_fwd_kernel);
 OPENNPU_REGISTER_CPU_KERNEL(rotary_bwd_cpu, &rotary_bwd_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(kv_rope_rows_cpu, &kv_rope_rows_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::rotary

@@ -354,6 +354,21 @@ def _rotary_mul_backward_dx(grad, self, r1, r2, rotary_mode="half"):
     return _rotary_dx(grad, self, r1, r2, rotary_mode)
 
 
+def _deinterleave(x):
+    """(x[0], x[2], ..., x[1], x[3], ...) along the last dim."""
+    return x.unflatten(-1, (x.shape[-1] // 2, 2)).transpose(-1, -2).flatten(-2)
+
+
+def _interleave_rope(x, cos, sin):
+    q = _deinterleave(x)
+    return q * cos.to(x.dtype) + _rotate(q, "half") * sin.to(x.dtype)
+
+
+@_portable("npu::npu_interleave_rope")
+def npu_interleave_rope(x, cos, sin):
+    return _interleave_rope(_up(x), cos, sin).to(x.dtype)
+
+
 # ----------------------------------------------------------------------------- softmax
 
 _MASK_FILL = -10000.0
@@ -1304,6 +1319,101 @@ def npu_scatter_pa_kv_cache_functional(key, value, key_cache, value_cache, slot_
     v = value_cache.clone(memory_format=torch.contiguous_format)
     npu_scatter_pa_kv_cache(key, value, k, v, slot_mapping, **kw)
     return k, v
+
+
+@_host_side("npu::npu_apply_rotary_pos_emb", mutating=True)
+def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSND", rotary_mode="half"):
+    """Written into query and key, which are returned (torch_npu's in-place contract)."""
+    for x in (query, key):
+        x.copy_(npu_rotary_mul(x, cos, sin, rotary_mode))
+    return query, key
+
+
+def _kv_rope_values(kv, gamma, cos, sin, v, epsilon):
+    """(k, c) of npu_kv_rmsnorm_rope_cache in the accumulator dtype."""
+    x = _up(kv)
+    if v is None:
+        dc = gamma.shape[0]
+        return _interleave_rope(x[..., dc:], cos, sin), _rms(x[..., :dc], gamma, epsilon)[0]
+    dr = cos.shape[-1]
+    y = _rms(x, gamma, epsilon)[0]
+    return torch.cat([_interleave_rope(y[..., :dr], cos, sin), y[..., dr:]], -1), _up(v)
+
+
+def _kv_cache_rows(values, scale, cache):
+    rows = values.reshape(-1, values.shape[-1])
+    if scale is None:
+        return rows.to(cache.dtype)
+    return (rows * scale.reshape(-1).to(rows.dtype)).round().clamp(-128, 127).to(torch.int8)
+
+
+def _kv_write(cache, rows, index, mode, batch, seq):
+    """rows [B * S, W] into the (contiguous) cache at the rows index names (host-side counts)."""
+    w = rows.shape[-1]
+    tokens = torch.arange(batch * seq, device=rows.device)
+    if mode == "Norm":
+        idx = index.reshape(-1).long()
+        keep = idx >= 0
+        cache.view(batch, -1, w)[(tokens // seq)[keep], idx[keep]] = rows[keep]
+        return
+    bs = cache.shape[1]
+    if "BLK" in mode:
+        pages = index.numel() // batch
+        s = tokens % seq
+        start = index.reshape(-1).long()[(tokens // seq) * pages + s // bs]
+        keep = start >= 0
+        target = (start // bs) * bs + s % bs
+    else:
+        target = index.reshape(-1).long()
+        keep = target >= 0
+    target, rows = target[keep], rows[keep]
+    if mode.endswith("NZ"):
+        d0 = max(1, 32 // cache.element_size())
+        cache.view(cache.shape[0], w // d0, bs, d0)[target // bs, :, target % bs, :] = (
+            rows.reshape(-1, w // d0, d0))
+    else:
+        cache.view(-1, w)[target] = rows
+
+
+def _kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale,
+                           c_kv_scale, v, epsilon, cache_mode):
+    if cache_mode not in ("Norm", "PA", "PA_BNSD", "PA_NZ", "PA_BLK_BNSD", "PA_BLK_NZ"):
+        raise RuntimeError("npu_kv_rmsnorm_rope_cache: argument 'cache_mode' must be 'Norm', 'PA', "
+                           "'PA_BNSD', 'PA_NZ', 'PA_BLK_BNSD' or 'PA_BLK_NZ', but got "
+                           f"'{cache_mode}'")
+    k, c = _kv_rope_values(kv, gamma, cos, sin, v, epsilon)
+    batch, seq = kv.shape[0], kv.shape[2]
+    _kv_write(k_cache, _kv_cache_rows(k, k_rope_scale, k_cache), index, cache_mode, batch, seq)
+    _kv_write(ckv_cache, _kv_cache_rows(c, c_kv_scale, ckv_cache), index, cache_mode, batch, seq)
+    return k.to(kv.dtype), c.to(kv.dtype)
+
+
+@_host_side("npu::npu_kv_rmsnorm_rope_cache", mutating=True)
+def npu_kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
+                              k_rope_scale=None, c_kv_scale=None, k_rope_offset=None,
+                              c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
+                              is_output_kv=False):
+    k, c = _kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale,
+                                  c_kv_scale, v, epsilon, cache_mode)
+    return k_cache, ckv_cache, k, c
+
+
+@_host_side("npu::npu_kv_rmsnorm_rope_cache_v2", mutating=True)
+def npu_kv_rmsnorm_rope_cache_v2(kv, gamma, cos, sin, index, k_cache, ckv_cache, *,
+                                 k_rope_scale=None, c_kv_scale=None, k_rope_offset=None,
+                                 c_kv_offset=None, v=None, epsilon=1e-5, cache_mode="Norm",
+                                 is_output_kv=False, k_cache_dtype=None, ckv_cache_dtype=None):
+    return _kv_rmsnorm_rope_cache(kv, gamma, cos, sin, index, k_cache, ckv_cache, k_rope_scale,
+                                  c_kv_scale, v, epsilon, cache_mode)
+
+
+@_host_side("npu::npu_kv_rmsnorm_rope_cache_v2_functional")
+def npu_kv_rmsnorm_rope_cache_v2_functional(kv, gamma, cos, sin, index, k_cache, ckv_cache,
+                                            **kw):
+    k_new = k_cache.clone(memory_format=torch.contiguous_format)
+    c_new = ckv_cache.clone(memory_format=torch.contiguous_format)
+    k, c = npu_kv_rmsnorm_rope_cache_v2(kv, gamma, cos, sin, index, k_new, c_new, **kw)
+    return k, c, k_new, c_new
 
 
 def _gather_plan(block_tables, seq_lens, seq_offset, cumsum, tokens, block_size, num_blocks):
