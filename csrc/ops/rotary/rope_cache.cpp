@@ -141,7 +141,7 @@ void write_cache(const char* op, const CacheWrite& w, CachePlan& p) {
   plan.rows = static_cast<int64_t>(p.src.size());
   plan.src_off = p.src.data();
   plan.dst_off = p.dst.data();
-  kvcache::copy_rows_cpu.get(op)(plan);
+  kvcache::row_copy.get(op, target)(plan);
   if (!target.is_same(cache)) cache.copy_(target);
 }
 
