@@ -293,7 +293,7 @@ std::tuple<at::Tensor, at::Tensor> kv_rmsnorm_rope_cache_impl(
     rows.c_stage = c_stage.mutable_data_ptr();
     rows.c_scale = cs.const_data_ptr();
   }
-  kv_rope_rows_cpu.get(op)(rows);
+  kv_rope_rows.get(op, c_kv)(rows);
 
   write_cache(op, k_write, k_plan);
   write_cache(op, c_write, c_plan);

@@ -14,9 +14,9 @@
 
 namespace opennpu::rotary {
 
-CpuKernel<RotaryFwdFn> rotary_fwd_cpu;
-CpuKernel<RotaryBwdFn> rotary_bwd_cpu;
-CpuKernel<KvRopeFn> kv_rope_rows_cpu;
+KernelSlots<RotaryFwdFn> rotary_fwd;
+KernelSlots<RotaryBwdFn> rotary_bwd;
+KernelSlots<KvRopeFn> kv_rope_rows;
 
 namespace {
 
@@ -107,7 +107,7 @@ at::Tensor apply_rotary(const char* op, const at::Tensor& self, const at::Tensor
   at::Tensor out = into.defined()
                        ? into
                        : at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::Contiguous));
-  if (out.numel() > 0) rotary_fwd_cpu.get(op)(x, c, s, layout, mode, out);
+  if (out.numel() > 0) rotary_fwd.get(op, x)(x, c, s, layout, mode, out);
   return out;
 }
 
@@ -170,7 +170,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_rotary_mul_backward(
   at::Tensor dx = at::empty(x.sizes(), x.options());
   at::Tensor dc = at::zeros(joint, x.options().dtype(acc));
   at::Tensor ds = at::zeros(joint, x.options().dtype(acc));
-  if (x.numel() > 0) rotary_bwd_cpu.get(op)(g, x, c, s, mode, dx, dc, ds);
+  if (x.numel() > 0) rotary_bwd.get(op, x)(g, x, c, s, mode, dx, dc, ds);
 
   // Sum over what r1/r2 broadcast along (their own size-1 dims, the last one included).
   std::vector<int64_t> r1_padded(self.dim() - r1.dim(), 1), r2_padded(self.dim() - r2.dim(), 1);

@@ -13,7 +13,7 @@
 
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::rotary {
 
@@ -69,8 +69,8 @@ struct KvRopeRows {
 
 using KvRopeFn = void(const KvRopeRows& rows);
 
-extern CpuKernel<RotaryFwdFn> rotary_fwd_cpu;
-extern CpuKernel<KvRopeFn> kv_rope_rows_cpu;
-extern CpuKernel<RotaryBwdFn> rotary_bwd_cpu;
+extern KernelSlots<RotaryFwdFn> rotary_fwd;
+extern KernelSlots<KvRopeFn> kv_rope_rows;
+extern KernelSlots<RotaryBwdFn> rotary_bwd;
 
 }  // namespace opennpu::rotary

@@ -436,9 +436,9 @@ void rotary_bwd_kernel(const at::Tensor& grad, const at::Tensor& x, const at::Te
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(rotary_fwd_cpu, &rotary_fwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(rotary_bwd_cpu, &rotary_bwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(kv_rope_rows_cpu, &kv_rope_rows_kernel);
+OPENNPU_REGISTER_CPU_SLOT(rotary_fwd, &rotary_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(rotary_bwd, &rotary_bwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(kv_rope_rows, &kv_rope_rows_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::rotary
