@@ -31,6 +31,18 @@ TORCH_LIBRARY(npu, m) {
         "Tensor? smooth_scale1=None, Tensor? smooth_scale2=None, Tensor? beta=None, "
         "float epsilon=1e-6, bool[2]? output_mask=None, int? y_dtype=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Quantised matmul: (x1 @ x2 (+ int32 bias)) in int32, then * scale (* pertoken_scale)
+  // (+ float bias) (+ offset) in fp32, rounded once to output_dtype (int8 by default); int4
+  // operands come as int32 holding eight codes each.
+  m.def("npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, "
+        "Tensor? pertoken_scale=None, Tensor? bias=None, int? output_dtype=None, "
+        "int? x1_dtype=None, int? x2_dtype=None, int? pertoken_scale_dtype=None, "
+        "int? scale_dtype=None, int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor");
+  // float32 scale (and offset) packed into int64 for npu_quant_matmul: fp19 bits | 1 << 46 |
+  // 9-bit offset << 37.
+  m.def("npu_trans_quant_param(Tensor scale, Tensor? offset=None, int? round_mode=0) -> Tensor");
+  // int32 codes in [-8, 7] packed eight per int32 along the last dim, lowest bits first.
+  m.def("npu_convert_weight_to_int4pack(Tensor weight, int inner_k_tiles=0) -> Tensor");
 
   // SwiGLU over halves of `dim`: silu(first) * second.
   m.def("npu_swiglu(Tensor self, int dim=-1) -> Tensor");

@@ -1,4 +1,5 @@
-"""Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast.
+"""Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast,
+quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM).
 
 Baselines are the compositions the fused ops replace (opennpu.testing.reference): the golden's
 float32 quantiser (x * smooth, rowmax, divide, round, clamp, cast) and, for the fused op, torchair's
@@ -97,6 +98,28 @@ def add_rms_norm_cast_fwd(t, h, dtype, threads):
     )
 
 
+def quant_matmul_fwd(m, k, n, dtype, threads):
+    gen = torch.Generator().manual_seed(0)
+    x1 = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen).t()  # Ascend's x2.t()
+    scale, pt = torch.rand(n, generator=gen) * 1e-3, torch.rand(m, generator=gen)
+    native = functools.partial(reference.native_quant_matmul, output_dtype=dtype)
+    native_compiled = compiled(native, x1, w, scale, pt, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_quant_matmul(x1, w, scale, pertoken_scale=pt, output_dtype=dtype),
+        baselines={"eager": lambda: native(x1, w, scale, pt),
+                   "compile": lambda: native_compiled(x1, w, scale, pt)},
+        reference=lambda: reference.quant_matmul(x1, w, scale, pertoken_scale=pt,
+                                                 output_dtype=dtype),
+    )
+
+
+def quant_matmul_shapes(quick: bool):
+    if quick:
+        return [(16, 2048, 2048), (256, 2048, 2048)]
+    return [(1, 4096, 4096), (16, 4096, 4096), (512, 4096, 4096), (256, 4096, 11008)]
+
+
 def cases(quick: bool, dtypes):
     for (t, h), dtype in itertools.product(shapes(quick), dtypes):
         e = dtype.itemsize
@@ -118,3 +141,11 @@ def cases(quick: bool, dtypes):
             yield Case("add_rms_norm_cast", "fwd", shape, dtype, cast_bytes,
                        functools.partial(add_rms_norm_cast_fwd, t, h, dtype),
                        ("npu_add_rms_norm_cast",))
+    for (m, k, n), dtype in itertools.product(quant_matmul_shapes(quick), dtypes):
+        if dtype == torch.float32:  # outputs are fp16 / bf16 (or int8 / int32)
+            continue
+        # codes read, scales read, output written
+        qmm_bytes = m * k + k * n + 4 * (m + n) + m * n * dtype.itemsize
+        yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n}", dtype, qmm_bytes,
+                   functools.partial(quant_matmul_fwd, m, k, n, dtype), ("npu_quant_matmul",),
+                   flops=2 * m * k * n)

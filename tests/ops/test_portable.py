@@ -257,6 +257,19 @@ def _smooth_group(dtype):
                      group_index=torch.tensor([3, 8, 10], dtype=I64))
 
 
+def _qmm(dtype, int4=False, **kw):
+    """npu_quant_matmul's codes (int8, or int4 words with x2 as a transposed [n, k / 8]); the
+    float dtype picks the output (float32: int8 requantisation)."""
+    gen = torch.Generator().manual_seed(0)
+    lo, hi = (-8, 8) if int4 else (-128, 128)
+    x1 = torch.randint(lo, hi, (2, 5, 48), dtype=torch.int8, generator=gen)
+    x2 = torch.randint(lo, hi, (48, 24), dtype=torch.int8, generator=gen)
+    if int4:
+        x1, x2 = R.pack_int4(x1), R.pack_int4(x2.t().contiguous()).t()
+    out = {} if dtype == F32 else {"output_dtype": dtype}
+    return [x1, x2, torch.rand(24, generator=gen) * 0.01], {**out, **kw}
+
+
 def _arndq(dtype, **kw):
     x1, x2 = randn(4, 9, 48, dtype=dtype), randn(4, 9, 48, dtype=dtype)
     g = (torch.rand(48) + 0.5).to(dtype)
@@ -358,6 +371,18 @@ CASES = [
          R.scaled_masked_softmax),
     Case("dynamic_quant_noncontig", npu.npu_dynamic_quant,
          lambda d: ([randn(64, 9, dtype=d).t()], {})),
+    Case("quant_matmul", npu.npu_quant_matmul,
+         lambda d: _qmm(d, pertoken_scale=torch.rand(5), bias=torch.randn(24).to(d))
+         if d != F32 else _qmm(d, offset=torch.randn(24), bias=torch.ones(24, dtype=I32))),
+    Case("quant_matmul_int4_int64_scale", npu.npu_quant_matmul,
+         lambda d: (lambda a, k: (a[:2] + [npu.npu_trans_quant_param(a[2], torch.ones(24))], k))(
+             *_qmm(d, int4=True)), dtypes=(F32,)),
+    Case("quant_matmul_int32", npu.npu_quant_matmul,
+         lambda d: _qmm(d, output_dtype=I32, bias=torch.ones(24, dtype=I32)), dtypes=(F32,)),
+    Case("trans_quant_param", npu.npu_trans_quant_param,
+         lambda d: ([torch.rand(1, 6), torch.randn(6) * 100, 1], {}), dtypes=(F32,)),
+    Case("convert_weight_to_int4pack", npu.npu_convert_weight_to_int4pack,
+         lambda d: ([torch.randint(-8, 8, (3, 4, 16), dtype=I32)], {}), dtypes=(F32,)),
     Case("moe_gating", npu.npu_moe_gating_top_k_softmax, _gating),
     Case("moe_init_routing", npu.npu_moe_init_routing, _init_routing),
     Case("moe_compute_expert_tokens", npu.npu_moe_compute_expert_tokens,

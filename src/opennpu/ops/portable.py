@@ -221,6 +221,79 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
     return outs[0][0], outs[1][0], x.to(x1.dtype), outs[0][1], outs[1][1]
 
 
+def _unpack_int4(words):
+    """int32 words -> their eight int4 codes (sign-extended, lowest bits first), last dim x 8."""
+    shifts = torch.arange(28, -4, -4, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) << shifts) >> 28).flatten(-2)
+
+
+_QMM_DTYPES = {None: torch.int8, 1: torch.int8, 3: torch.int32, 5: torch.float16,
+               15: torch.bfloat16}
+
+
+@_portable("npu::npu_quant_matmul")
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                     output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
+                     scale_dtype=None, group_sizes=None, y_scale=None):
+    if y_scale is not None or (group_sizes is not None and any(group_sizes)):
+        raise NotImplementedError("npu_quant_matmul: per-group / MX scaling (group_sizes, "
+                                  "y_scale) is not implemented by opennpu")
+    if x1.dtype == torch.int32:  # int4 words; x2 [k, n / 8] or the transpose [k / 8, n]
+        a = _unpack_int4(x1)
+        w = _unpack_int4(x2) if x2.shape[-2] == a.shape[-1] else _unpack_int4(x2.mT).mT
+    else:
+        a, w = x1, x2
+    acc = torch.matmul(a.double(), w.double())  # exact: |sums| < 2^53
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.double()
+    out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
+        _QMM_DTYPES[output_dtype]
+    if out_dtype == torch.int32:
+        return acc.to(torch.int32)
+    if scale.dtype == torch.int64:  # npu_trans_quant_param's encoding
+        s = (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32).reshape(-1)
+        packed = (scale >> 37) & 0x1FF
+        packed = torch.where(packed >= 256, packed - 512, packed).float().reshape(-1)
+        off = packed if out_dtype == torch.int8 else None
+    else:
+        s = scale.float().reshape(-1)
+        off = None if offset is None else offset.float().reshape(-1)
+    y = acc.float() * s
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.reshape(-1, 1)
+    if bias is not None and bias.dtype != torch.int32:
+        y = y + bias.float()
+    if off is not None:
+        y = y + off
+    if out_dtype == torch.int8:
+        return torch.nan_to_num(torch.round(y), nan=0.0).clamp(-128, 127).to(torch.int8)
+    return y.to(out_dtype)
+
+
+@_portable("npu::npu_trans_quant_param")
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
+    bits = scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if round_mode == 1:  # to the nearest fp19, ties to even (finite values only)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        bits = torch.where(finite, (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFFFFF, bits)
+    v = (bits & 0xFFFFE000) | (1 << 46)
+    if offset is None:
+        return v
+    q = torch.nan_to_num(offset.float(), nan=0.0).round().clamp(-256, 255).to(torch.int64)
+    if scale.dim() == 1:
+        v, q = v.reshape(-1), q.reshape(-1)
+    else:
+        q = q.reshape(-1).expand(scale.numel()).reshape(scale.shape)
+    return (v & 0x4000FFFFFFFF) | ((q & 0x1FF) << 37)
+
+
+@_portable("npu::npu_convert_weight_to_int4pack")
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    torch._assert_async(((weight >= -8) & (weight <= 7)).all(),
+                        "npu_convert_weight_to_int4pack: weight must hold int4 values in [-8, 7]")
+    return _pack_int4(weight)
+
+
 # ----------------------------------------------------------------------------- activations
 
 

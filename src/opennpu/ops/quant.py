@@ -1,4 +1,5 @@
-"""Quantisation family: npu_dynamic_quant and npu_add_rms_norm_dynamic_quant.
+"""Quantisation family: npu_dynamic_quant and npu_add_rms_norm_dynamic_quant; the quantised
+matmul npu_quant_matmul with its helpers npu_trans_quant_param and npu_convert_weight_to_int4pack.
 
 Numerics: inputs (float16, bfloat16, float32; float64 is rounded to float32 first) are computed
 in float32. ``scale = rowmax(|v|) / DTYPE_MAX`` with ``v = x * smooth`` (or ``x``), DTYPE_MAX 127
@@ -107,8 +108,98 @@ def _add_rms_norm_dynamic_quant_fake(x1, x2, gamma, *, smooth_scale1=None, smoot
     return codes[0], codes[1], x1.new_empty(x1.shape), scales[0], scales[1]
 
 
+# ----------------------------------------------------------------------------- quantised matmul
+
+# The `int?` codes torch.ops gives the output dtypes of npu_quant_matmul.
+_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 15: torch.bfloat16}
+
+
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                     output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
+                     scale_dtype=None, group_sizes=None, y_scale=None):
+    """Quantised matmul with int32 accumulation. Returns ``x1 @ x2`` dequantised or requantised.
+
+    ``x1`` int8 ``[..., m, k]``, ``x2`` int8 ``[..., k, n]`` (any layout; batch dims broadcast),
+    or both int32 holding eight int4 codes each (lowest bits first): ``x1 [..., m, k/8]``, ``x2
+    [..., k, n/8]`` or the transpose of a contiguous ``[..., n, k/8]``. The product is exact in
+    int32; then ``v = acc (+ bias)`` for an int32 ``bias`` and, in float32,
+    ``y = v * scale (* pertoken_scale) (+ bias) (+ offset)``, rounded once to ``output_dtype``
+    (None / torch.int8: round half to even, saturated; torch.float16, torch.bfloat16; torch.int32
+    returns ``v`` unscaled). ``scale`` ``[1]`` or ``[n]`` float32 / bfloat16, or int64 from
+    npu_trans_quant_param (which may carry the offset); ``offset`` float32 ``[1]`` / ``[n]``,
+    int8 outputs only; ``pertoken_scale`` float32 ``[m]``; ``bias`` ``[n]`` (or ``[batch, 1,
+    n]``): int32 (added to the accumulator) or bfloat16 / float16 / float32 (added after the
+    scales, float outputs). ``group_sizes`` must be None or [0, 0, 0] and ``y_scale`` None
+    (per-group and MX scaling are not implemented). Not differentiable.
+    """
+    return _ops.npu_quant_matmul(
+        x1, x2, scale, offset=offset, pertoken_scale=pertoken_scale, bias=bias,
+        output_dtype=output_dtype, x1_dtype=x1_dtype, x2_dtype=x2_dtype,
+        pertoken_scale_dtype=pertoken_scale_dtype, scale_dtype=scale_dtype,
+        group_sizes=group_sizes, y_scale=y_scale)
+
+
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
+    """float32 ``scale`` (and ``offset``) packed into int64 as npu_quant_matmul reads them:
+    the fp32 bits of scale cut to fp19 (``bits & 0xFFFFE000``; ``round_mode=1`` first rounds to
+    the nearest fp19, ties to even) in bits 0..31, bit 46 set, and
+    ``clamp(round_half_even(offset), -256, 255)`` as 9 bits at bit 37. Shape: scale's, or
+    ``[max(len(scale), len(offset))]`` for a 1-D scale with an offset. Not differentiable.
+    """
+    return _ops.npu_trans_quant_param(scale, offset, round_mode)
+
+
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    """int32 ``weight`` ``[..., n]`` (2-D or 3-D) of values in [-8, 7] packed eight per int32
+    along the last dim, lowest bits first: ``[..., n / 8]``, as npu_quant_matmul and the int4
+    paths read it. ``inner_k_tiles`` is reserved (unused). Not differentiable."""
+    return _ops.npu_convert_weight_to_int4pack(weight, inner_k_tiles)
+
+
+def _dtype_of(code, default):
+    if code is None:
+        return default
+    if isinstance(code, torch.dtype):
+        return code
+    return _DTYPE_OF_CODE.get(int(code), default)
+
+
+@register_fake("npu::npu_quant_matmul")
+def _quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                       output_dtype=None, x1_dtype=None, x2_dtype=None,
+                       pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None,
+                       y_scale=None):
+    torch._check(x1.dim() >= 2 and x2.dim() >= 2,
+                 lambda: "npu_quant_matmul: x1 and x2 must have 2 to 6 dims")
+    m = x1.shape[-2]
+    if x1.dtype == torch.int32:  # int4 words: [k, n / 8], or the transpose [k / 8, n]
+        packed_k = x2.shape[-2] == 8 * x1.shape[-1]
+        n = 8 * x2.shape[-1] if packed_k else x2.shape[-1]
+    else:
+        n = x2.shape[-1]
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    return x1.new_empty([*batch, m, n], dtype=_dtype_of(output_dtype, torch.int8))
+
+
+@register_fake("npu::npu_trans_quant_param")
+def _trans_quant_param_fake(scale, offset=None, round_mode=0):
+    shape = list(scale.shape)
+    if offset is not None and scale.dim() == 1:
+        shape = [max(scale.numel(), offset.numel())]
+    return scale.new_empty(shape, dtype=torch.int64)
+
+
+@register_fake("npu::npu_convert_weight_to_int4pack")
+def _convert_weight_to_int4pack_fake(weight, inner_k_tiles=0):
+    return weight.new_empty([*weight.shape[:-1], weight.shape[-1] // 8])
+
+
 _NO_GRADIENT = "torch_npu registers no gradient for it (inference op)"
 mark_not_differentiable("npu_dynamic_quant", _NO_GRADIENT)
 mark_not_differentiable("npu_add_rms_norm_dynamic_quant", _NO_GRADIENT)
+mark_not_differentiable("npu_quant_matmul", _NO_GRADIENT)
+mark_not_differentiable("npu_trans_quant_param", "integer output (a packed parameter)")
+mark_not_differentiable("npu_convert_weight_to_int4pack", "integer input and output")
 
-__all__ = ["npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant"]
+__all__ = ["npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_quant_matmul",
+           "npu_trans_quant_param", "npu_convert_weight_to_int4pack"]

@@ -10,6 +10,8 @@ Two kinds of function live here:
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.nn.functional as F
 
@@ -174,6 +176,79 @@ def native_add_rms_norm_dynamic_quant(x1, x2, weight, smooth_scales=None, eps=1e
     y, x = native_add_rms_norm(x1, x2, weight, eps)
     codes, scale = native_dynamic_quant(y, smooth_scales)
     return codes, x, scale
+
+
+# npu_quant_matmul: the int32 product computed exactly (in float64, then int64), then the dequantisation written
+# out in float32 in the golden's order (acc * scale * pertoken_scale + bias + offset).
+
+def decode_trans_quant_param(packed):
+    """(scale float32, offset float32) of npu_trans_quant_param's int64 encoding."""
+    bits = (packed.to(torch.int64) & 0xFFFFFFFF).tolist()
+    scale = torch.tensor([struct.unpack("<f", struct.pack("<I", b))[0] for b in bits],
+                         dtype=torch.float32)
+    off = ((packed.to(torch.int64) >> 37) & 0x1FF).reshape(-1)
+    return scale, torch.where(off >= 256, off - 512, off).float()
+
+
+def trans_quant_param(scale, offset=None, round_mode=0):
+    """npu_trans_quant_param bit by bit (Python integers)."""
+    out = []
+    s = scale.reshape(-1).tolist()
+    o = None if offset is None else offset.reshape(-1).tolist()
+    t = max(len(s), len(o) if o is not None else 0)
+    for i in range(t):
+        bits = struct.unpack("<I", struct.pack("<f", s[0 if len(s) == 1 else i]))[0]
+        if round_mode == 1 and (bits & 0x7F800000) != 0x7F800000:
+            bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFFFFF
+        v = (bits & 0xFFFFE000) | (1 << 46)
+        if o is not None:
+            x = o[0 if len(o) == 1 else i]
+            q = 0 if x != x else int(max(-256.0, min(255.0, float(round(x)))))  # round: half even
+            v = (v & 0x4000FFFFFFFF) | ((q & 0x1FF) << 37)
+        out.append(v)
+    shape = scale.shape if offset is None or scale.dim() == 2 else (t,)
+    return torch.tensor(out, dtype=torch.int64).reshape(shape)
+
+
+def quant_matmul(x1, x2, scale, offset=None, pertoken_scale=None, bias=None, output_dtype=None):
+    """npu_quant_matmul: codes unpacked (int4 words of x2 along n, or along k when x2 is
+    [k / 8, n]), multiplied exactly, then dequantised or requantised in float32."""
+    if x1.dtype == torch.int32:
+        a = unpack_int4(x1)
+        w = unpack_int4(x2) if x2.shape[-2] == a.shape[-1] else unpack_int4(x2.mT).mT
+    else:
+        a, w = x1, x2
+    acc = torch.matmul(a.double(), w.double()).to(torch.int64)  # exact: |sums| < 2^53
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.to(torch.int64)
+    out_dtype = output_dtype or torch.int8
+    if out_dtype == torch.int32:
+        return acc.to(torch.int32)
+    if scale.dtype == torch.int64:
+        s, packed_offset = decode_trans_quant_param(scale)
+        if packed_offset.any():
+            offset = packed_offset
+    else:
+        s = scale.float().reshape(-1)
+    y = acc.float() * s
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.float().reshape(-1, 1)
+    if bias is not None and bias.dtype != torch.int32:
+        y = y + bias.float()
+    if offset is not None:
+        y = y + offset.float().reshape(-1)
+    if out_dtype == torch.int8:
+        return torch.nan_to_num(torch.round(y), nan=0.0).clamp(-128, 127).to(torch.int8)
+    return y.to(out_dtype)
+
+
+def native_quant_matmul(x1, x2, scale, pertoken_scale=None, output_dtype=torch.bfloat16):
+    """Dequantise-then-GEMM, the eager composition npu_quant_matmul replaces (fp32 GEMM of the
+    codes, exact only while the sums stay below 2^24)."""
+    y = (x1.float() @ x2.float()) * scale
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.unsqueeze(-1)
+    return y.to(output_dtype)
 
 
 # ----------------------------------------------------------------------------- activations
