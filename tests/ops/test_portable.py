@@ -257,6 +257,15 @@ def _smooth_group(dtype):
                      group_index=torch.tensor([3, 8, 10], dtype=I64))
 
 
+def _mx(dtype, **kw):
+    """Values over many binades (MX and block quantisers), with zeros."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 64, generator=gen) * torch.exp2(torch.randint(-10, 10, (70, 64),
+                                                                      generator=gen).float())
+    x[::7, ::5] = 0
+    return [x.to(dtype)], kw
+
+
 def _qmm(dtype, int4=False, **kw):
     """npu_quant_matmul's codes (int8, or int4 words with x2 as a transposed [n, k / 8]); the
     float dtype picks the output (float32: int8 requantisation)."""
@@ -383,6 +392,19 @@ CASES = [
          lambda d: ([torch.rand(1, 6), torch.randn(6) * 100, 1], {}), dtypes=(F32,)),
     Case("convert_weight_to_int4pack", npu.npu_convert_weight_to_int4pack,
          lambda d: ([torch.randint(-8, 8, (3, 4, 16), dtype=I32)], {}), dtypes=(F32,)),
+    Case("dynamic_mx_quant_fp4", npu.npu_dynamic_mx_quant, lambda d: _mx(d, round_mode="floor")),
+    Case("dynamic_mx_quant_fp8_axis0", npu.npu_dynamic_mx_quant,
+         lambda d: _mx(d, axis=0, dst_type=24, scale_alg=1)),
+    Case("dynamic_mx_quant_e1m2", npu.npu_dynamic_mx_quant, lambda d: _mx(d, dst_type=297)),
+    Case("dynamic_mx_quant_with_dual_axis", npu.npu_dynamic_mx_quant_with_dual_axis,
+         lambda d: ([_mx(d)[0][0].reshape(2, 35, 64)], {"dst_type": 23})),
+    Case("grouped_dynamic_mx_quant", npu.npu_grouped_dynamic_mx_quant,
+         lambda d: ([_mx(d)[0][0], torch.tensor([3, 64, 70], dtype=I32)], {"dst_type": 24})),
+    Case("dynamic_block_quant", npu.npu_dynamic_block_quant,
+         lambda d: ([_mx(d)[0][0].reshape(2, 35, 64)], {"row_block_size": 4,
+                                                        "col_block_size": 32})),
+    Case("dynamic_block_quant_fp8", npu.npu_dynamic_block_quant,
+         lambda d: ([_mx(d)[0][0]], {"dst_type": 24, "min_scale": 1e-3})),
     Case("moe_gating", npu.npu_moe_gating_top_k_softmax, _gating),
     Case("moe_init_routing", npu.npu_moe_init_routing, _init_routing),
     Case("moe_compute_expert_tokens", npu.npu_moe_compute_expert_tokens,
@@ -448,6 +470,8 @@ def _compare(case, port, kernel, refs=None, where="portable", dtype=None):
             f"output {i}: {p.dtype} {tuple(p.shape)} vs the kernel's {k.dtype} {tuple(k.shape)}"
         assert p.device.type == k.device.type or where != "portable"
         p, k = p.cpu(), k.cpu()
+        if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # fp8 codes: bit for bit
+            p, k = p.view(torch.uint8), k.view(torch.uint8)
         if not (p.is_floating_point() or p.is_complex()):
             if case.codes_off_by_one:
                 assert p.numel() == 0 or (p.int() - k.int()).abs().max() <= 1, f"output {i}"
@@ -708,7 +732,7 @@ def test_every_op_traces_on_fake_cuda_tensors(dtype=F32):
     table = select_decomp_table()
     seen = set()
     for case in CASES:  # one case per op (all of attention's: layouts and modes differ)
-        if case.id == "grouped_matmul_tensor_group_list" or (
+        if case.id in ("grouped_matmul_tensor_group_list", "grouped_dynamic_mx_quant") or (
                 _qualname(case.op) in seen and "attention" not in case.id):
             continue
         seen.add(_qualname(case.op))

@@ -11,6 +11,7 @@
 
 #include "common/blas.h"
 #include "common/vec.h"
+#include "ops/quant/fp_barrier.h"
 #include "ops/quant/quant_matmul.h"
 
 namespace opennpu::quant {
@@ -263,8 +264,8 @@ void epilogue_typed(const at::Tensor& acc, const QuantMatmulEpilogue& e, at::Ten
           vi.store(o + j, len);
           continue;
         } else {
-          Vec y = v * scale.load(j, len);
-          if (ppt != nullptr) y = y * token;
+          Vec y = rounded(v * scale.load(j, len));
+          if (ppt != nullptr) y = rounded(y * token);
           if (bf != nullptr) y = y + Vec::loadu(bf + j, len);
           if (offset.on()) y = y + offset.load(j, len);
           if constexpr (std::is_same_v<out_t, int8_t>) {

@@ -194,12 +194,134 @@ def _convert_weight_to_int4pack_fake(weight, inner_k_tiles=0):
     return weight.new_empty([*weight.shape[:-1], weight.shape[-1] // 8])
 
 
+# ----------------------------------------------------------------------------- MX / block quant
+
+# dst_type codes (torch's ScalarType and torch_npu's DType) -> dtype of y (uint8: two fp4 codes).
+_MX_Y_DTYPE = {23: torch.float8_e5m2, 291: torch.float8_e5m2, 24: torch.float8_e4m3fn,
+               292: torch.float8_e4m3fn, 45: torch.uint8, 296: torch.uint8, 297: torch.uint8}
+
+
+def _mx_code(dst_type) -> int:
+    if isinstance(dst_type, torch.dtype):  # a dtype passed for an `int` argument
+        return {torch.float8_e5m2: 23, torch.float8_e4m3fn: 24, torch.float4_e2m1fn_x2: 45,
+                torch.int8: 1}.get(dst_type, -1)
+    return int(dst_type)
+
+
+def npu_dynamic_mx_quant(input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32,
+                         scale_alg=0, dst_type_max=None, max_low_bound=None):
+    """MX quantisation: blocks of ``block_size`` along ``axis`` share a power-of-two scale.
+
+    ``shared_exp = floor(log2(max|V|)) - emax`` (``scale_alg=0``, OCP; ``1``: the exponent of
+    ``max(max|V|, max_low_bound) / max_norm`` rounded up, float8 only), clamped to [-127, 127]
+    (an all-zero block -127; NaN / inf: NaN scale, codes 0); elements ``V / 2^shared_exp``
+    rounded (``round_mode`` "rint"; fp4 also "round", "floor") to ``dst_type`` and saturated:
+    torch.float8_e4m3fn / e5m2 (24 / 23, or torch_npu's 292 / 291), float4_e2m1 (296, default)
+    or float4_e1m2 (297) packed two per uint8 along the last dim (element 2j in the low nibble).
+    Returns ``(y, mxscale)``, mxscale uint8 float8_e8m0 codes of shape input's with ``axis``
+    replaced by ``ceil(ceil(d / block_size) / 2)`` and a trailing 2 (blocks 2p, 2p + 1). Not
+    differentiable.
+    """
+    # float defaults stay out of the call (see npu_dynamic_quant)
+    extra = {} if dst_type_max is None else {"dst_type_max": dst_type_max}
+    if max_low_bound is not None:
+        extra["max_low_bound"] = max_low_bound
+    return _ops.npu_dynamic_mx_quant(input, axis=axis, round_mode=round_mode,
+                                     dst_type=_mx_code(dst_type), block_size=block_size,
+                                     scale_alg=scale_alg, **extra)
+
+
+def npu_dynamic_mx_quant_with_dual_axis(input, *, round_mode="rint", dst_type=296, scale_alg=0,
+                                        dst_type_max=None):
+    """npu_dynamic_mx_quant of ``input`` along its last axis and along its second-to-last
+    (blocks of 32): returns ``(y1, mxscale1, y2, mxscale2)``. Not differentiable."""
+    extra = {} if dst_type_max is None else {"dst_type_max": dst_type_max}  # see above
+    return _ops.npu_dynamic_mx_quant_with_dual_axis(
+        input, round_mode=round_mode, dst_type=_mx_code(dst_type), scale_alg=scale_alg, **extra)
+
+
+def npu_grouped_dynamic_mx_quant(x, group_index, *, round_mode="rint", dst_type=23, blocksize=32,
+                                 scale_alg=0, dst_type_max=None):
+    """MX float8 quantisation of ``x [M, N]`` along dim 0 within row groups (``group_index``:
+    int32 cumulative row ends, the last = M), blocks of 32 rows. Group g's scales start at pair
+    ``group_index[g-1] // 64 + g`` of ``mxscale [M // 64 + G, N, 2]``; an odd block count is
+    padded with code 0 and the pairs up to the next group's start hold code 127 (scale 1).
+    Returns ``(y, mxscale)``. Not differentiable."""
+    extra = {} if dst_type_max is None else {"dst_type_max": dst_type_max}  # see above
+    return _ops.npu_grouped_dynamic_mx_quant(
+        x, group_index, round_mode=round_mode, dst_type=_mx_code(dst_type), blocksize=blocksize,
+        scale_alg=scale_alg, **extra)
+
+
+def npu_dynamic_block_quant(x, *, min_scale=None, round_mode="rint", dst_type=1,
+                            row_block_size=1, col_block_size=128, dst_type_max=None):
+    """Block quantisation of 2-D / 3-D ``x``: per ``row_block_size x col_block_size`` block,
+    ``inv = min(QMAX / max|x|, 1 / min_scale)``, ``y = x * inv`` (int8: rounded half to even;
+    or torch.float8_e4m3fn / e5m2), ``scale = max(max|x| / QMAX, min_scale)`` float32 of shape
+    ``[..., ceil(rows / row_block_size), ceil(cols / col_block_size)]``; QMAX 127 / 448 / 57344
+    or ``dst_type_max``. An all-zero block gets codes 0. Returns ``(y, scale)``. Not
+    differentiable."""
+    extra = {} if min_scale is None else {"min_scale": min_scale}
+    if dst_type_max is not None:
+        extra["dst_type_max"] = dst_type_max
+    return _ops.npu_dynamic_block_quant(x, round_mode=round_mode, dst_type=_mx_code(dst_type),
+                                        row_block_size=row_block_size,
+                                        col_block_size=col_block_size, **extra)
+
+
+def _mx_fakes(x, axis, dst_type, block_size):
+    code = _mx_code(dst_type)
+    y_dtype = _MX_Y_DTYPE.get(code, torch.uint8)
+    y_shape = list(x.shape)
+    if y_dtype == torch.uint8:
+        y_shape[-1] = y_shape[-1] // 2
+    axis = axis % x.dim()
+    s_shape = list(x.shape)
+    s_shape[axis] = ((s_shape[axis] + block_size - 1) // block_size + 1) // 2
+    return x.new_empty(y_shape, dtype=y_dtype), x.new_empty([*s_shape, 2], dtype=torch.uint8)
+
+
+@register_fake("npu::npu_dynamic_mx_quant")
+def _dynamic_mx_quant_fake(input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32,
+                           scale_alg=0, dst_type_max=0.0, max_low_bound=0.0):
+    return _mx_fakes(input, axis, dst_type, block_size)
+
+
+@register_fake("npu::npu_dynamic_mx_quant_with_dual_axis")
+def _dynamic_mx_quant_with_dual_axis_fake(input, *, round_mode="rint", dst_type=296, scale_alg=0,
+                                          dst_type_max=0.0):
+    return (*_mx_fakes(input, -1, dst_type, 32), *_mx_fakes(input, -2, dst_type, 32))
+
+
+@register_fake("npu::npu_grouped_dynamic_mx_quant")
+def _grouped_dynamic_mx_quant_fake(x, group_index, *, round_mode="rint", dst_type=23,
+                                   blocksize=32, scale_alg=0, dst_type_max=0.0):
+    y = x.new_empty(x.shape, dtype=_MX_Y_DTYPE.get(_mx_code(dst_type), torch.uint8))
+    pairs = x.shape[0] // 64 + group_index.shape[0]
+    return y, x.new_empty([pairs, x.shape[1], 2], dtype=torch.uint8)
+
+
+@register_fake("npu::npu_dynamic_block_quant")
+def _dynamic_block_quant_fake(x, *, min_scale=0.0, round_mode="rint", dst_type=1,
+                              row_block_size=1, col_block_size=128, dst_type_max=0.0):
+    y = x.new_empty(x.shape, dtype=_MX_Y_DTYPE.get(_mx_code(dst_type), torch.int8))
+    shape = list(x.shape)
+    shape[-2] = (shape[-2] + row_block_size - 1) // row_block_size
+    shape[-1] = (shape[-1] + col_block_size - 1) // col_block_size
+    return y, x.new_empty(shape, dtype=torch.float32)
+
+
 _NO_GRADIENT = "torch_npu registers no gradient for it (inference op)"
 mark_not_differentiable("npu_dynamic_quant", _NO_GRADIENT)
 mark_not_differentiable("npu_add_rms_norm_dynamic_quant", _NO_GRADIENT)
 mark_not_differentiable("npu_quant_matmul", _NO_GRADIENT)
 mark_not_differentiable("npu_trans_quant_param", "integer output (a packed parameter)")
 mark_not_differentiable("npu_convert_weight_to_int4pack", "integer input and output")
+for _name in ("npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis",
+              "npu_grouped_dynamic_mx_quant", "npu_dynamic_block_quant"):
+    mark_not_differentiable(_name, _NO_GRADIENT)
 
 __all__ = ["npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_quant_matmul",
-           "npu_trans_quant_param", "npu_convert_weight_to_int4pack"]
+           "npu_trans_quant_param", "npu_convert_weight_to_int4pack", "npu_dynamic_mx_quant",
+           "npu_dynamic_mx_quant_with_dual_axis", "npu_grouped_dynamic_mx_quant",
+           "npu_dynamic_block_quant"]
