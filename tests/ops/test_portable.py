@@ -310,6 +310,8 @@ CASES = [
     Case("dynamic_quant_smooth_int4", npu.npu_dynamic_quant,
          lambda d: _quant_case(d, smooth_scales=(torch.rand(64) + 0.5).to(d), dst_type=16)),
     Case("dynamic_quant_group", npu.npu_dynamic_quant, _smooth_group),
+    Case("dynamic_quant_fp8", npu.npu_dynamic_quant,
+         lambda d: _quant_case(d, dst_type=torch.float8_e4m3fn, quant_mode="pertensor")),
     Case("dynamic_quant_pertensor", npu.npu_dynamic_quant,
          lambda d: _quant_case(d, quant_mode="pertensor", dst_type_max=100.0)),
     Case("add_rms_norm_dynamic_quant", npu.npu_add_rms_norm_dynamic_quant,

@@ -54,7 +54,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .quant import _code_shape, _is_int4
+from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 # qualname -> the device types whose kernel is the portable one (decomposed under compile); CPU,
@@ -194,6 +194,14 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
             v = (rows * sm[group.clamp(max=sm.shape[0] - 1)]).reshape(v.shape)
         else:
             v = v * sm
+    fp8 = _fp8_of(dst_type)
+    if fp8 is not None:  # scale = amax * (1 / qmax) (CANN's golden), y = fp8(v / scale)
+        per_tensor = quant_mode == "pertensor"
+        amax = (torch.cat([v.abs().reshape(-1), v.new_zeros(1)]).amax().reshape(1) if per_tensor
+                else v.abs().amax(dim=-1))
+        scale = amax * torch.full((), 1.0 / (dst_type_max or _FP8_MAX[fp8]), device=v.device)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        return (v / (scale if per_tensor else scale.unsqueeze(-1))).to(fp8), scale
     int4 = _is_int4(dst_type)
     qmax = dst_type_max or (7.0 if int4 else 127.0)
     return _quantize(v, qmax, int4, quant_mode == "pertensor")

@@ -24,6 +24,18 @@ _ops = torch.ops.npu
 _INT4_CODES = {16, 40}
 
 
+# float8 outputs of npu_dynamic_quant: torch's dtypes (or their codes) and torch_npu's codes.
+_FP8_OF_CODE = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
+                291: torch.float8_e5m2}
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _fp8_of(dtype):
+    if isinstance(dtype, torch.dtype):
+        return dtype if dtype in _FP8_MAX else None
+    return _FP8_OF_CODE.get(dtype)
+
+
 def _is_int4(dtype) -> bool:
     if isinstance(dtype, torch.dtype):
         return dtype in (torch.quint4x2, torch.int4)
@@ -43,7 +55,9 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     ``group_index`` (int32 ``[G]``, non-decreasing cumulative row ends, the last = number of rows;
     rows ``[group_index[g-1], group_index[g])`` use ``smooth_scales[g]``, MoE style).
     ``dst_type_max`` (default 0: 127 / 7) replaces DTYPE_MAX when non-zero. An all-zero row gets
-    scale 1. Not differentiable.
+    scale 1. ``dst_type=torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or torch_npu's 292 / 291):
+    y is float8, ``scale = rowmax * (1 / DTYPE_MAX)`` (448 / 57344; CANN's golden) and
+    ``y = fp8(v / scale)`` rounded to nearest even. Not differentiable.
     """
     # Float defaults stay out of the call (None = the schema's default): under torch.compile a
     # keyword-only float default is traced as a symbolic input and restarts the analysis.
@@ -86,8 +100,9 @@ def _code_shape(x, int4: bool) -> list:
 @register_fake("npu::npu_dynamic_quant")
 def _dynamic_quant_fake(input, *, smooth_scales=None, group_index=None, dst_type=None,
                         quant_mode="pertoken", dst_type_max=0.0):
-    int4 = _is_int4(dst_type)
-    y = input.new_empty(_code_shape(input, int4), dtype=torch.int32 if int4 else torch.int8)
+    int4, fp8 = _is_int4(dst_type), _fp8_of(dst_type)
+    y = input.new_empty(_code_shape(input, int4),
+                        dtype=fp8 or (torch.int32 if int4 else torch.int8))
     scale_shape = [1] if quant_mode == "pertensor" else list(input.shape[:-1])
     return y, input.new_empty(scale_shape, dtype=torch.float32)
 

@@ -133,7 +133,19 @@ def smoothed(x, smooth_scales=None, group_index=None):
 
 def dynamic_quant(x, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
                   dst_type_max=0.0):
-    """(codes int8 unpacked, scale) of npu_dynamic_quant."""
+    """(codes int8 unpacked, or float8, scale) of npu_dynamic_quant."""
+    fp8 = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
+           291: torch.float8_e5m2}.get(dst_type, dst_type if isinstance(dst_type, torch.dtype)
+                                       and dst_type.itemsize == 1 and dst_type.is_floating_point
+                                       else None)
+    if fp8 is not None:  # CANN's golden: scale = amax * (1 / qmax), y = fp8(v / scale)
+        qmax = dst_type_max or (448.0 if fp8 == torch.float8_e4m3fn else 57344.0)
+        v = smoothed(x, smooth_scales, group_index)
+        per_tensor = quant_mode == "pertensor"
+        amax = v.abs().amax().reshape(1) if per_tensor else v.abs().amax(dim=-1)
+        scale = amax * torch.tensor(1.0 / qmax, dtype=torch.float32)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        return (v / (scale if per_tensor else scale.unsqueeze(-1))).to(fp8), scale
     int4 = is_int4(dst_type)
     qmax = dst_type_max or (7.0 if int4 else 127.0)
     return quantize(smoothed(x, smooth_scales, group_index), qmax,
