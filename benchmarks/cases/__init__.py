@@ -7,7 +7,8 @@ from . import (activation, attention, compile, ffn, moe, norm, optim, quant, rot
 
 # The families --ops accepts, in the order the table lists them.
 OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_cast", "dynamic_quant",
-       "add_rms_norm_dynamic_quant", "quant_matmul", "swiglu", "geglu", "fast_gelu", "rotary_mul",
+       "add_rms_norm_dynamic_quant", "quant_matmul", "dynamic_mx_quant",
+       "dynamic_block_quant", "swiglu", "geglu", "fast_gelu", "rotary_mul",
        "scaled_masked_softmax", "confusion_transpose", "attention", "ffn", "moe_layer", "adamw",
        "clip_grad_norm", "decoder_layer")
 

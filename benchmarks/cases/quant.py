@@ -114,6 +114,35 @@ def quant_matmul_fwd(m, k, n, dtype, threads):
     )
 
 
+def mx_quant_fwd(t, h, dtype, dst_type, threads):
+    """MX quantisation against its torch composition (the oracle's ops: block maxima, exact
+    exponents, rounding at the element precision), eager and compiled."""
+    x = randn(t, h, dtype=dtype)
+
+    def native(x):
+        codes, scale = reference.dynamic_mx_quant(x, dst_type=dst_type)
+        return codes, scale
+
+    native_compiled = compiled(native, x, threads=threads)
+
+    def ours():
+        y, scale = npu.npu_dynamic_mx_quant(x, dst_type=dst_type)
+        return y.view(torch.uint8) if dst_type != 296 else y, scale
+
+    return Timed(ours=ours,
+                 baselines={"eager": lambda: native(x), "compile": lambda: native_compiled(x)},
+                 reference=None)
+
+
+def block_quant_fwd(t, h, dtype, threads):
+    x = randn(t, h, dtype=dtype)
+    native = reference.dynamic_block_quant
+    native_compiled = compiled(native, x, threads=threads)
+    return Timed(ours=lambda: npu.npu_dynamic_block_quant(x),
+                 baselines={"eager": lambda: native(x), "compile": lambda: native_compiled(x)},
+                 reference=lambda: native(x))
+
+
 def quant_matmul_shapes(quick: bool):
     if quick:
         return [(16, 2048, 2048), (256, 2048, 2048)]
@@ -149,3 +178,15 @@ def cases(quick: bool, dtypes):
         yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n}", dtype, qmm_bytes,
                    functools.partial(quant_matmul_fwd, m, k, n, dtype), ("npu_quant_matmul",),
                    flops=2 * m * k * n)
+    for (t, h), dtype in itertools.product(shapes(quick), dtypes):
+        if dtype == torch.float32:
+            continue
+        e = dtype.itemsize
+        for name, dst_type, code_bytes in (("e4m3", 24, t * h), ("fp4", 296, t * h // 2)):
+            yield Case("dynamic_mx_quant", "fwd", f"T={t} H={h} {name}", dtype,
+                       t * h * e + code_bytes + t * h // 32,
+                       functools.partial(mx_quant_fwd, t, h, dtype, dst_type),
+                       ("npu_dynamic_mx_quant",))
+        yield Case("dynamic_block_quant", "fwd", f"T={t} H={h}", dtype,
+                   t * h * e + t * h + 4 * t * h // 128,
+                   functools.partial(block_quant_fwd, t, h, dtype), ("npu_dynamic_block_quant",))

@@ -72,7 +72,7 @@ inline float round_element(float t, const MxFormat& f, MxRound mode) {
   const int shift = e - f.mbits;
   float m = t * pow2(-shift);  // exact: a power-of-two scaling of a normal fp32 value
   switch (mode) {
-    case MxRound::kRint: m = std::nearbyint(m); break;
+    case MxRound::kRint: m = std::rint(m); break;
     case MxRound::kRound: m = std::copysign(std::floor(std::fabs(m) + 0.5f), m); break;
     case MxRound::kFloor: m = std::floor(m); break;
   }
@@ -121,6 +121,10 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
           exps[q] = shared_exponent(amax[q], fmt, scale_alg, max_low_bound);
           s[2 * q] = exps[q] == kNanExp ? uint8_t{0xFF} : static_cast<uint8_t>(exps[q] + 127);
         }
+        // float8 with "rint" (the only mode float8 takes): c10's conversion rounds to nearest
+        // even at the format's precision, subnormals included, which is round_element's result
+        // once saturated; so the clamped quotient converts directly.
+        const bool direct = !fmt.fp4 && round == MxRound::kRint;
         for (int64_t i = i0; i < i1; ++i) {
           const scalar_t* row = px + (p * d + i) * post;
           uint8_t* out = codes + (p * d + i) * post;
@@ -130,7 +134,12 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
               continue;
             }
             const float t = rounded(static_cast<float>(row[q]) * pow2(-exps[q]));
-            out[q] = encode(round_element(t, fmt, round), fmt);
+            if (direct) {
+              const float c = std::clamp(t, -fmt.max_norm, fmt.max_norm);
+              out[q] = fmt.e4m3 ? c10::Float8_e4m3fn(c).x : c10::Float8_e5m2(c).x;
+            } else {
+              out[q] = encode(round_element(t, fmt, round), fmt);
+            }
           }
         }
       }
@@ -160,32 +169,48 @@ void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
         const int64_t bt = unit / (srows * scols);
         const int64_t r0 = (unit / scols) % srows * rb, c0 = unit % scols * cb;
         const int64_t r1 = std::min(rows, r0 + rb), c1 = std::min(cols, c0 + cb);
-        float amax = 0.f;
+        using Vec = at::vec::Vectorized<float>;
+        using IO = VecPair<scalar_t>;
+        Vec m0(0.f), m1(0.f);  // at::vec::maximum propagates NaN
         for (int64_t r = r0; r < r1; ++r) {
-          const scalar_t* row = px + (bt * rows + r) * cols;
-          for (int64_t c = c0; c < c1; ++c) {
-            const float v = std::fabs(static_cast<float>(row[c]));
-            amax = std::isnan(v) ? v : std::max(amax, v);
-          }
+          const scalar_t* row = px + (bt * rows + r) * cols + c0;
+          for_each_step<scalar_t>(c1 - c0, [&](int64_t i, int64_t len) {
+            Vec a, b;
+            IO::load(row + i, a, b, len);  // lanes past len are 0
+            m0 = at::vec::maximum(m0, a.abs());
+            m1 = at::vec::maximum(m1, b.abs());
+          });
         }
+        const float amax = at::vec::vec_reduce_all<float>(
+            [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, at::vec::maximum(m0, m1));
         // op-plugin's golden multiplies by 127.0 / amax, which torch evaluates as amax.reciprocal()
         // * 127: two roundings, reproduced here.
         const float inv = amax == 0.f ? 0.f : std::min(rounded(qmax * rounded(1.f / amax)), inv_min);
         ps[unit] = amax == 0.f ? std::max(0.f, min_scale) : std::max(amax / qmax, min_scale);
+        const Vec vinv(inv), lo(-qmax), hi(qmax);
         for (int64_t r = r0; r < r1; ++r) {
-          const scalar_t* row = px + (bt * rows + r) * cols;
-          uint8_t* out = py + (bt * rows + r) * cols;
-          for (int64_t c = c0; c < c1; ++c) {
-            const float t = rounded(static_cast<float>(row[c]) * inv);
-            if (fp8 == 1) {
-              out[c] = c10::Float8_e4m3fn(std::clamp(t, -qmax, qmax)).x;
-            } else if (fp8 == 2) {
-              out[c] = c10::Float8_e5m2(std::clamp(t, -qmax, qmax)).x;
-            } else {
-              const float q = std::isnan(t) ? 0.f : std::clamp(std::nearbyint(t), -qmax, qmax);
-              out[c] = static_cast<uint8_t>(static_cast<int8_t>(q));
+          const scalar_t* row = px + (bt * rows + r) * cols + c0;
+          uint8_t* out = py + (bt * rows + r) * cols + c0;
+          if (fp8 != 0) {  // c10's conversion (an add inside: products kept rounded)
+            for (int64_t c = 0; c < c1 - c0; ++c) {
+              const float t = std::clamp(rounded(static_cast<float>(row[c]) * inv), -qmax, qmax);
+              out[c] = fp8 == 1 ? c10::Float8_e4m3fn(t).x : c10::Float8_e5m2(t).x;
             }
+            continue;
           }
+          for_each_step<scalar_t>(c1 - c0, [&](int64_t i, int64_t len) {
+            Vec a, b;
+            IO::load(row + i, a, b, len);
+            float q[IO::kStep];
+            for (int h = 0; h < 2; ++h) {  // round half to even, saturate, NaN -> 0
+              const Vec t = ((h == 0 ? a : b) * vinv).round();
+              const Vec c = at::vec::minimum(at::vec::maximum(t, lo), hi);
+              Vec::blendv(c, Vec(0.f), c.isnan()).store(q + h * Vec::size());
+            }
+            for (int64_t k = 0; k < len; ++k) {
+              out[i + k] = static_cast<uint8_t>(static_cast<int8_t>(q[k]));
+            }
+          });
         }
       }
     });
