@@ -31,6 +31,36 @@ TORCH_LIBRARY(npu, m) {
         "Tensor? smooth_scale1=None, Tensor? smooth_scale2=None, Tensor? beta=None, "
         "float epsilon=1e-6, bool[2]? output_mask=None, int? y_dtype=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Quantised matmul: (x1 @ x2 (+ int32 bias)) in int32, then * scale (* pertoken_scale)
+  // (+ float bias) (+ offset) in fp32, rounded once to output_dtype (int8 by default); int4
+  // operands come as int32 holding eight codes each.
+  m.def("npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, "
+        "Tensor? pertoken_scale=None, Tensor? bias=None, int? output_dtype=None, "
+        "int? x1_dtype=None, int? x2_dtype=None, int? pertoken_scale_dtype=None, "
+        "int? scale_dtype=None, int[]? group_sizes=None, Tensor? y_scale=None) -> Tensor");
+  // float32 scale (and offset) packed into int64 for npu_quant_matmul: fp19 bits | 1 << 46 |
+  // 9-bit offset << 37.
+  m.def("npu_trans_quant_param(Tensor scale, Tensor? offset=None, int? round_mode=0) -> Tensor");
+  // int32 codes in [-8, 7] packed eight per int32 along the last dim, lowest bits first.
+  m.def("npu_convert_weight_to_int4pack(Tensor weight, int inner_k_tiles=0) -> Tensor");
+  // MX quantisation: blocks of block_size along `axis` share a power-of-two scale (float8_e8m0
+  // codes, pairs of blocks interleaved); returns (y float8 or uint8 holding two fp4, mxscale uint8).
+  m.def("npu_dynamic_mx_quant(Tensor input, *, int axis=-1, str round_mode=\"rint\", "
+        "int dst_type=296, int block_size=32, int? scale_alg=0, float dst_type_max=0.0, "
+        "float max_low_bound=0.0) -> (Tensor, Tensor)");
+  // npu_dynamic_mx_quant along the last axis and along the second-to-last, blocks of 32:
+  // returns (y1, mxscale1, y2, mxscale2).
+  m.def("npu_dynamic_mx_quant_with_dual_axis(Tensor input, *, str round_mode=\"rint\", "
+        "int dst_type=296, int scale_alg=0, float? dst_type_max=0.0) -> (Tensor, Tensor, Tensor, Tensor)");
+  // MX quantisation along dim 0 of x [M, N] within the row groups of group_index (cumulative
+  // ends); each group's scale rows padded to pairs: returns (y float8, mxscale [M/64 + G, N, 2]).
+  m.def("npu_grouped_dynamic_mx_quant(Tensor x, Tensor group_index, *, str round_mode=\"rint\", "
+        "int dst_type=23, int blocksize=32, int? scale_alg=0, float? dst_type_max=0.0) -> (Tensor, Tensor)");
+  // Quantisation per row_block_size x col_block_size block with an fp32 scale per block:
+  // returns (y int8 or float8, scale float32).
+  m.def("npu_dynamic_block_quant(Tensor x, *, float min_scale=0.0, str round_mode=\"rint\", "
+        "int dst_type=1, int row_block_size=1, int col_block_size=128, float dst_type_max=0.0) "
+        "-> (Tensor y, Tensor scale)");
 
   // SwiGLU over halves of `dim`: silu(first) * second.
   m.def("npu_swiglu(Tensor self, int dim=-1) -> Tensor");

@@ -7,10 +7,11 @@ from . import (activation, attention, compile, ffn, infer_attention, kvcache, mo
 
 # The families --ops accepts, in the order the table lists them.
 OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_cast", "dynamic_quant",
-       "add_rms_norm_dynamic_quant", "swiglu", "geglu", "fast_gelu", "rotary_mul",
-       "interleave_rope", "kv_rmsnorm_rope_cache", "scaled_masked_softmax", "confusion_transpose",
-       "attention", "infer_attention", "ffn", "moe_layer", "adamw", "clip_grad_norm",
-       "decoder_layer", "scatter_pa_kv_cache", "gather_pa_kv_cache", "scatter_nd_update")
+       "add_rms_norm_dynamic_quant", "quant_matmul", "dynamic_mx_quant", "dynamic_block_quant",
+       "swiglu", "geglu", "fast_gelu", "rotary_mul", "interleave_rope", "kv_rmsnorm_rope_cache",
+       "scaled_masked_softmax", "confusion_transpose", "attention", "infer_attention", "ffn",
+       "moe_layer", "adamw", "clip_grad_norm", "decoder_layer", "scatter_pa_kv_cache",
+       "gather_pa_kv_cache", "scatter_nd_update")
 
 
 def all_cases(quick: bool, dtypes):

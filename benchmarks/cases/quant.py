@@ -1,4 +1,5 @@
-"""Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast.
+"""Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast,
+quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM).
 
 Baselines are the compositions the fused ops replace (opennpu.testing.reference): the golden's
 float32 quantiser (x * smooth, rowmax, divide, round, clamp, cast) and, for the fused op, torchair's
@@ -97,6 +98,57 @@ def add_rms_norm_cast_fwd(t, h, dtype, threads):
     )
 
 
+def quant_matmul_fwd(m, k, n, dtype, threads):
+    gen = torch.Generator().manual_seed(0)
+    x1 = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+    w = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen).t()  # Ascend's x2.t()
+    scale, pt = torch.rand(n, generator=gen) * 1e-3, torch.rand(m, generator=gen)
+    native = functools.partial(reference.native_quant_matmul, output_dtype=dtype)
+    native_compiled = compiled(native, x1, w, scale, pt, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_quant_matmul(x1, w, scale, pertoken_scale=pt, output_dtype=dtype),
+        baselines={"eager": lambda: native(x1, w, scale, pt),
+                   "compile": lambda: native_compiled(x1, w, scale, pt)},
+        reference=lambda: reference.quant_matmul(x1, w, scale, pertoken_scale=pt,
+                                                 output_dtype=dtype),
+    )
+
+
+def mx_quant_fwd(t, h, dtype, dst_type, threads):
+    """MX quantisation against its torch composition (the oracle's ops: block maxima, exact
+    exponents, rounding at the element precision), eager and compiled."""
+    x = randn(t, h, dtype=dtype)
+
+    def native(x):
+        codes, scale = reference.dynamic_mx_quant(x, dst_type=dst_type)
+        return codes, scale
+
+    native_compiled = compiled(native, x, threads=threads)
+
+    def ours():
+        y, scale = npu.npu_dynamic_mx_quant(x, dst_type=dst_type)
+        return y.view(torch.uint8) if dst_type != 296 else y, scale
+
+    return Timed(ours=ours,
+                 baselines={"eager": lambda: native(x), "compile": lambda: native_compiled(x)},
+                 reference=None)
+
+
+def block_quant_fwd(t, h, dtype, threads):
+    x = randn(t, h, dtype=dtype)
+    native = reference.dynamic_block_quant
+    native_compiled = compiled(native, x, threads=threads)
+    return Timed(ours=lambda: npu.npu_dynamic_block_quant(x),
+                 baselines={"eager": lambda: native(x), "compile": lambda: native_compiled(x)},
+                 reference=lambda: native(x))
+
+
+def quant_matmul_shapes(quick: bool):
+    if quick:
+        return [(16, 2048, 2048), (256, 2048, 2048)]
+    return [(1, 4096, 4096), (16, 4096, 4096), (512, 4096, 4096), (256, 4096, 11008)]
+
+
 def cases(quick: bool, dtypes):
     for (t, h), dtype in itertools.product(shapes(quick), dtypes):
         e = dtype.itemsize
@@ -118,3 +170,23 @@ def cases(quick: bool, dtypes):
             yield Case("add_rms_norm_cast", "fwd", shape, dtype, cast_bytes,
                        functools.partial(add_rms_norm_cast_fwd, t, h, dtype),
                        ("npu_add_rms_norm_cast",))
+    for (m, k, n), dtype in itertools.product(quant_matmul_shapes(quick), dtypes):
+        if dtype == torch.float32:  # outputs are fp16 / bf16 (or int8 / int32)
+            continue
+        # codes read, scales read, output written
+        qmm_bytes = m * k + k * n + 4 * (m + n) + m * n * dtype.itemsize
+        yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n}", dtype, qmm_bytes,
+                   functools.partial(quant_matmul_fwd, m, k, n, dtype), ("npu_quant_matmul",),
+                   flops=2 * m * k * n)
+    for (t, h), dtype in itertools.product(shapes(quick), dtypes):
+        if dtype == torch.float32:
+            continue
+        e = dtype.itemsize
+        for name, dst_type, code_bytes in (("e4m3", 24, t * h), ("fp4", 296, t * h // 2)):
+            yield Case("dynamic_mx_quant", "fwd", f"T={t} H={h} {name}", dtype,
+                       t * h * e + code_bytes + t * h // 32,
+                       functools.partial(mx_quant_fwd, t, h, dtype, dst_type),
+                       ("npu_dynamic_mx_quant",))
+        yield Case("dynamic_block_quant", "fwd", f"T={t} H={h}", dtype,
+                   t * h * e + t * h + 4 * t * h // 128,
+                   functools.partial(block_quant_fwd, t, h, dtype), ("npu_dynamic_block_quant",))

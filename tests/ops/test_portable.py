@@ -257,6 +257,28 @@ def _smooth_group(dtype):
                      group_index=torch.tensor([3, 8, 10], dtype=I64))
 
 
+def _mx(dtype, **kw):
+    """Values over many binades (MX and block quantisers), with zeros."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(70, 64, generator=gen) * torch.exp2(torch.randint(-10, 10, (70, 64),
+                                                                      generator=gen).float())
+    x[::7, ::5] = 0
+    return [x.to(dtype)], kw
+
+
+def _qmm(dtype, int4=False, **kw):
+    """npu_quant_matmul's codes (int8, or int4 words with x2 as a transposed [n, k / 8]); the
+    float dtype picks the output (float32: int8 requantisation)."""
+    gen = torch.Generator().manual_seed(0)
+    lo, hi = (-8, 8) if int4 else (-128, 128)
+    x1 = torch.randint(lo, hi, (2, 5, 48), dtype=torch.int8, generator=gen)
+    x2 = torch.randint(lo, hi, (48, 24), dtype=torch.int8, generator=gen)
+    if int4:
+        x1, x2 = R.pack_int4(x1), R.pack_int4(x2.t().contiguous()).t()
+    out = {} if dtype == F32 else {"output_dtype": dtype}
+    return [x1, x2, torch.rand(24, generator=gen) * 0.01], {**out, **kw}
+
+
 def _arndq(dtype, **kw):
     x1, x2 = randn(4, 9, 48, dtype=dtype), randn(4, 9, 48, dtype=dtype)
     g = (torch.rand(48) + 0.5).to(dtype)
@@ -314,6 +336,8 @@ CASES = [
     Case("dynamic_quant_smooth_int4", npu.npu_dynamic_quant,
          lambda d: _quant_case(d, smooth_scales=(torch.rand(64) + 0.5).to(d), dst_type=16)),
     Case("dynamic_quant_group", npu.npu_dynamic_quant, _smooth_group),
+    Case("dynamic_quant_fp8", npu.npu_dynamic_quant,
+         lambda d: _quant_case(d, dst_type=torch.float8_e4m3fn, quant_mode="pertensor")),
     Case("dynamic_quant_pertensor", npu.npu_dynamic_quant,
          lambda d: _quant_case(d, quant_mode="pertensor", dst_type_max=100.0)),
     Case("add_rms_norm_dynamic_quant", npu.npu_add_rms_norm_dynamic_quant,
@@ -387,6 +411,31 @@ CASES = [
          R.scaled_masked_softmax),
     Case("dynamic_quant_noncontig", npu.npu_dynamic_quant,
          lambda d: ([randn(64, 9, dtype=d).t()], {})),
+    Case("quant_matmul", npu.npu_quant_matmul,
+         lambda d: _qmm(d, pertoken_scale=torch.rand(5), bias=torch.randn(24).to(d))
+         if d != F32 else _qmm(d, offset=torch.randn(24), bias=torch.ones(24, dtype=I32))),
+    Case("quant_matmul_int4_int64_scale", npu.npu_quant_matmul,
+         lambda d: (lambda a, k: (a[:2] + [npu.npu_trans_quant_param(a[2], torch.ones(24))], k))(
+             *_qmm(d, int4=True)), dtypes=(F32,)),
+    Case("quant_matmul_int32", npu.npu_quant_matmul,
+         lambda d: _qmm(d, output_dtype=I32, bias=torch.ones(24, dtype=I32)), dtypes=(F32,)),
+    Case("trans_quant_param", npu.npu_trans_quant_param,
+         lambda d: ([torch.rand(1, 6), torch.randn(6) * 100, 1], {}), dtypes=(F32,)),
+    Case("convert_weight_to_int4pack", npu.npu_convert_weight_to_int4pack,
+         lambda d: ([torch.randint(-8, 8, (3, 4, 16), dtype=I32)], {}), dtypes=(F32,)),
+    Case("dynamic_mx_quant_fp4", npu.npu_dynamic_mx_quant, lambda d: _mx(d, round_mode="floor")),
+    Case("dynamic_mx_quant_fp8_axis0", npu.npu_dynamic_mx_quant,
+         lambda d: _mx(d, axis=0, dst_type=24, scale_alg=1)),
+    Case("dynamic_mx_quant_e1m2", npu.npu_dynamic_mx_quant, lambda d: _mx(d, dst_type=297)),
+    Case("dynamic_mx_quant_with_dual_axis", npu.npu_dynamic_mx_quant_with_dual_axis,
+         lambda d: ([_mx(d)[0][0].reshape(2, 35, 64)], {"dst_type": 23})),
+    Case("grouped_dynamic_mx_quant", npu.npu_grouped_dynamic_mx_quant,
+         lambda d: ([_mx(d)[0][0], torch.tensor([3, 64, 70], dtype=I32)], {"dst_type": 24})),
+    Case("dynamic_block_quant", npu.npu_dynamic_block_quant,
+         lambda d: ([_mx(d)[0][0].reshape(2, 35, 64)], {"row_block_size": 4,
+                                                        "col_block_size": 32})),
+    Case("dynamic_block_quant_fp8", npu.npu_dynamic_block_quant,
+         lambda d: ([_mx(d)[0][0]], {"dst_type": 24, "min_scale": 1e-3})),
     Case("moe_gating", npu.npu_moe_gating_top_k_softmax, _gating),
     Case("moe_init_routing", npu.npu_moe_init_routing, _init_routing),
     Case("moe_compute_expert_tokens", npu.npu_moe_compute_expert_tokens,
@@ -463,6 +512,8 @@ def _compare(case, port, kernel, refs=None, where="portable", dtype=None):
             f"output {i}: {p.dtype} {tuple(p.shape)} vs the kernel's {k.dtype} {tuple(k.shape)}"
         assert p.device.type == k.device.type or where != "portable"
         p, k = p.cpu(), k.cpu()
+        if p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):  # fp8 codes: bit for bit
+            p, k = p.view(torch.uint8), k.view(torch.uint8)
         if not (p.is_floating_point() or p.is_complex()):
             if case.codes_off_by_one:
                 assert p.numel() == 0 or (p.int() - k.int()).abs().max() <= 1, f"output {i}"
@@ -724,7 +775,7 @@ def test_every_op_traces_on_fake_cuda_tensors(dtype=F32):
     table = select_decomp_table()
     seen = set()
     for case in CASES:  # one case per op (all of attention's: layouts and modes differ)
-        if case.id == "grouped_matmul_tensor_group_list" or (
+        if case.id in ("grouped_matmul_tensor_group_list", "grouped_dynamic_mx_quant") or (
                 _qualname(case.op) in seen and "attention" not in case.id):
             continue
         seen.add(_qualname(case.op))

@@ -111,6 +111,41 @@ def test_dynamic_quant_near_ties_match_the_true_division():
     check_dynamic_quant(x * 1e-38)  # subnormal scales: no finite inverse, divided throughout
 
 
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
+@pytest.mark.parametrize("dst_type", [torch.float8_e4m3fn, torch.float8_e5m2, 292, 291],
+                         ids=["e4m3fn", "e5m2", "npu292", "npu291"])
+@pytest.mark.parametrize("mode", ["pertoken", "pertensor"])
+def test_dynamic_quant_fp8_matches_cann_golden(dtype, dst_type, mode):
+    # CANN's golden: scale = rowmax * (1 / DTYPE_MAX) (448 / 57344), y = fp8(x / scale) (RNE)
+    x = randn(3, 5, 80, dtype=dtype) * 3
+    x[0, 1] = 0  # an all-zero row: scale 1, codes 0 (the golden divides by 0)
+    y, scale = opennpu.npu_dynamic_quant(x, dst_type=dst_type, quant_mode=mode)
+    ry, rscale = R.dynamic_quant(x, dst_type=dst_type, quant_mode=mode)
+    assert y.dtype == ry.dtype and y.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    assert torch.equal(y.view(torch.uint8), ry.view(torch.uint8))
+    assert torch.equal(scale, rscale)
+    assert y.float().abs().max() <= (448 if y.dtype == torch.float8_e4m3fn else 57344)
+    # smooth scales and groups work as for int8
+    sm = (torch.rand(4, 80) + 0.5).to(dtype)
+    gi = torch.tensor([2, 9, 9, 15], dtype=torch.int32)
+    y, scale = opennpu.npu_dynamic_quant(x, smooth_scales=sm, group_index=gi, dst_type=dst_type)
+    ry, rscale = R.dynamic_quant(x, smooth_scales=sm, group_index=gi, dst_type=dst_type)
+    assert torch.equal(y.view(torch.uint8), ry.view(torch.uint8)) and torch.equal(scale, rscale)
+
+
+def test_dynamic_quant_fp8_dst_type_max_and_errors():
+    x = randn(4, 64)
+    y, scale = opennpu.npu_dynamic_quant(x, dst_type=torch.float8_e4m3fn, dst_type_max=240.0)
+    assert y.float().abs().amax(dim=-1).tolist() == [240.0] * 4
+    _raises(lambda: opennpu.npu_dynamic_quant(x, dst_type=torch.float8_e4m3fn,
+                                              dst_type_max=500.0),
+            "npu_dynamic_quant: argument 'dst_type_max' must be 0", "448")
+    _raises(lambda: opennpu.npu_dynamic_quant(x, dst_type=290), "argument 'dst_type'",
+            "hifloat8 outputs are not supported")
+    torch.library.opcheck(torch.ops.npu.npu_dynamic_quant.default, (x,),
+                          {"dst_type": torch.float8_e5m2})
+
+
 def test_dynamic_quant_all_zero_row_gets_scale_one():
     x = torch.zeros(3, 16)
     x[1] = torch.linspace(-1, 1, 16)
@@ -570,8 +605,8 @@ def test_dynamic_quant_rejects_bad_arguments():
     _raises(lambda: q(torch.ones(4, 16, dtype=torch.int32)),
             "npu_dynamic_quant: argument 'input'", "but got Int")
     _raises(lambda: q(torch.tensor(1.0)), "npu_dynamic_quant: argument 'input'", "0-dim")
-    _raises(lambda: q(x, dst_type=torch.float8_e4m3fn), "argument 'dst_type'",
-            "float8 and hifloat8", "Float8_e4m3fn")
+    _raises(lambda: q(x, dst_type=torch.float8_e8m0fnu), "argument 'dst_type'",
+            "hifloat8 outputs are not supported", "Float8_e8m0fnu")
     _raises(lambda: q(x, dst_type=290), "argument 'dst_type'", "dtype code 290")
     _raises(lambda: q(randn(4, 12), dst_type=INT4), "argument 'input'", "divisible by 8",
             "[4, 12]")

@@ -31,11 +31,21 @@ bool parse_int4(const char* op, const char* arg, std::optional<int64_t> dtype) {
   if (*dtype == kQuint4x2Code || *dtype == kInt4Code) return true;
   const bool known = *dtype >= 0 && *dtype < static_cast<int64_t>(c10::ScalarType::NumOptions);
   OPENNPU_CHECK_ARG(false, op, arg,
-                    "must be None, torch.int8 or torch.quint4x2 (int4 packed eight per int32); "
-                    "float8 and hifloat8 outputs are not supported by opennpu, but got ",
+                    "must be None, torch.int8, torch.quint4x2 (int4 packed eight per int32) or "
+                    "(npu_dynamic_quant) torch.float8_e4m3fn / torch.float8_e5m2; hifloat8 "
+                    "outputs are not supported by opennpu, but got ",
                     known ? c10::toString(static_cast<c10::ScalarType>(*dtype)) : "dtype code ",
                     known ? "" : std::to_string(*dtype));
   return false;
+}
+
+// npu_dynamic_quant's float8 outputs: dst_type torch.float8_e4m3fn (24, or torch_npu's 292) ->
+// 1, torch.float8_e5m2 (23 / 291) -> 2, anything else 0.
+int parse_fp8(std::optional<int64_t> dtype) {
+  if (!dtype.has_value()) return 0;
+  if (*dtype == static_cast<int64_t>(at::kFloat8_e4m3fn) || *dtype == 292) return 1;
+  if (*dtype == static_cast<int64_t>(at::kFloat8_e5m2) || *dtype == 291) return 2;
+  return 0;
 }
 
 QuantSpec make_spec(bool int4, double dst_type_max) {
@@ -90,13 +100,14 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
   OPENNPU_CHECK_ARG(input.dim() >= 1, op, "input", "must have at least 1 dim, but got a 0-dim tensor");
   check_strict_dtype(op, "input", input, {at::kHalf, at::kBFloat16});
   check_strict_rank(op, "input", input, 2, 8);
-  const bool int4 = parse_int4(op, "dst_type", dst_type);
+  const int fp8 = parse_fp8(dst_type);
+  const bool int4 = fp8 == 0 && parse_int4(op, "dst_type", dst_type);
   check_int4_width(op, "input", input, int4, "dst_type");
   OPENNPU_CHECK_ARG(quant_mode == "pertoken" || quant_mode == "pertensor", op, "quant_mode",
                     "must be \"pertoken\" or \"pertensor\" (\"perchannel\" is not supported by "
                     "opennpu yet), but got \"", quant_mode, "\"");
   const bool per_tensor = quant_mode == "pertensor";
-  const float code_max = int4 ? 7.f : 127.f;
+  const float code_max = fp8 == 1 ? 448.f : fp8 == 2 ? 57344.f : int4 ? 7.f : 127.f;
   OPENNPU_CHECK_ARG(dst_type_max == 0.0 || (dst_type_max > 0.0 && dst_type_max <= code_max), op,
                     "dst_type_max", "must be 0 (use ", code_max, ", the output type's maximum) or in (0, ",
                     code_max, "], but got ", dst_type_max);
@@ -149,7 +160,9 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
   }
 
   const at::Tensor x = as_kernel_input(input);
-  at::Tensor y = at::empty(code_shape(input, int4), input.options().dtype(int4 ? at::kInt : at::kChar));
+  const auto y_dtype = fp8 == 1 ? at::kFloat8_e4m3fn : fp8 == 2 ? at::kFloat8_e5m2
+                       : int4   ? at::kInt : at::kChar;
+  at::Tensor y = at::empty(code_shape(input, int4), input.options().dtype(y_dtype));
   at::Tensor scale = per_tensor ? at::empty({1}, input.options().dtype(at::kFloat))
                                 : at::empty(leading_shape(input), input.options().dtype(at::kFloat));
   if (rows == 0) {
@@ -160,8 +173,14 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
     scale.fill_(1.0);
     return {y, scale};
   }
-  dynamic_quant_cpu.get(op)(x.view({rows, n}), smooth, group_ends, per_tensor,
-                            make_spec(int4, dst_type_max), y, scale);
+  QuantSpec spec = make_spec(int4, dst_type_max);
+  if (fp8 != 0) {
+    spec.fp8 = fp8;
+    spec.qmax = dst_type_max != 0.0 ? static_cast<float>(dst_type_max) : code_max;
+    spec.lo = -code_max;
+    spec.hi = code_max;
+  }
+  dynamic_quant_cpu.get(op)(x.view({rows, n}), smooth, group_ends, per_tensor, spec, y, scale);
   return {y, scale};
 }
 

@@ -8,7 +8,8 @@
 // Kernels see row-major [rows, n] contiguous views. Floating inputs are float16, bfloat16 or
 // float32 (float64 is converted to float32 by the entry points); every auxiliary vector (smooth
 // scales, gamma, beta) arrives as contiguous float32. Outputs: codes as int8 [rows, n], or int32
-// [rows, n / 8] holding eight int4 codes each, lowest bits first; scales float32.
+// [rows, n / 8] holding eight int4 codes each, lowest bits first, or float8 [rows, n] (fp8 != 0,
+// npu_dynamic_quant only); scales float32.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,6 +24,8 @@ struct QuantSpec {
   float qmax;  // DTYPE_MAX: 127 (int8), 7 (int4), or dst_type_max
   float lo, hi;  // the code range: [-128, 127] or [-8, 7]
   bool int4;  // pack eight codes per int32
+  int fp8 = 0;  // float8 codes instead (1: e4m3fn, 2: e5m2): y = fp8(v / scale), RNE, with
+                // scale = rowmax * (1 / qmax) as CANN's golden forms it
 };
 
 // npu_dynamic_quant. smooth: undefined, [n], or [groups, n] with group_ends (int64 [groups],

@@ -8,6 +8,8 @@
 // `v / scale` puts them (quantize_row multiplies by 1 / scale and divides only near ties).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
 #include <cmath>
@@ -65,7 +67,7 @@ float row_absmax(const src_t* x, const float* smooth, int64_t n) {
 // scale = rowmax / DTYPE_MAX; an all-zero row gets scale 1 (its codes are 0 either way), as the
 // torch_npu golden does, so scale is never 0 and dequantisation never divides by it.
 float scale_of(float absmax, const QuantSpec& spec) {
-  const float s = absmax / spec.qmax;
+  const float s = spec.fp8 != 0 ? absmax * (1.f / spec.qmax) : absmax / spec.qmax;
   return s == 0.f ? 1.f : s;
 }
 
@@ -192,6 +194,16 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
     Vec a, b;
     load_smoothed(x, smooth, i, len, a, b);
     const int64_t len_a = std::min<int64_t>(len, Vec::size());
+    if (spec.fp8 != 0) {  // float8: the true quotient, rounded to nearest even by c10
+      float t[2 * Vec::size()];
+      (a / vscale).store(t);
+      (b / vscale).store(t + Vec::size());
+      uint8_t* codes = static_cast<uint8_t*>(out) + i;
+      for (int64_t k = 0; k < len; ++k) {
+        codes[k] = spec.fp8 == 1 ? c10::Float8_e4m3fn(t[k]).x : c10::Float8_e5m2(t[k]).x;
+      }
+      return;
+    }
     if (spec.int4) {  // i and len are multiples of 8 (n is)
       int32_t* words = static_cast<int32_t*>(out) + i / 8;
       store_int4(words, code(a), len_a);
@@ -212,6 +224,7 @@ struct CodeSink {
 
   void* row(int64_t r) const {
     if (spec.int4) return y.mutable_data_ptr<int32_t>() + r * (n / 8);
+    if (spec.fp8 != 0) return static_cast<uint8_t*>(y.mutable_data_ptr()) + r * n;
     return y.mutable_data_ptr<int8_t>() + r * n;
   }
 };

@@ -54,7 +54,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .quant import _code_shape, _is_int4
+from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 # qualname -> the device types whose kernel is the portable one (decomposed under compile); CPU,
@@ -79,6 +79,7 @@ DECLINED = {
     "npu::npu_fusion_attention": lambda args, kwargs: _argument(
         "npu::npu_fusion_attention", args, kwargs, "keep_prob", 1.0) < 1.0,
     "npu::npu_fusion_attention_grad": lambda args, kwargs: kwargs.get("keep_prob", 1.0) < 1.0,
+    "npu::npu_grouped_dynamic_mx_quant": lambda args, kwargs: True,  # group sizes read on host
 }
 
 
@@ -200,6 +201,14 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
             v = (rows * sm[group.clamp(max=sm.shape[0] - 1)]).reshape(v.shape)
         else:
             v = v * sm
+    fp8 = _fp8_of(dst_type)
+    if fp8 is not None:  # scale = amax * (1 / qmax) (CANN's golden), y = fp8(v / scale)
+        per_tensor = quant_mode == "pertensor"
+        amax = (torch.cat([v.abs().reshape(-1), v.new_zeros(1)]).amax().reshape(1) if per_tensor
+                else v.abs().amax(dim=-1))
+        scale = amax * torch.full((), 1.0 / (dst_type_max or _FP8_MAX[fp8]), device=v.device)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        return (v / (scale if per_tensor else scale.unsqueeze(-1))).to(fp8), scale
     int4 = _is_int4(dst_type)
     qmax = dst_type_max or (7.0 if int4 else 127.0)
     return _quantize(v, qmax, int4, quant_mode == "pertensor")
@@ -226,6 +235,190 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
             outs.append((x1.new_zeros((), dtype=torch.int32 if int4 else torch.int8),
                          x1.new_zeros((), dtype=torch.float32)))
     return outs[0][0], outs[1][0], x.to(x1.dtype), outs[0][1], outs[1][1]
+
+
+def _unpack_int4(words):
+    """int32 words -> their eight int4 codes (sign-extended, lowest bits first), last dim x 8."""
+    shifts = torch.arange(28, -4, -4, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) << shifts) >> 28).flatten(-2)
+
+
+_QMM_DTYPES = {None: torch.int8, 1: torch.int8, 3: torch.int32, 5: torch.float16,
+               15: torch.bfloat16}
+
+
+@_portable("npu::npu_quant_matmul")
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                     output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
+                     scale_dtype=None, group_sizes=None, y_scale=None):
+    if y_scale is not None or (group_sizes is not None and any(group_sizes)):
+        raise NotImplementedError("npu_quant_matmul: per-group / MX scaling (group_sizes, "
+                                  "y_scale) is not implemented by opennpu")
+    if x1.dtype == torch.int32:  # int4 words; x2 [k, n / 8] or the transpose [k / 8, n]
+        a = _unpack_int4(x1)
+        w = _unpack_int4(x2) if x2.shape[-2] == a.shape[-1] else _unpack_int4(x2.mT).mT
+    else:
+        a, w = x1, x2
+    acc = torch.matmul(a.double(), w.double())  # exact: |sums| < 2^53
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.double()
+    out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
+        _QMM_DTYPES[output_dtype]
+    if out_dtype == torch.int32:
+        return acc.to(torch.int32)
+    if scale.dtype == torch.int64:  # npu_trans_quant_param's encoding
+        s = (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32).reshape(-1)
+        packed = (scale >> 37) & 0x1FF
+        packed = torch.where(packed >= 256, packed - 512, packed).float().reshape(-1)
+        off = packed if out_dtype == torch.int8 else None
+    else:
+        s = scale.float().reshape(-1)
+        off = None if offset is None else offset.float().reshape(-1)
+    y = acc.float() * s
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.reshape(-1, 1)
+    if bias is not None and bias.dtype != torch.int32:
+        y = y + bias.float()
+    if off is not None:
+        y = y + off
+    if out_dtype == torch.int8:
+        return torch.nan_to_num(torch.round(y), nan=0.0).clamp(-128, 127).to(torch.int8)
+    return y.to(out_dtype)
+
+
+@_portable("npu::npu_trans_quant_param")
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
+    bits = scale.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    if round_mode == 1:  # to the nearest fp19, ties to even (finite values only)
+        finite = (bits & 0x7F800000) != 0x7F800000
+        bits = torch.where(finite, (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFFFFF, bits)
+    v = (bits & 0xFFFFE000) | (1 << 46)
+    if offset is None:
+        return v
+    q = torch.nan_to_num(offset.float(), nan=0.0).round().clamp(-256, 255).to(torch.int64)
+    if scale.dim() == 1:
+        v, q = v.reshape(-1), q.reshape(-1)
+    else:
+        q = q.reshape(-1).expand(scale.numel()).reshape(scale.shape)
+    return (v & 0x4000FFFFFFFF) | ((q & 0x1FF) << 37)
+
+
+# dst_type code -> (mantissa bits, emax, min normal exponent, max finite, torch dtype or None: fp4)
+_MX_FORMAT = {23: (2, 15, -14, 57344.0, torch.float8_e5m2), 24: (3, 8, -6, 448.0,
+                                                                 torch.float8_e4m3fn),
+              45: (1, 2, 0, 6.0, None), 296: (1, 2, 0, 6.0, None), 297: (2, 0, 0, 1.75, None)}
+_MX_FORMAT.update({291: _MX_FORMAT[23], 292: _MX_FORMAT[24]})
+
+
+def _mx_quantize(x, axis, bs, code, round_mode, scale_alg, low_bound):
+    """(codes uint8 per element, e8m0 codes [..., blocks] with the axis moved last)."""
+    mbits, emax, min_exp, max_norm, fp8 = _MX_FORMAT[code]
+    v = x.float().movedim(axis, -1)
+    d = v.shape[-1]
+    nb = (d + bs - 1) // bs
+    blk = F.pad(v, (0, nb * bs - d)).unflatten(-1, (nb, bs))
+    amax = blk.abs().amax(dim=-1)
+    if scale_alg == 1:  # the exponent of amax / max_norm, rounded up
+        bits = (torch.clamp(amax, min=low_bound) / max_norm).view(torch.int32)
+        biased, frac = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        up = ((biased > 0) & (biased < 254) & (frac > 0)) | ((biased == 0) & (frac > 0x400000))
+        exp = biased + up.int() - 127
+    else:
+        exp = torch.frexp(torch.where(amax > 0, amax, torch.ones_like(amax)))[1] - 1 - emax
+    exp = torch.where(amax == 0, torch.full_like(exp, -127), exp).clamp(min=-127)
+    bad = (exp > 127) | ~torch.isfinite(amax)
+    t = blk * torch.exp2(-exp.clamp(max=127).float()).unsqueeze(-1)
+    if fp8 is not None:  # torch's conversion rounds to nearest even, subnormals included
+        q = t.clamp(-max_norm, max_norm).to(fp8).view(torch.uint8)
+    else:
+        a = t.abs()
+        e = torch.frexp(torch.where(a > 0, a, torch.ones_like(a)))[1].clamp(min=min_exp + 1) - 1
+        step = torch.exp2((e - mbits).float())
+        m = {"rint": torch.round, "floor": torch.floor}.get(
+            round_mode, lambda u: torch.sign(u) * torch.floor(u.abs() + 0.5))(t / step)
+        r = (m * step).clamp(-max_norm, max_norm).abs()
+        if emax == 2:  # e2m1: exponent field E (bias 1) and one mantissa bit
+            big = r >= 1
+            field = torch.where(big, torch.frexp(torch.where(big, r, torch.ones_like(r)))[1], 0)
+            frac = torch.where(big, r / torch.exp2((field - 1).float()) - 1, r) * 2
+            mag = (field * 2 + frac.int()).to(torch.uint8)
+        else:  # e1m2: multiples of 0.25
+            mag = (r * 4).to(torch.uint8)
+        q = torch.where(torch.signbit(t), mag | 8, mag)
+    q = torch.where(bad.unsqueeze(-1), torch.zeros_like(q), q)
+    codes = q.flatten(-2)[..., :d].movedim(-1, axis)
+    return codes, torch.where(bad, torch.full_like(exp, 255), exp + 127).to(torch.uint8)
+
+
+def _mx_outputs(x, axis, bs, code, round_mode, scale_alg, low_bound):
+    axis = axis % x.dim()
+    codes, scale = _mx_quantize(x, axis, bs, code, round_mode, scale_alg, low_bound)
+    scale = F.pad(scale, (0, scale.shape[-1] % 2)).unflatten(-1, (-1, 2)).movedim(-2, axis)
+    fp8 = _MX_FORMAT[code][4]
+    y = codes.view(fp8) if fp8 is not None else codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return y, scale
+
+
+@_portable("npu::npu_dynamic_mx_quant")
+def npu_dynamic_mx_quant(input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32,
+                         scale_alg=0, dst_type_max=0.0, max_low_bound=0.0):
+    return _mx_outputs(input, axis, block_size, dst_type, round_mode, scale_alg or 0,
+                       max_low_bound)
+
+
+@_portable("npu::npu_dynamic_mx_quant_with_dual_axis")
+def npu_dynamic_mx_quant_with_dual_axis(input, *, round_mode="rint", dst_type=296, scale_alg=0,
+                                        dst_type_max=0.0):
+    return (*_mx_outputs(input, -1, 32, dst_type, round_mode, scale_alg, 0.0),
+            *_mx_outputs(input, -2, 32, dst_type, round_mode, scale_alg, 0.0))
+
+
+@_portable("npu::npu_grouped_dynamic_mx_quant")
+def npu_grouped_dynamic_mx_quant(x, group_index, *, round_mode="rint", dst_type=23, blocksize=32,
+                                 scale_alg=0, dst_type_max=0.0):
+    ends = group_index.tolist()  # host read: group sizes decide the layout (not decomposed)
+    n = x.shape[1]
+    scale = x.new_zeros((x.shape[0] // 64 + len(ends), n, 2), dtype=torch.uint8)
+    ys, start = [], 0
+    for g, end in enumerate(ends):
+        y, s = _mx_outputs(x[start:end], 0, 32, dst_type, round_mode, scale_alg or 0, 0.0)
+        first = start // 64 + g
+        scale[first:first + s.shape[0]] = s
+        scale[first + s.shape[0]:end // 64 + g + 1] = 127  # scale 1 up to the next group
+        ys.append(y.view(torch.uint8))
+        start = end
+    return torch.cat(ys).view(_MX_FORMAT[dst_type][4]), scale
+
+
+@_portable("npu::npu_dynamic_block_quant")
+def npu_dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type=1, row_block_size=1,
+                            col_block_size=128, dst_type_max=0.0):
+    fp8 = _MX_FORMAT[dst_type][4] if dst_type in (23, 24, 291, 292) else None
+    qmax = dst_type_max or {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}.get(fp8,
+                                                                                        127.0)
+    v = (x if x.dim() == 3 else x.unsqueeze(0)).float()
+    rows, cols = v.shape[1], v.shape[2]
+    rp, cp = (-rows) % row_block_size, (-cols) % col_block_size
+    blocks = F.pad(v, (0, cp, 0, rp)).unflatten(2, (-1, col_block_size)).unflatten(
+        1, (-1, row_block_size))
+    amax = blocks.abs().amax(dim=(2, 4))
+    bound = torch.full((), min_scale, dtype=torch.float32, device=x.device)
+    inv = torch.minimum(qmax * amax.reciprocal(), bound.reciprocal())  # 127 * (1 / amax)
+    inv = torch.where(amax == 0, torch.zeros_like(inv), inv)
+    scale = torch.where(amax == 0, bound.clamp(min=0).expand_as(amax),
+                        torch.maximum(amax / qmax, bound))
+    t = v * inv.repeat_interleave(row_block_size, 1).repeat_interleave(col_block_size, 2)[
+        :, :rows, :cols]
+    y = (t.clamp(-qmax, qmax).to(fp8) if fp8 is not None else
+         torch.nan_to_num(torch.round(t), nan=0.0).clamp(-qmax, qmax).to(torch.int8))
+    return (y, scale) if x.dim() == 3 else (y[0], scale[0])
+
+
+@_portable("npu::npu_convert_weight_to_int4pack")
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    torch._assert_async(((weight >= -8) & (weight <= 7)).all(),
+                        "npu_convert_weight_to_int4pack: weight must hold int4 values in [-8, 7]")
+    return _pack_int4(weight)
 
 
 # ----------------------------------------------------------------------------- activations

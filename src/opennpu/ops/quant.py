@@ -1,4 +1,5 @@
-"""Quantisation family: npu_dynamic_quant and npu_add_rms_norm_dynamic_quant.
+"""Quantisation family: npu_dynamic_quant and npu_add_rms_norm_dynamic_quant; the quantised
+matmul npu_quant_matmul with its helpers npu_trans_quant_param and npu_convert_weight_to_int4pack.
 
 Numerics: inputs (float16, bfloat16, float32; float64 is rounded to float32 first) are computed
 in float32. ``scale = rowmax(|v|) / DTYPE_MAX`` with ``v = x * smooth`` (or ``x``), DTYPE_MAX 127
@@ -23,6 +24,18 @@ _ops = torch.ops.npu
 _INT4_CODES = {16, 40}
 
 
+# float8 outputs of npu_dynamic_quant: torch's dtypes (or their codes) and torch_npu's codes.
+_FP8_OF_CODE = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
+                291: torch.float8_e5m2}
+_FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+def _fp8_of(dtype):
+    if isinstance(dtype, torch.dtype):
+        return dtype if dtype in _FP8_MAX else None
+    return _FP8_OF_CODE.get(dtype)
+
+
 def _is_int4(dtype) -> bool:
     if isinstance(dtype, torch.dtype):
         return dtype in (torch.quint4x2, torch.int4)
@@ -42,7 +55,9 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     ``group_index`` (int32 ``[G]``, non-decreasing cumulative row ends, the last = number of rows;
     rows ``[group_index[g-1], group_index[g])`` use ``smooth_scales[g]``, MoE style).
     ``dst_type_max`` (default 0: 127 / 7) replaces DTYPE_MAX when non-zero. An all-zero row gets
-    scale 1. Not differentiable.
+    scale 1. ``dst_type=torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or torch_npu's 292 / 291):
+    y is float8, ``scale = rowmax * (1 / DTYPE_MAX)`` (448 / 57344; CANN's golden) and
+    ``y = fp8(v / scale)`` rounded to nearest even. Not differentiable.
     """
     # Float defaults stay out of the call (None = the schema's default): under torch.compile a
     # keyword-only float default is traced as a symbolic input and restarts the analysis.
@@ -85,8 +100,9 @@ def _code_shape(x, int4: bool) -> list:
 @register_fake("npu::npu_dynamic_quant")
 def _dynamic_quant_fake(input, *, smooth_scales=None, group_index=None, dst_type=None,
                         quant_mode="pertoken", dst_type_max=0.0):
-    int4 = _is_int4(dst_type)
-    y = input.new_empty(_code_shape(input, int4), dtype=torch.int32 if int4 else torch.int8)
+    int4, fp8 = _is_int4(dst_type), _fp8_of(dst_type)
+    y = input.new_empty(_code_shape(input, int4),
+                        dtype=fp8 or (torch.int32 if int4 else torch.int8))
     scale_shape = [1] if quant_mode == "pertensor" else list(input.shape[:-1])
     return y, input.new_empty(scale_shape, dtype=torch.float32)
 
@@ -107,8 +123,220 @@ def _add_rms_norm_dynamic_quant_fake(x1, x2, gamma, *, smooth_scale1=None, smoot
     return codes[0], codes[1], x1.new_empty(x1.shape), scales[0], scales[1]
 
 
+# ----------------------------------------------------------------------------- quantised matmul
+
+# The `int?` codes torch.ops gives the output dtypes of npu_quant_matmul.
+_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 15: torch.bfloat16}
+
+
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                     output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
+                     scale_dtype=None, group_sizes=None, y_scale=None):
+    """Quantised matmul with int32 accumulation. Returns ``x1 @ x2`` dequantised or requantised.
+
+    ``x1`` int8 ``[..., m, k]``, ``x2`` int8 ``[..., k, n]`` (any layout; batch dims broadcast),
+    or both int32 holding eight int4 codes each (lowest bits first): ``x1 [..., m, k/8]``, ``x2
+    [..., k, n/8]`` or the transpose of a contiguous ``[..., n, k/8]``. The product is exact in
+    int32; then ``v = acc (+ bias)`` for an int32 ``bias`` and, in float32,
+    ``y = v * scale (* pertoken_scale) (+ bias) (+ offset)``, rounded once to ``output_dtype``
+    (None / torch.int8: round half to even, saturated; torch.float16, torch.bfloat16; torch.int32
+    returns ``v`` unscaled). ``scale`` ``[1]`` or ``[n]`` float32 / bfloat16, or int64 from
+    npu_trans_quant_param (which may carry the offset); ``offset`` float32 ``[1]`` / ``[n]``,
+    int8 outputs only; ``pertoken_scale`` float32 ``[m]``; ``bias`` ``[n]`` (or ``[batch, 1,
+    n]``): int32 (added to the accumulator) or bfloat16 / float16 / float32 (added after the
+    scales, float outputs). ``group_sizes`` must be None or [0, 0, 0] and ``y_scale`` None
+    (per-group and MX scaling are not implemented). Not differentiable.
+    """
+    return _ops.npu_quant_matmul(
+        x1, x2, scale, offset=offset, pertoken_scale=pertoken_scale, bias=bias,
+        output_dtype=output_dtype, x1_dtype=x1_dtype, x2_dtype=x2_dtype,
+        pertoken_scale_dtype=pertoken_scale_dtype, scale_dtype=scale_dtype,
+        group_sizes=group_sizes, y_scale=y_scale)
+
+
+def npu_trans_quant_param(scale, offset=None, round_mode=0):
+    """float32 ``scale`` (and ``offset``) packed into int64 as npu_quant_matmul reads them:
+    the fp32 bits of scale cut to fp19 (``bits & 0xFFFFE000``; ``round_mode=1`` first rounds to
+    the nearest fp19, ties to even) in bits 0..31, bit 46 set, and
+    ``clamp(round_half_even(offset), -256, 255)`` as 9 bits at bit 37. Shape: scale's, or
+    ``[max(len(scale), len(offset))]`` for a 1-D scale with an offset. Not differentiable.
+    """
+    return _ops.npu_trans_quant_param(scale, offset, round_mode)
+
+
+def npu_convert_weight_to_int4pack(weight, inner_k_tiles=0):
+    """int32 ``weight`` ``[..., n]`` (2-D or 3-D) of values in [-8, 7] packed eight per int32
+    along the last dim, lowest bits first: ``[..., n / 8]``, as npu_quant_matmul and the int4
+    paths read it. ``inner_k_tiles`` is reserved (unused). Not differentiable."""
+    return _ops.npu_convert_weight_to_int4pack(weight, inner_k_tiles)
+
+
+def _dtype_of(code, default):
+    if code is None:
+        return default
+    if isinstance(code, torch.dtype):
+        return code
+    return _DTYPE_OF_CODE.get(int(code), default)
+
+
+@register_fake("npu::npu_quant_matmul")
+def _quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
+                       output_dtype=None, x1_dtype=None, x2_dtype=None,
+                       pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None,
+                       y_scale=None):
+    torch._check(x1.dim() >= 2 and x2.dim() >= 2,
+                 lambda: "npu_quant_matmul: x1 and x2 must have 2 to 6 dims")
+    m = x1.shape[-2]
+    if x1.dtype == torch.int32:  # int4 words: [k, n / 8], or the transpose [k / 8, n]
+        packed_k = x2.shape[-2] == 8 * x1.shape[-1]
+        n = 8 * x2.shape[-1] if packed_k else x2.shape[-1]
+    else:
+        n = x2.shape[-1]
+    batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    return x1.new_empty([*batch, m, n], dtype=_dtype_of(output_dtype, torch.int8))
+
+
+@register_fake("npu::npu_trans_quant_param")
+def _trans_quant_param_fake(scale, offset=None, round_mode=0):
+    shape = list(scale.shape)
+    if offset is not None and scale.dim() == 1:
+        shape = [max(scale.numel(), offset.numel())]
+    return scale.new_empty(shape, dtype=torch.int64)
+
+
+@register_fake("npu::npu_convert_weight_to_int4pack")
+def _convert_weight_to_int4pack_fake(weight, inner_k_tiles=0):
+    return weight.new_empty([*weight.shape[:-1], weight.shape[-1] // 8])
+
+
+# ----------------------------------------------------------------------------- MX / block quant
+
+# dst_type codes (torch's ScalarType and torch_npu's DType) -> dtype of y (uint8: two fp4 codes).
+_MX_Y_DTYPE = {23: torch.float8_e5m2, 291: torch.float8_e5m2, 24: torch.float8_e4m3fn,
+               292: torch.float8_e4m3fn, 45: torch.uint8, 296: torch.uint8, 297: torch.uint8}
+
+
+def _mx_code(dst_type) -> int:
+    if isinstance(dst_type, torch.dtype):  # a dtype passed for an `int` argument
+        return {torch.float8_e5m2: 23, torch.float8_e4m3fn: 24, torch.float4_e2m1fn_x2: 45,
+                torch.int8: 1}.get(dst_type, -1)
+    return int(dst_type)
+
+
+def npu_dynamic_mx_quant(input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32,
+                         scale_alg=0, dst_type_max=None, max_low_bound=None):
+    """MX quantisation: blocks of ``block_size`` along ``axis`` share a power-of-two scale.
+
+    ``shared_exp = floor(log2(max|V|)) - emax`` (``scale_alg=0``, OCP; ``1``: the exponent of
+    ``max(max|V|, max_low_bound) / max_norm`` rounded up, float8 only), clamped to [-127, 127]
+    (an all-zero block -127; NaN / inf: NaN scale, codes 0); elements ``V / 2^shared_exp``
+    rounded (``round_mode`` "rint"; fp4 also "round", "floor") to ``dst_type`` and saturated:
+    torch.float8_e4m3fn / e5m2 (24 / 23, or torch_npu's 292 / 291), float4_e2m1 (296, default)
+    or float4_e1m2 (297) packed two per uint8 along the last dim (element 2j in the low nibble).
+    Returns ``(y, mxscale)``, mxscale uint8 float8_e8m0 codes of shape input's with ``axis``
+    replaced by ``ceil(ceil(d / block_size) / 2)`` and a trailing 2 (blocks 2p, 2p + 1). Not
+    differentiable.
+    """
+    # float defaults stay out of the call (see npu_dynamic_quant)
+    extra = {} if dst_type_max is None else {"dst_type_max": dst_type_max}
+    if max_low_bound is not None:
+        extra["max_low_bound"] = max_low_bound
+    return _ops.npu_dynamic_mx_quant(input, axis=axis, round_mode=round_mode,
+                                     dst_type=_mx_code(dst_type), block_size=block_size,
+                                     scale_alg=scale_alg, **extra)
+
+
+def npu_dynamic_mx_quant_with_dual_axis(input, *, round_mode="rint", dst_type=296, scale_alg=0,
+                                        dst_type_max=None):
+    """npu_dynamic_mx_quant of ``input`` along its last axis and along its second-to-last
+    (blocks of 32): returns ``(y1, mxscale1, y2, mxscale2)``. Not differentiable."""
+    extra = {} if dst_type_max is None else {"dst_type_max": dst_type_max}  # see above
+    return _ops.npu_dynamic_mx_quant_with_dual_axis(
+        input, round_mode=round_mode, dst_type=_mx_code(dst_type), scale_alg=scale_alg, **extra)
+
+
+def npu_grouped_dynamic_mx_quant(x, group_index, *, round_mode="rint", dst_type=23, blocksize=32,
+                                 scale_alg=0, dst_type_max=None):
+    """MX float8 quantisation of ``x [M, N]`` along dim 0 within row groups (``group_index``:
+    int32 cumulative row ends, the last = M), blocks of 32 rows. Group g's scales start at pair
+    ``group_index[g-1] // 64 + g`` of ``mxscale [M // 64 + G, N, 2]``; an odd block count is
+    padded with code 0 and the pairs up to the next group's start hold code 127 (scale 1).
+    Returns ``(y, mxscale)``. Not differentiable."""
+    extra = {} if dst_type_max is None else {"dst_type_max": dst_type_max}  # see above
+    return _ops.npu_grouped_dynamic_mx_quant(
+        x, group_index, round_mode=round_mode, dst_type=_mx_code(dst_type), blocksize=blocksize,
+        scale_alg=scale_alg, **extra)
+
+
+def npu_dynamic_block_quant(x, *, min_scale=None, round_mode="rint", dst_type=1,
+                            row_block_size=1, col_block_size=128, dst_type_max=None):
+    """Block quantisation of 2-D / 3-D ``x``: per ``row_block_size x col_block_size`` block,
+    ``inv = min(QMAX / max|x|, 1 / min_scale)``, ``y = x * inv`` (int8: rounded half to even;
+    or torch.float8_e4m3fn / e5m2), ``scale = max(max|x| / QMAX, min_scale)`` float32 of shape
+    ``[..., ceil(rows / row_block_size), ceil(cols / col_block_size)]``; QMAX 127 / 448 / 57344
+    or ``dst_type_max``. An all-zero block gets codes 0. Returns ``(y, scale)``. Not
+    differentiable."""
+    extra = {} if min_scale is None else {"min_scale": min_scale}
+    if dst_type_max is not None:
+        extra["dst_type_max"] = dst_type_max
+    return _ops.npu_dynamic_block_quant(x, round_mode=round_mode, dst_type=_mx_code(dst_type),
+                                        row_block_size=row_block_size,
+                                        col_block_size=col_block_size, **extra)
+
+
+def _mx_fakes(x, axis, dst_type, block_size):
+    code = _mx_code(dst_type)
+    y_dtype = _MX_Y_DTYPE.get(code, torch.uint8)
+    y_shape = list(x.shape)
+    if y_dtype == torch.uint8:
+        y_shape[-1] = y_shape[-1] // 2
+    axis = axis % x.dim()
+    s_shape = list(x.shape)
+    s_shape[axis] = ((s_shape[axis] + block_size - 1) // block_size + 1) // 2
+    return x.new_empty(y_shape, dtype=y_dtype), x.new_empty([*s_shape, 2], dtype=torch.uint8)
+
+
+@register_fake("npu::npu_dynamic_mx_quant")
+def _dynamic_mx_quant_fake(input, *, axis=-1, round_mode="rint", dst_type=296, block_size=32,
+                           scale_alg=0, dst_type_max=0.0, max_low_bound=0.0):
+    return _mx_fakes(input, axis, dst_type, block_size)
+
+
+@register_fake("npu::npu_dynamic_mx_quant_with_dual_axis")
+def _dynamic_mx_quant_with_dual_axis_fake(input, *, round_mode="rint", dst_type=296, scale_alg=0,
+                                          dst_type_max=0.0):
+    return (*_mx_fakes(input, -1, dst_type, 32), *_mx_fakes(input, -2, dst_type, 32))
+
+
+@register_fake("npu::npu_grouped_dynamic_mx_quant")
+def _grouped_dynamic_mx_quant_fake(x, group_index, *, round_mode="rint", dst_type=23,
+                                   blocksize=32, scale_alg=0, dst_type_max=0.0):
+    y = x.new_empty(x.shape, dtype=_MX_Y_DTYPE.get(_mx_code(dst_type), torch.uint8))
+    pairs = x.shape[0] // 64 + group_index.shape[0]
+    return y, x.new_empty([pairs, x.shape[1], 2], dtype=torch.uint8)
+
+
+@register_fake("npu::npu_dynamic_block_quant")
+def _dynamic_block_quant_fake(x, *, min_scale=0.0, round_mode="rint", dst_type=1,
+                              row_block_size=1, col_block_size=128, dst_type_max=0.0):
+    y = x.new_empty(x.shape, dtype=_MX_Y_DTYPE.get(_mx_code(dst_type), torch.int8))
+    shape = list(x.shape)
+    shape[-2] = (shape[-2] + row_block_size - 1) // row_block_size
+    shape[-1] = (shape[-1] + col_block_size - 1) // col_block_size
+    return y, x.new_empty(shape, dtype=torch.float32)
+
+
 _NO_GRADIENT = "torch_npu registers no gradient for it (inference op)"
 mark_not_differentiable("npu_dynamic_quant", _NO_GRADIENT)
 mark_not_differentiable("npu_add_rms_norm_dynamic_quant", _NO_GRADIENT)
+mark_not_differentiable("npu_quant_matmul", _NO_GRADIENT)
+mark_not_differentiable("npu_trans_quant_param", "integer output (a packed parameter)")
+mark_not_differentiable("npu_convert_weight_to_int4pack", "integer input and output")
+for _name in ("npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis",
+              "npu_grouped_dynamic_mx_quant", "npu_dynamic_block_quant"):
+    mark_not_differentiable(_name, _NO_GRADIENT)
 
-__all__ = ["npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant"]
+__all__ = ["npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_quant_matmul",
+           "npu_trans_quant_param", "npu_convert_weight_to_int4pack", "npu_dynamic_mx_quant",
+           "npu_dynamic_mx_quant_with_dual_axis", "npu_grouped_dynamic_mx_quant",
+           "npu_dynamic_block_quant"]

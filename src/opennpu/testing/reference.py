@@ -10,6 +10,8 @@ Two kinds of function live here:
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.nn.functional as F
 
@@ -131,7 +133,19 @@ def smoothed(x, smooth_scales=None, group_index=None):
 
 def dynamic_quant(x, smooth_scales=None, group_index=None, dst_type=None, quant_mode="pertoken",
                   dst_type_max=0.0):
-    """(codes int8 unpacked, scale) of npu_dynamic_quant."""
+    """(codes int8 unpacked, or float8, scale) of npu_dynamic_quant."""
+    fp8 = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
+           291: torch.float8_e5m2}.get(dst_type, dst_type if isinstance(dst_type, torch.dtype)
+                                       and dst_type.itemsize == 1 and dst_type.is_floating_point
+                                       else None)
+    if fp8 is not None:  # CANN's golden: scale = amax * (1 / qmax), y = fp8(v / scale)
+        qmax = dst_type_max or (448.0 if fp8 == torch.float8_e4m3fn else 57344.0)
+        v = smoothed(x, smooth_scales, group_index)
+        per_tensor = quant_mode == "pertensor"
+        amax = v.abs().amax().reshape(1) if per_tensor else v.abs().amax(dim=-1)
+        scale = amax * torch.tensor(1.0 / qmax, dtype=torch.float32)
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        return (v / (scale if per_tensor else scale.unsqueeze(-1))).to(fp8), scale
     int4 = is_int4(dst_type)
     qmax = dst_type_max or (7.0 if int4 else 127.0)
     return quantize(smoothed(x, smooth_scales, group_index), qmax,
@@ -174,6 +188,208 @@ def native_add_rms_norm_dynamic_quant(x1, x2, weight, smooth_scales=None, eps=1e
     y, x = native_add_rms_norm(x1, x2, weight, eps)
     codes, scale = native_dynamic_quant(y, smooth_scales)
     return codes, x, scale
+
+
+# npu_quant_matmul: the int32 product computed exactly (in float64, then int64), then the dequantisation written
+# out in float32 in the golden's order (acc * scale * pertoken_scale + bias + offset).
+
+def decode_trans_quant_param(packed):
+    """(scale float32, offset float32) of npu_trans_quant_param's int64 encoding."""
+    bits = (packed.to(torch.int64) & 0xFFFFFFFF).tolist()
+    scale = torch.tensor([struct.unpack("<f", struct.pack("<I", b))[0] for b in bits],
+                         dtype=torch.float32)
+    off = ((packed.to(torch.int64) >> 37) & 0x1FF).reshape(-1)
+    return scale, torch.where(off >= 256, off - 512, off).float()
+
+
+def trans_quant_param(scale, offset=None, round_mode=0):
+    """npu_trans_quant_param bit by bit (Python integers)."""
+    out = []
+    s = scale.reshape(-1).tolist()
+    o = None if offset is None else offset.reshape(-1).tolist()
+    t = max(len(s), len(o) if o is not None else 0)
+    for i in range(t):
+        bits = struct.unpack("<I", struct.pack("<f", s[0 if len(s) == 1 else i]))[0]
+        if round_mode == 1 and (bits & 0x7F800000) != 0x7F800000:
+            bits = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFFFFF
+        v = (bits & 0xFFFFE000) | (1 << 46)
+        if o is not None:
+            x = o[0 if len(o) == 1 else i]
+            q = 0 if x != x else int(max(-256.0, min(255.0, float(round(x)))))  # round: half even
+            v = (v & 0x4000FFFFFFFF) | ((q & 0x1FF) << 37)
+        out.append(v)
+    shape = scale.shape if offset is None or scale.dim() == 2 else (t,)
+    return torch.tensor(out, dtype=torch.int64).reshape(shape)
+
+
+def quant_matmul(x1, x2, scale, offset=None, pertoken_scale=None, bias=None, output_dtype=None):
+    """npu_quant_matmul: codes unpacked (int4 words of x2 along n, or along k when x2 is
+    [k / 8, n]), multiplied exactly, then dequantised or requantised in float32."""
+    if x1.dtype == torch.int32:
+        a = unpack_int4(x1)
+        w = unpack_int4(x2) if x2.shape[-2] == a.shape[-1] else unpack_int4(x2.mT).mT
+    else:
+        a, w = x1, x2
+    acc = torch.matmul(a.double(), w.double()).to(torch.int64)  # exact: |sums| < 2^53
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.to(torch.int64)
+    out_dtype = output_dtype or torch.int8
+    if out_dtype == torch.int32:
+        return acc.to(torch.int32)
+    if scale.dtype == torch.int64:
+        s, packed_offset = decode_trans_quant_param(scale)
+        if packed_offset.any():
+            offset = packed_offset
+    else:
+        s = scale.float().reshape(-1)
+    y = acc.float() * s
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.float().reshape(-1, 1)
+    if bias is not None and bias.dtype != torch.int32:
+        y = y + bias.float()
+    if offset is not None:
+        y = y + offset.float().reshape(-1)
+    if out_dtype == torch.int8:
+        return torch.nan_to_num(torch.round(y), nan=0.0).clamp(-128, 127).to(torch.int8)
+    return y.to(out_dtype)
+
+
+# MX (microscaling) quantisation as CANN's aclnnDynamicMxQuant golden computes it, with exact
+# exponents (torch.frexp): (mbits, emax, min_exp, max_norm, fp4) per element format.
+MX_FORMATS = {
+    "float8_e4m3fn": (3, 8, -6, 448.0, False), "float8_e5m2": (2, 15, -14, 57344.0, False),
+    "float4_e2m1": (1, 2, 0, 6.0, True), "float4_e1m2": (2, 0, 0, 1.75, True),
+}
+MX_TYPE_OF_CODE = {23: "float8_e5m2", 291: "float8_e5m2", 24: "float8_e4m3fn",
+                   292: "float8_e4m3fn", 296: "float4_e2m1", 45: "float4_e2m1", 297: "float4_e1m2"}
+_FP4_E2M1_CODE = {0.0: 0, 0.5: 1, 1.0: 2, 1.5: 3, 2.0: 4, 3.0: 5, 4.0: 6, 6.0: 7}
+
+
+def _floor_log2(a):
+    return torch.frexp(a)[1] - 1
+
+
+def mx_shared_exp(amax, fmt, scale_alg=0, max_low_bound=0.0):
+    """(shared exponent int64, NaN-scale mask) of float32 block maxima."""
+    _, emax, _, max_norm, _ = MX_FORMATS[fmt]
+    if scale_alg == 1:
+        amax = torch.maximum(amax, torch.tensor(max_low_bound, dtype=torch.float32))
+        bits = (amax / max_norm).view(torch.int32).to(torch.int64)
+        e, m = (bits >> 23) & 0xFF, bits & 0x7FFFFF
+        exp = e + (((e > 0) & (e < 254) & (m > 0)) | ((e == 0) & (m > 0x400000))).long() - 127
+    else:
+        exp = _floor_log2(torch.where(amax == 0, torch.ones_like(amax), amax)).long() - emax
+    exp = torch.where(amax == 0, torch.full_like(exp, -127), exp)
+    nan = ~torch.isfinite(amax) | (exp > 127)
+    return exp.clamp(-127, 127), nan
+
+
+def mx_round(t, fmt, round_mode="rint"):
+    """float32 t rounded to the element format at its precision (subnormals included),
+    saturated, NaN -> +0; zeros keep their sign."""
+    mbits, _, min_exp, max_norm, _ = MX_FORMATS[fmt]
+    a = t.abs()
+    e = _floor_log2(torch.where(a == 0, torch.ones_like(a), a)).clamp(min=min_exp)
+    step = (2.0 ** (e - mbits).double()).float()
+    m = t / step
+    if round_mode == "rint":
+        m = torch.round(m)
+    elif round_mode == "round":
+        m = torch.floor(m.abs() + 0.5) * torch.sign(m)
+    else:
+        m = torch.floor(m)
+    r = (m * step).clamp(-max_norm, max_norm)
+    return torch.nan_to_num(torch.where(a == 0, t, r), nan=0.0)
+
+
+def mx_encode(r, fmt):
+    """Codes (uint8, one per element) of values exactly representable in fmt."""
+    if fmt.startswith("float8"):
+        return r.to(getattr(torch, fmt)).view(torch.uint8)
+    sign = torch.signbit(r).to(torch.uint8) << 3
+    a = r.abs()
+    if fmt == "float4_e2m1":
+        table = torch.zeros(13, dtype=torch.uint8)
+        for v, c in _FP4_E2M1_CODE.items():
+            table[int(v * 2)] = c
+        return sign | table[(a * 2).long()]
+    return sign | (a * 4).to(torch.uint8)
+
+
+def dynamic_mx_quant(x, axis=-1, dst_type=296, block_size=32, round_mode="rint", scale_alg=0,
+                     max_low_bound=0.0):
+    """(codes uint8 per element (fp4 unpacked), mxscale uint8 in op-plugin's layout)."""
+    fmt = MX_TYPE_OF_CODE[dst_type]
+    x = x.float()
+    axis = axis % x.dim()
+    xm = x.movedim(axis, -1)
+    d = xm.shape[-1]
+    nb = -(-d // block_size)
+    blocks = F.pad(xm, (0, nb * block_size - d)).unflatten(-1, (nb, block_size))
+    amax = blocks.abs().amax(dim=-1) if blocks.numel() else blocks.new_zeros(blocks.shape[:-1])
+    exp, nan = mx_shared_exp(amax, fmt, scale_alg, max_low_bound)
+    factor = (2.0 ** (-exp).double()).float().unsqueeze(-1)
+    r = torch.where(nan.unsqueeze(-1), torch.zeros_like(blocks), mx_round(blocks * factor, fmt,
+                                                                          round_mode))
+    codes = mx_encode(r, fmt).flatten(-2)[..., :d].movedim(-1, axis)
+    scale = torch.where(nan, torch.full_like(exp, 255), exp + 127).to(torch.uint8)
+    scale = F.pad(scale, (0, nb % 2)).unflatten(-1, (-1, 2)).movedim(-2, axis)
+    return codes, scale
+
+
+def pack_fp4(codes):
+    """Two fp4 codes per byte along the last dim, element 2j in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def grouped_dynamic_mx_quant(x, group_index, dst_type=23, round_mode="rint", scale_alg=0):
+    """(codes, mxscale [M // 64 + G, N, 2]) of npu_grouped_dynamic_mx_quant."""
+    m, n = x.shape
+    ends = group_index.tolist()
+    scale = torch.zeros(m // 64 + len(ends), n, 2, dtype=torch.uint8)
+    codes, start = [], 0
+    for g, end in enumerate(ends):
+        first = start // 64 + g
+        c, s = dynamic_mx_quant(x[start:end], axis=0, dst_type=dst_type, round_mode=round_mode,
+                                scale_alg=scale_alg)
+        codes.append(c)
+        scale[first:first + s.shape[0]] = s
+        scale[first + s.shape[0]:end // 64 + g + 1] = 127
+        start = end
+    return torch.cat(codes), scale
+
+
+def dynamic_block_quant(x, min_scale=0.0, dst_type=1, row_block_size=1, col_block_size=128):
+    """(y, scale) of npu_dynamic_block_quant: inv = min(qmax * (1 / amax), 1 / min_scale) per block,
+    y = x * inv (int8: rounded half to even), scale = max(amax / qmax, min_scale)."""
+    fp8 = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
+           291: torch.float8_e5m2}.get(dst_type)
+    qmax = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}.get(fp8, 127.0)
+    x3 = (x if x.dim() == 3 else x.unsqueeze(0)).float()
+    b, r, c = x3.shape
+    sr, sc = -(-r // row_block_size), -(-c // col_block_size)
+    padded = F.pad(x3, (0, sc * col_block_size - c, 0, sr * row_block_size - r))
+    blocks = padded.reshape(b, sr, row_block_size, sc, col_block_size)
+    amax = blocks.abs().amax(dim=(2, 4))
+    inv = torch.where(amax == 0, torch.zeros_like(amax),
+                      torch.minimum(amax.reciprocal() * qmax,  # the golden's 127.0 / amax
+                                    torch.tensor(min_scale, dtype=torch.float32).reciprocal()))
+    scale = torch.where(amax == 0, torch.full_like(amax, max(0.0, min_scale)),
+                        torch.clamp(amax / qmax, min=min_scale))
+    full = inv.repeat_interleave(row_block_size, 1).repeat_interleave(col_block_size, 2)
+    t = x3 * full[:, :r, :c]
+    y = (t.clamp(-qmax, qmax).to(fp8) if fp8 is not None else
+         torch.nan_to_num(torch.round(t), nan=0.0).clamp(-qmax, qmax).to(torch.int8))
+    return (y if x.dim() == 3 else y[0]), (scale if x.dim() == 3 else scale[0])
+
+
+def native_quant_matmul(x1, x2, scale, pertoken_scale=None, output_dtype=torch.bfloat16):
+    """Dequantise-then-GEMM, the eager composition npu_quant_matmul replaces (fp32 GEMM of the
+    codes, exact only while the sums stay below 2^24)."""
+    y = (x1.float() @ x2.float()) * scale
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.unsqueeze(-1)
+    return y.to(output_dtype)
 
 
 # ----------------------------------------------------------------------------- activations

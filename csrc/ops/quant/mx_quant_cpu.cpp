@@ -1,0 +1,227 @@
+// CPU kernels of the MX and block quantisers (compiled once per ISA; see mx_quant.h for the
+// numerics). Work is split into (line group, block) units; within a unit the block maxima of
+// all `post` columns are found first, then every element is scaled and rounded in fp32.
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <vector>
+
+#include "common/vec.h"
+#include "ops/quant/fp_barrier.h"
+#include "ops/quant/mx_quant.h"
+
+namespace opennpu::quant {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+#define OPENNPU_MX_DISPATCH(TYPE, NAME, ...)                    \
+  AT_DISPATCH_SWITCH(TYPE, NAME,                                \
+                     AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)  \
+                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__)   \
+                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+constexpr int kNanExp = 128;  // shared exponent marking a NaN scale (e8m0 code 0xFF)
+
+// 2^e as a float, for e in [-149, 127].
+inline float pow2(int e) {
+  if (e >= -126) return std::bit_cast<float>(static_cast<uint32_t>(e + 127) << 23);
+  return std::bit_cast<float>(uint32_t{1} << (e + 149));  // subnormal
+}
+
+// floor(log2(a)) for finite a > 0, exactly.
+inline int exponent_of(float a) {
+  const uint32_t bits = std::bit_cast<uint32_t>(a);
+  const int biased = static_cast<int>((bits >> 23) & 0xFF);
+  return biased != 0 ? biased - 127 : std::ilogb(a);
+}
+
+// The shared exponent of a block whose largest magnitude is amax.
+inline int shared_exponent(float amax, const MxFormat& f, int64_t scale_alg, float low_bound) {
+  if (std::isnan(amax) || std::isinf(amax)) return kNanExp;
+  int e;
+  if (scale_alg == 1) {
+    amax = std::max(amax, low_bound);
+    if (amax == 0.f) return -127;
+    const uint32_t bits = std::bit_cast<uint32_t>(amax / f.max_norm);
+    int biased = static_cast<int>((bits >> 23) & 0xFF);
+    const uint32_t mantissa = bits & 0x7FFFFF;
+    if ((biased > 0 && biased < 254 && mantissa > 0) || (biased == 0 && mantissa > 0x400000)) {
+      ++biased;
+    }
+    e = biased - 127;
+  } else {
+    if (amax == 0.f) return -127;
+    e = exponent_of(amax) - f.emax;
+  }
+  if (e > 127) return kNanExp;
+  return std::max(e, -127);
+}
+
+// t (= V / 2^shared_exp) rounded to the element format, saturated; NaN -> +0.
+inline float round_element(float t, const MxFormat& f, MxRound mode) {
+  if (std::isnan(t)) return 0.f;
+  const float a = std::fabs(t);
+  if (a == 0.f) return t;  // keeps the sign of zero, as the conversion does
+  const int e = std::max(std::isinf(a) ? 1000 : exponent_of(a), f.min_exp);
+  if (e > f.emax + 1) return std::copysign(f.max_norm, t);  // far beyond the range: saturate
+  const int shift = e - f.mbits;
+  float m = t * pow2(-shift);  // exact: a power-of-two scaling of a normal fp32 value
+  switch (mode) {
+    case MxRound::kRint: m = std::rint(m); break;
+    case MxRound::kRound: m = std::copysign(std::floor(std::fabs(m) + 0.5f), m); break;
+    case MxRound::kFloor: m = std::floor(m); break;
+  }
+  const float r = m * pow2(shift);
+  return std::clamp(r, -f.max_norm, f.max_norm);
+}
+
+// The code of an element value r (exactly representable in the format).
+inline uint8_t encode(float r, const MxFormat& f) {
+  if (!f.fp4) {
+    return f.e4m3 ? c10::Float8_e4m3fn(r).x : c10::Float8_e5m2(r).x;
+  }
+  const uint8_t sign = std::signbit(r) ? 0x8 : 0x0;
+  const float a = std::fabs(r);
+  if (f.emax == 2) {  // e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    static constexpr uint8_t kCode[13] = {0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7};
+    return sign | kCode[static_cast<int>(a * 2.f)];
+  }
+  return sign | static_cast<uint8_t>(a * 4.f);  // e1m2: 0, 0.25, ..., 1.75
+}
+
+void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, int64_t bs,
+                     const MxFormat& fmt, MxRound round, int64_t scale_alg, float max_low_bound,
+                     uint8_t* codes, uint8_t* scales) {
+  const int64_t blocks = (d + bs - 1) / bs;
+  const int64_t pairs = (blocks + 1) / 2;
+  OPENNPU_MX_DISPATCH(x.scalar_type(), "npu_dynamic_mx_quant", [&] {
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(bs * post, 1));
+    at::parallel_for(0, pre * blocks, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> amax(post);
+      std::vector<int> exps(post);
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t p = unit / blocks, b = unit % blocks;
+        const int64_t i0 = b * bs, i1 = std::min(d, i0 + bs);
+        std::fill(amax.begin(), amax.end(), 0.f);
+        for (int64_t i = i0; i < i1; ++i) {
+          const scalar_t* row = px + (p * d + i) * post;
+          for (int64_t q = 0; q < post; ++q) {
+            const float v = static_cast<float>(row[q]);
+            amax[q] = std::isnan(v) ? v : std::max(amax[q], std::fabs(v));
+          }
+        }
+        uint8_t* s = scales + ((p * pairs + b / 2) * post) * 2 + (b & 1);
+        for (int64_t q = 0; q < post; ++q) {
+          exps[q] = shared_exponent(amax[q], fmt, scale_alg, max_low_bound);
+          s[2 * q] = exps[q] == kNanExp ? uint8_t{0xFF} : static_cast<uint8_t>(exps[q] + 127);
+        }
+        // float8 with "rint" (the only mode float8 takes): c10's conversion rounds to nearest
+        // even at the format's precision, subnormals included, which is round_element's result
+        // once saturated; so the clamped quotient converts directly.
+        const bool direct = !fmt.fp4 && round == MxRound::kRint;
+        for (int64_t i = i0; i < i1; ++i) {
+          const scalar_t* row = px + (p * d + i) * post;
+          uint8_t* out = codes + (p * d + i) * post;
+          for (int64_t q = 0; q < post; ++q) {
+            if (exps[q] == kNanExp) {
+              out[q] = 0;
+              continue;
+            }
+            const float t = rounded(static_cast<float>(row[q]) * pow2(-exps[q]));
+            if (direct) {
+              const float c = std::clamp(t, -fmt.max_norm, fmt.max_norm);
+              out[q] = fmt.e4m3 ? c10::Float8_e4m3fn(c).x : c10::Float8_e5m2(c).x;
+            } else {
+              out[q] = encode(round_element(t, fmt, round), fmt);
+            }
+          }
+        }
+      }
+    });
+  });
+}
+
+void pack_fp4_kernel(const uint8_t* codes, int64_t pairs, uint8_t* packed) {
+  at::parallel_for(0, pairs, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      packed[i] = static_cast<uint8_t>((codes[2 * i] & 0xF) | ((codes[2 * i + 1] & 0xF) << 4));
+    }
+  });
+}
+
+void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax, float min_scale,
+                        int fp8, at::Tensor& y, at::Tensor& scale) {
+  const int64_t batch = x.size(0), rows = x.size(1), cols = x.size(2);
+  const int64_t srows = scale.size(1), scols = scale.size(2);
+  float* ps = scale.mutable_data_ptr<float>();
+  auto* py = static_cast<uint8_t*>(y.mutable_data_ptr());
+  const float inv_min = min_scale > 0.f ? 1.f / min_scale : INFINITY;
+  OPENNPU_MX_DISPATCH(x.scalar_type(), "npu_dynamic_block_quant", [&] {
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    at::parallel_for(0, batch * srows * scols, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t bt = unit / (srows * scols);
+        const int64_t r0 = (unit / scols) % srows * rb, c0 = unit % scols * cb;
+        const int64_t r1 = std::min(rows, r0 + rb), c1 = std::min(cols, c0 + cb);
+        using Vec = at::vec::Vectorized<float>;
+        using IO = VecPair<scalar_t>;
+        Vec m0(0.f), m1(0.f);  // at::vec::maximum propagates NaN
+        for (int64_t r = r0; r < r1; ++r) {
+          const scalar_t* row = px + (bt * rows + r) * cols + c0;
+          for_each_step<scalar_t>(c1 - c0, [&](int64_t i, int64_t len) {
+            Vec a, b;
+            IO::load(row + i, a, b, len);  // lanes past len are 0
+            m0 = at::vec::maximum(m0, a.abs());
+            m1 = at::vec::maximum(m1, b.abs());
+          });
+        }
+        const float amax = at::vec::vec_reduce_all<float>(
+            [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, at::vec::maximum(m0, m1));
+        // op-plugin's golden multiplies by 127.0 / amax, which torch evaluates as amax.reciprocal()
+        // * 127: two roundings, reproduced here.
+        const float inv = amax == 0.f ? 0.f : std::min(rounded(qmax * rounded(1.f / amax)), inv_min);
+        ps[unit] = amax == 0.f ? std::max(0.f, min_scale) : std::max(amax / qmax, min_scale);
+        const Vec vinv(inv), lo(-qmax), hi(qmax);
+        for (int64_t r = r0; r < r1; ++r) {
+          const scalar_t* row = px + (bt * rows + r) * cols + c0;
+          uint8_t* out = py + (bt * rows + r) * cols + c0;
+          if (fp8 != 0) {  // c10's conversion (an add inside: products kept rounded)
+            for (int64_t c = 0; c < c1 - c0; ++c) {
+              const float t = std::clamp(rounded(static_cast<float>(row[c]) * inv), -qmax, qmax);
+              out[c] = fp8 == 1 ? c10::Float8_e4m3fn(t).x : c10::Float8_e5m2(t).x;
+            }
+            continue;
+          }
+          for_each_step<scalar_t>(c1 - c0, [&](int64_t i, int64_t len) {
+            Vec a, b;
+            IO::load(row + i, a, b, len);
+            float q[IO::kStep];
+            for (int h = 0; h < 2; ++h) {  // round half to even, saturate, NaN -> 0
+              const Vec t = ((h == 0 ? a : b) * vinv).round();
+              const Vec c = at::vec::minimum(at::vec::maximum(t, lo), hi);
+              Vec::blendv(c, Vec(0.f), c.isnan()).store(q + h * Vec::size());
+            }
+            for (int64_t k = 0; k < len; ++k) {
+              out[i + k] = static_cast<uint8_t>(static_cast<int8_t>(q[k]));
+            }
+          });
+        }
+      }
+    });
+  });
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(mx_quant_cpu, &mx_quant_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(pack_fp4_cpu, &pack_fp4_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(block_quant_cpu, &block_quant_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::quant

@@ -1,0 +1,476 @@
+// Entry points of npu_quant_matmul, npu_trans_quant_param and npu_convert_weight_to_int4pack:
+// validation, the int32 GEMM (a library call, see quant_matmul.h), the fused epilogue, CPU
+// registration.
+#include "ops/quant/quant_matmul.h"
+
+#include <ATen/ExpandUtils.h>
+#include <ATen/cpu/Utils.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/accumulate.h>
+#include <torch/library.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/blas.h"
+#include "common/checks.h"
+
+namespace opennpu::quant {
+
+CpuKernel<CodesToFloatFn> codes_to_float_cpu;
+CpuKernel<TiledIntGemmFn> tiled_int_gemm_cpu;
+CpuKernel<UnpackInt4Fn> unpack_int4_cpu;
+CpuKernel<AccumulateChunkFn> accumulate_chunk_cpu;
+CpuKernel<QuantMatmulEpilogueFn> quant_matmul_epilogue_cpu;
+CpuKernel<PackInt4Fn> pack_int4_cpu;
+
+namespace {
+
+constexpr const char* kQmm = "npu_quant_matmul";
+// Up to this many rows of x1 per batch, W is converted to fp32 panel by panel (see
+// tiled_int_gemm_kernel); above, once whole, and MKL's threads run one large GEMM (whose
+// exactness chunks along K cost more than panels re-reading x1: on a 2-core AVX2 Zen 3, one
+// thread, [m, 4096] x [4096, 4096] took 27 / 72 / 274 / 442 ms tiled for m = 16 / 64 / 256 /
+// 512 against 158 / 232 / 443 / 613 ms whole, and [1024, 2048] x [2048, 2048] 283 against 290).
+constexpr int64_t kTiledRows = 4096;
+
+std::string dtype_name(int64_t code) {
+  if (code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions)) {
+    return c10::toString(static_cast<c10::ScalarType>(code));
+  }
+  return "dtype code " + std::to_string(code) + " (an Ascend-only type such as hifloat8 or float4)";
+}
+
+// x1_dtype / x2_dtype / scale_dtype / pertoken_scale_dtype: None, or the tensor's own dtype
+// (torch.quint4x2 / torch.int4 also name the int4 codes of an int32 tensor).
+void check_declared_dtype(const char* arg, std::optional<int64_t> declared, const at::Tensor& t,
+                          const char* tensor_arg) {
+  if (!declared.has_value()) return;
+  const int64_t own = static_cast<int64_t>(t.scalar_type());
+  const bool int4_name = *declared == static_cast<int64_t>(at::kQUInt4x2) ||
+                         *declared == static_cast<int64_t>(c10::ScalarType::Int4);
+  OPENNPU_CHECK_ARG(*declared == own || (int4_name && t.scalar_type() == at::kInt), kQmm, arg,
+                    "must be None or the dtype of '", tensor_arg, "' (", t.scalar_type(),
+                    "); reinterpreting it as another type (hifloat8, float4_e2m1, float8_e8m0) "
+                    "is not supported by opennpu, but got ", dtype_name(*declared));
+}
+
+at::ScalarType parse_output_dtype(std::optional<int64_t> output_dtype) {
+  if (!output_dtype.has_value()) return at::kChar;
+  const int64_t code = *output_dtype;
+  for (at::ScalarType t : {at::kChar, at::kHalf, at::kBFloat16, at::kInt}) {
+    if (code == static_cast<int64_t>(t)) return t;
+  }
+  OPENNPU_CHECK_ARG(false, kQmm, "output_dtype",
+                    "must be None, torch.int8, torch.float16, torch.bfloat16 or torch.int32, "
+                    "but got ", dtype_name(code));
+  return at::kChar;
+}
+
+// A 1-D (or [1, t]) per-channel vector of length 1 or n, as contiguous fp32 [t].
+at::Tensor channel_vector(const char* arg, const at::Tensor& t, int64_t n) {
+  OPENNPU_CHECK_ARG((t.dim() == 1 || (t.dim() == 2 && t.size(0) == 1)) &&
+                        (t.numel() == 1 || t.numel() == n),
+                    kQmm, arg, "must have shape [1] or [", n, "] (n, the last dim of the output), "
+                    "or [1, 1] / [1, ", n, "], but got ", shape_str(t.sizes()));
+  return t.reshape({t.numel()}).to(at::kFloat).contiguous();
+}
+
+// The (scale, offset) an int64 scale of npu_trans_quant_param carries: the fp32 bits in bits
+// 0..31 (already cut to 19 bits), a 9-bit signed offset in bits 37..45.
+std::pair<at::Tensor, at::Tensor> decode_int64_scale(const at::Tensor& packed) {
+  const at::Tensor p = packed.reshape({packed.numel()}).contiguous();
+  at::Tensor scale = at::empty({p.numel()}, p.options().dtype(at::kFloat));
+  at::Tensor offset = at::empty({p.numel()}, p.options().dtype(at::kFloat));
+  const int64_t* in = p.const_data_ptr<int64_t>();
+  bool any_offset = false;
+  for (int64_t i = 0; i < p.numel(); ++i) {
+    const uint64_t v = static_cast<uint64_t>(in[i]);
+    scale.mutable_data_ptr<float>()[i] = std::bit_cast<float>(static_cast<uint32_t>(v));
+    int32_t o = static_cast<int32_t>((v >> 37) & 0x1FF);
+    if (o >= 256) o -= 512;
+    offset.mutable_data_ptr<float>()[i] = static_cast<float>(o);
+    any_offset = any_offset || o != 0;
+  }
+  return {scale, any_offset ? offset : at::Tensor()};
+}
+
+// How the int32 product is computed (quant_matmul.h): ATen's int8 GEMM where oneDNN has int8
+// dot-product instructions, else exact fp32 GEMMs: panel by panel for few rows (kTiledRows),
+// whole otherwise. OPENNPU_QUANT_MATMUL_GEMM=int / tiled / whole forces one (tests run each).
+enum class GemmPath { kInt, kTiled, kWhole };
+
+GemmPath gemm_path(int64_t m) {
+  const char* forced = std::getenv("OPENNPU_QUANT_MATMUL_GEMM");
+  if (forced != nullptr && std::strcmp(forced, "int") == 0) return GemmPath::kInt;
+  if (forced != nullptr && std::strcmp(forced, "tiled") == 0) return GemmPath::kTiled;
+  if (forced != nullptr && std::strcmp(forced, "whole") == 0) return GemmPath::kWhole;
+  static const bool fast_int8 = at::cpu::is_avx512_vnni_supported() || at::cpu::init_amx();
+  if (fast_int8) return GemmPath::kInt;
+  return m <= kTiledRows ? GemmPath::kTiled : GemmPath::kWhole;
+}
+
+// Index into an operand's (contiguous) batches of output batch b, with broadcasting.
+int64_t batch_index(const std::vector<int64_t>& out_batch, c10::IntArrayRef batch, int64_t b) {
+  int64_t index = 0, stride = 1;
+  const int64_t skip = static_cast<int64_t>(out_batch.size()) - static_cast<int64_t>(batch.size());
+  for (int64_t d = static_cast<int64_t>(out_batch.size()) - 1; d >= 0; --d) {
+    const int64_t coord = b % out_batch[d];
+    b /= out_batch[d];
+    if (d < skip) continue;
+    const int64_t size = batch[d - skip];
+    if (size != 1) index += coord * stride;
+    stride *= size;
+  }
+  return index;
+}
+
+// The operands' codes as the GEMMs read them.
+struct Operands {
+  at::Tensor a;  // [B1, m, k]
+  at::Tensor w;  // [B2, k, n], or [B2, n, k] when w_trans
+  bool w_trans = false;
+  int64_t m = 0, k = 0, n = 0;
+};
+
+// The int32 product of every output batch, as int32 [B * m, n] or fp32 holding exact integers.
+at::Tensor int_product(const Operands& op, bool int4, const std::vector<int64_t>& out_batch,
+                       c10::IntArrayRef a_batch, c10::IntArrayRef w_batch) {
+  const int64_t batches = c10::multiply_integers(out_batch);
+  const int64_t m = op.m, k = op.k, n = op.n;
+  const auto opts = op.a.options();
+  const GemmPath path = gemm_path(m);
+  if (path == GemmPath::kInt) {
+    auto as_int8 = [&](const at::Tensor& t, int64_t cols) {
+      if (!int4) return t;
+      at::Tensor codes = at::empty({t.numel() / (cols / 8), cols}, opts.dtype(at::kChar));
+      unpack_int4_cpu.get(kQmm)(t.reshape({-1, cols / 8}), codes);
+      return codes;
+    };
+    const at::Tensor a = as_int8(op.a, k).view({-1, m, k});
+    const at::Tensor w = as_int8(op.w, op.w_trans ? k : n).view({-1, op.w_trans ? n : k,
+                                                                 op.w_trans ? k : n});
+    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kInt));
+    for (int64_t b = 0; b < batches; ++b) {
+      at::Tensor out = acc.narrow(0, b * m, m);
+      const at::Tensor wb = w[batch_index(out_batch, w_batch, b)];
+      at::_int_mm_out(out, a[batch_index(out_batch, a_batch, b)], op.w_trans ? wb.t() : wb);
+    }
+    return acc;
+  }
+  // fp32 copies of x1's codes; W converted panel by panel (few rows: W's traffic dominates).
+  const int64_t a_rows = op.a.numel() / (int4 ? k / 8 : k);
+  if (path == GemmPath::kTiled) {
+    at::Tensor af = at::empty({a_rows, k}, opts.dtype(at::kFloat));
+    codes_to_float_cpu.get(kQmm)(op.a.reshape({a_rows, -1}), int4, af);
+    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kInt));
+    const int64_t w_batch_elems = op.w.numel() / std::max<int64_t>(c10::multiply_integers(w_batch), 1);
+    const auto* w_bytes = static_cast<const char*>(op.w.const_data_ptr());
+    for (int64_t b = 0; b < batches; ++b) {
+      tiled_int_gemm_cpu.get(kQmm)(
+          af.const_data_ptr<float>() + batch_index(out_batch, a_batch, b) * m * k, m, k, n,
+          w_bytes + batch_index(out_batch, w_batch, b) * w_batch_elems * op.w.element_size(),
+          int4, op.w_trans, acc.mutable_data_ptr<int32_t>() + b * m * n);
+    }
+    return acc;
+  }
+  // Whole fp32 copies of the codes and the exactness bound (quant_matmul.h).
+  at::Tensor af = at::empty({op.a.numel() / (int4 ? k / 8 : k), k}, opts.dtype(at::kFloat));
+  const CodeStats sa = codes_to_float_cpu.get(kQmm)(op.a.reshape({af.size(0), -1}), int4, af);
+  const int64_t w_cols = op.w_trans ? k : n;
+  at::Tensor wf = at::empty({op.w.numel() / (int4 ? w_cols / 8 : w_cols), w_cols},
+                            opts.dtype(at::kFloat));
+  const CodeStats sw = codes_to_float_cpu.get(kQmm)(op.w.reshape({wf.size(0), -1}), int4, wf);
+  int64_t bound = sa.row_l1_max * sw.absmax;
+  if (op.w_trans) bound = std::min(bound, sw.row_l1_max * sa.absmax);
+  const int64_t chunk = bound <= kExactFloatInt
+                            ? k
+                            : std::max<int64_t>(1, kExactFloatInt / (sa.absmax * sw.absmax));
+  const float* pa = af.const_data_ptr<float>();
+  const float* pw = wf.const_data_ptr<float>();
+  if (chunk >= k) {  // one exact GEMM per batch, straight into the accumulator
+    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kFloat));
+    for (int64_t b = 0; b < batches; ++b) {
+      blas::gemm<float, float>(false, op.w_trans, m, n, k, 1.f,
+                               pa + batch_index(out_batch, a_batch, b) * m * k, k,
+                               pw + batch_index(out_batch, w_batch, b) * k * n, w_cols, 0.f,
+                               acc.mutable_data_ptr<float>() + b * m * n, n);
+    }
+    return acc;
+  }
+  at::Tensor acc = at::zeros({batches * m, n}, opts.dtype(at::kInt));
+  at::Tensor partial = at::empty({m, n}, opts.dtype(at::kFloat));
+  for (int64_t b = 0; b < batches; ++b) {
+    const float* ab = pa + batch_index(out_batch, a_batch, b) * m * k;
+    const float* wb = pw + batch_index(out_batch, w_batch, b) * k * n;
+    at::Tensor acc_b = acc.narrow(0, b * m, m);
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+      const int64_t kc = std::min(chunk, k - k0);
+      blas::gemm<float, float>(false, op.w_trans, m, n, kc, 1.f, ab + k0, k,
+                               wb + (op.w_trans ? k0 : k0 * n), w_cols, 0.f,
+                               partial.mutable_data_ptr<float>(), n);
+      accumulate_chunk_cpu.get(kQmm)(acc_b, partial);
+    }
+  }
+  return acc;
+}
+
+}  // namespace
+
+at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
+                            const std::optional<at::Tensor>& offset,
+                            const std::optional<at::Tensor>& pertoken_scale,
+                            const std::optional<at::Tensor>& bias,
+                            std::optional<int64_t> output_dtype, std::optional<int64_t> x1_dtype,
+                            std::optional<int64_t> x2_dtype,
+                            std::optional<int64_t> pertoken_scale_dtype,
+                            std::optional<int64_t> scale_dtype, at::OptionalIntArrayRef group_sizes,
+                            const std::optional<at::Tensor>& y_scale) {
+  // Operand dtypes: int8 x int8, or int32 x int32 holding eight int4 codes per element.
+  OPENNPU_CHECK_ARG(x1.scalar_type() == at::kChar || x1.scalar_type() == at::kInt, kQmm, "x1",
+                    "must be int8, or int32 holding eight int4 codes per element; float8, "
+                    "hifloat8 and float4 operands are not supported by opennpu, but got ",
+                    x1.scalar_type());
+  OPENNPU_CHECK_ARG(x2.scalar_type() == x1.scalar_type(), kQmm, "x2",
+                    "must have the dtype of 'x1' (", x1.scalar_type(), "), but got ",
+                    x2.scalar_type());
+  check_same_device(kQmm, "x2", x2, "x1", x1);
+  check_declared_dtype("x1_dtype", x1_dtype, x1, "x1");
+  check_declared_dtype("x2_dtype", x2_dtype, x2, "x2");
+  check_declared_dtype("scale_dtype", scale_dtype, scale, "scale");
+  if (pertoken_scale.has_value()) {
+    check_declared_dtype("pertoken_scale_dtype", pertoken_scale_dtype, *pertoken_scale,
+                         "pertoken_scale");
+  }
+  if (group_sizes.has_value()) {
+    bool grouped = false;
+    for (int64_t g : *group_sizes) grouped = grouped || g != 0;
+    OPENNPU_CHECK_ARG(group_sizes->size() == 3 && !grouped, kQmm, "group_sizes",
+                      "must be None or [0, 0, 0]: per-group quantisation (A8W4 / A4W4 groups, "
+                      "MX blocks) is not supported by opennpu yet, but got ", *group_sizes);
+  }
+  OPENNPU_CHECK_ARG(!y_scale.has_value(), kQmm, "y_scale",
+                    "must be None (an Ascend950 output scale, not supported by opennpu)");
+  OPENNPU_CHECK_ARG(x1.dim() >= 2 && x1.dim() <= 6, kQmm, "x1",
+                    "must have 2 to 6 dims, but got shape ", shape_str(x1.sizes()));
+  OPENNPU_CHECK_ARG(x2.dim() >= 2 && x2.dim() <= 6, kQmm, "x2",
+                    "must have 2 to 6 dims, but got shape ", shape_str(x2.sizes()));
+  const bool int4 = x1.scalar_type() == at::kInt;
+  const at::ScalarType out_dtype = parse_output_dtype(output_dtype);
+
+  // Shapes: x1 [..., m, k] (int4: [..., m, k / 8]); x2 [..., k, n] (int4: [..., k, n / 8], or
+  // [..., k / 8, n] as the transpose of a contiguous [..., n, k / 8]).
+  Operands op;
+  op.m = x1.size(-2);
+  op.k = int4 ? 8 * x1.size(-1) : x1.size(-1);
+  const at::Tensor x2t = x2.mT();
+  const bool x2_is_transpose = !x2.is_contiguous() && x2t.is_contiguous();
+  if (int4 && x2.size(-2) != op.k) {
+    OPENNPU_CHECK_ARG(8 * x2.size(-2) == op.k && x2_is_transpose, kQmm, "x2",
+                      "must be int4 words of shape [..., k, n / 8] or the transpose of a "
+                      "contiguous [..., n, k / 8], with k = ", op.k,
+                      " (8 x the last dim of 'x1'), but got shape ", shape_str(x2.sizes()),
+                      x2_is_transpose ? " (a transpose)" : "");
+    op.w_trans = true;
+    op.n = x2.size(-1);
+  } else {
+    OPENNPU_CHECK_ARG(x2.size(-2) == op.k, kQmm, "x2", "must have k = ", op.k,
+                      int4 ? " (8 x the last dim of 'x1')" : " (the last dim of 'x1')",
+                      " rows (dim -2), but got shape ", shape_str(x2.sizes()));
+    op.w_trans = !int4 && x2_is_transpose;
+    op.n = int4 ? 8 * x2.size(-1) : x2.size(-1);
+  }
+  const c10::IntArrayRef a_batch = x1.sizes().slice(0, x1.dim() - 2);
+  const c10::IntArrayRef w_batch = x2.sizes().slice(0, x2.dim() - 2);
+  std::vector<int64_t> out_batch;
+  try {
+    out_batch = at::infer_size(a_batch, w_batch);
+  } catch (const c10::Error&) {
+    OPENNPU_CHECK_ARG(false, kQmm, "x2", "must have batch dims that broadcast with those of 'x1' (",
+                      shape_str(a_batch), "), but got ", shape_str(w_batch));
+  }
+  const int64_t m = op.m, n = op.n;
+  const int64_t batches = c10::multiply_integers(out_batch);
+
+  // Scales, offset, bias.
+  check_same_device(kQmm, "scale", scale, "x1", x1);
+  OPENNPU_CHECK_ARG(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16 ||
+                        scale.scalar_type() == at::kLong,
+                    kQmm, "scale", "must be float32, bfloat16 or int64 (npu_trans_quant_param's "
+                    "encoding), but got ", scale.scalar_type());
+  OPENNPU_CHECK_ARG(scale.numel() > 0, kQmm, "scale", "must not be empty");
+  QuantMatmulEpilogue e;
+  e.m = m;
+  at::Tensor packed_offset;
+  if (scale.scalar_type() == at::kLong) {
+    channel_vector("scale", scale.to(at::kFloat), n);  // the shape check
+    std::tie(e.scale, packed_offset) = decode_int64_scale(scale);
+  } else {
+    e.scale = channel_vector("scale", scale, n);
+  }
+  if (offset.has_value()) {
+    check_same_device(kQmm, "offset", *offset, "x1", x1);
+    OPENNPU_CHECK_ARG(out_dtype == at::kChar, kQmm, "offset",
+                      "applies only to int8 outputs (output_dtype None or torch.int8), but "
+                      "output_dtype is ", out_dtype);
+    OPENNPU_CHECK_ARG(offset->scalar_type() == at::kFloat, kQmm, "offset",
+                      "must be float32, but got ", offset->scalar_type());
+    e.offset = channel_vector("offset", *offset, n);
+  }
+  // An int64 scale carries its own offset (npu_trans_quant_param(scale, offset)); it is the one
+  // used, as Ascend reads it from there.
+  if (packed_offset.defined()) {
+    OPENNPU_CHECK_ARG(out_dtype == at::kChar, kQmm, "scale",
+                      "carries an offset (npu_trans_quant_param(scale, offset)), which applies "
+                      "only to int8 outputs, but output_dtype is ", out_dtype);
+    e.offset = packed_offset;
+  }
+  if (pertoken_scale.has_value()) {
+    const at::Tensor& pt = *pertoken_scale;
+    check_same_device(kQmm, "pertoken_scale", pt, "x1", x1);
+    OPENNPU_CHECK_ARG(pt.scalar_type() == at::kFloat, kQmm, "pertoken_scale",
+                      "must be float32, but got ", pt.scalar_type());
+    OPENNPU_CHECK_ARG(
+        (pt.dim() == 1 && pt.size(0) == m) || (pt.dim() == 2 && pt.size(0) == m && pt.size(1) == 1),
+        kQmm, "pertoken_scale", "must have shape [", m, "] (m, dim -2 of 'x1') or [", m,
+        ", 1], but got ", shape_str(pt.sizes()));
+    OPENNPU_CHECK_ARG(out_dtype != at::kInt, kQmm, "pertoken_scale",
+                      "does not apply to int32 outputs (the raw accumulator)");
+    e.pertoken = pt.reshape({m}).contiguous();
+  }
+  if (bias.has_value()) {
+    const at::Tensor& bs = *bias;
+    check_same_device(kQmm, "bias", bs, "x1", x1);
+    const auto bt = bs.scalar_type();
+    OPENNPU_CHECK_ARG(bt == at::kInt || bt == at::kFloat || bt == at::kBFloat16 ||
+                          bt == at::kHalf,
+                      kQmm, "bias", "must be int32, bfloat16, float16 or float32, but got ", bt);
+    OPENNPU_CHECK_ARG(bt == at::kInt || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
+                      kQmm, "bias", "must be int32 for ", out_dtype, " outputs (float biases are "
+                      "added after dequantisation, to float16 / bfloat16 outputs), but got ", bt);
+    const int64_t out_dim = std::max(x1.dim(), x2.dim());
+    const bool batched = bs.dim() == 3 && out_dim == 3 && bs.size(0) == batches &&
+                         bs.size(1) == 1 && bs.size(2) == n;
+    OPENNPU_CHECK_ARG((bs.dim() == 1 && bs.size(0) == n) || batched, kQmm, "bias",
+                      "must have shape [", n, "], or [batch, 1, ", n,
+                      "] for a 3-D output (batch = ", batches, "), but got ",
+                      shape_str(bs.sizes()));
+    const at::Tensor rows = bs.reshape({bs.dim() == 3 ? bs.size(0) : 1, n}).contiguous();
+    if (bt == at::kInt) {
+      e.bias_int = rows;
+    } else {
+      e.bias_float = rows.to(at::kFloat);
+    }
+  }
+
+  std::vector<int64_t> out_shape = out_batch;
+  out_shape.push_back(m);
+  out_shape.push_back(n);
+  at::Tensor out = at::empty(out_shape, x1.options().dtype(out_dtype));
+  if (out.numel() == 0) return out;
+  if (op.k == 0) {  // an empty sum: the accumulator is 0
+    const at::Tensor acc = at::zeros({batches * m, n}, x1.options().dtype(at::kInt));
+    quant_matmul_epilogue_cpu.get(kQmm)(acc, e, out);
+    return out;
+  }
+  op.a = x1.contiguous();
+  op.w = op.w_trans ? x2t.contiguous() : x2.contiguous();
+  const at::Tensor acc = int_product(op, int4, out_batch, a_batch, w_batch);
+  quant_matmul_epilogue_cpu.get(kQmm)(acc, e, out);
+  return out;
+}
+
+at::Tensor npu_trans_quant_param(const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                                 std::optional<int64_t> round_mode) {
+  constexpr const char* op = "npu_trans_quant_param";
+  OPENNPU_CHECK_ARG(scale.scalar_type() == at::kFloat, op, "scale", "must be float32, but got ",
+                    scale.scalar_type());
+  OPENNPU_CHECK_ARG((scale.dim() == 1 || scale.dim() == 2) && scale.numel() > 0, op, "scale",
+                    "must be a non-empty 1-D or 2-D tensor, but got shape ",
+                    shape_str(scale.sizes()));
+  const int64_t mode = round_mode.value_or(0);
+  OPENNPU_CHECK_ARG(mode == 0 || mode == 1, op, "round_mode",
+                    "must be 0 (truncate to fp19) or 1 (round to nearest even fp19), but got ",
+                    mode);
+  std::vector<int64_t> shape(scale.sizes().begin(), scale.sizes().end());
+  at::Tensor off;
+  if (offset.has_value()) {
+    off = *offset;
+    check_same_device(op, "offset", off, "scale", scale);
+    OPENNPU_CHECK_ARG(off.scalar_type() == at::kFloat, op, "offset", "must be float32, but got ",
+                      off.scalar_type());
+    OPENNPU_CHECK_ARG((off.dim() == 1 || off.dim() == 2) && off.numel() > 0, op, "offset",
+                      "must be a non-empty 1-D or 2-D tensor, but got shape ",
+                      shape_str(off.sizes()));
+    const int64_t t = std::max(scale.numel(), off.numel());
+    OPENNPU_CHECK_ARG((off.numel() == 1 || off.numel() == t) &&
+                          (scale.numel() == 1 || scale.numel() == t),
+                      op, "offset", "must have 1 element or as many as 'scale' (",
+                      scale.numel(), "), but got shape ", shape_str(off.sizes()));
+    if (scale.dim() == 1) shape = {t};
+    OPENNPU_CHECK_ARG(scale.dim() == 1 || scale.numel() == t, op, "offset",
+                      "must not have more elements than a 2-D 'scale' (", scale.numel(),
+                      "), but got shape ", shape_str(off.sizes()));
+    off = off.reshape({off.numel()}).contiguous();
+  }
+  const at::Tensor s = scale.reshape({scale.numel()}).contiguous();
+  at::Tensor out = at::empty(shape, scale.options().dtype(at::kLong));
+  const float* ps = s.const_data_ptr<float>();
+  const float* po = off.defined() ? off.const_data_ptr<float>() : nullptr;
+  int64_t* pout = out.mutable_data_ptr<int64_t>();
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    uint32_t bits = std::bit_cast<uint32_t>(ps[s.numel() == 1 ? 0 : i]);
+    if (mode == 1 && (bits & 0x7F800000u) != 0x7F800000u) {  // finite: round to 10 mantissa bits
+      bits += 0xFFFu + ((bits >> 13) & 1u);
+    }
+    uint64_t v = (bits & 0xFFFFE000u) | (uint64_t{1} << 46);
+    if (po != nullptr) {
+      const float o = po[off.numel() == 1 ? 0 : i];
+      const int64_t q = std::isnan(o) ? 0 : static_cast<int64_t>(
+                                                 std::clamp(std::nearbyint(o), -256.f, 255.f));
+      v = (v & 0x4000FFFFFFFFull) | ((static_cast<uint64_t>(q) & 0x1FFu) << 37);
+    }
+    pout[i] = static_cast<int64_t>(v);
+  }
+  return out;
+}
+
+at::Tensor npu_convert_weight_to_int4pack(const at::Tensor& weight, int64_t inner_k_tiles) {
+  constexpr const char* op = "npu_convert_weight_to_int4pack";
+  OPENNPU_CHECK_ARG(weight.scalar_type() == at::kInt, op, "weight",
+                    "must be int32 codes in [-8, 7] (packing float32 weights to float4 is an "
+                    "Ascend950 format, not supported by opennpu), but got ", weight.scalar_type());
+  OPENNPU_CHECK_ARG(weight.dim() == 2 || weight.dim() == 3, op, "weight",
+                    "must have 2 or 3 dims, but got shape ", shape_str(weight.sizes()));
+  OPENNPU_CHECK_ARG(weight.size(-1) % 8 == 0, op, "weight",
+                    "must have a last dim divisible by 8 (eight int4 codes per int32), but got "
+                    "shape ", shape_str(weight.sizes()));
+  OPENNPU_CHECK_ARG(inner_k_tiles >= 0, op, "inner_k_tiles",
+                    "must be >= 0 (a reserved argument, unused), but got ", inner_k_tiles);
+  std::vector<int64_t> shape(weight.sizes().begin(), weight.sizes().end());
+  shape.back() /= 8;
+  at::Tensor packed = at::empty(shape, weight.options());
+  if (weight.numel() == 0) return packed;
+  const auto [lo, hi] = weight.aminmax();
+  const int64_t low = lo.item<int64_t>(), high = hi.item<int64_t>();
+  OPENNPU_CHECK_ARG(low >= -8 && high <= 7, op, "weight",
+                    "must hold int4 values in [-8, 7], but its values range over [", low, ", ",
+                    high, "]");
+  pack_int4_cpu.get(op)(weight.contiguous(), packed);
+  return packed;
+}
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) {
+  m.impl("npu_quant_matmul", &npu_quant_matmul);
+  m.impl("npu_trans_quant_param", &npu_trans_quant_param);
+  m.impl("npu_convert_weight_to_int4pack", &npu_convert_weight_to_int4pack);
+}
+
+}  // namespace opennpu::quant

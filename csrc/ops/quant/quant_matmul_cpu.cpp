@@ -1,0 +1,330 @@
+// CPU kernels of npu_quant_matmul and npu_convert_weight_to_int4pack (compiled once per ISA; see
+// common/cpu_dispatch.h and quant_matmul.h): code conversion with the exactness bound, int4
+// packing and unpacking, int32 chunk accumulation, and the fused dequantise / requantise
+// epilogue. The GEMM itself is a library call (quant_matmul.cpp).
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "common/blas.h"
+#include "common/vec.h"
+#include "ops/quant/fp_barrier.h"
+#include "ops/quant/quant_matmul.h"
+
+namespace opennpu::quant {
+inline namespace CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+using IVec = at::vec::Vectorized<int32_t>;
+
+// Code k (0..7) of an int4 word, sign-extended: bits [4k, 4k + 4).
+inline int32_t nibble(int32_t word, int k) {
+  return static_cast<int32_t>(static_cast<uint32_t>(word) << (28 - 4 * k)) >> 28;
+}
+
+// Per-thread maxima, combined after the parallel loop.
+struct StatsByThread {
+  std::vector<CodeStats> slots{static_cast<size_t>(std::max(at::get_num_threads(), 1))};
+
+  CodeStats& mine() { return slots[std::min<size_t>(at::get_thread_num(), slots.size() - 1)]; }
+  CodeStats combined() const {
+    CodeStats all;
+    for (const CodeStats& s : slots) {
+      all.absmax = std::max(all.absmax, s.absmax);
+      all.row_l1_max = std::max(all.row_l1_max, s.row_l1_max);
+    }
+    return all;
+  }
+};
+
+// The loops below are plain element loops on purpose: GCC vectorises them at -O3 for the ISA
+// of this compilation (sign extension, conversion, |v|, max and sum in 8 / 16 lanes); they are
+// bound by memory, not arithmetic.
+
+// dst[0, len) = float(src[0, len)) (int8 codes); returns sum |code| and raises amax.
+inline int64_t int8_to_float(const int8_t* src, float* dst, int64_t len, int32_t& amax) {
+  constexpr int64_t kBlock = int64_t{1} << 16;  // 128 * 2^16 < 2^31: no int32 overflow
+  int64_t l1 = 0;
+  for (int64_t i0 = 0; i0 < len; i0 += kBlock) {
+    const int64_t i1 = std::min(len, i0 + kBlock);
+    int32_t block = 0, block_max = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int32_t v = src[i];
+      const int32_t a = v < 0 ? -v : v;
+      dst[i] = static_cast<float>(v);
+      block_max = std::max(block_max, a);
+      block += a;
+    }
+    amax = std::max(amax, block_max);
+    l1 += block;
+  }
+  return l1;
+}
+
+// dst[0, 8 words) = the int4 codes of words[0, words) as floats; returns sum |code|.
+inline int64_t int4_to_float(const int32_t* src, float* dst, int64_t words, int32_t& amax) {
+  constexpr int64_t kBlock = int64_t{1} << 24;  // 8 * 8 * 2^24 < 2^31
+  int64_t l1 = 0;
+  for (int64_t i0 = 0; i0 < words; i0 += kBlock) {
+    const int64_t i1 = std::min(words, i0 + kBlock);
+    int32_t block = 0, block_max = 0;
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int k = 0; k < 8; ++k) {
+        const int32_t v = nibble(src[i], k);
+        const int32_t a = v < 0 ? -v : v;
+        dst[8 * i + k] = static_cast<float>(v);
+        block_max = std::max(block_max, a);
+        block += a;
+      }
+    }
+    amax = std::max(amax, block_max);
+    l1 += block;
+  }
+  return l1;
+}
+
+CodeStats codes_to_float_kernel(const at::Tensor& src, bool int4, at::Tensor& dst) {
+  const int64_t rows = dst.size(0);
+  const int64_t n = dst.size(1);
+  float* out = dst.mutable_data_ptr<float>();
+  StatsByThread stats;
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    CodeStats& local = stats.mine();
+    int32_t amax = 0;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t l1 =
+          int4 ? int4_to_float(src.const_data_ptr<int32_t>() + r * (n / 8), out + r * n, n / 8,
+                               amax)
+               : int8_to_float(src.const_data_ptr<int8_t>() + r * n, out + r * n, n, amax);
+      local.row_l1_max = std::max(local.row_l1_max, l1);
+    }
+    local.absmax = std::max<int64_t>(local.absmax, amax);
+  });
+  return stats.combined();
+}
+
+// acc [m, n] (int32, row-major) = A [m, k] (fp32 codes, lda = k) x W, W's codes read from
+// int8 or int4 rows: [k, n] (w_trans false) or [n, k] (w_trans true). Column panels of W,
+// kTileN wide and kTileK deep, are converted to fp32 in a per-thread buffer that stays in L2
+// and multiplied by MKL's sgemm (one thread per panel): W's codes are read once from memory, at
+// one byte (or half a byte) each, where a conversion of the whole W writes and reads it back as
+// fp32. kTileK * 2^14 = 2^23 bounds every partial sum (|code| <= 128), so each panel product is
+// exact in fp32 whatever the codes; the panels along K are summed in int32.
+void tiled_int_gemm_kernel(const float* a, int64_t m, int64_t k, int64_t n, const void* w,
+                           bool int4, bool w_trans, int32_t* acc) {
+  constexpr int64_t kTileN = 128;
+  constexpr int64_t kTileK = 512;
+  static_assert(kTileK * 128 * 128 <= kExactFloatInt, "panel sums must stay exact in fp32");
+  const int64_t tiles = (n + kTileN - 1) / kTileN;
+  const auto* w8 = static_cast<const int8_t*>(w);
+  const auto* w4 = static_cast<const int32_t*>(w);
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    blas::TileBuffer<float> panel(kTileK * kTileN), part(m * kTileN);
+    int32_t amax = 0;  // unused: the tile bound holds for every code
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j0 = t * kTileN;
+      const int64_t tn = std::min(kTileN, n - j0);
+      for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+        const int64_t kc = std::min(kTileK, k - k0);
+        float* p = panel.data();
+        if (!w_trans) {  // rows k0.. of W [k, n], columns j0..j0 + tn: panel [kc, tn]
+          for (int64_t r = 0; r < kc; ++r) {
+            if (int4) {
+              int4_to_float(w4 + (k0 + r) * (n / 8) + j0 / 8, p + r * tn, tn / 8, amax);
+            } else {
+              int8_to_float(w8 + (k0 + r) * n + j0, p + r * tn, tn, amax);
+            }
+          }
+        } else {  // rows j0.. of W [n, k], columns k0..k0 + kc: panel [tn, kc]
+          for (int64_t j = 0; j < tn; ++j) {
+            if (int4) {
+              int4_to_float(w4 + (j0 + j) * (k / 8) + k0 / 8, p + j * kc, kc / 8, amax);
+            } else {
+              int8_to_float(w8 + (j0 + j) * k + k0, p + j * kc, kc, amax);
+            }
+          }
+        }
+        blas::gemm<float, float>(false, w_trans, m, tn, kc, 1.f, a + k0, k, p,
+                                 w_trans ? kc : tn, 0.f, part.data(), tn);
+        for (int64_t i = 0; i < m; ++i) {
+          int32_t* dst = acc + i * n + j0;
+          const float* src = part.data() + i * tn;
+          if (k0 == 0) {
+            for (int64_t j = 0; j < tn; ++j) dst[j] = static_cast<int32_t>(src[j]);
+          } else {
+            for (int64_t j = 0; j < tn; ++j) dst[j] += static_cast<int32_t>(src[j]);
+          }
+        }
+      }
+    }
+  });
+}
+
+void unpack_int4_kernel(const at::Tensor& src, at::Tensor& dst) {
+  const int64_t rows = src.size(0);
+  const int64_t w = src.size(1);
+  const int32_t* in = src.const_data_ptr<int32_t>();
+  int8_t* out = dst.mutable_data_ptr<int8_t>();
+  at::parallel_for(0, rows, grain_rows(8 * w), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      for (int64_t i = 0; i < w; ++i) {
+        for (int k = 0; k < 8; ++k) {
+          out[(r * w + i) * 8 + k] = static_cast<int8_t>(nibble(in[r * w + i], k));
+        }
+      }
+    }
+  });
+}
+
+void accumulate_chunk_kernel(at::Tensor& acc, const at::Tensor& partial) {
+  int32_t* a = acc.mutable_data_ptr<int32_t>();
+  const float* p = partial.const_data_ptr<float>();
+  at::parallel_for(0, acc.numel(), int64_t{1} << 16, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + IVec::size() <= end; i += IVec::size()) {
+      const IVec sum = IVec::loadu(a + i) +
+                       at::vec::convert_to_int_of_same_size<float>(Vec::loadu(p + i));
+      sum.store(a + i);
+    }
+    for (; i < end; ++i) a[i] += static_cast<int32_t>(p[i]);
+  });
+}
+
+// The first `len` lanes of v as int8: round half to even, saturate (NaN -> 0).
+inline void store_int8(int8_t* out, const Vec& v, int64_t len) {
+  const Vec q = at::vec::minimum(at::vec::maximum(v.round(), Vec(-128.f)), Vec(127.f));
+  const Vec clean = Vec::blendv(q, Vec(0.f), q.isnan());
+  float tmp[Vec::size()];
+  clean.store(tmp);
+  for (int64_t i = 0; i < len; ++i) out[i] = static_cast<int8_t>(tmp[i]);
+}
+
+// A length-n vector (or one broadcast element) as a per-column loader.
+struct Column {
+  const float* p = nullptr;
+  bool broadcast = false;
+
+  explicit Column(const at::Tensor& t) {
+    if (t.defined()) {
+      p = t.const_data_ptr<float>();
+      broadcast = t.numel() == 1;
+    }
+  }
+  bool on() const { return p != nullptr; }
+  Vec load(int64_t j, int64_t len) const {
+    return broadcast ? Vec(p[0]) : Vec::loadu(p + j, len);
+  }
+};
+
+template <typename acc_t, typename out_t>
+void epilogue_typed(const at::Tensor& acc, const QuantMatmulEpilogue& e, at::Tensor& out) {
+  const int64_t n = out.size(-1);
+  const int64_t rows = n == 0 ? 0 : out.numel() / n;
+  const acc_t* pa = acc.const_data_ptr<acc_t>();
+  out_t* po = out.mutable_data_ptr<out_t>();
+  const int32_t* pbi = e.bias_int.defined() ? e.bias_int.const_data_ptr<int32_t>() : nullptr;
+  const int64_t bias_int_batches = e.bias_int.defined() ? e.bias_int.size(0) : 1;
+  const float* pbf = e.bias_float.defined() ? e.bias_float.const_data_ptr<float>() : nullptr;
+  const int64_t bias_float_batches = e.bias_float.defined() ? e.bias_float.size(0) : 1;
+  const float* ppt = e.pertoken.defined() ? e.pertoken.const_data_ptr<float>() : nullptr;
+  constexpr bool kIntOut = std::is_same_v<out_t, int32_t>;
+  const Column scale(kIntOut ? at::Tensor() : e.scale), offset(e.offset);
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / e.m;
+      const acc_t* a = pa + r * n;
+      out_t* o = po + r * n;
+      const int32_t* bi = pbi != nullptr ? pbi + (bias_int_batches == 1 ? 0 : b) * n : nullptr;
+      const float* bf = pbf != nullptr ? pbf + (bias_float_batches == 1 ? 0 : b) * n : nullptr;
+      const Vec token(ppt != nullptr ? ppt[r % e.m] : 1.f);
+      for (int64_t j = 0; j < n; j += Vec::size()) {
+        const int64_t len = std::min<int64_t>(Vec::size(), n - j);
+        // v = acc (+ int32 bias), in int32 (float accumulators hold exact integers here, or
+        // the fp32 product of float operands, which takes no int32 bias).
+        IVec vi;
+        Vec v;
+        if constexpr (std::is_same_v<acc_t, int32_t>) {
+          vi = IVec::loadu(a + j, len);
+          if (bi != nullptr) vi = vi + IVec::loadu(bi + j, len);
+          v = at::vec::convert_to_fp_of_same_size<float>(vi);
+        } else {
+          v = Vec::loadu(a + j, len);
+          if (bi != nullptr) {
+            vi = at::vec::convert_to_int_of_same_size<float>(v) + IVec::loadu(bi + j, len);
+            v = at::vec::convert_to_fp_of_same_size<float>(vi);
+          } else if constexpr (kIntOut) {
+            vi = at::vec::convert_to_int_of_same_size<float>(v);
+          }
+        }
+        if constexpr (kIntOut) {
+          vi.store(o + j, len);
+          continue;
+        } else {
+          Vec y = rounded(v * scale.load(j, len));
+          if (ppt != nullptr) y = rounded(y * token);
+          if (bf != nullptr) y = y + Vec::loadu(bf + j, len);
+          if (offset.on()) y = y + offset.load(j, len);
+          if constexpr (std::is_same_v<out_t, int8_t>) {
+            store_int8(o + j, y, len);
+          } else if constexpr (std::is_same_v<out_t, float>) {
+            y.store(o + j, len);
+          } else {
+            at::vec::convert_from_float<out_t>(y, Vec(0.f)).store(o + j, len);
+          }
+        }
+      }
+    }
+  });
+}
+
+void quant_matmul_epilogue_kernel(const at::Tensor& acc, const QuantMatmulEpilogue& e,
+                                  at::Tensor& out) {
+  auto with_acc = [&](auto out_tag) {
+    using out_t = decltype(out_tag);
+    if (acc.scalar_type() == at::kInt) {
+      epilogue_typed<int32_t, out_t>(acc, e, out);
+    } else {
+      epilogue_typed<float, out_t>(acc, e, out);
+    }
+  };
+  switch (out.scalar_type()) {
+    case at::kChar: return with_acc(int8_t{});
+    case at::kInt: return with_acc(int32_t{});
+    case at::kHalf: return with_acc(c10::Half{});
+    case at::kBFloat16: return with_acc(c10::BFloat16{});
+    case at::kFloat: return with_acc(float{});
+    default: TORCH_INTERNAL_ASSERT(false, "npu_quant_matmul: unexpected output dtype ",
+                                   out.scalar_type());
+  }
+}
+
+void pack_int4_kernel(const at::Tensor& weight, at::Tensor& packed) {
+  const int64_t words = packed.numel();
+  const int32_t* in = weight.const_data_ptr<int32_t>();
+  int32_t* out = packed.mutable_data_ptr<int32_t>();
+  at::parallel_for(0, words, int64_t{1} << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      uint32_t word = 0;
+      for (int k = 0; k < 8; ++k) {
+        word |= (static_cast<uint32_t>(in[8 * i + k]) & 0xFu) << (4 * k);
+      }
+      out[i] = static_cast<int32_t>(word);
+    }
+  });
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CPU_KERNEL(codes_to_float_cpu, &codes_to_float_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(tiled_int_gemm_cpu, &tiled_int_gemm_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(unpack_int4_cpu, &unpack_int4_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(accumulate_chunk_cpu, &accumulate_chunk_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(quant_matmul_epilogue_cpu, &quant_matmul_epilogue_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(pack_int4_cpu, &pack_int4_kernel);
+
+}  // namespace CPU_CAPABILITY
+}  // namespace opennpu::quant

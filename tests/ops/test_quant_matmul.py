@@ -1,0 +1,429 @@
+"""Quantised matmul: npu_quant_matmul, npu_trans_quant_param, npu_convert_weight_to_int4pack.
+
+Contract: op-plugin's docs (torch_npu-npu_quant_matmul.md, -npu_trans_quant_param.md,
+-npu_convert_weight_to_int4pack.md) and test_npu_quant_matmul.py's goldens
+(matmul(x1.int32, x2.int32) * scale (* pertoken_scale)).
+
+The oracle (opennpu.testing.reference.quant_matmul) multiplies the codes exactly in int64 and
+dequantises step by step in float32 in the same order as the kernel, so outputs must match bit
+for bit. Every GEMM path of the kernel is run: ATen's int8 GEMM (OPENNPU_QUANT_MATMUL_GEMM=int), exact
+fp32 GEMMs on panels of W converted in cache (=tiled, few rows), and on whole converted operands
+(=whole, chunked along K where the sums could pass 2^24).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch._dynamo.testing
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from op_helpers import SETTINGS, opcheck
+
+import opennpu
+from opennpu.testing import reference as R
+
+I8, I32, F16, BF16, F32 = torch.int8, torch.int32, torch.float16, torch.bfloat16, torch.float32
+OUT_DTYPES = (I8, F16, BF16, I32)
+
+
+@pytest.fixture(params=["tiled", "whole", "int"])
+def gemm(request, monkeypatch):
+    """Runs the test once per GEMM path of the kernel."""
+    monkeypatch.setenv("OPENNPU_QUANT_MATMUL_GEMM", request.param)
+    return request.param
+
+
+def _raises(fn, *pieces):
+    with pytest.raises(RuntimeError, match=".*".join(map(re.escape, pieces))):
+        fn()
+
+
+def codes(*shape, lo=-128, hi=128, gen=None):
+    return torch.randint(lo, hi, shape, dtype=I8, generator=gen)
+
+
+def check(x1, x2, scale, **kw):
+    out = opennpu.npu_quant_matmul(x1, x2, scale, **kw)
+    ref = R.quant_matmul(x1, x2, scale, offset=kw.get("offset"),
+                         pertoken_scale=kw.get("pertoken_scale"), bias=kw.get("bias"),
+                         output_dtype=kw.get("output_dtype"))
+    assert out.dtype == ref.dtype and out.shape == ref.shape, (out.dtype, out.shape, ref.shape)
+    if out.is_floating_point():
+        assert torch.equal(out.isnan(), ref.isnan())
+        assert torch.equal(out.nan_to_num(), ref.nan_to_num()), (out.float() - ref.float()).abs().max()
+    else:
+        assert torch.equal(out, ref), (out.int() - ref.int()).abs().max()
+    return out
+
+
+# ----------------------------------------------------------------------------- npu_quant_matmul
+
+
+@pytest.mark.parametrize("out_dtype", OUT_DTYPES, ids=str)
+@pytest.mark.parametrize("scale_kind", ["f32", "bf16", "int64", "scalar"])
+def test_quant_matmul_matches_reference(gemm, out_dtype, scale_kind):
+    x1, x2 = codes(7, 83), codes(83, 37)
+    s = torch.rand(37) * 0.01
+    if scale_kind == "bf16":
+        s = s.to(BF16)
+    elif scale_kind == "int64":
+        s = opennpu.npu_trans_quant_param(s)
+    elif scale_kind == "scalar":
+        s = torch.tensor([0.003])
+    kw = {} if out_dtype == I8 else {"output_dtype": out_dtype}
+    out = check(x1, x2, s, **kw)
+    if out_dtype in (F16, BF16):  # the op-plugin golden: int32 matmul * scale, rtol 0.01
+        sf = R.decode_trans_quant_param(s)[0] if s.dtype == torch.int64 else s.float()
+        golden = (x1.int() @ x2.int()).float() * sf
+        torch.testing.assert_close(out.float(), golden, rtol=0.01, atol=1e-2)
+
+
+def test_quant_matmul_pertoken_bias_offset(gemm):
+    gen = torch.Generator().manual_seed(3)
+    x1, x2 = codes(9, 64, gen=gen), codes(64, 24, gen=gen)
+    scale, pt = torch.rand(24, generator=gen) * 0.01, torch.rand(9, generator=gen) + 0.5
+    ib = torch.randint(-1000, 1000, (24,), dtype=I32, generator=gen)
+    for out_dtype in (F16, BF16):
+        for bias in (ib, torch.randn(24, generator=gen).to(BF16), torch.randn(24, generator=gen),
+                     torch.randn(24, generator=gen).to(F16), None):
+            check(x1, x2, scale, pertoken_scale=pt, bias=bias, output_dtype=out_dtype)
+    # int8 requantisation with offset, per channel and broadcast
+    check(x1, x2, scale, offset=torch.randn(24) * 20, bias=ib)
+    check(x1, x2, scale, offset=torch.tensor([3.5]))
+    check(x1, x2, torch.tensor([0.01]), pertoken_scale=pt)
+    # int32: the accumulator plus the int32 bias, scale unused
+    out = check(x1, x2, scale, bias=ib, output_dtype=I32)
+    assert torch.equal(out, (x1.int() @ x2.int()) + ib)
+
+
+def test_quant_matmul_int8_rounds_half_to_even_and_saturates(gemm):
+    # x1 @ x2 = [1, 3, 5, -1, -3, 300, -300, 2] with scale 0.5: ties 0.5, 1.5, 2.5, ...
+    x1 = torch.ones(1, 1, dtype=I8)
+    x2 = torch.tensor([[1, 3, 5, -1, -3, 127, -128, 2]], dtype=I8)
+    out = opennpu.npu_quant_matmul(x1, x2, torch.tensor([0.5]))
+    assert out.tolist() == [[0, 2, 2, 0, -2, 64, -64, 1]]
+    out = opennpu.npu_quant_matmul(x1, x2, torch.tensor([3.0]))
+    assert out.tolist() == [[3, 9, 15, -3, -9, 127, -128, 6]]
+
+
+def test_quant_matmul_int32_accumulation_is_exact_beyond_float(gemm):
+    # Sums past 2^24, where a plain fp32 GEMM of the codes rounds: -128 * -128 * k = 2^14 k.
+    gen = torch.Generator().manual_seed(0)
+    k = 3001
+    x1 = torch.full((3, k), -128, dtype=I8)
+    x1[1] = codes(k, gen=gen)
+    x1[2, ::2] = 127
+    x2 = torch.full((k, 5), -128, dtype=I8)
+    x2[:, 1] = codes(k, gen=gen)
+    x2[::3, 2] = 1
+    x1[0, 0] = x2[0, 3] = 1  # out[0, 3] = 1 + 3000 * 2^14: odd, above 2^24
+    exact = x1.long() @ x2.long()
+    out = opennpu.npu_quant_matmul(x1, x2, torch.ones(1), output_dtype=I32)
+    assert torch.equal(out.long(), exact)
+    # the test can fail: a float32 GEMM of these codes is not exact
+    assert not torch.equal((x1.float() @ x2.float()).long(), exact)
+    # chunked sums then scaled: the same as the oracle
+    check(x1, x2, torch.rand(5), output_dtype=BF16)
+
+
+def test_quant_matmul_one_gemm_when_the_bound_allows(gemm):
+    # Small codes: rows' L1 norm x max|x2| stays under 2^24 at K = 8192 (one fp32 GEMM exact).
+    gen = torch.Generator().manual_seed(1)
+    x1, x2 = codes(4, 8192, lo=-5, hi=5, gen=gen), codes(8192, 16, gen=gen)
+    check(x1, x2, torch.rand(16), output_dtype=I32)
+    check(x1, x2, torch.rand(16), output_dtype=F16)
+
+
+def _int4_pair(m, k, n, gen):
+    a = codes(m, k, lo=-8, hi=8, gen=gen)
+    w = codes(k, n, lo=-8, hi=8, gen=gen)
+    return a, w
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk_transposed"])
+def test_quant_matmul_int4_panels(gemm, layout):
+    # several W panels in both directions (128 columns, 512 deep), with partial last ones
+    gen = torch.Generator().manual_seed(9)
+    a, w = _int4_pair(3, 1032, 264, gen)
+    x2 = R.pack_int4(w) if layout == "kn" else R.pack_int4(w.t().contiguous()).t()
+    out = check(R.pack_int4(a), x2, torch.rand(264), output_dtype=I32)
+    assert torch.equal(out, a.int() @ w.int())
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk_transposed"])
+def test_quant_matmul_int4(gemm, layout):
+    gen = torch.Generator().manual_seed(2)
+    a, w = _int4_pair(5, 64, 24, gen)
+    x1 = R.pack_int4(a)
+    x2 = R.pack_int4(w) if layout == "kn" else R.pack_int4(w.t().contiguous()).t()
+    assert x2.shape == ((64, 3) if layout == "kn" else (8, 24))
+    scale = torch.rand(24) * 0.1
+    for out_dtype in (F16, BF16, I8, I32):
+        out = check(x1, x2, scale, output_dtype=out_dtype)
+        assert out.shape == (5, 24)
+        # int4 words give what the int8 codes give
+        assert torch.equal(out, opennpu.npu_quant_matmul(a, w, scale, output_dtype=out_dtype))
+    check(x1, x2, scale, pertoken_scale=torch.rand(5), output_dtype=BF16)
+
+
+def test_quant_matmul_batch_broadcast_and_3d_bias(gemm):
+    gen = torch.Generator().manual_seed(4)
+    x1 = codes(1, 6, 32, gen=gen)
+    x2 = codes(3, 32, 16, gen=gen)
+    bias = torch.randint(-50, 50, (3, 1, 16), dtype=I32, generator=gen)
+    out = check(x1, x2, torch.rand(16) * 0.1, bias=bias, output_dtype=F16)
+    assert out.shape == (3, 6, 16)
+    check(codes(2, 1, 3, 8, gen=gen), codes(4, 8, 5, gen=gen), torch.rand(5), output_dtype=BF16)
+    check(codes(2, 3, 8, gen=gen), codes(8, 5, gen=gen), torch.rand(1), offset=torch.ones(5))
+    check(codes(3, 8, gen=gen), codes(2, 2, 8, 5, gen=gen), torch.rand(5), output_dtype=I32)
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 1, 1), (1, 7, 83), (83, 769, 1), (7, 5125, 9), (3, 1100, 300),
+                                   (0, 8, 4), (4, 0, 5), (4, 8, 0)])
+def test_quant_matmul_odd_and_empty_sizes(gemm, m, k, n):
+    gen = torch.Generator().manual_seed(m + k + n)
+    x1, x2 = codes(m, k, gen=gen), codes(k, n, gen=gen)
+    for out_dtype in (I8, BF16, I32):
+        out = check(x1, x2, torch.rand(max(n, 1))[:n] if n else torch.rand(1),
+                    output_dtype=out_dtype, bias=torch.ones(n, dtype=I32))
+        assert out.shape == (m, n)
+
+
+def test_quant_matmul_non_contiguous_inputs(gemm):
+    gen = torch.Generator().manual_seed(5)
+    x1 = codes(9, 80, gen=gen)[:, ::2]  # strided
+    x2t = codes(24, 40, gen=gen).t()  # a transposed weight [k, n] (Ascend's x2.t() calls)
+    scale = torch.rand(48)[::2]
+    check(x1, x2t, scale, output_dtype=BF16)
+    check(x1, codes(40, 48, gen=gen)[:, ::2], scale, output_dtype=I32)
+    check(x1.t().contiguous().t(), x2t, scale)
+
+
+def test_quant_matmul_nan_and_inf_scales(gemm):
+    x1, x2 = codes(2, 16), codes(16, 4)
+    scale = torch.tensor([float("nan"), float("inf"), -float("inf"), 1.0])
+    check(x1, x2, scale, output_dtype=F16)
+    check(x1, x2, scale)  # int8: NaN -> 0, inf saturates
+
+
+def test_quant_matmul_on_the_npu_device(gemm):
+    gen = torch.Generator().manual_seed(6)
+    x1, x2 = codes(5, 32, gen=gen), codes(32, 8, gen=gen)
+    scale, pt = torch.rand(8), torch.rand(5)
+    cpu = opennpu.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt, output_dtype=BF16)
+    out = opennpu.npu_quant_matmul(x1.to("npu"), x2.to("npu").t().contiguous().t(),
+                                   scale.to("npu"), pertoken_scale=pt.to("npu"),
+                                   output_dtype=BF16)
+    assert out.device.type == "npu"
+    assert torch.equal(out.cpu(), cpu)
+
+
+def test_quant_matmul_opcheck():
+    gen = torch.Generator().manual_seed(7)
+    x1, x2 = codes(4, 16, gen=gen), codes(16, 8, gen=gen)
+    opcheck(torch.ops.npu.npu_quant_matmul.default, [
+        ((x1, x2, torch.rand(8)), {}),
+        ((x1, x2.t().contiguous().t(), torch.rand(8)),
+         {"pertoken_scale": torch.rand(4), "bias": torch.randn(8), "output_dtype": BF16}),
+        ((codes(2, 4, 16, gen=gen), x2, torch.rand(1)), {"output_dtype": I32}),
+        ((R.pack_int4(codes(4, 16, lo=-8, hi=8)), R.pack_int4(codes(16, 8, lo=-8, hi=8)),
+          torch.rand(8)), {"output_dtype": F16}),
+    ])
+
+
+def test_quant_matmul_compile_fullgraph_dynamic():
+    def block(x1, x2, scale, pt, w4):
+        y = opennpu.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt, output_dtype=BF16)
+        q = opennpu.npu_quant_matmul(x1, x2, opennpu.npu_trans_quant_param(scale))
+        packed = opennpu.npu_convert_weight_to_int4pack(w4)
+        return y, q, packed
+
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend=counter)
+    for m, k, n in [(3, 16, 16), (5, 24, 24)]:
+        args = [codes(m, k), codes(k, n), torch.rand(n), torch.rand(m),
+                torch.randint(-8, 8, (k, n), dtype=I32)]
+        for e, c in zip(block(*args), compiled(*args)):
+            assert torch.equal(e, c)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+
+
+def test_quant_matmul_compile_inductor():
+    def block(x1, x2, scale):
+        return opennpu.npu_quant_matmul(x1, x2, scale, output_dtype=F16) * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(block, fullgraph=True)
+    args = [codes(4, 32), codes(32, 8), torch.rand(8)]
+    assert torch.equal(block(*args), compiled(*args))
+    torch._dynamo.reset()
+
+
+def test_quant_matmul_bad_inputs():
+    x1, x2, s = codes(4, 16), codes(16, 8), torch.rand(8)
+    qmm = opennpu.npu_quant_matmul
+    _raises(lambda: qmm(x1.float(), x2, s), "npu_quant_matmul: argument 'x1' must be int8",
+            "got Float")
+    _raises(lambda: qmm(x1, x2.int(), s), "argument 'x2' must have the dtype of 'x1' (Char)",
+            "got Int")
+    _raises(lambda: qmm(x1, codes(15, 8), s), "argument 'x2' must have k = 16", "[15, 8]")
+    _raises(lambda: qmm(x1, x2, torch.rand(7)), "argument 'scale' must have shape [1] or [8]",
+            "[7]")
+    _raises(lambda: qmm(x1, x2, s.half()), "argument 'scale' must be float32, bfloat16 or int64",
+            "Half")
+    _raises(lambda: qmm(x1, x2, torch.empty(0)), "argument 'scale' must not be empty")
+    _raises(lambda: qmm(x1, x2, s, output_dtype=torch.float32),
+            "argument 'output_dtype' must be None, torch.int8", "got Float")
+    _raises(lambda: qmm(x1, x2, s, offset=torch.ones(8), output_dtype=F16),
+            "argument 'offset' applies only to int8 outputs")
+    _raises(lambda: qmm(x1, x2, s, pertoken_scale=torch.rand(5), output_dtype=F16),
+            "argument 'pertoken_scale' must have shape [4]", "[5]")
+    _raises(lambda: qmm(x1, x2, s, pertoken_scale=torch.rand(4).half(), output_dtype=F16),
+            "argument 'pertoken_scale' must be float32", "Half")
+    _raises(lambda: qmm(x1, x2, s, bias=torch.ones(8)), "argument 'bias' must be int32 for Char",
+            "Float")
+    _raises(lambda: qmm(x1, x2, s, bias=torch.ones(9, dtype=I32)),
+            "argument 'bias' must have shape [8]", "[9]")
+    _raises(lambda: qmm(x1, x2, s, group_sizes=[1, 1, 32]),
+            "argument 'group_sizes' must be None or [0, 0, 0]")
+    _raises(lambda: qmm(x1, x2, s, y_scale=torch.ones(1)), "argument 'y_scale' must be None")
+    _raises(lambda: qmm(x1, x2, s, x1_dtype=290), "argument 'x1_dtype' must be None",
+            "dtype code 290")
+    _raises(lambda: qmm(codes(2, 4, 16), codes(3, 16, 8), s), "argument 'x2' must have batch dims",
+            "[2]", "[3]")
+    _raises(lambda: qmm(codes(16), x2, s), "argument 'x1' must have 2 to 6 dims")
+    w4 = R.pack_int4(codes(16, 8, lo=-8, hi=8))
+    _raises(lambda: qmm(R.pack_int4(x1.clamp(-8, 7)), w4[:, :1].contiguous().repeat(2, 1), s),
+            "argument 'x2' must be int4 words of shape [..., k, n / 8]")
+    # an int64 scale that carries an offset needs an int8 output
+    _raises(lambda: qmm(x1, x2, opennpu.npu_trans_quant_param(s, torch.ones(8)),
+                        output_dtype=F16), "argument 'scale' carries an offset")
+
+
+@settings(**SETTINGS)
+@given(m=st.integers(0, 9), k=st.integers(1, 70), n=st.integers(1, 20),
+       out_dtype=st.sampled_from(OUT_DTYPES), per_channel=st.booleans(),
+       pertoken=st.booleans(), transposed=st.booleans())
+def test_quant_matmul_hypothesis(m, k, n, out_dtype, per_channel, pertoken, transposed):
+    gen = torch.Generator().manual_seed(m * 1000 + k * 10 + n)
+    x1 = codes(m, k, gen=gen)
+    x2 = codes(n, k, gen=gen).t() if transposed else codes(k, n, gen=gen)
+    kw = {"output_dtype": out_dtype}
+    if pertoken and out_dtype in (F16, BF16):
+        kw["pertoken_scale"] = torch.rand(m, generator=gen)
+    check(x1, x2, torch.rand(n if per_channel else 1, generator=gen), **kw)
+
+
+# ----------------------------------------------------------------------------- trans_quant_param
+
+
+def test_trans_quant_param_bits():
+    scale = torch.tensor([1.0, 0.1, -3.3e-5, 1e-40, float("inf"), 65504.0])
+    out = opennpu.npu_trans_quant_param(scale)
+    assert out.dtype == torch.int64 and out.shape == scale.shape
+    assert torch.equal(out, R.trans_quant_param(scale))
+    assert out[0].item() == 0x3F800000 | (1 << 46)
+    # truncation cuts the low 13 mantissa bits; round_mode=1 rounds to the nearest fp19
+    x = torch.tensor([1.0 + 2**-10 * 0.75, 1.0 + 2**-10 * 0.5, 1.0 + 2**-10 * 1.5, 0.1])
+    trunc = opennpu.npu_trans_quant_param(x)
+    rint = opennpu.npu_trans_quant_param(x, None, 1)
+    assert torch.equal(rint, R.trans_quant_param(x, None, 1))
+    s_trunc, _ = R.decode_trans_quant_param(trunc)
+    s_rint, _ = R.decode_trans_quant_param(rint)
+    assert s_trunc.tolist()[:3] == [1.0, 1.0, 1.0 + 2**-10]
+    assert s_rint.tolist()[:3] == [1.0 + 2**-10, 1.0, 1.0 + 2**-9]  # ties to even
+
+
+def test_trans_quant_param_offset():
+    scale = torch.rand(6)
+    offset = torch.tensor([0.4, 2.5, -3.5, 300.0, -1000.0, float("nan")])
+    out = opennpu.npu_trans_quant_param(scale, offset)
+    assert torch.equal(out, R.trans_quant_param(scale, offset))
+    _, off = R.decode_trans_quant_param(out)
+    assert off.tolist() == [0, 2, -4, 255, -256, 0]
+    # shapes: 1-D broadcast, 2-D kept
+    assert opennpu.npu_trans_quant_param(torch.rand(1), torch.rand(5)).shape == (5,)
+    assert opennpu.npu_trans_quant_param(torch.rand(1, 5), torch.rand(1)).shape == (1, 5)
+    assert opennpu.npu_trans_quant_param(torch.rand(1, 5)).shape == (1, 5)
+
+
+def test_trans_quant_param_feeds_quant_matmul(gemm):
+    # op-plugin's doc: npu_quant_matmul(x1, x2, scale, offset=offset) equals
+    # npu_quant_matmul(x1, x2, npu_trans_quant_param(scale, offset)) once the scale is fp19.
+    gen = torch.Generator().manual_seed(8)
+    x1, x2 = codes(6, 48, lo=-5, hi=5, gen=gen), codes(48, 16, lo=-5, hi=5, gen=gen)
+    scale, offset = torch.rand(16, generator=gen) * 0.1, torch.randn(16, generator=gen) * 5
+    packed = opennpu.npu_trans_quant_param(scale, offset)
+    fp19, off = R.decode_trans_quant_param(packed)
+    a = opennpu.npu_quant_matmul(x1, x2, packed)
+    b = opennpu.npu_quant_matmul(x1, x2, fp19, offset=off)
+    assert torch.equal(a, b)
+    check(x1, x2, packed)
+    # an offset argument beside a packed one: the packed offset is the one used
+    assert torch.equal(opennpu.npu_quant_matmul(x1, x2, packed, offset=offset), a)
+
+
+def test_trans_quant_param_bad_inputs_and_opcheck():
+    tqp = opennpu.npu_trans_quant_param
+    _raises(lambda: tqp(torch.ones(3).half()), "npu_trans_quant_param: argument 'scale' must be "
+            "float32", "Half")
+    _raises(lambda: tqp(torch.ones(0)), "argument 'scale' must be a non-empty 1-D or 2-D")
+    _raises(lambda: tqp(torch.ones(3), torch.ones(4)), "argument 'offset' must have 1 element or "
+            "as many as 'scale' (3)")
+    _raises(lambda: tqp(torch.ones(3), None, 2), "argument 'round_mode' must be 0", "got 2")
+    opcheck(torch.ops.npu.npu_trans_quant_param.default, [
+        ((torch.rand(5),), {}), ((torch.rand(1, 5), torch.rand(5)), {}),
+        ((torch.rand(1), torch.rand(4), 1), {})])
+
+
+# ----------------------------------------------------------------------------- int4 packing
+
+
+def test_convert_weight_to_int4pack_matches_pack_int4():
+    w = torch.randint(-8, 8, (16, 40), dtype=I32)
+    packed = opennpu.npu_convert_weight_to_int4pack(w)
+    assert packed.dtype == I32 and packed.shape == (16, 5)
+    assert torch.equal(packed, R.pack_int4(w.to(I8)))
+    assert torch.equal(R.unpack_int4(packed).int(), w)
+    # op-plugin's 3-dim golden: byte j of word i holds codes 2j (low nibble) and 2j + 1
+    w3 = torch.randint(-8, 8, (2, 8, 16), dtype=I32)
+    p3 = opennpu.npu_convert_weight_to_int4pack(w3)
+    assert p3.shape == (2, 8, 2)
+    u = w3 & 0xF
+    bytes_ = [u[..., 2 * j::8] + (u[..., 2 * j + 1::8] << 4) for j in range(4)]
+    golden = bytes_[0] + (bytes_[1] << 8) + (bytes_[2] << 16) + (bytes_[3].long() << 24)
+    golden = torch.where(golden >= 2**31, golden - 2**32, golden).to(I32)
+    assert torch.equal(p3, golden)
+    # non-contiguous, empty, and on the npu device
+    assert torch.equal(opennpu.npu_convert_weight_to_int4pack(w.t().contiguous().t()[:, :8]),
+                       R.pack_int4(w[:, :8].to(I8)))
+    assert opennpu.npu_convert_weight_to_int4pack(torch.empty(0, 8, dtype=I32)).shape == (0, 1)
+    on_npu = opennpu.npu_convert_weight_to_int4pack(w.to("npu"))
+    assert on_npu.device.type == "npu" and torch.equal(on_npu.cpu(), packed)
+
+
+def test_convert_weight_to_int4pack_feeds_quant_matmul():
+    # op-plugin's A8W4 tests pack with this op, then read the words as npu_quant_matmul's int4
+    a = codes(3, 32, lo=-8, hi=8)
+    w = torch.randint(-8, 8, (32, 16), dtype=I32)
+    x2 = opennpu.npu_convert_weight_to_int4pack(w)
+    out = opennpu.npu_quant_matmul(R.pack_int4(a), x2, torch.ones(1), output_dtype=I32)
+    assert torch.equal(out, a.int() @ w)
+
+
+def test_convert_weight_to_int4pack_bad_inputs_and_opcheck():
+    cw = opennpu.npu_convert_weight_to_int4pack
+    _raises(lambda: cw(torch.ones(4, 8)), "npu_convert_weight_to_int4pack: argument 'weight' "
+            "must be int32", "Float")
+    _raises(lambda: cw(torch.ones(4, 12, dtype=I32)), "last dim divisible by 8", "[4, 12]")
+    _raises(lambda: cw(torch.ones(8, dtype=I32)), "must have 2 or 3 dims")
+    _raises(lambda: cw(torch.full((2, 8), 8, dtype=I32)), "values in [-8, 7]", "[8, 8]")
+    _raises(lambda: cw(torch.ones(2, 8, dtype=I32), -1), "argument 'inner_k_tiles' must be >= 0")
+    opcheck(torch.ops.npu.npu_convert_weight_to_int4pack.default, [
+        ((torch.randint(-8, 8, (4, 16), dtype=I32),), {}),
+        ((torch.randint(-8, 8, (2, 4, 8), dtype=I32), 2), {})])
