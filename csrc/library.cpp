@@ -114,6 +114,22 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, "
         "Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, "
         "Tensor? export_for_source_row, int? drop_pad_mode=0, int? k=1) -> Tensor");
+  // MoE dispatch (Megatron's permute): stable sort of the flattened indices [T] / [T, K] by
+  // expert; returns (tokens[order[p] / K] for the first num_out_tokens positions p (> 0: at most
+  // that many; <= 0: N + num_out_tokens; N = indices.numel()), sorted_indices int32 [N]: the
+  // position each (token, slot) pair went to).
+  m.def("npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, bool padded_mode=False) -> (Tensor, Tensor)");
+  // Gradient of npu_moe_token_permute: grad_tokens[t] = sum_k grad[sorted_indices[t * K + k]].
+  m.def("npu_moe_token_permute_grad(Tensor tokens, Tensor grad_permuted_tokens, Tensor indices, Tensor sorted_indices, bool padded_mode=False) -> Tensor");
+  // The same gradient from the sizes alone (tokens_size_0 SymInt for torch.compile(dynamic=True)).
+  m.def("npu_moe_token_permute_grad_v2(Tensor grad_permuted_tokens, Tensor sorted_indices, SymInt tokens_size_0, ScalarType tokens_dtype, int num_topK, bool padded_mode=False) -> Tensor");
+  // MoE combine: out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t * K + k]] (K =
+  // probs.size(1), or 1 without probs); positions past permuted_tokens' rows count as dropped (0).
+  m.def("npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor");
+  // Returns (grad_permuted_tokens, grad_probs: [T, K] in probs' dtype, a 0-dim tensor without probs).
+  m.def("npu_moe_token_unpermute_grad(Tensor permuted_tokens, Tensor grad_unpermuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> (Tensor, Tensor)");
+  // The same from permuted_tokens' size and dtype; permuted_tokens itself only with probs.
+  m.def("npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, SymInt permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None) -> (Tensor, Tensor)");
   // Grouped matmul y_g = x_g @ w_g (+ b_g): groups as separate tensors or row ranges of one x
   // (group_list, a Tensor here and int[] in .List). Non-quantised paths only. output_dtype and
   // the *_dtype arguments are dtype codes (int; a torch.dtype passed from Python arrives as its

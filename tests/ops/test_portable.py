@@ -263,6 +263,16 @@ def _arndq(dtype, **kw):
     return [x1, x2, g], kw
 
 
+_TOKEN_ROUTING = torch.randint(0, 5, (9, 3), generator=torch.Generator().manual_seed(3))
+
+
+def _token_permute(dtype, num_out_tokens=None):
+    """(tokens [9, 24], indices [9, 3]) and the sorted_indices of their permute."""
+    tokens = randn(9, 24, dtype=dtype)
+    _, sorted_indices = npu.npu_moe_token_permute(tokens, _TOKEN_ROUTING, num_out_tokens)
+    return [tokens, _TOKEN_ROUTING, num_out_tokens], sorted_indices
+
+
 CASES = [
     Case("rms_norm", npu.npu_rms_norm, _x_gamma, R.rms_norm),
     Case("rms_norm_2d_gamma", npu.npu_rms_norm,
@@ -368,6 +378,26 @@ CASES = [
          lambda d: ([randn(4, 5, 24, dtype=d), randn(11, 24, dtype=d), None, None,
                      randn(11, 2, dtype=d), torch.randint(-1, 20, (22,), dtype=I32), None, 3],
                     {}), R.moe_finalize_routing, scale=4),
+    Case("moe_token_permute", npu.npu_moe_token_permute, lambda d: (_token_permute(d)[0], {}),
+         dtypes=(F32, F64)),
+    Case("moe_token_permute_drop", npu.npu_moe_token_permute,
+         lambda d: ([randn(9, 24, dtype=d), torch.randint(0, 4, (9,), dtype=I32), -2], {}),
+         dtypes=(F32,)),
+    Case("moe_token_permute_grad", npu.npu_moe_token_permute_grad,
+         lambda d: ([randn(9, 24, dtype=d), randn(20, 24, dtype=d), _TOKEN_ROUTING,
+                     _token_permute(d, 20)[1]], {}), scale=4),
+    Case("moe_token_permute_grad_v2", npu.npu_moe_token_permute_grad_v2,
+         lambda d: ([randn(20, 24, dtype=d), _token_permute(d, 20)[1], 9, d, 3], {}), scale=4),
+    Case("moe_token_unpermute", npu.npu_moe_token_unpermute,
+         lambda d: ([randn(20, 24, dtype=d), _token_permute(d, 20)[1],
+                     torch.rand(9, 3, dtype=d)], {}), scale=4),
+    Case("moe_token_unpermute_no_probs", npu.npu_moe_token_unpermute,
+         lambda d: ([randn(27, 24, dtype=d), _token_permute(d)[1]], {})),
+    Case("moe_token_unpermute_grad", npu.npu_moe_token_unpermute_grad,
+         lambda d: ([randn(20, 24, dtype=d), randn(9, 24, dtype=d), _token_permute(d, 20)[1],
+                     torch.rand(9, 3)], {}), scale=4),
+    Case("moe_token_unpermute_grad_v2", npu.npu_moe_token_unpermute_grad_v2,
+         lambda d: ([randn(27, 24, dtype=d), _token_permute(d)[1], 27, d], {})),
     Case("grouped_matmul_list", npu.npu_grouped_matmul.List, _gmm, scale=4),
     Case("grouped_matmul_split3", npu.npu_grouped_matmul.List, lambda d: _gmm(d, 3), scale=4),
     Case("grouped_matmul_tensors", npu.npu_grouped_matmul, _gmm_tensor, scale=4),
@@ -555,6 +585,11 @@ GRAD_CASES = {
         lambda x: R.scaled_masked_softmax(x, None, 0.5, True)),
     "npu_confusion_transpose": (lambda x: opennpu.npu_confusion_transpose(
         x, [0, 2, 1, 3], [2, 4, 15], True), lambda d: [randn(2, 3, 4, 5, dtype=d)], None),
+    "npu_moe_token_permute": (lambda x: opennpu.npu_moe_token_permute(x, _TOKEN_ROUTING, 20)[0],
+                              lambda d: [randn(9, 24, dtype=d)], None),
+    "npu_moe_token_unpermute": (lambda r, p: opennpu.npu_moe_token_unpermute(
+        r, _token_permute(F32, 20)[1], p), lambda d: [randn(20, 24, dtype=d), torch.rand(9, 3)],
+        None),
     "npu_fusion_attention": (lambda q, k, v, p: opennpu.npu_fusion_attention(
         q, k, v, 4, "BSH", pse=p, atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1),
         sparse_mode=3, scale=0.3)[0],

@@ -31,21 +31,6 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 // torch_npu's limit on npu_moe_gating_top_k_softmax's k.
 constexpr int64_t kStrictMaxK = 1024;
 
-// An index tensor: int32 (torch_npu's dtype) or int64 (what torch.topk / torch.sort return).
-void check_index(const char* op, const char* arg, const at::Tensor& t) {
-  OPENNPU_CHECK_ARG(t.defined(), op, arg, "must be a tensor, but got None");
-  OPENNPU_CHECK_ARG(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, arg,
-                    "must be int32 (or int64), but got ", t.scalar_type());
-  check_strict_dtype(op, arg, t, {at::kInt});
-}
-
-// t's values as a contiguous int64 vector (index tensors here are small: N*K entries).
-std::vector<int64_t> index_values(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kLong).contiguous();
-  const int64_t* p = c.const_data_ptr<int64_t>();
-  return std::vector<int64_t>(p, p + c.numel());
-}
-
 void check_shape(const char* op, const char* arg, const at::Tensor& t,
                  c10::IntArrayRef expected, const char* what) {
   OPENNPU_CHECK_ARG(t.sizes().equals(expected), op, arg, "must have shape ",
@@ -53,6 +38,19 @@ void check_shape(const char* op, const char* arg, const at::Tensor& t,
 }
 
 }  // namespace
+
+void check_index(const char* op, const char* arg, const at::Tensor& t) {
+  OPENNPU_CHECK_ARG(t.defined(), op, arg, "must be a tensor, but got None");
+  OPENNPU_CHECK_ARG(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, arg,
+                    "must be int32 (or int64), but got ", t.scalar_type());
+  check_strict_dtype(op, arg, t, {at::kInt});
+}
+
+std::vector<int64_t> index_values(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  const int64_t* p = c.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
 
 // ----------------------------------------------------------------------------- gating
 
@@ -97,8 +95,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
 
 // ----------------------------------------------------------------------------- init routing
 
-namespace {
-
 // A stable sort of the N*K (token, slot) pairs by expert: order[p] = the flat position
 // (i * K + j) of the p-th pair. Counting sort over [lo, hi] when that range is small next to N*K,
 // else std::stable_sort.
@@ -120,8 +116,6 @@ std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert) {
   }
   return order;
 }
-
-}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing(const at::Tensor& x,
                                                                      const at::Tensor& row_idx,

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "common/cpu_dispatch.h"
 
@@ -39,6 +40,15 @@ using GatingFn = void(const at::Tensor& x, const bool* finished, int64_t k, at::
 using FinalizeFn = void(const at::Tensor& rows, const at::Tensor& skip1, const at::Tensor& skip2,
                         const at::Tensor& bias, const at::Tensor& scales, const int32_t* src,
                         const int32_t* expert, int64_t k, at::Tensor& out);
+
+// Host helpers of moe.cpp shared with the other routing ops (token_permute.cpp, routing_v2.cpp).
+// An index tensor: int32 (torch_npu's dtype) or int64 (what torch.topk / torch.sort return).
+void check_index(const char* op, const char* arg, const at::Tensor& t);
+// t's values as a contiguous int64 vector (index tensors here are small: N*K entries).
+std::vector<int64_t> index_values(const at::Tensor& t);
+// A stable sort of keys: order[p] = the position of the p-th smallest key (ties in position
+// order). Counting sort when the key range is small next to the count, else std::stable_sort.
+std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert);
 
 extern CpuKernel<GatingFn> gating_cpu;
 extern CpuKernel<FinalizeFn> finalize_cpu;

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ._registry import mark_not_differentiable, register_fake
+from ._registry import mark_backward_op, mark_not_differentiable, register_autograd, register_fake
 
 _ops = torch.ops.npu
 
@@ -105,6 +105,96 @@ def npu_moe_finalize_routing(expanded_permuted_rows: torch.Tensor, skip1: torch.
     return _ops.npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
                                          expanded_src_to_dst_row, export_for_source_row,
                                          drop_pad_mode, k)
+
+
+def npu_moe_token_permute(tokens: torch.Tensor, indices: torch.Tensor,
+                          num_out_tokens: int | None = None, padded_mode: bool = False):
+    """MoE dispatch (Megatron's ``permute``): groups the tokens by expert.
+
+    ``tokens`` [T, H]; ``indices`` [T] or [T, K] (int32 / int64): the expert of each of the
+    N = T*K (token, slot) pairs. The pairs (row-major) are sorted stably by expert; with
+    ``order[p]`` the pair at sorted position p, returns:
+
+    - ``permuted_tokens`` [R, H]: ``tokens[order[p] // K]`` for the first R positions, R =
+      ``min(num_out_tokens, N)`` when num_out_tokens > 0, else ``N + num_out_tokens`` (None / 0:
+      all N; the dropped pairs are the last ones in expert order);
+    - ``sorted_indices`` [N] int32: ``sorted_indices[order[p]] = p``, the position each pair went
+      to (what npu_moe_token_unpermute takes).
+
+    Any dtype (rows are copied). Differentiable in ``tokens`` (npu_moe_token_permute_grad_v2).
+    ``padded_mode=True`` ([E, capacity] token lists) is not implemented (a clear error says so).
+    """
+    return _ops.npu_moe_token_permute(tokens, indices, num_out_tokens, padded_mode)
+
+
+def npu_moe_token_permute_grad(tokens: torch.Tensor, grad_permuted_tokens: torch.Tensor,
+                               indices: torch.Tensor, sorted_indices: torch.Tensor,
+                               padded_mode: bool = False) -> torch.Tensor:
+    """Gradient of npu_moe_token_permute with respect to ``tokens`` ([T, H], tokens' dtype):
+    ``grad[t] = sum_k grad_permuted_tokens[sorted_indices[t*K + k]]``, pairs past
+    grad_permuted_tokens' rows (dropped by num_out_tokens) adding 0; summed in float32 (float64
+    for float64), rounded once. ``tokens`` gives only the shape and dtype, ``indices`` only K."""
+    return _ops.npu_moe_token_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices,
+                                           padded_mode)
+
+
+def npu_moe_token_permute_grad_v2(grad_permuted_tokens: torch.Tensor,
+                                  sorted_indices: torch.Tensor, tokens_size_0: int,
+                                  tokens_dtype: torch.dtype, num_topK: int,
+                                  padded_mode: bool = False) -> torch.Tensor:
+    """npu_moe_token_permute_grad from tokens' row count and dtype and K, without the tensors
+    (what the autograd of npu_moe_token_permute calls: nothing of the forward is kept but
+    sorted_indices)."""
+    return _ops.npu_moe_token_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_size_0,
+                                              tokens_dtype, num_topK, padded_mode)
+
+
+def npu_moe_token_unpermute(permuted_tokens: torch.Tensor, sorted_indices: torch.Tensor,
+                            probs: torch.Tensor | None = None, padded_mode: bool = False,
+                            restore_shape: Sequence[int] | None = None) -> torch.Tensor:
+    """MoE combine (Megatron's ``unpermute``): the inverse of npu_moe_token_permute, weighted.
+
+    ``out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t*K + k]]`` with K =
+    ``probs.size(1)`` (``probs`` [T, K]; without probs K = 1, weight 1, T = N). Positions
+    ``>= permuted_tokens.size(0)`` are pairs num_out_tokens dropped: they add 0. Output
+    ``[N / K, H]`` in permuted_tokens' dtype (fp16 / bf16 / fp32 / fp64); probs may have
+    another floating dtype (e.g. float32 with bf16 tokens). Summed in float32 (float64 for
+    float64), rounded once. Differentiable in permuted_tokens and probs
+    (npu_moe_token_unpermute_grad_v2; permuted_tokens is kept for backward only with probs).
+    ``restore_shape`` is used by padded mode only, which is not implemented.
+    """
+    return _ops.npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs, padded_mode,
+                                        restore_shape)
+
+
+def npu_moe_token_unpermute_grad(permuted_tokens: torch.Tensor,
+                                 grad_unpermuted_tokens: torch.Tensor,
+                                 sorted_indices: torch.Tensor, probs: torch.Tensor | None = None,
+                                 padded_mode: bool = False,
+                                 restore_shape: Sequence[int] | None = None):
+    """Gradients of npu_moe_token_unpermute: returns ``(grad_permuted_tokens, grad_probs)``.
+
+    ``grad_permuted_tokens[sorted_indices[q]] = probs[q] * grad[q // K]`` (rows no pair points
+    at are 0), in permuted_tokens' dtype; ``grad_probs[t, k] = dot(grad[t],
+    permuted_tokens[sorted_indices[t*K + k]])`` (0 for dropped pairs) in probs' dtype, summed in
+    float32; without probs a 0-dim zero in grad's dtype. sorted_indices must not repeat a
+    position (it is a permutation)."""
+    return _ops.npu_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens,
+                                             sorted_indices, probs, padded_mode, restore_shape)
+
+
+def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens: torch.Tensor,
+                                    sorted_indices: torch.Tensor, permuted_tokens_size_0: int,
+                                    permuted_tokens_dtype: torch.dtype,
+                                    probs: torch.Tensor | None = None, padded_mode: bool = False,
+                                    restore_shape: Sequence[int] | None = None,
+                                    permuted_tokens: torch.Tensor | None = None):
+    """npu_moe_token_unpermute_grad from permuted_tokens' row count and dtype; the tensor itself
+    is needed (for grad_probs) only with probs."""
+    return _ops.npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices,
+                                                permuted_tokens_size_0, permuted_tokens_dtype,
+                                                probs, padded_mode, restore_shape,
+                                                permuted_tokens)
 
 
 def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *,
@@ -262,6 +352,112 @@ def _grouped_matmul_list_fake(x, weight, *, bias=None, scale=None, offset=None,
     return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type)
 
 
+def _permuted_rows(n, num_out_tokens):
+    if num_out_tokens is not None and num_out_tokens > 0:
+        return torch.sym_min(num_out_tokens, n)
+    return n + (num_out_tokens or 0)
+
+
+@register_fake("npu::npu_moe_token_permute")
+def _token_permute_fake(tokens, indices, num_out_tokens=None, padded_mode=False):
+    n = indices.numel()
+    return (tokens.new_empty((_permuted_rows(n, num_out_tokens), tokens.shape[1])),
+            indices.new_empty((n,), dtype=torch.int32))
+
+
+@register_fake("npu::npu_moe_token_permute_grad")
+def _token_permute_grad_fake(tokens, grad_permuted_tokens, indices, sorted_indices,
+                             padded_mode=False):
+    return grad_permuted_tokens.new_empty((tokens.shape[0], grad_permuted_tokens.shape[1]),
+                                          dtype=tokens.dtype)
+
+
+@register_fake("npu::npu_moe_token_permute_grad_v2")
+def _token_permute_grad_v2_fake(grad_permuted_tokens, sorted_indices, tokens_size_0,
+                                tokens_dtype, num_topK, padded_mode=False):
+    return grad_permuted_tokens.new_empty((tokens_size_0, grad_permuted_tokens.shape[1]),
+                                          dtype=tokens_dtype)
+
+
+@register_fake("npu::npu_moe_token_unpermute")
+def _token_unpermute_fake(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+                          restore_shape=None):
+    rows = probs.shape[0] if probs is not None else sorted_indices.shape[0]
+    return permuted_tokens.new_empty((rows, permuted_tokens.shape[1]))
+
+
+def _unpermute_grad_fake(grad, rows, dtype, probs):
+    grad_probs = probs.new_empty(probs.shape) if probs is not None else grad.new_empty(())
+    return grad.new_empty((rows, grad.shape[1]), dtype=dtype), grad_probs
+
+
+@register_fake("npu::npu_moe_token_unpermute_grad")
+def _token_unpermute_grad_fake(permuted_tokens, grad_unpermuted_tokens, sorted_indices,
+                               probs=None, padded_mode=False, restore_shape=None):
+    return _unpermute_grad_fake(grad_unpermuted_tokens, permuted_tokens.shape[0],
+                                permuted_tokens.dtype, probs)
+
+
+@register_fake("npu::npu_moe_token_unpermute_grad_v2")
+def _token_unpermute_grad_v2_fake(grad_unpermuted_tokens, sorted_indices, permuted_tokens_size_0,
+                                  permuted_tokens_dtype, probs=None, padded_mode=False,
+                                  restore_shape=None, permuted_tokens=None):
+    return _unpermute_grad_fake(grad_unpermuted_tokens, permuted_tokens_size_0,
+                                permuted_tokens_dtype, probs)
+
+
+# ----------------------------------------------------------------------------- autograd
+
+
+def _token_permute_setup(ctx, inputs, output):
+    tokens, indices, _num_out_tokens, padded_mode = inputs
+    ctx.mark_non_differentiable(output[1])
+    ctx.save_for_backward(output[1])
+    ctx.shape = (tokens.shape[0], tokens.dtype, 1 if indices.dim() == 1 else indices.shape[1])
+    ctx.padded_mode = padded_mode
+
+
+def _token_permute_bwd(ctx, grad_permuted, _grad_sorted_indices):
+    if not ctx.needs_input_grad[0]:
+        return None, None, None, None
+    (sorted_indices,) = ctx.saved_tensors
+    rows, dtype, k = ctx.shape
+    grad = _ops.npu_moe_token_permute_grad_v2(grad_permuted, sorted_indices, rows, dtype, k,
+                                              ctx.padded_mode)
+    return grad, None, None, None
+
+
+def _token_unpermute_setup(ctx, inputs, output):
+    permuted_tokens, sorted_indices, probs, padded_mode, restore_shape = inputs
+    # permuted_tokens is needed for grad_probs only: without probs it is not kept (op-plugin's
+    # _npu_moe_token_unpermute keeps it then only on older CANN / Ascend950).
+    if probs is not None:
+        ctx.save_for_backward(sorted_indices, probs, permuted_tokens)
+    else:
+        ctx.save_for_backward(sorted_indices)
+    ctx.rows = (permuted_tokens.shape[0], permuted_tokens.dtype)
+    ctx.args = (padded_mode, restore_shape)
+
+
+def _token_unpermute_bwd(ctx, grad):
+    sorted_indices, *rest = ctx.saved_tensors
+    probs, permuted_tokens = rest if rest else (None, None)
+    rows, dtype = ctx.rows
+    padded_mode, restore_shape = ctx.args
+    grad_rows, grad_probs = _ops.npu_moe_token_unpermute_grad_v2(
+        grad, sorted_indices, rows, dtype, probs, padded_mode, restore_shape, permuted_tokens)
+    return (grad_rows if ctx.needs_input_grad[0] else None, None,
+            grad_probs if probs is not None and ctx.needs_input_grad[2] else None, None, None)
+
+
+register_autograd("npu_moe_token_permute", _token_permute_bwd, _token_permute_setup)
+register_autograd("npu_moe_token_unpermute", _token_unpermute_bwd, _token_unpermute_setup)
+mark_backward_op("npu_moe_token_permute_grad", "npu_moe_token_permute")
+mark_backward_op("npu_moe_token_permute_grad_v2", "npu_moe_token_permute")
+mark_backward_op("npu_moe_token_unpermute_grad", "npu_moe_token_unpermute")
+mark_backward_op("npu_moe_token_unpermute_grad_v2", "npu_moe_token_unpermute")
+
+
 _INFERENCE_ONLY = "inference only: torch_npu registers no backward for it"
 mark_not_differentiable("npu_moe_gating_top_k_softmax", _INFERENCE_ONLY)
 mark_not_differentiable("npu_moe_init_routing", _INFERENCE_ONLY)
@@ -270,4 +466,7 @@ mark_not_differentiable("npu_moe_finalize_routing", _INFERENCE_ONLY)
 mark_not_differentiable("npu_grouped_matmul", "opennpu implements no backward for it yet")
 
 __all__ = ["npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
-           "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing", "npu_grouped_matmul"]
+           "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing", "npu_grouped_matmul",
+           "npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_permute_grad_v2",
+           "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad",
+           "npu_moe_token_unpermute_grad_v2"]

@@ -464,6 +464,102 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     return out.to(rows.dtype)
 
 
+def _permute_rows(num_out_tokens, n):
+    if num_out_tokens is not None and num_out_tokens > 0:
+        return torch.sym_min(num_out_tokens, n)
+    return n + (num_out_tokens or 0)
+
+
+def _no_padded_mode(op, padded_mode):
+    if padded_mode:
+        raise NotImplementedError(f"{op}: padded_mode=True is not implemented")
+
+
+@_portable("npu::npu_moe_token_permute")
+def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    _no_padded_mode("npu_moe_token_permute", padded_mode)
+    n = indices.numel()
+    k = 1 if indices.dim() == 1 else indices.shape[1]
+    order = torch.sort(indices.reshape(-1).to(torch.int64), stable=True).indices
+    positions = torch.arange(n, dtype=torch.int32, device=tokens.device)
+    sorted_indices = torch.empty_like(positions).scatter(0, order, positions)
+    kept = order[:_permute_rows(num_out_tokens, n)]
+    return tokens[torch.div(kept, torch.sym_max(k, 1), rounding_mode="floor")], sorted_indices
+
+
+def _pair_rows(rows, sorted_indices):
+    """rows[sorted_indices] in the accumulator dtype, with positions past rows' end as 0 rows."""
+    flat = _up(rows)
+    padded = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    src = sorted_indices.reshape(-1).to(torch.int64)
+    return padded[torch.where(src < flat.shape[0], src, flat.shape[0])]
+
+
+def _permute_grad(grad_permuted_tokens, sorted_indices, rows, dtype, k):
+    terms = _pair_rows(grad_permuted_tokens.to(dtype), sorted_indices)
+    return terms.view(rows, k, -1).sum(dim=1).to(dtype)
+
+
+@_portable("npu::npu_moe_token_permute_grad")
+def npu_moe_token_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices,
+                               padded_mode=False):
+    _no_padded_mode("npu_moe_token_permute_grad", padded_mode)
+    k = 1 if indices.dim() == 1 else indices.shape[1]
+    return _permute_grad(grad_permuted_tokens, sorted_indices, tokens.shape[0], tokens.dtype, k)
+
+
+@_portable("npu::npu_moe_token_permute_grad_v2")
+def npu_moe_token_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_size_0,
+                                  tokens_dtype, num_topK, padded_mode=False):
+    _no_padded_mode("npu_moe_token_permute_grad_v2", padded_mode)
+    return _permute_grad(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype,
+                         num_topK)
+
+
+@_portable("npu::npu_moe_token_unpermute")
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+                            restore_shape=None):
+    _no_padded_mode("npu_moe_token_unpermute", padded_mode)
+    terms = _pair_rows(permuted_tokens, sorted_indices)
+    h = permuted_tokens.shape[1]
+    if probs is None:
+        return terms.to(permuted_tokens.dtype)
+    terms = terms.view(probs.shape[0], probs.shape[1], h) * probs.to(terms.dtype).unsqueeze(-1)
+    return terms.sum(dim=1).to(permuted_tokens.dtype)
+
+
+def _unpermute_grad(grad, sorted_indices, rows, dtype, probs, permuted_tokens):
+    src = sorted_indices.reshape(-1).to(torch.int64)
+    k = probs.shape[1] if probs is not None else 1
+    g = _up(grad.to(dtype))
+    per_pair = g.repeat_interleave(k, dim=0) if k != 1 else g
+    weighted = per_pair * probs.reshape(-1, 1).to(g.dtype) if probs is not None else per_pair
+    # pairs past the rows (dropped) land in an extra row that is cut off
+    dst = torch.where(src < rows, src, rows)
+    grad_rows = g.new_zeros(rows + 1, g.shape[1]).index_copy(0, dst, weighted)[:rows].to(dtype)
+    if probs is None:
+        return grad_rows, grad.new_zeros(())
+    dots = (per_pair * _pair_rows(permuted_tokens.to(dtype), sorted_indices)).sum(dim=-1)
+    return grad_rows, dots.view(probs.shape).to(probs.dtype)
+
+
+@_portable("npu::npu_moe_token_unpermute_grad")
+def npu_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens, sorted_indices,
+                                 probs=None, padded_mode=False, restore_shape=None):
+    _no_padded_mode("npu_moe_token_unpermute_grad", padded_mode)
+    return _unpermute_grad(grad_unpermuted_tokens, sorted_indices, permuted_tokens.shape[0],
+                           permuted_tokens.dtype, probs, permuted_tokens)
+
+
+@_portable("npu::npu_moe_token_unpermute_grad_v2")
+def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices,
+                                    permuted_tokens_size_0, permuted_tokens_dtype, probs=None,
+                                    padded_mode=False, restore_shape=None, permuted_tokens=None):
+    _no_padded_mode("npu_moe_token_unpermute_grad_v2", padded_mode)
+    return _unpermute_grad(grad_unpermuted_tokens, sorted_indices, permuted_tokens_size_0,
+                           permuted_tokens_dtype, probs, permuted_tokens)
+
+
 def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, quantised):
     if quantised:
         raise NotImplementedError(
