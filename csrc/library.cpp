@@ -18,6 +18,10 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_gemma_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   // Residual add + RMSNorm: returns (y, rstd, x1 + x2).
   m.def("npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
+  // npu_add_rms_norm in place: x1 <- y, x2 <- x1 + x2; returns rstd (float32, keep-dim).
+  m.def("npu_add_rms_norm_v2(Tensor(a!) x1, Tensor(b!) x2, Tensor gamma, float epsilon=1e-06) -> Tensor");
+  // Its out-of-place form: returns (rstd, y, x1 + x2), what the in-place one writes.
+  m.def("npu_add_rms_norm_v2_functional(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
   // add_rms_norm with the normalised output twice: returns (y1 float32, y2 in x1's dtype, rstd, x).
   m.def("npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor, Tensor)");
 
@@ -102,6 +106,10 @@ TORCH_LIBRARY(npu, m) {
   // MoE gating: softmax over the last dim, then its top k (ties to the lower expert). Returns
   // (y in x's dtype, expert_idx int32 (num_experts where `finished`), row_idx int32 = j * rows + i).
   m.def("npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)");
+  // Gating v2: renorm 0 = the top k of the float32 softmax (ranked unrounded), renorm 1 = the
+  // softmax of the top k logits. Returns (y in x's dtype, expert_idx int32 (num_experts where
+  // `finished`), the float32 softmax [x.shape] with renorm 0 and output_softmax, else empty [0]).
+  m.def("npu_moe_gating_top_k_softmax_v2(Tensor x, *, int k=1, Tensor? finished=None, int? renorm=0, bool? output_softmax=False) -> (Tensor, Tensor, Tensor)");
   // MoE routing: stable sort of the (token, slot) pairs by expert. Returns (expanded_x
   // [min(active_num, N) * k, H], expanded_row_idx [N * k], expanded_expert_idx [N * k]).
   // active_num is SymInt (torch_npu says int) so torch.compile(dynamic=True) can pass the token

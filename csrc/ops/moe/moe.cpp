@@ -23,6 +23,7 @@
 namespace opennpu::moe {
 
 CpuKernel<GatingFn> gating_cpu;
+CpuKernel<GatingV2Fn> gating_v2_cpu;
 CpuKernel<FinalizeFn> finalize_cpu;
 
 namespace {
@@ -91,6 +92,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
   at::Tensor y2 = y.view({rows, k}), i2 = expert_idx.view({rows, k}), r2 = row_idx.view({rows, k});
   gating_cpu.get(op)(xc, done.defined() ? done.const_data_ptr<bool>() : nullptr, k, y2, i2, r2);
   return {y, expert_idx, row_idx};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax_v2(
+    const at::Tensor& x, int64_t k, const std::optional<at::Tensor>& finished,
+    std::optional<int64_t> renorm_opt, std::optional<bool> output_softmax) {
+  constexpr const char* op = "npu_moe_gating_top_k_softmax_v2";
+  check_floating(op, "x", x);
+  OPENNPU_CHECK_ARG(x.dim() >= 1, op, "x",
+                    "must have at least 1 dim (the experts are the last), but got a 0-dim tensor");
+  check_strict_dtype(op, "x", x, {at::kHalf, at::kBFloat16, at::kFloat});
+  check_strict_rank(op, "x", x, 2, 3);
+  const int64_t e = x.size(-1);
+  OPENNPU_CHECK_ARG(k >= 0 && k <= e, op, "k", "must be in [0, ", e,
+                    "] (the number of experts, x.size(-1)), but got ", k);
+  OPENNPU_CHECK_STRICT(k <= kStrictMaxK, op, "k", "must be at most ", kStrictMaxK, ", but got ", k);
+  OPENNPU_CHECK_ARG(e <= kInt32Max, op, "x", "must have at most ", kInt32Max,
+                    " experts (int32 indices), but got ", e);
+  const int64_t renorm = renorm_opt.value_or(0);
+  OPENNPU_CHECK_ARG(renorm == 0 || renorm == 1, op, "renorm",
+                    "must be 0 (top k of the softmax) or 1 (softmax of the top k logits), but got ",
+                    renorm);
+  at::Tensor done;
+  if (finished.has_value() && finished->defined()) {
+    done = *finished;
+    OPENNPU_CHECK_ARG(done.scalar_type() == at::kBool, op, "finished", "must be bool, but got ",
+                      done.scalar_type());
+    check_same_device(op, "finished", done, "x", x);
+    check_shape(op, "finished", done, x.sizes().slice(0, x.dim() - 1), "x.shape[:-1]");
+    done = done.contiguous();
+  }
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = k;
+  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor expert_idx = at::empty(out_shape, x.options().dtype(at::kInt));
+  // The full softmax (float32) only for renorm 0 with output_softmax; else an empty [0].
+  const bool want_softmax = renorm == 0 && output_softmax.value_or(false);
+  at::Tensor softmax = at::empty(want_softmax ? x.sizes() : c10::IntArrayRef{0},
+                                 x.options().dtype(at::kFloat));
+  const int64_t rows = e > 0 ? x.numel() / e : 0;
+  if (rows == 0 || (k == 0 && !want_softmax)) return {y, expert_idx, softmax};
+  const at::Tensor xc = x.contiguous().view({rows, e});
+  at::Tensor y2 = y.view({rows, k}), i2 = expert_idx.view({rows, k});
+  at::Tensor probs = want_softmax ? (acc_dtype(x) == at::kFloat ? softmax.view({rows, e})
+                                                                : at::empty({rows, e}, x.options()))
+                                  : at::Tensor();
+  gating_v2_cpu.get(op)(xc, done.defined() ? done.const_data_ptr<bool>() : nullptr, k,
+                        renorm == 1, y2, i2, probs);
+  if (want_softmax && acc_dtype(x) != at::kFloat) softmax.copy_(probs.view(x.sizes()));
+  return {y, expert_idx, softmax};
 }
 
 // ----------------------------------------------------------------------------- init routing
@@ -377,6 +427,7 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
 
 TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_moe_gating_top_k_softmax", &npu_moe_gating_top_k_softmax);
+  m.impl("npu_moe_gating_top_k_softmax_v2", &npu_moe_gating_top_k_softmax_v2);
   m.impl("npu_moe_init_routing", &npu_moe_init_routing);
   m.impl("npu_moe_compute_expert_tokens", &npu_moe_compute_expert_tokens);
   m.impl("npu_moe_finalize_routing", &npu_moe_finalize_routing);

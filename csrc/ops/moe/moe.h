@@ -30,6 +30,13 @@ namespace opennpu::moe {
 using GatingFn = void(const at::Tensor& x, const bool* finished, int64_t k, at::Tensor& y,
                       at::Tensor& expert_idx, at::Tensor& row_idx);
 
+// npu_moe_gating_top_k_softmax_v2 over x [rows, E] (contiguous): y [rows, k] in x's dtype,
+// expert_idx [rows, k] int32 (E where finished). renorm false: the top k of the softmax computed
+// in acc_t and ranked unrounded, written (when probs is defined) to probs [rows, E] in acc_t;
+// renorm true: the top k of the logits themselves, y = their softmax (probs is undefined).
+using GatingV2Fn = void(const at::Tensor& x, const bool* finished, int64_t k, bool renorm,
+                        at::Tensor& y, at::Tensor& expert_idx, at::Tensor& probs);
+
 // The gather and the sums of npu_moe_finalize_routing, one pass over the output:
 //   out[i] = skip1[i] + skip2[i] + sum_j scale[i, j] * (rows[src[i, j]] + bias[expert[i, j]])
 // rows: [R, H] contiguous, out's dtype. skip1 / skip2: [N, H] contiguous in out's dtype, or
@@ -51,6 +58,7 @@ std::vector<int64_t> index_values(const at::Tensor& t);
 std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert);
 
 extern CpuKernel<GatingFn> gating_cpu;
+extern CpuKernel<GatingV2Fn> gating_v2_cpu;
 extern CpuKernel<FinalizeFn> finalize_cpu;
 
 }  // namespace opennpu::moe

@@ -154,11 +154,27 @@ def mark_not_differentiable(name: str, reason: str) -> None:
         qualname = overload._schema.name
         if overload_name != "default":
             qualname = f"{qualname}.{overload_name}"
-        if torch._library.utils.has_kwarg_only_tensors(overload._schema):
+        if overload._schema.is_mutable:
+            _register_refusing_mutable_kernel(qualname, overload, message)
+        elif torch._library.utils.has_kwarg_only_tensors(overload._schema):
             _register_raising_overload_kernel(qualname, overload, message)
         else:
             torch.library.register_autograd(qualname, backward, setup_context=setup_context)
     DIFFERENTIABILITY[name] = f"not differentiable: {reason}"
+
+
+def _register_refusing_mutable_kernel(qualname: str, overload, message: str) -> None:
+    """An Autograd kernel for in-place ops (register_autograd refuses them): with grad mode on
+    and an input that requires grad it raises before writing anything, else it runs the op."""
+
+    @torch.library.impl(qualname, "Autograd")
+    def _autograd_kernel(*args, **kwargs):
+        if torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in (*args, *kwargs.values())):
+            raise RuntimeError(message)
+        with torch._C._AutoDispatchBelowAutograd():
+            return overload(*args, **kwargs)
 
 
 def _register_raising_overload_kernel(qualname: str, overload, message: str) -> None:

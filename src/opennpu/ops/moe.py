@@ -49,6 +49,24 @@ def npu_moe_gating_top_k_softmax(x: torch.Tensor, finished: torch.Tensor | None 
     return _ops.npu_moe_gating_top_k_softmax(x, finished, k)
 
 
+def npu_moe_gating_top_k_softmax_v2(x: torch.Tensor, *, k: int = 1,
+                                    finished: torch.Tensor | None = None, renorm: int | None = 0,
+                                    output_softmax: bool | None = False):
+    """MoE gating, v2: returns ``(y, expert_idx, softmax)``.
+
+    - ``renorm=0``: softmax over the last dim of ``x`` (the E experts) in float32, then its top
+      ``k`` ranked as float32 (ties to the lower expert; unlike v1, fp16 / bf16 probabilities are
+      not rounded before ranking); ``y`` = those probabilities rounded to x's dtype;
+    - ``renorm=1``: the top k of the logits themselves, ``y`` = the softmax of those k values.
+
+    ``expert_idx`` int32 ``x.shape[:-1] + (k,)``, E in rows where ``finished`` (bool,
+    ``x.shape[:-1]``) is True. ``softmax``: the whole float32 softmax ``[x.shape]`` when renorm is 0
+    and ``output_softmax`` is True, else an empty float32 ``[0]``. 0 <= k <= E. Not differentiable.
+    """
+    return _ops.npu_moe_gating_top_k_softmax_v2(x, k=k, finished=finished, renorm=renorm,
+                                                output_softmax=output_softmax)
+
+
 def npu_moe_init_routing(x: torch.Tensor, row_idx: torch.Tensor, expert_idx: torch.Tensor,
                          active_num: int):
     """Sorts the (token, slot) pairs by expert and gathers the tokens in that order.
@@ -274,6 +292,14 @@ def _gating_fake(x, finished=None, k=1):
             x.new_empty(shape, dtype=torch.int32))
 
 
+@register_fake("npu::npu_moe_gating_top_k_softmax_v2")
+def _gating_v2_fake(x, *, k=1, finished=None, renorm=0, output_softmax=False):
+    shape = (*x.shape[:-1], k)
+    softmax_shape = x.shape if (renorm or 0) == 0 and output_softmax else (0,)
+    return (x.new_empty(shape), x.new_empty(shape, dtype=torch.int32),
+            x.new_empty(softmax_shape, dtype=torch.float32))
+
+
 @register_fake("npu::npu_moe_init_routing")
 def _init_routing_fake(x, row_idx, expert_idx, active_num):
     n, h = x.shape
@@ -460,6 +486,7 @@ mark_backward_op("npu_moe_token_unpermute_grad_v2", "npu_moe_token_unpermute")
 
 _INFERENCE_ONLY = "inference only: torch_npu registers no backward for it"
 mark_not_differentiable("npu_moe_gating_top_k_softmax", _INFERENCE_ONLY)
+mark_not_differentiable("npu_moe_gating_top_k_softmax_v2", _INFERENCE_ONLY)
 mark_not_differentiable("npu_moe_init_routing", _INFERENCE_ONLY)
 mark_not_differentiable("npu_moe_compute_expert_tokens", "integer output")
 mark_not_differentiable("npu_moe_finalize_routing", _INFERENCE_ONLY)
@@ -469,4 +496,4 @@ __all__ = ["npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
            "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing", "npu_grouped_matmul",
            "npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_permute_grad_v2",
            "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad",
-           "npu_moe_token_unpermute_grad_v2"]
+           "npu_moe_token_unpermute_grad_v2", "npu_moe_gating_top_k_softmax_v2"]
