@@ -115,6 +115,12 @@ TORCH_LIBRARY(npu, m) {
   // active_num is SymInt (torch_npu says int) so torch.compile(dynamic=True) can pass the token
   // count without specialising on it.
   m.def("npu_moe_init_routing(Tensor x, Tensor row_idx, Tensor expert_idx, SymInt active_num) -> (Tensor, Tensor, Tensor)");
+  // MoE routing v2: the stable expert sort of the pairs whose experts lie in active_expert_range
+  // (default [0, expert_num)), dropless (the first active_num rows) or drop-pad ([expert_num,
+  // expert_capacity, H]), optional int8 quantisation (quant_mode 0 static, 1 dynamic). Returns
+  // (expanded_x, expanded_row_idx (expert_idx's dtype), tokens per expert (int64: cumsum,
+  // counts or [expert_num, 2] (expert, count) pairs), expanded_scale float32).
+  m.def("npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // Cumulative rows per expert ([num_expert], one past each expert's last row) of sorted experts.
   m.def("npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor");
   // MoE combine: out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src(i, k)] + bias[expert[i, k]]).

@@ -87,6 +87,49 @@ def npu_moe_init_routing(x: torch.Tensor, row_idx: torch.Tensor, expert_idx: tor
     return _ops.npu_moe_init_routing(x, row_idx, expert_idx, active_num)
 
 
+def npu_moe_init_routing_v2(x: torch.Tensor, expert_idx: torch.Tensor, *,
+                            scale: torch.Tensor | None = None,
+                            offset: torch.Tensor | None = None, active_num: int = -1,
+                            expert_capacity: int = -1, expert_num: int = -1,
+                            drop_pad_mode: int = 0, expert_tokens_num_type: int = 0,
+                            expert_tokens_num_flag: bool = False, quant_mode: int = -1,
+                            active_expert_range: Sequence[int] = (), row_idx_type: int = 0,
+                            x_dtype: int | None = None):
+    """MoE routing v2: sorts the (token, slot) pairs by expert and gathers the tokens.
+
+    ``x`` [N, H], ``expert_idx`` [N, K] (int32 / int64). Pairs whose expert lies in
+    ``active_expert_range`` = [start, end) (default ``[0, expert_num)``) are "valid"; the N*K
+    pairs are sorted stably by expert, experts below start last. Returns
+    ``(expanded_x, expanded_row_idx, expert_tokens, expanded_scale)``:
+
+    - ``drop_pad_mode=0``: ``expanded_x`` ``[min(active_num, N*K), H]`` (N*K rows when
+      active_num <= 0) holds ``x[order[p] // K]`` for the first ``min(active_num, valid)``
+      positions, zeros after; ``drop_pad_mode=1``: ``[expert_num, expert_capacity, H]``, pair of
+      rank j within expert e in slot ``(e - start) * capacity + j`` (pairs past the capacity
+      dropped, empty slots 0);
+    - ``expanded_row_idx`` [N*K] (expert_idx's dtype): ``row_idx_type=0``: where each pair went
+      (-1: not placed), ``1``: the pair at each sorted position;
+    - ``expert_tokens`` int64 (zeros unless ``expert_tokens_num_flag``): valid pairs per active
+      expert as cumulative counts (type 0), counts (type 1), or ``[expert_num, 2]`` (expert,
+      count) rows of the experts with tokens, then zeros (type 2);
+    - ``expanded_scale`` float32 [rows of expanded_x]: ``scale[token]`` of each row
+      (quant_mode -1 with a ``[N]`` scale), the dynamic quantisation scales (quant_mode 1), else 0.
+
+    ``quant_mode`` 0: int8 ``round(x * scale + offset)`` in float16 steps (one scale and
+    offset); 1: int8 dynamic quantisation (npu_dynamic_quant) of the rows with an optional smooth
+    ``scale`` [H] / [1, H] or per active expert ``[end - start, H]``. The Ascend950 modes
+    (MXFP8, HIF8, MXFP4, FP8, INT4) and ``x_dtype`` are not implemented (clear errors); drop-pad
+    supports ``expert_tokens_num_type=1`` and ``row_idx_type=0`` only. Not differentiable.
+    """
+    return _ops.npu_moe_init_routing_v2(
+        x, expert_idx, scale=scale, offset=offset, active_num=active_num,
+        expert_capacity=expert_capacity, expert_num=expert_num, drop_pad_mode=drop_pad_mode,
+        expert_tokens_num_type=expert_tokens_num_type,
+        expert_tokens_num_flag=expert_tokens_num_flag, quant_mode=quant_mode,
+        active_expert_range=list(active_expert_range), row_idx_type=row_idx_type,
+        x_dtype=x_dtype)
+
+
 def npu_moe_compute_expert_tokens(sorted_expert_for_source_row: torch.Tensor,
                                   num_expert: int) -> torch.Tensor:
     """Cumulative row counts per expert of sorted expert indices.
@@ -308,6 +351,27 @@ def _init_routing_fake(x, row_idx, expert_idx, active_num):
             x.new_empty((n * k,), dtype=torch.int32), x.new_empty((n * k,), dtype=torch.int32))
 
 
+@register_fake("npu::npu_moe_init_routing_v2")
+def _init_routing_v2_fake(x, expert_idx, *, scale=None, offset=None, active_num=-1,
+                          expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
+                          expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
+                          active_expert_range=(), row_idx_type=0, x_dtype=None):
+    n, h = x.shape
+    nk = n * expert_idx.shape[1]
+    start, end = active_expert_range if len(active_expert_range) == 2 else (0, expert_num)
+    experts = expert_num if expert_num > 0 else end
+    dtype = x.dtype if quant_mode == -1 else torch.int8
+    if drop_pad_mode == 1:
+        rows = experts * expert_capacity
+        expanded_x = x.new_empty((experts, expert_capacity, h), dtype=dtype)
+    else:
+        rows = nk if active_num <= 0 else torch.sym_min(active_num, nk)
+        expanded_x = x.new_empty((rows, h), dtype=dtype)
+    counts = ((experts, 2) if expert_tokens_num_type == 2 else (end - start,))
+    return (expanded_x, expert_idx.new_empty((nk,)), x.new_empty(counts, dtype=torch.int64),
+            x.new_empty((rows,), dtype=torch.float32))
+
+
 @register_fake("npu::npu_moe_compute_expert_tokens")
 def _compute_expert_tokens_fake(sorted_expert_for_source_row, num_expert):
     return sorted_expert_for_source_row.new_empty((num_expert,))
@@ -488,6 +552,7 @@ _INFERENCE_ONLY = "inference only: torch_npu registers no backward for it"
 mark_not_differentiable("npu_moe_gating_top_k_softmax", _INFERENCE_ONLY)
 mark_not_differentiable("npu_moe_gating_top_k_softmax_v2", _INFERENCE_ONLY)
 mark_not_differentiable("npu_moe_init_routing", _INFERENCE_ONLY)
+mark_not_differentiable("npu_moe_init_routing_v2", _INFERENCE_ONLY)
 mark_not_differentiable("npu_moe_compute_expert_tokens", "integer output")
 mark_not_differentiable("npu_moe_finalize_routing", _INFERENCE_ONLY)
 mark_not_differentiable("npu_grouped_matmul", "opennpu implements no backward for it yet")
@@ -496,4 +561,5 @@ __all__ = ["npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
            "npu_moe_compute_expert_tokens", "npu_moe_finalize_routing", "npu_grouped_matmul",
            "npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_permute_grad_v2",
            "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad",
-           "npu_moe_token_unpermute_grad_v2", "npu_moe_gating_top_k_softmax_v2"]
+           "npu_moe_token_unpermute_grad_v2", "npu_moe_gating_top_k_softmax_v2",
+           "npu_moe_init_routing_v2"]
