@@ -263,6 +263,8 @@ def _arndq(dtype, **kw):
     return [x1, x2, g], kw
 
 
+_ROUTING_V2 = torch.randint(0, 8, (11, 3), generator=torch.Generator().manual_seed(4),
+                            dtype=I32)
 _TOKEN_ROUTING = torch.randint(0, 5, (9, 3), generator=torch.Generator().manual_seed(3))
 
 
@@ -294,6 +296,10 @@ CASES = [
     Case("add_rms_norm_cast", npu.npu_add_rms_norm_cast,
          lambda d: ([randn(5, 129, dtype=d), randn(5, 129, dtype=d),
                      (torch.rand(129) + 0.5).to(d)], {}), R.add_rms_norm_cast),
+    Case("add_rms_norm_v2_functional", npu.npu_add_rms_norm_v2_functional,
+         lambda d: ([randn(5, 129, dtype=d), randn(5, 129, dtype=d),
+                     (torch.rand(129) + 0.5).to(d)], {}),
+         lambda x1, x2, g: (lambda y, r, x: (r, y, x))(*R.add_rms_norm(x1, x2, g))),
     Case("dynamic_quant", npu.npu_dynamic_quant, _quant_case),
     Case("dynamic_quant_smooth_int4", npu.npu_dynamic_quant,
          lambda d: _quant_case(d, smooth_scales=(torch.rand(64) + 0.5).to(d), dst_type=16)),
@@ -369,7 +375,33 @@ CASES = [
     Case("dynamic_quant_noncontig", npu.npu_dynamic_quant,
          lambda d: ([randn(64, 9, dtype=d).t()], {})),
     Case("moe_gating", npu.npu_moe_gating_top_k_softmax, _gating),
+    Case("moe_gating_v2", npu.npu_moe_gating_top_k_softmax_v2,
+         lambda d: ([randn(2, 7, 20, dtype=d)], dict(k=3, finished=torch.rand(2, 7) < 0.3,
+                                                     output_softmax=True))),
+    Case("moe_gating_v2_renorm", npu.npu_moe_gating_top_k_softmax_v2,
+         lambda d: ([randn(9, 33, dtype=d)], dict(k=5, renorm=1))),
     Case("moe_init_routing", npu.npu_moe_init_routing, _init_routing),
+    Case("moe_init_routing_v2", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             active_num=25, expert_num=8, expert_tokens_num_type=2, expert_tokens_num_flag=True,
+             active_expert_range=[1, 7], scale=torch.rand(11)))),
+    Case("moe_init_routing_v2_gather_counts", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             expert_num=8, expert_tokens_num_type=0, expert_tokens_num_flag=True,
+             row_idx_type=1))),
+    Case("moe_init_routing_v2_drop_pad_dynamic", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             expert_num=8, drop_pad_mode=1, expert_capacity=3, expert_tokens_num_type=1,
+             expert_tokens_num_flag=True, quant_mode=1, scale=torch.rand(8, 24) + 0.5)),
+         codes_off_by_one=True),
+    Case("moe_init_routing_v2_dynamic", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             expert_num=8, quant_mode=1, active_expert_range=[2, 8], scale=torch.rand(6, 24))),
+         codes_off_by_one=True),
+    Case("moe_init_routing_v2_static", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d) * 50, _ROUTING_V2], dict(
+             expert_num=8, quant_mode=0, scale=torch.tensor([0.7]), offset=torch.tensor([0.2]))),
+         codes_off_by_one=True),
     Case("moe_compute_expert_tokens", npu.npu_moe_compute_expert_tokens,
          lambda d: ([torch.tensor([0, 0, 1, 3, 3, 3, 6], dtype=I32), 8], {}), dtypes=(F32,)),
     Case("moe_finalize", npu.npu_moe_finalize_routing, _finalize, R.moe_finalize_routing,
@@ -547,6 +579,20 @@ def test_gen_mask_portable_gives_the_kernel_bits():
     want = npu._npu_dropout_gen_mask.Tensor(x, [300], 0.3, 7, 0)
     got = portable._npu_dropout_gen_mask(x, [300], 0.3, 7, 0)
     assert torch.equal(got, want)
+
+
+def test_add_rms_norm_v2_portable_writes_like_the_kernel():
+    x1, x2, g = randn(6, 40, dtype=torch.bfloat16), randn(6, 40, dtype=torch.bfloat16), \
+        torch.rand(40) + 0.5
+    a, b = x1.clone(), x2.clone()
+    want = npu.npu_add_rms_norm_v2(a, b, g)
+    c, d = x1.clone(), x2.clone()
+    with portable.force():
+        got = npu.npu_add_rms_norm_v2(c, d, g)
+    assert got.dtype == want.dtype
+    assert_close(got, want)
+    assert_close(c, a, scale=2)
+    assert torch.equal(d, b)
 
 
 def test_grouped_matmul_quantised_is_refused():

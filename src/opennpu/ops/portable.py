@@ -62,7 +62,9 @@ PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 PORTABLE_DEVICES: dict[str, frozenset] = {}
 
 IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
-NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor"}  # run eagerly, never traced into graphs
+# run eagerly, never traced into graphs (npu_add_rms_norm_v2 writes its inputs: under
+# torch.compile it is functionalised, and its functional form is decomposed)
+NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor", "npu::npu_add_rms_norm_v2"}
 # Calls whose composition would read tensor data on the host to decide shapes: the decomposition
 # declines them (the op stays in the graph and runs its portable kernel eagerly).
 # Dropout in attention draws from opennpu's host-side generator, so it is not traced either.
@@ -152,6 +154,20 @@ def npu_add_rms_norm_cast(x1, x2, gamma, epsilon=1e-6):
     x = (x1 + x2).to(x1.dtype)
     y, rstd = _rms(_up(x), gamma, epsilon)
     return y, y.to(x1.dtype), rstd, x
+
+
+@_portable("npu::npu_add_rms_norm_v2")
+def npu_add_rms_norm_v2(x1, x2, gamma, epsilon=1e-6):
+    rstd, y, x = npu_add_rms_norm_v2_functional(x1, x2, gamma, epsilon)
+    x1.copy_(y)
+    x2.copy_(x)
+    return rstd
+
+
+@_portable("npu::npu_add_rms_norm_v2_functional")
+def npu_add_rms_norm_v2_functional(x1, x2, gamma, epsilon=1e-6):
+    y, rstd, x = npu_add_rms_norm(x1, x2, gamma, epsilon)
+    return rstd.float(), y, x
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -411,6 +427,26 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     return y, expert_idx, row_idx.view(k, rows).t().reshape(y.shape)
 
 
+@_portable("npu::npu_moe_gating_top_k_softmax_v2")
+def npu_moe_gating_top_k_softmax_v2(x, *, k=1, finished=None, renorm=0, output_softmax=False):
+    xf = _up(x)
+    if renorm:  # the top k logits, then their softmax
+        order = torch.sort(xf, dim=-1, descending=True, stable=True).indices[..., :k]
+        y = torch.softmax(xf.gather(-1, order), dim=-1)
+    else:  # the top k of the softmax, ranked unrounded
+        p = torch.softmax(xf, dim=-1)
+        order = torch.sort(p, dim=-1, descending=True, stable=True).indices[..., :k]
+        y = p.gather(-1, order)
+    expert_idx = order.to(torch.int32)
+    if finished is not None:
+        expert_idx = expert_idx.masked_fill(finished.bool().unsqueeze(-1), x.shape[-1])
+    if not renorm and output_softmax:
+        softmax = torch.softmax(xf, dim=-1).float()
+    else:
+        softmax = x.new_empty((0,), dtype=torch.float32)
+    return y.to(x.dtype), expert_idx, softmax
+
+
 @_portable("npu::npu_moe_init_routing")
 def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     n, k = expert_idx.shape
@@ -421,6 +457,95 @@ def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     kept = dst_to_src[:torch.sym_min(active_num, n) * k]
     expanded_x = x[kept % torch.sym_max(n, 1)]
     return expanded_x, expanded_row_idx.to(torch.int32), sorted_experts.to(torch.int32)
+
+
+def _static_quant_fp16(x, scale, offset):
+    """op-plugin's static quantisation golden: float16 steps, round half to even, int8."""
+    h = torch.float16
+    v = (x.to(h) * scale.reshape(()).to(h)).to(h) + offset.reshape(()).to(h)
+    return torch.nan_to_num(torch.round(v.to(h).float()), nan=0.0).clamp(-128, 127).to(torch.int8)
+
+
+@_portable("npu::npu_moe_init_routing_v2")
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
+                            expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
+                            expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
+                            active_expert_range=(), row_idx_type=0, x_dtype=None):
+    if quant_mode not in (-1, 0, 1) or x_dtype is not None:
+        raise NotImplementedError("npu_moe_init_routing_v2: quant_mode 2..17 and x_dtype are not "
+                                  "implemented")
+    n, h = x.shape
+    k = expert_idx.shape[1]
+    nk = n * k
+    dev = x.device
+    start, end = active_expert_range if len(active_expert_range) == 2 else (0, expert_num)
+    experts = expert_num if expert_num > 0 else end
+    span = end - start
+    e = expert_idx.reshape(-1).to(torch.int64)
+    big = torch.cat([e, e.new_full((1,), start)]).amax() + 1
+    keys = torch.where(e < start, big, e)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    in_range = (sorted_keys >= start) & (sorted_keys < end)
+    valid = in_range.sum()
+    pos = torch.arange(nk, device=dev)
+    token = torch.div(order, max(k, 1), rounding_mode="floor")
+    drop_pad = drop_pad_mode == 1
+    if drop_pad:
+        rows = experts * expert_capacity
+        first = torch.searchsorted(sorted_keys.contiguous(), sorted_keys.contiguous())
+        rank = pos - first
+        placed = in_range & (rank < expert_capacity)
+        target = torch.where(placed, (sorted_keys - start) * expert_capacity + rank, rows)
+    else:
+        rows = nk if active_num <= 0 else min(active_num, nk)
+        limit = valid if active_num <= 0 else torch.clamp(valid, max=active_num)
+        placed = pos < limit
+        target = torch.where(placed, pos, rows)
+    # where each output row's token comes from (a dump row past the end takes the rest)
+    src = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev).scatter(0, target, token)[:rows]
+    row_valid = src >= 0
+    gathered = x[src.clamp(min=0)]
+    gathered = torch.where(row_valid.unsqueeze(-1), gathered, gathered.new_zeros(()))
+    if row_idx_type == 1:
+        expanded_row_idx = order
+    else:
+        where_to = torch.where(in_range if not drop_pad else placed,
+                               pos if not drop_pad else target, -1)
+        expanded_row_idx = torch.empty_like(order).scatter(0, order, where_to)
+    expanded_row_idx = expanded_row_idx.to(expert_idx.dtype)
+    counts_per = torch.zeros(span + 1, dtype=torch.int64, device=dev).scatter_add(
+        0, torch.where(in_range, sorted_keys - start, span), torch.ones_like(sorted_keys))[:span]
+    if not expert_tokens_num_flag:
+        counts_per = torch.zeros_like(counts_per)
+    if expert_tokens_num_type == 2:
+        nonzero_first = torch.sort((counts_per == 0).to(torch.int8), stable=True).indices
+        cnt = counts_per[nonzero_first]
+        ids = torch.where(cnt > 0, nonzero_first + start, 0)
+        pairs = torch.stack([ids, cnt], dim=1)
+        counts = torch.cat([pairs, pairs.new_zeros(experts - span, 2)])
+    else:
+        counts = counts_per.cumsum(0) if expert_tokens_num_type == 0 else counts_per
+    expanded_scale = x.new_zeros((rows,), dtype=torch.float32)
+    if quant_mode == -1:
+        out = gathered
+        if scale is not None:
+            expanded_scale = torch.where(row_valid, scale.float()[src.clamp(min=0)], 0.0)
+    elif quant_mode == 0:
+        out = torch.where(row_valid.unsqueeze(-1), _static_quant_fp16(gathered, scale, offset), 0)
+    else:
+        v = gathered.float()
+        if scale is not None and scale.dim() == 2 and scale.shape[0] > 1:  # per active expert
+            row_expert = torch.zeros(rows + 1, dtype=torch.int64, device=dev).scatter(
+                0, target, sorted_keys - start)[:rows]
+            v = v * scale.float()[row_expert.clamp(0, span - 1)]
+        elif scale is not None:
+            v = v * scale.float().reshape(1, h)
+        codes, row_scale = _quantize(v, 127.0, False, False)
+        out = torch.where(row_valid.unsqueeze(-1), codes, 0)
+        expanded_scale = torch.where(row_valid, row_scale, 0.0)
+    if drop_pad:
+        out = out.reshape(experts, expert_capacity, h)
+    return out, expanded_row_idx, counts, expanded_scale
 
 
 @_portable("npu::npu_moe_compute_expert_tokens")
