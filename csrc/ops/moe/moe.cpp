@@ -55,32 +55,42 @@ std::vector<int64_t> index_values(const at::Tensor& t) {
 
 // ----------------------------------------------------------------------------- gating
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
-    const at::Tensor& x, const std::optional<at::Tensor>& finished, int64_t k) {
-  constexpr const char* op = "npu_moe_gating_top_k_softmax";
+namespace {
+
+// The checks both gating ops share (x, k in [k_min, E], finished); returns finished, contiguous,
+// or an undefined tensor.
+at::Tensor check_gating_args(const char* op, const at::Tensor& x,
+                             const std::optional<at::Tensor>& finished, int64_t k, int64_t k_min) {
   check_floating(op, "x", x);
   OPENNPU_CHECK_ARG(x.dim() >= 1, op, "x",
                     "must have at least 1 dim (the experts are the last), but got a 0-dim tensor");
   check_strict_dtype(op, "x", x, {at::kHalf, at::kBFloat16, at::kFloat});
   check_strict_rank(op, "x", x, 2, 3);
   const int64_t e = x.size(-1);
-  OPENNPU_CHECK_ARG(k >= 1 && k <= e, op, "k", "must be in [1, ", e,
+  OPENNPU_CHECK_ARG(k >= k_min && k <= e, op, "k", "must be in [", k_min, ", ", e,
                     "] (the number of experts, x.size(-1)), but got ", k);
   OPENNPU_CHECK_STRICT(k <= kStrictMaxK, op, "k", "must be at most ", kStrictMaxK, ", but got ", k);
   OPENNPU_CHECK_ARG(e <= kInt32Max, op, "x", "must have at most ", kInt32Max,
                     " experts (int32 indices), but got ", e);
+  if (!finished.has_value() || !finished->defined()) return at::Tensor();
+  const at::Tensor& done = *finished;
+  OPENNPU_CHECK_ARG(done.scalar_type() == at::kBool, op, "finished", "must be bool, but got ",
+                    done.scalar_type());
+  check_same_device(op, "finished", done, "x", x);
+  check_shape(op, "finished", done, x.sizes().slice(0, x.dim() - 1), "x.shape[:-1]");
+  return done.contiguous();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
+    const at::Tensor& x, const std::optional<at::Tensor>& finished, int64_t k) {
+  constexpr const char* op = "npu_moe_gating_top_k_softmax";
+  const at::Tensor done = check_gating_args(op, x, finished, k, 1);
+  const int64_t e = x.size(-1);
   const int64_t rows = x.numel() / e;
   OPENNPU_CHECK_ARG(rows * k <= kInt32Max, op, "x",
                     "must have rows * k <= 2^31 - 1 (row_idx is int32), but got ", rows, " rows");
-  at::Tensor done;
-  if (finished.has_value() && finished->defined()) {
-    done = *finished;
-    OPENNPU_CHECK_ARG(done.scalar_type() == at::kBool, op, "finished", "must be bool, but got ",
-                      done.scalar_type());
-    check_same_device(op, "finished", done, "x", x);
-    check_shape(op, "finished", done, x.sizes().slice(0, x.dim() - 1), "x.shape[:-1]");
-    done = done.contiguous();
-  }
 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = k;
@@ -98,30 +108,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax_v2(
     const at::Tensor& x, int64_t k, const std::optional<at::Tensor>& finished,
     std::optional<int64_t> renorm_opt, std::optional<bool> output_softmax) {
   constexpr const char* op = "npu_moe_gating_top_k_softmax_v2";
-  check_floating(op, "x", x);
-  OPENNPU_CHECK_ARG(x.dim() >= 1, op, "x",
-                    "must have at least 1 dim (the experts are the last), but got a 0-dim tensor");
-  check_strict_dtype(op, "x", x, {at::kHalf, at::kBFloat16, at::kFloat});
-  check_strict_rank(op, "x", x, 2, 3);
+  const at::Tensor done = check_gating_args(op, x, finished, k, 0);
   const int64_t e = x.size(-1);
-  OPENNPU_CHECK_ARG(k >= 0 && k <= e, op, "k", "must be in [0, ", e,
-                    "] (the number of experts, x.size(-1)), but got ", k);
-  OPENNPU_CHECK_STRICT(k <= kStrictMaxK, op, "k", "must be at most ", kStrictMaxK, ", but got ", k);
-  OPENNPU_CHECK_ARG(e <= kInt32Max, op, "x", "must have at most ", kInt32Max,
-                    " experts (int32 indices), but got ", e);
   const int64_t renorm = renorm_opt.value_or(0);
   OPENNPU_CHECK_ARG(renorm == 0 || renorm == 1, op, "renorm",
                     "must be 0 (top k of the softmax) or 1 (softmax of the top k logits), but got ",
                     renorm);
-  at::Tensor done;
-  if (finished.has_value() && finished->defined()) {
-    done = *finished;
-    OPENNPU_CHECK_ARG(done.scalar_type() == at::kBool, op, "finished", "must be bool, but got ",
-                      done.scalar_type());
-    check_same_device(op, "finished", done, "x", x);
-    check_shape(op, "finished", done, x.sizes().slice(0, x.dim() - 1), "x.shape[:-1]");
-    done = done.contiguous();
-  }
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = k;
   at::Tensor y = at::empty(out_shape, x.options());
