@@ -144,6 +144,20 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_moe_token_unpermute_grad(Tensor permuted_tokens, Tensor grad_unpermuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> (Tensor, Tensor)");
   // The same from permuted_tokens' size and dtype; permuted_tokens itself only with probs.
   m.def("npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, SymInt permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None) -> (Tensor, Tensor)");
+  // The routing-map forms ([T, E] map instead of top-k indices). Dropless: the routed pairs
+  // expert-major (num_out_tokens rounded down to a multiple of T must be their count);
+  // drop_and_pad: capacity = num_out_tokens / E slots per expert (routed tokens, then unrouted
+  // ones). Returns (permuted_tokens, permuted_probs (empty [0] without probs), sorted_indices
+  // int32: the row of each token-major pair, or each slot's token with drop_and_pad).
+  m.def("npu_moe_token_permute_with_routing_map(Tensor tokens, Tensor routing_map, *, Tensor? probs=None, int? num_out_tokens=None, bool drop_and_pad=False) -> (Tensor, Tensor, Tensor)");
+  // Returns (tokens_grad [T, H], probs_grad [T, E] (empty [0] without probs_grad)).
+  m.def("npu_moe_token_permute_with_routing_map_grad(Tensor permuted_token_out_grad, Tensor? probs_grad, Tensor sorted_indices, Tensor routing_map, SymInt experts_num, SymInt tokens_num, bool drop_and_pad) -> (Tensor, Tensor)");
+  // out [restore_shape] = per token, the sum of its permuted rows weighted by probs[token, expert].
+  m.def("npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, *, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> Tensor");
+  // The same with what its gradient takes: (out, out_index, permuted_token_id, permute_probs).
+  m.def("_npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, *, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Returns (permuted_tokens_grad, probs_grad [T, E] in the gradient's dtype, empty [0] without probs).
+  m.def("npu_moe_token_unpermute_with_routing_map_grad(Tensor unpermuted_tokens_grad, Tensor out_index, Tensor permuted_token_id, Tensor? routing_map, Tensor? permuted_tokens, Tensor? probs, bool drop_and_pad, int[] restore_shape) -> (Tensor, Tensor)");
   // Grouped matmul y_g = x_g @ w_g (+ b_g): groups as separate tensors or row ranges of one x
   // (group_list, a Tensor here and int[] in .List). Non-quantised paths only. output_dtype and
   // the *_dtype arguments are dtype codes (int; a torch.dtype passed from Python arrives as its

@@ -383,3 +383,213 @@ def test_hypothesis(t, k, experts, h, drop, with_probs, dtype):
     probs = torch.rand(t, k) if with_probs else None
     out = opennpu.npu_moe_token_unpermute(permuted, sorted_indices, probs)
     assert_close(out, ref_unpermute(permuted, sorted_indices, probs), dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- routing map
+
+
+def routing_map_of(t, e, k, dtype=torch.bool):
+    m = torch.zeros(t, e, dtype=torch.bool)
+    for i in range(t):
+        m[i, torch.randperm(e)[:k]] = True
+    return m.to(dtype)
+
+
+def ref_permute_with_routing_map(tokens, routing_map, probs, num_out_tokens, drop_and_pad):
+    """op-plugin's cpu_op_exec (test_npu_moe_token_permute_with_routing_map.py)."""
+    t = tokens.shape[0]
+    e = routing_map.shape[1]
+    if drop_and_pad:
+        cap = num_out_tokens // e
+        order = routing_map.to(torch.int8).T.contiguous().sort(dim=-1, descending=True,
+                                                                stable=True)[1]
+        sorted_indices = order[:, :cap].contiguous().view(-1)
+        permuted_probs = None
+        if probs is not None:
+            flat = (torch.arange(e).unsqueeze(-1) * t + sorted_indices.view(e, cap)).view(-1)
+            permuted_probs = probs.T.contiguous().view(-1).index_select(0, flat)
+        return tokens.index_select(0, sorted_indices), permuted_probs, sorted_indices.to(I32)
+    mask = routing_map.bool().T.contiguous()
+    token_ids = torch.arange(t).unsqueeze(0).expand(e, -1).masked_select(mask)
+    permuted_probs = probs.T.masked_select(mask) if probs is not None else None
+    return (tokens.index_select(0, token_ids), permuted_probs,
+            torch.sort(token_ids.float(), stable=True)[1].to(I32))
+
+
+def ref_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs, drop_and_pad,
+                                   restore_shape):
+    """op-plugin's unpermute_with_routing_map_golden, in float64."""
+    if drop_and_pad:
+        t, e = restore_shape[0], routing_map.shape[1]
+        cap = sorted_indices.numel() // e
+        rows = permuted.double()
+        if probs is not None:
+            flat = (torch.arange(e).unsqueeze(-1) * t + sorted_indices.long().view(e, cap)).view(-1)
+            rows = rows * probs.T.contiguous().view(-1).double().index_select(0, flat).unsqueeze(-1)
+        out = torch.zeros(restore_shape, dtype=F64)
+        return out.index_add(0, sorted_indices.long(), rows)
+    k = permuted.shape[0] // routing_map.shape[0]
+    rows = permuted.double().index_select(0, sorted_indices.long()).reshape(-1, k, permuted.shape[1])
+    if probs is not None:
+        rows = rows * probs.double().masked_select(routing_map.bool()).reshape(-1, k).unsqueeze(-1)
+    return rows.sum(1)
+
+
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+@pytest.mark.parametrize("map_dtype", [torch.bool, torch.int8], ids=dtype_id)
+def test_permute_with_routing_map_matches_golden(dtype, drop_and_pad, map_dtype):
+    t, e, k, h = 13, 6, 2, 19
+    tokens, probs = randn(t, h, dtype=dtype), torch.rand(t, e)
+    routing_map = routing_map_of(t, e, k, map_dtype)
+    num_out = 12 if drop_and_pad else t * k  # capacity 2 with drop_and_pad
+    out = opennpu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, probs=probs, num_out_tokens=num_out, drop_and_pad=drop_and_pad)
+    want = ref_permute_with_routing_map(tokens, routing_map, probs, num_out, drop_and_pad)
+    assert torch.equal(out[0], want[0]) and torch.equal(out[1], want[1])
+    assert torch.equal(out[2], want[2])
+    no_probs = opennpu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, num_out_tokens=num_out, drop_and_pad=drop_and_pad)
+    assert torch.equal(no_probs[0], want[0]) and no_probs[1].shape == (0,)
+
+
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+def test_unpermute_with_routing_map_matches_golden(dtype, drop_and_pad):
+    # op-plugin's test: 40 tokens, 20 experts, top-20, capacity 20
+    t, e, k, h = 40, 20, 20, 20
+    routing_map = routing_map_of(t, e, k, torch.int8)
+    probs = torch.rand(t, e, dtype=dtype)
+    if drop_and_pad:
+        permuted = randn(e * 20, h, dtype=dtype)
+        sorted_indices = routing_map.T.contiguous().argsort(dim=-1, descending=True, stable=True)[
+            :, :20].contiguous().to(I32).view(-1)
+    else:
+        permuted = randn(t * k, h, dtype=dtype)
+        _, _, sorted_indices = ref_permute_with_routing_map(randn(t, 1), routing_map, None, t * k,
+                                                            False)
+    for p in (probs, None):
+        out = opennpu.npu_moe_token_unpermute_with_routing_map(
+            permuted, sorted_indices, [t, h], probs=p, routing_map=routing_map,
+            drop_and_pad=drop_and_pad)
+        want = ref_unpermute_with_routing_map(permuted, sorted_indices, routing_map, p,
+                                              drop_and_pad, [t, h])
+        assert out.dtype == dtype
+        assert_close(out, want, dtype=dtype, scale=4)
+
+
+@pytest.mark.parametrize("drop_and_pad", [False, True])
+def test_routing_map_gradients_match_golden_autograd(drop_and_pad):
+    t, e, k, h = 11, 5, 2, 7
+    routing_map = routing_map_of(t, e, k)
+    tokens = randn(t, h, dtype=F64, requires_grad=True)
+    probs = torch.rand(t, e, dtype=F64, requires_grad=True)
+    num_out = 10 if drop_and_pad else t * k
+    out = opennpu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, probs=probs, num_out_tokens=num_out, drop_and_pad=drop_and_pad)
+    g0, g1 = randn(*out[0].shape, dtype=F64), randn(*out[1].shape, dtype=F64)
+    ours = torch.autograd.grad((out[0] * g0).sum() + (out[1] * g1).sum(), (tokens, probs))
+    ref = ref_permute_with_routing_map(tokens, routing_map, probs, num_out, drop_and_pad)
+    want = torch.autograd.grad((ref[0] * g0).sum() + (ref[1] * g1).sum(), (tokens, probs))
+    for a, b in zip(ours, want):
+        torch.testing.assert_close(a, b)
+    # unpermute: the gradients of its golden
+    permuted = out[0].detach().clone().requires_grad_()
+    res = opennpu.npu_moe_token_unpermute_with_routing_map(
+        permuted, out[2], [t, h], probs=probs, routing_map=routing_map, drop_and_pad=drop_and_pad)
+    g = randn(t, h, dtype=F64)
+    ours = torch.autograd.grad((res * g).sum(), (permuted, probs))
+    gold = ref_unpermute_with_routing_map(permuted, out[2], routing_map, probs, drop_and_pad,
+                                          [t, h])
+    want = torch.autograd.grad((gold * g).sum(), (permuted, probs))
+    for a, b in zip(ours, want):
+        torch.testing.assert_close(a, b)
+    assert torch.autograd.gradcheck(
+        lambda x, p: opennpu.npu_moe_token_unpermute_with_routing_map(
+            x, out[2], [t, h], probs=p, routing_map=routing_map, drop_and_pad=drop_and_pad),
+        (permuted, probs))
+
+
+def test_routing_map_internal_outputs_and_round_trip():
+    t, e, h = 9, 4, 8
+    routing_map = routing_map_of(t, e, 2)
+    tokens, probs = randn(t, h), torch.rand(t, e)
+    permuted, permuted_probs, sorted_indices = opennpu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, probs=probs, num_out_tokens=2 * t)
+    out, out_index, token_id, permute_probs = opennpu._npu_moe_token_unpermute_with_routing_map(
+        permuted, sorted_indices, [t, h], probs=probs, routing_map=routing_map)
+    assert torch.equal(out_index, sorted_indices) and torch.equal(token_id, sorted_indices)
+    torch.testing.assert_close(out, tokens * (probs * routing_map).sum(1, keepdim=True))
+    assert torch.equal(permute_probs, probs[routing_map])  # token-major, as the golden
+    permuted, _, slot_token = opennpu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, num_out_tokens=12, drop_and_pad=True)
+    _, out_index, token_id, _ = opennpu._npu_moe_token_unpermute_with_routing_map(
+        permuted, slot_token, [t, h], routing_map=routing_map, drop_and_pad=True)
+    sorted_tokens, order = torch.sort(slot_token, stable=True)
+    assert torch.equal(out_index, order.to(I32)) and torch.equal(token_id, sorted_tokens)
+
+
+def test_routing_map_bad_inputs():
+    tokens, routing_map = randn(4, 8), routing_map_of(4, 3, 2)
+    op = opennpu.npu_moe_token_permute_with_routing_map
+    with pytest.raises(RuntimeError, match=r"'num_out_tokens' must give routing_map.sum\(\) = 8 "
+                                           r"rows .* but gives 4"):
+        op(tokens, routing_map)
+    with pytest.raises(RuntimeError, match="'num_out_tokens' must give a capacity .* at most "
+                                           "num_tokens = 4"):
+        op(tokens, routing_map, num_out_tokens=15, drop_and_pad=True)
+    with pytest.raises(RuntimeError, match=re.escape("'routing_map' must be 2-D [num_tokens, "
+                                                     "num_experts] with num_tokens = 4")):
+        op(tokens, routing_map[:3], num_out_tokens=8)
+    with pytest.raises(RuntimeError, match="'routing_map' must be bool or an integer dtype"):
+        op(tokens, routing_map.float(), num_out_tokens=8)
+    with pytest.raises(RuntimeError, match=re.escape("'probs' must have the routing map's shape "
+                                                     "[4, 3]")):
+        op(tokens, routing_map, probs=torch.rand(4, 2), num_out_tokens=8)
+    unpermute = opennpu.npu_moe_token_unpermute_with_routing_map
+    _, _, sorted_indices = op(tokens, routing_map, num_out_tokens=8)
+    with pytest.raises(RuntimeError, match=re.escape("'restore_shape' must be [num_tokens, H] "
+                                                     "with H = 8")):
+        unpermute(randn(8, 8), sorted_indices, [4, 7], routing_map=routing_map)
+    with pytest.raises(RuntimeError, match="'sorted_indices' must be a permutation of"):
+        unpermute(randn(8, 8), torch.zeros(8, dtype=I32), [4, 8], routing_map=routing_map)
+    with pytest.raises(RuntimeError, match="'routing_map' must be given with probs"):
+        unpermute(randn(8, 8), sorted_indices, [4, 8], probs=torch.rand(4, 3))
+
+
+def test_routing_map_opcheck_compile_and_npu():
+    t, e, h = 6, 4, 8
+    routing_map = routing_map_of(t, e, 2)
+    tokens, probs = randn(t, h), torch.rand(t, e)
+    opcheck(npu.npu_moe_token_permute_with_routing_map.default,
+            [((tokens, routing_map), dict(probs=probs, num_out_tokens=12)),
+             ((tokens, routing_map), dict(num_out_tokens=8, drop_and_pad=True))])
+    permuted, _, idx = opennpu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, probs=probs, num_out_tokens=12)
+    opcheck(npu.npu_moe_token_unpermute_with_routing_map.default,
+            [((permuted, idx, [t, h]), dict(probs=probs, routing_map=routing_map))])
+    opcheck(npu._npu_moe_token_unpermute_with_routing_map.default,
+            [((permuted, idx, [t, h]), dict(probs=probs, routing_map=routing_map))])
+    opcheck(npu.npu_moe_token_permute_with_routing_map_grad.default,
+            [((randn(12, h), torch.rand(12), idx, routing_map, e, t, False), {})])
+    opcheck(npu.npu_moe_token_unpermute_with_routing_map_grad.default,
+            [((randn(t, h), idx, idx, routing_map, permuted, probs, False, [t, h]), {})])
+
+    def layer(x, p):
+        rows, _, si = torch.ops.npu.npu_moe_token_permute_with_routing_map(
+            x, routing_map, probs=p, num_out_tokens=x.shape[0] * 2)
+        return torch.ops.npu.npu_moe_token_unpermute_with_routing_map(
+            rows.sin(), si, [x.shape[0], x.shape[1]], probs=p, routing_map=routing_map)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    xe, pe = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+    xc, pc = tokens.clone().requires_grad_(), probs.clone().requires_grad_()
+    eager, comp = layer(xe, pe), compiled(xc, pc)
+    torch.testing.assert_close(comp, eager, rtol=0, atol=0)
+    eager.sum().backward()
+    comp.sum().backward()
+    torch.testing.assert_close(xc.grad, xe.grad)
+    torch.testing.assert_close(pc.grad, pe.grad)
+    torch._dynamo.reset()
+    on_npu = opennpu.npu_moe_token_permute_with_routing_map(
+        tokens.to("npu"), routing_map.to("npu"), probs=probs.to("npu"), num_out_tokens=12)
+    assert on_npu[0].device.type == "npu" and torch.equal(on_npu[0].cpu(), permuted)

@@ -263,6 +263,24 @@ def _arndq(dtype, **kw):
     return [x1, x2, g], kw
 
 
+_ROUTING_MAP = torch.zeros(9, 5, dtype=torch.bool).scatter(
+    1, torch.rand(9, 5, generator=torch.Generator().manual_seed(5)).argsort(-1)[:, :2], True)
+
+
+def _routing_map_rows(drop_and_pad=False):
+    """permute_with_routing_map of [9, 24] tokens by _ROUTING_MAP (18 pairs, or capacity 4)."""
+    return npu.npu_moe_token_permute_with_routing_map(
+        torch.zeros(9, 24), _ROUTING_MAP, num_out_tokens=20 if drop_and_pad else 18,
+        drop_and_pad=drop_and_pad)
+
+
+def _routing_map_grad_index():
+    """(out_index, permuted_token_id) of the drop-and-pad unpermute."""
+    slots = _routing_map_rows(True)[2]
+    return list(npu._npu_moe_token_unpermute_with_routing_map(
+        torch.zeros(20, 24), slots, [9, 24], routing_map=_ROUTING_MAP, drop_and_pad=True)[1:3])
+
+
 _ROUTING_V2 = torch.randint(0, 8, (11, 3), generator=torch.Generator().manual_seed(4),
                             dtype=I32)
 _TOKEN_ROUTING = torch.randint(0, 5, (9, 3), generator=torch.Generator().manual_seed(3))
@@ -430,6 +448,28 @@ CASES = [
                      torch.rand(9, 3)], {}), scale=4),
     Case("moe_token_unpermute_grad_v2", npu.npu_moe_token_unpermute_grad_v2,
          lambda d: ([randn(27, 24, dtype=d), _token_permute(d)[1], 27, d], {})),
+    Case("moe_token_permute_with_routing_map", npu.npu_moe_token_permute_with_routing_map,
+         lambda d: ([randn(9, 24, dtype=d), _ROUTING_MAP],
+                    dict(probs=torch.rand(9, 5, dtype=d), num_out_tokens=18))),
+    Case("moe_token_permute_with_routing_map_pad", npu.npu_moe_token_permute_with_routing_map,
+         lambda d: ([randn(9, 24, dtype=d), _ROUTING_MAP.to(torch.int8)],
+                    dict(num_out_tokens=20, drop_and_pad=True))),
+    Case("moe_token_permute_with_routing_map_grad",
+         npu.npu_moe_token_permute_with_routing_map_grad,
+         lambda d: ([randn(18, 24, dtype=d), torch.rand(18), _routing_map_rows()[2], _ROUTING_MAP,
+                     5, 9, False], {}), scale=4),
+    Case("moe_token_unpermute_with_routing_map", npu.npu_moe_token_unpermute_with_routing_map,
+         lambda d: ([randn(18, 24, dtype=d), _routing_map_rows()[2], [9, 24]],
+                    dict(probs=torch.rand(9, 5, dtype=d), routing_map=_ROUTING_MAP)), scale=4),
+    Case("moe_token_unpermute_with_routing_map_internal_pad",
+         npu._npu_moe_token_unpermute_with_routing_map,
+         lambda d: ([randn(20, 24, dtype=d), _routing_map_rows(True)[2], [9, 24]],
+                    dict(probs=torch.rand(9, 5, dtype=d), drop_and_pad=True)), scale=4),
+    Case("moe_token_unpermute_with_routing_map_grad",
+         npu.npu_moe_token_unpermute_with_routing_map_grad,
+         lambda d: ([randn(9, 24, dtype=d), *_routing_map_grad_index(), _ROUTING_MAP,
+                     randn(20, 24, dtype=d),
+                     torch.rand(9, 5, dtype=d), True, [9, 24]], {}), scale=4),
     Case("grouped_matmul_list", npu.npu_grouped_matmul.List, _gmm, scale=4),
     Case("grouped_matmul_split3", npu.npu_grouped_matmul.List, lambda d: _gmm(d, 3), scale=4),
     Case("grouped_matmul_tensors", npu.npu_grouped_matmul, _gmm_tensor, scale=4),
@@ -636,6 +676,19 @@ GRAD_CASES = {
     "npu_moe_token_unpermute": (lambda r, p: opennpu.npu_moe_token_unpermute(
         r, _token_permute(F32, 20)[1], p), lambda d: [randn(20, 24, dtype=d), torch.rand(9, 3)],
         None),
+    "npu_moe_token_permute_with_routing_map": (
+        lambda x, p: opennpu.npu_moe_token_permute_with_routing_map(
+            x, _ROUTING_MAP, probs=p, num_out_tokens=20, drop_and_pad=True)[:2],
+        lambda d: [randn(9, 24, dtype=d), torch.rand(9, 5)], None),
+    "npu_moe_token_unpermute_with_routing_map": (
+        lambda r, p: opennpu.npu_moe_token_unpermute_with_routing_map(
+            r, _routing_map_rows()[2], [9, 24], probs=p, routing_map=_ROUTING_MAP),
+        lambda d: [randn(18, 24, dtype=d), torch.rand(9, 5)], None),
+    "_npu_moe_token_unpermute_with_routing_map": (
+        lambda r, p: opennpu._npu_moe_token_unpermute_with_routing_map(
+            r, _routing_map_rows(True)[2], [9, 24], probs=p, routing_map=_ROUTING_MAP,
+            drop_and_pad=True)[0],
+        lambda d: [randn(20, 24, dtype=d), torch.rand(9, 5)], None),
     "npu_fusion_attention": (lambda q, k, v, p: opennpu.npu_fusion_attention(
         q, k, v, 4, "BSH", pse=p, atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1),
         sparse_mode=3, scale=0.3)[0],

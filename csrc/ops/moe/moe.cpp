@@ -159,6 +159,23 @@ std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert) {
   return order;
 }
 
+void gather_rows(const at::Tensor& x, const int64_t* src_row, int64_t rows, at::Tensor& out) {
+  const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
+  if (rows == 0 || row_bytes == 0) return;
+  const char* in = static_cast<const char*>(x.const_data_ptr());
+  char* o = static_cast<char*>(out.mutable_data_ptr());
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_bytes);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (src_row[r] >= 0) {
+        std::memcpy(o + r * row_bytes, in + src_row[r] * row_bytes, row_bytes);
+      } else {
+        std::memset(o + r * row_bytes, 0, row_bytes);
+      }
+    }
+  });
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing(const at::Tensor& x,
                                                                      const at::Tensor& row_idx,
                                                                      const at::Tensor& expert_idx,

@@ -56,6 +56,9 @@ std::vector<int64_t> index_values(const at::Tensor& t);
 // A stable sort of keys: order[p] = the position of the p-th smallest key (ties in position
 // order). Counting sort when the key range is small next to the count, else std::stable_sort.
 std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert);
+// out[r] = x[src_row[r]] for r < rows (row bytes, in parallel), a zero row where src_row[r] < 0.
+// x, out: contiguous [*, H] of one dtype.
+void gather_rows(const at::Tensor& x, const int64_t* src_row, int64_t rows, at::Tensor& out);
 
 extern CpuKernel<GatingFn> gating_cpu;
 extern CpuKernel<GatingV2Fn> gating_v2_cpu;

@@ -41,25 +41,6 @@ constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
 bool given(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
 
-// out[r] = x[src_row[r]] (bytes), a zero row where src_row[r] < 0. x, out: contiguous [*, H].
-void gather_rows(const at::Tensor& x, const std::vector<int64_t>& src_row, at::Tensor& out) {
-  const int64_t rows = static_cast<int64_t>(src_row.size());
-  const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
-  if (rows == 0 || row_bytes == 0) return;
-  const char* in = static_cast<const char*>(x.const_data_ptr());
-  char* o = static_cast<char*>(out.mutable_data_ptr());
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_bytes);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (src_row[r] >= 0) {
-        std::memcpy(o + r * row_bytes, in + src_row[r] * row_bytes, row_bytes);
-      } else {
-        std::memset(o + r * row_bytes, 0, row_bytes);
-      }
-    }
-  });
-}
-
 // Static quantisation of op-plugin's golden: every step in float16 (x, scale and offset
 // rounded to float16, the product and the sum rounded to float16), then round half to even and
 // saturate to [-128, 127]. rows: [R, H] floating; a source row < 0 is a zero code row.
@@ -277,7 +258,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing_
   const at::Tensor xc = x.contiguous();
   if (quant_mode == -1) {
     at::Tensor flat = expanded_x.view({rows_out, h});
-    gather_rows(xc, src_row, flat);
+    gather_rows(xc, src_row.data(), rows_out, flat);
     if (scale.defined()) {
       const at::Tensor s = scale.to(at::kFloat).contiguous();
       const float* ps = s.const_data_ptr<float>();
@@ -288,7 +269,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing_
   }
 
   at::Tensor routed = at::empty({rows_out, h}, xc.options());
-  gather_rows(xc, src_row, routed);
+  gather_rows(xc, src_row.data(), rows_out, routed);
   if (quant_mode == 0) {
     expanded_x.view({rows_out, h}).copy_(static_quant(routed, src_row, scale.item<float>(),
                                                       offset.item<float>()));

@@ -6,13 +6,11 @@
 // rejects it with a clear error.
 #include "ops/moe/token_permute.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -215,20 +213,10 @@ std::tuple<at::Tensor, at::Tensor> npu_moe_token_permute(const at::Tensor& token
   int32_t* pos_of = sorted_indices.mutable_data_ptr<int32_t>();
   for (int64_t p = 0; p < n; ++p) pos_of[order[p]] = static_cast<int32_t>(p);
 
-  const int64_t h = tokens.size(1);
-  at::Tensor permuted = at::empty({out_rows, h}, tokens.options());
-  if (out_rows > 0 && h > 0) {
-    const at::Tensor xc = tokens.contiguous();
-    const int64_t row_bytes = h * static_cast<int64_t>(xc.element_size());
-    const char* src = static_cast<const char*>(xc.const_data_ptr());
-    char* dst = static_cast<char*>(permuted.mutable_data_ptr());
-    const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_bytes);
-    at::parallel_for(0, out_rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        std::memcpy(dst + p * row_bytes, src + (order[p] / k) * row_bytes, row_bytes);
-      }
-    });
-  }
+  at::Tensor permuted = at::empty({out_rows, tokens.size(1)}, tokens.options());
+  std::vector<int64_t> src_row(order.begin(), order.begin() + out_rows);
+  for (int64_t& r : src_row) r /= k;
+  gather_rows(tokens.contiguous(), src_row.data(), out_rows, permuted);
   return {permuted, sorted_indices};
 }
 

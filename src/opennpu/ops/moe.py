@@ -24,7 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ._registry import mark_backward_op, mark_not_differentiable, register_autograd, register_fake
+from ._registry import (DIFFERENTIABILITY, mark_backward_op, mark_not_differentiable,
+                        register_autograd, register_fake)
 
 _ops = torch.ops.npu
 
@@ -256,6 +257,84 @@ def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens: torch.Tensor,
                                                 permuted_tokens_size_0, permuted_tokens_dtype,
                                                 probs, padded_mode, restore_shape,
                                                 permuted_tokens)
+
+
+def npu_moe_token_permute_with_routing_map(tokens: torch.Tensor, routing_map: torch.Tensor, *,
+                                           probs: torch.Tensor | None = None,
+                                           num_out_tokens: int | None = None,
+                                           drop_and_pad: bool = False):
+    """MoE dispatch from a routing map ``[T, E]`` (bool / int, nonzero = routed).
+
+    Returns ``(permuted_tokens, permuted_probs, sorted_indices)``:
+
+    - dropless: the routed (token, expert) pairs expert-major, tokens ascending; row p is the
+      pair's token and ``permuted_probs[p]`` its ``probs[token, expert]``. ``num_out_tokens``
+      (default T) rounded down to a multiple of T must equal ``routing_map.sum()``.
+      ``sorted_indices`` [pairs] int32: the row of each pair in token-major order (what
+      npu_moe_token_unpermute_with_routing_map takes);
+    - ``drop_and_pad``: each expert gets ``capacity = num_out_tokens // E`` slots, filled with
+      its routed tokens in ascending order and then, as op-plugin's golden does, with unrouted
+      tokens; ``sorted_indices`` [E * capacity] = each slot's token.
+
+    ``permuted_probs`` is an empty ``[0]`` tensor without probs (torch_npu: None).
+    Differentiable in tokens and probs (npu_moe_token_permute_with_routing_map_grad).
+    """
+    return _ops.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+        drop_and_pad=drop_and_pad)
+
+
+def npu_moe_token_permute_with_routing_map_grad(permuted_token_out_grad, probs_grad,
+                                                sorted_indices, routing_map, experts_num: int,
+                                                tokens_num: int, drop_and_pad: bool):
+    """Gradients of npu_moe_token_permute_with_routing_map: ``(tokens_grad [T, H], probs_grad
+    [T, E])``: each token's rows summed (float32 accumulation), each row's probs gradient put
+    back at its (token, expert); probs_grad is an empty ``[0]`` when ``probs_grad`` is None."""
+    return _ops.npu_moe_token_permute_with_routing_map_grad(
+        permuted_token_out_grad, probs_grad, sorted_indices, routing_map, experts_num,
+        tokens_num, drop_and_pad)
+
+
+def npu_moe_token_unpermute_with_routing_map(permuted_tokens: torch.Tensor,
+                                             sorted_indices: torch.Tensor,
+                                             restore_shape: Sequence[int], *,
+                                             probs: torch.Tensor | None = None,
+                                             routing_map: torch.Tensor | None = None,
+                                             drop_and_pad: bool = False) -> torch.Tensor:
+    """MoE combine for npu_moe_token_permute_with_routing_map: ``out`` [restore_shape] =
+    ``[T, H]``, each token the sum of its permuted rows weighted by ``probs[token, expert]``
+    (1 without probs), in float32, rounded once. Dropless: ``sorted_indices`` gives the row of
+    each token-major routed pair (``routing_map`` places the probs; without it every token has
+    rows / T pairs); drop_and_pad: ``sorted_indices`` is each slot's token (padding slots
+    included, as op-plugin's golden does). Differentiable in permuted_tokens and probs
+    (npu_moe_token_unpermute_with_routing_map_grad)."""
+    return _ops.npu_moe_token_unpermute_with_routing_map(
+        permuted_tokens, sorted_indices, list(restore_shape), probs=probs,
+        routing_map=routing_map, drop_and_pad=drop_and_pad)
+
+
+def _npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *,
+                                              probs=None, routing_map=None, drop_and_pad=False):
+    """npu_moe_token_unpermute_with_routing_map with what its gradient takes: ``(out,
+    out_index, permuted_token_id, permute_probs)``; with drop_and_pad out_index is the stable
+    argsort of the slot tokens and permuted_token_id those tokens sorted, dropless both are
+    sorted_indices; permute_probs: the probs of the routed pairs token-major (dropless,
+    ``probs[routing_map]``) or of each slot (drop_and_pad); empty ``[0]`` without probs."""
+    return _ops._npu_moe_token_unpermute_with_routing_map(
+        permuted_tokens, sorted_indices, list(restore_shape), probs=probs,
+        routing_map=routing_map, drop_and_pad=drop_and_pad)
+
+
+def npu_moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
+                                                  permuted_token_id, routing_map,
+                                                  permuted_tokens, probs, drop_and_pad: bool,
+                                                  restore_shape: Sequence[int]):
+    """Gradients of npu_moe_token_unpermute_with_routing_map: ``(permuted_tokens_grad,
+    probs_grad)``; probs_grad [T, E] in the gradient's dtype (row dot products in float32), an
+    empty ``[0]`` without probs."""
+    return _ops.npu_moe_token_unpermute_with_routing_map_grad(
+        unpermuted_tokens_grad, out_index, permuted_token_id, routing_map, permuted_tokens,
+        probs, drop_and_pad, list(restore_shape))
 
 
 def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor], *,
@@ -548,6 +627,145 @@ mark_backward_op("npu_moe_token_unpermute_grad", "npu_moe_token_unpermute")
 mark_backward_op("npu_moe_token_unpermute_grad_v2", "npu_moe_token_unpermute")
 
 
+
+@register_fake("npu::npu_moe_token_permute_with_routing_map")
+def _permute_with_routing_map_fake(tokens, routing_map, *, probs=None, num_out_tokens=None,
+                                   drop_and_pad=False):
+    unit = routing_map.shape[1] if drop_and_pad else tokens.shape[0]
+    requested = tokens.shape[0] if num_out_tokens is None else num_out_tokens
+    rows = requested // unit * unit if unit else 0
+    permuted_probs = (probs.new_empty((rows,)) if probs is not None
+                      else tokens.new_empty((0,)))
+    return (tokens.new_empty((rows, tokens.shape[1])), permuted_probs,
+            tokens.new_empty((rows,), dtype=torch.int32))
+
+
+@register_fake("npu::npu_moe_token_permute_with_routing_map_grad")
+def _permute_with_routing_map_grad_fake(permuted_token_out_grad, probs_grad, sorted_indices,
+                                        routing_map, experts_num, tokens_num, drop_and_pad):
+    g = permuted_token_out_grad
+    probs_out = (probs_grad.new_empty((tokens_num, experts_num)) if probs_grad is not None
+                 else g.new_empty((0,)))
+    return g.new_empty((tokens_num, g.shape[1])), probs_out
+
+
+def _unpermute_with_routing_map_outputs(permuted_tokens, sorted_indices, restore_shape, probs):
+    rows = permuted_tokens.shape[0]
+    permute_probs = probs.new_empty((rows,)) if probs is not None \
+        else permuted_tokens.new_empty((0,))
+    return (permuted_tokens.new_empty((restore_shape[0], restore_shape[1])),
+            sorted_indices.new_empty((rows,)), sorted_indices.new_empty((rows,)), permute_probs)
+
+
+@register_fake("npu::npu_moe_token_unpermute_with_routing_map")
+def _unpermute_with_routing_map_fake(permuted_tokens, sorted_indices, restore_shape, *,
+                                     probs=None, routing_map=None, drop_and_pad=False):
+    return permuted_tokens.new_empty((restore_shape[0], restore_shape[1]))
+
+
+@register_fake("npu::_npu_moe_token_unpermute_with_routing_map")
+def _unpermute_with_routing_map_internal_fake(permuted_tokens, sorted_indices, restore_shape, *,
+                                              probs=None, routing_map=None, drop_and_pad=False):
+    return _unpermute_with_routing_map_outputs(permuted_tokens, sorted_indices, restore_shape,
+                                               probs)
+
+
+@register_fake("npu::npu_moe_token_unpermute_with_routing_map_grad")
+def _unpermute_with_routing_map_grad_fake(unpermuted_tokens_grad, out_index, permuted_token_id,
+                                          routing_map, permuted_tokens, probs, drop_and_pad,
+                                          restore_shape):
+    g = unpermuted_tokens_grad
+    probs_grad = g.new_empty(probs.shape) if probs is not None else g.new_empty((0,))
+    return g.new_empty((out_index.shape[0], g.shape[1])), probs_grad
+
+
+# The routing-map ops take probs keyword-only, which register_autograd refuses: an Autograd
+# kernel runs them below autograd inside an autograd.Function whose backward calls the grad op.
+
+
+class _PermuteWithRoutingMap(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tokens, routing_map, probs, num_out_tokens, drop_and_pad):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = _ops.npu_moe_token_permute_with_routing_map(
+                tokens, routing_map, probs=probs, num_out_tokens=num_out_tokens,
+                drop_and_pad=drop_and_pad)
+        ctx.mark_non_differentiable(out[2])
+        ctx.save_for_backward(out[2], routing_map)
+        ctx.sizes = (tokens.shape[0], routing_map.shape[1], drop_and_pad, probs is not None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_permuted, grad_probs, _grad_sorted_indices):
+        sorted_indices, routing_map = ctx.saved_tensors
+        tokens_num, experts_num, drop_and_pad, has_probs = ctx.sizes
+        tokens_grad, probs_grad = _ops.npu_moe_token_permute_with_routing_map_grad(
+            grad_permuted, grad_probs if has_probs else None, sorted_indices, routing_map,
+            experts_num, tokens_num, drop_and_pad)
+        return tokens_grad, None, probs_grad if has_probs else None, None, None
+
+
+class _UnpermuteWithRoutingMap(torch.autograd.Function):
+    """_npu_moe_token_unpermute_with_routing_map: differentiable in its first output, as in
+    op-plugin's derivatives.yaml (the public op calls it)."""
+
+    @staticmethod
+    def forward(ctx, permuted_tokens, sorted_indices, restore_shape, probs, routing_map,
+                drop_and_pad):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = _ops._npu_moe_token_unpermute_with_routing_map(
+                permuted_tokens, sorted_indices, restore_shape, probs=probs,
+                routing_map=routing_map, drop_and_pad=drop_and_pad)
+        ctx.mark_non_differentiable(*out[1:])
+        # op-plugin's gradient gets (out_index, permuted_token_id) with drop_and_pad, else
+        # sorted_indices for both
+        index = (out[1], out[2]) if drop_and_pad else (sorted_indices, sorted_indices)
+        ctx.save_for_backward(*index, routing_map, permuted_tokens if probs is not None else None,
+                              probs)
+        ctx.args = (drop_and_pad, list(restore_shape))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad, *_index_grads):
+        out_index, token_id, routing_map, permuted_tokens, probs = ctx.saved_tensors
+        drop_and_pad, restore_shape = ctx.args
+        grad_rows, grad_probs = _ops.npu_moe_token_unpermute_with_routing_map_grad(
+            grad, out_index, token_id, routing_map, permuted_tokens, probs, drop_and_pad,
+            restore_shape)
+        return (grad_rows, None, None, grad_probs.to(probs.dtype) if probs is not None else None,
+                None, None)
+
+
+@torch.library.impl("npu::npu_moe_token_permute_with_routing_map", "Autograd")
+def _permute_with_routing_map_autograd(tokens, routing_map, *, probs=None, num_out_tokens=None,
+                                       drop_and_pad=False):
+    return _PermuteWithRoutingMap.apply(tokens, routing_map, probs, num_out_tokens, drop_and_pad)
+
+
+@torch.library.impl("npu::_npu_moe_token_unpermute_with_routing_map", "Autograd")
+def _unpermute_with_routing_map_internal_autograd(permuted_tokens, sorted_indices,
+                                                  restore_shape, *, probs=None, routing_map=None,
+                                                  drop_and_pad=False):
+    return _UnpermuteWithRoutingMap.apply(permuted_tokens, sorted_indices, restore_shape, probs,
+                                          routing_map, drop_and_pad)
+
+
+@torch.library.impl("npu::npu_moe_token_unpermute_with_routing_map", "Autograd")
+def _unpermute_with_routing_map_autograd(permuted_tokens, sorted_indices, restore_shape, *,
+                                         probs=None, routing_map=None, drop_and_pad=False):
+    return _ops._npu_moe_token_unpermute_with_routing_map(
+        permuted_tokens, sorted_indices, restore_shape, probs=probs, routing_map=routing_map,
+        drop_and_pad=drop_and_pad)[0]
+
+
+DIFFERENTIABILITY["npu_moe_token_permute_with_routing_map"] = "autograd"
+DIFFERENTIABILITY["npu_moe_token_unpermute_with_routing_map"] = "autograd"
+DIFFERENTIABILITY["_npu_moe_token_unpermute_with_routing_map"] = "autograd"
+mark_backward_op("npu_moe_token_permute_with_routing_map_grad",
+                 "npu_moe_token_permute_with_routing_map")
+mark_backward_op("npu_moe_token_unpermute_with_routing_map_grad",
+                 "npu_moe_token_unpermute_with_routing_map")
+
 _INFERENCE_ONLY = "inference only: torch_npu registers no backward for it"
 mark_not_differentiable("npu_moe_gating_top_k_softmax", _INFERENCE_ONLY)
 mark_not_differentiable("npu_moe_gating_top_k_softmax_v2", _INFERENCE_ONLY)
@@ -562,4 +780,7 @@ __all__ = ["npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
            "npu_moe_token_permute", "npu_moe_token_permute_grad", "npu_moe_token_permute_grad_v2",
            "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad",
            "npu_moe_token_unpermute_grad_v2", "npu_moe_gating_top_k_softmax_v2",
-           "npu_moe_init_routing_v2"]
+           "npu_moe_init_routing_v2", "npu_moe_token_permute_with_routing_map",
+           "npu_moe_token_permute_with_routing_map_grad", "npu_moe_token_unpermute_with_routing_map",
+           "_npu_moe_token_unpermute_with_routing_map",
+           "npu_moe_token_unpermute_with_routing_map_grad"]

@@ -685,6 +685,140 @@ def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices,
                            permuted_tokens_dtype, probs, permuted_tokens)
 
 
+def _routed_pairs(routing_map, count):
+    """(token, expert) of the first `count` routed pairs of the map, token-major."""
+    t, e = routing_map.shape
+    flat = routing_map.reshape(-1) != 0
+    idx = torch.arange(t * e, device=routing_map.device)
+    order = torch.sort(torch.where(flat, idx, idx + t * e), stable=True).indices[:count]
+    return torch.div(order, e, rounding_mode="floor"), order % e
+
+
+def _slot_experts(slots, experts, device):
+    capacity = slots // max(experts, 1)
+    return torch.div(torch.arange(slots, device=device), max(capacity, 1), rounding_mode="floor")
+
+
+@_portable("npu::npu_moe_token_permute_with_routing_map")
+def npu_moe_token_permute_with_routing_map(tokens, routing_map, *, probs=None,
+                                           num_out_tokens=None, drop_and_pad=False):
+    t, e = routing_map.shape
+    requested = t if num_out_tokens is None else num_out_tokens
+    unit = e if drop_and_pad else t
+    rows = requested // unit * unit if unit else 0
+    dev = tokens.device
+    if drop_and_pad:
+        capacity = rows // e if e else 0
+        slot_token = torch.sort((routing_map != 0).to(torch.int8).t(), dim=-1, descending=True,
+                                stable=True).indices[:, :capacity].reshape(-1)
+        permuted_probs = (probs[slot_token, _slot_experts(rows, e, dev)] if probs is not None
+                          else tokens.new_empty((0,)))
+        return tokens[slot_token], permuted_probs, slot_token.to(torch.int32)
+    token, expert = _routed_pairs(routing_map, rows)  # token-major pair q
+    order = torch.sort(expert * t + token, stable=True).indices  # expert-major position p
+    positions = torch.arange(rows, dtype=torch.int32, device=dev)
+    sorted_indices = torch.empty_like(positions).scatter(0, order, positions)
+    permuted_probs = (probs[token[order], expert[order]] if probs is not None
+                      else tokens.new_empty((0,)))
+    return tokens[token[order]], permuted_probs, sorted_indices
+
+
+def _routing_terms(sorted_indices, rows, t, routing_map, probs, drop_and_pad):
+    """(token, expert, row) of every term: drop_and_pad, slot s of token sorted_indices[s];
+    dropless, token-major pair q in row sorted_indices[q]."""
+    si = sorted_indices.reshape(-1).to(torch.int64)
+    dev = si.device
+    if drop_and_pad:
+        e = routing_map.shape[1] if routing_map is not None else probs.shape[1]
+        return si, _slot_experts(rows, e, dev), torch.arange(rows, device=dev)
+    if routing_map is not None:
+        token, expert = _routed_pairs(routing_map, rows)
+    else:
+        k = rows // t if t else 0
+        q = torch.arange(rows, device=dev)
+        token, expert = torch.div(q, max(k, 1), rounding_mode="floor"), q % max(k, 1)
+    return token, expert, si
+
+
+def _unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs,
+                                routing_map, drop_and_pad):
+    rows, h = permuted_tokens.shape
+    t = restore_shape[0]
+    token, expert, row = _routing_terms(sorted_indices, rows, t, routing_map, probs,
+                                        drop_and_pad)
+    terms = _up(permuted_tokens)[row]
+    w = probs[token, expert] if probs is not None else None
+    if w is not None:
+        terms = terms * w.to(terms.dtype).unsqueeze(-1)
+    out = terms.new_zeros((t, h)).index_add(0, token, terms).to(permuted_tokens.dtype)
+    return out, w
+
+
+@_portable("npu::npu_moe_token_unpermute_with_routing_map")
+def npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *,
+                                             probs=None, routing_map=None, drop_and_pad=False):
+    return _unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs,
+                                       routing_map, drop_and_pad)[0]
+
+
+@_portable("npu::_npu_moe_token_unpermute_with_routing_map")
+def _npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *,
+                                              probs=None, routing_map=None, drop_and_pad=False):
+    out, w = _unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs,
+                                         routing_map, drop_and_pad)
+    if drop_and_pad:
+        token_id, out_index = torch.sort(sorted_indices, stable=True)
+        out_index = out_index.to(sorted_indices.dtype)
+    else:
+        out_index, token_id = sorted_indices.clone(), sorted_indices.clone()
+    permute_probs = w if w is not None else permuted_tokens.new_empty((0,))
+    return out, out_index, token_id, permute_probs
+
+
+@_portable("npu::npu_moe_token_permute_with_routing_map_grad")
+def npu_moe_token_permute_with_routing_map_grad(permuted_token_out_grad, probs_grad,
+                                                sorted_indices, routing_map, experts_num,
+                                                tokens_num, drop_and_pad):
+    g = permuted_token_out_grad
+    rows = g.shape[0]
+    token, expert, row = _routing_terms(sorted_indices, rows, tokens_num, routing_map, None,
+                                        drop_and_pad)
+    gf = _up(g)
+    tokens_grad = gf.new_zeros((tokens_num, g.shape[1])).index_add(0, token, gf[row]).to(g.dtype)
+    if probs_grad is None:
+        return tokens_grad, g.new_empty((0,))
+    flat = probs_grad.new_zeros((tokens_num * experts_num,), dtype=torch.float64)
+    flat = flat.index_add(0, token * experts_num + expert, probs_grad.double()[row])
+    return tokens_grad, flat.view(tokens_num, experts_num).to(probs_grad.dtype)
+
+
+@_portable("npu::npu_moe_token_unpermute_with_routing_map_grad")
+def npu_moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
+                                                  permuted_token_id, routing_map,
+                                                  permuted_tokens, probs, drop_and_pad,
+                                                  restore_shape):
+    g = unpermuted_tokens_grad
+    t, h = g.shape
+    rows = out_index.shape[0]
+    si = out_index
+    if drop_and_pad:  # each slot's token back from the sorted order
+        si = torch.empty_like(permuted_token_id).scatter(0, out_index.to(torch.int64),
+                                                         permuted_token_id)
+    token, expert, row = _routing_terms(si, rows, t, routing_map, probs, drop_and_pad)
+    gf = _up(g)[token]
+    if probs is not None:
+        gf_w = gf * probs[token, expert].to(gf.dtype).unsqueeze(-1)
+    else:
+        gf_w = gf
+    grad_rows = gf.new_zeros((rows, h)).index_copy(0, row, gf_w).to(g.dtype)
+    if probs is None:
+        return grad_rows, g.new_empty((0,))
+    dots = (gf * _up(permuted_tokens.to(g.dtype))[row]).sum(-1)
+    e = probs.shape[1]
+    flat = dots.new_zeros((t * e,)).index_add(0, token * e + expert, dots)
+    return grad_rows, flat.view(t, e).to(g.dtype)
+
+
 def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, quantised):
     if quantised:
         raise NotImplementedError(
