@@ -4,6 +4,7 @@
   sorted_indices; bwd: the index_add of index_select's backward),
 - moe_token_unpermute (fwd: index_select by sorted_indices, * probs, sum over the K slots;
   bwd: autograd of that composition),
+- the routing-map forms (masked_select + index_select; index_select, * probs[routing_map], sum),
 - moe_gating_v2 (softmax + topk), moe_init_routing_v2 (stable sort + gather + bincount).
 
 Megatron / vllm-ascend shapes: T tokens, H hidden, top-K of E experts (bf16 tokens, fp32 probs).
@@ -165,6 +166,55 @@ def init_routing_v2_fwd(t, h, dtype, threads):
     )
 
 
+def _routing_map(t):
+    chosen = torch.rand(t, EXPERTS).argsort(dim=-1)[:, :TOP_K]
+    return torch.zeros(t, EXPERTS, dtype=torch.bool).scatter(1, chosen, True)
+
+
+def native_permute_with_routing_map(tokens, routing_map, probs):
+    """Megatron's permute with a routing map (op-plugin's golden)."""
+    mask = routing_map.T.contiguous()
+    token_ids = torch.arange(tokens.shape[0]).unsqueeze(0).expand(mask.shape[0], -1)
+    token_ids = token_ids.masked_select(mask)
+    return tokens.index_select(0, token_ids), probs.T.masked_select(mask)
+
+
+def permute_with_routing_map_fwd(t, h, dtype, threads):
+    tokens, _, _ = _routing(t, h, dtype)
+    routing_map, probs = _routing_map(t), torch.rand(t, EXPERTS)
+    native_compiled = compiled(native_permute_with_routing_map, tokens, routing_map, probs,
+                               threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_moe_token_permute_with_routing_map(
+            tokens, routing_map, probs=probs, num_out_tokens=t * TOP_K)[:2],
+        baselines={"eager": lambda: native_permute_with_routing_map(tokens, routing_map, probs),
+                   "compile": lambda: native_compiled(tokens, routing_map, probs)},
+        reference=lambda: native_permute_with_routing_map(tokens.float(), routing_map, probs),
+    )
+
+
+def native_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs):
+    rows = permuted.index_select(0, sorted_indices.long()).view(routing_map.shape[0], TOP_K, -1)
+    weights = probs.masked_select(routing_map).view(-1, TOP_K, 1).to(rows.dtype)
+    return (rows * weights).sum(dim=1)
+
+
+def unpermute_with_routing_map_fwd(t, h, dtype, threads):
+    tokens, _, _ = _routing(t, h, dtype)
+    routing_map, probs = _routing_map(t), torch.rand(t, EXPERTS)
+    permuted, _, sorted_indices = npu.npu_moe_token_permute_with_routing_map(
+        tokens, routing_map, num_out_tokens=t * TOP_K)
+    args = (permuted, sorted_indices, routing_map, probs)
+    native_compiled = compiled(native_unpermute_with_routing_map, *args, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_moe_token_unpermute_with_routing_map(
+            permuted, sorted_indices, [t, h], probs=probs, routing_map=routing_map),
+        baselines={"eager": lambda: native_unpermute_with_routing_map(*args),
+                   "compile": lambda: native_compiled(*args)},
+        reference=lambda: native_unpermute_with_routing_map(permuted.float(), *args[1:]),
+    )
+
+
 def cases(quick: bool, dtypes):
     for (t, h), dtype in itertools.product(shapes(quick), dtypes):
         e = dtype.itemsize
@@ -180,6 +230,12 @@ def cases(quick: bool, dtypes):
         yield Case("moe_token_unpermute", "bwd", shape, dtype, 2 * rows + t * h * e,
                    functools.partial(unpermute_bwd, t, h, dtype),
                    ("npu_moe_token_unpermute", "npu_moe_token_unpermute_grad_v2"))
+        yield Case("moe_token_permute", "fwd", shape + " routing_map", dtype, rows + t * h * e,
+                   functools.partial(permute_with_routing_map_fwd, t, h, dtype),
+                   ("npu_moe_token_permute_with_routing_map",))
+        yield Case("moe_token_unpermute", "fwd", shape + " routing_map", dtype,
+                   rows + t * h * e, functools.partial(unpermute_with_routing_map_fwd, t, h, dtype),
+                   ("npu_moe_token_unpermute_with_routing_map",))
         yield Case("moe_init_routing_v2", "fwd", shape, dtype, rows + t * h * e,
                    functools.partial(init_routing_v2_fwd, t, h, dtype),
                    ("npu_moe_init_routing_v2",))
