@@ -140,7 +140,7 @@ TORCH_LIBRARY(npu, m) {
   // MoE combine: out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t * K + k]] (K =
   // probs.size(1), or 1 without probs); positions past permuted_tokens' rows count as dropped (0).
   m.def("npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor");
-  // Returns (grad_permuted_tokens, grad_probs: [T, K] in probs' dtype, a 0-dim tensor without probs).
+  // Returns (grad_permuted_tokens, grad_probs: [T, K] in probs' dtype; 0-dim without probs).
   m.def("npu_moe_token_unpermute_grad(Tensor permuted_tokens, Tensor grad_unpermuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> (Tensor, Tensor)");
   // The same from permuted_tokens' size and dtype; permuted_tokens itself only with probs.
   m.def("npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, SymInt permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None) -> (Tensor, Tensor)");
@@ -156,7 +156,7 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, *, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> Tensor");
   // The same with what its gradient takes: (out, out_index, permuted_token_id, permute_probs).
   m.def("_npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, *, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> (Tensor, Tensor, Tensor, Tensor)");
-  // Returns (permuted_tokens_grad, probs_grad [T, E] in the gradient's dtype, empty [0] without probs).
+  // Returns (permuted_tokens_grad, probs_grad [T, E] in the gradient's dtype; [0] without probs).
   m.def("npu_moe_token_unpermute_with_routing_map_grad(Tensor unpermuted_tokens_grad, Tensor out_index, Tensor permuted_token_id, Tensor? routing_map, Tensor? permuted_tokens, Tensor? probs, bool drop_and_pad, int[] restore_shape) -> (Tensor, Tensor)");
   // Grouped matmul y_g = x_g @ w_g (+ b_g): groups as separate tensors or row ranges of one x
   // (group_list, a Tensor here and int[] in .List). Non-quantised paths only. output_dtype and

@@ -6,7 +6,8 @@ from . import (activation, attention, compile, ffn, moe, moe_routing, norm, opti
                softmax, transpose)
 
 # The families --ops accepts, in the order the table lists them.
-OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_v2", "add_rms_norm_cast", "dynamic_quant",
+OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_v2", "add_rms_norm_cast",
+       "dynamic_quant",
        "add_rms_norm_dynamic_quant", "swiglu", "geglu", "fast_gelu", "rotary_mul",
        "scaled_masked_softmax", "confusion_transpose", "attention", "ffn", "moe_layer",
        "moe_token_permute", "moe_token_unpermute", "moe_gating_v2", "moe_init_routing_v2", "adamw",

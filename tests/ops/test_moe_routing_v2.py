@@ -317,7 +317,8 @@ def test_routing_v2_bad_inputs():
                                            "active_expert_range is"):
         op(x, expert_idx)
     with pytest.raises(RuntimeError, match=r"'active_expert_range' must be \[start, end\] with "
-                                           r"0 <= start < end <= expert_num \(4\), but got \[2, 8\]"):
+                                           r"0 <= start < end <= expert_num \(4\), "
+                                           r"but got \[2, 8\]"):
         op(x, expert_idx, expert_num=4, active_expert_range=[2, 8])
     with pytest.raises(RuntimeError, match="argument 'expert_capacity' must be >= 1"):
         op(x, expert_idx, expert_num=4, drop_pad_mode=1, expert_tokens_num_type=1)

@@ -429,7 +429,8 @@ def ref_unpermute_with_routing_map(permuted, sorted_indices, routing_map, probs,
         out = torch.zeros(restore_shape, dtype=F64)
         return out.index_add(0, sorted_indices.long(), rows)
     k = permuted.shape[0] // routing_map.shape[0]
-    rows = permuted.double().index_select(0, sorted_indices.long()).reshape(-1, k, permuted.shape[1])
+    rows = permuted.double().index_select(0, sorted_indices.long())
+    rows = rows.reshape(-1, k, permuted.shape[1])
     if probs is not None:
         rows = rows * probs.double().masked_select(routing_map.bool()).reshape(-1, k).unsqueeze(-1)
     return rows.sum(1)

@@ -556,7 +556,8 @@ def test_add_rms_norm_v2_into_strided_views_and_on_npu():
     a, b = randn(4, 16).to("npu"), randn(4, 16).to("npu")
     want = opennpu.npu_add_rms_norm(a.cpu(), b.cpu(), torch.ones(16))
     r = opennpu.npu_add_rms_norm_v2(a, b, torch.ones(16).to("npu"))
-    assert r.device.type == "npu" and torch.equal(a.cpu(), want[0]) and torch.equal(b.cpu(), want[2])
+    assert r.device.type == "npu"
+    assert torch.equal(a.cpu(), want[0]) and torch.equal(b.cpu(), want[2])
 
 
 def test_add_rms_norm_v2_bad_inputs_and_no_gradient():

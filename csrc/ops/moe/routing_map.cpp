@@ -35,7 +35,8 @@ std::vector<uint8_t> routed(const char* op, const at::Tensor& map, int64_t t,
   OPENNPU_CHECK_ARG(map.defined(), op, "routing_map", "must be a tensor, but got None");
   check_same_device(op, "routing_map", map, ref_name, ref);
   OPENNPU_CHECK_ARG(map.scalar_type() == at::kBool || at::isIntegralType(map.scalar_type(), false),
-                    op, "routing_map", "must be bool or an integer dtype (nonzero = routed), but got ",
+                    op, "routing_map",
+                    "must be bool or an integer dtype (nonzero = routed), but got ",
                     map.scalar_type());
   OPENNPU_CHECK_ARG(map.dim() == 2 && (t < 0 || map.size(0) == t), op, "routing_map",
                     "must be 2-D [num_tokens, num_experts] with num_tokens = ", t,
@@ -308,7 +309,8 @@ Terms unpermute_terms(const char* op, const std::vector<int64_t>& si, int64_t ro
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _npu_moe_token_unpermute_with_routing_map(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+_npu_moe_token_unpermute_with_routing_map(
     const at::Tensor& permuted_tokens, const at::Tensor& sorted_indices,
     c10::IntArrayRef restore_shape, const std::optional<at::Tensor>& probs,
     const std::optional<at::Tensor>& routing_map, bool drop_and_pad) {
@@ -354,7 +356,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> _npu_moe_token_unperm
   if (drop_and_pad) {
     std::vector<int64_t> order(si.size());
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return si[a] < si[b]; });
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t a, int64_t b) { return si[a] < si[b]; });
     const at::Tensor o = at::empty({rows}, x.options().dtype(at::kLong));
     const at::Tensor id = at::empty({rows}, x.options().dtype(at::kLong));
     for (int64_t i = 0; i < rows; ++i) {
@@ -448,7 +451,8 @@ std::tuple<at::Tensor, at::Tensor> npu_moe_token_unpermute_with_routing_map_grad
   if (g.numel() > 0 && terms.kmax > 0) {
     gather_sum_backward_cpu.get(op)(g, rows_in, terms.row.data(),
                                     w.defined() ? w.const_data_ptr() : nullptr, terms.kmax,
-                                    grad_rows, grad_w.defined() ? grad_w.mutable_data_ptr() : nullptr);
+                                    grad_rows,
+                                    grad_w.defined() ? grad_w.mutable_data_ptr() : nullptr);
   }
   at::Tensor probs_grad = at::empty({0}, g.options());
   if (given(probs)) probs_grad = scatter_terms(grad_w, terms, t, probs->size(1), g.scalar_type());

@@ -59,7 +59,8 @@ at::Tensor static_quant(const at::Tensor& rows, const std::vector<int64_t>& src_
       for (int64_t c = 0; c < h; ++c) {
         const c10::Half v(px[r * h + c]);
         const c10::Half prod(static_cast<float>(v) * static_cast<float>(s));
-        const float sum = static_cast<float>(c10::Half(static_cast<float>(prod) + static_cast<float>(o)));
+        const float sum =
+            static_cast<float>(c10::Half(static_cast<float>(prod) + static_cast<float>(o)));
         const float q = std::nearbyint(sum);  // half to even (the default rounding mode)
         po[r * h + c] = static_cast<int8_t>(std::isnan(q) ? 0.f : std::clamp(q, -128.f, 127.f));
       }
@@ -111,8 +112,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing_
                     drop_pad_mode);
   OPENNPU_CHECK_ARG(expert_tokens_num_type >= 0 && expert_tokens_num_type <= 2, op,
                     "expert_tokens_num_type",
-                    "must be 0 (cumulative counts), 1 (counts) or 2 (expert, count) pairs, but got ",
-                    expert_tokens_num_type);
+                    "must be 0 (cumulative counts), 1 (counts) or 2 (expert, count) pairs, "
+                    "but got ", expert_tokens_num_type);
   OPENNPU_CHECK_ARG(row_idx_type == 0 || row_idx_type == 1, op, "row_idx_type",
                     "must be 0 (where each pair went) or 1 (the pair of each sorted position), "
                     "but got ", row_idx_type);
@@ -148,11 +149,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing_
                                     : (active_num <= 0 ? nk : std::min(active_num, nk));
   const auto x_out_dtype = quant_mode >= 0 ? at::kChar : x.scalar_type();
   // drop-pad: the padding slots stay 0; dropless rows are all written below
-  at::Tensor expanded_x = drop_pad ? at::zeros({experts, expert_capacity, h}, x.options().dtype(x_out_dtype))
-                                   : at::empty({rows_out, h}, x.options().dtype(x_out_dtype));
+  const auto x_out = x.options().dtype(x_out_dtype);
+  at::Tensor expanded_x = drop_pad ? at::zeros({experts, expert_capacity, h}, x_out)
+                                   : at::empty({rows_out, h}, x_out);
   at::Tensor expanded_row_idx = at::empty({nk}, expert_idx.options());
-  at::Tensor counts = expert_tokens_num_type == 2 ? at::zeros({experts, 2}, x.options().dtype(at::kLong))
-                                                  : at::zeros({range}, x.options().dtype(at::kLong));
+  const auto int64 = x.options().dtype(at::kLong);
+  at::Tensor counts = expert_tokens_num_type == 2 ? at::zeros({experts, 2}, int64)
+                                                  : at::zeros({range}, int64);
   at::Tensor expanded_scale = at::zeros({rows_out}, x.options().dtype(at::kFloat));
 
   // Scale / offset: checked against the mode (quant -1: [num_rows] per-row values carried along;
@@ -189,7 +192,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing_
     if (scale.defined()) {
       const bool shared = (scale.dim() == 1 && scale.size(0) == h) ||
                           (scale.dim() == 2 && scale.size(0) == 1 && scale.size(1) == h);
-      per_expert_smooth = scale.dim() == 2 && scale.size(0) == range && scale.size(1) == h && !shared;
+      per_expert_smooth =
+          !shared && scale.dim() == 2 && scale.size(0) == range && scale.size(1) == h;
       OPENNPU_CHECK_ARG(shared || per_expert_smooth, op, "scale",
                         "must be [H] / [1, H] or per active expert [", range, ", ", h,
                         "] with quant_mode=1, but got ", shape_str(scale.sizes()));

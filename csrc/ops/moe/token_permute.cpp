@@ -160,7 +160,9 @@ std::tuple<at::Tensor, at::Tensor> unpermute_grad(const char* op, const at::Tens
   }
   const std::vector<int64_t> src = pair_rows(op, sorted_indices, r, true);
   const int64_t live = std::count_if(src.begin(), src.end(), [](int64_t v) { return v >= 0; });
-  at::Tensor grad_rows = live == r ? at::empty({r, h}, g.options()) : at::zeros({r, h}, g.options());
+  // every row is written when every permuted row has its pair; else the others are 0
+  at::Tensor grad_rows = live == r ? at::empty({r, h}, g.options())
+                                   : at::zeros({r, h}, g.options());
   at::Tensor weight, grad_w, grad_probs;
   if (given(probs)) {
     weight = prob_weights(op, *probs, g, t, k);
@@ -169,7 +171,8 @@ std::tuple<at::Tensor, at::Tensor> unpermute_grad(const char* op, const at::Tens
   if (g.numel() > 0 && k > 0) {
     gather_sum_backward_cpu.get(op)(g, rows, src.data(),
                                     weight.defined() ? weight.const_data_ptr() : nullptr, k,
-                                    grad_rows, grad_w.defined() ? grad_w.mutable_data_ptr() : nullptr);
+                                    grad_rows,
+                                    grad_w.defined() ? grad_w.mutable_data_ptr() : nullptr);
   } else if (grad_w.defined()) {
     grad_w.zero_();
   }
@@ -220,7 +223,8 @@ std::tuple<at::Tensor, at::Tensor> npu_moe_token_permute(const at::Tensor& token
   return {permuted, sorted_indices};
 }
 
-at::Tensor npu_moe_token_permute_grad(const at::Tensor& tokens, const at::Tensor& grad_permuted_tokens,
+at::Tensor npu_moe_token_permute_grad(const at::Tensor& tokens,
+                                      const at::Tensor& grad_permuted_tokens,
                                       const at::Tensor& indices, const at::Tensor& sorted_indices,
                                       bool padded_mode) {
   constexpr const char* op = "npu_moe_token_permute_grad";
@@ -235,7 +239,8 @@ at::Tensor npu_moe_token_permute_grad(const at::Tensor& tokens, const at::Tensor
 }
 
 at::Tensor npu_moe_token_permute_grad_v2(const at::Tensor& grad_permuted_tokens,
-                                         const at::Tensor& sorted_indices, c10::SymInt tokens_size_0,
+                                         const at::Tensor& sorted_indices,
+                                         c10::SymInt tokens_size_0,
                                          at::ScalarType tokens_dtype, int64_t num_topK,
                                          bool padded_mode) {
   return permute_grad("npu_moe_token_permute_grad_v2", grad_permuted_tokens, sorted_indices,

@@ -28,8 +28,9 @@ void gather_sum_kernel(const at::Tensor& rows, const int64_t* src, const void* w
     const int64_t row_bytes = h * static_cast<int64_t>(out.element_size());
     const char* in = static_cast<const char*>(rows.const_data_ptr());
     char* o = static_cast<char*>(out.mutable_data_ptr());
-    at::parallel_for(0, t, std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(row_bytes, 1)),
-                     [&](int64_t begin, int64_t end) {
+    const int64_t grain =
+        std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(row_bytes, 1));
+    at::parallel_for(0, t, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if (src[i] >= 0) {
           std::memcpy(o + i * row_bytes, in + src[i] * row_bytes, row_bytes);

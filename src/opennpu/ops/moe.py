@@ -781,6 +781,7 @@ __all__ = ["npu_moe_gating_top_k_softmax", "npu_moe_init_routing",
            "npu_moe_token_unpermute", "npu_moe_token_unpermute_grad",
            "npu_moe_token_unpermute_grad_v2", "npu_moe_gating_top_k_softmax_v2",
            "npu_moe_init_routing_v2", "npu_moe_token_permute_with_routing_map",
-           "npu_moe_token_permute_with_routing_map_grad", "npu_moe_token_unpermute_with_routing_map",
+           "npu_moe_token_permute_with_routing_map_grad",
+           "npu_moe_token_unpermute_with_routing_map",
            "_npu_moe_token_unpermute_with_routing_map",
            "npu_moe_token_unpermute_with_routing_map_grad"]

@@ -502,7 +502,8 @@ def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_nu
         placed = pos < limit
         target = torch.where(placed, pos, rows)
     # where each output row's token comes from (a dump row past the end takes the rest)
-    src = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev).scatter(0, target, token)[:rows]
+    src = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev)
+    src = src.scatter(0, target, token)[:rows]
     row_valid = src >= 0
     gathered = x[src.clamp(min=0)]
     gathered = torch.where(row_valid.unsqueeze(-1), gathered, gathered.new_zeros(()))
