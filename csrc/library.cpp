@@ -18,6 +18,10 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_gemma_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   // Residual add + RMSNorm: returns (y, rstd, x1 + x2).
   m.def("npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
+  // npu_add_rms_norm in place: x1 <- y, x2 <- x1 + x2; returns rstd (float32, keep-dim).
+  m.def("npu_add_rms_norm_v2(Tensor(a!) x1, Tensor(b!) x2, Tensor gamma, float epsilon=1e-06) -> Tensor");
+  // Its out-of-place form: returns (rstd, y, x1 + x2), what the in-place one writes.
+  m.def("npu_add_rms_norm_v2_functional(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor)");
   // add_rms_norm with the normalised output twice: returns (y1 float32, y2 in x1's dtype, rstd, x).
   m.def("npu_add_rms_norm_cast(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor, Tensor, Tensor)");
 
@@ -226,11 +230,21 @@ TORCH_LIBRARY(npu, m) {
   // MoE gating: softmax over the last dim, then its top k (ties to the lower expert). Returns
   // (y in x's dtype, expert_idx int32 (num_experts where `finished`), row_idx int32 = j * rows + i).
   m.def("npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor, Tensor)");
+  // Gating v2: renorm 0 = the top k of the float32 softmax (ranked unrounded), renorm 1 = the
+  // softmax of the top k logits. Returns (y in x's dtype, expert_idx int32 (num_experts where
+  // `finished`), the float32 softmax [x.shape] with renorm 0 and output_softmax, else empty [0]).
+  m.def("npu_moe_gating_top_k_softmax_v2(Tensor x, *, int k=1, Tensor? finished=None, int? renorm=0, bool? output_softmax=False) -> (Tensor, Tensor, Tensor)");
   // MoE routing: stable sort of the (token, slot) pairs by expert. Returns (expanded_x
   // [min(active_num, N) * k, H], expanded_row_idx [N * k], expanded_expert_idx [N * k]).
   // active_num is SymInt (torch_npu says int) so torch.compile(dynamic=True) can pass the token
   // count without specialising on it.
   m.def("npu_moe_init_routing(Tensor x, Tensor row_idx, Tensor expert_idx, SymInt active_num) -> (Tensor, Tensor, Tensor)");
+  // MoE routing v2: the stable expert sort of the pairs whose experts lie in active_expert_range
+  // (default [0, expert_num)), dropless (the first active_num rows) or drop-pad ([expert_num,
+  // expert_capacity, H]), optional int8 quantisation (quant_mode 0 static, 1 dynamic). Returns
+  // (expanded_x, expanded_row_idx (expert_idx's dtype), tokens per expert (int64: cumsum,
+  // counts or [expert_num, 2] (expert, count) pairs), expanded_scale float32).
+  m.def("npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=-1, int[2] active_expert_range=[], int row_idx_type=0, int? x_dtype=None) -> (Tensor, Tensor, Tensor, Tensor)");
   // Cumulative rows per expert ([num_expert], one past each expert's last row) of sorted experts.
   m.def("npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) -> Tensor");
   // MoE combine: out[i] = skip1[i] + skip2[i] + sum_k scales[i, k] * (rows[src(i, k)] + bias[expert[i, k]]).
@@ -238,6 +252,36 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, "
         "Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, "
         "Tensor? export_for_source_row, int? drop_pad_mode=0, int? k=1) -> Tensor");
+  // MoE dispatch (Megatron's permute): stable sort of the flattened indices [T] / [T, K] by
+  // expert; returns (tokens[order[p] / K] for the first num_out_tokens positions p (> 0: at most
+  // that many; <= 0: N + num_out_tokens; N = indices.numel()), sorted_indices int32 [N]: the
+  // position each (token, slot) pair went to).
+  m.def("npu_moe_token_permute(Tensor tokens, Tensor indices, int? num_out_tokens=None, bool padded_mode=False) -> (Tensor, Tensor)");
+  // Gradient of npu_moe_token_permute: grad_tokens[t] = sum_k grad[sorted_indices[t * K + k]].
+  m.def("npu_moe_token_permute_grad(Tensor tokens, Tensor grad_permuted_tokens, Tensor indices, Tensor sorted_indices, bool padded_mode=False) -> Tensor");
+  // The same gradient from the sizes alone (tokens_size_0 SymInt for torch.compile(dynamic=True)).
+  m.def("npu_moe_token_permute_grad_v2(Tensor grad_permuted_tokens, Tensor sorted_indices, SymInt tokens_size_0, ScalarType tokens_dtype, int num_topK, bool padded_mode=False) -> Tensor");
+  // MoE combine: out[t] = sum_k probs[t, k] * permuted_tokens[sorted_indices[t * K + k]] (K =
+  // probs.size(1), or 1 without probs); positions past permuted_tokens' rows count as dropped (0).
+  m.def("npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> Tensor");
+  // Returns (grad_permuted_tokens, grad_probs: [T, K] in probs' dtype; 0-dim without probs).
+  m.def("npu_moe_token_unpermute_grad(Tensor permuted_tokens, Tensor grad_unpermuted_tokens, Tensor sorted_indices, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None) -> (Tensor, Tensor)");
+  // The same from permuted_tokens' size and dtype; permuted_tokens itself only with probs.
+  m.def("npu_moe_token_unpermute_grad_v2(Tensor grad_unpermuted_tokens, Tensor sorted_indices, SymInt permuted_tokens_size_0, ScalarType permuted_tokens_dtype, Tensor? probs=None, bool padded_mode=False, int[]? restore_shape=None, Tensor? permuted_tokens=None) -> (Tensor, Tensor)");
+  // The routing-map forms ([T, E] map instead of top-k indices). Dropless: the routed pairs
+  // expert-major (num_out_tokens rounded down to a multiple of T must be their count);
+  // drop_and_pad: capacity = num_out_tokens / E slots per expert (routed tokens, then unrouted
+  // ones). Returns (permuted_tokens, permuted_probs (empty [0] without probs), sorted_indices
+  // int32: the row of each token-major pair, or each slot's token with drop_and_pad).
+  m.def("npu_moe_token_permute_with_routing_map(Tensor tokens, Tensor routing_map, *, Tensor? probs=None, int? num_out_tokens=None, bool drop_and_pad=False) -> (Tensor, Tensor, Tensor)");
+  // Returns (tokens_grad [T, H], probs_grad [T, E] (empty [0] without probs_grad)).
+  m.def("npu_moe_token_permute_with_routing_map_grad(Tensor permuted_token_out_grad, Tensor? probs_grad, Tensor sorted_indices, Tensor routing_map, SymInt experts_num, SymInt tokens_num, bool drop_and_pad) -> (Tensor, Tensor)");
+  // out [restore_shape] = per token, the sum of its permuted rows weighted by probs[token, expert].
+  m.def("npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, *, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> Tensor");
+  // The same with what its gradient takes: (out, out_index, permuted_token_id, permute_probs).
+  m.def("_npu_moe_token_unpermute_with_routing_map(Tensor permuted_tokens, Tensor sorted_indices, int[] restore_shape, *, Tensor? probs=None, Tensor? routing_map=None, bool drop_and_pad=False) -> (Tensor, Tensor, Tensor, Tensor)");
+  // Returns (permuted_tokens_grad, probs_grad [T, E] in the gradient's dtype; [0] without probs).
+  m.def("npu_moe_token_unpermute_with_routing_map_grad(Tensor unpermuted_tokens_grad, Tensor out_index, Tensor permuted_token_id, Tensor? routing_map, Tensor? permuted_tokens, Tensor? probs, bool drop_and_pad, int[] restore_shape) -> (Tensor, Tensor)");
   // Grouped matmul y_g = x_g @ w_g (+ b_g): groups as separate tensors or row ranges of one x
   // (group_list, a Tensor here and int[] in .List). Non-quantised paths only. output_dtype and
   // the *_dtype arguments are dtype codes (int; a torch.dtype passed from Python arrives as its

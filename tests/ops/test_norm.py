@@ -525,3 +525,77 @@ def test_seed_rms_norm_literal_weight_shape_normalises_both_dims():
     got = NpuRMSNorm((128, 256))(x)
     assert_close(got, x * torch.rsqrt(x.pow(2).mean() + 1e-6))
     assert max_err(got, TorchRMSNorm((128, 256))(x)) > 1e-2
+
+
+# ----------------------------------------------------------------------------- add_rms_norm v2
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 83), (1, 1), (5, 769), (0, 16)], ids=str)
+def test_add_rms_norm_v2_writes_y_and_x_in_place(dtype, shape):
+    x1, x2 = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    gamma = (torch.rand(shape[-1]) + 0.5).to(dtype)
+    y, rstd, x = opennpu.npu_add_rms_norm(x1, x2, gamma)
+    a, b = x1.clone(), x2.clone()
+    got_rstd = opennpu.npu_add_rms_norm_v2(a, b, gamma)
+    assert got_rstd.dtype == torch.float32 and got_rstd.shape == rstd.shape
+    assert torch.equal(a, y) and torch.equal(b, x)
+    torch.testing.assert_close(got_rstd, rstd.float(), rtol=0, atol=0)
+    ref_y, ref_rstd, ref_x = R.add_rms_norm(x1, x2, gamma)
+    assert_close(a, ref_y)
+    functional = opennpu.npu_add_rms_norm_v2_functional(x1, x2, gamma)
+    assert [t.dtype for t in functional] == [torch.float32, dtype, dtype]
+    torch.testing.assert_close(functional[0], got_rstd, rtol=0, atol=0)
+    assert torch.equal(functional[1], y) and torch.equal(functional[2], x)
+
+
+def test_add_rms_norm_v2_into_strided_views_and_on_npu():
+    x1, x2, gamma = randn(33, 8).t(), randn(33, 8).t(), torch.rand(33) + 0.5  # [8, 33] views
+    y, rstd, x = opennpu.npu_add_rms_norm(x1, x2, gamma)
+    r = opennpu.npu_add_rms_norm_v2(x1, x2, gamma)
+    assert torch.equal(x1, y) and torch.equal(x2, x) and torch.equal(r, rstd)
+    a, b = randn(4, 16).to("npu"), randn(4, 16).to("npu")
+    want = opennpu.npu_add_rms_norm(a.cpu(), b.cpu(), torch.ones(16))
+    r = opennpu.npu_add_rms_norm_v2(a, b, torch.ones(16).to("npu"))
+    assert r.device.type == "npu"
+    assert torch.equal(a.cpu(), want[0]) and torch.equal(b.cpu(), want[2])
+
+
+def test_add_rms_norm_v2_bad_inputs_and_no_gradient():
+    x1, gamma = randn(4, 8), torch.ones(8)
+    with pytest.raises(RuntimeError, match=re.escape("npu_add_rms_norm_v2: argument 'x2' must "
+                                                     "have the shape of 'x1' ([4, 8]")):
+        opennpu.npu_add_rms_norm_v2(x1, randn(8), gamma)
+    with pytest.raises(RuntimeError, match="npu_add_rms_norm_v2_functional: argument 'x2' must "
+                                           "have the shape"):
+        opennpu.npu_add_rms_norm_v2_functional(x1, randn(1, 8), gamma)
+    with pytest.raises(RuntimeError, match="argument 'gamma' must have the shape of trailing"):
+        opennpu.npu_add_rms_norm_v2(x1, randn(4, 8), torch.ones(7))
+    before = x1.clone()
+    with pytest.raises(RuntimeError, match="npu_add_rms_norm_v2: not differentiable"):
+        opennpu.npu_add_rms_norm_v2(x1, randn(4, 8), gamma.clone().requires_grad_())
+    assert torch.equal(x1, before)  # refused before anything was written
+    rstd, y, x = opennpu.npu_add_rms_norm_v2_functional(x1.requires_grad_(), randn(4, 8), gamma)
+    with pytest.raises(RuntimeError, match="npu_add_rms_norm_v2_functional: not differentiable"):
+        y.sum().backward()
+
+
+def test_add_rms_norm_v2_opcheck_and_compile():
+    samples = [((randn(3, 5, 16), randn(3, 5, 16), torch.rand(16) + 0.5), {}),
+               ((randn(4, 33, dtype=torch.bfloat16), randn(4, 33, dtype=torch.bfloat16),
+                 torch.rand(33) + 0.5, 1e-5), {})]
+    opcheck(torch.ops.npu.npu_add_rms_norm_v2.default, samples)
+    opcheck(torch.ops.npu.npu_add_rms_norm_v2_functional.default, samples)
+
+    def fn(x1, x2, gamma):
+        rstd = torch.ops.npu.npu_add_rms_norm_v2(x1, x2, gamma)
+        return rstd, x1 * 2, x2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (3, 7):
+        inputs = [randn(rows, 16), randn(rows, 16), torch.rand(16) + 0.5]
+        eager_in, comp_in = [t.clone() for t in inputs], [t.clone() for t in inputs]
+        for got, want in zip(compiled(*comp_in), fn(*eager_in)):
+            assert torch.equal(got, want)
+        assert torch.equal(comp_in[0], eager_in[0]) and torch.equal(comp_in[1], eager_in[1])
+    torch._dynamo.reset()

@@ -3,7 +3,8 @@ op_plugin_functions.yaml): same ops, same argument names, types, defaults and re
 
 One deliberate difference: where op-plugin says `int` for a size that torch.compile(dynamic=True)
 must carry symbolically (npu_fusion_attention's seed / offset / numels, npu_moe_init_routing's
-active_num), opennpu declares `SymInt`; Python callers see an int either way."""
+active_num, the MoE permute gradients' *_size_0), opennpu declares `SymInt`; Python callers see
+an int either way."""
 
 from pathlib import Path
 

@@ -310,6 +310,35 @@ def _fia_v2_tnd(dtype):
                            sparse_mode=3, learnable_sink=randn(4, dtype=torch.bfloat16),
                            return_softmax_lse=True)
 
+_ROUTING_MAP = torch.zeros(9, 5, dtype=torch.bool).scatter(
+    1, torch.rand(9, 5, generator=torch.Generator().manual_seed(5)).argsort(-1)[:, :2], True)
+
+
+def _routing_map_rows(drop_and_pad=False):
+    """permute_with_routing_map of [9, 24] tokens by _ROUTING_MAP (18 pairs, or capacity 4)."""
+    return npu.npu_moe_token_permute_with_routing_map(
+        torch.zeros(9, 24), _ROUTING_MAP, num_out_tokens=20 if drop_and_pad else 18,
+        drop_and_pad=drop_and_pad)
+
+
+def _routing_map_grad_index():
+    """(out_index, permuted_token_id) of the drop-and-pad unpermute."""
+    slots = _routing_map_rows(True)[2]
+    return list(npu._npu_moe_token_unpermute_with_routing_map(
+        torch.zeros(20, 24), slots, [9, 24], routing_map=_ROUTING_MAP, drop_and_pad=True)[1:3])
+
+
+_ROUTING_V2 = torch.randint(0, 8, (11, 3), generator=torch.Generator().manual_seed(4),
+                            dtype=I32)
+_TOKEN_ROUTING = torch.randint(0, 5, (9, 3), generator=torch.Generator().manual_seed(3))
+
+
+def _token_permute(dtype, num_out_tokens=None):
+    """(tokens [9, 24], indices [9, 3]) and the sorted_indices of their permute."""
+    tokens = randn(9, 24, dtype=dtype)
+    _, sorted_indices = npu.npu_moe_token_permute(tokens, _TOKEN_ROUTING, num_out_tokens)
+    return [tokens, _TOKEN_ROUTING, num_out_tokens], sorted_indices
+
 
 CASES = [
     Case("rms_norm", npu.npu_rms_norm, _x_gamma, R.rms_norm),
@@ -332,6 +361,10 @@ CASES = [
     Case("add_rms_norm_cast", npu.npu_add_rms_norm_cast,
          lambda d: ([randn(5, 129, dtype=d), randn(5, 129, dtype=d),
                      (torch.rand(129) + 0.5).to(d)], {}), R.add_rms_norm_cast),
+    Case("add_rms_norm_v2_functional", npu.npu_add_rms_norm_v2_functional,
+         lambda d: ([randn(5, 129, dtype=d), randn(5, 129, dtype=d),
+                     (torch.rand(129) + 0.5).to(d)], {}),
+         lambda x1, x2, g: (lambda y, r, x: (r, y, x))(*R.add_rms_norm(x1, x2, g))),
     Case("dynamic_quant", npu.npu_dynamic_quant, _quant_case),
     Case("dynamic_quant_smooth_int4", npu.npu_dynamic_quant,
          lambda d: _quant_case(d, smooth_scales=(torch.rand(64) + 0.5).to(d), dst_type=16)),
@@ -437,7 +470,33 @@ CASES = [
     Case("dynamic_block_quant_fp8", npu.npu_dynamic_block_quant,
          lambda d: ([_mx(d)[0][0]], {"dst_type": 24, "min_scale": 1e-3})),
     Case("moe_gating", npu.npu_moe_gating_top_k_softmax, _gating),
+    Case("moe_gating_v2", npu.npu_moe_gating_top_k_softmax_v2,
+         lambda d: ([randn(2, 7, 20, dtype=d)], dict(k=3, finished=torch.rand(2, 7) < 0.3,
+                                                     output_softmax=True))),
+    Case("moe_gating_v2_renorm", npu.npu_moe_gating_top_k_softmax_v2,
+         lambda d: ([randn(9, 33, dtype=d)], dict(k=5, renorm=1))),
     Case("moe_init_routing", npu.npu_moe_init_routing, _init_routing),
+    Case("moe_init_routing_v2", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             active_num=25, expert_num=8, expert_tokens_num_type=2, expert_tokens_num_flag=True,
+             active_expert_range=[1, 7], scale=torch.rand(11)))),
+    Case("moe_init_routing_v2_gather_counts", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             expert_num=8, expert_tokens_num_type=0, expert_tokens_num_flag=True,
+             row_idx_type=1))),
+    Case("moe_init_routing_v2_drop_pad_dynamic", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             expert_num=8, drop_pad_mode=1, expert_capacity=3, expert_tokens_num_type=1,
+             expert_tokens_num_flag=True, quant_mode=1, scale=torch.rand(8, 24) + 0.5)),
+         codes_off_by_one=True),
+    Case("moe_init_routing_v2_dynamic", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d), _ROUTING_V2], dict(
+             expert_num=8, quant_mode=1, active_expert_range=[2, 8], scale=torch.rand(6, 24))),
+         codes_off_by_one=True),
+    Case("moe_init_routing_v2_static", npu.npu_moe_init_routing_v2,
+         lambda d: ([randn(11, 24, dtype=d) * 50, _ROUTING_V2], dict(
+             expert_num=8, quant_mode=0, scale=torch.tensor([0.7]), offset=torch.tensor([0.2]))),
+         codes_off_by_one=True),
     Case("moe_compute_expert_tokens", npu.npu_moe_compute_expert_tokens,
          lambda d: ([torch.tensor([0, 0, 1, 3, 3, 3, 6], dtype=I32), 8], {}), dtypes=(F32,)),
     Case("moe_finalize", npu.npu_moe_finalize_routing, _finalize, R.moe_finalize_routing,
@@ -446,6 +505,48 @@ CASES = [
          lambda d: ([randn(4, 5, 24, dtype=d), randn(11, 24, dtype=d), None, None,
                      randn(11, 2, dtype=d), torch.randint(-1, 20, (22,), dtype=I32), None, 3],
                     {}), R.moe_finalize_routing, scale=4),
+    Case("moe_token_permute", npu.npu_moe_token_permute, lambda d: (_token_permute(d)[0], {}),
+         dtypes=(F32, F64)),
+    Case("moe_token_permute_drop", npu.npu_moe_token_permute,
+         lambda d: ([randn(9, 24, dtype=d), torch.randint(0, 4, (9,), dtype=I32), -2], {}),
+         dtypes=(F32,)),
+    Case("moe_token_permute_grad", npu.npu_moe_token_permute_grad,
+         lambda d: ([randn(9, 24, dtype=d), randn(20, 24, dtype=d), _TOKEN_ROUTING,
+                     _token_permute(d, 20)[1]], {}), scale=4),
+    Case("moe_token_permute_grad_v2", npu.npu_moe_token_permute_grad_v2,
+         lambda d: ([randn(20, 24, dtype=d), _token_permute(d, 20)[1], 9, d, 3], {}), scale=4),
+    Case("moe_token_unpermute", npu.npu_moe_token_unpermute,
+         lambda d: ([randn(20, 24, dtype=d), _token_permute(d, 20)[1],
+                     torch.rand(9, 3, dtype=d)], {}), scale=4),
+    Case("moe_token_unpermute_no_probs", npu.npu_moe_token_unpermute,
+         lambda d: ([randn(27, 24, dtype=d), _token_permute(d)[1]], {})),
+    Case("moe_token_unpermute_grad", npu.npu_moe_token_unpermute_grad,
+         lambda d: ([randn(20, 24, dtype=d), randn(9, 24, dtype=d), _token_permute(d, 20)[1],
+                     torch.rand(9, 3)], {}), scale=4),
+    Case("moe_token_unpermute_grad_v2", npu.npu_moe_token_unpermute_grad_v2,
+         lambda d: ([randn(27, 24, dtype=d), _token_permute(d)[1], 27, d], {})),
+    Case("moe_token_permute_with_routing_map", npu.npu_moe_token_permute_with_routing_map,
+         lambda d: ([randn(9, 24, dtype=d), _ROUTING_MAP],
+                    dict(probs=torch.rand(9, 5, dtype=d), num_out_tokens=18))),
+    Case("moe_token_permute_with_routing_map_pad", npu.npu_moe_token_permute_with_routing_map,
+         lambda d: ([randn(9, 24, dtype=d), _ROUTING_MAP.to(torch.int8)],
+                    dict(num_out_tokens=20, drop_and_pad=True))),
+    Case("moe_token_permute_with_routing_map_grad",
+         npu.npu_moe_token_permute_with_routing_map_grad,
+         lambda d: ([randn(18, 24, dtype=d), torch.rand(18), _routing_map_rows()[2], _ROUTING_MAP,
+                     5, 9, False], {}), scale=4),
+    Case("moe_token_unpermute_with_routing_map", npu.npu_moe_token_unpermute_with_routing_map,
+         lambda d: ([randn(18, 24, dtype=d), _routing_map_rows()[2], [9, 24]],
+                    dict(probs=torch.rand(9, 5, dtype=d), routing_map=_ROUTING_MAP)), scale=4),
+    Case("moe_token_unpermute_with_routing_map_internal_pad",
+         npu._npu_moe_token_unpermute_with_routing_map,
+         lambda d: ([randn(20, 24, dtype=d), _routing_map_rows(True)[2], [9, 24]],
+                    dict(probs=torch.rand(9, 5, dtype=d), drop_and_pad=True)), scale=4),
+    Case("moe_token_unpermute_with_routing_map_grad",
+         npu.npu_moe_token_unpermute_with_routing_map_grad,
+         lambda d: ([randn(9, 24, dtype=d), *_routing_map_grad_index(), _ROUTING_MAP,
+                     randn(20, 24, dtype=d),
+                     torch.rand(9, 5, dtype=d), True, [9, 24]], {}), scale=4),
     Case("grouped_matmul_list", npu.npu_grouped_matmul.List, _gmm, scale=4),
     Case("grouped_matmul_split3", npu.npu_grouped_matmul.List, lambda d: _gmm(d, 3), scale=4),
     Case("grouped_matmul_tensors", npu.npu_grouped_matmul, _gmm_tensor, scale=4),
@@ -610,6 +711,20 @@ def test_gen_mask_portable_gives_the_kernel_bits():
     assert torch.equal(got, want)
 
 
+def test_add_rms_norm_v2_portable_writes_like_the_kernel():
+    x1, x2, g = randn(6, 40, dtype=torch.bfloat16), randn(6, 40, dtype=torch.bfloat16), \
+        torch.rand(40) + 0.5
+    a, b = x1.clone(), x2.clone()
+    want = npu.npu_add_rms_norm_v2(a, b, g)
+    c, d = x1.clone(), x2.clone()
+    with portable.force():
+        got = npu.npu_add_rms_norm_v2(c, d, g)
+    assert got.dtype == want.dtype
+    assert_close(got, want)
+    assert_close(c, a, scale=2)
+    assert torch.equal(d, b)
+
+
 def test_grouped_matmul_quantised_is_refused():
     (x, w), kw = _gmm(F32)
     with portable.force(), pytest.raises(NotImplementedError, match="quantised"):
@@ -646,6 +761,24 @@ GRAD_CASES = {
         lambda x: R.scaled_masked_softmax(x, None, 0.5, True)),
     "npu_confusion_transpose": (lambda x: opennpu.npu_confusion_transpose(
         x, [0, 2, 1, 3], [2, 4, 15], True), lambda d: [randn(2, 3, 4, 5, dtype=d)], None),
+    "npu_moe_token_permute": (lambda x: opennpu.npu_moe_token_permute(x, _TOKEN_ROUTING, 20)[0],
+                              lambda d: [randn(9, 24, dtype=d)], None),
+    "npu_moe_token_unpermute": (lambda r, p: opennpu.npu_moe_token_unpermute(
+        r, _token_permute(F32, 20)[1], p), lambda d: [randn(20, 24, dtype=d), torch.rand(9, 3)],
+        None),
+    "npu_moe_token_permute_with_routing_map": (
+        lambda x, p: opennpu.npu_moe_token_permute_with_routing_map(
+            x, _ROUTING_MAP, probs=p, num_out_tokens=20, drop_and_pad=True)[:2],
+        lambda d: [randn(9, 24, dtype=d), torch.rand(9, 5)], None),
+    "npu_moe_token_unpermute_with_routing_map": (
+        lambda r, p: opennpu.npu_moe_token_unpermute_with_routing_map(
+            r, _routing_map_rows()[2], [9, 24], probs=p, routing_map=_ROUTING_MAP),
+        lambda d: [randn(18, 24, dtype=d), torch.rand(9, 5)], None),
+    "_npu_moe_token_unpermute_with_routing_map": (
+        lambda r, p: opennpu._npu_moe_token_unpermute_with_routing_map(
+            r, _routing_map_rows(True)[2], [9, 24], probs=p, routing_map=_ROUTING_MAP,
+            drop_and_pad=True)[0],
+        lambda d: [randn(20, 24, dtype=d), torch.rand(9, 5)], None),
     "npu_fusion_attention": (lambda q, k, v, p: opennpu.npu_fusion_attention(
         q, k, v, 4, "BSH", pse=p, atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1),
         sparse_mode=3, scale=0.3)[0],

@@ -23,6 +23,7 @@
 namespace opennpu::moe {
 
 CpuKernel<GatingFn> gating_cpu;
+CpuKernel<GatingV2Fn> gating_v2_cpu;
 CpuKernel<FinalizeFn> finalize_cpu;
 
 namespace {
@@ -30,21 +31,6 @@ namespace {
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 // torch_npu's limit on npu_moe_gating_top_k_softmax's k.
 constexpr int64_t kStrictMaxK = 1024;
-
-// An index tensor: int32 (torch_npu's dtype) or int64 (what torch.topk / torch.sort return).
-void check_index(const char* op, const char* arg, const at::Tensor& t) {
-  OPENNPU_CHECK_ARG(t.defined(), op, arg, "must be a tensor, but got None");
-  OPENNPU_CHECK_ARG(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, arg,
-                    "must be int32 (or int64), but got ", t.scalar_type());
-  check_strict_dtype(op, arg, t, {at::kInt});
-}
-
-// t's values as a contiguous int64 vector (index tensors here are small: N*K entries).
-std::vector<int64_t> index_values(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kLong).contiguous();
-  const int64_t* p = c.const_data_ptr<int64_t>();
-  return std::vector<int64_t>(p, p + c.numel());
-}
 
 void check_shape(const char* op, const char* arg, const at::Tensor& t,
                  c10::IntArrayRef expected, const char* what) {
@@ -54,34 +40,57 @@ void check_shape(const char* op, const char* arg, const at::Tensor& t,
 
 }  // namespace
 
+void check_index(const char* op, const char* arg, const at::Tensor& t) {
+  OPENNPU_CHECK_ARG(t.defined(), op, arg, "must be a tensor, but got None");
+  OPENNPU_CHECK_ARG(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, op, arg,
+                    "must be int32 (or int64), but got ", t.scalar_type());
+  check_strict_dtype(op, arg, t, {at::kInt});
+}
+
+std::vector<int64_t> index_values(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kLong).contiguous();
+  const int64_t* p = c.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(p, p + c.numel());
+}
+
 // ----------------------------------------------------------------------------- gating
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
-    const at::Tensor& x, const std::optional<at::Tensor>& finished, int64_t k) {
-  constexpr const char* op = "npu_moe_gating_top_k_softmax";
+namespace {
+
+// The checks both gating ops share (x, k in [k_min, E], finished); returns finished, contiguous,
+// or an undefined tensor.
+at::Tensor check_gating_args(const char* op, const at::Tensor& x,
+                             const std::optional<at::Tensor>& finished, int64_t k, int64_t k_min) {
   check_floating(op, "x", x);
   OPENNPU_CHECK_ARG(x.dim() >= 1, op, "x",
                     "must have at least 1 dim (the experts are the last), but got a 0-dim tensor");
   check_strict_dtype(op, "x", x, {at::kHalf, at::kBFloat16, at::kFloat});
   check_strict_rank(op, "x", x, 2, 3);
   const int64_t e = x.size(-1);
-  OPENNPU_CHECK_ARG(k >= 1 && k <= e, op, "k", "must be in [1, ", e,
+  OPENNPU_CHECK_ARG(k >= k_min && k <= e, op, "k", "must be in [", k_min, ", ", e,
                     "] (the number of experts, x.size(-1)), but got ", k);
   OPENNPU_CHECK_STRICT(k <= kStrictMaxK, op, "k", "must be at most ", kStrictMaxK, ", but got ", k);
   OPENNPU_CHECK_ARG(e <= kInt32Max, op, "x", "must have at most ", kInt32Max,
                     " experts (int32 indices), but got ", e);
+  if (!finished.has_value() || !finished->defined()) return at::Tensor();
+  const at::Tensor& done = *finished;
+  OPENNPU_CHECK_ARG(done.scalar_type() == at::kBool, op, "finished", "must be bool, but got ",
+                    done.scalar_type());
+  check_same_device(op, "finished", done, "x", x);
+  check_shape(op, "finished", done, x.sizes().slice(0, x.dim() - 1), "x.shape[:-1]");
+  return done.contiguous();
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
+    const at::Tensor& x, const std::optional<at::Tensor>& finished, int64_t k) {
+  constexpr const char* op = "npu_moe_gating_top_k_softmax";
+  const at::Tensor done = check_gating_args(op, x, finished, k, 1);
+  const int64_t e = x.size(-1);
   const int64_t rows = x.numel() / e;
   OPENNPU_CHECK_ARG(rows * k <= kInt32Max, op, "x",
                     "must have rows * k <= 2^31 - 1 (row_idx is int32), but got ", rows, " rows");
-  at::Tensor done;
-  if (finished.has_value() && finished->defined()) {
-    done = *finished;
-    OPENNPU_CHECK_ARG(done.scalar_type() == at::kBool, op, "finished", "must be bool, but got ",
-                      done.scalar_type());
-    check_same_device(op, "finished", done, "x", x);
-    check_shape(op, "finished", done, x.sizes().slice(0, x.dim() - 1), "x.shape[:-1]");
-    done = done.contiguous();
-  }
 
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = k;
@@ -95,9 +104,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
   return {y, expert_idx, row_idx};
 }
 
-// ----------------------------------------------------------------------------- init routing
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax_v2(
+    const at::Tensor& x, int64_t k, const std::optional<at::Tensor>& finished,
+    std::optional<int64_t> renorm_opt, std::optional<bool> output_softmax) {
+  constexpr const char* op = "npu_moe_gating_top_k_softmax_v2";
+  const at::Tensor done = check_gating_args(op, x, finished, k, 0);
+  const int64_t e = x.size(-1);
+  const int64_t renorm = renorm_opt.value_or(0);
+  OPENNPU_CHECK_ARG(renorm == 0 || renorm == 1, op, "renorm",
+                    "must be 0 (top k of the softmax) or 1 (softmax of the top k logits), but got ",
+                    renorm);
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = k;
+  at::Tensor y = at::empty(out_shape, x.options());
+  at::Tensor expert_idx = at::empty(out_shape, x.options().dtype(at::kInt));
+  // The full softmax (float32) only for renorm 0 with output_softmax; else an empty [0].
+  const bool want_softmax = renorm == 0 && output_softmax.value_or(false);
+  at::Tensor softmax = at::empty(want_softmax ? x.sizes() : c10::IntArrayRef{0},
+                                 x.options().dtype(at::kFloat));
+  const int64_t rows = e > 0 ? x.numel() / e : 0;
+  if (rows == 0 || (k == 0 && !want_softmax)) return {y, expert_idx, softmax};
+  const at::Tensor xc = x.contiguous().view({rows, e});
+  at::Tensor y2 = y.view({rows, k}), i2 = expert_idx.view({rows, k});
+  at::Tensor probs = want_softmax ? (acc_dtype(x) == at::kFloat ? softmax.view({rows, e})
+                                                                : at::empty({rows, e}, x.options()))
+                                  : at::Tensor();
+  gating_v2_cpu.get(op)(xc, done.defined() ? done.const_data_ptr<bool>() : nullptr, k,
+                        renorm == 1, y2, i2, probs);
+  if (want_softmax && acc_dtype(x) != at::kFloat) softmax.copy_(probs.view(x.sizes()));
+  return {y, expert_idx, softmax};
+}
 
-namespace {
+// ----------------------------------------------------------------------------- init routing
 
 // A stable sort of the N*K (token, slot) pairs by expert: order[p] = the flat position
 // (i * K + j) of the p-th pair. Counting sort over [lo, hi] when that range is small next to N*K,
@@ -121,7 +159,22 @@ std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert) {
   return order;
 }
 
-}  // namespace
+void gather_rows(const at::Tensor& x, const int64_t* src_row, int64_t rows, at::Tensor& out) {
+  const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
+  if (rows == 0 || row_bytes == 0) return;
+  const char* in = static_cast<const char*>(x.const_data_ptr());
+  char* o = static_cast<char*>(out.mutable_data_ptr());
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_bytes);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (src_row[r] >= 0) {
+        std::memcpy(o + r * row_bytes, in + src_row[r] * row_bytes, row_bytes);
+      } else {
+        std::memset(o + r * row_bytes, 0, row_bytes);
+      }
+    }
+  });
+}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing(const at::Tensor& x,
                                                                      const at::Tensor& row_idx,
@@ -383,6 +436,7 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
 
 TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_moe_gating_top_k_softmax", &npu_moe_gating_top_k_softmax);
+  m.impl("npu_moe_gating_top_k_softmax_v2", &npu_moe_gating_top_k_softmax_v2);
   m.impl("npu_moe_init_routing", &npu_moe_init_routing);
   m.impl("npu_moe_compute_expert_tokens", &npu_moe_compute_expert_tokens);
   m.impl("npu_moe_finalize_routing", &npu_moe_finalize_routing);

@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "common/cpu_dispatch.h"
 
@@ -29,6 +30,13 @@ namespace opennpu::moe {
 using GatingFn = void(const at::Tensor& x, const bool* finished, int64_t k, at::Tensor& y,
                       at::Tensor& expert_idx, at::Tensor& row_idx);
 
+// npu_moe_gating_top_k_softmax_v2 over x [rows, E] (contiguous): y [rows, k] in x's dtype,
+// expert_idx [rows, k] int32 (E where finished). renorm false: the top k of the softmax computed
+// in acc_t and ranked unrounded, written (when probs is defined) to probs [rows, E] in acc_t;
+// renorm true: the top k of the logits themselves, y = their softmax (probs is undefined).
+using GatingV2Fn = void(const at::Tensor& x, const bool* finished, int64_t k, bool renorm,
+                        at::Tensor& y, at::Tensor& expert_idx, at::Tensor& probs);
+
 // The gather and the sums of npu_moe_finalize_routing, one pass over the output:
 //   out[i] = skip1[i] + skip2[i] + sum_j scale[i, j] * (rows[src[i, j]] + bias[expert[i, j]])
 // rows: [R, H] contiguous, out's dtype. skip1 / skip2: [N, H] contiguous in out's dtype, or
@@ -40,7 +48,20 @@ using FinalizeFn = void(const at::Tensor& rows, const at::Tensor& skip1, const a
                         const at::Tensor& bias, const at::Tensor& scales, const int32_t* src,
                         const int32_t* expert, int64_t k, at::Tensor& out);
 
+// Host helpers of moe.cpp shared with the other routing ops (token_permute.cpp, routing_v2.cpp).
+// An index tensor: int32 (torch_npu's dtype) or int64 (what torch.topk / torch.sort return).
+void check_index(const char* op, const char* arg, const at::Tensor& t);
+// t's values as a contiguous int64 vector (index tensors here are small: N*K entries).
+std::vector<int64_t> index_values(const at::Tensor& t);
+// A stable sort of keys: order[p] = the position of the p-th smallest key (ties in position
+// order). Counting sort when the key range is small next to the count, else std::stable_sort.
+std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert);
+// out[r] = x[src_row[r]] for r < rows (row bytes, in parallel), a zero row where src_row[r] < 0.
+// x, out: contiguous [*, H] of one dtype.
+void gather_rows(const at::Tensor& x, const int64_t* src_row, int64_t rows, at::Tensor& out);
+
 extern CpuKernel<GatingFn> gating_cpu;
+extern CpuKernel<GatingV2Fn> gating_v2_cpu;
 extern CpuKernel<FinalizeFn> finalize_cpu;
 
 }  // namespace opennpu::moe

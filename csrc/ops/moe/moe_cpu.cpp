@@ -37,9 +37,10 @@ inline bool ranks_before(T a, T b) {
 // k at most this: insertion into a sorted list; above: std::partial_sort of an index array.
 constexpr int64_t kInsertionMaxK = 32;
 
-// Softmax of one row of E logits into p (acc_t); fp16 / bf16 probabilities are rounded to
-// scalar_t and back, so the ranking sees the values the output holds.
-template <typename scalar_t>
+// Softmax of one row of E logits into p (acc_t); with kRound, fp16 / bf16 probabilities are
+// rounded to scalar_t and back, so the ranking sees the values the output holds (v1's golden;
+// v2's ranks the float32 probabilities).
+template <typename scalar_t, bool kRound = true>
 void softmax_row(const scalar_t* x, int64_t e, acc_t<scalar_t>* p) {
   using T = acc_t<scalar_t>;
   using Vec = AccVec<scalar_t>;
@@ -80,7 +81,7 @@ void softmax_row(const scalar_t* x, int64_t e, acc_t<scalar_t>* p) {
   i = 0;
   for (; i + Vec::size() <= e; i += Vec::size()) (Vec::loadu(p + i) / vs).store(p + i);
   for (; i < e; ++i) p[i] = p[i] / sum;
-  if constexpr (IO::kReduced) {
+  if constexpr (IO::kReduced && kRound) {
     for (int64_t j = 0; j < e; ++j) p[j] = static_cast<T>(static_cast<scalar_t>(p[j]));
   }
 }
@@ -140,6 +141,48 @@ void gating_kernel(const at::Tensor& x, const bool* finished, int64_t k, at::Ten
           py[r * k + j] = static_cast<scalar_t>(value[j]);
           pi[r * k + j] = done ? static_cast<int32_t>(e) : index[j];
           pr[r * k + j] = static_cast<int32_t>(j * rows + r);
+        }
+      }
+    });
+  });
+}
+
+// npu_moe_gating_top_k_softmax_v2. renorm 0: the top k of the float32 softmax (not rounded
+// first), optionally the whole softmax into probs; renorm 1: the top k of the logits, then the
+// softmax of those k values.
+void gating_v2_kernel(const at::Tensor& x, const bool* finished, int64_t k, bool renorm,
+                      at::Tensor& y, at::Tensor& expert_idx, at::Tensor& probs) {
+  const int64_t e = x.size(-1);
+  const int64_t rows = y.size(0);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(),
+                                  "npu_moe_gating_top_k_softmax_v2", [&] {
+    using T = acc_t<scalar_t>;
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    scalar_t* py = y.mutable_data_ptr<scalar_t>();
+    int32_t* pi = expert_idx.mutable_data_ptr<int32_t>();
+    T* pp = probs.defined() ? probs.mutable_data_ptr<T>() : nullptr;
+    at::parallel_for(0, rows, grain_rows(e + k), [&](int64_t begin, int64_t end) {
+      std::vector<T> buf(e), value(k);
+      std::vector<int32_t> index(k), order;
+      for (int64_t r = begin; r < end; ++r) {
+        T* p = pp != nullptr ? pp + r * e : buf.data();
+        if (renorm) {
+          for (int64_t j = 0; j < e; ++j) p[j] = static_cast<T>(px[r * e + j]);
+        } else {
+          softmax_row<scalar_t, false>(px + r * e, e, p);
+        }
+        if (k == 0) continue;  // only the softmax was asked for
+        top_k<T>(p, e, k, value.data(), index.data(), order);
+        if (renorm) {  // softmax of the k selected logits (value[0] is their max unless NaN)
+          T m = value[0], sum = 0;
+          for (int64_t j = 1; j < k; ++j) m = std::isnan(value[j]) || value[j] > m ? value[j] : m;
+          for (int64_t j = 0; j < k; ++j) sum += (value[j] = std::exp(value[j] - m));
+          for (int64_t j = 0; j < k; ++j) value[j] /= sum;
+        }
+        const bool done = finished != nullptr && finished[r];
+        for (int64_t j = 0; j < k; ++j) {
+          py[r * k + j] = static_cast<scalar_t>(value[j]);
+          pi[r * k + j] = done ? static_cast<int32_t>(e) : index[j];
         }
       }
     });
@@ -211,6 +254,7 @@ void finalize_kernel(const at::Tensor& rows, const at::Tensor& skip1, const at::
 }  // namespace
 
 OPENNPU_REGISTER_CPU_KERNEL(gating_cpu, &gating_kernel);
+OPENNPU_REGISTER_CPU_KERNEL(gating_v2_cpu, &gating_v2_kernel);
 OPENNPU_REGISTER_CPU_KERNEL(finalize_cpu, &finalize_kernel);
 
 }  // namespace CPU_CAPABILITY

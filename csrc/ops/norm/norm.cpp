@@ -130,11 +130,13 @@ std::pair<at::Tensor, at::Tensor> check_add_inputs(const char* op, const at::Ten
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor& x1,
-                                                                const at::Tensor& x2,
-                                                                const at::Tensor& gamma,
-                                                                double epsilon) {
-  constexpr const char* op = "npu_add_rms_norm";
+namespace {
+
+// npu_add_rms_norm's (y, rstd, x) for op (npu_add_rms_norm and its v2 forms).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const char* op, const at::Tensor& x1,
+                                                            const at::Tensor& x2,
+                                                            const at::Tensor& gamma,
+                                                            double epsilon) {
   auto rstd_shape = check_norm_args(op, "x1", x1, gamma, epsilon);
   check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16, at::kFloat});
   OPENNPU_CHECK_STRICT(x1.numel() > 0, op, "x1", "must not be empty, but got shape ",
@@ -150,6 +152,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor
     fill_empty_norm_rstd(gamma_acc, rstd);
   }
   return {y, rstd, x};
+}
+
+// The v2 forms write y and x back into x1 / x2, so x2 must have x1's shape (no broadcast).
+void check_v2_shapes(const char* op, const at::Tensor& x1, const at::Tensor& x2) {
+  OPENNPU_CHECK_ARG(x2.defined() && x1.defined() && x2.sizes().equals(x1.sizes()), op, "x2",
+                    "must have the shape of 'x1' (", x1.defined() ? shape_str(x1.sizes()) : "None",
+                    ": it receives x1 + x2), but got ",
+                    x2.defined() ? shape_str(x2.sizes()) : "None");
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm(const at::Tensor& x1,
+                                                                const at::Tensor& x2,
+                                                                const at::Tensor& gamma,
+                                                                double epsilon) {
+  return add_rms_norm("npu_add_rms_norm", x1, x2, gamma, epsilon);
+}
+
+at::Tensor npu_add_rms_norm_v2(at::Tensor& x1, at::Tensor& x2, const at::Tensor& gamma,
+                               double epsilon) {
+  constexpr const char* op = "npu_add_rms_norm_v2";
+  check_v2_shapes(op, x1, x2);
+  auto [y, rstd, x] = add_rms_norm(op, x1, x2, gamma, epsilon);
+  x1.copy_(y);
+  x2.copy_(x);
+  return rstd.to(at::kFloat);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm_v2_functional(
+    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& gamma, double epsilon) {
+  constexpr const char* op = "npu_add_rms_norm_v2_functional";
+  check_v2_shapes(op, x1, x2);
+  auto [y, rstd, x] = add_rms_norm(op, x1, x2, gamma, epsilon);
+  return {rstd.to(at::kFloat), y, x};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm_cast(
@@ -204,6 +241,8 @@ TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_rms_norm_backward", &npu_rms_norm_backward);
   m.impl("npu_gemma_rms_norm", &npu_gemma_rms_norm);
   m.impl("npu_add_rms_norm", &npu_add_rms_norm);
+  m.impl("npu_add_rms_norm_v2", &npu_add_rms_norm_v2);
+  m.impl("npu_add_rms_norm_v2_functional", &npu_add_rms_norm_v2_functional);
   m.impl("npu_add_rms_norm_cast", &npu_add_rms_norm_cast);
 }
 

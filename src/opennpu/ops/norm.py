@@ -1,5 +1,5 @@
 """RMSNorm family: npu_rms_norm, npu_rms_norm_backward, npu_gemma_rms_norm, npu_add_rms_norm,
-npu_add_rms_norm_cast.
+npu_add_rms_norm_cast, npu_add_rms_norm_v2 (in place) and npu_add_rms_norm_v2_functional.
 
 Numerics (all dtypes): sum(x^2) is accumulated in float32 (float64 for float64 inputs), rstd is
 1 / sqrt(mean(x^2) + epsilon), and y = x * rstd * gamma is formed in float32 and rounded once to
@@ -57,6 +57,21 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon: float = 1e-6):
     return _ops.npu_add_rms_norm(x1, x2, gamma, epsilon)
 
 
+def npu_add_rms_norm_v2(x1, x2, gamma, epsilon: float = 1e-6):
+    """npu_add_rms_norm in place: ``x1`` receives ``y`` (the normalised output, x1's dtype),
+    ``x2`` receives ``x = x1 + x2`` (rounded to x1's dtype); returns ``rstd`` (float32, the
+    normalised dims kept as 1). x1 and x2 have one shape (no broadcast: x2 is written).
+    Not differentiable (in-place writes; npu_add_rms_norm is the differentiable form)."""
+    return _ops.npu_add_rms_norm_v2(x1, x2, gamma, epsilon)
+
+
+def npu_add_rms_norm_v2_functional(x1, x2, gamma, epsilon: float = 1e-6):
+    """The out-of-place form of npu_add_rms_norm_v2: returns ``(rstd, y, x)``, the values the
+    in-place op returns and writes into x1 and x2 (x1 and x2 are left unchanged). Not
+    differentiable (torch_npu registers no gradient; npu_add_rms_norm computes the same)."""
+    return _ops.npu_add_rms_norm_v2_functional(x1, x2, gamma, epsilon)
+
+
 def npu_add_rms_norm_cast(x1, x2, gamma, epsilon: float = 1e-6):
     """npu_add_rms_norm with the normalised output also in float32: returns ``(y1, y2, rstd, x)``.
 
@@ -92,6 +107,17 @@ def _add_rms_norm_fake(x1, x2, gamma, epsilon=1e-6):
         x1.new_empty(_rstd_shape(x1, gamma), dtype=acc_dtype(x1.dtype)),
         x1.new_empty(x1.shape),
     )
+
+
+@register_fake("npu::npu_add_rms_norm_v2")
+def _add_rms_norm_v2_fake(x1, x2, gamma, epsilon=1e-6):
+    return x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32)
+
+
+@register_fake("npu::npu_add_rms_norm_v2_functional")
+def _add_rms_norm_v2_functional_fake(x1, x2, gamma, epsilon=1e-6):
+    return (x1.new_empty(_rstd_shape(x1, gamma), dtype=torch.float32), x1.new_empty(x1.shape),
+            x1.new_empty(x1.shape))
 
 
 @register_fake("npu::npu_add_rms_norm_cast")
@@ -165,8 +191,12 @@ register_autograd("npu_rms_norm", _rms_norm_bwd, _rms_norm_setup)
 register_autograd("npu_gemma_rms_norm", _gemma_rms_norm_bwd, _rms_norm_setup)
 register_autograd("npu_add_rms_norm", _add_rms_norm_bwd, _add_rms_norm_setup)
 mark_backward_op("npu_rms_norm_backward", "npu_rms_norm")
+mark_not_differentiable("npu_add_rms_norm_v2", "writes its results into x1 and x2; use "
+                        "npu_add_rms_norm to train")
+mark_not_differentiable("npu_add_rms_norm_v2_functional",
+                        "torch_npu registers no gradient for it; use npu_add_rms_norm to train")
 mark_not_differentiable("npu_add_rms_norm_cast",
                         "torch_npu registers no gradient for it; use npu_add_rms_norm to train")
 
 __all__ = ["npu_rms_norm", "npu_rms_norm_backward", "npu_gemma_rms_norm", "npu_add_rms_norm",
-           "npu_add_rms_norm_cast"]
+           "npu_add_rms_norm_cast", "npu_add_rms_norm_v2", "npu_add_rms_norm_v2_functional"]

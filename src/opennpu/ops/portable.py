@@ -62,8 +62,10 @@ PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 PORTABLE_DEVICES: dict[str, frozenset] = {}
 
 IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
-NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor",
-                  "npu::npu_fused_infer_attention_score.out"}  # run eagerly, never traced into graphs
+# Run eagerly, never traced into graphs (npu_add_rms_norm_v2 writes its inputs: under
+# torch.compile it is functionalised, and its functional form is decomposed).
+NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor", "npu::npu_fused_infer_attention_score.out",
+                  "npu::npu_add_rms_norm_v2"}
 # Ops whose portable form plans its copies from index data read on the host (the KV-cache ops):
 # run eagerly, never traced into graphs, and unlike _npu_dropout_gen_mask forced onto CPU too.
 HOST_SIDE: set[str] = set()
@@ -160,6 +162,20 @@ def npu_add_rms_norm_cast(x1, x2, gamma, epsilon=1e-6):
     x = (x1 + x2).to(x1.dtype)
     y, rstd = _rms(_up(x), gamma, epsilon)
     return y, y.to(x1.dtype), rstd, x
+
+
+@_portable("npu::npu_add_rms_norm_v2")
+def npu_add_rms_norm_v2(x1, x2, gamma, epsilon=1e-6):
+    rstd, y, x = npu_add_rms_norm_v2_functional(x1, x2, gamma, epsilon)
+    x1.copy_(y)
+    x2.copy_(x)
+    return rstd
+
+
+@_portable("npu::npu_add_rms_norm_v2_functional")
+def npu_add_rms_norm_v2_functional(x1, x2, gamma, epsilon=1e-6):
+    y, rstd, x = npu_add_rms_norm(x1, x2, gamma, epsilon)
+    return rstd.float(), y, x
 
 
 # ----------------------------------------------------------------------------- quantisation
@@ -626,6 +642,26 @@ def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
     return y, expert_idx, row_idx.view(k, rows).t().reshape(y.shape)
 
 
+@_portable("npu::npu_moe_gating_top_k_softmax_v2")
+def npu_moe_gating_top_k_softmax_v2(x, *, k=1, finished=None, renorm=0, output_softmax=False):
+    xf = _up(x)
+    if renorm:  # the top k logits, then their softmax
+        order = torch.sort(xf, dim=-1, descending=True, stable=True).indices[..., :k]
+        y = torch.softmax(xf.gather(-1, order), dim=-1)
+    else:  # the top k of the softmax, ranked unrounded
+        p = torch.softmax(xf, dim=-1)
+        order = torch.sort(p, dim=-1, descending=True, stable=True).indices[..., :k]
+        y = p.gather(-1, order)
+    expert_idx = order.to(torch.int32)
+    if finished is not None:
+        expert_idx = expert_idx.masked_fill(finished.bool().unsqueeze(-1), x.shape[-1])
+    if not renorm and output_softmax:
+        softmax = torch.softmax(xf, dim=-1).float()
+    else:
+        softmax = x.new_empty((0,), dtype=torch.float32)
+    return y.to(x.dtype), expert_idx, softmax
+
+
 @_portable("npu::npu_moe_init_routing")
 def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     n, k = expert_idx.shape
@@ -636,6 +672,96 @@ def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
     kept = dst_to_src[:torch.sym_min(active_num, n) * k]
     expanded_x = x[kept % torch.sym_max(n, 1)]
     return expanded_x, expanded_row_idx.to(torch.int32), sorted_experts.to(torch.int32)
+
+
+def _static_quant_fp16(x, scale, offset):
+    """op-plugin's static quantisation golden: float16 steps, round half to even, int8."""
+    h = torch.float16
+    v = (x.to(h) * scale.reshape(()).to(h)).to(h) + offset.reshape(()).to(h)
+    return torch.nan_to_num(torch.round(v.to(h).float()), nan=0.0).clamp(-128, 127).to(torch.int8)
+
+
+@_portable("npu::npu_moe_init_routing_v2")
+def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
+                            expert_capacity=-1, expert_num=-1, drop_pad_mode=0,
+                            expert_tokens_num_type=0, expert_tokens_num_flag=False, quant_mode=-1,
+                            active_expert_range=(), row_idx_type=0, x_dtype=None):
+    if quant_mode not in (-1, 0, 1) or x_dtype is not None:
+        raise NotImplementedError("npu_moe_init_routing_v2: quant_mode 2..17 and x_dtype are not "
+                                  "implemented")
+    n, h = x.shape
+    k = expert_idx.shape[1]
+    nk = n * k
+    dev = x.device
+    start, end = active_expert_range if len(active_expert_range) == 2 else (0, expert_num)
+    experts = expert_num if expert_num > 0 else end
+    span = end - start
+    e = expert_idx.reshape(-1).to(torch.int64)
+    big = torch.cat([e, e.new_full((1,), start)]).amax() + 1
+    keys = torch.where(e < start, big, e)
+    sorted_keys, order = torch.sort(keys, stable=True)
+    in_range = (sorted_keys >= start) & (sorted_keys < end)
+    valid = in_range.sum()
+    pos = torch.arange(nk, device=dev)
+    token = torch.div(order, max(k, 1), rounding_mode="floor")
+    drop_pad = drop_pad_mode == 1
+    if drop_pad:
+        rows = experts * expert_capacity
+        first = torch.searchsorted(sorted_keys.contiguous(), sorted_keys.contiguous())
+        rank = pos - first
+        placed = in_range & (rank < expert_capacity)
+        target = torch.where(placed, (sorted_keys - start) * expert_capacity + rank, rows)
+    else:
+        rows = nk if active_num <= 0 else min(active_num, nk)
+        limit = valid if active_num <= 0 else torch.clamp(valid, max=active_num)
+        placed = pos < limit
+        target = torch.where(placed, pos, rows)
+    # where each output row's token comes from (a dump row past the end takes the rest)
+    src = torch.full((rows + 1,), -1, dtype=torch.int64, device=dev)
+    src = src.scatter(0, target, token)[:rows]
+    row_valid = src >= 0
+    gathered = x[src.clamp(min=0)]
+    gathered = torch.where(row_valid.unsqueeze(-1), gathered, gathered.new_zeros(()))
+    if row_idx_type == 1:
+        expanded_row_idx = order
+    else:
+        where_to = torch.where(in_range if not drop_pad else placed,
+                               pos if not drop_pad else target, -1)
+        expanded_row_idx = torch.empty_like(order).scatter(0, order, where_to)
+    expanded_row_idx = expanded_row_idx.to(expert_idx.dtype)
+    counts_per = torch.zeros(span + 1, dtype=torch.int64, device=dev).scatter_add(
+        0, torch.where(in_range, sorted_keys - start, span), torch.ones_like(sorted_keys))[:span]
+    if not expert_tokens_num_flag:
+        counts_per = torch.zeros_like(counts_per)
+    if expert_tokens_num_type == 2:
+        nonzero_first = torch.sort((counts_per == 0).to(torch.int8), stable=True).indices
+        cnt = counts_per[nonzero_first]
+        ids = torch.where(cnt > 0, nonzero_first + start, 0)
+        pairs = torch.stack([ids, cnt], dim=1)
+        counts = torch.cat([pairs, pairs.new_zeros(experts - span, 2)])
+    else:
+        counts = counts_per.cumsum(0) if expert_tokens_num_type == 0 else counts_per
+    expanded_scale = x.new_zeros((rows,), dtype=torch.float32)
+    if quant_mode == -1:
+        out = gathered
+        if scale is not None:
+            expanded_scale = torch.where(row_valid, scale.float()[src.clamp(min=0)], 0.0)
+    elif quant_mode == 0:
+        out = torch.where(row_valid.unsqueeze(-1), _static_quant_fp16(gathered, scale, offset), 0)
+    else:
+        v = gathered.float()
+        if scale is not None and scale.dim() == 2 and scale.shape[0] > 1:  # per active expert
+            row_expert = torch.zeros(rows + 1, dtype=torch.int64, device=dev).scatter(
+                0, target, sorted_keys - start)[:rows]
+            v = v * scale.float()[row_expert.clamp(0, span - 1)]
+        elif scale is not None:
+            v = v * scale.float().reshape(1, h)
+        codes, row_scale = _quantize(v, 127.0, False, False)
+        out = torch.where(row_valid.unsqueeze(-1), codes, 0)
+        expanded_scale = torch.where(row_valid, row_scale, 0.0)
+    if drop_pad:
+        out = out.reshape(experts, expert_capacity, h)
+    return out, expanded_row_idx, counts, expanded_scale
 
 
 @_portable("npu::npu_moe_compute_expert_tokens")
@@ -677,6 +803,236 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
         if skip is not None:
             out = out + skip.to(flat.dtype)
     return out.to(rows.dtype)
+
+
+def _permute_rows(num_out_tokens, n):
+    if num_out_tokens is not None and num_out_tokens > 0:
+        return torch.sym_min(num_out_tokens, n)
+    return n + (num_out_tokens or 0)
+
+
+def _no_padded_mode(op, padded_mode):
+    if padded_mode:
+        raise NotImplementedError(f"{op}: padded_mode=True is not implemented")
+
+
+@_portable("npu::npu_moe_token_permute")
+def npu_moe_token_permute(tokens, indices, num_out_tokens=None, padded_mode=False):
+    _no_padded_mode("npu_moe_token_permute", padded_mode)
+    n = indices.numel()
+    k = 1 if indices.dim() == 1 else indices.shape[1]
+    order = torch.sort(indices.reshape(-1).to(torch.int64), stable=True).indices
+    positions = torch.arange(n, dtype=torch.int32, device=tokens.device)
+    sorted_indices = torch.empty_like(positions).scatter(0, order, positions)
+    kept = order[:_permute_rows(num_out_tokens, n)]
+    return tokens[torch.div(kept, torch.sym_max(k, 1), rounding_mode="floor")], sorted_indices
+
+
+def _pair_rows(rows, sorted_indices):
+    """rows[sorted_indices] in the accumulator dtype, with positions past rows' end as 0 rows."""
+    flat = _up(rows)
+    padded = torch.cat([flat, flat.new_zeros(1, flat.shape[1])])
+    src = sorted_indices.reshape(-1).to(torch.int64)
+    return padded[torch.where(src < flat.shape[0], src, flat.shape[0])]
+
+
+def _permute_grad(grad_permuted_tokens, sorted_indices, rows, dtype, k):
+    terms = _pair_rows(grad_permuted_tokens.to(dtype), sorted_indices)
+    return terms.view(rows, k, -1).sum(dim=1).to(dtype)
+
+
+@_portable("npu::npu_moe_token_permute_grad")
+def npu_moe_token_permute_grad(tokens, grad_permuted_tokens, indices, sorted_indices,
+                               padded_mode=False):
+    _no_padded_mode("npu_moe_token_permute_grad", padded_mode)
+    k = 1 if indices.dim() == 1 else indices.shape[1]
+    return _permute_grad(grad_permuted_tokens, sorted_indices, tokens.shape[0], tokens.dtype, k)
+
+
+@_portable("npu::npu_moe_token_permute_grad_v2")
+def npu_moe_token_permute_grad_v2(grad_permuted_tokens, sorted_indices, tokens_size_0,
+                                  tokens_dtype, num_topK, padded_mode=False):
+    _no_padded_mode("npu_moe_token_permute_grad_v2", padded_mode)
+    return _permute_grad(grad_permuted_tokens, sorted_indices, tokens_size_0, tokens_dtype,
+                         num_topK)
+
+
+@_portable("npu::npu_moe_token_unpermute")
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
+                            restore_shape=None):
+    _no_padded_mode("npu_moe_token_unpermute", padded_mode)
+    terms = _pair_rows(permuted_tokens, sorted_indices)
+    h = permuted_tokens.shape[1]
+    if probs is None:
+        return terms.to(permuted_tokens.dtype)
+    terms = terms.view(probs.shape[0], probs.shape[1], h) * probs.to(terms.dtype).unsqueeze(-1)
+    return terms.sum(dim=1).to(permuted_tokens.dtype)
+
+
+def _unpermute_grad(grad, sorted_indices, rows, dtype, probs, permuted_tokens):
+    src = sorted_indices.reshape(-1).to(torch.int64)
+    k = probs.shape[1] if probs is not None else 1
+    g = _up(grad.to(dtype))
+    per_pair = g.repeat_interleave(k, dim=0) if k != 1 else g
+    weighted = per_pair * probs.reshape(-1, 1).to(g.dtype) if probs is not None else per_pair
+    # pairs past the rows (dropped) land in an extra row that is cut off
+    dst = torch.where(src < rows, src, rows)
+    grad_rows = g.new_zeros(rows + 1, g.shape[1]).index_copy(0, dst, weighted)[:rows].to(dtype)
+    if probs is None:
+        return grad_rows, grad.new_zeros(())
+    dots = (per_pair * _pair_rows(permuted_tokens.to(dtype), sorted_indices)).sum(dim=-1)
+    return grad_rows, dots.view(probs.shape).to(probs.dtype)
+
+
+@_portable("npu::npu_moe_token_unpermute_grad")
+def npu_moe_token_unpermute_grad(permuted_tokens, grad_unpermuted_tokens, sorted_indices,
+                                 probs=None, padded_mode=False, restore_shape=None):
+    _no_padded_mode("npu_moe_token_unpermute_grad", padded_mode)
+    return _unpermute_grad(grad_unpermuted_tokens, sorted_indices, permuted_tokens.shape[0],
+                           permuted_tokens.dtype, probs, permuted_tokens)
+
+
+@_portable("npu::npu_moe_token_unpermute_grad_v2")
+def npu_moe_token_unpermute_grad_v2(grad_unpermuted_tokens, sorted_indices,
+                                    permuted_tokens_size_0, permuted_tokens_dtype, probs=None,
+                                    padded_mode=False, restore_shape=None, permuted_tokens=None):
+    _no_padded_mode("npu_moe_token_unpermute_grad_v2", padded_mode)
+    return _unpermute_grad(grad_unpermuted_tokens, sorted_indices, permuted_tokens_size_0,
+                           permuted_tokens_dtype, probs, permuted_tokens)
+
+
+def _routed_pairs(routing_map, count):
+    """(token, expert) of the first `count` routed pairs of the map, token-major."""
+    t, e = routing_map.shape
+    flat = routing_map.reshape(-1) != 0
+    idx = torch.arange(t * e, device=routing_map.device)
+    order = torch.sort(torch.where(flat, idx, idx + t * e), stable=True).indices[:count]
+    return torch.div(order, e, rounding_mode="floor"), order % e
+
+
+def _slot_experts(slots, experts, device):
+    capacity = slots // max(experts, 1)
+    return torch.div(torch.arange(slots, device=device), max(capacity, 1), rounding_mode="floor")
+
+
+@_portable("npu::npu_moe_token_permute_with_routing_map")
+def npu_moe_token_permute_with_routing_map(tokens, routing_map, *, probs=None,
+                                           num_out_tokens=None, drop_and_pad=False):
+    t, e = routing_map.shape
+    requested = t if num_out_tokens is None else num_out_tokens
+    unit = e if drop_and_pad else t
+    rows = requested // unit * unit if unit else 0
+    dev = tokens.device
+    if drop_and_pad:
+        capacity = rows // e if e else 0
+        slot_token = torch.sort((routing_map != 0).to(torch.int8).t(), dim=-1, descending=True,
+                                stable=True).indices[:, :capacity].reshape(-1)
+        permuted_probs = (probs[slot_token, _slot_experts(rows, e, dev)] if probs is not None
+                          else tokens.new_empty((0,)))
+        return tokens[slot_token], permuted_probs, slot_token.to(torch.int32)
+    token, expert = _routed_pairs(routing_map, rows)  # token-major pair q
+    order = torch.sort(expert * t + token, stable=True).indices  # expert-major position p
+    positions = torch.arange(rows, dtype=torch.int32, device=dev)
+    sorted_indices = torch.empty_like(positions).scatter(0, order, positions)
+    permuted_probs = (probs[token[order], expert[order]] if probs is not None
+                      else tokens.new_empty((0,)))
+    return tokens[token[order]], permuted_probs, sorted_indices
+
+
+def _routing_terms(sorted_indices, rows, t, routing_map, probs, drop_and_pad):
+    """(token, expert, row) of every term: drop_and_pad, slot s of token sorted_indices[s];
+    dropless, token-major pair q in row sorted_indices[q]."""
+    si = sorted_indices.reshape(-1).to(torch.int64)
+    dev = si.device
+    if drop_and_pad:
+        e = routing_map.shape[1] if routing_map is not None else probs.shape[1]
+        return si, _slot_experts(rows, e, dev), torch.arange(rows, device=dev)
+    if routing_map is not None:
+        token, expert = _routed_pairs(routing_map, rows)
+    else:
+        k = rows // t if t else 0
+        q = torch.arange(rows, device=dev)
+        token, expert = torch.div(q, max(k, 1), rounding_mode="floor"), q % max(k, 1)
+    return token, expert, si
+
+
+def _unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs,
+                                routing_map, drop_and_pad):
+    rows, h = permuted_tokens.shape
+    t = restore_shape[0]
+    token, expert, row = _routing_terms(sorted_indices, rows, t, routing_map, probs,
+                                        drop_and_pad)
+    terms = _up(permuted_tokens)[row]
+    w = probs[token, expert] if probs is not None else None
+    if w is not None:
+        terms = terms * w.to(terms.dtype).unsqueeze(-1)
+    out = terms.new_zeros((t, h)).index_add(0, token, terms).to(permuted_tokens.dtype)
+    return out, w
+
+
+@_portable("npu::npu_moe_token_unpermute_with_routing_map")
+def npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *,
+                                             probs=None, routing_map=None, drop_and_pad=False):
+    return _unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs,
+                                       routing_map, drop_and_pad)[0]
+
+
+@_portable("npu::_npu_moe_token_unpermute_with_routing_map")
+def _npu_moe_token_unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, *,
+                                              probs=None, routing_map=None, drop_and_pad=False):
+    out, w = _unpermute_with_routing_map(permuted_tokens, sorted_indices, restore_shape, probs,
+                                         routing_map, drop_and_pad)
+    if drop_and_pad:
+        token_id, out_index = torch.sort(sorted_indices, stable=True)
+        out_index = out_index.to(sorted_indices.dtype)
+    else:
+        out_index, token_id = sorted_indices.clone(), sorted_indices.clone()
+    permute_probs = w if w is not None else permuted_tokens.new_empty((0,))
+    return out, out_index, token_id, permute_probs
+
+
+@_portable("npu::npu_moe_token_permute_with_routing_map_grad")
+def npu_moe_token_permute_with_routing_map_grad(permuted_token_out_grad, probs_grad,
+                                                sorted_indices, routing_map, experts_num,
+                                                tokens_num, drop_and_pad):
+    g = permuted_token_out_grad
+    rows = g.shape[0]
+    token, expert, row = _routing_terms(sorted_indices, rows, tokens_num, routing_map, None,
+                                        drop_and_pad)
+    gf = _up(g)
+    tokens_grad = gf.new_zeros((tokens_num, g.shape[1])).index_add(0, token, gf[row]).to(g.dtype)
+    if probs_grad is None:
+        return tokens_grad, g.new_empty((0,))
+    flat = probs_grad.new_zeros((tokens_num * experts_num,), dtype=torch.float64)
+    flat = flat.index_add(0, token * experts_num + expert, probs_grad.double()[row])
+    return tokens_grad, flat.view(tokens_num, experts_num).to(probs_grad.dtype)
+
+
+@_portable("npu::npu_moe_token_unpermute_with_routing_map_grad")
+def npu_moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_index,
+                                                  permuted_token_id, routing_map,
+                                                  permuted_tokens, probs, drop_and_pad,
+                                                  restore_shape):
+    g = unpermuted_tokens_grad
+    t, h = g.shape
+    rows = out_index.shape[0]
+    si = out_index
+    if drop_and_pad:  # each slot's token back from the sorted order
+        si = torch.empty_like(permuted_token_id).scatter(0, out_index.to(torch.int64),
+                                                         permuted_token_id)
+    token, expert, row = _routing_terms(si, rows, t, routing_map, probs, drop_and_pad)
+    gf = _up(g)[token]
+    if probs is not None:
+        gf_w = gf * probs[token, expert].to(gf.dtype).unsqueeze(-1)
+    else:
+        gf_w = gf
+    grad_rows = gf.new_zeros((rows, h)).index_copy(0, row, gf_w).to(g.dtype)
+    if probs is None:
+        return grad_rows, g.new_empty((0,))
+    dots = (gf * _up(permuted_tokens.to(g.dtype))[row]).sum(-1)
+    e = probs.shape[1]
+    flat = dots.new_zeros((t * e,)).index_add(0, token * e + expert, dots)
+    return grad_rows, flat.view(t, e).to(g.dtype)
 
 
 def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, quantised):
