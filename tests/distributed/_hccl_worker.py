@@ -298,6 +298,10 @@ def case_reduce_ops(rank: int, world: int) -> dict:
     out = torch.empty(3, device=d)
     torch_npu.distributed.all_gather_into_tensor_uneven(out, torch.full((1 + rank,), rank + 5.0, device=d), [1, 2])
     res["all_gather_uneven"] = out.cpu()
+    # all_gather with a different shape on each rank (HCCL allows it; each output its rank's shape)
+    outs = [torch.empty(2, 3, device=d), torch.empty(4, device=d)]
+    dist.all_gather(outs, torch.full((2, 3) if rank == 0 else (4,), rank + 1.0, device=d))
+    res["all_gather_shapes"] = [o.cpu() for o in outs]
     dist.destroy_process_group()
     return res
 

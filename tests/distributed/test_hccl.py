@@ -100,6 +100,7 @@ def test_reduce_ops_and_uneven(tmp_path):
         torch.testing.assert_close(res["reduce_scatter_avg"], torch.tensor([0.0, 1.5]) if rank == 0 else torch.tensor([3.0, 4.5]))
         torch.testing.assert_close(res["reduce_scatter_uneven"], torch.tensor([0.0]) if rank == 0 else torch.tensor([2.0, 4.0]))
         torch.testing.assert_close(res["all_gather_uneven"], torch.tensor([5.0, 6.0, 6.0]))
+        torch.testing.assert_close(res["all_gather_shapes"], [torch.ones(2, 3), torch.full((4,), 2.0)])
 
 
 def test_default_backend_and_device_map(tmp_path):

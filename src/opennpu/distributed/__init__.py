@@ -46,7 +46,7 @@ def _to_cpu(x):
 
 # ProcessGroup methods that torch.distributed's Python functions call, with their gloo namesakes.
 _FORWARDED = (
-    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather",
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce",
     "allgather_coalesced", "reduce_scatter", "gather", "scatter",
     "alltoall_base", "send", "recv", "recv_anysource",
 )
@@ -55,10 +55,12 @@ _FORWARDED = (
 # the collective runs: gloo itself aborts the process on a size mismatch ("Received data size
 # doesn't match expected size") or reduces garbage. "all": every tensor argument; an index: that
 # argument only (gather's outputs and scatter's inputs exist on the root alone); "dtype": dtypes
-# only (all_to_all's splits may differ by rank). Point-to-point ops are not checked.
+# only (all_to_all's splits may differ by rank). Point-to-point ops are not checked. all_gather's
+# outputs hold every rank's shape, which may differ by rank (HCCL allows it), so they are what
+# all ranks pass alike.
 _CHECKED = {
     "allreduce": "all", "allreduce_coalesced": "all", "broadcast": "all", "reduce": "all",
-    "allgather": "all", "_allgather_base": "all", "allgather_coalesced": "all",
+    "allgather": 0, "_allgather_base": "all", "allgather_coalesced": "all",
     "reduce_scatter": "all", "_reduce_scatter_base": "all", "gather": 1, "scatter": 0,
     "alltoall_base": "dtype", "alltoall": "dtype", "allgather_into_tensor_coalesced": "all",
     "reduce_scatter_tensor_coalesced": "all",
@@ -270,6 +272,32 @@ class ProcessGroupHCCL(dist.ProcessGroup):
             w.wait()
         fut = torch.futures.Future()
         fut.set_result(list(output_tensors))
+        return _create_work_from_future(fut)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """all_gather. Ranks may contribute tensors of different shapes, as on HCCL (every rank's
+        output list holds each rank's shape); gloo wants one shape, so such a call gathers padded
+        flat copies and unpacks them, finished before it returns."""
+        outs, inp = output_tensors[0], input_tensors[0]
+        if len(output_tensors) != 1 or len(input_tensors) != 1 or all(o.shape == inp.shape for o in outs):
+            cpu_args = _to_cpu((output_tensors, input_tensors))
+            return self._run("allgather", (output_tensors, input_tensors), cpu_args,
+                             lambda: self._gloo.allgather(*cpu_args, opts or AllgatherOptions()))
+        rank, size = self.rank(), self.size()
+        if len(outs) != size or outs[rank].numel() != inp.numel():
+            raise ValueError(f"all_gather: expected {size} output tensors, this rank's with its input's "
+                             f"{inp.numel()} elements, got {len(outs)}"
+                             + (f" (this rank's has {outs[rank].numel()})" if len(outs) == size else ""))
+        width = max(o.numel() for o in outs)
+        send = torch.zeros(width, dtype=inp.dtype)
+        send[:inp.numel()].copy_(_to_cpu(inp).reshape(-1))
+        gathered = torch.empty(size * width, dtype=inp.dtype)
+        self._run("allgather", (output_tensors, input_tensors), (),
+                  lambda: self._gloo._allgather_base(gathered, send, AllgatherOptions())).wait()
+        for r, out in enumerate(_to_cpu(list(outs))):
+            out.copy_(gathered[r * width:r * width + out.numel()].view(out.shape))
+        fut = torch.futures.Future()
+        fut.set_result(list(outs))
         return _create_work_from_future(fut)
 
     # all_gather_into_tensor / reduce_scatter_tensor take the world-sized tensor in any shape with
