@@ -14,10 +14,10 @@
 
 namespace opennpu::norm {
 
-CpuKernel<RmsNormFwdFn> rms_norm_fwd_cpu;
-CpuKernel<AddRmsNormFwdFn> add_rms_norm_fwd_cpu;
-CpuKernel<RmsNormBwdFn> rms_norm_bwd_cpu;
-CpuKernel<AddRmsNormCastFwdFn> add_rms_norm_cast_fwd_cpu;
+KernelSlots<RmsNormFwdFn> rms_norm_fwd;
+KernelSlots<AddRmsNormFwdFn> add_rms_norm_fwd;
+KernelSlots<RmsNormBwdFn> rms_norm_bwd;
+KernelSlots<AddRmsNormCastFwdFn> add_rms_norm_cast_fwd;
 
 namespace {
 
@@ -73,7 +73,7 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_forward(const char* op, const at::Te
   at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty(rstd_shape, x.options().dtype(acc_dtype(x)));
   if (x.numel() > 0) {
-    rms_norm_fwd_cpu.get(op)(x, gamma_acc, epsilon, y, rstd);
+    rms_norm_fwd.get(op, x)(x, gamma_acc, epsilon, y, rstd);
   } else {
     fill_empty_norm_rstd(gamma_acc, rstd);
   }
@@ -147,7 +147,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const char* op, cons
   at::Tensor x = at::empty_like(a, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty(rstd_shape, a.options().dtype(acc_dtype(a)));
   if (a.numel() > 0) {
-    add_rms_norm_fwd_cpu.get(op)(a, b, gamma_acc, epsilon, y, rstd, x);
+    add_rms_norm_fwd.get(op, a)(a, b, gamma_acc, epsilon, y, rstd, x);
   } else {
     fill_empty_norm_rstd(gamma_acc, rstd);
   }
@@ -203,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm_cast
   at::Tensor x = at::empty_like(a, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty(rstd_shape, a.options().dtype(acc));
   if (a.numel() > 0) {
-    add_rms_norm_cast_fwd_cpu.get(op)(a, b, gamma_acc, epsilon, y1, y2, rstd, x);
+    add_rms_norm_cast_fwd.get(op, a)(a, b, gamma_acc, epsilon, y1, y2, rstd, x);
   } else {
     fill_empty_norm_rstd(gamma_acc, rstd);
   }
@@ -232,7 +232,7 @@ std::tuple<at::Tensor, at::Tensor> npu_rms_norm_backward(const at::Tensor& dy,
   const at::Tensor gamma_acc = gamma.to(acc).contiguous();
   at::Tensor dx = at::empty_like(x, at::MemoryFormat::Contiguous);
   at::Tensor dgamma = at::zeros(gamma.sizes(), gamma.options().dtype(acc));
-  if (x.numel() > 0) rms_norm_bwd_cpu.get(op)(g, x, gamma_acc, r, dx, dgamma);
+  if (x.numel() > 0) rms_norm_bwd.get(op, x)(g, x, gamma_acc, r, dx, dgamma);
   return {dx, dgamma};
 }
 

@@ -10,7 +10,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::norm {
 
@@ -34,9 +34,9 @@ using AddRmsNormCastFwdFn = void(const at::Tensor& x1, const at::Tensor& x2,
 using RmsNormBwdFn = void(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& gamma,
                           const at::Tensor& rstd, at::Tensor& dx, at::Tensor& dgamma);
 
-extern CpuKernel<RmsNormFwdFn> rms_norm_fwd_cpu;
-extern CpuKernel<AddRmsNormFwdFn> add_rms_norm_fwd_cpu;
-extern CpuKernel<RmsNormBwdFn> rms_norm_bwd_cpu;
-extern CpuKernel<AddRmsNormCastFwdFn> add_rms_norm_cast_fwd_cpu;
+extern KernelSlots<RmsNormFwdFn> rms_norm_fwd;
+extern KernelSlots<AddRmsNormFwdFn> add_rms_norm_fwd;
+extern KernelSlots<RmsNormBwdFn> rms_norm_bwd;
+extern KernelSlots<AddRmsNormCastFwdFn> add_rms_norm_cast_fwd;
 
 }  // namespace opennpu::norm

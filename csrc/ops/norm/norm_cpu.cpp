@@ -177,10 +177,10 @@ void rms_norm_bwd_kernel(const at::Tensor& dy, const at::Tensor& x, const at::Te
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(rms_norm_fwd_cpu, &rms_norm_fwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(add_rms_norm_fwd_cpu, &add_rms_norm_fwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(rms_norm_bwd_cpu, &rms_norm_bwd_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(add_rms_norm_cast_fwd_cpu, &add_rms_norm_cast_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(rms_norm_fwd, &rms_norm_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(add_rms_norm_fwd, &add_rms_norm_fwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(rms_norm_bwd, &rms_norm_bwd_kernel);
+OPENNPU_REGISTER_CPU_SLOT(add_rms_norm_cast_fwd, &add_rms_norm_cast_fwd_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::norm
