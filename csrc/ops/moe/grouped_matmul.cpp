@@ -28,7 +28,7 @@
 
 namespace opennpu::moe {
 
-CpuKernel<GroupedGemmFn> grouped_gemm_cpu;
+KernelSlots<GroupedGemmFn> grouped_gemm;
 
 namespace {
 
@@ -227,7 +227,7 @@ std::vector<at::Tensor> grouped_matmul_on_k(at::TensorList x, at::TensorList wei
     gemm.k = kg;
     gemms.push_back(gemm);
   }
-  grouped_gemm_cpu.get(kOp)(xk.scalar_type(), gemms);
+  grouped_gemm.get(kOp, xk)(xk.scalar_type(), gemms);
   return {y};
 }
 
@@ -471,7 +471,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     gemm.k = k_of[g];
     gemms.push_back(gemm);
   }
-  grouped_gemm_cpu.get(kOp)(dtype, gemms);
+  grouped_gemm.get(kOp, x[0])(dtype, gemms);
   return outputs;
 }
 

@@ -20,7 +20,7 @@
 
 #include <cstdint>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::moe {
 
@@ -41,6 +41,6 @@ struct GemmGroup {
 
 using GroupedGemmFn = void(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups);
 
-extern CpuKernel<GroupedGemmFn> grouped_gemm_cpu;
+extern KernelSlots<GroupedGemmFn> grouped_gemm;
 
 }  // namespace opennpu::moe

@@ -153,7 +153,7 @@ void grouped_gemm_kernel(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups) 
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(grouped_gemm_cpu, &grouped_gemm_kernel);
+OPENNPU_REGISTER_CPU_SLOT(grouped_gemm, &grouped_gemm_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::moe

@@ -22,9 +22,9 @@
 
 namespace opennpu::moe {
 
-CpuKernel<GatingFn> gating_cpu;
-CpuKernel<GatingV2Fn> gating_v2_cpu;
-CpuKernel<FinalizeFn> finalize_cpu;
+KernelSlots<GatingFn> gating;
+KernelSlots<GatingV2Fn> gating_v2;
+KernelSlots<FinalizeFn> finalize;
 
 namespace {
 
@@ -100,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax(
   if (rows == 0) return {y, expert_idx, row_idx};
   const at::Tensor xc = x.contiguous().view({rows, e});
   at::Tensor y2 = y.view({rows, k}), i2 = expert_idx.view({rows, k}), r2 = row_idx.view({rows, k});
-  gating_cpu.get(op)(xc, done.defined() ? done.const_data_ptr<bool>() : nullptr, k, y2, i2, r2);
+  gating.get(op, xc)(xc, done.defined() ? done.const_data_ptr<bool>() : nullptr, k, y2, i2, r2);
   return {y, expert_idx, row_idx};
 }
 
@@ -129,7 +129,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_gating_top_k_softmax_v2(
   at::Tensor probs = want_softmax ? (acc_dtype(x) == at::kFloat ? softmax.view({rows, e})
                                                                 : at::empty({rows, e}, x.options()))
                                   : at::Tensor();
-  gating_v2_cpu.get(op)(xc, done.defined() ? done.const_data_ptr<bool>() : nullptr, k,
+  gating_v2.get(op, xc)(xc, done.defined() ? done.const_data_ptr<bool>() : nullptr, k,
                         renorm == 1, y2, i2, probs);
   if (want_softmax && acc_dtype(x) != at::kFloat) softmax.copy_(probs.view(x.sizes()));
   return {y, expert_idx, softmax};
@@ -429,7 +429,7 @@ at::Tensor npu_moe_finalize_routing(const at::Tensor& expanded_permuted_rows,
   const at::Tensor s1 = skip1.defined() ? skip1.contiguous() : at::Tensor();
   const at::Tensor s2 = skip2.defined() ? skip2.contiguous() : at::Tensor();
   const at::Tensor sc = scales.defined() ? scales.to(acc).contiguous() : at::Tensor();
-  finalize_cpu.get(op)(rows2, s1, s2, bias_acc, sc, term_src.data(),
+  finalize.get(op, rows2)(rows2, s1, s2, bias_acc, sc, term_src.data(),
                        term_expert.empty() ? nullptr : term_expert.data(), k, out);
   return out;
 }

@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::moe {
 
@@ -60,8 +60,8 @@ std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert);
 // x, out: contiguous [*, H] of one dtype.
 void gather_rows(const at::Tensor& x, const int64_t* src_row, int64_t rows, at::Tensor& out);
 
-extern CpuKernel<GatingFn> gating_cpu;
-extern CpuKernel<GatingV2Fn> gating_v2_cpu;
-extern CpuKernel<FinalizeFn> finalize_cpu;
+extern KernelSlots<GatingFn> gating;
+extern KernelSlots<GatingV2Fn> gating_v2;
+extern KernelSlots<FinalizeFn> finalize;
 
 }  // namespace opennpu::moe

@@ -253,9 +253,9 @@ void finalize_kernel(const at::Tensor& rows, const at::Tensor& skip1, const at::
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(gating_cpu, &gating_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(gating_v2_cpu, &gating_v2_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(finalize_cpu, &finalize_kernel);
+OPENNPU_REGISTER_CPU_SLOT(gating, &gating_kernel);
+OPENNPU_REGISTER_CPU_SLOT(gating_v2, &gating_v2_kernel);
+OPENNPU_REGISTER_CPU_SLOT(finalize, &finalize_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::moe

@@ -246,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor> npu_moe_token_permute_with_routing_map_grad(
   at::Tensor tokens_grad = at::empty({t, grad.size(1)}, grad.options());
   if (tokens_grad.numel() > 0) {
     if (terms.kmax > 0) {
-      gather_sum_cpu.get(op)(g, terms.row.data(), nullptr, terms.kmax, tokens_grad);
+      gather_sum.get(op, g)(g, terms.row.data(), nullptr, terms.kmax, tokens_grad);
     } else {
       tokens_grad.zero_();
     }
@@ -343,7 +343,7 @@ _npu_moe_token_unpermute_with_routing_map(
   const at::Tensor w = given(probs) ? term_weights(*probs, terms, t, x) : at::Tensor();
   if (out.numel() > 0) {
     if (terms.kmax > 0) {
-      gather_sum_cpu.get(op)(x, terms.row.data(), w.defined() ? w.const_data_ptr() : nullptr,
+      gather_sum.get(op, x)(x, terms.row.data(), w.defined() ? w.const_data_ptr() : nullptr,
                              terms.kmax, out);
     } else {
       out.zero_();
@@ -449,7 +449,7 @@ std::tuple<at::Tensor, at::Tensor> npu_moe_token_unpermute_with_routing_map_grad
   const at::Tensor w = given(probs) ? term_weights(*probs, terms, t, g) : at::Tensor();
   at::Tensor grad_w = given(probs) ? at::zeros({t * terms.kmax}, w.options()) : at::Tensor();
   if (g.numel() > 0 && terms.kmax > 0) {
-    gather_sum_backward_cpu.get(op)(g, rows_in, terms.row.data(),
+    gather_sum_backward.get(op, g)(g, rows_in, terms.row.data(),
                                     w.defined() ? w.const_data_ptr() : nullptr, terms.kmax,
                                     grad_rows,
                                     grad_w.defined() ? grad_w.mutable_data_ptr() : nullptr);

@@ -21,8 +21,8 @@
 
 namespace opennpu::moe {
 
-CpuKernel<GatherSumFn> gather_sum_cpu;
-CpuKernel<GatherSumBackwardFn> gather_sum_backward_cpu;
+KernelSlots<GatherSumFn> gather_sum;
+KernelSlots<GatherSumBackwardFn> gather_sum_backward;
 
 namespace {
 
@@ -124,7 +124,7 @@ at::Tensor permute_grad(const char* op, const at::Tensor& grad_permuted,
   const at::Tensor rows = grad_permuted.to(dtype).contiguous();
   const std::vector<int64_t> src = pair_rows(op, sorted_indices, rows.size(0), false);
   at::Tensor out = at::empty({t, rows.size(1)}, rows.options());
-  if (out.numel() > 0) gather_sum_cpu.get(op)(rows, src.data(), nullptr, k, out);
+  if (out.numel() > 0) gather_sum.get(op, rows)(rows, src.data(), nullptr, k, out);
   return out;
 }
 
@@ -169,7 +169,7 @@ std::tuple<at::Tensor, at::Tensor> unpermute_grad(const char* op, const at::Tens
     grad_w = at::empty({t, k}, weight.options());
   }
   if (g.numel() > 0 && k > 0) {
-    gather_sum_backward_cpu.get(op)(g, rows, src.data(),
+    gather_sum_backward.get(op, g)(g, rows, src.data(),
                                     weight.defined() ? weight.const_data_ptr() : nullptr, k,
                                     grad_rows,
                                     grad_w.defined() ? grad_w.mutable_data_ptr() : nullptr);
@@ -265,7 +265,7 @@ at::Tensor npu_moe_token_unpermute(const at::Tensor& permuted_tokens,
   at::Tensor out = at::empty({t, rows.size(1)}, rows.options());
   if (out.numel() == 0) return out;
   if (k == 0) return out.zero_();
-  gather_sum_cpu.get(op)(rows, src.data(), weight.defined() ? weight.const_data_ptr() : nullptr,
+  gather_sum.get(op, rows)(rows, src.data(), weight.defined() ? weight.const_data_ptr() : nullptr,
                          k, out);
   return out;
 }

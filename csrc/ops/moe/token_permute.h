@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::moe {
 
@@ -37,7 +37,7 @@ using GatherSumBackwardFn = void(const at::Tensor& grad, const at::Tensor& rows,
                                  const int64_t* src, const void* weight, int64_t k,
                                  at::Tensor& grad_rows, void* grad_w);
 
-extern CpuKernel<GatherSumFn> gather_sum_cpu;
-extern CpuKernel<GatherSumBackwardFn> gather_sum_backward_cpu;
+extern KernelSlots<GatherSumFn> gather_sum;
+extern KernelSlots<GatherSumBackwardFn> gather_sum_backward;
 
 }  // namespace opennpu::moe

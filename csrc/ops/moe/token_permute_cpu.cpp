@@ -130,8 +130,8 @@ void gather_sum_backward_kernel(const at::Tensor& grad, const at::Tensor& rows,
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(gather_sum_cpu, &gather_sum_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(gather_sum_backward_cpu, &gather_sum_backward_kernel);
+OPENNPU_REGISTER_CPU_SLOT(gather_sum, &gather_sum_kernel);
+OPENNPU_REGISTER_CPU_SLOT(gather_sum_backward, &gather_sum_backward_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::moe

@@ -16,9 +16,9 @@
 
 namespace opennpu::quant {
 
-CpuKernel<MxQuantFn> mx_quant_cpu;
-CpuKernel<PackFp4Fn> pack_fp4_cpu;
-CpuKernel<BlockQuantFn> block_quant_cpu;
+KernelSlots<MxQuantFn> mx_quant;
+KernelSlots<PackFp4Fn> pack_fp4;
+KernelSlots<BlockQuantFn> block_quant;
 
 namespace {
 
@@ -109,11 +109,11 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize(const char* op, const at::Tensor&
   if (input.numel() == 0) return {y, mxscale};
   const at::Tensor x = input.contiguous();
   at::Tensor codes = t.fmt.fp4 ? at::empty({input.numel()}, input.options().dtype(at::kByte)) : y;
-  mx_quant_cpu.get(op)(x, pre, d, post, bs, t.fmt, round, scale_alg, low_bound,
+  mx_quant.get(op, x)(x, pre, d, post, bs, t.fmt, round, scale_alg, low_bound,
                        static_cast<uint8_t*>(codes.data_ptr()),
                        mxscale.mutable_data_ptr<uint8_t>());
   if (t.fmt.fp4) {
-    pack_fp4_cpu.get(op)(codes.const_data_ptr<uint8_t>(), y.numel(),
+    pack_fp4.get(op, y)(codes.const_data_ptr<uint8_t>(), y.numel(),
                          y.mutable_data_ptr<uint8_t>());
   }
   return {y, mxscale};
@@ -207,7 +207,7 @@ std::tuple<at::Tensor, at::Tensor> npu_grouped_dynamic_mx_quant(
     std::fill(ps + first_pair * n * 2, ps + (first_pair + pairs) * n * 2, uint8_t{0});
     std::fill(ps + (first_pair + pairs) * n * 2, ps + next_pair * n * 2, uint8_t{127});
     if (rows > 0 && n > 0) {
-      mx_quant_cpu.get(op)(xc.narrow(0, start, rows), 1, rows, n, 32, t.fmt, round, alg, 0.f,
+      mx_quant.get(op, xc)(xc.narrow(0, start, rows), 1, rows, n, 32, t.fmt, round, alg, 0.f,
                            static_cast<uint8_t*>(y.data_ptr()) + start * n,
                            ps + first_pair * n * 2);
     }
@@ -255,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_block_quant(
   at::Tensor scale = at::empty({x3.size(0), srows, scols}, x.options().dtype(at::kFloat));
   if (x.numel() > 0) {
     at::Tensor y3 = three ? y : y.unsqueeze(0);
-    block_quant_cpu.get(op)(x3, row_block_size, col_block_size, qmax,
+    block_quant.get(op, x3)(x3, row_block_size, col_block_size, qmax,
                             static_cast<float>(min_scale), fp8, y3, scale);
   }
   return {y, three ? scale : scale.squeeze(0)};

@@ -22,7 +22,7 @@
 
 #include <cstdint>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::quant {
 
@@ -56,8 +56,8 @@ using PackFp4Fn = void(const uint8_t* codes, int64_t pairs, uint8_t* packed);
 using BlockQuantFn = void(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
                           float min_scale, int fp8, at::Tensor& y, at::Tensor& scale);
 
-extern CpuKernel<MxQuantFn> mx_quant_cpu;
-extern CpuKernel<PackFp4Fn> pack_fp4_cpu;
-extern CpuKernel<BlockQuantFn> block_quant_cpu;
+extern KernelSlots<MxQuantFn> mx_quant;
+extern KernelSlots<PackFp4Fn> pack_fp4;
+extern KernelSlots<BlockQuantFn> block_quant;
 
 }  // namespace opennpu::quant

@@ -219,9 +219,9 @@ void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(mx_quant_cpu, &mx_quant_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(pack_fp4_cpu, &pack_fp4_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(block_quant_cpu, &block_quant_kernel);
+OPENNPU_REGISTER_CPU_SLOT(mx_quant, &mx_quant_kernel);
+OPENNPU_REGISTER_CPU_SLOT(pack_fp4, &pack_fp4_kernel);
+OPENNPU_REGISTER_CPU_SLOT(block_quant, &block_quant_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::quant

@@ -15,8 +15,8 @@
 
 namespace opennpu::quant {
 
-CpuKernel<DynamicQuantFn> dynamic_quant_cpu;
-CpuKernel<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant_cpu;
+KernelSlots<DynamicQuantFn> dynamic_quant;
+KernelSlots<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant;
 
 namespace {
 
@@ -180,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
     spec.lo = -code_max;
     spec.hi = code_max;
   }
-  dynamic_quant_cpu.get(op)(x.view({rows, n}), smooth, group_ends, per_tensor, spec, y, scale);
+  dynamic_quant.get(op, x)(x.view({rows, n}), smooth, group_ends, per_tensor, spec, y, scale);
   return {y, scale};
 }
 
@@ -256,7 +256,7 @@ npu_add_rms_norm_dynamic_quant(const at::Tensor& x1, const at::Tensor& x2, const
   }
   const at::Tensor a = as_kernel_input(x1), c = as_kernel_input(x2);
   at::Tensor x_kernel = x1.scalar_type() == at::kDouble ? at::empty(a.sizes(), a.options()) : x_out;
-  add_rms_norm_dynamic_quant_cpu.get(op)(a, c, g, b, s1, s2, epsilon, branch1, branch2,
+  add_rms_norm_dynamic_quant.get(op, a)(a, c, g, b, s1, s2, epsilon, branch1, branch2,
                                          make_spec(int4, 0.0), y1, y2, x_kernel, scale1, scale2);
   if (x1.scalar_type() == at::kDouble) at::add_out(x_out, x1, x2);  // the exact fp64 sum
   return {y1, y2, x_out, scale1, scale2};

@@ -14,7 +14,7 @@
 
 #include <ATen/core/Tensor.h>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::quant {
 
@@ -45,7 +45,7 @@ using AddRmsNormDynamicQuantFn = void(const at::Tensor& x1, const at::Tensor& x2
                                       const QuantSpec& spec, at::Tensor& y1, at::Tensor& y2,
                                       at::Tensor& x_out, at::Tensor& scale1, at::Tensor& scale2);
 
-extern CpuKernel<DynamicQuantFn> dynamic_quant_cpu;
-extern CpuKernel<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant_cpu;
+extern KernelSlots<DynamicQuantFn> dynamic_quant;
+extern KernelSlots<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant;
 
 }  // namespace opennpu::quant

@@ -393,8 +393,8 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(dynamic_quant_cpu, &dynamic_quant_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(add_rms_norm_dynamic_quant_cpu, &add_rms_norm_dynamic_quant_kernel);
+OPENNPU_REGISTER_CPU_SLOT(dynamic_quant, &dynamic_quant_kernel);
+OPENNPU_REGISTER_CPU_SLOT(add_rms_norm_dynamic_quant, &add_rms_norm_dynamic_quant_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::quant
