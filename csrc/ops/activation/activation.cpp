@@ -203,7 +203,7 @@ at::Tensor npu_fast_gelu_backward(const at::Tensor& grad, const at::Tensor& self
   return dx;
 }
 
-TORCH_LIBRARY_IMPL(npu, CPU, m) {
+void register_npu_entry_points(torch::Library& m) {
   m.impl("npu_swiglu", &npu_swiglu);
   m.impl("npu_swiglu_backward", &npu_swiglu_backward);
   m.impl("npu_geglu", &npu_geglu);
@@ -213,9 +213,13 @@ TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_fast_gelu_backward", &npu_fast_gelu_backward);
 }
 
-TORCH_LIBRARY_IMPL(opennpu, CPU, m) {
+void register_opennpu_entry_points(torch::Library& m) {
   m.impl("_silu_mul", &silu_mul);
   m.impl("_silu_mul_backward", &silu_mul_backward);
 }
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) { register_npu_entry_points(m); }
+
+TORCH_LIBRARY_IMPL(opennpu, CPU, m) { register_opennpu_entry_points(m); }
 
 }  // namespace opennpu::activation

@@ -10,6 +10,8 @@
 
 #include <tuple>
 
+#include <torch/library.h>
+
 #include "common/kernel_slots.h"
 
 namespace opennpu::activation {
@@ -63,5 +65,9 @@ at::Tensor npu_fast_gelu_backward(const at::Tensor& grad, const at::Tensor& self
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 std::tuple<at::Tensor, at::Tensor> silu_mul_backward(const at::Tensor& grad, const at::Tensor& gate,
                                                      const at::Tensor& up);
+
+// The entry points above, for one dispatch key's library (npu:: ops, then opennpu:: helpers).
+void register_npu_entry_points(torch::Library& m);
+void register_opennpu_entry_points(torch::Library& m);
 
 }  // namespace opennpu::activation

@@ -156,19 +156,8 @@ OPENNPU_REGISTER_CUDA_SLOT(glu_bwd, &glu_bwd_cuda);
 OPENNPU_REGISTER_CUDA_SLOT(unary_fwd, &unary_fwd_cuda);
 OPENNPU_REGISTER_CUDA_SLOT(unary_bwd, &unary_bwd_cuda);
 
-TORCH_LIBRARY_IMPL(npu, CUDA, m) {
-  m.impl("npu_swiglu", &npu_swiglu);
-  m.impl("npu_swiglu_backward", &npu_swiglu_backward);
-  m.impl("npu_geglu", &npu_geglu);
-  m.impl("npu_geglu_grad", &npu_geglu_grad);
-  m.impl("fast_gelu", &fast_gelu);
-  m.impl("npu_fast_gelu", &npu_fast_gelu);
-  m.impl("npu_fast_gelu_backward", &npu_fast_gelu_backward);
-}
+TORCH_LIBRARY_IMPL(npu, CUDA, m) { register_npu_entry_points(m); }
 
-TORCH_LIBRARY_IMPL(opennpu, CUDA, m) {
-  m.impl("_silu_mul", &silu_mul);
-  m.impl("_silu_mul_backward", &silu_mul_backward);
-}
+TORCH_LIBRARY_IMPL(opennpu, CUDA, m) { register_opennpu_entry_points(m); }
 
 }  // namespace opennpu::activation
