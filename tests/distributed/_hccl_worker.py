@@ -237,14 +237,17 @@ def case_peer_dies(rank: int, world: int) -> dict:
 
 
 def case_reinit(rank: int, world: int) -> dict:
-    """A group destroyed and created again on the same store (as under torchrun, whose agent's
-    store outlives process groups): the second group's check must not read the first's state."""
+    """A group destroyed and created again in the same process, on one TCP store (as under
+    torchrun, whose agent's store outlives process groups): the second group's rendezvous is its
+    own. Each round gets a key prefix of its own, as gloo's own connection keys would otherwise
+    race with the last round's (torch names the default group alike each time)."""
     store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
                           timeout=timedelta(seconds=30))
     torch.npu.set_device(rank)
     res = {}
     for round_ in range(2):
-        dist.init_process_group("hccl", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=30))
+        dist.init_process_group("hccl", store=dist.PrefixStore(f"round{round_}", store), rank=rank,
+                                world_size=world, timeout=timedelta(seconds=30))
         t = torch.full((3,), float(rank + round_), device=f"npu:{rank}")
         dist.all_reduce(t)
         res[f"sum{round_}"] = t.cpu()
