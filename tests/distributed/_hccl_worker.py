@@ -261,9 +261,9 @@ def case_reinit(rank: int, world: int) -> dict:
     return res
 
 
-def case_peer_silent(rank: int, world: int) -> dict:
-    """Rank 1 stays alive but never joins the collective: rank 0 must time out, not hang."""
-    _init(rank, world, timeout_s=3.0)
+def _second_all_reduce_without_rank_1(rank: int) -> dict:
+    """One all_reduce of ones by both ranks, then rank 1 stays alive but away (and exits) while
+    rank 0 calls a second: rank 0's result (sum after the first), error text and wait."""
     t = torch.ones(4, device=f"npu:{rank}")
     dist.all_reduce(t)
     if rank == 1:
@@ -273,8 +273,14 @@ def case_peer_silent(rank: int, world: int) -> dict:
     try:
         dist.all_reduce(t)
     except Exception as e:  # noqa: BLE001
-        return {"error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
-    return {"error": None, "seconds": time.monotonic() - start}
+        return {"sum": t.cpu(), "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
+    return {"sum": t.cpu(), "error": None, "seconds": time.monotonic() - start}
+
+
+def case_peer_silent(rank: int, world: int) -> dict:
+    """Rank 1 stays alive but never joins the collective: rank 0 must time out, not hang."""
+    _init(rank, world, timeout_s=3.0)
+    return _second_all_reduce_without_rank_1(rank)
 
 
 def case_reduce_ops(rank: int, world: int) -> dict:
@@ -315,17 +321,7 @@ def case_hccl_env(rank: int, world: int) -> dict:
     time out after 2 s (torch's default would be 30 minutes)."""
     torch.npu.set_device(rank)
     dist.init_process_group("hccl", rank=rank, world_size=world)
-    t = torch.ones(4, device=f"npu:{rank}")
-    dist.all_reduce(t)
-    if rank == 1:
-        time.sleep(8)
-        os._exit(0)
-    start = time.monotonic()
-    try:
-        dist.all_reduce(t)
-    except Exception as e:  # noqa: BLE001
-        return {"sum": t.cpu(), "error": f"{type(e).__name__}: {e}", "seconds": time.monotonic() - start}
-    return {"sum": t.cpu(), "error": None, "seconds": time.monotonic() - start}
+    return _second_all_reduce_without_rank_1(rank)
 
 
 def main() -> None:

@@ -160,6 +160,21 @@ Operand operand(const at::Tensor& t) {
   return {t.const_data_ptr(), cols <= 1 ? std::max<int64_t>(rows, 1) : t.stride(1), true};
 }
 
+// A GEMM of a @ b (both passed through fit(), kept alive by the caller) writing `out`, ldout.
+GemmGroup gemm_of(const at::Tensor& a, const at::Tensor& b, void* out, int64_t ldout) {
+  const Operand oa = operand(a), ob = operand(b);
+  GemmGroup gemm;
+  gemm.a = oa.ptr;
+  gemm.lda = oa.ld;
+  gemm.ta = oa.trans;
+  gemm.b = ob.ptr;
+  gemm.ldb = ob.ld;
+  gemm.tb = ob.trans;
+  gemm.out = out;
+  gemm.ldout = ldout;
+  return gemm;
+}
+
 // Grouping on K (group_type 2): x [M, K] (x may be a transposed view) and weight [K, N], one
 // tensor each; group g is y[g] = x[:, K_g] @ weight[K_g, :] over the g-th column range of x (the
 // g-th row range of weight) that group_list cuts; one output [G, M, N] (split_item 2 / 3). A
@@ -212,16 +227,7 @@ std::vector<at::Tensor> grouped_matmul_on_k(at::TensorList x, at::TensorList wei
     const at::Tensor b = fit(w.narrow(0, start, kg));
     keep.push_back(a);
     keep.push_back(b);
-    const Operand oa = operand(a), ob = operand(b);
-    GemmGroup gemm;
-    gemm.a = oa.ptr;
-    gemm.lda = oa.ld;
-    gemm.ta = oa.trans;
-    gemm.b = ob.ptr;
-    gemm.ldb = ob.ld;
-    gemm.tb = ob.trans;
-    gemm.out = y[g].mutable_data_ptr();
-    gemm.ldout = n;
+    GemmGroup gemm = gemm_of(a, b, y[g].mutable_data_ptr(), n);
     gemm.m = m;
     gemm.n = n;
     gemm.k = kg;
@@ -455,17 +461,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     at::Tensor b = fit(weight_of(g));
     keep.push_back(a);
     keep.push_back(b);
-    const Operand oa = operand(a), ob = operand(b);
-    GemmGroup gemm;
-    gemm.a = oa.ptr;
-    gemm.lda = oa.ld;
-    gemm.ta = oa.trans;
-    gemm.b = ob.ptr;
-    gemm.ldb = ob.ld;
-    gemm.tb = ob.trans;
+    GemmGroup gemm = gemm_of(a, b, out_of[g].mutable_data_ptr(), n_of[g]);
     gemm.bias = bias_acc[g].defined() ? bias_acc[g].const_data_ptr() : nullptr;
-    gemm.out = out_of[g].mutable_data_ptr();
-    gemm.ldout = n_of[g];
     gemm.m = m;
     gemm.n = n_of[g];
     gemm.k = k_of[g];
