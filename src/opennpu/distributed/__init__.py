@@ -382,19 +382,17 @@ def _open_rendezvous(gloo, rank: int, size: int) -> int | None:
     if any(row[1:] != [rows[0][1], 1] for row in rows):
         return None
     path = f"/dev/shm/opennpu-hccl-{rows[0][0]:016x}"
-    handle = None
-    try:
-        if rank == 0:
-            handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, True)
-    except RuntimeError:
-        pass
-    if rank != 0 and every([0])[0][0]:
+
+    def open_file(create: bool) -> int | None:
         try:
-            handle = torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, False)
+            return torch.ops.opennpu._hccl_rendezvous_open(path, size, rank, _FP_LEN, create)
         except RuntimeError:
-            pass
-    elif rank == 0:
-        every([int(handle is not None)])  # tells the others whether the file exists
+            return None
+
+    handle = open_file(True) if rank == 0 else None
+    created = every([int(handle is not None)])[0][0]  # rank 0's row: the file exists
+    if rank != 0 and created:
+        handle = open_file(False)
     opened = all(row[0] for row in every([int(handle is not None)]))
     if rank == 0 and handle is not None:
         os.unlink(path)  # every rank that could open it has: nothing is left behind on any exit
