@@ -105,9 +105,16 @@ def case_collectives(rank: int, world: int) -> dict:
 
 
 def case_default_backend(rank: int, world: int) -> dict:
+    # Both rounds on one TCP store, a key prefix each: a second env:// rendezvous on the same port
+    # races with the first round's store server still closing on the other rank.
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), world, rank == 0,
+                          timeout=timedelta(seconds=30))
+    torch.npu.set_device(rank)
     res = {}
     for spec in (None, "cpu:gloo,npu:hccl"):
-        _init(rank, world, backend=spec)
+        kwargs = {} if spec is None else {"backend": spec}
+        dist.init_process_group(store=dist.PrefixStore(str(spec), store), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=30), **kwargs)
         t = torch.full((2,), rank + 1.0, device=f"npu:{rank}")
         c = torch.full((2,), rank + 1.0)
         dist.all_reduce(t)
