@@ -32,11 +32,12 @@ _library.load(conflicting_package=_REAL_TORCH_NPU)
 
 from . import _device  # noqa: E402
 
-_device.register()  # the `npu` device: torch.npu, Tensor.npu(), "npu:0"
-
 from . import distributed  # noqa: E402
 
-distributed.register()  # torch.distributed's `hccl` backend for npu tensors
+# The `npu` device (torch.npu, Tensor.npu(), "npu:0") and torch.distributed's `hccl` backend for
+# npu tensors; not where a CUDA GPU is visible, unless asked (see _device.py).
+if _device.register():
+    distributed.register()
 
 # opennpu.optim (and torch.npu.amp) import torch._dynamo (torch.compiler.disable), seconds of work
 # that `import torch` would pay through the backend autoload: they load on first use.

@@ -1,15 +1,61 @@
 """Registers the `npu` device with PyTorch: PrivateUse1 renamed `npu`, `torch.npu` (= opennpu.npu,
 also `torch_npu.npu`), and the generated `Tensor.npu()`, `Tensor.is_npu`, `Module.npu()` and storage
 methods. The C++ side (guard, allocator, hooks, kernels) registers itself when the operator
-library loads."""
+library loads.
+
+One accelerator per process: PyTorch makes a named PrivateUse1 backend its accelerator
+(`torch.accelerator`) ahead of CUDA, and its autograd engine then finds no stream for CUDA nodes,
+so every CUDA backward in the process fails (an internal assert; pytorch/pytorch#161129). Where a
+CUDA GPU is visible, `import torch` (opennpu's backend autoload) and `import opennpu` therefore
+leave CUDA the accelerator and do not register npu; opennpu's ops run on CUDA tensors. Asking for
+Ascend's device, `import torch_npu`, registers it anyway (CUDA backward then fails in that
+process, with a warning at the import). OPENNPU_NPU_DEVICE=1 / 0 registers it always / never.
+"""
 
 from __future__ import annotations
 
+import os
+import warnings
+
 import torch
 
+ENV = "OPENNPU_NPU_DEVICE"
 
-def register() -> None:
-    """Idempotent; fails clearly if another backend already owns PrivateUse1."""
+
+def cuda_gpu_visible() -> bool:
+    """Whether this process sees a CUDA GPU; asks NVML first, so CUDA is not initialised."""
+    if not torch.version.cuda:
+        return False
+    count = torch.cuda._device_count_nvml()
+    return count > 0 if count >= 0 else torch.cuda.is_available()
+
+
+def is_registered() -> bool:
+    return torch._C._get_privateuse1_backend_name() == "npu"
+
+
+def wanted(explicit: bool) -> bool:
+    """Whether to register npu now: explicit is an `import torch_npu`."""
+    setting = os.environ.get(ENV, "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"opennpu: {ENV} must be 0, 1 or auto, but got {setting!r}")
+    if setting != "auto":
+        return setting == "1"
+    return explicit or not cuda_gpu_visible()
+
+
+def register(explicit: bool = False) -> bool:
+    """Registers npu unless a visible CUDA GPU keeps it off (see the module's docstring);
+    returns whether npu is registered. Idempotent; fails clearly if another backend already
+    owns PrivateUse1."""
+    if not is_registered() and not wanted(explicit):
+        return False
+    if not is_registered() and cuda_gpu_visible():
+        warnings.warn(
+            "opennpu: registering the npu device makes it PyTorch's accelerator in this process, "
+            "ahead of CUDA: backward passes over CUDA tensors fail here (pytorch/pytorch#161129). "
+            f"Set {ENV}=0 to keep CUDA, and opennpu's ops on CUDA tensors, instead.",
+            stacklevel=3)
     name = torch._C._get_privateuse1_backend_name()
     if name != "npu":
         if name != "privateuseone":
@@ -36,6 +82,7 @@ def register() -> None:
         # `.npu()` joins `.cuda()` there, so `LazyLinear(4).npu()` works as on CUDA.
         from torch.nn.parameter import UninitializedTensorMixin
         UninitializedTensorMixin._allowed_methods.append(torch.Tensor.npu)
+    return True
 
 
 def autoload() -> None:

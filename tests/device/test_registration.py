@@ -145,3 +145,49 @@ def test_seed_001_manual_migration_runs():
     result = run_python(SEED_001_SCRIPT)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["8", "True", "True"]
+
+
+# One accelerator per process (opennpu/_device.py): npu stays off beside a visible CUDA GPU unless
+# asked for, since a registered npu breaks every CUDA backward in the process (pytorch#161129).
+
+def test_npu_is_off_beside_a_visible_gpu_unless_asked_for(monkeypatch):
+    from opennpu import _device
+
+    monkeypatch.delenv(_device.ENV, raising=False)
+    monkeypatch.setattr(_device, "cuda_gpu_visible", lambda: True)
+    assert not _device.wanted(explicit=False)  # import torch / import opennpu
+    assert _device.wanted(explicit=True)  # import torch_npu
+    monkeypatch.setattr(_device, "cuda_gpu_visible", lambda: False)
+    assert _device.wanted(explicit=False)
+    monkeypatch.setenv(_device.ENV, "0")
+    assert not _device.wanted(explicit=True)
+    monkeypatch.setenv(_device.ENV, "1")
+    monkeypatch.setattr(_device, "cuda_gpu_visible", lambda: True)
+    assert _device.wanted(explicit=False)
+    monkeypatch.setenv(_device.ENV, "yes")
+    with pytest.raises(ValueError, match="OPENNPU_NPU_DEVICE must be 0, 1 or auto, but got 'yes'"):
+        _device.wanted(explicit=False)
+
+
+def test_npu_device_off_keeps_the_accelerator_and_the_ops():
+    code = ("import torch, opennpu\n"
+            "assert not hasattr(torch, 'npu'), 'npu registered'\n"
+            "assert torch._C._get_privateuse1_backend_name() == 'privateuseone'\n"
+            "acc = torch.accelerator.current_accelerator()\n"
+            "assert acc is None or acc.type != 'npu', acc\n"
+            "x = torch.randn(3, 8, requires_grad=True)\n"
+            "torch.ops.npu.npu_rms_norm(x, torch.ones(8))[0].sum().backward()\n"
+            "import torch_npu  # asked for, but the switch says never\n"
+            "assert not hasattr(torch, 'npu')\n"
+            "print('ok')\n")
+    result = run_python(code, OPENNPU_NPU_DEVICE="0", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_importing_torch_npu_beside_a_gpu_warns_about_cuda_autograd():
+    result = run_python("import warnings; warnings.simplefilter('always'); import torch_npu; "
+                        "import torch; print(torch.accelerator.current_accelerator())",
+                        TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert result.returncode == 0, result.stderr
+    assert "npu" in result.stdout and "pytorch/pytorch#161129" in result.stderr

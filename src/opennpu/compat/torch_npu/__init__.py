@@ -7,7 +7,13 @@ Every operator of `torch.ops.npu` is exposed under its torch_npu name (`torch_np
 from __future__ import annotations
 
 import opennpu
+from opennpu import _device, distributed as _distributed
 from opennpu.compat import npu_op_names, op_alias
+
+# `import torch_npu` asks for Ascend's device: npu is registered even beside a visible CUDA GPU
+# (which then loses autograd in this process; _device.py says why).
+if _device.register(explicit=True):
+    _distributed.register()
 
 __version__ = f"{opennpu.__version__}+opennpu"
 IS_OPENNPU = True
