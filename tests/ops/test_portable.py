@@ -761,26 +761,28 @@ GRAD_CASES = {
         lambda x: R.scaled_masked_softmax(x, None, 0.5, True)),
     "npu_confusion_transpose": (lambda x: opennpu.npu_confusion_transpose(
         x, [0, 2, 1, 3], [2, 4, 15], True), lambda d: [randn(2, 3, 4, 5, dtype=d)], None),
-    "npu_moe_token_permute": (lambda x: opennpu.npu_moe_token_permute(x, _TOKEN_ROUTING, 20)[0],
+    "npu_moe_token_permute": (lambda x: opennpu.npu_moe_token_permute(x, _TOKEN_ROUTING.to(x.device), 20)[0],
                               lambda d: [randn(9, 24, dtype=d)], None),
     "npu_moe_token_unpermute": (lambda r, p: opennpu.npu_moe_token_unpermute(
-        r, _token_permute(F32, 20)[1], p), lambda d: [randn(20, 24, dtype=d), torch.rand(9, 3)],
+        r, _token_permute(F32, 20)[1].to(r.device), p), lambda d: [randn(20, 24, dtype=d), torch.rand(9, 3)],
         None),
     "npu_moe_token_permute_with_routing_map": (
         lambda x, p: opennpu.npu_moe_token_permute_with_routing_map(
-            x, _ROUTING_MAP, probs=p, num_out_tokens=20, drop_and_pad=True)[:2],
+            x, _ROUTING_MAP.to(x.device), probs=p, num_out_tokens=20, drop_and_pad=True)[:2],
         lambda d: [randn(9, 24, dtype=d), torch.rand(9, 5)], None),
     "npu_moe_token_unpermute_with_routing_map": (
         lambda r, p: opennpu.npu_moe_token_unpermute_with_routing_map(
-            r, _routing_map_rows()[2], [9, 24], probs=p, routing_map=_ROUTING_MAP),
+            r, _routing_map_rows()[2].to(r.device), [9, 24], probs=p,
+            routing_map=_ROUTING_MAP.to(r.device)),
         lambda d: [randn(18, 24, dtype=d), torch.rand(9, 5)], None),
     "_npu_moe_token_unpermute_with_routing_map": (
         lambda r, p: opennpu._npu_moe_token_unpermute_with_routing_map(
-            r, _routing_map_rows(True)[2], [9, 24], probs=p, routing_map=_ROUTING_MAP,
-            drop_and_pad=True)[0],
+            r, _routing_map_rows(True)[2].to(r.device), [9, 24], probs=p,
+            routing_map=_ROUTING_MAP.to(r.device), drop_and_pad=True)[0],
         lambda d: [randn(20, 24, dtype=d), torch.rand(9, 5)], None),
     "npu_fusion_attention": (lambda q, k, v, p: opennpu.npu_fusion_attention(
-        q, k, v, 4, "BSH", pse=p, atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1),
+        q, k, v, 4, "BSH", pse=p, atten_mask=torch.ones(2048, 2048, dtype=torch.bool,
+                                                device=q.device).triu(1),
         sparse_mode=3, scale=0.3)[0],
         lambda d: [randn(2, 9, 32, dtype=d), randn(2, 11, 16, dtype=d), randn(2, 11, 16, dtype=d),
                    randn(1, 4, 9, 11, dtype=d)], None),
@@ -792,7 +794,7 @@ def _grads(fn, inputs, seed=1):
     outs = fn(*leaves)
     outs = outs if isinstance(outs, (tuple, list)) else (outs,)
     gen = torch.Generator().manual_seed(seed)
-    loss = sum((o.float() * torch.randn(o.shape, generator=gen)).sum() for o in outs)
+    loss = sum((o.float() * torch.randn(o.shape, generator=gen).to(o.device)).sum() for o in outs)
     return torch.autograd.grad(loss, [t for t in leaves if t.requires_grad])
 
 
@@ -1024,7 +1026,10 @@ def test_cuda_inductor_fuses_the_composition():
     compiled = torch.compile(_layer, backend=_recording_backend(graphs), fullgraph=True)
     torch.testing.assert_close(compiled(*inputs).cpu(), _layer(*[t.cpu() for t in inputs]),
                                rtol=1e-5, atol=1e-5)
-    assert [t for gm in graphs for t in _npu_nodes(gm)] == []
+    # ops with a native CUDA kernel (csrc/ops/<family>/*_cuda.cu) stay whole; the rest decompose
+    native = {name for name in ("npu_rms_norm", "npu_rotary_mul", "npu_swiglu", "fast_gelu")
+              if "cuda" not in portable.PORTABLE_DEVICES.get(f"npu::{name}", ())}
+    assert {t.split(".")[1] for gm in graphs for t in _npu_nodes(gm)} == native
     torch._dynamo.reset()
     fused = torch.compile(_layer, backend="inductor", fullgraph=True)
     torch.testing.assert_close(fused(*inputs).cpu(), _layer(*[t.cpu() for t in inputs]),

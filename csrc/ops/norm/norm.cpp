@@ -1,4 +1,5 @@
-// Entry points of the RMSNorm family (npu_add_rms_norm_cast included): validation, output allocation, CPU registration.
+// Entry points of the RMSNorm family (npu_add_rms_norm_cast included): validation, output
+// allocation, and their registration for CPU here (for CUDA in norm_cuda.cu).
 #include "ops/norm/norm.h"
 
 #include <ATen/ops/add.h>
@@ -236,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> npu_rms_norm_backward(const at::Tensor& dy,
   return {dx, dgamma};
 }
 
-TORCH_LIBRARY_IMPL(npu, CPU, m) {
+void register_npu_entry_points(torch::Library& m) {
   m.impl("npu_rms_norm", &npu_rms_norm);
   m.impl("npu_rms_norm_backward", &npu_rms_norm_backward);
   m.impl("npu_gemma_rms_norm", &npu_gemma_rms_norm);
@@ -245,5 +246,7 @@ TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_add_rms_norm_v2_functional", &npu_add_rms_norm_v2_functional);
   m.impl("npu_add_rms_norm_cast", &npu_add_rms_norm_cast);
 }
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) { register_npu_entry_points(m); }
 
 }  // namespace opennpu::norm

@@ -9,6 +9,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include "common/kernel_slots.h"
 
@@ -38,5 +39,8 @@ extern KernelSlots<RmsNormFwdFn> rms_norm_fwd;
 extern KernelSlots<AddRmsNormFwdFn> add_rms_norm_fwd;
 extern KernelSlots<RmsNormBwdFn> rms_norm_bwd;
 extern KernelSlots<AddRmsNormCastFwdFn> add_rms_norm_cast_fwd;
+
+// Registers the family's torch.ops.npu entry points (norm.cpp) for one dispatch key.
+void register_npu_entry_points(torch::Library& m);
 
 }  // namespace opennpu::norm

@@ -142,7 +142,10 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
                          "must have the dtype of 'input' (", input.scalar_type(), "), but got ",
                          sm.scalar_type());
     group_ends = gi.to(at::kLong).contiguous();
-    const int64_t* ends = group_ends.const_data_ptr<int64_t>();
+    // The group ends decide which rows each smooth row scales: checked on the host (a copy,
+    // and a wait for it, where they live on a GPU), used by the kernel where they are.
+    const at::Tensor host_ends = group_ends.is_cuda() ? group_ends.cpu() : group_ends;
+    const int64_t* ends = host_ends.const_data_ptr<int64_t>();
     int64_t previous = 0;
     for (int64_t g = 0; g < group_ends.numel(); ++g) {
       OPENNPU_CHECK_ARG(ends[g] >= previous && ends[g] <= rows, op, "group_index",

@@ -14,6 +14,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <optional>
+#include <string_view>
+#include <tuple>
+
 #include "common/kernel_slots.h"
 
 namespace opennpu::quant {
@@ -47,5 +51,13 @@ using AddRmsNormDynamicQuantFn = void(const at::Tensor& x1, const at::Tensor& x2
 
 extern KernelSlots<DynamicQuantFn> dynamic_quant;
 extern KernelSlots<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant;
+
+// The npu_dynamic_quant entry point (quant.cpp), registered for CPU there and for CUDA in
+// quant_cuda.cu.
+std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(const at::Tensor& input,
+                                                     const std::optional<at::Tensor>& smooth_scales,
+                                                     const std::optional<at::Tensor>& group_index,
+                                                     std::optional<int64_t> dst_type,
+                                                     std::string_view quant_mode, double dst_type_max);
 
 }  // namespace opennpu::quant

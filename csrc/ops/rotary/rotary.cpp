@@ -1,4 +1,5 @@
-// Entry points of npu_rotary_mul: validation, broadcast geometry, CPU registration.
+// Entry points of npu_rotary_mul: validation, broadcast geometry, and their registration for
+// CPU here (for CUDA in rotary_cuda.cu).
 #include "ops/rotary/rotary.h"
 
 #include <ATen/ExpandUtils.h>
@@ -274,15 +275,19 @@ std::tuple<at::Tensor, at::Tensor> npu_apply_rotary_pos_emb(const at::Tensor& qu
   return {query, key};
 }
 
-TORCH_LIBRARY_IMPL(npu, CPU, m) {
+void register_npu_entry_points(torch::Library& m) {
   m.impl("npu_interleave_rope", &npu_interleave_rope);
   m.impl("npu_apply_rotary_pos_emb", &npu_apply_rotary_pos_emb);
   m.impl("npu_rotary_mul", &npu_rotary_mul);
   m.impl("npu_rotary_mul_backward", &npu_rotary_mul_backward);
 }
 
-TORCH_LIBRARY_IMPL(opennpu, CPU, m) {
+void register_opennpu_entry_points(torch::Library& m) {
   m.impl("_rotary_mul_backward_dx", &rotary_mul_backward_dx);
 }
+
+TORCH_LIBRARY_IMPL(npu, CPU, m) { register_npu_entry_points(m); }
+
+TORCH_LIBRARY_IMPL(opennpu, CPU, m) { register_opennpu_entry_points(m); }
 
 }  // namespace opennpu::rotary

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/library.h>
 
 #include <vector>
 
@@ -72,5 +73,10 @@ using KvRopeFn = void(const KvRopeRows& rows);
 extern KernelSlots<RotaryFwdFn> rotary_fwd;
 extern KernelSlots<KvRopeFn> kv_rope_rows;
 extern KernelSlots<RotaryBwdFn> rotary_bwd;
+
+// Registers rotary.cpp's entry points (npu:: ops, then opennpu:: helpers) for one dispatch key;
+// npu_kv_rmsnorm_rope_cache (rope_cache.cpp) registers itself for CPU only.
+void register_npu_entry_points(torch::Library& m);
+void register_opennpu_entry_points(torch::Library& m);
 
 }  // namespace opennpu::rotary
