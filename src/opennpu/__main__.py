@@ -15,10 +15,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="opennpu",
                                      description="opennpu: torch_npu's fused operators on CPU")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run every available op next to the native code")
+    demo = commands.add_parser("demo", help="a few ops next to the native code (the benchmark "
+                               "cases' LLM shapes), then a training run, a compiled model and the "
+                               "npu device")
     demo.add_argument("--device", default="cpu", choices=("cpu",), help="where the ops run")
     demo.add_argument("--threads", type=int, default=None, help="CPU threads (default: torch's)")
     demo.add_argument("--min-run-time", type=float, default=0.2, help="seconds per timing")
+    demo.add_argument("--ops", default="", help="comma-separated op families: only their rows of "
+                      "the op table (see python -m benchmarks.demo --help)")
     from .analyze.runner import build_parser as analyze_parser
 
     analyze_parser(commands.add_parser("analyze", help="op-support census of a script (see "
@@ -34,7 +38,8 @@ def main(argv=None) -> int:
 
     from . import demo as demo_module  # imports torch and loads the operator library
 
-    demo_module.run(threads=args.threads, min_run_time=args.min_run_time)
+    demo_module.run(threads=args.threads, min_run_time=args.min_run_time,
+                    ops=args.ops.split(",") if args.ops else None)
     return 0
 
 

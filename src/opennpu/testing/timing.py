@@ -1,4 +1,4 @@
-"""Timing helpers shared by the benchmarks (benchmarks/) and the demo (`python -m opennpu demo`).
+"""Timing helpers shared by the benchmarks (benchmarks/, the demo's op table included).
 
 Method (shared/PERFORMANCE.md): CPU times come from `torch.utils.benchmark.Timer` blocks with the
 thread count set explicitly, and every speed is also reported as a fraction of the copy bandwidth
