@@ -51,27 +51,25 @@ def _inputs(rows, vocab, dtype):
     return logits, p, k
 
 
+def _timed(ours, native, args, threads):
+    """ours(*args) against native(*args) eager and compiled; native is the reference too."""
+    native_compiled = compiled(native, *args, threads=threads)
+    return Timed(ours=lambda: ours(*args),
+                 baselines={"eager": lambda: native(*args),
+                            "compile": lambda: native_compiled(*args)},
+                 reference=lambda: native(*args))
+
+
 def filter_case(rows, vocab, dtype, threads):
     logits, p, k = _inputs(rows, vocab, dtype)
-    native_compiled = compiled(native_top_k_top_p, logits, p, k, threads=threads)
-    return Timed(
-        ours=lambda: npu.npu_top_k_top_p(logits, p, k),
-        baselines={"eager": lambda: native_top_k_top_p(logits, p, k),
-                   "compile": lambda: native_compiled(logits, p, k)},
-        reference=lambda: native_top_k_top_p(logits, p, k),
-    )
+    return _timed(npu.npu_top_k_top_p, native_top_k_top_p, (logits, p, k), threads)
 
 
 def sample_case(rows, vocab, dtype, threads):
     logits, p, k = _inputs(rows, vocab, dtype)
     q = torch.empty(rows, vocab).exponential_(generator=torch.Generator().manual_seed(1))
-    native_compiled = compiled(native_sample, logits, k, p, q, threads=threads)
-    return Timed(
-        ours=lambda: npu.npu_top_k_top_p_sample(logits, k, p, q)[0],
-        baselines={"eager": lambda: native_sample(logits, k, p, q),
-                   "compile": lambda: native_compiled(logits, k, p, q)},
-        reference=lambda: native_sample(logits, k, p, q),
-    )
+    return _timed(lambda *a: npu.npu_top_k_top_p_sample(*a)[0], native_sample, (logits, k, p, q),
+                  threads)
 
 
 def cases(quick: bool, dtypes):
