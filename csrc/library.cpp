@@ -323,6 +323,16 @@ TORCH_LIBRARY(npu, m) {
   m.def("npu_gather_pa_kv_cache_functional(Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, Tensor key, Tensor value, *, Tensor? seq_offset=None, "
         "bool is_seq_lens_cumsum=False) -> (Tensor, Tensor)");
+
+  // Token filter (ApplyTopKTopP): per row, values below the k[b]-th largest and, of the rest, the
+  // low tail whose softmax mass is <= 1 - p[b] become -inf (vLLM's apply_top_k_top_p).
+  m.def("npu_top_k_top_p(Tensor logits, Tensor? p=None, Tensor? k=None) -> Tensor");
+  // Top-k / top-p / min-p filters, then argmax, qSample (argmax prob / (|q| + eps)) or a
+  // multinomial draw: returns (token index [B] int64, the kept logits [B, V] fp32 or empty).
+  m.def("npu_top_k_top_p_sample(Tensor logits, Tensor top_k, Tensor top_p, Tensor? q=None, "
+        "float? eps=1e-8, bool? is_need_logits=False, int? top_k_guess=32, Tensor? min_ps=None, "
+        "int? ks_max=1024, bool? input_is_logits=True, str? post_sample='qSample', "
+        "Generator? generator=None) -> (Tensor, Tensor)");
 }
 
 // opennpu's own helpers, outside the torch_npu namespace.

@@ -585,6 +585,14 @@ CASES = [
     Case("scatter_nd_update", npu.npu_scatter_nd_update,
          lambda d: ([randn(6, 5, 3, dtype=d), torch.tensor([[4, 1], [0, 2], [5, 0]]),
                      randn(3, 3, dtype=d)], {})),
+    Case("top_k_top_p", npu.npu_top_k_top_p,
+         lambda d: ([randn(5, 300, dtype=d), torch.rand(5).to(d),
+                     torch.tensor([1, 7, 300, 40, 2], dtype=I32)], {})),
+    Case("top_k_top_p_sample", npu.npu_top_k_top_p_sample,
+         lambda d: ([randn(5, 300, dtype=d) * 3, torch.tensor([1, 7, 2000, 40, 2000], dtype=I32),
+                     torch.tensor([0.5, 1.0, 0.7, 0.0, 1.0]).to(d)],
+                    dict(q=torch.rand(5, 300), min_ps=torch.tensor([0.0, 0.2, 0.1, 0.5, 0.3]),
+                         is_need_logits=True))),
 ]
 
 

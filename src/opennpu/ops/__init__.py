@@ -1,7 +1,7 @@
 """Public wrappers, fake kernels and autograd of every torch.ops.npu op, one module per family."""
 
 from . import (activation, attention, ffn, infer_attention, kvcache, moe, norm, quant, rotary,
-               softmax, transpose)
+               sampling, softmax, transpose)
 from .activation import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .ffn import *  # noqa: F401,F403
@@ -11,6 +11,7 @@ from .moe import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
 from .quant import *  # noqa: F401,F403
 from .rotary import *  # noqa: F401,F403
+from .sampling import *  # noqa: F401,F403
 from .softmax import *  # noqa: F401,F403
 from .transpose import *  # noqa: F401,F403
 
@@ -19,4 +20,4 @@ from . import portable  # noqa: E402,F401
 
 __all__ = [*norm.__all__, *activation.__all__, *rotary.__all__, *softmax.__all__,
            *attention.__all__, *infer_attention.__all__, *transpose.__all__, *ffn.__all__,
-           *moe.__all__, *quant.__all__, *kvcache.__all__]
+           *moe.__all__, *quant.__all__, *kvcache.__all__, *sampling.__all__]

@@ -82,6 +82,9 @@ DECLINED = {
         "npu::npu_fusion_attention", args, kwargs, "keep_prob", 1.0) < 1.0,
     "npu::npu_fusion_attention_grad": lambda args, kwargs: kwargs.get("keep_prob", 1.0) < 1.0,
     "npu::npu_grouped_dynamic_mx_quant": lambda args, kwargs: True,  # group sizes read on host
+    # a multinomial draw from a caller's generator runs eagerly
+    "npu::npu_top_k_top_p_sample": lambda args, kwargs: _argument(
+        "npu::npu_top_k_top_p_sample", args, kwargs, "post_sample", "qSample") == "multiNomial",
 }
 
 
@@ -1803,6 +1806,91 @@ def npu_fused_infer_attention_score_v2(
                 block_table, query_rope, key_rope, learnable_sink, num_query_heads,
                 softmax_scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
                 sparse_mode, block_size, return_softmax_lse, op)
+
+
+# ----------------------------------------------------------------------------- sampling
+
+
+@_portable("npu::npu_top_k_top_p")
+def npu_top_k_top_p(logits, p=None, k=None):
+    """Stable ascending sort of the row; top-k masks the values below the k-th largest, top-p the
+    entries whose running softmax mass (float32, from the smallest) is <= 1 - p; back in place."""
+    if p is None and k is None:
+        return logits.clone()
+    vals, order = logits.sort(dim=-1, stable=True)
+    if k is not None:
+        kth = vals.gather(-1, (vals.shape[-1] - k.long()).unsqueeze(-1))
+        vals = vals.masked_fill(vals < kth, -math.inf)
+    if p is not None:
+        mass = vals.float().softmax(-1).cumsum(-1)
+        drop = mass <= (1 - p).unsqueeze(-1)
+        drop[..., -1] = False
+        vals = vals.masked_fill(drop, -math.inf)
+    return torch.empty_like(vals).scatter_(-1, order, vals)
+
+
+def _rows(t, rows):
+    return t.reshape(rows).float()
+
+
+@_portable("npu::npu_top_k_top_p_sample")
+def npu_top_k_top_p_sample(logits, top_k, top_p, q=None, eps=1e-8, is_need_logits=False,
+                           top_k_guess=32, min_ps=None, ks_max=1024, input_is_logits=True,
+                           post_sample="qSample", generator=None):
+    """The golden's row loop on the whole batch: entries sorted descending (stable), top-k as a
+    prefix, top-p on the exclusive running sum, min-p against the kept maximum; rows with no
+    filter but min_p < 1 stay in index order. q (and the multinomial's Exp(1) draws) is read at
+    the kept entry's rank among the kept."""
+    eps = 1e-8 if eps is None else eps
+    ks_max = 1024 if ks_max is None else ks_max
+    input_is_logits = True if input_is_logits is None else input_is_logits
+    post_sample = "qSample" if post_sample is None else post_sample
+    b, v = logits.shape
+    x = logits.float()
+    k_max = min((ks_max + 7) // 8 * 8, 1024)
+    k = top_k.reshape(b).long()
+    p = _rows(top_p, b)
+    min_p = _rows(min_ps, b) if min_ps is not None else torch.full_like(p, -1.0)
+    use_k = (k >= 1) & (k <= min(k_max, v))
+    use_p = p < 1
+    pos = torch.arange(v, device=logits.device)
+    vals, order = x.sort(dim=-1, descending=True, stable=True)
+    in_k = ~use_k.unsqueeze(-1) | (pos < k.unsqueeze(-1))
+    if input_is_logits:
+        prob = vals.masked_fill(~in_k, -math.inf).softmax(-1)
+    else:
+        prob = vals.masked_fill(~in_k, 0.0)
+    mass = prob.cumsum(-1)
+    in_p = ~((mass - prob) >= p.unsqueeze(-1))
+    in_p = torch.where((p > 0).unsqueeze(-1), in_p, pos == 0)
+    keep = in_k & (in_p | ~use_p.unsqueeze(-1))
+    if input_is_logits:  # top_p <= 0 keeps the first alone, with probability 1
+        one = (use_p & (p <= 0)).unsqueeze(-1) & (pos == 0)
+        prob = torch.where(one, 1.0, prob)
+    unsorted = (~use_k & ~use_p & (min_p < 1)).unsqueeze(-1)
+    flat = x.softmax(-1) if input_is_logits else x
+    prob = torch.where(unsorted, flat, prob)
+    order = torch.where(unsorted, pos, order)
+    keep = keep | unsorted
+    top = prob.masked_fill(~keep, -math.inf).amax(-1, keepdim=True)
+    mp = min_p.unsqueeze(-1)
+    keep = torch.where(mp >= 1, keep & (pos == 0),
+                       torch.where(mp > 0, keep & (prob >= top * mp), keep))
+    rank = (keep.long().cumsum(-1) - 1).clamp(min=0)
+    if post_sample == "qSample" and q is not None:
+        score = prob / (q.float().gather(-1, rank).abs() + eps)
+    elif post_sample == "multiNomial":
+        draws = torch.empty(b, v, device=logits.device).exponential_(1.0, generator=generator)
+        score = prob / draws.gather(-1, rank)
+    else:
+        score = prob
+    pick = score.masked_fill(~keep, -math.inf).argmax(-1, keepdim=True)
+    index = order.gather(-1, pick).reshape(b)
+    if not is_need_logits:
+        return index, x.new_empty(0)
+    fill = -math.inf if input_is_logits else 0.0
+    kept = torch.where(keep, x.gather(-1, order), fill)
+    return index, torch.full_like(x, fill).scatter_(-1, order, kept)
 
 
 # ----------------------------------------------------------------------------- registration

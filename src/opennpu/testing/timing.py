@@ -170,9 +170,11 @@ def _as_list(tensors) -> list[torch.Tensor]:
 
 
 def max_abs_error(actual, expected) -> float:
-    """The largest |actual - expected| over matching tensors (a tensor or a sequence of them)."""
+    """The largest |actual - expected| over matching tensors (a tensor or a sequence of them);
+    equal values, infinities included (a filter's -inf), differ by 0."""
     errors = []
     for a, e in zip(_as_list(actual), _as_list(expected), strict=True):
         dtype = torch.promote_types(torch.promote_types(a.dtype, e.dtype), torch.float32)
-        errors.append((a.to(dtype) - e.to(dtype)).abs().max().item())
+        a, e = a.to(dtype), e.to(dtype)
+        errors.append(torch.where(a == e, 0, a - e).abs().max().item())
     return max(errors)
