@@ -4,7 +4,8 @@ compatibility modules on machines without the real packages.
 Installed next to opennpu and activated by opennpu-compat.pth at interpreter start-up, so it must
 stay cheap: standard library only, and nothing is imported until a script asks for torch_npu.
 When the real torch_npu (or torchair, or any package named apex) is installed, the hook steps
-aside and the real package loads.
+aside and the real package loads. Beside a visible CUDA GPU it provides torch_npu only when
+OPENNPU_NPU_DEVICE=1 (npu_device_wanted says why).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import os
 import sys
 
 ALIASES = {
@@ -21,6 +23,35 @@ ALIASES = {
     "torchair": "opennpu.compat.torchair",
     "apex": "opennpu.compat.apex",  # Ascend's apex fork: amp and the NpuFused* optimizers
 }
+
+
+NPU_DEVICE_ENV = "OPENNPU_NPU_DEVICE"
+
+
+def cuda_gpu_visible() -> bool:
+    """Whether this process sees a CUDA GPU; asks NVML first, so CUDA is not initialised."""
+    import torch
+
+    if not torch.version.cuda:
+        return False
+    count = torch.cuda._device_count_nvml()
+    return count > 0 if count >= 0 else torch.cuda.is_available()
+
+
+def npu_device_wanted(explicit: bool = False) -> bool:
+    """Whether opennpu registers its npu device (and provides torch_npu) in this process.
+
+    PyTorch makes a named PrivateUse1 backend its accelerator ahead of CUDA, and CUDA backward
+    then fails in that process (pytorch/pytorch#161129). So by default (OPENNPU_NPU_DEVICE=auto)
+    npu is off where a CUDA GPU is visible; explicit (opennpu.compat.torch_npu imported by name)
+    and OPENNPU_NPU_DEVICE=1 turn it on, OPENNPU_NPU_DEVICE=0 keeps it off.
+    """
+    setting = os.environ.get(NPU_DEVICE_ENV, "auto")
+    if setting not in ("auto", "0", "1"):
+        raise ValueError(f"opennpu: {NPU_DEVICE_ENV} must be 0, 1 or auto, but got {setting!r}")
+    if setting != "auto":
+        return setting == "1"
+    return explicit or not cuda_gpu_visible()
 
 
 def _alias_target(fullname: str) -> str:
@@ -64,6 +95,11 @@ class CompatFinder(importlib.abc.MetaPathFinder):
         if not rest:
             if real_package_origin(top) is not None:
                 return None  # the real package wins
+            if top == "torch_npu" and not npu_device_wanted():
+                # Beside a visible CUDA GPU torch_npu is absent unless OPENNPU_NPU_DEVICE=1: a
+                # library probing for Ascend (transformers' is_torch_npu_available imports it)
+                # must not turn the npu device on and CUDA autograd off.
+                return None
         elif top not in sys.modules or sys.modules[top] is not sys.modules.get(ALIASES[top]):
             return None  # a submodule of the real package
         target_name = _alias_target(fullname)

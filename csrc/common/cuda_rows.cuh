@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 
 namespace opennpu::cuda {
 
@@ -23,6 +24,77 @@ struct alignas(sizeof(T) * kVec) Pack {
 template <typename T>
 constexpr int pack_size() {
   return static_cast<int>(16 / sizeof(T));
+}
+
+// Loads and stores with cache hints, for packs of 2, 4, 8, 16 or 32 bytes (other sizes: plain):
+// load_stream / store_stream for data each kernel touches once (evict first: it should not push
+// out what is reused), load_shared for what every row reads again (gamma, cos / sin tables:
+// the read-only path, kept in L1).
+template <int kBytes>
+struct WordOf {
+  using type = void;  // no cache-hint intrinsic for this size: plain loads and stores
+};
+template <>
+struct WordOf<16> {
+  using type = uint4;
+};
+template <>
+struct WordOf<8> {
+  using type = uint2;
+};
+template <>
+struct WordOf<4> {
+  using type = unsigned int;
+};
+template <>
+struct WordOf<2> {
+  using type = unsigned short;
+};
+// The word a pack moves in: 16 bytes for packs of 16 or 32 bytes, else the pack's own size.
+template <typename P>
+using PackWord = typename WordOf<sizeof(P) % 16 == 0 ? 16 : static_cast<int>(sizeof(P))>::type;
+
+template <typename P>
+__device__ __forceinline__ P load_stream(const P* p) {
+  using Word = PackWord<P>;
+  if constexpr (std::is_void_v<Word>) {
+    return *p;
+  } else {
+    P out;
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(P) / sizeof(Word)); ++i) {
+      reinterpret_cast<Word*>(&out)[i] = __ldcs(reinterpret_cast<const Word*>(p) + i);
+    }
+    return out;
+  }
+}
+
+template <typename P>
+__device__ __forceinline__ P load_shared(const P* p) {
+  using Word = PackWord<P>;
+  if constexpr (std::is_void_v<Word>) {
+    return *p;
+  } else {
+    P out;
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(P) / sizeof(Word)); ++i) {
+      reinterpret_cast<Word*>(&out)[i] = __ldg(reinterpret_cast<const Word*>(p) + i);
+    }
+    return out;
+  }
+}
+
+template <typename P>
+__device__ __forceinline__ void store_stream(P* p, const P& value) {
+  using Word = PackWord<P>;
+  if constexpr (std::is_void_v<Word>) {
+    *p = value;
+  } else {
+#pragma unroll
+    for (int i = 0; i < static_cast<int>(sizeof(P) / sizeof(Word)); ++i) {
+      __stcs(reinterpret_cast<Word*>(p) + i, reinterpret_cast<const Word*>(&value)[i]);
+    }
+  }
 }
 
 inline bool aligned_to(const void* p, int64_t bytes) {

@@ -6,42 +6,23 @@ library loads.
 One accelerator per process: PyTorch makes a named PrivateUse1 backend its accelerator
 (`torch.accelerator`) ahead of CUDA, and its autograd engine then finds no stream for CUDA nodes,
 so every CUDA backward in the process fails (an internal assert; pytorch/pytorch#161129). Where a
-CUDA GPU is visible, `import torch` (opennpu's backend autoload) and `import opennpu` therefore
-leave CUDA the accelerator and do not register npu; opennpu's ops run on CUDA tensors. Asking for
-Ascend's device, `import torch_npu`, registers it anyway (CUDA backward then fails in that
-process, with a warning at the import). OPENNPU_NPU_DEVICE=1 / 0 registers it always / never.
+CUDA GPU is visible, npu is therefore off unless OPENNPU_NPU_DEVICE=1 (the policy lives in the
+import hook, _opennpu_compat.npu_device_wanted, which also keeps torch_npu unimportable there):
+`import torch` and `import opennpu` leave CUDA the accelerator, and opennpu's ops run on CUDA
+tensors.
 """
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
-
-ENV = "OPENNPU_NPU_DEVICE"
-
-
-def cuda_gpu_visible() -> bool:
-    """Whether this process sees a CUDA GPU; asks NVML first, so CUDA is not initialised."""
-    if not torch.version.cuda:
-        return False
-    count = torch.cuda._device_count_nvml()
-    return count > 0 if count >= 0 else torch.cuda.is_available()
+from _opennpu_compat import NPU_DEVICE_ENV as ENV
+from _opennpu_compat import cuda_gpu_visible, npu_device_wanted as wanted
 
 
 def is_registered() -> bool:
     return torch._C._get_privateuse1_backend_name() == "npu"
-
-
-def wanted(explicit: bool) -> bool:
-    """Whether to register npu now: explicit is an `import torch_npu`."""
-    setting = os.environ.get(ENV, "auto")
-    if setting not in ("auto", "0", "1"):
-        raise ValueError(f"opennpu: {ENV} must be 0, 1 or auto, but got {setting!r}")
-    if setting != "auto":
-        return setting == "1"
-    return explicit or not cuda_gpu_visible()
 
 
 def register(explicit: bool = False) -> bool:
@@ -54,7 +35,7 @@ def register(explicit: bool = False) -> bool:
         warnings.warn(
             "opennpu: registering the npu device makes it PyTorch's accelerator in this process, "
             "ahead of CUDA: backward passes over CUDA tensors fail here (pytorch/pytorch#161129). "
-            f"Set {ENV}=0 to keep CUDA, and opennpu's ops on CUDA tensors, instead.",
+            f"Unset {ENV} (or set it to 0) to keep CUDA, and opennpu's ops on CUDA tensors.",
             stacklevel=3)
     name = torch._C._get_privateuse1_backend_name()
     if name != "npu":

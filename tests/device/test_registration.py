@@ -147,26 +147,30 @@ def test_seed_001_manual_migration_runs():
     assert result.stdout.split() == ["8", "True", "True"]
 
 
-# One accelerator per process (opennpu/_device.py): npu stays off beside a visible CUDA GPU unless
-# asked for, since a registered npu breaks every CUDA backward in the process (pytorch#161129).
+# One accelerator per process (_opennpu_compat.npu_device_wanted): npu, and torch_npu, stay off
+# beside a visible CUDA GPU unless OPENNPU_NPU_DEVICE=1, since a registered npu breaks every CUDA
+# backward in the process (pytorch#161129).
 
 def test_npu_is_off_beside_a_visible_gpu_unless_asked_for(monkeypatch):
-    from opennpu import _device
+    import _opennpu_compat as compat
 
-    monkeypatch.delenv(_device.ENV, raising=False)
-    monkeypatch.setattr(_device, "cuda_gpu_visible", lambda: True)
-    assert not _device.wanted(explicit=False)  # import torch / import opennpu
-    assert _device.wanted(explicit=True)  # import torch_npu
-    monkeypatch.setattr(_device, "cuda_gpu_visible", lambda: False)
-    assert _device.wanted(explicit=False)
-    monkeypatch.setenv(_device.ENV, "0")
-    assert not _device.wanted(explicit=True)
-    monkeypatch.setenv(_device.ENV, "1")
-    monkeypatch.setattr(_device, "cuda_gpu_visible", lambda: True)
-    assert _device.wanted(explicit=False)
-    monkeypatch.setenv(_device.ENV, "yes")
+    monkeypatch.delenv(compat.NPU_DEVICE_ENV, raising=False)
+    monkeypatch.setattr(compat, "cuda_gpu_visible", lambda: True)
+    assert not compat.npu_device_wanted()  # import torch / import opennpu / a probe for torch_npu
+    assert compat.CompatFinder().find_spec("torch_npu") is None
+    assert compat.npu_device_wanted(explicit=True)  # opennpu.compat.torch_npu imported by name
+    monkeypatch.setattr(compat, "cuda_gpu_visible", lambda: False)
+    assert compat.npu_device_wanted()
+    assert compat.CompatFinder().find_spec("torch_npu") is not None
+    monkeypatch.setenv(compat.NPU_DEVICE_ENV, "0")
+    assert not compat.npu_device_wanted(explicit=True)
+    monkeypatch.setenv(compat.NPU_DEVICE_ENV, "1")
+    monkeypatch.setattr(compat, "cuda_gpu_visible", lambda: True)
+    assert compat.npu_device_wanted()
+    assert compat.CompatFinder().find_spec("torch_npu") is not None
+    monkeypatch.setenv(compat.NPU_DEVICE_ENV, "yes")
     with pytest.raises(ValueError, match="OPENNPU_NPU_DEVICE must be 0, 1 or auto, but got 'yes'"):
-        _device.wanted(explicit=False)
+        compat.npu_device_wanted()
 
 
 def test_npu_device_off_keeps_the_accelerator_and_the_ops():
@@ -177,17 +181,23 @@ def test_npu_device_off_keeps_the_accelerator_and_the_ops():
             "assert acc is None or acc.type != 'npu', acc\n"
             "x = torch.randn(3, 8, requires_grad=True)\n"
             "torch.ops.npu.npu_rms_norm(x, torch.ones(8))[0].sum().backward()\n"
-            "import torch_npu  # asked for, but the switch says never\n"
-            "assert not hasattr(torch, 'npu')\n"
-            "print('ok')\n")
+            "try:\n"
+            "    import torch_npu\n"
+            "except ModuleNotFoundError:\n"
+            "    print('ok')\n")
     result = run_python(code, OPENNPU_NPU_DEVICE="0", TORCH_DEVICE_BACKEND_AUTOLOAD="0")
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_importing_torch_npu_beside_a_gpu_warns_about_cuda_autograd():
+def test_beside_a_gpu_torch_npu_needs_the_switch_which_warns_about_cuda_autograd():
+    probe = run_python("import torch, opennpu\n"
+                       "try:\n    import torch_npu\nexcept ModuleNotFoundError:\n    print('absent')\n"
+                       "print(torch.accelerator.current_accelerator().type)",
+                       TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert probe.returncode == 0 and probe.stdout.split() == ["absent", "cuda"], probe.stderr
     result = run_python("import warnings; warnings.simplefilter('always'); import torch_npu; "
                         "import torch; print(torch.accelerator.current_accelerator())",
-                        TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+                        TORCH_DEVICE_BACKEND_AUTOLOAD="0", OPENNPU_NPU_DEVICE="1")
     assert result.returncode == 0, result.stderr
     assert "npu" in result.stdout and "pytorch/pytorch#161129" in result.stderr

@@ -33,7 +33,9 @@ def test_the_cuda_kernels_are_registered():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,dim", [((7, 10), -1), ((3, 6, 5), 1), ((0, 4), -1), ((2, 1030), -1)])
+# odd halves (one element per step), packed halves along the last dim and along an inner dim
+@pytest.mark.parametrize("shape,dim", [((7, 10), -1), ((3, 6, 5), 1), ((0, 4), -1), ((2, 1030), -1),
+                                       ((5, 128), -1), ((3, 4, 32), 1)])
 def test_swiglu(dtype, shape, dim):
     x = torch.randn(shape, dtype=dtype)
     _close(*_both(lambda t: npu.npu_swiglu(t, dim), x), dtype)
@@ -55,6 +57,11 @@ def test_geglu(dtype, approximate, activate_left):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fast_gelu_and_silu_mul(dtype):
     x, up, dy = (torch.randn(4, 37, dtype=dtype) for _ in range(3))
+    xp, upp, dyp = (t[:, :32].contiguous() for t in (x, up, dy))  # whole packs
+    _close(*_both(npu.npu_fast_gelu, xp), dtype)
+    _close(*_both(npu.npu_fast_gelu_backward, dyp, xp), dtype)
+    _close(*_both(internal._silu_mul, xp, upp), dtype)
+    _close(*_both(internal._silu_mul_backward, dyp, xp, upp), dtype)
     _close(*_both(npu.npu_fast_gelu, x), dtype)
     _close(*_both(npu.npu_fast_gelu_backward, dy, x), dtype)
     _close(*_both(internal._silu_mul, x, up), dtype)
@@ -208,7 +215,7 @@ def _codes_equal(got, want):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("n", [37, 64, 4096])
+@pytest.mark.parametrize("n", [37, 64, 4096, 20000])  # 20000: longer than the registers keep
 @pytest.mark.parametrize("dst_type", [None, torch.quint4x2, torch.float8_e4m3fn, torch.float8_e5m2])
 @pytest.mark.parametrize("mode", ["pertoken", "pertensor"])
 def test_dynamic_quant_codes_match_the_cpu_bit_for_bit(dtype, n, dst_type, mode):

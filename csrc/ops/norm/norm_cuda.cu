@@ -56,14 +56,14 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) rms_norm_fwd_kernel(FwdA
     const int64_t base = row * a.n;
     // Pack k of this thread starts at element threadIdx.x * kVec + k * stride of the row.
     auto load_x = [&](int64_t i) {
-      P p = *reinterpret_cast<const P*>(a.x1 + base + i);
+      P p = cuda::load_stream(reinterpret_cast<const P*>(a.x1 + base + i));
       if (a.x2 != nullptr) {
-        const P q = *reinterpret_cast<const P*>(a.x2 + base + i);
+        const P q = cuda::load_stream(reinterpret_cast<const P*>(a.x2 + base + i));
 #pragma unroll
         for (int j = 0; j < kVec; ++j) {
           p.v[j] = static_cast<scalar_t>(static_cast<acc_t>(p.v[j]) + static_cast<acc_t>(q.v[j]));
         }
-        *reinterpret_cast<P*>(a.x_sum + base + i) = p;
+        cuda::store_stream(reinterpret_cast<P*>(a.x_sum + base + i), p);
       }
       return p;
     };
@@ -88,7 +88,7 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) rms_norm_fwd_kernel(FwdA
     if (threadIdx.x == 0) a.rstd[row] = rstd;
 
     auto store_y = [&](int64_t i, const P& p) {
-      const G g = *reinterpret_cast<const G*>(a.gamma + i);
+      const G g = cuda::load_shared(reinterpret_cast<const G*>(a.gamma + i));
       P out;
       G out_acc;
 #pragma unroll
@@ -96,8 +96,8 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) rms_norm_fwd_kernel(FwdA
         out_acc.v[j] = static_cast<acc_t>(p.v[j]) * rstd * g.v[j];
         out.v[j] = static_cast<scalar_t>(out_acc.v[j]);
       }
-      *reinterpret_cast<P*>(a.y + base + i) = out;
-      if (a.y_acc != nullptr) *reinterpret_cast<G*>(a.y_acc + base + i) = out_acc;
+      cuda::store_stream(reinterpret_cast<P*>(a.y + base + i), out);
+      if (a.y_acc != nullptr) cuda::store_stream(reinterpret_cast<G*>(a.y_acc + base + i), out_acc);
     };
 #pragma unroll
     for (int k = 0; k < kCached; ++k) {
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) rms_norm_bwd_kernel(BwdA
     for (int64_t i = threadIdx.x * int64_t(kVec); i < a.n; i += stride) {
       const P d = *reinterpret_cast<const P*>(a.dy + base + i);
       const P x = *reinterpret_cast<const P*>(a.x + base + i);
-      const G g = *reinterpret_cast<const G*>(a.gamma + i);
+      const G g = cuda::load_shared(reinterpret_cast<const G*>(a.gamma + i));
 #pragma unroll
       for (int j = 0; j < kVec; ++j) dot += static_cast<acc_t>(d.v[j]) * g.v[j] * static_cast<acc_t>(x.v[j]);
     }
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) rms_norm_bwd_kernel(BwdA
     for (int64_t i = threadIdx.x * int64_t(kVec); i < a.n; i += stride) {
       const P d = *reinterpret_cast<const P*>(a.dy + base + i);
       const P x = *reinterpret_cast<const P*>(a.x + base + i);
-      const G g = *reinterpret_cast<const G*>(a.gamma + i);
+      const G g = cuda::load_shared(reinterpret_cast<const G*>(a.gamma + i));
       G acc = *reinterpret_cast<const G*>(dgamma + i);
       P out;
 #pragma unroll

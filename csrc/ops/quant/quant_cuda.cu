@@ -1,7 +1,8 @@
 // CUDA kernel of npu_dynamic_quant and its CUDA registration (quant.cpp validates and allocates
 // for every device); npu_add_rms_norm_dynamic_quant keeps the portable path on CUDA.
 //
-// One thread block per row (a grid-stride loop over rows), the same numerics as the CPU kernel
+// One thread block per row (a grid-stride loop over rows; each thread keeps up to four 16-byte
+// steps of its row in registers between the passes), the same numerics as the CPU kernel
 // (quant_cpu.cpp): v = x (* smooth) in fp32, pass 1 takes rowmax(|v|) with a NaN-propagating max,
 // scale = rowmax / qmax (fp8: rowmax * (1 / qmax), as CANN's golden forms it; 0 becomes 1), pass 2
 // writes clamp(round_half_even(v / scale), lo, hi) from the IEEE quotient, NaN quotients as code 0;
@@ -24,6 +25,8 @@ namespace opennpu::quant {
 namespace {
 
 using cuda::Pack;
+
+constexpr int kCached = 4;  // steps of a row per thread kept in registers between the two passes
 
 template <typename scalar_t>
 struct QuantArgs {
@@ -53,20 +56,26 @@ __device__ __forceinline__ const float* smooth_row(const QuantArgs<scalar_t>& a,
   return a.smooth + lo * a.n;
 }
 
-// kVec elements of v at i, in fp32: 16-byte packs when kPacked, else one element at a time.
+// kVec elements of v at i, in fp32: 16-byte packs of x (and packs of the smooth row) when
+// kPacked, else one element at a time.
 template <typename scalar_t, int kVec, bool kPacked>
 __device__ __forceinline__ void load_v(const scalar_t* x, const float* smooth, int64_t i, float (&v)[kVec]) {
   if constexpr (kPacked) {
-    const Pack<scalar_t, kVec> p = *reinterpret_cast<const Pack<scalar_t, kVec>*>(x + i);
+    const Pack<scalar_t, kVec> p = cuda::load_stream(reinterpret_cast<const Pack<scalar_t, kVec>*>(x + i));
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = static_cast<float>(p.v[j]);
+    if (smooth != nullptr) {
+      const Pack<float, kVec> m = cuda::load_shared(reinterpret_cast<const Pack<float, kVec>*>(smooth + i));
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) v[j] = __fmul_rn(v[j], m.v[j]);
+    }
   } else {
 #pragma unroll
     for (int j = 0; j < kVec; ++j) v[j] = static_cast<float>(x[i + j]);
-  }
-  if (smooth != nullptr) {
+    if (smooth != nullptr) {
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) v[j] = __fmul_rn(v[j], smooth[i + j]);
+      for (int j = 0; j < kVec; ++j) v[j] = __fmul_rn(v[j], smooth[i + j]);
+    }
   }
 }
 
@@ -81,20 +90,63 @@ __device__ __forceinline__ float code_of(float v, float scale, const QuantSpec& 
   return t != t ? 0.f : q;
 }
 
-// kVec: elements per step (int4: 8, one int32 word).
+// The codes of kVec values v (of one row, from element i) into the output.
+template <typename scalar_t, int kVec>
+__device__ __forceinline__ void store_codes(const QuantArgs<scalar_t>& a, int64_t row, int64_t i,
+                                            const float (&v)[kVec], float scale) {
+  if (a.spec.fp8 != 0) {
+    Pack<uint8_t, kVec> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const float t = __fdiv_rn(v[j], scale);
+      out.v[j] = a.spec.fp8 == 1 ? c10::Float8_e4m3fn(t).x : c10::Float8_e5m2(t).x;
+    }
+    cuda::store_stream(reinterpret_cast<Pack<uint8_t, kVec>*>(static_cast<uint8_t*>(a.codes) + row * a.n + i), out);
+  } else if (a.spec.int4) {
+    if constexpr (kVec == 8) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        word |= (static_cast<uint32_t>(static_cast<int32_t>(code_of(v[j], scale, a.spec))) & 0xFu) << (4 * j);
+      }
+      static_cast<int32_t*>(a.codes)[(row * a.n + i) / 8] = static_cast<int32_t>(word);
+    }
+  } else {
+    Pack<int8_t, kVec> out;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out.v[j] = static_cast<int8_t>(code_of(v[j], scale, a.spec));
+    cuda::store_stream(reinterpret_cast<Pack<int8_t, kVec>*>(static_cast<int8_t*>(a.codes) + row * a.n + i), out);
+  }
+}
+
+// kVec: elements per step (int4: 8, one int32 word). Pass 1 keeps up to kCached steps of v per
+// thread in registers, so pass 2 re-reads from memory only the rest of a long row.
 template <typename scalar_t, int kVec, bool kPacked>
 __global__ void __launch_bounds__(cuda::kMaxRowThreads) dynamic_quant_kernel(QuantArgs<scalar_t> a) {
   __shared__ float shared[32];
   const int64_t stride = int64_t(blockDim.x) * kVec;
+  const int64_t first = threadIdx.x * int64_t(kVec);
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const scalar_t* xr = a.x + row * a.n;
     const float* sm = smooth_row(a, row);
-    float absmax;
+    float cache[kCached][kVec];
+    float absmax = 0.f;
     if (a.tensor_absmax != nullptr) {
       absmax = *a.tensor_absmax;
+#pragma unroll
+      for (int k = 0; k < kCached; ++k) {
+        if (first + k * stride < a.n) load_v<scalar_t, kVec, kPacked>(xr, sm, first + k * stride, cache[k]);
+      }
     } else {
-      absmax = 0.f;
-      for (int64_t i = threadIdx.x * int64_t(kVec); i < a.n; i += stride) {
+#pragma unroll
+      for (int k = 0; k < kCached; ++k) {
+        if (first + k * stride < a.n) {
+          load_v<scalar_t, kVec, kPacked>(xr, sm, first + k * stride, cache[k]);
+#pragma unroll
+          for (int j = 0; j < kVec; ++j) absmax = cuda::NanMaxOp{}(absmax, fabsf(cache[k][j]));
+        }
+      }
+      for (int64_t i = first + kCached * stride; i < a.n; i += stride) {
         float v[kVec];
         load_v<scalar_t, kVec, kPacked>(xr, sm, i, v);
 #pragma unroll
@@ -108,39 +160,21 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) dynamic_quant_kernel(Qua
     }
     const float scale = scale_of(absmax, a.spec);
     if (threadIdx.x == 0 && (a.tensor_absmax == nullptr || row == 0)) a.scale[a.tensor_absmax ? 0 : row] = scale;
-    for (int64_t i = threadIdx.x * int64_t(kVec); i < a.n; i += stride) {
+#pragma unroll
+    for (int k = 0; k < kCached; ++k) {
+      if (first + k * stride < a.n) store_codes<scalar_t, kVec>(a, row, first + k * stride, cache[k], scale);
+    }
+    for (int64_t i = first + kCached * stride; i < a.n; i += stride) {
       float v[kVec];
       load_v<scalar_t, kVec, kPacked>(xr, sm, i, v);
-      if (a.spec.fp8 != 0) {
-        Pack<uint8_t, kVec> out;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) {
-          const float t = __fdiv_rn(v[j], scale);
-          out.v[j] = a.spec.fp8 == 1 ? c10::Float8_e4m3fn(t).x : c10::Float8_e5m2(t).x;
-        }
-        *reinterpret_cast<Pack<uint8_t, kVec>*>(static_cast<uint8_t*>(a.codes) + row * a.n + i) = out;
-      } else if (a.spec.int4) {
-        if constexpr (kVec == 8) {
-          uint32_t word = 0;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            word |= (static_cast<uint32_t>(static_cast<int32_t>(code_of(v[j], scale, a.spec))) & 0xFu) << (4 * j);
-          }
-          static_cast<int32_t*>(a.codes)[(row * a.n + i) / 8] = static_cast<int32_t>(word);
-        }
-      } else {
-        Pack<int8_t, kVec> out;
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) out.v[j] = static_cast<int8_t>(code_of(v[j], scale, a.spec));
-        *reinterpret_cast<Pack<int8_t, kVec>*>(static_cast<int8_t*>(a.codes) + row * a.n + i) = out;
-      }
+      store_codes<scalar_t, kVec>(a, row, i, v, scale);
     }
   }
 }
 
 template <typename scalar_t, int kVec, bool kPacked>
 void launch(const QuantArgs<scalar_t>& a) {
-  const int threads = cuda::threads_for_row((a.n + kVec - 1) / kVec);
+  const int threads = cuda::threads_for_row((a.n + kVec * kCached - 1) / (kVec * kCached));
   dynamic_quant_kernel<scalar_t, kVec, kPacked><<<cuda::blocks_for_rows(a.rows, threads), threads, 0,
                                                   at::cuda::getCurrentCUDAStream()>>>(a);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -151,11 +185,10 @@ void launch(const QuantArgs<scalar_t>& a) {
 template <typename scalar_t>
 void launch_any(const QuantArgs<scalar_t>& a) {
   constexpr int kVec = cuda::pack_size<scalar_t>();
-  const bool smooth_aligned = cuda::aligned_to(a.smooth, 16);
-  if (a.spec.int4) {
-    const bool packed = cuda::aligned_to(a.x, sizeof(scalar_t) * 8) && smooth_aligned;
+  if (a.spec.int4) {  // n is a multiple of 8
+    const bool packed = cuda::aligned_to(a.x, sizeof(scalar_t) * 8) && cuda::aligned_to(a.smooth, sizeof(float) * 8);
     packed ? launch<scalar_t, 8, true>(a) : launch<scalar_t, 8, false>(a);
-  } else if (a.n % kVec == 0 && cuda::aligned_to(a.x, 16) && smooth_aligned) {
+  } else if (a.n % kVec == 0 && cuda::aligned_to(a.x, 16) && cuda::aligned_to(a.smooth, sizeof(float) * kVec)) {
     launch<scalar_t, kVec, true>(a);
   } else {
     launch<scalar_t, 1, false>(a);

@@ -112,6 +112,91 @@ __global__ void rotary_fwd_kernel(const scalar_t* x, const r_t* c, const r_t* s,
   }
 }
 
+// The forward with 16-byte packs: a thread owns kVec consecutive pairs (half / de-interleave: k
+// in [k0, k0 + kVec); interleave: the kVec / 2 pairs of elements [e0, e0 + kVec)) of one row, so
+// each load and store moves a pack. Used where every row start and the tables allow packs.
+template <typename scalar_t, typename r_t, int kVec>
+__global__ void rotary_fwd_packed_kernel(const scalar_t* x, const r_t* c, const r_t* s, Dims dims, int64_t rows,
+                                         int64_t h, Mode mode, scalar_t* y) {
+  using acc_t = at::opmath_type<scalar_t>;
+  using P = cuda::Pack<scalar_t, kVec>;
+  using R = cuda::Pack<r_t, kVec>;
+  const int64_t units = mode == Mode::kInterleave ? 2 * h / kVec : h / kVec;
+  for (int64_t row = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; row < rows;
+       row += int64_t(gridDim.x) * blockDim.y) {
+    int64_t off[3];
+    dims.offsets(row, off);
+    const scalar_t* xr = x + off[0];
+    const r_t* cr = c + off[1];
+    const r_t* sr = s + off[2];
+    scalar_t* yr = y + row * 2 * h;
+    for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
+      if (mode == Mode::kInterleave) {
+        const int64_t e0 = u * kVec;
+        const P xv = cuda::load_stream(reinterpret_cast<const P*>(xr + e0));
+        const R cv = cuda::load_shared(reinterpret_cast<const R*>(cr + e0));
+        const R sv = cuda::load_shared(reinterpret_cast<const R*>(sr + e0));
+        P out;
+#pragma unroll
+        for (int j = 0; j < kVec; j += 2) {
+          const acc_t a = static_cast<acc_t>(xv.v[j]), b = static_cast<acc_t>(xv.v[j + 1]);
+          out.v[j] = static_cast<scalar_t>(a * static_cast<acc_t>(cv.v[j]) - b * static_cast<acc_t>(sv.v[j]));
+          out.v[j + 1] = static_cast<scalar_t>(b * static_cast<acc_t>(cv.v[j + 1]) + a * static_cast<acc_t>(sv.v[j + 1]));
+        }
+        cuda::store_stream(reinterpret_cast<P*>(yr + e0), out);
+        continue;
+      }
+      const int64_t k0 = u * kVec;
+      acc_t a[kVec], b[kVec];
+      if (mode == Mode::kHalf) {
+        const P lo = cuda::load_stream(reinterpret_cast<const P*>(xr + k0));
+        const P hi = cuda::load_stream(reinterpret_cast<const P*>(xr + h + k0));
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) {
+          a[j] = static_cast<acc_t>(lo.v[j]);
+          b[j] = static_cast<acc_t>(hi.v[j]);
+        }
+      } else {  // de-interleave: the pairs (x[2k], x[2k + 1]) of k in [k0, k0 + kVec)
+        const P p0 = cuda::load_stream(reinterpret_cast<const P*>(xr + 2 * k0));
+        const P p1 = cuda::load_stream(reinterpret_cast<const P*>(xr + 2 * k0 + kVec));
+#pragma unroll
+        for (int j = 0; j < kVec / 2; ++j) {
+          a[j] = static_cast<acc_t>(p0.v[2 * j]);
+          b[j] = static_cast<acc_t>(p0.v[2 * j + 1]);
+          a[kVec / 2 + j] = static_cast<acc_t>(p1.v[2 * j]);
+          b[kVec / 2 + j] = static_cast<acc_t>(p1.v[2 * j + 1]);
+        }
+      }
+      const R c1 = cuda::load_shared(reinterpret_cast<const R*>(cr + k0));
+      const R c2 = cuda::load_shared(reinterpret_cast<const R*>(cr + h + k0));
+      const R s1 = cuda::load_shared(reinterpret_cast<const R*>(sr + k0));
+      const R s2 = cuda::load_shared(reinterpret_cast<const R*>(sr + h + k0));
+      P out1, out2;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        out1.v[j] = static_cast<scalar_t>(a[j] * static_cast<acc_t>(c1.v[j]) - b[j] * static_cast<acc_t>(s1.v[j]));
+        out2.v[j] = static_cast<scalar_t>(b[j] * static_cast<acc_t>(c2.v[j]) + a[j] * static_cast<acc_t>(s2.v[j]));
+      }
+      cuda::store_stream(reinterpret_cast<P*>(yr + k0), out1);
+      cuda::store_stream(reinterpret_cast<P*>(yr + h + k0), out2);
+    }
+  }
+}
+
+// Whether rotary_fwd_packed_kernel<kVec> may run: whole packs per row and every pack aligned.
+bool packs_fit(const Dims& dims, int64_t h, Mode mode, int vec, std::initializer_list<std::pair<const void*, int64_t>> bases) {
+  if ((mode == Mode::kInterleave ? 2 * h : h) % vec != 0) return false;
+  for (int t = 0; t < 3; ++t) {
+    for (int d = 0; d < dims.nd; ++d) {
+      if (dims.strides[t][d] % vec != 0) return false;
+    }
+  }
+  for (const auto& [pointer, pack_bytes] : bases) {
+    if (!cuda::aligned_to(pointer, pack_bytes)) return false;
+  }
+  return true;
+}
+
 // Kept dims index r rows (q), broadcast dims index the rows summed into each (b); x and grad are
 // contiguous, so both share one offset.
 struct BwdDims {
@@ -215,9 +300,27 @@ void rotary_fwd_cuda(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
   dispatch_r(x, r1, [&](auto s, auto r) {
     using scalar_t = decltype(s);
     using r_t = decltype(r);
-    rotary_fwd_kernel<scalar_t, r_t><<<blocks, block, 0, at::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), r1.const_data_ptr<r_t>(), r2.const_data_ptr<r_t>(), dims, rows, h, mode,
-        out.mutable_data_ptr<scalar_t>());
+    constexpr int kVec = cuda::pack_size<scalar_t>();
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    const r_t* pc = r1.const_data_ptr<r_t>();
+    const r_t* ps = r2.const_data_ptr<r_t>();
+    scalar_t* py = out.mutable_data_ptr<scalar_t>();
+    const int64_t pack_bytes = sizeof(scalar_t) * kVec, r_pack_bytes = sizeof(r_t) * kVec;
+    if (packs_fit(dims, h, mode, kVec, {{px, pack_bytes}, {py, pack_bytes}, {pc, r_pack_bytes}, {ps, r_pack_bytes}})) {
+      const int64_t units = (mode == Mode::kInterleave ? 2 * h : h) / kVec;
+      // Threads along a row's packs (a power of two up to 128), rows along y.
+      int tx = 1;
+      while (tx < units && tx < 128) tx *= 2;
+      const dim3 packed_block(tx, 256 / tx);
+      const unsigned packed_blocks = static_cast<unsigned>(
+          std::clamp<int64_t>((rows + packed_block.y - 1) / packed_block.y, 1, sms * 32));
+      rotary_fwd_packed_kernel<scalar_t, r_t, kVec><<<packed_blocks, packed_block, 0,
+                                                      at::cuda::getCurrentCUDAStream()>>>(px, pc, ps, dims, rows, h,
+                                                                                          mode, py);
+    } else {
+      rotary_fwd_kernel<scalar_t, r_t><<<blocks, block, 0, at::cuda::getCurrentCUDAStream()>>>(px, pc, ps, dims, rows,
+                                                                                               h, mode, py);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
