@@ -9,9 +9,10 @@
 // order differs from the CPU's, so fp32 results agree to a few ulps, not bit for bit.
 //
 // Forward: pass 1 reads the row (keeping up to kCached packs per thread in registers), pass 2
-// writes y from the registers, re-reading from L2 only what did not fit. Backward: dx per row;
-// dgamma = sum over rows of dy * x * rstd, accumulated per block into its own fp32 row of a
-// [blocks, n] buffer (deterministic, no atomics), then summed over blocks.
+// writes y from the registers, re-reading from L2 only what did not fit. Backward: the same two
+// passes for dx; dgamma = sum over rows of dy * x * rstd, accumulated per block (in registers for
+// the columns a thread keeps, else in the block's own fp32 row of a [blocks, n] buffer:
+// deterministic, no atomics), then summed over blocks.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/ops/sum.h>
@@ -131,34 +132,74 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) rms_norm_bwd_kernel(BwdA
   using G = Pack<acc_t, kVec>;
   __shared__ acc_t shared[32];
   const int64_t stride = int64_t(blockDim.x) * kVec;
+  const int64_t first = threadIdx.x * int64_t(kVec);
   acc_t* dgamma = a.dgamma_rows + blockIdx.x * a.n;
+  // A thread owns the same columns in every row: dgamma of its first kCached packs is summed over
+  // the block's rows in registers and stored once; columns past them add into the block's row.
+  acc_t dgamma_cached[kCached][kVec] = {};
   for (int64_t row = blockIdx.x; row < a.rows; row += gridDim.x) {
     const int64_t base = row * a.n;
+    P dy_cached[kCached], x_cached[kCached];
     acc_t dot = 0;  // sum(dy * gamma * x)
-    for (int64_t i = threadIdx.x * int64_t(kVec); i < a.n; i += stride) {
-      const P d = *reinterpret_cast<const P*>(a.dy + base + i);
-      const P x = *reinterpret_cast<const P*>(a.x + base + i);
+    auto add_dot = [&](const P& d, const P& x, int64_t i) {
       const G g = cuda::load_shared(reinterpret_cast<const G*>(a.gamma + i));
 #pragma unroll
       for (int j = 0; j < kVec; ++j) dot += static_cast<acc_t>(d.v[j]) * g.v[j] * static_cast<acc_t>(x.v[j]);
+    };
+#pragma unroll
+    for (int k = 0; k < kCached; ++k) {
+      const int64_t i = first + k * stride;
+      if (i < a.n) {
+        dy_cached[k] = *reinterpret_cast<const P*>(a.dy + base + i);
+        x_cached[k] = *reinterpret_cast<const P*>(a.x + base + i);
+        add_dot(dy_cached[k], x_cached[k], i);
+      }
+    }
+    for (int64_t i = first + kCached * stride; i < a.n; i += stride) {
+      add_dot(*reinterpret_cast<const P*>(a.dy + base + i), *reinterpret_cast<const P*>(a.x + base + i), i);
     }
     dot = cuda::block_reduce(dot, shared, cuda::SumOp{});
     const acc_t rs = a.rstd[row];
     const acc_t coef = rs * rs * rs * dot / static_cast<acc_t>(a.n);
-    for (int64_t i = threadIdx.x * int64_t(kVec); i < a.n; i += stride) {
-      const P d = *reinterpret_cast<const P*>(a.dy + base + i);
-      const P x = *reinterpret_cast<const P*>(a.x + base + i);
+    // dx = dy * gamma * rstd - x * coef; returns dy * x * rstd, this row's dgamma terms.
+    auto write_dx = [&](const P& d, const P& x, int64_t i, acc_t (&terms)[kVec]) {
       const G g = cuda::load_shared(reinterpret_cast<const G*>(a.gamma + i));
-      G acc = *reinterpret_cast<const G*>(dgamma + i);
       P out;
 #pragma unroll
       for (int j = 0; j < kVec; ++j) {
         const acc_t dj = static_cast<acc_t>(d.v[j]), xj = static_cast<acc_t>(x.v[j]);
         out.v[j] = static_cast<scalar_t>(dj * g.v[j] * rs - xj * coef);
-        acc.v[j] += dj * xj * rs;
+        terms[j] = dj * xj * rs;
       }
-      *reinterpret_cast<P*>(a.dx + base + i) = out;
-      *reinterpret_cast<G*>(dgamma + i) = acc;
+      cuda::store_stream(reinterpret_cast<P*>(a.dx + base + i), out);
+    };
+#pragma unroll
+    for (int k = 0; k < kCached; ++k) {
+      const int64_t i = first + k * stride;
+      if (i < a.n) {
+        acc_t terms[kVec];
+        write_dx(dy_cached[k], x_cached[k], i, terms);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) dgamma_cached[k][j] += terms[j];
+      }
+    }
+    for (int64_t i = first + kCached * stride; i < a.n; i += stride) {
+      acc_t terms[kVec];
+      write_dx(*reinterpret_cast<const P*>(a.dy + base + i), *reinterpret_cast<const P*>(a.x + base + i), i, terms);
+      G sum = *reinterpret_cast<const G*>(dgamma + i);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sum.v[j] += terms[j];
+      *reinterpret_cast<G*>(dgamma + i) = sum;
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kCached; ++k) {
+    const int64_t i = first + k * stride;
+    if (i < a.n) {
+      G sum;
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) sum.v[j] = dgamma_cached[k][j];
+      *reinterpret_cast<G*>(dgamma + i) = sum;
     }
   }
 }
@@ -243,10 +284,10 @@ void rms_norm_bwd_cuda(const at::Tensor& dy, const at::Tensor& x, const at::Tens
                         rstd.const_data_ptr<acc_t>(), rows, n, dx.mutable_data_ptr<scalar_t>(), nullptr};
     with_pack_width<scalar_t>(n, {a.dy, a.x, a.dx}, {a.gamma}, [&](auto vec) {
       constexpr int kVec = decltype(vec)::value;
-      const int threads = cuda::threads_for_row((n + kVec - 1) / kVec);
-      // Fewer blocks than the forward: each owns a dgamma row that it re-reads per row of x.
+      const int threads = cuda::threads_for_row((n + kVec * kCached - 1) / (kVec * kCached));
+      // Half the forward's blocks at most: each adds its own [n] dgamma row, summed after.
       const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(rows, sms * std::max(1, 2048 / threads)));
+      const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(rows, sms * std::max(1, 1024 / threads)));
       // Packs of dgamma rows stay aligned: the buffer is fresh and n is a multiple of kVec.
       at::Tensor dgamma_rows = at::zeros({blocks, n}, dgamma.options());
       a.dgamma_rows = dgamma_rows.mutable_data_ptr<acc_t>();

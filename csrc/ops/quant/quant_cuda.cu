@@ -5,7 +5,8 @@
 // steps of its row in registers between the passes), the same numerics as the CPU kernel
 // (quant_cpu.cpp): v = x (* smooth) in fp32, pass 1 takes rowmax(|v|) with a NaN-propagating max,
 // scale = rowmax / qmax (fp8: rowmax * (1 / qmax), as CANN's golden forms it; 0 becomes 1), pass 2
-// writes clamp(round_half_even(v / scale), lo, hi) from the IEEE quotient, NaN quotients as code 0;
+// writes clamp(round_half_even(v / scale), lo, hi) of the IEEE quotient (multiplied by 1 / scale,
+// divided only near ties, see code_of), NaN quotients as code 0;
 // float8 codes are the quotient rounded to nearest even by c10's conversion. int4 packs eight
 // codes per int32, lowest bits first. Per tensor: pass 1 per row into a row buffer, its max on
 // the device, then pass 2 with that one scale.
@@ -84,8 +85,29 @@ __device__ __forceinline__ float scale_of(float absmax, const QuantSpec& spec) {
   return s == 0.f ? 1.f : s;
 }
 
-__device__ __forceinline__ float code_of(float v, float scale, const QuantSpec& spec) {
-  const float t = __fdiv_rn(v, scale);
+// The divisor of a row: its scale, and 1 / scale where that is finite (a subnormal scale has no
+// finite inverse; its quotients are divided for real).
+struct Divisor {
+  float scale, inverse;
+  bool by_inverse;
+};
+
+__device__ __forceinline__ Divisor divisor_of(float scale) {
+  const float inverse = __fdiv_rn(1.f, scale);
+  return {scale, inverse, isfinite(inverse)};
+}
+
+// clamp(round_half_even(v / scale)) of the IEEE quotient, as the CPU kernel: t = v * (1 / scale)
+// is within 2 ulps of v / scale and |t| <= ~127, so unless t lies within 2^-15 of a half-integer
+// both round to the same integer; those (ties included) are divided for real. NaN gives code 0.
+__device__ __forceinline__ float code_of(float v, const Divisor& d, const QuantSpec& spec) {
+  float t;
+  if (d.by_inverse) {
+    t = __fmul_rn(v, d.inverse);
+    if (fabsf(t - floorf(t) - 0.5f) < 1.f / 32768) t = __fdiv_rn(v, d.scale);
+  } else {
+    t = __fdiv_rn(v, d.scale);
+  }
   const float q = fminf(fmaxf(rintf(t), spec.lo), spec.hi);
   return t != t ? 0.f : q;
 }
@@ -93,12 +115,12 @@ __device__ __forceinline__ float code_of(float v, float scale, const QuantSpec& 
 // The codes of kVec values v (of one row, from element i) into the output.
 template <typename scalar_t, int kVec>
 __device__ __forceinline__ void store_codes(const QuantArgs<scalar_t>& a, int64_t row, int64_t i,
-                                            const float (&v)[kVec], float scale) {
+                                            const float (&v)[kVec], const Divisor& d) {
   if (a.spec.fp8 != 0) {
     Pack<uint8_t, kVec> out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float t = __fdiv_rn(v[j], scale);
+      const float t = __fdiv_rn(v[j], d.scale);  // float8: the true quotient
       out.v[j] = a.spec.fp8 == 1 ? c10::Float8_e4m3fn(t).x : c10::Float8_e5m2(t).x;
     }
     cuda::store_stream(reinterpret_cast<Pack<uint8_t, kVec>*>(static_cast<uint8_t*>(a.codes) + row * a.n + i), out);
@@ -107,14 +129,14 @@ __device__ __forceinline__ void store_codes(const QuantArgs<scalar_t>& a, int64_
       uint32_t word = 0;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        word |= (static_cast<uint32_t>(static_cast<int32_t>(code_of(v[j], scale, a.spec))) & 0xFu) << (4 * j);
+        word |= (static_cast<uint32_t>(static_cast<int32_t>(code_of(v[j], d, a.spec))) & 0xFu) << (4 * j);
       }
       static_cast<int32_t*>(a.codes)[(row * a.n + i) / 8] = static_cast<int32_t>(word);
     }
   } else {
     Pack<int8_t, kVec> out;
 #pragma unroll
-    for (int j = 0; j < kVec; ++j) out.v[j] = static_cast<int8_t>(code_of(v[j], scale, a.spec));
+    for (int j = 0; j < kVec; ++j) out.v[j] = static_cast<int8_t>(code_of(v[j], d, a.spec));
     cuda::store_stream(reinterpret_cast<Pack<int8_t, kVec>*>(static_cast<int8_t*>(a.codes) + row * a.n + i), out);
   }
 }
@@ -160,14 +182,15 @@ __global__ void __launch_bounds__(cuda::kMaxRowThreads) dynamic_quant_kernel(Qua
     }
     const float scale = scale_of(absmax, a.spec);
     if (threadIdx.x == 0 && (a.tensor_absmax == nullptr || row == 0)) a.scale[a.tensor_absmax ? 0 : row] = scale;
+    const Divisor d = divisor_of(scale);
 #pragma unroll
     for (int k = 0; k < kCached; ++k) {
-      if (first + k * stride < a.n) store_codes<scalar_t, kVec>(a, row, first + k * stride, cache[k], scale);
+      if (first + k * stride < a.n) store_codes<scalar_t, kVec>(a, row, first + k * stride, cache[k], d);
     }
     for (int64_t i = first + kCached * stride; i < a.n; i += stride) {
       float v[kVec];
       load_v<scalar_t, kVec, kPacked>(xr, sm, i, v);
-      store_codes<scalar_t, kVec>(a, row, i, v, scale);
+      store_codes<scalar_t, kVec>(a, row, i, v, d);
     }
   }
 }
