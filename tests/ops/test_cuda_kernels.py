@@ -1,6 +1,6 @@
 """Native CUDA kernels (csrc/ops/<family>/<family>_cuda.cu) against the CPU kernels of the same
-entry points, on the same inputs. Run wherever a GPU is visible; skipped elsewhere. Until they
-have run on a GPU, docs/ops.md marks these kernels "compiled, not yet run"."""
+entry points, on the same inputs. Run wherever a GPU is visible (bash scripts/gpu_check.sh);
+skipped elsewhere."""
 
 import pytest
 import torch
