@@ -54,8 +54,9 @@ struct WordOf<2> {
 template <typename P>
 using PackWord = typename WordOf<sizeof(P) % 16 == 0 ? 16 : static_cast<int>(sizeof(P))>::type;
 
-template <typename P>
-__device__ __forceinline__ P load_stream(const P* p) {
+// A pack loaded word by word with load_word (an intrinsic's wrapper), or plainly.
+template <typename P, typename LoadWord>
+__device__ __forceinline__ P load_pack(const P* p, const LoadWord& load_word) {
   using Word = PackWord<P>;
   if constexpr (std::is_void_v<Word>) {
     return *p;
@@ -63,25 +64,20 @@ __device__ __forceinline__ P load_stream(const P* p) {
     P out;
 #pragma unroll
     for (int i = 0; i < static_cast<int>(sizeof(P) / sizeof(Word)); ++i) {
-      reinterpret_cast<Word*>(&out)[i] = __ldcs(reinterpret_cast<const Word*>(p) + i);
+      reinterpret_cast<Word*>(&out)[i] = load_word(reinterpret_cast<const Word*>(p) + i);
     }
     return out;
   }
 }
 
 template <typename P>
+__device__ __forceinline__ P load_stream(const P* p) {
+  return load_pack(p, [](const auto* word) { return __ldcs(word); });
+}
+
+template <typename P>
 __device__ __forceinline__ P load_shared(const P* p) {
-  using Word = PackWord<P>;
-  if constexpr (std::is_void_v<Word>) {
-    return *p;
-  } else {
-    P out;
-#pragma unroll
-    for (int i = 0; i < static_cast<int>(sizeof(P) / sizeof(Word)); ++i) {
-      reinterpret_cast<Word*>(&out)[i] = __ldg(reinterpret_cast<const Word*>(p) + i);
-    }
-    return out;
-  }
+  return load_pack(p, [](const auto* word) { return __ldg(word); });
 }
 
 template <typename P>

@@ -86,18 +86,34 @@ __device__ __forceinline__ void pair_positions(Mode mode, int64_t k, int64_t h, 
   }
 }
 
+// The forward's rows: output row `row` (contiguous, 2h wide) and the starts of its x, r1 and r2
+// rows, which the leading-dim strides of `dims` place.
 template <typename scalar_t, typename r_t>
-__global__ void rotary_fwd_kernel(const scalar_t* x, const r_t* c, const r_t* s, Dims dims, int64_t rows,
-                                  int64_t h, Mode mode, scalar_t* y) {
+struct FwdRows {
+  const scalar_t* x;
+  const r_t* c;
+  const r_t* s;
+  Dims dims;
+  int64_t rows, h;
+  scalar_t* y;
+
+  // fn(x row, r1 row, r2 row, y row) for the rows of this thread's y index (a grid-stride loop).
+  template <typename Fn>
+  __device__ __forceinline__ void for_each_row(const Fn& fn) const {
+    for (int64_t row = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; row < rows;
+         row += int64_t(gridDim.x) * blockDim.y) {
+      int64_t off[3];
+      dims.offsets(row, off);
+      fn(x + off[0], c + off[1], s + off[2], y + row * 2 * h);
+    }
+  }
+};
+
+template <typename scalar_t, typename r_t>
+__global__ void rotary_fwd_kernel(FwdRows<scalar_t, r_t> rows, Mode mode) {
   using acc_t = at::opmath_type<scalar_t>;
-  for (int64_t row = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; row < rows;
-       row += int64_t(gridDim.x) * blockDim.y) {
-    int64_t off[3];
-    dims.offsets(row, off);
-    const scalar_t* xr = x + off[0];
-    const r_t* cr = c + off[1];
-    const r_t* sr = s + off[2];
-    scalar_t* yr = y + row * 2 * h;
+  const int64_t h = rows.h;
+  rows.for_each_row([&](const scalar_t* xr, const r_t* cr, const r_t* sr, scalar_t* yr) {
     for (int64_t k = threadIdx.x; k < h; k += blockDim.x) {
       int64_t p0, p1;
       pair_positions(mode, k, h, p0, p1);
@@ -109,27 +125,20 @@ __global__ void rotary_fwd_kernel(const scalar_t* x, const r_t* c, const r_t* s,
       yr[p0] = static_cast<scalar_t>(a * static_cast<acc_t>(cr[p0]) - b * static_cast<acc_t>(sr[p0]));
       yr[p1] = static_cast<scalar_t>(b * static_cast<acc_t>(cr[p1]) + a * static_cast<acc_t>(sr[p1]));
     }
-  }
+  });
 }
 
 // The forward with 16-byte packs: a thread owns kVec consecutive pairs (half / de-interleave: k
 // in [k0, k0 + kVec); interleave: the kVec / 2 pairs of elements [e0, e0 + kVec)) of one row, so
 // each load and store moves a pack. Used where every row start and the tables allow packs.
 template <typename scalar_t, typename r_t, int kVec>
-__global__ void rotary_fwd_packed_kernel(const scalar_t* x, const r_t* c, const r_t* s, Dims dims, int64_t rows,
-                                         int64_t h, Mode mode, scalar_t* y) {
+__global__ void rotary_fwd_packed_kernel(FwdRows<scalar_t, r_t> rows, Mode mode) {
   using acc_t = at::opmath_type<scalar_t>;
   using P = cuda::Pack<scalar_t, kVec>;
   using R = cuda::Pack<r_t, kVec>;
+  const int64_t h = rows.h;
   const int64_t units = mode == Mode::kInterleave ? 2 * h / kVec : h / kVec;
-  for (int64_t row = blockIdx.x * int64_t(blockDim.y) + threadIdx.y; row < rows;
-       row += int64_t(gridDim.x) * blockDim.y) {
-    int64_t off[3];
-    dims.offsets(row, off);
-    const scalar_t* xr = x + off[0];
-    const r_t* cr = c + off[1];
-    const r_t* sr = s + off[2];
-    scalar_t* yr = y + row * 2 * h;
+  rows.for_each_row([&](const scalar_t* xr, const r_t* cr, const r_t* sr, scalar_t* yr) {
     for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
       if (mode == Mode::kInterleave) {
         const int64_t e0 = u * kVec;
@@ -180,7 +189,7 @@ __global__ void rotary_fwd_packed_kernel(const scalar_t* x, const r_t* c, const 
       cuda::store_stream(reinterpret_cast<P*>(yr + k0), out1);
       cuda::store_stream(reinterpret_cast<P*>(yr + h + k0), out2);
     }
-  }
+  });
 }
 
 // Whether rotary_fwd_packed_kernel<kVec> may run: whole packs per row and every pack aligned.
@@ -305,6 +314,7 @@ void rotary_fwd_cuda(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
     const r_t* pc = r1.const_data_ptr<r_t>();
     const r_t* ps = r2.const_data_ptr<r_t>();
     scalar_t* py = out.mutable_data_ptr<scalar_t>();
+    const FwdRows<scalar_t, r_t> fwd_rows{px, pc, ps, dims, rows, h, py};
     const int64_t pack_bytes = sizeof(scalar_t) * kVec, r_pack_bytes = sizeof(r_t) * kVec;
     if (packs_fit(dims, h, mode, kVec, {{px, pack_bytes}, {py, pack_bytes}, {pc, r_pack_bytes}, {ps, r_pack_bytes}})) {
       const int64_t units = (mode == Mode::kInterleave ? 2 * h : h) / kVec;
@@ -315,11 +325,9 @@ void rotary_fwd_cuda(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
       const unsigned packed_blocks = static_cast<unsigned>(
           std::clamp<int64_t>((rows + packed_block.y - 1) / packed_block.y, 1, sms * 32));
       rotary_fwd_packed_kernel<scalar_t, r_t, kVec><<<packed_blocks, packed_block, 0,
-                                                      at::cuda::getCurrentCUDAStream()>>>(px, pc, ps, dims, rows, h,
-                                                                                          mode, py);
+                                                      at::cuda::getCurrentCUDAStream()>>>(fwd_rows, mode);
     } else {
-      rotary_fwd_kernel<scalar_t, r_t><<<blocks, block, 0, at::cuda::getCurrentCUDAStream()>>>(px, pc, ps, dims, rows,
-                                                                                               h, mode, py);
+      rotary_fwd_kernel<scalar_t, r_t><<<blocks, block, 0, at::cuda::getCurrentCUDAStream()>>>(fwd_rows, mode);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
