@@ -85,3 +85,16 @@ def test_double_backward_of_a_backward_op_raises_clearly():
 
 def test_cpu_isa_is_reported():
     assert opennpu.cpu_isa() in {"AVX512", "AVX2", "DEFAULT"}
+
+
+def test_every_native_cuda_kernel_is_compared_with_the_cpu_kernel():
+    # A C++ kernel registered for the CUDA key (csrc/ops/<family>/*_cuda.cu) replaces the portable
+    # path there; tests/ops/test_cuda_kernels.py must call it (it runs wherever a GPU is visible).
+    from pathlib import Path
+
+    from opennpu.ops import portable
+
+    native = sorted(q.split("::")[1].split(".")[0] for q, devices in portable.PORTABLE_DEVICES.items()
+                    if "cuda" not in devices)
+    source = (Path(__file__).parent / "ops" / "test_cuda_kernels.py").read_text()
+    assert [name for name in native if name not in source] == []
