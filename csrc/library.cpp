@@ -129,6 +129,70 @@ TORCH_LIBRARY(npu, m) {
         "int[]? actual_seq_kvlen=None, int sparse_mode=0, bool gen_mask_parallel=True, "
         "bool sync=False, str softmax_layout=\"\", Tensor? sink=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // npu_fusion_attention with pre/next_tokens, keyword-only options, MLA query_rope/key_rope
+  // (scores q k^T + q_rope k_rope^T) and pse_type 0/1 (scale * qk + pse / scale * (qk + pse)).
+  m.def("npu_fusion_attention_v2(Tensor query, Tensor key, Tensor value, int head_num, "
+        "str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "Tensor? query_rope=None, Tensor? key_rope=None, float scale=1., float keep_prob=1., "
+        "int pre_tokens=2147483647, int next_tokens=2147483647, int inner_precise=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, "
+        "int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, int pse_type=1, "
+        "int[]? q_start_idx=None, int[]? kv_start_idx=None, str softmax_layout=\"\", "
+        "Tensor? sink=None, Tensor? dropout_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, "
+        "Tensor, Tensor, SymInt, SymInt, SymInt)");
+  // Returns (dq, dk, dv, dpse, dq_rope, dk_rope, dsink); absent optional inputs give empty grads.
+  m.def("npu_fusion_attention_grad_v2(Tensor query, Tensor key, Tensor value, Tensor dy, "
+        "int head_num, str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? softmax_max=None, Tensor? softmax_sum=None, "
+        "Tensor? softmax_in=None, Tensor? attention_in=None, Tensor? query_rope=None, "
+        "Tensor? key_rope=None, float scale_value=1., float keep_prob=1., int pre_tokens=2147483647, "
+        "int next_tokens=2147483647, int inner_precise=0, SymInt seed=0, SymInt offset=0, "
+        "SymInt numels=0, "
+        "int[]? prefix=None, int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, "
+        "int sparse_mode=0, bool gen_mask_parallel=True, bool sync=False, int pse_type=1, "
+        "int[]? q_start_idx=None, int[]? kv_start_idx=None, str softmax_layout=\"\", "
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // npu_fusion_attention with actual_seq_qlen/kvlen as host int tensors; seed and offset
+  // returned as one-element int64 tensors.
+  m.def("npu_fusion_attention_v3(Tensor query, Tensor key, Tensor value, int head_num, "
+        "str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "float scale=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, SymInt[]? prefix=None, "
+        "Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", "
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // v3 writing its six outputs; workspace is accepted and unused (the CPU kernels need none).
+  m.def("npu_fusion_attention_v3.out(Tensor query, Tensor key, Tensor value, int head_num, "
+        "str input_layout, Tensor? pse=None, Tensor? padding_mask=None, Tensor? atten_mask=None, "
+        "float scale=1., float keep_prob=1., int pre_tockens=2147483647, "
+        "int next_tockens=2147483647, int inner_precise=0, int[]? prefix=None, "
+        "Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", Tensor? sink=None, "
+        "Tensor? workspace=None, *, Tensor(a!) attention_score, Tensor(b!) softmax_max, "
+        "Tensor(c!) softmax_sum, Tensor(d!) softmax_out, Tensor(e!) seed, "
+        "Tensor(f!) offset) -> (Tensor(a!), Tensor(b!), Tensor(c!), Tensor(d!), Tensor(e!), "
+        "Tensor(f!))");
+  // Gradient of v3: seed / offset are v3's tensors; returns (dq, dk, dv, dpse, dsink).
+  m.def("npu_fusion_attention_grad_v3(Tensor query, Tensor key, Tensor value, Tensor dy, "
+        "int head_num, str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? softmax_max=None, Tensor? softmax_sum=None, "
+        "Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
+        "int inner_precise=0, Tensor? seed=None, Tensor? offset=None, SymInt[]? prefix=None, "
+        "Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", "
+        "Tensor? sink=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // grad_v3 writing dq, dk, dv, dpse, dsink; workspace unused.
+  m.def("npu_fusion_attention_grad_v3.out(Tensor query, Tensor key, Tensor value, Tensor dy, "
+        "int head_num, str input_layout, *, Tensor? pse=None, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, Tensor? softmax_max=None, Tensor? softmax_sum=None, "
+        "Tensor? softmax_in=None, Tensor? attention_in=None, float scale_value=1., "
+        "float keep_prob=1., int pre_tockens=2147483647, int next_tockens=2147483647, "
+        "int inner_precise=0, Tensor? seed=None, Tensor? offset=None, int[]? prefix=None, "
+        "Tensor? actual_seq_qlen=None, Tensor? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", Tensor? sink=None, "
+        "Tensor? workspace=None, Tensor(a!) dq, Tensor(b!) dk, Tensor(c!) dv, Tensor(d!) dpse, "
+        "Tensor(e!) dsink) -> (Tensor(a!), Tensor(b!), Tensor(c!), Tensor(d!), Tensor(e!))");
   // Bit-packed dropout keep mask (p = drop probability) of the Philox stream (seed, offset): the
   // mask npu_fusion_attention uses for the same (seed, offset). uint8, padded to 128 bits.
   m.def("_npu_dropout_gen_mask.Tensor(Tensor self, int[] size, float p, int seed, int offset, *, "

@@ -52,6 +52,18 @@ void release_npu_storage(void* npu_storage_impl) {
   c10::raw::intrusive_ptr::decref(static_cast<c10::StorageImpl*>(npu_storage_impl));
 }
 
+// Arguments torch_npu takes as CPU tensors next to npu ones (host data the op reads before it
+// launches): the kernel gets them as they are.
+bool host_argument(const c10::FunctionSchema& schema, const c10::Argument& argument) {
+  const std::string& op = schema.name();
+  const std::string& arg = argument.name();
+  if (op == "npu::npu_fusion_attention_v3" || op == "npu::npu_fusion_attention_grad_v3") {
+    return arg == "actual_seq_qlen" || arg == "actual_seq_kvlen" || arg == "seed" ||
+           arg == "offset";
+  }
+  return false;
+}
+
 bool is_optional_generator(const c10::Argument& argument) {
   const auto* optional = argument.type()->castRaw<c10::OptionalType>();
   return optional != nullptr && optional->getElementType()->kind() == c10::TypeKind::GeneratorType;
@@ -147,7 +159,7 @@ class FallbackCall {
         }
       };
       if (v.isTensor()) {
-        check(v.toTensor(), false);
+        check(v.toTensor(), host_argument(schema_, arguments[i]));
       } else if (v.isTensorList()) {
         for (const at::Tensor& t : v.toTensorList()) check(t, false);
       } else if (v.isList()) {

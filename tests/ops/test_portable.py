@@ -232,6 +232,40 @@ def _attention_grad_tnd(dtype):
         kwargs, softmax_max=out[1], softmax_sum=out[2], attention_in=out[0])
 
 
+def _attention_v2_rope(dtype, layout="BSH"):
+    args, kwargs = _attention(dtype, layout, 3)
+    q, k = args[0], args[1]
+    rope = lambda t: randn(*t.shape[:-1], 4 if layout not in ("BSH", "SBH") else  # noqa: E731
+                           t.shape[-1] // 2, dtype=dtype)
+    kwargs.update(query_rope=rope(q), key_rope=rope(k))
+    kwargs["pse"] = randn(1, 4, 17, 23, dtype=dtype)
+    kwargs["pse_type"] = 0
+    return args, kwargs
+
+
+def _attention_v3_tnd(dtype):
+    args, kwargs = _attention_tnd(dtype)
+    kwargs["actual_seq_qlen"] = torch.tensor(kwargs["actual_seq_qlen"])
+    kwargs["actual_seq_kvlen"] = torch.tensor(kwargs["actual_seq_kvlen"])
+    return args, kwargs
+
+
+def _attention_grad_v2(dtype):
+    args, kwargs = _attention_v2_rope(dtype)
+    out = npu.npu_fusion_attention_v2(*args, **kwargs)
+    kwargs["scale_value"] = kwargs.pop("scale")
+    return [*args[:3], randn(*out[0].shape, dtype=dtype), *args[3:]], dict(
+        kwargs, softmax_max=out[1], softmax_sum=out[2], attention_in=out[0])
+
+
+def _attention_grad_v3(dtype, tnd=False):
+    args, kwargs = _attention_v3_tnd(dtype) if tnd else _attention(dtype, "BNSD", 2)
+    out = npu.npu_fusion_attention_v3(*args, **kwargs)
+    kwargs["scale_value"] = kwargs.pop("scale")
+    return [*args[:3], randn(*out[0].shape, dtype=dtype), *args[3:]], dict(
+        kwargs, softmax_max=out[1], softmax_sum=out[2], attention_in=out[0])
+
+
 def _ref_attention(q, k, v, n, layout, *, atten_mask=None, sparse_mode=0, pre_tockens=2**31 - 1,
                    next_tockens=2**31 - 1, prefix=None, pse=None, sink=None, scale=1.0):
     d = q.shape[-1] // n if layout in ("BSH", "SBH") else q.shape[-1]
@@ -568,6 +602,14 @@ CASES = [
     Case("fusion_attention_tnd", npu.npu_fusion_attention, _attention_tnd, kernel_scale=4),
     Case("fusion_attention_tnd_mode8", npu.npu_fusion_attention,
          lambda d: _attention_tnd(d, 8), kernel_scale=4),
+    Case("fusion_attention_v2_rope_pse0", npu.npu_fusion_attention_v2, _attention_v2_rope,
+         kernel_scale=4),
+    Case("fusion_attention_v2_bnsd_rope", npu.npu_fusion_attention_v2,
+         lambda d: _attention_v2_rope(d, "BNSD"), kernel_scale=4),
+    Case("fusion_attention_v3", npu.npu_fusion_attention_v3,
+         lambda d: _attention(d, "BSND", 4), kernel_scale=4),
+    Case("fusion_attention_v3_tnd", npu.npu_fusion_attention_v3, _attention_v3_tnd,
+         kernel_scale=4),
     Case("fia_decode_paged_gqa", npu.npu_fused_infer_attention_score, _fia_decode_paged),
     Case("fia_prefill_bnsd_mask", npu.npu_fused_infer_attention_score, _fia_prefill),
     Case("fia_workspace", npu._npu_fused_infer_attention_score_get_max_workspace, _fia_prefill),
@@ -582,6 +624,12 @@ CASES = [
          lambda d: _attention_grad(d, layout="BSH", mode=2, pse=True, sink=True), kernel_scale=8),
     Case("fusion_attention_grad_tnd", npu.npu_fusion_attention_grad, _attention_grad_tnd,
          kernel_scale=8),
+    Case("fusion_attention_grad_v2_rope", npu.npu_fusion_attention_grad_v2, _attention_grad_v2,
+         kernel_scale=8),
+    Case("fusion_attention_grad_v3", npu.npu_fusion_attention_grad_v3, _attention_grad_v3,
+         kernel_scale=8),
+    Case("fusion_attention_grad_v3_tnd", npu.npu_fusion_attention_grad_v3,
+         lambda d: _attention_grad_v3(d, True), kernel_scale=8),
     Case("scatter_nd_update", npu.npu_scatter_nd_update,
          lambda d: ([randn(6, 5, 3, dtype=d), torch.tensor([[4, 1], [0, 2], [5, 0]]),
                      randn(3, 3, dtype=d)], {})),
@@ -794,6 +842,15 @@ GRAD_CASES = {
         sparse_mode=3, scale=0.3)[0],
         lambda d: [randn(2, 9, 32, dtype=d), randn(2, 11, 16, dtype=d), randn(2, 11, 16, dtype=d),
                    randn(1, 4, 9, 11, dtype=d)], None),
+    "npu_fusion_attention_v2": (lambda q, k, v, qr, kr: opennpu.npu_fusion_attention_v2(
+        q, k, v, 4, "BSH", query_rope=qr, key_rope=kr, scale=0.3)[0],
+        lambda d: [randn(2, 9, 32, dtype=d), randn(2, 11, 16, dtype=d), randn(2, 11, 16, dtype=d),
+                   randn(2, 9, 16, dtype=d), randn(2, 11, 8, dtype=d)], None),
+    "npu_fusion_attention_v3": (lambda q, k, v: opennpu.npu_fusion_attention_v3(
+        q, k, v, 2, "TND", actual_seq_qlen=torch.tensor([4, 9]),
+        actual_seq_kvlen=torch.tensor([5, 11]), scale=0.3)[0],
+        lambda d: [randn(9, 2, 8, dtype=d), randn(11, 1, 8, dtype=d), randn(11, 1, 8, dtype=d)],
+        None),
 }
 
 
@@ -918,7 +975,8 @@ def test_every_op_traces_on_fake_cuda_tensors(dtype=F32):
     table = select_decomp_table()
     seen = set()
     for case in CASES:  # one case per op (all of attention's: layouts and modes differ)
-        if case.id in ("grouped_matmul_tensor_group_list", "grouped_dynamic_mx_quant") or (
+        if case.id in ("grouped_matmul_tensor_group_list", "grouped_dynamic_mx_quant",
+                       "fusion_attention_v3_tnd", "fusion_attention_grad_v3_tnd") or (
                 _qualname(case.op) in seen and "attention" not in case.id):
             continue
         seen.add(_qualname(case.op))

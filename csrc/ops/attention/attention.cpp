@@ -4,7 +4,9 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/PhiloxRNGEngine.h>
+#include <ATen/ops/cat.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <ATen/ops/zeros_like.h>
@@ -242,6 +244,14 @@ bool use_half_gemm(at::ScalarType t) {
   const char* env = std::getenv("OPENNPU_ATTENTION_HALF_GEMM");
   if (env != nullptr && std::string(env) == "0") return false;
   return blas::half_gemm_available(t);
+}
+
+// dst takes src's values (resized to src's shape where it differs; the dtype must match).
+void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char* arg) {
+  OPENNPU_CHECK_ARG(dst.scalar_type() == src.scalar_type(), op, arg, "must be ",
+                    src.scalar_type(), ", but got ", dst.scalar_type());
+  if (!dst.sizes().equals(src.sizes())) dst.resize_(src.sizes());
+  dst.copy_(src);
 }
 
 // OPENNPU_ATTENTION_TILES (see TilePath), read on every call, as use_half_gemm reads its setting.
@@ -568,8 +578,12 @@ ForwardResult run_forward(const char* op, const Prepared& prep) {
   return r;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, c10::SymInt>
-npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+using ForwardOutputs =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, c10::SymInt>;
+
+// npu_fusion_attention and its variants (v2, v3), whose entry points convert their arguments to
+// these; `op` names the variant in error messages.
+ForwardOutputs fusion_attention_forward(const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                      int64_t head_num, c10::string_view input_layout,
                      const std::optional<at::Tensor>& pse,
                      const std::optional<at::Tensor>& padding_mask,
@@ -580,7 +594,7 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                      bool /*gen_mask_parallel*/, bool /*sync*/, c10::string_view softmax_layout,
                      const std::optional<at::Tensor>& sink,
                      const std::optional<at::Tensor>& dropout_mask, int64_t seed, int64_t offset) {
-  Prepared prep = prepare(kFwd, {query, key, value, head_num, input_layout, pse, padding_mask,
+  Prepared prep = prepare(op, {query, key, value, head_num, input_layout, pse, padding_mask,
                                  atten_mask, scale, keep_prob, pre_tockens, next_tockens,
                                  inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
                                  sparse_mode, softmax_layout, sink});
@@ -590,8 +604,8 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
     seed = static_cast<int64_t>(s);
     offset = static_cast<int64_t>(o);
   }
-  configure_dropout(kFwd, prep, seed, offset, dropout_mask);
-  ForwardResult r = run_forward(kFwd, prep);
+  configure_dropout(op, prep, seed, offset, dropout_mask);
+  ForwardResult r = run_forward(op, prep);
   at::Tensor attention_out = r.out.to(prep.dtype);
   at::Tensor softmax_out = at::empty({0}, query.options());
   return {attention_out, r.softmax_max, r.softmax_sum, softmax_out, c10::SymInt(seed),
@@ -599,43 +613,46 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
 }
 
 // softmax_max / softmax_sum given to the backward must have the forward's shape.
-at::Tensor check_stats(const char* arg, const at::Tensor& t, const Prepared& prep) {
-  OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, kBwd, arg,
+at::Tensor check_stats(const char* op, const char* arg, const at::Tensor& t, const Prepared& prep) {
+  OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble, op, arg,
                     "must be float32 (float64 for float64 inputs), but got ", t.scalar_type());
-  OPENNPU_CHECK_ARG(t.sizes().equals(prep.stats_shape), kBwd, arg, "must be the ",
+  OPENNPU_CHECK_ARG(t.sizes().equals(prep.stats_shape), op, arg, "must be the ",
                     shape_str(prep.stats_shape), " tensor npu_fusion_attention returned, but got ",
                     shape_str(t.sizes()));
   return t.to(prep.dtype == at::kDouble ? at::kDouble : at::kFloat).contiguous();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusion_attention_grad(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
+using GradOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The gradient of fusion_attention_forward. `numels` is the forward's mask bit count, checked
+// against the shapes where given (the v3 variant has none).
+GradOutputs fusion_attention_backward(
+    const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
     int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
     const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
     const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
     const std::optional<at::Tensor>& /*softmax_in*/,
     const std::optional<at::Tensor>& attention_in, double scale_value, double keep_prob,
-    int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise, c10::SymInt seed_sym,
-    c10::SymInt offset_sym, c10::SymInt numels_sym, at::OptionalIntArrayRef prefix,
+    int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise, int64_t seed,
+    int64_t offset, std::optional<int64_t> numels, at::OptionalIntArrayRef prefix,
     at::OptionalIntArrayRef actual_seq_qlen, at::OptionalIntArrayRef actual_seq_kvlen,
     int64_t sparse_mode, bool /*gen_mask_parallel*/, bool /*sync*/,
     c10::string_view softmax_layout, const std::optional<at::Tensor>& sink) {
-  Prepared prep = prepare(kBwd, {query, key, value, head_num, input_layout, pse, padding_mask,
-                                 atten_mask, scale_value, keep_prob, pre_tockens, next_tockens,
-                                 inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
-                                 sparse_mode, softmax_layout, sink});
+  Prepared prep = prepare(op, {query, key, value, head_num, input_layout, pse, padding_mask,
+                               atten_mask, scale_value, keep_prob, pre_tockens, next_tockens,
+                               inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+                               sparse_mode, softmax_layout, sink});
   AttentionProblem& p = prep.p;
-  const int64_t seed = seed_sym.expect_int(), offset = offset_sym.expect_int();
-  const int64_t numels = numels_sym.expect_int();
-  OPENNPU_CHECK_ARG(keep_prob >= 1.0 || numels == prep.numels, kBwd, "numels",
-                    "must be the forward's mask bit count ", prep.numels, ", but got ", numels);
-  configure_dropout(kBwd, prep, seed, offset, std::nullopt);
-  check_same_device(kBwd, "dy", dy, "query", query);
-  check_floating(kBwd, "dy", dy);
-  OPENNPU_CHECK_ARG(dy.scalar_type() == query.scalar_type(), kBwd, "dy",
+  OPENNPU_CHECK_ARG(keep_prob >= 1.0 || !numels.has_value() || *numels == prep.numels, op,
+                    "numels", "must be the forward's mask bit count ", prep.numels, ", but got ",
+                    numels.value_or(0));
+  configure_dropout(op, prep, seed, offset, std::nullopt);
+  check_same_device(op, "dy", dy, "query", query);
+  check_floating(op, "dy", dy);
+  OPENNPU_CHECK_ARG(dy.scalar_type() == query.scalar_type(), op, "dy",
                     "must have the dtype of 'query' (", query.scalar_type(), "), but got ",
                     dy.scalar_type());
-  OPENNPU_CHECK_ARG(dy.sizes().equals(prep.out_shape), kBwd, "dy",
+  OPENNPU_CHECK_ARG(dy.sizes().equals(prep.out_shape), op, "dy",
                     "must have the shape of attention_out ", shape_str(prep.out_shape),
                     ", but got ", shape_str(dy.sizes()));
   const at::ScalarType acc = acc_dtype(query);
@@ -646,14 +663,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
   // attention_in) the forward runs once more here.
   at::Tensor smax, ssum, out_in;
   if (softmax_max.has_value() && softmax_sum.has_value() && attention_in.has_value()) {
-    smax = check_stats("softmax_max", *softmax_max, prep);
-    ssum = check_stats("softmax_sum", *softmax_sum, prep);
-    OPENNPU_CHECK_ARG(attention_in->sizes().equals(prep.out_shape), kBwd, "attention_in",
+    smax = check_stats(op, "softmax_max", *softmax_max, prep);
+    ssum = check_stats(op, "softmax_sum", *softmax_sum, prep);
+    OPENNPU_CHECK_ARG(attention_in->sizes().equals(prep.out_shape), op, "attention_in",
                       "must be the forward's attention_out ", shape_str(prep.out_shape),
                       ", but got ", shape_str(attention_in->sizes()));
     out_in = attention_in->to(compute).contiguous();
   } else {
-    ForwardResult r = run_forward(kBwd, prep);
+    ForwardResult r = run_forward(op, prep);
     smax = r.softmax_max;
     ssum = r.softmax_sum;
     out_in = r.out;
@@ -679,7 +696,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
   at::Tensor dsink_parts;
   if (sink.has_value()) dsink_parts = at::zeros({p.batch, p.heads_q}, opts.dtype(at::kFloat));
   if (prep.numels > 0) {
-    attention_bwd.get(kBwd, prep.q)(p, prep.q, prep.k, prep.v, dy_in, out_in, smax, ssum, dq, dk, dv,
+    attention_bwd.get(op, prep.q)(p, prep.q, prep.k, prep.v, dy_in, out_in, smax, ssum, dq, dk, dv,
                                 dk_heads, dv_heads, dpse_acc, dsink_parts);
   }
 
@@ -693,6 +710,365 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_fusio
   }
   at::Tensor dsink = sink.has_value() ? dsink_parts.sum(0) : at::empty({0}, query.options().dtype(at::kFloat));
   return {dq.to(prep.dtype), dk.to(key.scalar_type()), dv.to(value.scalar_type()), dpse, dsink};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, c10::SymInt>
+npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                     int64_t head_num, c10::string_view input_layout,
+                     const std::optional<at::Tensor>& pse,
+                     const std::optional<at::Tensor>& padding_mask,
+                     const std::optional<at::Tensor>& atten_mask, double scale, double keep_prob,
+                     int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise,
+                     at::OptionalIntArrayRef prefix, at::OptionalIntArrayRef actual_seq_qlen,
+                     at::OptionalIntArrayRef actual_seq_kvlen, int64_t sparse_mode,
+                     bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
+                     const std::optional<at::Tensor>& sink,
+                     const std::optional<at::Tensor>& dropout_mask, int64_t seed, int64_t offset) {
+  return fusion_attention_forward(kFwd, query, key, value, head_num, input_layout, pse,
+                                  padding_mask, atten_mask, scale, keep_prob, pre_tockens,
+                                  next_tockens, inner_precise, prefix, actual_seq_qlen,
+                                  actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync,
+                                  softmax_layout, sink, dropout_mask, seed, offset);
+}
+
+GradOutputs npu_fusion_attention_grad(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
+    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
+    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
+    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
+    const std::optional<at::Tensor>& softmax_in, const std::optional<at::Tensor>& attention_in,
+    double scale_value, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
+    int64_t inner_precise, c10::SymInt seed, c10::SymInt offset, c10::SymInt numels,
+    at::OptionalIntArrayRef prefix, at::OptionalIntArrayRef actual_seq_qlen,
+    at::OptionalIntArrayRef actual_seq_kvlen, int64_t sparse_mode, bool gen_mask_parallel,
+    bool sync, c10::string_view softmax_layout, const std::optional<at::Tensor>& sink) {
+  return fusion_attention_backward(
+      kBwd, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask,
+      softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens,
+      next_tockens, inner_precise, seed.expect_int(), offset.expect_int(), numels.expect_int(),
+      prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync,
+      softmax_layout, sink);
+}
+
+// ----------------------------------------------------------------------------- v3: host tensors
+
+constexpr const char* kFwdV3 = "npu_fusion_attention_v3";
+constexpr const char* kBwdV3 = "npu_fusion_attention_grad_v3";
+
+// actual_seq_qlen / actual_seq_kvlen of the v3 ops: a 1-D integer tensor in host memory (CPU, or
+// npu, whose memory is the host's) -> its values.
+std::optional<std::vector<int64_t>> host_ints(const char* op, const char* arg,
+                                              const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  OPENNPU_CHECK_ARG(t->device().is_cpu(), op, arg,
+                    "must be a CPU (host) tensor of cumulative sequence ends, but got one on ",
+                    t->device());
+  OPENNPU_CHECK_ARG(t->dim() == 1 && at::isIntegralType(t->scalar_type(), /*includeBool=*/false),
+                    op, arg, "must be a 1-D integer tensor of cumulative sequence ends, but got ",
+                    t->scalar_type(), " ", shape_str(t->sizes()));
+  const at::Tensor values = t->to(at::kLong).contiguous();
+  const int64_t* data = values.const_data_ptr<int64_t>();
+  return std::vector<int64_t>(data, data + values.numel());
+}
+
+// seed / offset of npu_fusion_attention_grad_v3: the one-element int64 tensors the forward
+// returned (absent: 0).
+int64_t host_scalar(const char* op, const char* arg, const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return 0;
+  OPENNPU_CHECK_ARG(t->numel() == 1 && at::isIntegralType(t->scalar_type(), false), op, arg,
+                    "must be the one-element integer tensor npu_fusion_attention_v3 returned, "
+                    "but got ", t->scalar_type(), " ", shape_str(t->sizes()));
+  return t->item<int64_t>();
+}
+
+std::optional<std::vector<int64_t>> concrete_ints(at::OptionalSymIntArrayRef values) {
+  if (!values.has_value()) return std::nullopt;
+  std::vector<int64_t> out;
+  out.reserve(values->size());
+  for (const c10::SymInt& v : *values) out.push_back(v.expect_int());
+  return out;
+}
+
+at::OptionalIntArrayRef as_ref(const std::optional<std::vector<int64_t>>& v) {
+  return v.has_value() ? at::OptionalIntArrayRef(*v) : at::OptionalIntArrayRef();
+}
+
+// seed and offset as torch_npu's v3 returns them: one-element int64 tensors (on query's device;
+// torch_npu returns CPU tensors outside graph capture).
+at::Tensor id_tensor(const at::Tensor& query, int64_t value) {
+  return at::full({1}, value, query.options().dtype(at::kLong));
+}
+
+using V3Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+V3Outputs npu_fusion_attention_v3(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t head_num,
+    c10::string_view input_layout, const std::optional<at::Tensor>& pse,
+    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
+    double scale, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
+    int64_t inner_precise, at::OptionalSymIntArrayRef prefix,
+    const std::optional<at::Tensor>& actual_seq_qlen,
+    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
+    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
+    const std::optional<at::Tensor>& sink) {
+  const auto qlen = host_ints(kFwdV3, "actual_seq_qlen", actual_seq_qlen);
+  const auto kvlen = host_ints(kFwdV3, "actual_seq_kvlen", actual_seq_kvlen);
+  const auto prefix_values = concrete_ints(prefix);
+  auto [out, smax, ssum, sout, seed, offset, numels] = fusion_attention_forward(
+      kFwdV3, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+      keep_prob, pre_tockens, next_tockens, inner_precise, as_ref(prefix_values), as_ref(qlen),
+      as_ref(kvlen), sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, std::nullopt, 0,
+      0);
+  return {out, smax, ssum, sout, id_tensor(query, seed.expect_int()),
+          id_tensor(query, offset.expect_int())};
+}
+
+std::tuple<at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&>
+npu_fusion_attention_v3_out(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t head_num,
+    c10::string_view input_layout, const std::optional<at::Tensor>& pse,
+    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
+    double scale, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
+    int64_t inner_precise, at::OptionalIntArrayRef prefix,
+    const std::optional<at::Tensor>& actual_seq_qlen,
+    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
+    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
+    const std::optional<at::Tensor>& sink, const std::optional<at::Tensor>& /*workspace*/,
+    at::Tensor& attention_score, at::Tensor& softmax_max, at::Tensor& softmax_sum,
+    at::Tensor& softmax_out, at::Tensor& seed, at::Tensor& offset) {
+  const auto qlen = host_ints(kFwdV3, "actual_seq_qlen", actual_seq_qlen);
+  const auto kvlen = host_ints(kFwdV3, "actual_seq_kvlen", actual_seq_kvlen);
+  auto [out, smax, ssum, sout, seed_value, offset_value, numels] = fusion_attention_forward(
+      kFwdV3, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+      keep_prob, pre_tockens, next_tockens, inner_precise, prefix, as_ref(qlen), as_ref(kvlen),
+      sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, std::nullopt, 0, 0);
+  copy_out(attention_score, out, kFwdV3, "attention_score");
+  copy_out(softmax_max, smax, kFwdV3, "softmax_max");
+  copy_out(softmax_sum, ssum, kFwdV3, "softmax_sum");
+  copy_out(softmax_out, sout, kFwdV3, "softmax_out");
+  copy_out(seed, id_tensor(query, seed_value.expect_int()), kFwdV3, "seed");
+  copy_out(offset, id_tensor(query, offset_value.expect_int()), kFwdV3, "offset");
+  return {attention_score, softmax_max, softmax_sum, softmax_out, seed, offset};
+}
+
+GradOutputs npu_fusion_attention_grad_v3(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
+    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
+    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
+    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
+    const std::optional<at::Tensor>& softmax_in, const std::optional<at::Tensor>& attention_in,
+    double scale_value, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
+    int64_t inner_precise, const std::optional<at::Tensor>& seed,
+    const std::optional<at::Tensor>& offset, at::OptionalSymIntArrayRef prefix,
+    const std::optional<at::Tensor>& actual_seq_qlen,
+    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
+    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
+    const std::optional<at::Tensor>& sink) {
+  const auto qlen = host_ints(kBwdV3, "actual_seq_qlen", actual_seq_qlen);
+  const auto kvlen = host_ints(kBwdV3, "actual_seq_kvlen", actual_seq_kvlen);
+  const auto prefix_values = concrete_ints(prefix);
+  return fusion_attention_backward(
+      kBwdV3, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask,
+      softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens,
+      next_tockens, inner_precise, host_scalar(kBwdV3, "seed", seed),
+      host_scalar(kBwdV3, "offset", offset), std::nullopt, as_ref(prefix_values), as_ref(qlen),
+      as_ref(kvlen), sparse_mode, gen_mask_parallel, sync, softmax_layout, sink);
+}
+
+std::tuple<at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&>
+npu_fusion_attention_grad_v3_out(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
+    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
+    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
+    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
+    const std::optional<at::Tensor>& softmax_in, const std::optional<at::Tensor>& attention_in,
+    double scale_value, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
+    int64_t inner_precise, const std::optional<at::Tensor>& seed,
+    const std::optional<at::Tensor>& offset, at::OptionalIntArrayRef prefix,
+    const std::optional<at::Tensor>& actual_seq_qlen,
+    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
+    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
+    const std::optional<at::Tensor>& sink, const std::optional<at::Tensor>& /*workspace*/,
+    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dpse, at::Tensor& dsink) {
+  const auto qlen = host_ints(kBwdV3, "actual_seq_qlen", actual_seq_qlen);
+  const auto kvlen = host_ints(kBwdV3, "actual_seq_kvlen", actual_seq_kvlen);
+  auto [gq, gk, gv, gpse, gsink] = fusion_attention_backward(
+      kBwdV3, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask,
+      softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens,
+      next_tockens, inner_precise, host_scalar(kBwdV3, "seed", seed),
+      host_scalar(kBwdV3, "offset", offset), std::nullopt, prefix, as_ref(qlen), as_ref(kvlen),
+      sparse_mode, gen_mask_parallel, sync, softmax_layout, sink);
+  copy_out(dq, gq, kBwdV3, "dq");
+  copy_out(dk, gk, kBwdV3, "dk");
+  copy_out(dv, gv, kBwdV3, "dv");
+  copy_out(dpse, gpse, kBwdV3, "dpse");
+  copy_out(dsink, gsink, kBwdV3, "dsink");
+  return {dq, dk, dv, dpse, dsink};
+}
+
+// ----------------------------------------------------------------------------- v2: MLA rope parts
+
+constexpr const char* kFwdV2 = "npu_fusion_attention_v2";
+constexpr const char* kBwdV2 = "npu_fusion_attention_grad_v2";
+
+// query_rope / key_rope: a second query-key pair whose product adds to the scores,
+// q . k + q_rope . k_rope, computed as one product of [q, q_rope] and [k, k_rope] (the head
+// dims concatenated per head). rope_dim 0: no rope parts.
+struct RopeParts {
+  at::Tensor query, key;  // concatenated (or the inputs themselves)
+  int64_t head_dim = 0, rope_dim = 0;
+  bool split_heads = false;  // BSH / SBH: heads packed in the last dim
+};
+
+std::string upper(c10::string_view text) {
+  std::string up(text);
+  for (char& c : up) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return up;
+}
+
+// [.., heads * a] and [.., heads * b] -> [.., heads * (a + b)], each head's b after its a.
+at::Tensor cat_per_head(const at::Tensor& x, const at::Tensor& rope, int64_t heads, bool split) {
+  if (!split) return at::cat({x, rope}, -1);
+  auto per_head = [&](const at::Tensor& t) {
+    return t.reshape({t.size(0), t.size(1), heads, t.size(2) / heads});
+  };
+  return at::cat({per_head(x), per_head(rope)}, -1).flatten(2);
+}
+
+// The inverse of cat_per_head: the first `a` and the last `b` values of each head.
+std::pair<at::Tensor, at::Tensor> split_per_head(const at::Tensor& t, int64_t heads, int64_t a,
+                                                 int64_t b, bool split) {
+  if (!split) return {t.narrow(-1, 0, a).contiguous(), t.narrow(-1, a, b).contiguous()};
+  const at::Tensor h = t.reshape({t.size(0), t.size(1), heads, a + b});
+  return {h.narrow(-1, 0, a).flatten(2).contiguous(), h.narrow(-1, a, b).flatten(2).contiguous()};
+}
+
+RopeParts with_rope(const char* op, const at::Tensor& query, const at::Tensor& key,
+                    int64_t head_num, c10::string_view input_layout,
+                    const std::optional<at::Tensor>& query_rope,
+                    const std::optional<at::Tensor>& key_rope) {
+  RopeParts r{query, key};
+  OPENNPU_CHECK_ARG(query_rope.has_value() == key_rope.has_value(), op,
+                    query_rope.has_value() ? "key_rope" : "query_rope",
+                    "must be given together with ",
+                    query_rope.has_value() ? "query_rope" : "key_rope", ", but got None");
+  if (!query_rope.has_value()) return r;
+  const std::string layout = upper(input_layout);
+  r.split_heads = layout == "BSH" || layout == "SBH";
+  const at::Tensor& qr = *query_rope;
+  const at::Tensor& kr = *key_rope;
+  for (const auto& [name, t, ref, ref_name] :
+       {std::tuple<const char*, const at::Tensor*, const at::Tensor*, const char*>{
+            "query_rope", &qr, &query, "query"},
+        {"key_rope", &kr, &key, "key"}}) {
+    OPENNPU_CHECK_ARG(t->scalar_type() == query.scalar_type(), op, name,
+                      "must have the dtype of 'query' (", query.scalar_type(), "), but got ",
+                      t->scalar_type());
+    check_same_device(op, name, *t, "query", query);
+    bool same_lead = t->dim() == ref->dim() && t->dim() >= 1;
+    for (int64_t i = 0; same_lead && i + 1 < t->dim(); ++i) same_lead = t->size(i) == ref->size(i);
+    OPENNPU_CHECK_ARG(same_lead, op, name, "must have the shape of '", ref_name, "' ",
+                      shape_str(ref->sizes()), " but for its last dim (the rope head size), but "
+                      "got ", shape_str(t->sizes()));
+  }
+  OPENNPU_CHECK_ARG(head_num > 0, op, "head_num", "must be > 0, but got ", head_num);
+  if (r.split_heads) {
+    OPENNPU_CHECK_ARG(query.size(2) % head_num == 0 && qr.size(2) % head_num == 0, op,
+                      "query_rope", "must have a hidden size divisible by head_num ", head_num,
+                      " (as query), but got ", shape_str(qr.sizes()));
+    r.head_dim = query.size(2) / head_num;
+    r.rope_dim = qr.size(2) / head_num;
+    const int64_t kv_heads = r.head_dim > 0 ? key.size(2) / r.head_dim : 0;
+    OPENNPU_CHECK_ARG(kv_heads > 0 && key.size(2) % r.head_dim == 0 &&
+                          kr.size(2) == kv_heads * r.rope_dim,
+                      op, "key_rope", "must have a hidden size of ", kv_heads, " key heads x ",
+                      r.rope_dim, " (the rope head size of query_rope), but got ",
+                      shape_str(kr.sizes()));
+    r.query = cat_per_head(query, qr, head_num, true);
+    r.key = cat_per_head(key, kr, kv_heads, true);
+  } else {
+    r.head_dim = query.size(-1);
+    r.rope_dim = qr.size(-1);
+    OPENNPU_CHECK_ARG(kr.size(-1) == r.rope_dim, op, "key_rope",
+                      "must have the rope head size of query_rope (", r.rope_dim, "), but got ",
+                      kr.size(-1));
+    r.query = cat_per_head(query, qr, head_num, false);
+    r.key = cat_per_head(key, kr, 0, false);
+  }
+  return r;
+}
+
+// pse_type 1 (torch_npu's default): scale * (q k^T + pse), the kernels' form. pse_type 0:
+// scale * q k^T + pse, computed as scale * (q k^T + pse / scale). 2 and 3 (the ALiBi bias
+// generated from slopes) are not implemented.
+std::optional<at::Tensor> pse_for_type(const char* op, const std::optional<at::Tensor>& pse,
+                                       int64_t pse_type, double scale) {
+  OPENNPU_CHECK_ARG(pse_type >= 0 && pse_type <= 3, op, "pse_type",
+                    "must be 0, 1, 2 or 3, but got ", pse_type);
+  OPENNPU_CHECK_ARG(pse_type <= 1, op, "pse_type",
+                    pse_type, " (ALiBi bias generated from slopes) is not supported by opennpu; "
+                    "pass the bias itself with pse_type 0 or 1");
+  if (pse_type == 1 || !pse.has_value()) return pse;
+  OPENNPU_CHECK_ARG(scale != 0.0, op, "scale",
+                    "must be nonzero with pse_type 0 and a pse, but got 0");
+  check_floating(op, "pse", *pse);
+  return pse->to(acc_dtype(*pse)).div(scale);
+}
+
+using V2Outputs = ForwardOutputs;
+
+V2Outputs npu_fusion_attention_v2(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t head_num,
+    c10::string_view input_layout, const std::optional<at::Tensor>& pse,
+    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
+    const std::optional<at::Tensor>& query_rope, const std::optional<at::Tensor>& key_rope,
+    double scale, double keep_prob, int64_t pre_tokens, int64_t next_tokens,
+    int64_t inner_precise, at::OptionalIntArrayRef prefix,
+    at::OptionalIntArrayRef actual_seq_qlen, at::OptionalIntArrayRef actual_seq_kvlen,
+    int64_t sparse_mode, bool gen_mask_parallel, bool sync, int64_t pse_type,
+    at::OptionalIntArrayRef /*q_start_idx*/, at::OptionalIntArrayRef /*kv_start_idx*/,
+    c10::string_view softmax_layout, const std::optional<at::Tensor>& sink,
+    const std::optional<at::Tensor>& dropout_mask, int64_t seed, int64_t offset) {
+  const RopeParts r = with_rope(kFwdV2, query, key, head_num, input_layout, query_rope, key_rope);
+  return fusion_attention_forward(
+      kFwdV2, r.query, r.key, value, head_num, input_layout,
+      pse_for_type(kFwdV2, pse, pse_type, scale), padding_mask, atten_mask, scale, keep_prob,
+      pre_tokens, next_tokens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+      sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, dropout_mask, seed, offset);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+npu_fusion_attention_grad_v2(
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
+    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
+    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
+    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
+    const std::optional<at::Tensor>& softmax_in, const std::optional<at::Tensor>& attention_in,
+    const std::optional<at::Tensor>& query_rope, const std::optional<at::Tensor>& key_rope,
+    double scale_value, double keep_prob, int64_t pre_tokens, int64_t next_tokens,
+    int64_t inner_precise, c10::SymInt seed, c10::SymInt offset, c10::SymInt numels,
+    at::OptionalIntArrayRef prefix, at::OptionalIntArrayRef actual_seq_qlen,
+    at::OptionalIntArrayRef actual_seq_kvlen, int64_t sparse_mode, bool gen_mask_parallel,
+    bool sync, int64_t pse_type, at::OptionalIntArrayRef /*q_start_idx*/,
+    at::OptionalIntArrayRef /*kv_start_idx*/, c10::string_view softmax_layout,
+    const std::optional<at::Tensor>& sink) {
+  const RopeParts r = with_rope(kBwdV2, query, key, head_num, input_layout, query_rope, key_rope);
+  auto [dq, dk, dv, dpse, dsink] = fusion_attention_backward(
+      kBwdV2, r.query, r.key, value, dy, head_num, input_layout,
+      pse_for_type(kBwdV2, pse, pse_type, scale_value), padding_mask, atten_mask, softmax_max,
+      softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tokens, next_tokens,
+      inner_precise, seed.expect_int(), offset.expect_int(), numels.expect_int(), prefix,
+      actual_seq_qlen, actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync, softmax_layout,
+      sink);
+  if (pse.has_value() && pse_type == 0) dpse = dpse.div(scale_value).to(pse->scalar_type());
+  at::Tensor dq_rope = at::empty({0}, query.options());
+  at::Tensor dk_rope = at::empty({0}, query.options());
+  if (query_rope.has_value()) {
+    const int64_t kv_heads = r.split_heads ? key.size(2) / r.head_dim : 0;
+    std::tie(dq, dq_rope) = split_per_head(dq, head_num, r.head_dim, r.rope_dim, r.split_heads);
+    std::tie(dk, dk_rope) = split_per_head(dk, kv_heads, r.head_dim, r.rope_dim, r.split_heads);
+  }
+  return {dq, dk, dv, dpse, dq_rope, dk_rope, dsink};
 }
 
 // Bit-packed dropout keep mask: bit k (little-endian within each byte) is 1 iff element k is kept
@@ -734,6 +1110,12 @@ at::Tensor npu_dropout_gen_mask(const at::Tensor& self, c10::IntArrayRef size, d
 TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_fusion_attention", &npu_fusion_attention);
   m.impl("npu_fusion_attention_grad", &npu_fusion_attention_grad);
+  m.impl("npu_fusion_attention_v2", &npu_fusion_attention_v2);
+  m.impl("npu_fusion_attention_grad_v2", &npu_fusion_attention_grad_v2);
+  m.impl("npu_fusion_attention_v3", &npu_fusion_attention_v3);
+  m.impl("npu_fusion_attention_v3.out", &npu_fusion_attention_v3_out);
+  m.impl("npu_fusion_attention_grad_v3", &npu_fusion_attention_grad_v3);
+  m.impl("npu_fusion_attention_grad_v3.out", &npu_fusion_attention_grad_v3_out);
   m.impl("_npu_dropout_gen_mask.Tensor", &npu_dropout_gen_mask);
 }
 

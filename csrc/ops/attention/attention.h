@@ -143,6 +143,10 @@ using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
 bool use_half_gemm(at::ScalarType t);
 TilePath requested_tiles(const char* op);
 
+// An .out overload's output `dst` takes `src` (resized to src's shape where it differs; the
+// dtype must match, else an error naming op and arg).
+void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char* arg);
+
 extern KernelSlots<AttentionFwdFn> attention_fwd;
 extern KernelSlots<AttentionBwdFn> attention_bwd;
 

@@ -732,13 +732,6 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
                        softmax_lse_flag});
 }
 
-void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char* arg) {
-  OPENNPU_CHECK_ARG(dst.scalar_type() == src.scalar_type(), op, arg, "must be ",
-                    src.scalar_type(), ", but got ", dst.scalar_type());
-  if (!dst.sizes().equals(src.sizes())) dst.resize_(src.sizes());
-  dst.copy_(src);
-}
-
 std::tuple<at::Tensor&, at::Tensor&> fia_v1_out(FIA_V1_PARAMS,
                                                 const std::optional<at::Tensor>& /*workspace*/,
                                                 at::Tensor& attention_out,

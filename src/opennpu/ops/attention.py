@@ -1,4 +1,5 @@
-"""Fusion attention family: npu_fusion_attention, npu_fusion_attention_grad, _npu_dropout_gen_mask.
+"""Fusion attention family: npu_fusion_attention, npu_fusion_attention_grad, their v2 / v3
+variants (the same kernels behind other argument forms) and _npu_dropout_gen_mask.
 
 Math (torch_npu's contract): ``out = Dropout(Softmax(Mask(scale * (Q K^T + pse))), keep_prob) V``
 per head, with grouped-query attention (each key/value head serves head_num / Nkv query heads).
@@ -11,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from ._registry import (DIFFERENTIABILITY, acc_dtype, accepts_input_keyword, mark_backward_op,
-                        register_autograd, register_fake)
+from ._registry import (DIFFERENTIABILITY, _register_mutable_overload_kernel, acc_dtype,
+                        accepts_input_keyword, mark_backward_op, register_autograd, register_fake)
 
 _ops = torch.ops.npu
 
@@ -87,6 +88,76 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
         actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
         sparse_mode=sparse_mode, gen_mask_parallel=gen_mask_parallel, sync=sync,
         softmax_layout=softmax_layout, sink=sink)
+
+
+def npu_fusion_attention_v2(query, key, value, head_num, input_layout, **kwargs):
+    """npu_fusion_attention with torch_npu's v2 arguments (keyword-only after ``input_layout``:
+    pse, padding_mask, atten_mask, query_rope, key_rope, scale, keep_prob, pre_tokens,
+    next_tokens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+    gen_mask_parallel, sync, pse_type, q_start_idx, kv_start_idx, softmax_layout, sink,
+    dropout_mask, seed, offset; the schema's defaults apply to those not given).
+
+    ``pre_tokens`` / ``next_tokens`` are v1's ``pre_tockens`` / ``next_tockens``.
+    ``query_rope`` / ``key_rope`` (MLA, given together): q/k-shaped tensors with their own head
+    size Dr in the same layout; the scores become ``q k^T + q_rope k_rope^T`` (one product of
+    the per-head concatenations ``[q, q_rope]`` and ``[k, k_rope]``). ``pse_type`` 1 (default)
+    is v1's ``scale * (q k^T + pse)``; 0 is ``scale * q k^T + pse``; 2 and 3 (ALiBi generated
+    from slopes, with ``q_start_idx`` / ``kv_start_idx``) raise. Returns v1's seven outputs.
+    Differentiable in query, key, value, pse, query_rope, key_rope and sink.
+    """
+    return _ops.npu_fusion_attention_v2(query, key, value, head_num, input_layout, **kwargs)
+
+
+def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, **kwargs):
+    """Gradient of npu_fusion_attention_v2: ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``.
+
+    Arguments as npu_fusion_attention_grad's with v2's names (``pre_tokens``, ``next_tokens``,
+    ``query_rope``, ``key_rope``, ``pse_type``). dq_rope / dk_rope have the shapes of query_rope
+    / key_rope (empty without rope), dpse of pse (empty without pse), dsink float32
+    ``[head_num]`` (empty without sink).
+    """
+    return _ops.npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout,
+                                             **kwargs)
+
+
+def npu_fusion_attention_v3(query, key, value, head_num, input_layout, *args, **kwargs):
+    """npu_fusion_attention for graph capture: ``actual_seq_qlen`` / ``actual_seq_kvlen`` are 1-D
+    integer tensors in host memory (CPU, or npu) and ``seed`` / ``offset`` come back as
+    one-element int64 tensors on query's device (zeros without dropout), so the outputs are
+    ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset)``. No
+    ``dropout_mask`` argument and no ``numels`` output. ``npu_fusion_attention_v3.out`` writes
+    the six outputs into ``attention_score``, ``softmax_max``, ``softmax_sum``, ``softmax_out``,
+    ``seed``, ``offset`` (its ``workspace`` is unused). Differentiable in query, key, value, pse
+    and sink through npu_fusion_attention_grad_v3.
+    """
+    return _ops.npu_fusion_attention_v3(query, key, value, head_num, input_layout, *args,
+                                        **kwargs)
+
+
+def npu_fusion_attention_grad_v3(query, key, value, dy, head_num, input_layout, **kwargs):
+    """Gradient of npu_fusion_attention_v3: ``(dq, dk, dv, dpse, dsink)``. ``seed`` / ``offset``
+    are v3's tensors; ``actual_seq_qlen`` / ``actual_seq_kvlen`` host tensors; no ``numels``.
+    ``npu_fusion_attention_grad_v3.out`` writes ``dq, dk, dv, dpse, dsink`` (``workspace``
+    unused)."""
+    return _ops.npu_fusion_attention_grad_v3(query, key, value, dy, head_num, input_layout,
+                                             **kwargs)
+
+
+def _v3_out(query, key, value, head_num, input_layout, *args, **kwargs):
+    """The ``.out`` overload: keyword outputs attention_score, softmax_max, softmax_sum,
+    softmax_out, seed, offset."""
+    return _ops.npu_fusion_attention_v3.out(query, key, value, head_num, input_layout, *args,
+                                            **kwargs)
+
+
+def _grad_v3_out(query, key, value, dy, head_num, input_layout, **kwargs):
+    """The ``.out`` overload: keyword outputs dq, dk, dv, dpse, dsink."""
+    return _ops.npu_fusion_attention_grad_v3.out(query, key, value, dy, head_num, input_layout,
+                                                 **kwargs)
+
+
+npu_fusion_attention_v3.out = _v3_out
+npu_fusion_attention_grad_v3.out = _grad_v3_out
 
 
 @accepts_input_keyword
@@ -202,6 +273,70 @@ def _fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, *
     )
 
 
+@register_fake("npu::npu_fusion_attention_v2")
+def _fusion_attention_v2_fake(query, key, value, head_num, input_layout, *, keep_prob=1.0,
+                              actual_seq_qlen=None, actual_seq_kvlen=None, dropout_mask=None,
+                              seed=0, offset=0, **_):
+    return _fusion_attention_fake(query, key, value, head_num, input_layout, keep_prob=keep_prob,
+                                  actual_seq_qlen=actual_seq_qlen,
+                                  actual_seq_kvlen=actual_seq_kvlen, dropout_mask=dropout_mask,
+                                  seed=seed, offset=offset)
+
+
+@register_fake("npu::npu_fusion_attention_grad_v2")
+def _fusion_attention_grad_v2_fake(query, key, value, dy, head_num, input_layout, *, pse=None,
+                                   query_rope=None, key_rope=None, sink=None, **_):
+    dq, dk, dv, dpse, dsink = _fusion_attention_grad_fake(query, key, value, dy, head_num,
+                                                          input_layout, pse=pse, sink=sink)
+    empty = query.new_empty([0])
+    return (dq, dk, dv, dpse,
+            query_rope.new_empty(query_rope.shape) if query_rope is not None else empty,
+            key_rope.new_empty(key_rope.shape) if key_rope is not None else empty, dsink)
+
+
+def _v3_fake_outputs(query, key, value, head_num, input_layout):
+    out_shape, stats_shape = _shapes(query, key, value, head_num, input_layout)
+    stats_dtype = acc_dtype(query.dtype)
+    return (query.new_empty(out_shape), query.new_empty(stats_shape, dtype=stats_dtype),
+            query.new_empty(stats_shape, dtype=stats_dtype), query.new_empty([0]),
+            query.new_empty([1], dtype=torch.int64), query.new_empty([1], dtype=torch.int64))
+
+
+@register_fake("npu::npu_fusion_attention_v3")
+def _fusion_attention_v3_fake(query, key, value, head_num, input_layout, *args, **kwargs):
+    return _v3_fake_outputs(query, key, value, head_num, input_layout)
+
+
+def _resized(outs, like):
+    """The .out overloads resize their outputs to the results' shapes, as the kernels do."""
+    for out, want in zip(outs, like):
+        if out.shape != want.shape:
+            out.resize_(want.shape)
+    return tuple(outs)
+
+
+@register_fake("npu::npu_fusion_attention_v3.out")
+def _fusion_attention_v3_out_fake(query, key, value, head_num, input_layout, *args,
+                                  attention_score, softmax_max, softmax_sum, softmax_out, seed,
+                                  offset, **kwargs):
+    return _resized((attention_score, softmax_max, softmax_sum, softmax_out, seed, offset),
+                    _v3_fake_outputs(query, key, value, head_num, input_layout))
+
+
+@register_fake("npu::npu_fusion_attention_grad_v3")
+def _fusion_attention_grad_v3_fake(query, key, value, dy, head_num, input_layout, *, pse=None,
+                                   sink=None, **_):
+    return _fusion_attention_grad_fake(query, key, value, dy, head_num, input_layout, pse=pse,
+                                       sink=sink)
+
+
+@register_fake("npu::npu_fusion_attention_grad_v3.out")
+def _fusion_attention_grad_v3_out_fake(query, key, value, dy, head_num, input_layout, *, dq, dk,
+                                       dv, dpse, dsink, pse=None, sink=None, **_):
+    return _resized((dq, dk, dv, dpse, dsink), _fusion_attention_grad_fake(
+        query, key, value, dy, head_num, input_layout, pse=pse, sink=sink))
+
+
 @register_fake("npu::_npu_dropout_gen_mask.Tensor")
 def _dropout_gen_mask_fake(self, size, p, seed, offset, *, parallel=True, sync=None):
     numels = 1
@@ -281,6 +416,126 @@ register_autograd("npu_fusion_attention", _fusion_attention_backward, _fusion_at
 mark_backward_op("npu_fusion_attention_grad", "npu_fusion_attention")
 
 
+# v3: tensor sequence lengths and seed / offset, differentiable through npu_fusion_attention_grad_v3.
+_V3_ARGS = tuple(arg.name for arg in _ops.npu_fusion_attention_v3.default._schema.arguments)
+
+
+def _fusion_attention_v3_setup(ctx, inputs, output):
+    args = dict(zip(_V3_ARGS, inputs))
+    out, softmax_max, softmax_sum, _, seed, offset = output
+    ctx.args = {k: v for k, v in args.items() if not isinstance(v, torch.Tensor)}
+    ctx.has_pse = args["pse"] is not None
+    ctx.has_sink = args["sink"] is not None
+    ctx.save_for_backward(args["query"], args["key"], args["value"], args["pse"],
+                          args["atten_mask"], args["sink"], args["actual_seq_qlen"],
+                          args["actual_seq_kvlen"], out, softmax_max, softmax_sum, seed, offset)
+
+
+def _fusion_attention_v3_backward(ctx, grad_out, *unused_grads):
+    (q, k, v, pse, atten_mask, sink, qlen, kvlen, out, softmax_max, softmax_sum, seed,
+     offset) = ctx.saved_tensors
+    a = ctx.args
+    dq, dk, dv, dpse, dsink = _ops.npu_fusion_attention_grad_v3(
+        q, k, v, grad_out.contiguous(), a["head_num"], a["input_layout"], pse=pse,
+        atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
+        attention_in=out, scale_value=a["scale"], keep_prob=a["keep_prob"],
+        pre_tockens=a["pre_tockens"], next_tockens=a["next_tockens"],
+        inner_precise=a["inner_precise"], seed=seed, offset=offset, prefix=a["prefix"],
+        actual_seq_qlen=qlen, actual_seq_kvlen=kvlen, sparse_mode=a["sparse_mode"],
+        softmax_layout=a["softmax_layout"], sink=sink)
+    grads = [None] * len(_V3_ARGS)
+    grads[0], grads[1], grads[2] = dq, dk, dv
+    if ctx.has_pse:
+        grads[_V3_ARGS.index("pse")] = dpse
+    if ctx.has_sink:
+        grads[_V3_ARGS.index("sink")] = dsink
+    return tuple(grads)
+
+
+register_autograd("npu_fusion_attention_v3", _fusion_attention_v3_backward,
+                  _fusion_attention_v3_setup)
+_register_mutable_overload_kernel(
+    "npu::npu_fusion_attention_v3.out", _ops.npu_fusion_attention_v3.out,
+    "npu_fusion_attention_v3.out: not differentiable (it writes its outputs; call "
+    "npu_fusion_attention_v3 for gradients)")
+mark_backward_op("npu_fusion_attention_grad_v3", "npu_fusion_attention_v3")
+_register_mutable_overload_kernel(
+    "npu::npu_fusion_attention_grad_v3.out", _ops.npu_fusion_attention_grad_v3.out,
+    "npu_fusion_attention_grad_v3.out: not differentiable (it writes its outputs)")
+
+
+# v2: keyword-only tensors (pse, query_rope, ...), which torch.library.register_autograd refuses:
+# an Autograd kernel around a torch.autograd.Function, differentiable through
+# npu_fusion_attention_grad_v2.
+_V2 = _ops.npu_fusion_attention_v2.default
+_V2_SCHEMA = _V2._schema
+_V2_DIFFERENTIABLE = ("query", "key", "value", "pse", "query_rope", "key_rope", "sink")
+
+
+def _bind(schema, args, kwargs):
+    """{argument name: value} of a call, defaults filled in."""
+    bound = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(args):
+            bound[arg.name] = args[i]
+        elif arg.name in kwargs:
+            bound[arg.name] = kwargs[arg.name]
+        else:
+            bound[arg.name] = arg.default_value
+    return bound
+
+
+class _FusionAttentionV2(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, bound, *differentiable):
+        with torch._C._AutoDispatchBelowAutograd():
+            result = _V2(**bound)
+        out, softmax_max, softmax_sum, softmax_out, seed, offset, numels = result
+        ctx.args = {k: v for k, v in bound.items() if not isinstance(v, torch.Tensor)}
+        ctx.args.update(seed=seed, offset=offset, numels=numels)
+        ctx.present = tuple(bound[name] is not None for name in _V2_DIFFERENTIABLE)
+        user_mask = bound["dropout_mask"] if bound["keep_prob"] < 1.0 else None
+        ctx.save_for_backward(*(bound[name] for name in _V2_DIFFERENTIABLE),
+                              bound["atten_mask"], out, softmax_max, softmax_sum, user_mask)
+        ctx.mark_non_differentiable(softmax_max, softmax_sum, softmax_out)
+        return out, softmax_max, softmax_sum, softmax_out, seed, offset, numels
+
+    @staticmethod
+    def backward(ctx, grad_out, *unused_grads):
+        q, k, v, pse, q_rope, k_rope, sink, atten_mask, out, smax, ssum, user_mask = \
+            ctx.saved_tensors
+        a = ctx.args
+        if user_mask is not None:
+            _check_user_dropout_mask(q, user_mask, a)
+        grads = _ops.npu_fusion_attention_grad_v2(
+            q, k, v, grad_out.contiguous(), a["head_num"], a["input_layout"], pse=pse,
+            atten_mask=atten_mask, softmax_max=smax, softmax_sum=ssum, attention_in=out,
+            query_rope=q_rope, key_rope=k_rope, scale_value=a["scale"],
+            keep_prob=a["keep_prob"], pre_tokens=a["pre_tokens"], next_tokens=a["next_tokens"],
+            inner_precise=a["inner_precise"], seed=a["seed"], offset=a["offset"],
+            numels=a["numels"], prefix=a["prefix"], actual_seq_qlen=a["actual_seq_qlen"],
+            actual_seq_kvlen=a["actual_seq_kvlen"], sparse_mode=a["sparse_mode"],
+            pse_type=a["pse_type"], softmax_layout=a["softmax_layout"], sink=sink)
+        dq, dk, dv, dpse, dq_rope, dk_rope, dsink = grads
+        ordered = (dq, dk, dv, dpse, dq_rope, dk_rope, dsink)
+        return (None, *(g if present else None for g, present in zip(ordered, ctx.present)))
+
+
+@torch.library.impl("npu::npu_fusion_attention_v2", "Autograd")
+def _fusion_attention_v2_autograd(*args, **kwargs):
+    bound = _bind(_V2_SCHEMA, args, kwargs)
+    differentiable = [bound[name] for name in _V2_DIFFERENTIABLE]
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                            for t in differentiable)):
+        with torch._C._AutoDispatchBelowAutograd():
+            return _V2(*args, **kwargs)
+    return _FusionAttentionV2.apply(bound, *differentiable)
+
+
+DIFFERENTIABILITY["npu_fusion_attention_v2"] = "autograd"
+mark_backward_op("npu_fusion_attention_grad_v2", "npu_fusion_attention_v2")
+
+
 def _gen_mask_backward(ctx, grad):
     raise RuntimeError("_npu_dropout_gen_mask: its uint8 mask output is not differentiable")
 
@@ -293,5 +548,7 @@ torch.library.register_autograd("npu::_npu_dropout_gen_mask.Tensor", _gen_mask_b
                                 setup_context=_gen_mask_setup)
 DIFFERENTIABILITY["_npu_dropout_gen_mask"] = "not differentiable: produces a uint8 bit mask"
 
-__all__ = ["npu_fusion_attention", "npu_fusion_attention_grad", "_npu_dropout_gen_mask",
+__all__ = ["npu_fusion_attention", "npu_fusion_attention_grad", "npu_fusion_attention_v2",
+           "npu_fusion_attention_grad_v2", "npu_fusion_attention_v3",
+           "npu_fusion_attention_grad_v3", "_npu_dropout_gen_mask",
            "manual_seed", "initial_seed", "get_rng_state", "set_rng_state"]

@@ -65,6 +65,7 @@ IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
 # Run eagerly, never traced into graphs (npu_add_rms_norm_v2 writes its inputs: under
 # torch.compile it is functionalised, and its functional form is decomposed).
 NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor", "npu::npu_fused_infer_attention_score.out",
+                  "npu::npu_fusion_attention_v3.out", "npu::npu_fusion_attention_grad_v3.out",
                   "npu::npu_add_rms_norm_v2"}
 # Ops whose portable form plans its copies from index data read on the host (the KV-cache ops):
 # run eagerly, never traced into graphs, and unlike _npu_dropout_gen_mask forced onto CPU too.
@@ -81,6 +82,14 @@ DECLINED = {
     "npu::npu_fusion_attention": lambda args, kwargs: _argument(
         "npu::npu_fusion_attention", args, kwargs, "keep_prob", 1.0) < 1.0,
     "npu::npu_fusion_attention_grad": lambda args, kwargs: kwargs.get("keep_prob", 1.0) < 1.0,
+    "npu::npu_fusion_attention_v2": lambda args, kwargs: kwargs.get("keep_prob", 1.0) < 1.0,
+    "npu::npu_fusion_attention_grad_v2": lambda args, kwargs: kwargs.get("keep_prob", 1.0) < 1.0,
+    # v3: sequence lengths are host tensors (read for the loop over sequences), seed / offset too
+    "npu::npu_fusion_attention_v3": lambda args, kwargs: _argument(
+        "npu::npu_fusion_attention_v3", args, kwargs, "keep_prob", 1.0) < 1.0 or _argument(
+        "npu::npu_fusion_attention_v3", args, kwargs, "actual_seq_qlen", None) is not None,
+    "npu::npu_fusion_attention_grad_v3": lambda args, kwargs: (
+        kwargs.get("keep_prob", 1.0) < 1.0 or kwargs.get("actual_seq_qlen") is not None),
     "npu::npu_grouped_dynamic_mx_quant": lambda args, kwargs: True,  # group sizes read on host
     # a multinomial draw from a caller's generator runs eagerly
     "npu::npu_top_k_top_p_sample": lambda args, kwargs: _argument(
@@ -1562,6 +1571,139 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
     return (_from_bnsd(dq, layout).to(query.dtype), _from_bnsd(dk, layout).to(key.dtype),
             _from_bnsd(dv, layout).to(value.dtype), dpse,
             dsink.float() if dsink is not None else no_sink)
+
+
+def _rope_operands(query, key, query_rope, key_rope, head_num, layout):
+    """v2's MLA parts: [q, q_rope] and [k, k_rope] concatenated per head, so one product gives
+    q k^T + q_rope k_rope^T."""
+    if query_rope is None and key_rope is None:
+        return query, key
+    if query_rope is None or key_rope is None:
+        raise RuntimeError("npu_fusion_attention_v2: query_rope and key_rope must be given "
+                           "together")
+    if layout in ("BSH", "SBH"):
+        kv_heads = key.shape[2] // (query.shape[2] // head_num)
+        return (torch.cat([query.unflatten(2, (head_num, -1)),
+                           query_rope.unflatten(2, (head_num, -1))], -1).flatten(2),
+                torch.cat([key.unflatten(2, (kv_heads, -1)),
+                           key_rope.unflatten(2, (kv_heads, -1))], -1).flatten(2))
+    return torch.cat([query, query_rope], -1), torch.cat([key, key_rope], -1)
+
+
+def _rope_split(grad, rope, heads, layout):
+    """The inverse of _rope_operands for one gradient: (the q/k part, the rope part)."""
+    if rope is None:
+        return grad, grad.new_empty([0])
+    if layout in ("BSH", "SBH"):
+        g = grad.unflatten(2, (heads, -1))
+        r = rope.shape[2] // heads
+        return g[..., :g.shape[-1] - r].flatten(2), g[..., g.shape[-1] - r:].flatten(2)
+    r = rope.shape[-1]
+    return grad[..., :grad.shape[-1] - r], grad[..., grad.shape[-1] - r:]
+
+
+def _pse_of_type(pse, pse_type, scale):
+    """pse_type 1: scale * (qk + pse), the kernels' form; 0: scale * qk + pse = scale * (qk +
+    pse / scale). 2 / 3 (ALiBi from slopes) are not implemented."""
+    if pse_type not in (0, 1):
+        raise RuntimeError(f"npu_fusion_attention_v2: pse_type {pse_type} is not supported by "
+                           "opennpu (0 and 1 are)")
+    if pse is None or pse_type == 1:
+        return pse
+    return _up(pse) / scale
+
+
+@_portable("npu::npu_fusion_attention_v2")
+def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=None,
+                            padding_mask=None, atten_mask=None, query_rope=None, key_rope=None,
+                            scale=1.0, keep_prob=1.0, pre_tokens=_MAX_TOKENS,
+                            next_tokens=_MAX_TOKENS, inner_precise=0, prefix=None,
+                            actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                            gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None,
+                            kv_start_idx=None, softmax_layout="", sink=None, dropout_mask=None,
+                            seed=0, offset=0):
+    q, k = _rope_operands(query, key, query_rope, key_rope, head_num, input_layout.upper())
+    return npu_fusion_attention(q, k, value, head_num, input_layout,
+                                _pse_of_type(pse, pse_type, scale), padding_mask, atten_mask,
+                                scale, keep_prob, pre_tokens, next_tokens, inner_precise, prefix,
+                                actual_seq_qlen, actual_seq_kvlen, sparse_mode, gen_mask_parallel,
+                                sync, softmax_layout, sink, dropout_mask, seed, offset)
+
+
+@_portable("npu::npu_fusion_attention_grad_v2")
+def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, *, pse=None,
+                                 query_rope=None, key_rope=None, pre_tokens=_MAX_TOKENS,
+                                 next_tokens=_MAX_TOKENS, pse_type=1, q_start_idx=None,
+                                 kv_start_idx=None, scale_value=1.0, **kwargs):
+    layout = input_layout.upper()
+    q, k = _rope_operands(query, key, query_rope, key_rope, head_num, layout)
+    dq, dk, dv, dpse, dsink = npu_fusion_attention_grad(
+        q, k, value, dy, head_num, input_layout, pse=_pse_of_type(pse, pse_type, scale_value),
+        pre_tockens=pre_tokens, next_tockens=next_tokens, scale_value=scale_value, **kwargs)
+    if pse is not None and pse_type == 0:
+        dpse = (_up(dpse) / scale_value).to(pse.dtype)
+    kv_heads = key.shape[2] // (query.shape[2] // head_num) if layout in ("BSH", "SBH") else 0
+    dq, dq_rope = _rope_split(dq, query_rope, head_num, layout)
+    dk, dk_rope = _rope_split(dk, key_rope, kv_heads, layout)
+    return dq, dk, dv, dpse, dq_rope, dk_rope, dsink
+
+
+def _host_list(t):
+    return None if t is None else [int(v) for v in t.tolist()]
+
+
+@_portable("npu::npu_fusion_attention_v3")
+def npu_fusion_attention_v3(query, key, value, head_num, input_layout, pse=None,
+                            padding_mask=None, atten_mask=None, scale=1.0, keep_prob=1.0,
+                            pre_tockens=_MAX_TOKENS, next_tockens=_MAX_TOKENS, inner_precise=0,
+                            prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                            sparse_mode=0, gen_mask_parallel=True, sync=False,
+                            softmax_layout="", sink=None):
+    out, smax, ssum, sout, seed, offset, _ = npu_fusion_attention(
+        query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
+        keep_prob, pre_tockens, next_tockens, inner_precise, prefix,
+        _host_list(actual_seq_qlen), _host_list(actual_seq_kvlen), sparse_mode,
+        gen_mask_parallel, sync, softmax_layout, sink)
+    as_tensor = lambda v: torch.full([1], v, dtype=torch.int64, device=query.device)  # noqa: E731
+    return out, smax, ssum, sout, as_tensor(seed), as_tensor(offset)
+
+
+@_portable("npu::npu_fusion_attention_grad_v3")
+def npu_fusion_attention_grad_v3(query, key, value, dy, head_num, input_layout, *, seed=None,
+                                 offset=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                                 keep_prob=1.0, **kwargs):
+    dropout = keep_prob < 1.0  # seed / offset are read (on the host) only for dropout
+    return npu_fusion_attention_grad(
+        query, key, value, dy, head_num, input_layout,
+        seed=int(seed.item()) if dropout and seed is not None else 0,
+        offset=int(offset.item()) if dropout and offset is not None else 0,
+        actual_seq_qlen=_host_list(actual_seq_qlen), actual_seq_kvlen=_host_list(actual_seq_kvlen),
+        keep_prob=keep_prob, **kwargs)
+
+
+def _write_outputs(outs, values):
+    for out, value in zip(outs, values):
+        out.resize_(value.shape).copy_(value)
+    return tuple(outs)
+
+
+@_portable("npu::npu_fusion_attention_v3.out")
+def npu_fusion_attention_v3_out(query, key, value, head_num, input_layout, *args,
+                                workspace=None, attention_score, softmax_max, softmax_sum,
+                                softmax_out, seed, offset, **kwargs):
+    args = args[:16]  # without a positional workspace (unused)
+    values = torch.ops.npu.npu_fusion_attention_v3(query, key, value, head_num, input_layout,
+                                                   *args, **kwargs)
+    return _write_outputs((attention_score, softmax_max, softmax_sum, softmax_out, seed, offset),
+                          values)
+
+
+@_portable("npu::npu_fusion_attention_grad_v3.out")
+def npu_fusion_attention_grad_v3_out(query, key, value, dy, head_num, input_layout, *,
+                                     workspace=None, dq, dk, dv, dpse, dsink, **kwargs):
+    values = torch.ops.npu.npu_fusion_attention_grad_v3(query, key, value, dy, head_num,
+                                                        input_layout, **kwargs)
+    return _write_outputs((dq, dk, dv, dpse, dsink), values)
 
 
 @_portable("npu::_npu_dropout_gen_mask.Tensor")
