@@ -250,20 +250,21 @@ def _attention_v3_tnd(dtype):
     return args, kwargs
 
 
-def _attention_grad_v2(dtype):
-    args, kwargs = _attention_v2_rope(dtype)
-    out = npu.npu_fusion_attention_v2(*args, **kwargs)
+def _grad_call(forward, dtype, args, kwargs):
+    """The gradient op's arguments for a forward call: a random dy and the forward's outputs."""
+    out = forward(*args, **kwargs)
+    kwargs = dict(kwargs, softmax_max=out[1], softmax_sum=out[2], attention_in=out[0])
     kwargs["scale_value"] = kwargs.pop("scale")
-    return [*args[:3], randn(*out[0].shape, dtype=dtype), *args[3:]], dict(
-        kwargs, softmax_max=out[1], softmax_sum=out[2], attention_in=out[0])
+    return [*args[:3], randn(*out[0].shape, dtype=dtype), *args[3:]], kwargs
+
+
+def _attention_grad_v2(dtype):
+    return _grad_call(npu.npu_fusion_attention_v2, dtype, *_attention_v2_rope(dtype))
 
 
 def _attention_grad_v3(dtype, tnd=False):
-    args, kwargs = _attention_v3_tnd(dtype) if tnd else _attention(dtype, "BNSD", 2)
-    out = npu.npu_fusion_attention_v3(*args, **kwargs)
-    kwargs["scale_value"] = kwargs.pop("scale")
-    return [*args[:3], randn(*out[0].shape, dtype=dtype), *args[3:]], dict(
-        kwargs, softmax_max=out[1], softmax_sum=out[2], attention_in=out[0])
+    inputs = _attention_v3_tnd(dtype) if tnd else _attention(dtype, "BNSD", 2)
+    return _grad_call(npu.npu_fusion_attention_v3, dtype, *inputs)
 
 
 def _ref_attention(q, k, v, n, layout, *, atten_mask=None, sparse_mode=0, pre_tockens=2**31 - 1,

@@ -581,23 +581,30 @@ ForwardResult run_forward(const char* op, const Prepared& prep) {
 using ForwardOutputs =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, c10::SymInt>;
 
+// npu_fusion_attention's parameters (the kernel entry and its variants' shared core take them).
+// FA_HEAD: the leading ones, which v3 shares.
+#define FA_HEAD                                                                                   \
+  const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, int64_t head_num,      \
+      c10::string_view input_layout, const std::optional<at::Tensor>&pse,                        \
+      const std::optional<at::Tensor>&padding_mask, const std::optional<at::Tensor>&atten_mask,  \
+      double scale, double keep_prob, int64_t pre_tockens, int64_t next_tockens,                 \
+      int64_t inner_precise
+#define FA_PARAMS                                                                                 \
+  FA_HEAD, at::OptionalIntArrayRef prefix,                                                        \
+      at::OptionalIntArrayRef actual_seq_qlen, at::OptionalIntArrayRef actual_seq_kvlen,         \
+      int64_t sparse_mode, bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,   \
+      const std::optional<at::Tensor>&sink, const std::optional<at::Tensor>&dropout_mask,       \
+      int64_t seed, int64_t offset
+
 // npu_fusion_attention and its variants (v2, v3), whose entry points convert their arguments to
 // these; `op` names the variant in error messages.
-ForwardOutputs fusion_attention_forward(const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                     int64_t head_num, c10::string_view input_layout,
-                     const std::optional<at::Tensor>& pse,
-                     const std::optional<at::Tensor>& padding_mask,
-                     const std::optional<at::Tensor>& atten_mask, double scale, double keep_prob,
-                     int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise,
-                     at::OptionalIntArrayRef prefix, at::OptionalIntArrayRef actual_seq_qlen,
-                     at::OptionalIntArrayRef actual_seq_kvlen, int64_t sparse_mode,
-                     bool /*gen_mask_parallel*/, bool /*sync*/, c10::string_view softmax_layout,
-                     const std::optional<at::Tensor>& sink,
-                     const std::optional<at::Tensor>& dropout_mask, int64_t seed, int64_t offset) {
+ForwardOutputs fusion_attention_forward(const char* op, FA_PARAMS) {
+  (void)gen_mask_parallel;  // how Ascend schedules the mask generation; nothing to do here
+  (void)sync;
   Prepared prep = prepare(op, {query, key, value, head_num, input_layout, pse, padding_mask,
-                                 atten_mask, scale, keep_prob, pre_tockens, next_tockens,
-                                 inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
-                                 sparse_mode, softmax_layout, sink});
+                               atten_mask, scale, keep_prob, pre_tockens, next_tockens,
+                               inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+                               sparse_mode, softmax_layout, sink});
   if (keep_prob < 1.0 && !dropout_mask.has_value()) {
     // Reserve one 32-bit Philox word per score (the mask bit count).
     const auto [s, o] = reserve_philox(static_cast<uint64_t>(prep.numels));
@@ -626,18 +633,27 @@ using GradOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, a
 
 // The gradient of fusion_attention_forward. `numels` is the forward's mask bit count, checked
 // against the shapes where given (the v3 variant has none).
-GradOutputs fusion_attention_backward(
-    const char* op, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
-    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
-    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
-    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
-    const std::optional<at::Tensor>& /*softmax_in*/,
-    const std::optional<at::Tensor>& attention_in, double scale_value, double keep_prob,
-    int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise, int64_t seed,
-    int64_t offset, std::optional<int64_t> numels, at::OptionalIntArrayRef prefix,
-    at::OptionalIntArrayRef actual_seq_qlen, at::OptionalIntArrayRef actual_seq_kvlen,
-    int64_t sparse_mode, bool /*gen_mask_parallel*/, bool /*sync*/,
-    c10::string_view softmax_layout, const std::optional<at::Tensor>& sink) {
+// npu_fusion_attention_grad's parameters, with the types of seed, offset (SEED) and numels.
+// FA_GRAD_HEAD: the leading ones, which grad_v3 shares.
+#define FA_GRAD_HEAD                                                                              \
+  const at::Tensor &query, const at::Tensor &key, const at::Tensor &value, const at::Tensor &dy, \
+      int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>&pse,      \
+      const std::optional<at::Tensor>&padding_mask, const std::optional<at::Tensor>&atten_mask,  \
+      const std::optional<at::Tensor>&softmax_max, const std::optional<at::Tensor>&softmax_sum,  \
+      const std::optional<at::Tensor>&softmax_in, const std::optional<at::Tensor>&attention_in,  \
+      double scale_value, double keep_prob, int64_t pre_tockens, int64_t next_tockens,           \
+      int64_t inner_precise
+#define FA_GRAD_PARAMS(SEED, NUMELS)                                                              \
+  FA_GRAD_HEAD, SEED seed, SEED offset, NUMELS numels,                                            \
+      at::OptionalIntArrayRef prefix, at::OptionalIntArrayRef actual_seq_qlen,                   \
+      at::OptionalIntArrayRef actual_seq_kvlen, int64_t sparse_mode, bool gen_mask_parallel,     \
+      bool sync, c10::string_view softmax_layout, const std::optional<at::Tensor>&sink
+
+GradOutputs fusion_attention_backward(const char* op,
+                                      FA_GRAD_PARAMS(int64_t, std::optional<int64_t>)) {
+  (void)softmax_in;  // reserved by torch_npu (softmax_out is empty)
+  (void)gen_mask_parallel;
+  (void)sync;
   Prepared prep = prepare(op, {query, key, value, head_num, input_layout, pse, padding_mask,
                                atten_mask, scale_value, keep_prob, pre_tockens, next_tockens,
                                inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
@@ -712,18 +728,7 @@ GradOutputs fusion_attention_backward(
   return {dq.to(prep.dtype), dk.to(key.scalar_type()), dv.to(value.scalar_type()), dpse, dsink};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, c10::SymInt, c10::SymInt, c10::SymInt>
-npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                     int64_t head_num, c10::string_view input_layout,
-                     const std::optional<at::Tensor>& pse,
-                     const std::optional<at::Tensor>& padding_mask,
-                     const std::optional<at::Tensor>& atten_mask, double scale, double keep_prob,
-                     int64_t pre_tockens, int64_t next_tockens, int64_t inner_precise,
-                     at::OptionalIntArrayRef prefix, at::OptionalIntArrayRef actual_seq_qlen,
-                     at::OptionalIntArrayRef actual_seq_kvlen, int64_t sparse_mode,
-                     bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
-                     const std::optional<at::Tensor>& sink,
-                     const std::optional<at::Tensor>& dropout_mask, int64_t seed, int64_t offset) {
+ForwardOutputs npu_fusion_attention(FA_PARAMS) {
   return fusion_attention_forward(kFwd, query, key, value, head_num, input_layout, pse,
                                   padding_mask, atten_mask, scale, keep_prob, pre_tockens,
                                   next_tockens, inner_precise, prefix, actual_seq_qlen,
@@ -731,17 +736,7 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                                   softmax_layout, sink, dropout_mask, seed, offset);
 }
 
-GradOutputs npu_fusion_attention_grad(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
-    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
-    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
-    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
-    const std::optional<at::Tensor>& softmax_in, const std::optional<at::Tensor>& attention_in,
-    double scale_value, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
-    int64_t inner_precise, c10::SymInt seed, c10::SymInt offset, c10::SymInt numels,
-    at::OptionalIntArrayRef prefix, at::OptionalIntArrayRef actual_seq_qlen,
-    at::OptionalIntArrayRef actual_seq_kvlen, int64_t sparse_mode, bool gen_mask_parallel,
-    bool sync, c10::string_view softmax_layout, const std::optional<at::Tensor>& sink) {
+GradOutputs npu_fusion_attention_grad(FA_GRAD_PARAMS(c10::SymInt, c10::SymInt)) {
   return fusion_attention_backward(
       kBwd, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask,
       softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens,
@@ -801,110 +796,108 @@ at::Tensor id_tensor(const at::Tensor& query, int64_t value) {
 
 using V3Outputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
-V3Outputs npu_fusion_attention_v3(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t head_num,
-    c10::string_view input_layout, const std::optional<at::Tensor>& pse,
-    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
-    double scale, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
-    int64_t inner_precise, at::OptionalSymIntArrayRef prefix,
-    const std::optional<at::Tensor>& actual_seq_qlen,
-    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
-    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
-    const std::optional<at::Tensor>& sink) {
+// The parameters of npu_fusion_attention_v3 and its .out form (whose prefix is int[]?, not
+// SymInt[]?), up to sink.
+#define FA_V3_PARAMS(PREFIX)                                                                      \
+  FA_HEAD, PREFIX prefix, const std::optional<at::Tensor>&actual_seq_qlen,                        \
+      const std::optional<at::Tensor>&actual_seq_kvlen, int64_t sparse_mode,                     \
+      bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,                        \
+      const std::optional<at::Tensor>&sink
+
+// The same for npu_fusion_attention_grad_v3 and its .out form.
+#define FA_GRAD_V3_PARAMS(PREFIX)                                                                 \
+  FA_GRAD_HEAD, const std::optional<at::Tensor>&seed,                                             \
+      const std::optional<at::Tensor>&offset, PREFIX prefix,                                     \
+      const std::optional<at::Tensor>&actual_seq_qlen,                                           \
+      const std::optional<at::Tensor>&actual_seq_kvlen, int64_t sparse_mode,                     \
+      bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,                        \
+      const std::optional<at::Tensor>&sink
+
+// v3 with an int[] prefix: both overloads end here.
+V3Outputs fusion_attention_v3(FA_V3_PARAMS(at::OptionalIntArrayRef)) {
   const auto qlen = host_ints(kFwdV3, "actual_seq_qlen", actual_seq_qlen);
   const auto kvlen = host_ints(kFwdV3, "actual_seq_kvlen", actual_seq_kvlen);
-  const auto prefix_values = concrete_ints(prefix);
   auto [out, smax, ssum, sout, seed, offset, numels] = fusion_attention_forward(
       kFwdV3, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
-      keep_prob, pre_tockens, next_tockens, inner_precise, as_ref(prefix_values), as_ref(qlen),
-      as_ref(kvlen), sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, std::nullopt, 0,
-      0);
+      keep_prob, pre_tockens, next_tockens, inner_precise, prefix, as_ref(qlen), as_ref(kvlen),
+      sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, std::nullopt, 0, 0);
   return {out, smax, ssum, sout, id_tensor(query, seed.expect_int()),
           id_tensor(query, offset.expect_int())};
 }
 
+V3Outputs npu_fusion_attention_v3(FA_V3_PARAMS(at::OptionalSymIntArrayRef)) {
+  const auto prefix_values = concrete_ints(prefix);
+  return fusion_attention_v3(query, key, value, head_num, input_layout, pse, padding_mask,
+                             atten_mask, scale, keep_prob, pre_tockens, next_tockens,
+                             inner_precise, as_ref(prefix_values), actual_seq_qlen,
+                             actual_seq_kvlen, sparse_mode, gen_mask_parallel, sync,
+                             softmax_layout, sink);
+}
+
 std::tuple<at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&>
-npu_fusion_attention_v3_out(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, int64_t head_num,
-    c10::string_view input_layout, const std::optional<at::Tensor>& pse,
-    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
-    double scale, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
-    int64_t inner_precise, at::OptionalIntArrayRef prefix,
-    const std::optional<at::Tensor>& actual_seq_qlen,
-    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
-    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
-    const std::optional<at::Tensor>& sink, const std::optional<at::Tensor>& /*workspace*/,
-    at::Tensor& attention_score, at::Tensor& softmax_max, at::Tensor& softmax_sum,
-    at::Tensor& softmax_out, at::Tensor& seed, at::Tensor& offset) {
-  const auto qlen = host_ints(kFwdV3, "actual_seq_qlen", actual_seq_qlen);
-  const auto kvlen = host_ints(kFwdV3, "actual_seq_kvlen", actual_seq_kvlen);
-  auto [out, smax, ssum, sout, seed_value, offset_value, numels] = fusion_attention_forward(
-      kFwdV3, query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale,
-      keep_prob, pre_tockens, next_tockens, inner_precise, prefix, as_ref(qlen), as_ref(kvlen),
-      sparse_mode, gen_mask_parallel, sync, softmax_layout, sink, std::nullopt, 0, 0);
-  copy_out(attention_score, out, kFwdV3, "attention_score");
-  copy_out(softmax_max, smax, kFwdV3, "softmax_max");
-  copy_out(softmax_sum, ssum, kFwdV3, "softmax_sum");
-  copy_out(softmax_out, sout, kFwdV3, "softmax_out");
-  copy_out(seed, id_tensor(query, seed_value.expect_int()), kFwdV3, "seed");
-  copy_out(offset, id_tensor(query, offset_value.expect_int()), kFwdV3, "offset");
+npu_fusion_attention_v3_out(FA_V3_PARAMS(at::OptionalIntArrayRef),
+                            const std::optional<at::Tensor>& /*workspace*/,
+                            at::Tensor& attention_score, at::Tensor& softmax_max,
+                            at::Tensor& softmax_sum, at::Tensor& softmax_out, at::Tensor& seed,
+                            at::Tensor& offset) {
+  const V3Outputs r = fusion_attention_v3(
+      query, key, value, head_num, input_layout, pse, padding_mask, atten_mask, scale, keep_prob,
+      pre_tockens, next_tockens, inner_precise, prefix, actual_seq_qlen, actual_seq_kvlen,
+      sparse_mode, gen_mask_parallel, sync, softmax_layout, sink);
+  copy_out(attention_score, std::get<0>(r), kFwdV3, "attention_score");
+  copy_out(softmax_max, std::get<1>(r), kFwdV3, "softmax_max");
+  copy_out(softmax_sum, std::get<2>(r), kFwdV3, "softmax_sum");
+  copy_out(softmax_out, std::get<3>(r), kFwdV3, "softmax_out");
+  copy_out(seed, std::get<4>(r), kFwdV3, "seed");
+  copy_out(offset, std::get<5>(r), kFwdV3, "offset");
   return {attention_score, softmax_max, softmax_sum, softmax_out, seed, offset};
 }
 
-GradOutputs npu_fusion_attention_grad_v3(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
-    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
-    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
-    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
-    const std::optional<at::Tensor>& softmax_in, const std::optional<at::Tensor>& attention_in,
-    double scale_value, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
-    int64_t inner_precise, const std::optional<at::Tensor>& seed,
-    const std::optional<at::Tensor>& offset, at::OptionalSymIntArrayRef prefix,
-    const std::optional<at::Tensor>& actual_seq_qlen,
-    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
-    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
-    const std::optional<at::Tensor>& sink) {
+// grad_v3 with an int[] prefix: both overloads end here.
+GradOutputs fusion_attention_grad_v3(FA_GRAD_V3_PARAMS(at::OptionalIntArrayRef)) {
   const auto qlen = host_ints(kBwdV3, "actual_seq_qlen", actual_seq_qlen);
   const auto kvlen = host_ints(kBwdV3, "actual_seq_kvlen", actual_seq_kvlen);
-  const auto prefix_values = concrete_ints(prefix);
   return fusion_attention_backward(
-      kBwdV3, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask,
-      softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens,
-      next_tockens, inner_precise, host_scalar(kBwdV3, "seed", seed),
-      host_scalar(kBwdV3, "offset", offset), std::nullopt, as_ref(prefix_values), as_ref(qlen),
-      as_ref(kvlen), sparse_mode, gen_mask_parallel, sync, softmax_layout, sink);
-}
-
-std::tuple<at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&>
-npu_fusion_attention_grad_v3_out(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const at::Tensor& dy,
-    int64_t head_num, c10::string_view input_layout, const std::optional<at::Tensor>& pse,
-    const std::optional<at::Tensor>& padding_mask, const std::optional<at::Tensor>& atten_mask,
-    const std::optional<at::Tensor>& softmax_max, const std::optional<at::Tensor>& softmax_sum,
-    const std::optional<at::Tensor>& softmax_in, const std::optional<at::Tensor>& attention_in,
-    double scale_value, double keep_prob, int64_t pre_tockens, int64_t next_tockens,
-    int64_t inner_precise, const std::optional<at::Tensor>& seed,
-    const std::optional<at::Tensor>& offset, at::OptionalIntArrayRef prefix,
-    const std::optional<at::Tensor>& actual_seq_qlen,
-    const std::optional<at::Tensor>& actual_seq_kvlen, int64_t sparse_mode,
-    bool gen_mask_parallel, bool sync, c10::string_view softmax_layout,
-    const std::optional<at::Tensor>& sink, const std::optional<at::Tensor>& /*workspace*/,
-    at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dpse, at::Tensor& dsink) {
-  const auto qlen = host_ints(kBwdV3, "actual_seq_qlen", actual_seq_qlen);
-  const auto kvlen = host_ints(kBwdV3, "actual_seq_kvlen", actual_seq_kvlen);
-  auto [gq, gk, gv, gpse, gsink] = fusion_attention_backward(
       kBwdV3, query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask,
       softmax_max, softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens,
       next_tockens, inner_precise, host_scalar(kBwdV3, "seed", seed),
       host_scalar(kBwdV3, "offset", offset), std::nullopt, prefix, as_ref(qlen), as_ref(kvlen),
       sparse_mode, gen_mask_parallel, sync, softmax_layout, sink);
-  copy_out(dq, gq, kBwdV3, "dq");
-  copy_out(dk, gk, kBwdV3, "dk");
-  copy_out(dv, gv, kBwdV3, "dv");
-  copy_out(dpse, gpse, kBwdV3, "dpse");
-  copy_out(dsink, gsink, kBwdV3, "dsink");
+}
+
+GradOutputs npu_fusion_attention_grad_v3(FA_GRAD_V3_PARAMS(at::OptionalSymIntArrayRef)) {
+  const auto prefix_values = concrete_ints(prefix);
+  return fusion_attention_grad_v3(
+      query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask, softmax_max,
+      softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens, next_tockens,
+      inner_precise, seed, offset, as_ref(prefix_values), actual_seq_qlen, actual_seq_kvlen,
+      sparse_mode, gen_mask_parallel, sync, softmax_layout, sink);
+}
+
+std::tuple<at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&, at::Tensor&>
+npu_fusion_attention_grad_v3_out(FA_GRAD_V3_PARAMS(at::OptionalIntArrayRef),
+                                 const std::optional<at::Tensor>& /*workspace*/, at::Tensor& dq,
+                                 at::Tensor& dk, at::Tensor& dv, at::Tensor& dpse,
+                                 at::Tensor& dsink) {
+  const GradOutputs r = fusion_attention_grad_v3(
+      query, key, value, dy, head_num, input_layout, pse, padding_mask, atten_mask, softmax_max,
+      softmax_sum, softmax_in, attention_in, scale_value, keep_prob, pre_tockens, next_tockens,
+      inner_precise, seed, offset, prefix, actual_seq_qlen, actual_seq_kvlen, sparse_mode,
+      gen_mask_parallel, sync, softmax_layout, sink);
+  copy_out(dq, std::get<0>(r), kBwdV3, "dq");
+  copy_out(dk, std::get<1>(r), kBwdV3, "dk");
+  copy_out(dv, std::get<2>(r), kBwdV3, "dv");
+  copy_out(dpse, std::get<3>(r), kBwdV3, "dpse");
+  copy_out(dsink, std::get<4>(r), kBwdV3, "dsink");
   return {dq, dk, dv, dpse, dsink};
 }
+
+#undef FA_HEAD
+#undef FA_PARAMS
+#undef FA_V3_PARAMS
+#undef FA_GRAD_HEAD
+#undef FA_GRAD_PARAMS
+#undef FA_GRAD_V3_PARAMS
 
 // ----------------------------------------------------------------------------- v2: MLA rope parts
 

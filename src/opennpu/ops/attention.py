@@ -389,6 +389,17 @@ def _check_user_dropout_mask(q, mask, a) -> None:
             "and offset, or let the op draw its own mask (dropout_mask=None)")
 
 
+def _input_grads(ctx, names, dq, dk, dv, dpse, dsink):
+    """One gradient per schema argument (`names`): q, k, v, and pse / sink where given."""
+    grads = [None] * len(names)
+    grads[0], grads[1], grads[2] = dq, dk, dv
+    if ctx.has_pse:
+        grads[names.index("pse")] = dpse
+    if ctx.has_sink:
+        grads[names.index("sink")] = dsink
+    return tuple(grads)
+
+
 def _fusion_attention_backward(ctx, grad_out, *unused_grads):
     q, k, v, pse, atten_mask, sink, out, softmax_max, softmax_sum, user_mask = ctx.saved_tensors
     a = ctx.args
@@ -403,13 +414,7 @@ def _fusion_attention_backward(ctx, grad_out, *unused_grads):
         numels=a["numels"], prefix=a["prefix"], actual_seq_qlen=a["actual_seq_qlen"],
         actual_seq_kvlen=a["actual_seq_kvlen"], sparse_mode=a["sparse_mode"],
         softmax_layout=a["softmax_layout"], sink=sink)
-    grads = [None] * len(_ARGS)
-    grads[0], grads[1], grads[2] = dq, dk, dv
-    if ctx.has_pse:
-        grads[_ARGS.index("pse")] = dpse
-    if ctx.has_sink:
-        grads[_ARGS.index("sink")] = dsink
-    return tuple(grads)
+    return _input_grads(ctx, _ARGS, dq, dk, dv, dpse, dsink)
 
 
 register_autograd("npu_fusion_attention", _fusion_attention_backward, _fusion_attention_setup)
@@ -443,13 +448,7 @@ def _fusion_attention_v3_backward(ctx, grad_out, *unused_grads):
         inner_precise=a["inner_precise"], seed=seed, offset=offset, prefix=a["prefix"],
         actual_seq_qlen=qlen, actual_seq_kvlen=kvlen, sparse_mode=a["sparse_mode"],
         softmax_layout=a["softmax_layout"], sink=sink)
-    grads = [None] * len(_V3_ARGS)
-    grads[0], grads[1], grads[2] = dq, dk, dv
-    if ctx.has_pse:
-        grads[_V3_ARGS.index("pse")] = dpse
-    if ctx.has_sink:
-        grads[_V3_ARGS.index("sink")] = dsink
-    return tuple(grads)
+    return _input_grads(ctx, _V3_ARGS, dq, dk, dv, dpse, dsink)
 
 
 register_autograd("npu_fusion_attention_v3", _fusion_attention_v3_backward,
