@@ -211,6 +211,11 @@ def _seed001_training(device: str, use_amp: bool, steps: int) -> tuple[list[floa
 def npu_device_demo(threads: int, steps: int = 20) -> str:
     """Seed 001's training loop on the npu device and on CPU: the same losses, bit for bit in
     fp32, and the step times side by side (npu tensors run the CPU kernels on the same memory)."""
+    from . import _device
+
+    if not _device.is_registered():  # beside a visible CUDA GPU (docs/npu_device.md)
+        return (f"npu device demo: skipped, the npu device is off in this process (a CUDA GPU is "
+                f"visible); {_device.ENV}=1 turns it on")
     lines = [f"npu device demo: seed 001's training loop (MLP 256-256-256-64, batch 128, SGD, "
              f"{steps} steps) on {torch.npu.get_device_name(0)}, {threads} thread(s)"]
     rows = []

@@ -201,3 +201,19 @@ def test_beside_a_gpu_torch_npu_needs_the_switch_which_warns_about_cuda_autograd
                         TORCH_DEVICE_BACKEND_AUTOLOAD="0", OPENNPU_NPU_DEVICE="1")
     assert result.returncode == 0, result.stderr
     assert "npu" in result.stdout and "pytorch/pytorch#161129" in result.stderr
+
+
+def test_analyze_turns_npu_on_beside_a_gpu(tmp_path):
+    # `opennpu analyze` runs a script on npu: beside a (here simulated) GPU it asks for the device
+    script = tmp_path / "train.py"
+    script.write_text("import torch, torch_npu\nprint(float((torch.ones(2).npu() * 3).sum()))\n")
+    code = ("import _opennpu_compat\n"
+            "_opennpu_compat.cuda_gpu_visible = lambda: True  # as beside a GPU\n"
+            "import torch, opennpu\n"
+            "assert not hasattr(torch, 'npu')\n"
+            "from opennpu.analyze import runner\n"
+            f"assert runner.main([{str(script)!r}, '-o', {str(tmp_path / 'report')!r}]) == 0\n"
+            "assert torch.npu.is_available()\n")
+    result = run_python(code, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    assert result.returncode == 0, result.stderr
+    assert "6.0" in result.stdout and "pytorch/pytorch#161129" in result.stderr

@@ -37,6 +37,18 @@ def run_script(path, argv=(), *, steps: int | None = None, step_on: str = "optim
     return census
 
 
+def _npu_device_on() -> None:
+    """The command runs a script on the npu device, so it asks for npu (and torch_npu) also
+    beside a visible CUDA GPU, where they are off by default (docs/npu_device.md)."""
+    import os
+
+    from .. import _device, distributed
+
+    os.environ.setdefault(_device.ENV, "1")
+    if _device.register(explicit=True):
+        distributed.register()
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(
         prog="python -m opennpu.analyze",
@@ -64,6 +76,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def main(argv=None, args: argparse.Namespace | None = None) -> int:
     if args is None:
         args = build_parser().parse_args(argv)
+    _npu_device_on()
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     unknown = set(formats) - set(FORMATS)
     if unknown:
