@@ -35,7 +35,10 @@ from . import _device  # noqa: E402
 from . import distributed  # noqa: E402
 
 # The `npu` device (torch.npu, Tensor.npu(), "npu:0") and torch.distributed's `hccl` backend for
-# npu tensors; not where a CUDA GPU is visible, unless asked (see _device.py).
+# npu tensors; not where a CUDA GPU is visible, unless asked (see _device.py). TORCH_TRANSFER_TO_NPU
+# (run CUDA code on npu, below) asks for it, torch_npu included.
+if os.environ.get("TORCH_TRANSFER_TO_NPU", "0") != "0":
+    os.environ.setdefault(_device.ENV, "1")
 if _device.register():
     distributed.register()
 
