@@ -543,7 +543,7 @@ npu_fusion_attention(const at::Tensor& query, const at::Tensor& key, const at::T
                                  sparse_mode, softmax_layout, sink});
   if (keep_prob < 1.0 && !dropout_mask.has_value()) {
     // Reserve one 32-bit Philox word per score (the mask bit count).
-    const auto [s, o] = reserve_philox(static_cast<uint64_t>(prep.numels));
+    const auto [s, o] = reserve_philox(query.device(), static_cast<uint64_t>(prep.numels));
     seed = static_cast<int64_t>(s);
     offset = static_cast<int64_t>(o);
   }
