@@ -1,5 +1,7 @@
 #include "common/random.h"
 
+#include <c10/util/Exception.h>
+
 #include <mutex>
 
 namespace opennpu {
@@ -52,6 +54,17 @@ std::pair<uint64_t, uint64_t> reserve_philox(uint64_t words) {
   const std::pair<uint64_t, uint64_t> drawn{state().seed, state().offset};
   state().offset += (words + 3) / 4;
   return drawn;
+}
+
+std::pair<uint64_t, uint64_t> reserve_philox(c10::Device device, uint64_t words) {
+  switch (device.type()) {
+    case c10::DeviceType::CPU:
+    case c10::DeviceType::PrivateUse1:
+      return reserve_philox(words);
+    default:
+      TORCH_CHECK(false, "opennpu: no Philox generator for fused ops on device type ",
+                  device.type(), " (see common/random.h)");
+  }
 }
 
 }  // namespace opennpu

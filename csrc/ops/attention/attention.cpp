@@ -15,19 +15,17 @@
 
 #include <algorithm>
 #include <cctype>
-#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <string>
 
-#include "common/blas.h"
 #include "common/checks.h"
-#include "common/cpu_dispatch.h"
 #include "common/dtype.h"
 #include "common/random.h"
 
 namespace opennpu::attention {
 
+KernelSlots<AttentionPlanFn> attention_plan;
 KernelSlots<AttentionFwdFn> attention_fwd;
 KernelSlots<AttentionBwdFn> attention_bwd;
 
@@ -197,7 +195,7 @@ struct Prepared {
   AttentionProblem p;
   Layout layout;
   at::ScalarType dtype;
-  at::Tensor q, k, v;  // compute dtype (see use_half_gemm), contiguous
+  at::Tensor q, k, v;  // compute dtype (AttentionPlan::compute), contiguous
   at::Tensor pse, mask, sink, dropout_mask;  // kept alive for p's raw pointers
   int64_t seq_q = 0, seq_kv = 0;  // non-TND Sq, Skv (TND: T of q and kv)
   int64_t numels = 0;
@@ -235,17 +233,6 @@ void check_mask_dtype(const char* op, const at::Tensor& mask) {
 
 }  // namespace
 
-// fp16/bf16 inputs stay in their dtype, for half-precision GEMMs with fp32 accumulation, where the
-// CPU has matrix units for them and PyTorch's MKL provides those GEMMs (blas::half_gemm_available);
-// elsewhere they are converted to fp32 once. OPENNPU_ATTENTION_HALF_GEMM=0 turns them off, e.g.
-// to compare both paths.
-bool use_half_gemm(at::ScalarType t) {
-  if (t != at::kBFloat16 && t != at::kHalf) return false;
-  const char* env = std::getenv("OPENNPU_ATTENTION_HALF_GEMM");
-  if (env != nullptr && std::string(env) == "0") return false;
-  return blas::half_gemm_available(t);
-}
-
 // dst takes src's values (resized to src's shape where it differs; the dtype must match).
 void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char* arg) {
   OPENNPU_CHECK_ARG(dst.scalar_type() == src.scalar_type(), op, arg, "must be ",
@@ -254,28 +241,7 @@ void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char
   dst.copy_(src);
 }
 
-// OPENNPU_ATTENTION_TILES (see TilePath), read on every call, as use_half_gemm reads its setting.
-TilePath requested_tiles(const char* op) {
-  const char* env = std::getenv("OPENNPU_ATTENTION_TILES");
-  const std::string value = env == nullptr ? "" : env;
-  if (value.empty() || value == "auto") return TilePath::kAuto;
-  if (value == "avx512_bf16") return TilePath::kAvx512Bf16;
-  if (value == "blas") return TilePath::kBlas;
-  TORCH_CHECK(false, op, ": OPENNPU_ATTENTION_TILES must be auto, avx512_bf16 or blas, but got '",
-              value, "'");
-}
-
 namespace {
-
-// Whether the kernels chosen for this CPU (cpu_isa) include the AVX512_BF16 tile GEMM.
-bool has_avx512_bf16_tiles() {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  return cpu_isa() == CpuIsa::kAvx512 && __builtin_cpu_supports("avx512bf16");
-#else
-  return false;
-#endif
-}
 
 Prepared prepare(const char* op, const SharedArgs& a) {
   Prepared out;
@@ -472,15 +438,10 @@ Prepared prepare(const char* op, const SharedArgs& a) {
   // Tensors in the accumulator dtype, contiguous in their layout.
   const at::ScalarType acc = acc_dtype(a.query);
   out.dtype = a.query.scalar_type();
-  const at::ScalarType compute = use_half_gemm(out.dtype) ? out.dtype : acc;
-  p.tiles = requested_tiles(op);
-  TORCH_CHECK(p.tiles != TilePath::kAvx512Bf16 || out.dtype != at::kBFloat16 ||
-                  (compute == at::kBFloat16 && has_avx512_bf16_tiles() && d % 2 == 0 &&
-                   vd.dim % 2 == 0),
-              op, ": OPENNPU_ATTENTION_TILES=avx512_bf16 takes bf16 computed in bf16 (not with "
-              "OPENNPU_ATTENTION_HALF_GEMM=0) on a CPU with AVX512_BF16 and AVX-512 kernels, with "
-              "even head sizes, but this call has D=", d, ", Dv=", vd.dim, " on ",
-              cpu_isa_name(cpu_isa()), " kernels", has_avx512_bf16_tiles() ? "" : " without AVX512_BF16");
+  const AttentionPlan plan =
+      attention_plan.get(op, a.query)(op, out.dtype, d, vd.dim, /*check_forced_tiles=*/true);
+  const at::ScalarType compute = plan.compute;
+  p.tiles = plan.tiles;
   out.q = a.query.to(compute).contiguous();
   out.k = a.key.to(compute).contiguous();
   out.v = a.value.to(compute).contiguous();
@@ -607,7 +568,7 @@ ForwardOutputs fusion_attention_forward(const char* op, FA_PARAMS) {
                                sparse_mode, softmax_layout, sink});
   if (keep_prob < 1.0 && !dropout_mask.has_value()) {
     // Reserve one 32-bit Philox word per score (the mask bit count).
-    const auto [s, o] = reserve_philox(static_cast<uint64_t>(prep.numels));
+    const auto [s, o] = reserve_philox(query.device(), static_cast<uint64_t>(prep.numels));
     seed = static_cast<int64_t>(s);
     offset = static_cast<int64_t>(o);
   }
@@ -672,7 +633,7 @@ GradOutputs fusion_attention_backward(const char* op,
                     "must have the shape of attention_out ", shape_str(prep.out_shape),
                     ", but got ", shape_str(dy.sizes()));
   const at::ScalarType acc = acc_dtype(query);
-  const at::ScalarType compute = prep.q.scalar_type();  // acc, or fp16/bf16 (use_half_gemm)
+  const at::ScalarType compute = prep.q.scalar_type();  // acc, or fp16/bf16 (AttentionPlan)
   const at::Tensor dy_in = dy.to(compute).contiguous();
 
   // The probabilities are recomputed from the forward's statistics; without them (or without

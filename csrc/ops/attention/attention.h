@@ -6,9 +6,9 @@
 // start and how many there are, plus element strides between heads and rows. The head dimension
 // is always contiguous. The kernels accumulate in fp32 (fp64 for fp64 inputs). fp16/bf16 inputs
 // reach them in their own dtype where the CPU multiplies half precision natively (AMX,
-// AVX512-BF16/FP16: see use_half_gemm in attention.cpp), so every GEMM runs at half-precision
-// speed; elsewhere they are converted to fp32 once up front, which costs O(S*D) next to the
-// O(S^2*D) work. Every GEMM is a BLAS call.
+// AVX512-BF16/FP16: see attention_plan, whose CPU implementation is in attention_cpu.cpp), so
+// every GEMM runs at half-precision speed; elsewhere they are converted to fp32 once up front,
+// which costs O(S*D) next to the O(S^2*D) work. Every GEMM is a BLAS call.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -136,17 +136,28 @@ using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
                             at::Tensor& dq, at::Tensor& dk, at::Tensor& dv, at::Tensor& dk_heads,
                             at::Tensor& dv_heads, at::Tensor& dpse, at::Tensor& dsink);
 
-// Whether fp16/bf16 q/k/v reach the kernels in their own dtype (half-precision GEMMs, see the
-// top of this file) or converted to fp32; and the tiles OPENNPU_ATTENTION_TILES asks for. Shared
-// with npu_fused_infer_attention_score (infer_attention.cpp), which runs its prefill on these
-// kernels.
-bool use_half_gemm(at::ScalarType t);
-TilePath requested_tiles(const char* op);
+// How a call runs on its device, decided by that device's kernels so the entry points decide
+// nothing device-specific: the dtype q/k/v reach attention_fwd / attention_bwd in (the input's
+// for half-precision GEMMs, see the top of this file, or the accumulator dtype) and the tile
+// path (AttentionProblem::tiles). Shared with npu_fused_infer_attention_score
+// (infer_attention.cpp), which runs its prefill on these kernels.
+struct AttentionPlan {
+  at::ScalarType compute = at::kFloat;
+  TilePath tiles = TilePath::kAuto;
+};
 
 // An .out overload's output `dst` takes `src` (resized to src's shape where it differs; the
 // dtype must match, else an error naming op and arg).
 void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char* arg);
 
+// dtype: q's (fp16, bf16, fp32 or fp64); head_dim, head_dim_v: D and Dv. check_forced_tiles:
+// raise where a forced tile path cannot run this call (npu_fusion_attention and its gradient);
+// without it the kernels take the BLAS tiles there instead (the infer op's prefill). The CPU
+// implementation reads OPENNPU_ATTENTION_HALF_GEMM and OPENNPU_ATTENTION_TILES on every call.
+using AttentionPlanFn = AttentionPlan(const char* op, at::ScalarType dtype, int64_t head_dim,
+                                      int64_t head_dim_v, bool check_forced_tiles);
+
+extern KernelSlots<AttentionPlanFn> attention_plan;
 extern KernelSlots<AttentionFwdFn> attention_fwd;
 extern KernelSlots<AttentionBwdFn> attention_bwd;
 

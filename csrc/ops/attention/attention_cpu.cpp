@@ -19,7 +19,8 @@
 // (BrgemmTiles, BrgemmBwdTiles): oneDNN's brgemm on half-precision matrix units (AMX), or for
 // bf16 on CPUs with AVX512_BF16 but no AMX our vdpbf16ps tile GEMM (common/vnni_gemm.h).
 // fp16/bf16 inputs are multiplied as they are, with fp32 accumulation; see kRoundsOperands for
-// what is rounded.
+// what is rounded. Whether they stay fp16/bf16 and which tiles run is this file's plan
+// (attention_plan_kernel, at the end), which the entry points ask before converting q/k/v.
 //
 // Tasks are handed out dynamically (an atomic counter), heaviest first, because causal and band
 // masks make later query blocks more expensive than earlier ones.
@@ -30,13 +31,16 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include "common/blas.h"
+#include "common/cpu_dispatch.h"
 #include "common/vec.h"
 #include "common/vnni_gemm.h"
 #include "ops/attention/attention.h"
@@ -1295,8 +1299,51 @@ void attention_bwd_kernel(const AttentionProblem& p, const at::Tensor& q, const 
   }
 }
 
+// The CPU's plan for a call (AttentionPlan). fp16/bf16 inputs stay in their dtype, for
+// half-precision GEMMs with fp32 accumulation, where the CPU has matrix units for them and
+// PyTorch's MKL provides those GEMMs (blas::half_gemm_available); elsewhere they are converted to
+// fp32 once. OPENNPU_ATTENTION_HALF_GEMM=0 turns them off, e.g. to compare both paths.
+bool use_half_gemm(at::ScalarType t) {
+  if (t != at::kBFloat16 && t != at::kHalf) return false;
+  const char* env = std::getenv("OPENNPU_ATTENTION_HALF_GEMM");
+  if (env != nullptr && std::string(env) == "0") return false;
+  return blas::half_gemm_available(t);
+}
+
+// OPENNPU_ATTENTION_TILES (see TilePath), read on every call, as use_half_gemm reads its setting.
+TilePath requested_tiles(const char* op) {
+  const char* env = std::getenv("OPENNPU_ATTENTION_TILES");
+  const std::string value = env == nullptr ? "" : env;
+  if (value.empty() || value == "auto") return TilePath::kAuto;
+  if (value == "avx512_bf16") return TilePath::kAvx512Bf16;
+  if (value == "blas") return TilePath::kBlas;
+  TORCH_CHECK(false, op, ": OPENNPU_ATTENTION_TILES must be auto, avx512_bf16 or blas, but got '",
+              value, "'");
+}
+
+AttentionPlan attention_plan_kernel(const char* op, at::ScalarType dtype, int64_t head_dim,
+                                    int64_t head_dim_v, bool check_forced_tiles) {
+  AttentionPlan plan;
+  const at::ScalarType acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  plan.compute = use_half_gemm(dtype) ? dtype : acc;
+  plan.tiles = requested_tiles(op);
+  // The AVX512_BF16 tile GEMM exists in this compilation only where it is the AVX-512 one, which
+  // runs only on CPUs whose kernels are chosen as AVX-512 (cpu_isa), and needs the extension.
+  const bool bf16_tiles = has_avx512_bf16();
+  TORCH_CHECK(!check_forced_tiles || plan.tiles != TilePath::kAvx512Bf16 ||
+                  dtype != at::kBFloat16 ||
+                  (plan.compute == at::kBFloat16 && bf16_tiles && head_dim % 2 == 0 &&
+                   head_dim_v % 2 == 0),
+              op, ": OPENNPU_ATTENTION_TILES=avx512_bf16 takes bf16 computed in bf16 (not with "
+              "OPENNPU_ATTENTION_HALF_GEMM=0) on a CPU with AVX512_BF16 and AVX-512 kernels, with "
+              "even head sizes, but this call has D=", head_dim, ", Dv=", head_dim_v, " on ",
+              cpu_isa_name(cpu_isa()), " kernels", bf16_tiles ? "" : " without AVX512_BF16");
+  return plan;
+}
+
 }  // namespace
 
+OPENNPU_REGISTER_CPU_SLOT(attention_plan, attention_plan_kernel);
 OPENNPU_REGISTER_CPU_SLOT(attention_fwd, attention_fwd_kernel);
 OPENNPU_REGISTER_CPU_SLOT(attention_bwd, attention_bwd_kernel);
 

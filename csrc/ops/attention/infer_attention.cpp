@@ -573,8 +573,10 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
 
   // Prefill (and decode with pse_shift / float64): the training forward kernel.
   const at::ScalarType acc = acc_dtype(query);
-  const at::ScalarType compute = use_half_gemm(query.scalar_type()) ? query.scalar_type() : acc;
-  p.tiles = requested_tiles(op);
+  const AttentionPlan plan = attention_plan.get(op, query)(op, query.scalar_type(), D + Dr, Dv,
+                                                           /*check_forced_tiles=*/false);
+  const at::ScalarType compute = plan.compute;
+  p.tiles = plan.tiles;
   const auto conv = [&](const at::Tensor& t) { return t.to(compute); };
   at::Tensor qx = conv(q), kx, vx;
   if (paged) {

@@ -18,12 +18,10 @@
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <string>
 
-#include "common/blas.h"
 #include "common/checks.h"
 
 namespace opennpu::ffn {
@@ -98,55 +96,6 @@ at::Tensor deq_table(const char* arg, const at::Tensor& t, bool experts, int64_t
     std::memcpy(dst + i, &low, sizeof(float));
   }
   return out;
-}
-
-// The float paths' GEMMs (see FfnGemm in ffn.h). Measured on an AVX512-FP16 + AMX-BF16 CPU
-// (Sapphire Rapids class, no AMX-FP16), 2 threads: MKL's bf16 GEMM (AMX) beats oneDNN's at one
-// row (3.1 ms vs 7.3 ms for the seed's 1x1280 FFN) and matches it at 1024 rows, so bf16 tiles
-// with MKL; MKL's fp16 GEMM runs 2-8x slower than oneDNN's there (21 ms vs 7 ms at one row), so
-// fp16 goes through ATen (oneDNN), as the native composition does. float32: MKL sgemm tiles
-// up to kWholeGemmRows rows per expert (T=128, H=4096, I=11008: 180 ms against ATen's whole
-// GEMMs' 196), whole ATen GEMMs (the same sgemm) from there (T=1024: 596 ms against the tiles'
-// 633 and the two GEMMs' 568). Where MKL's bf16 GEMM does not use the CPU's bf16 instructions
-// (blas::mkl_multiplies_natively: an AMD Zen 4), bf16 goes through ATen (oneDNN) too: one thread,
-// T=512, H=1024, I=2816, silu: 63.7 ms with MKL's tiles, 30.2-30.9 ms through ATen, the two
-// GEMMs alone 27.2. OPENNPU_FFN_GEMM=blas|fp32|aten forces a path (the tests run every path on every
-// machine); "blas" falls back to fp32 tiles where MKL has no fp16 / bf16 GEMM.
-constexpr int64_t kWholeGemmRows = 512;
-
-FfnGemm choose_gemm(at::ScalarType xt, bool weight_only, int64_t rows_per_expert) {
-  const char* env = std::getenv("OPENNPU_FFN_GEMM");
-  const std::string forced = env != nullptr ? env : "";
-  TORCH_CHECK(forced.empty() || forced == "auto" || forced == "blas" || forced == "fp32" ||
-                  forced == "aten",
-              kOp, ": OPENNPU_FFN_GEMM must be auto, blas, fp32 or aten, but got '", forced, "'");
-  const bool half = xt == at::kHalf || xt == at::kBFloat16;
-  // MKL's half-precision GEMM exists (cpu_multiplies_natively is a separate, speed question).
-  const bool mkl_half = xt == at::kBFloat16 ? cblas_gemm_bf16bf16f32 != nullptr
-                                            : cblas_gemm_f16f16f32 != nullptr;
-  // The weight-only path dequantises weight tiles (rounded to x's dtype) and keeps the
-  // intermediate in fp32, as op-plugin's golden does, so it always multiplies fp32 tiles.
-  if (weight_only) return FfnGemm::kFp32Tiles;
-  if (forced == "aten") return FfnGemm::kATen;
-  if (!half) {
-    const bool whole = forced.empty() || forced == "auto" ? rows_per_expert >= kWholeGemmRows
-                                                           : false;
-    return whole && !weight_only ? FfnGemm::kATen : FfnGemm::kBlasTiles;
-  }
-  if (forced == "fp32") return FfnGemm::kFp32Tiles;
-  if (forced == "blas") return mkl_half ? FfnGemm::kBlasTiles : FfnGemm::kFp32Tiles;
-  if (!blas::cpu_multiplies_natively(xt)) return FfnGemm::kFp32Tiles;
-  if ((xt == at::kHalf || !blas::mkl_multiplies_natively(xt)) && !weight_only) return FfnGemm::kATen;
-  return mkl_half ? FfnGemm::kBlasTiles : FfnGemm::kFp32Tiles;
-}
-
-// The quantised path: whole at::_int_mm GEMMs (kATen), or tiles with OPENNPU_FFN_GEMM=blas.
-// Measured at T=1024, H=4096, I=11008 (2 threads, AMX): tiles 1.26-1.4x the two GEMMs alone,
-// whole GEMMs 1.05-1.12x (the benchmark, noisy; 1.045x timed interleaved with the GEMMs), their
-// int32 passes being the rest.
-FfnGemm choose_quant_gemm() {
-  const char* env = std::getenv("OPENNPU_FFN_GEMM");
-  return env != nullptr && std::strcmp(env, "blas") == 0 ? FfnGemm::kBlasTiles : FfnGemm::kATen;
 }
 
 // The row offsets of the experts (E + 1 entries) from expert_tokens (counts) or
@@ -425,7 +374,6 @@ at::Tensor npu_ffn(const at::Tensor& x, const at::Tensor& weight1, const at::Ten
   args.w1 = weight1.reshape({e, k1, n1}).contiguous();
   args.w2 = weight2.reshape({e, k2, n2}).contiguous();
   args.offsets = std::move(offsets);
-  args.gemm = quant ? choose_quant_gemm() : choose_gemm(xt, weight_only, rows / e);
   args.out = out.view({rows, n2});
   ffn.get(kOp, args.x)(args);
   return out;

@@ -11,8 +11,9 @@
 // second GEMM's operand dtype. Phase B splits the output's columns: the intermediate times a
 // column tile of W2, plus bias (and dequantisation), rounded into the output. The intermediate
 // is written once and read once; the activation never makes a separate pass over memory.
-// Where ATen's whole GEMMs are faster than tiles (FfnGemm::kATen below), the intermediate is
-// written by the first GEMM, then activated in one pass, then read by the second.
+// Where ATen's whole GEMMs are faster than tiles (FfnGemm::kATen in ffn_cpu.cpp, which chooses
+// the GEMMs per dtype and CPU), the intermediate is written by the first GEMM, then activated in
+// one pass, then read by the second.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -38,27 +39,6 @@ inline bool is_glu(FfnAct act) {
   return act == FfnAct::kGeglu || act == FfnAct::kSwiglu || act == FfnAct::kReglu;
 }
 
-// The GEMMs of the float paths, chosen per dtype and CPU by the entry point (ffn.cpp).
-enum class FfnGemm {
-  // Fused tiles (see above) multiplied by MKL in x's dtype with fp32 accumulation and an fp32
-  // tile: sgemm for float32, cblas_gemm_bf16bf16f32 / _f16f16f32 where the CPU multiplies
-  // bf16 / fp16 natively. Bias and activation see the unrounded fp32 sums.
-  kBlasTiles,
-  // Fused tiles converted to fp32 and multiplied by sgemm: fp16 / bf16 where neither MKL nor
-  // oneDNN has fast kernels for them. Same rounding points as kBlasTiles.
-  kFp32Tiles,
-  // Whole per-expert GEMMs through ATen (at::addmm_out / at::mm_out, i.e. oneDNN for fp16 /
-  // bf16, the kernels the native composition runs) into an x-dtype intermediate, with bias1
-  // fused into the GEMM as F.linear does, then ONE vectorised pass over the intermediate for
-  // the activation, then the second GEMM (+ bias2) straight into the output. For fp16 on CPUs
-  // whose MKL fp16 GEMM is slow but whose oneDNN is not (AVX512-FP16 without AMX-FP16), and
-  // for fp32 with many rows per expert (whole sgemm calls beat the tiles there).
-  // The quantised path's default reads it as: whole at::_int_mm GEMMs per chunk of rows into
-  // an int32 buffer, each followed by one parallel pass (dequantise, activate, requantise /
-  // dequantise into the output); kBlasTiles there means the per-thread tiles.
-  kATen,
-};
-
 struct FfnArgs {
   at::Tensor x;   // [M, K1], contiguous: float32 / float16 / bfloat16, or int8 (quantised path)
   at::Tensor w1;  // [E, K1, N1], contiguous: x's dtype, or int8 (weight-only and quantised)
@@ -74,8 +54,6 @@ struct FfnArgs {
   // Weight-only path: W' = (W + offset) * scale, float32; offsets may be undefined.
   at::Tensor aq_scale1, aq_offset1;  // [E, N1]
   at::Tensor aq_scale2, aq_offset2;  // [E, N2]
-  // How the float paths multiply (the quantised path always tiles with at::_int_mm).
-  FfnGemm gemm = FfnGemm::kBlasTiles;
   at::Tensor out;  // [M, N2]: x's dtype, or float16 / bfloat16 for the quantised path
 };
 

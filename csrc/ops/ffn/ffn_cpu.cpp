@@ -3,7 +3,7 @@
 // Every GEMM is a library call: on a tile, MKL's sgemm / half-precision GEMMs through
 // common/blas.h, and ATen's at::_int_mm (oneDNN's int8 matmul) for the quantised path; what
 // happens between the GEMMs (bias, dequantisation, activation, requantisation, rounding) runs
-// vectorised on each thread's tile while it is still in cache. Or (FfnGemm::kATen, see ffn.h)
+// vectorised on each thread's tile while it is still in cache. Or (FfnGemm::kATen, below)
 // whole GEMMs through ATen with one vectorised activation pass over the intermediate.
 //
 // Numerics: float paths accumulate in fp32 and compute bias and activation in fp32; for fp16 /
@@ -24,6 +24,9 @@
 #include <ATen/ops/from_blob.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -606,6 +609,73 @@ void run_aten(const FfnArgs& a) {
   }
 }
 
+// The GEMMs of the float paths, chosen per dtype and CPU by choose_gemm below.
+enum class FfnGemm {
+  // Fused tiles (see above) multiplied by MKL in x's dtype with fp32 accumulation and an fp32
+  // tile: sgemm for float32, cblas_gemm_bf16bf16f32 / _f16f16f32 where the CPU multiplies
+  // bf16 / fp16 natively. Bias and activation see the unrounded fp32 sums.
+  kBlasTiles,
+  // Fused tiles converted to fp32 and multiplied by sgemm: fp16 / bf16 where neither MKL nor
+  // oneDNN has fast kernels for them. Same rounding points as kBlasTiles.
+  kFp32Tiles,
+  // Whole per-expert GEMMs through ATen (at::addmm_out / at::mm_out, i.e. oneDNN for fp16 /
+  // bf16, the kernels the native composition runs) into an x-dtype intermediate, with bias1
+  // fused into the GEMM as F.linear does, then ONE vectorised pass over the intermediate for
+  // the activation, then the second GEMM (+ bias2) straight into the output. For fp16 on CPUs
+  // whose MKL fp16 GEMM is slow but whose oneDNN is not (AVX512-FP16 without AMX-FP16), and
+  // for fp32 with many rows per expert (whole sgemm calls beat the tiles there).
+  // The quantised path's default reads it as: whole at::_int_mm GEMMs per chunk of rows into
+  // an int32 buffer, each followed by one parallel pass (dequantise, activate, requantise /
+  // dequantise into the output); kBlasTiles there means the per-thread tiles.
+  kATen,
+};
+
+
+// The float paths' GEMMs. bf16 takes MKL's tiles where MKL multiplies bf16 with the CPU's own
+// instructions (AMX), which beat oneDNN's at few rows and match it at many; where it does not
+// (blas::mkl_multiplies_natively: e.g. an AMD Zen 4), and for fp16 (MKL's fp16 GEMM is slower
+// than oneDNN's on AVX512-FP16 CPUs without AMX-FP16), whole ATen GEMMs (oneDNN), as the native
+// composition runs. float32: MKL sgemm tiles up to kWholeGemmRows rows per expert, whole ATen
+// GEMMs (the same sgemm) from there. OPENNPU_FFN_GEMM=blas|fp32|aten forces a path (the tests
+// run every path on every machine); "blas" falls back to fp32 tiles where MKL has no fp16 / bf16
+// GEMM. The measurements behind these choices are in the commit history (git log -S
+// kWholeGemmRows) and docs/performance.md.
+constexpr int64_t kWholeGemmRows = 512;
+
+FfnGemm choose_gemm(at::ScalarType xt, bool weight_only, int64_t rows_per_expert) {
+  const char* env = std::getenv("OPENNPU_FFN_GEMM");
+  const std::string forced = env != nullptr ? env : "";
+  TORCH_CHECK(forced.empty() || forced == "auto" || forced == "blas" || forced == "fp32" ||
+                  forced == "aten",
+              "npu_ffn: OPENNPU_FFN_GEMM must be auto, blas, fp32 or aten, but got '", forced,
+              "'");
+  const bool half = xt == at::kHalf || xt == at::kBFloat16;
+  // MKL's half-precision GEMM exists (cpu_multiplies_natively is a separate, speed question).
+  const bool mkl_half = xt == at::kBFloat16 ? cblas_gemm_bf16bf16f32 != nullptr
+                                            : cblas_gemm_f16f16f32 != nullptr;
+  // The weight-only path dequantises weight tiles (rounded to x's dtype) and keeps the
+  // intermediate in fp32, as op-plugin's golden does, so it always multiplies fp32 tiles.
+  if (weight_only) return FfnGemm::kFp32Tiles;
+  if (forced == "aten") return FfnGemm::kATen;
+  if (!half) {
+    const bool whole = forced.empty() || forced == "auto" ? rows_per_expert >= kWholeGemmRows
+                                                           : false;
+    return whole ? FfnGemm::kATen : FfnGemm::kBlasTiles;
+  }
+  if (forced == "fp32") return FfnGemm::kFp32Tiles;
+  if (forced == "blas") return mkl_half ? FfnGemm::kBlasTiles : FfnGemm::kFp32Tiles;
+  if (!blas::cpu_multiplies_natively(xt)) return FfnGemm::kFp32Tiles;
+  if (xt == at::kHalf || !blas::mkl_multiplies_natively(xt)) return FfnGemm::kATen;
+  return mkl_half ? FfnGemm::kBlasTiles : FfnGemm::kFp32Tiles;
+}
+
+// The quantised path: whole at::_int_mm GEMMs (kATen; their int32 passes cost less than the
+// tiles' per-thread epilogues), or tiles with OPENNPU_FFN_GEMM=blas.
+FfnGemm choose_quant_gemm() {
+  const char* env = std::getenv("OPENNPU_FFN_GEMM");
+  return env != nullptr && std::strcmp(env, "blas") == 0 ? FfnGemm::kBlasTiles : FfnGemm::kATen;
+}
+
 template <typename X, typename G>
 void run_float(const FfnArgs& a) {
   if (a.w1.scalar_type() == at::kChar) {
@@ -616,9 +686,9 @@ void run_float(const FfnArgs& a) {
 }
 
 template <typename O>
-void run_quant(const FfnArgs& a) {
+void run_quant(const FfnArgs& a, FfnGemm gemm) {
   Runner<int8_t, int8_t, int8_t, O> runner(a);
-  if (a.gemm == FfnGemm::kATen) {
+  if (gemm == FfnGemm::kATen) {
     runner.run_whole();
   } else {
     runner.run();
@@ -627,8 +697,8 @@ void run_quant(const FfnArgs& a) {
 
 // fp16 / bf16: multiplied as they are (kBlasTiles), in fp32 tiles, or by ATen.
 template <typename X>
-void run_half(const FfnArgs& a) {
-  switch (a.gemm) {
+void run_half(const FfnArgs& a, FfnGemm gemm) {
+  switch (gemm) {
     case FfnGemm::kBlasTiles: return run_float<X, X>(a);
     case FfnGemm::kFp32Tiles: return run_float<X, float>(a);
     case FfnGemm::kATen: return run_aten<X>(a);
@@ -636,18 +706,23 @@ void run_half(const FfnArgs& a) {
 }
 
 void ffn_kernel(const FfnArgs& a) {
-  switch (a.x.scalar_type()) {
+  const at::ScalarType xt = a.x.scalar_type();
+  const FfnGemm gemm = xt == at::kChar
+                           ? choose_quant_gemm()
+                           : choose_gemm(xt, /*weight_only=*/a.w1.scalar_type() == at::kChar,
+                                         /*rows_per_expert=*/a.x.size(0) / a.w1.size(0));
+  switch (xt) {
     case at::kChar:
       if (a.out.scalar_type() == at::kBFloat16) {
-        return run_quant<c10::BFloat16>(a);
+        return run_quant<c10::BFloat16>(a, gemm);
       }
-      return run_quant<c10::Half>(a);
+      return run_quant<c10::Half>(a, gemm);
     case at::kFloat:
-      return a.gemm == FfnGemm::kATen ? run_aten<float>(a) : run_float<float, float>(a);
+      return gemm == FfnGemm::kATen ? run_aten<float>(a) : run_float<float, float>(a);
     case at::kHalf:
-      return run_half<c10::Half>(a);
+      return run_half<c10::Half>(a, gemm);
     case at::kBFloat16:
-      return run_half<c10::BFloat16>(a);
+      return run_half<c10::BFloat16>(a, gemm);
     default:
       TORCH_INTERNAL_ASSERT(false, "npu_ffn: unexpected dtype ", a.x.scalar_type());
   }

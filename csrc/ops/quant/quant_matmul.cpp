@@ -1,46 +1,29 @@
 // Entry points of npu_quant_matmul, npu_trans_quant_param and npu_convert_weight_to_int4pack:
-// validation, the int32 GEMM (a library call, see quant_matmul.h), the fused epilogue, CPU
-// registration.
+// validation, scale decoding, output allocation, the call of the device's kernel (the int32
+// product and the fused epilogue, quant_matmul.h), CPU registration.
 #include "ops/quant/quant_matmul.h"
 
 #include <ATen/ExpandUtils.h>
-#include <ATen/cpu/Utils.h>
-#include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/zeros.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <bit>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
 
-#include "common/blas.h"
 #include "common/checks.h"
 
 namespace opennpu::quant {
 
-CpuKernel<CodesToFloatFn> codes_to_float_cpu;
-CpuKernel<TiledIntGemmFn> tiled_int_gemm_cpu;
-CpuKernel<UnpackInt4Fn> unpack_int4_cpu;
-CpuKernel<AccumulateChunkFn> accumulate_chunk_cpu;
-CpuKernel<QuantMatmulEpilogueFn> quant_matmul_epilogue_cpu;
-CpuKernel<PackInt4Fn> pack_int4_cpu;
+KernelSlots<QuantMatmulFn> quant_matmul;
+KernelSlots<PackInt4Fn> pack_int4;
 
 namespace {
 
 constexpr const char* kQmm = "npu_quant_matmul";
-// Up to this many rows of x1 per batch, W is converted to fp32 panel by panel (see
-// tiled_int_gemm_kernel); above, once whole, and MKL's threads run one large GEMM (whose
-// exactness chunks along K cost more than panels re-reading x1: on a 2-core AVX2 Zen 3, one
-// thread, [m, 4096] x [4096, 4096] took 27 / 72 / 274 / 442 ms tiled for m = 16 / 64 / 256 /
-// 512 against 158 / 232 / 443 / 613 ms whole, and [1024, 2048] x [2048, 2048] 283 against 290).
-constexpr int64_t kTiledRows = 4096;
-
 std::string dtype_name(int64_t code) {
   if (code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions)) {
     return c10::toString(static_cast<c10::ScalarType>(code));
@@ -102,126 +85,6 @@ std::pair<at::Tensor, at::Tensor> decode_int64_scale(const at::Tensor& packed) {
   return {scale, any_offset ? offset : at::Tensor()};
 }
 
-// How the int32 product is computed (quant_matmul.h): ATen's int8 GEMM where oneDNN has int8
-// dot-product instructions, else exact fp32 GEMMs: panel by panel for few rows (kTiledRows),
-// whole otherwise. OPENNPU_QUANT_MATMUL_GEMM=int / tiled / whole forces one (tests run each).
-enum class GemmPath { kInt, kTiled, kWhole };
-
-GemmPath gemm_path(int64_t m) {
-  const char* forced = std::getenv("OPENNPU_QUANT_MATMUL_GEMM");
-  if (forced != nullptr && std::strcmp(forced, "int") == 0) return GemmPath::kInt;
-  if (forced != nullptr && std::strcmp(forced, "tiled") == 0) return GemmPath::kTiled;
-  if (forced != nullptr && std::strcmp(forced, "whole") == 0) return GemmPath::kWhole;
-  static const bool fast_int8 = at::cpu::is_avx512_vnni_supported() || at::cpu::init_amx();
-  if (fast_int8) return GemmPath::kInt;
-  return m <= kTiledRows ? GemmPath::kTiled : GemmPath::kWhole;
-}
-
-// Index into an operand's (contiguous) batches of output batch b, with broadcasting.
-int64_t batch_index(const std::vector<int64_t>& out_batch, c10::IntArrayRef batch, int64_t b) {
-  int64_t index = 0, stride = 1;
-  const int64_t skip = static_cast<int64_t>(out_batch.size()) - static_cast<int64_t>(batch.size());
-  for (int64_t d = static_cast<int64_t>(out_batch.size()) - 1; d >= 0; --d) {
-    const int64_t coord = b % out_batch[d];
-    b /= out_batch[d];
-    if (d < skip) continue;
-    const int64_t size = batch[d - skip];
-    if (size != 1) index += coord * stride;
-    stride *= size;
-  }
-  return index;
-}
-
-// The operands' codes as the GEMMs read them.
-struct Operands {
-  at::Tensor a;  // [B1, m, k]
-  at::Tensor w;  // [B2, k, n], or [B2, n, k] when w_trans
-  bool w_trans = false;
-  int64_t m = 0, k = 0, n = 0;
-};
-
-// The int32 product of every output batch, as int32 [B * m, n] or fp32 holding exact integers.
-at::Tensor int_product(const Operands& op, bool int4, const std::vector<int64_t>& out_batch,
-                       c10::IntArrayRef a_batch, c10::IntArrayRef w_batch) {
-  const int64_t batches = c10::multiply_integers(out_batch);
-  const int64_t m = op.m, k = op.k, n = op.n;
-  const auto opts = op.a.options();
-  const GemmPath path = gemm_path(m);
-  if (path == GemmPath::kInt) {
-    auto as_int8 = [&](const at::Tensor& t, int64_t cols) {
-      if (!int4) return t;
-      at::Tensor codes = at::empty({t.numel() / (cols / 8), cols}, opts.dtype(at::kChar));
-      unpack_int4_cpu.get(kQmm)(t.reshape({-1, cols / 8}), codes);
-      return codes;
-    };
-    const at::Tensor a = as_int8(op.a, k).view({-1, m, k});
-    const at::Tensor w = as_int8(op.w, op.w_trans ? k : n).view({-1, op.w_trans ? n : k,
-                                                                 op.w_trans ? k : n});
-    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kInt));
-    for (int64_t b = 0; b < batches; ++b) {
-      at::Tensor out = acc.narrow(0, b * m, m);
-      const at::Tensor wb = w[batch_index(out_batch, w_batch, b)];
-      at::_int_mm_out(out, a[batch_index(out_batch, a_batch, b)], op.w_trans ? wb.t() : wb);
-    }
-    return acc;
-  }
-  // fp32 copies of x1's codes; W converted panel by panel (few rows: W's traffic dominates).
-  const int64_t a_rows = op.a.numel() / (int4 ? k / 8 : k);
-  if (path == GemmPath::kTiled) {
-    at::Tensor af = at::empty({a_rows, k}, opts.dtype(at::kFloat));
-    codes_to_float_cpu.get(kQmm)(op.a.reshape({a_rows, -1}), int4, af);
-    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kInt));
-    const int64_t w_batch_elems = op.w.numel() / std::max<int64_t>(c10::multiply_integers(w_batch), 1);
-    const auto* w_bytes = static_cast<const char*>(op.w.const_data_ptr());
-    for (int64_t b = 0; b < batches; ++b) {
-      tiled_int_gemm_cpu.get(kQmm)(
-          af.const_data_ptr<float>() + batch_index(out_batch, a_batch, b) * m * k, m, k, n,
-          w_bytes + batch_index(out_batch, w_batch, b) * w_batch_elems * op.w.element_size(),
-          int4, op.w_trans, acc.mutable_data_ptr<int32_t>() + b * m * n);
-    }
-    return acc;
-  }
-  // Whole fp32 copies of the codes and the exactness bound (quant_matmul.h).
-  at::Tensor af = at::empty({op.a.numel() / (int4 ? k / 8 : k), k}, opts.dtype(at::kFloat));
-  const CodeStats sa = codes_to_float_cpu.get(kQmm)(op.a.reshape({af.size(0), -1}), int4, af);
-  const int64_t w_cols = op.w_trans ? k : n;
-  at::Tensor wf = at::empty({op.w.numel() / (int4 ? w_cols / 8 : w_cols), w_cols},
-                            opts.dtype(at::kFloat));
-  const CodeStats sw = codes_to_float_cpu.get(kQmm)(op.w.reshape({wf.size(0), -1}), int4, wf);
-  int64_t bound = sa.row_l1_max * sw.absmax;
-  if (op.w_trans) bound = std::min(bound, sw.row_l1_max * sa.absmax);
-  const int64_t chunk = bound <= kExactFloatInt
-                            ? k
-                            : std::max<int64_t>(1, kExactFloatInt / (sa.absmax * sw.absmax));
-  const float* pa = af.const_data_ptr<float>();
-  const float* pw = wf.const_data_ptr<float>();
-  if (chunk >= k) {  // one exact GEMM per batch, straight into the accumulator
-    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kFloat));
-    for (int64_t b = 0; b < batches; ++b) {
-      blas::gemm<float, float>(false, op.w_trans, m, n, k, 1.f,
-                               pa + batch_index(out_batch, a_batch, b) * m * k, k,
-                               pw + batch_index(out_batch, w_batch, b) * k * n, w_cols, 0.f,
-                               acc.mutable_data_ptr<float>() + b * m * n, n);
-    }
-    return acc;
-  }
-  at::Tensor acc = at::zeros({batches * m, n}, opts.dtype(at::kInt));
-  at::Tensor partial = at::empty({m, n}, opts.dtype(at::kFloat));
-  for (int64_t b = 0; b < batches; ++b) {
-    const float* ab = pa + batch_index(out_batch, a_batch, b) * m * k;
-    const float* wb = pw + batch_index(out_batch, w_batch, b) * k * n;
-    at::Tensor acc_b = acc.narrow(0, b * m, m);
-    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
-      const int64_t kc = std::min(chunk, k - k0);
-      blas::gemm<float, float>(false, op.w_trans, m, n, kc, 1.f, ab + k0, k,
-                               wb + (op.w_trans ? k0 : k0 * n), w_cols, 0.f,
-                               partial.mutable_data_ptr<float>(), n);
-      accumulate_chunk_cpu.get(kQmm)(acc_b, partial);
-    }
-  }
-  return acc;
-}
-
 }  // namespace
 
 at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
@@ -267,7 +130,8 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
 
   // Shapes: x1 [..., m, k] (int4: [..., m, k / 8]); x2 [..., k, n] (int4: [..., k, n / 8], or
   // [..., k / 8, n] as the transpose of a contiguous [..., n, k / 8]).
-  Operands op;
+  QuantMatmulArgs op;
+  op.int4 = int4;
   op.m = x1.size(-2);
   op.k = int4 ? 8 * x1.size(-1) : x1.size(-1);
   const at::Tensor x2t = x2.mT();
@@ -306,7 +170,7 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
                     kQmm, "scale", "must be float32, bfloat16 or int64 (npu_trans_quant_param's "
                     "encoding), but got ", scale.scalar_type());
   OPENNPU_CHECK_ARG(scale.numel() > 0, kQmm, "scale", "must not be empty");
-  QuantMatmulEpilogue e;
+  QuantMatmulEpilogue& e = op.epilogue;
   e.m = m;
   at::Tensor packed_offset;
   if (scale.scalar_type() == at::kLong) {
@@ -375,15 +239,12 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
   out_shape.push_back(n);
   at::Tensor out = at::empty(out_shape, x1.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
-  if (op.k == 0) {  // an empty sum: the accumulator is 0
-    const at::Tensor acc = at::zeros({batches * m, n}, x1.options().dtype(at::kInt));
-    quant_matmul_epilogue_cpu.get(kQmm)(acc, e, out);
-    return out;
-  }
   op.a = x1.contiguous();
   op.w = op.w_trans ? x2t.contiguous() : x2.contiguous();
-  const at::Tensor acc = int_product(op, int4, out_batch, a_batch, w_batch);
-  quant_matmul_epilogue_cpu.get(kQmm)(acc, e, out);
+  op.out_batch = std::move(out_batch);
+  op.a_batch.assign(a_batch.begin(), a_batch.end());
+  op.w_batch.assign(w_batch.begin(), w_batch.end());
+  quant_matmul.get(kQmm, x1)(op, out);
   return out;
 }
 
@@ -463,7 +324,7 @@ at::Tensor npu_convert_weight_to_int4pack(const at::Tensor& weight, int64_t inne
   OPENNPU_CHECK_ARG(low >= -8 && high <= 7, op, "weight",
                     "must hold int4 values in [-8, 7], but its values range over [", low, ", ",
                     high, "]");
-  pack_int4_cpu.get(op)(weight.contiguous(), packed);
+  pack_int4.get(op, weight)(weight.contiguous(), packed);
   return packed;
 }
 

@@ -2,47 +2,20 @@
 // per-token dequantisation or int8 requantisation), npu_trans_quant_param (the int64 scale
 // encoding it accepts) and npu_convert_weight_to_int4pack (the packed int4 weights it reads).
 //
-// How the int32 product is computed: ATen's int8 GEMM (at::_int_mm) is fast only where oneDNN
-// has int8 dot-product instructions (AVX512-VNNI, AMX); elsewhere it is a scalar loop (on an
-// AVX2 Zen 3, [16 x 4096] x [4096 x 4096] took 640 ms, MKL's sgemm 13 ms). There the codes are
-// converted to fp32 and multiplied by MKL's sgemm (common/blas.h), which is exact: every product
-// of two codes is an integer of at most 2^14 and every partial sum an integer no larger than
-// sum_k |x1_ik| |x2_kj|; while that bound is <= 2^24 each partial sum is an exactly representable
-// fp32, whatever order the GEMM adds in. Usually W is converted panel by panel in cache, 512 deep
-// (so the bound always holds) and the panels summed in int32 (tiled_int_gemm); for many rows
-// the whole operands are converted, the conversion measures the bound (per-row L1 norms and
-// absolute maxima of the codes), and K is split into chunks that keep it, summed in int32.
+// The entry points (quant_matmul.cpp) validate, decode the scales into a QuantMatmulEpilogue,
+// allocate the output and call the kernel slot of the input's device. A kernel computes the
+// int32 product exactly (how is its own choice: the CPU's is described in quant_matmul_cpu.cpp)
+// and applies the epilogue once per output element.
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <vector>
 
-#include "common/cpu_dispatch.h"
+#include "common/kernel_slots.h"
 
 namespace opennpu::quant {
-
-// Largest integer magnitude below which every fp32 integer sum is exact.
-constexpr int64_t kExactFloatInt = int64_t{1} << 24;
-
-// Statistics of converted codes: the largest |code| and the largest row L1 norm (sum of |code|
-// over the contiguous last dim of the source).
-struct CodeStats {
-  int64_t absmax = 0;
-  int64_t row_l1_max = 0;
-};
-
-// int8 [rows, n] (contiguous) -> fp32 [rows, n]; int32 words [rows, n / 8] holding eight int4
-// codes each (lowest bits first, sign-extended) -> fp32 [rows, n]. `dst` is contiguous.
-using CodesToFloatFn = CodeStats(const at::Tensor& src, bool int4, at::Tensor& dst);
-// acc [m, n] (int32) = a [m, k] (fp32 codes) x W (int8, or int4 words; rows [k, n], or [n, k]
-// when w_trans), exactly: W is converted panel by panel, the panels summed in int32.
-using TiledIntGemmFn = void(const float* a, int64_t m, int64_t k, int64_t n, const void* w,
-                            bool int4, bool w_trans, int32_t* acc);
-// int4 words [rows, w] -> int8 codes [rows, 8 w].
-using UnpackInt4Fn = void(const at::Tensor& src, at::Tensor& dst);
-// acc (int32, contiguous) += int32(partial) (fp32 holding exact integers, same numel).
-using AccumulateChunkFn = void(at::Tensor& acc, const at::Tensor& partial);
 
 // The epilogue over rows of the accumulator acc [batches * m, n] (int32, or fp32 holding the
 // exact int32 values or, for float operands, the fp32 product):
@@ -58,18 +31,28 @@ struct QuantMatmulEpilogue {
   at::Tensor offset;    // fp32 [1] or [n] or undefined
   int64_t m = 1;        // rows per batch (pertoken index = row % m, bias batch = row / m)
 };
-using QuantMatmulEpilogueFn = void(const at::Tensor& acc, const QuantMatmulEpilogue& e,
-                                   at::Tensor& out);
+
+// npu_quant_matmul after validation: out [*out_batch, m, n] = epilogue(a @ w) per output batch.
+struct QuantMatmulArgs {
+  at::Tensor a;  // x1's codes, contiguous [*a_batch, m, k] (int4: int32 words [*a_batch, m, k / 8])
+  // x2's codes, contiguous [*w_batch, k, n], or [*w_batch, n, k] when w_trans (int4: int32
+  // words, eight codes each along the last dim)
+  at::Tensor w;
+  bool int4 = false;
+  bool w_trans = false;
+  int64_t m = 0, k = 0, n = 0;  // k may be 0: the product is then 0
+  // The output's batch dims and the operands', which broadcast to them.
+  std::vector<int64_t> out_batch, a_batch, w_batch;
+  QuantMatmulEpilogue epilogue;
+};
+// out: contiguous, non-empty, in the output dtype (int8, float16, bfloat16 or int32).
+using QuantMatmulFn = void(const QuantMatmulArgs& args, at::Tensor& out);
 
 // weight int32 [..., n] with values in [-8, 7] -> int32 [..., n / 8], eight codes per word,
 // lowest bits first.
 using PackInt4Fn = void(const at::Tensor& weight, at::Tensor& packed);
 
-extern CpuKernel<CodesToFloatFn> codes_to_float_cpu;
-extern CpuKernel<TiledIntGemmFn> tiled_int_gemm_cpu;
-extern CpuKernel<UnpackInt4Fn> unpack_int4_cpu;
-extern CpuKernel<AccumulateChunkFn> accumulate_chunk_cpu;
-extern CpuKernel<QuantMatmulEpilogueFn> quant_matmul_epilogue_cpu;
-extern CpuKernel<PackInt4Fn> pack_int4_cpu;
+extern KernelSlots<QuantMatmulFn> quant_matmul;
+extern KernelSlots<PackInt4Fn> pack_int4;
 
 }  // namespace opennpu::quant

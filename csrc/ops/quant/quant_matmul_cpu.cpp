@@ -1,12 +1,29 @@
 // CPU kernels of npu_quant_matmul and npu_convert_weight_to_int4pack (compiled once per ISA; see
-// common/cpu_dispatch.h and quant_matmul.h): code conversion with the exactness bound, int4
-// packing and unpacking, int32 chunk accumulation, and the fused dequantise / requantise
-// epilogue. The GEMM itself is a library call (quant_matmul.cpp).
+// common/cpu_dispatch.h and quant_matmul.h): the exact int32 product, code conversion with its
+// exactness bound, int4 packing and unpacking, int32 chunk accumulation, and the fused
+// dequantise / requantise epilogue.
+//
+// How the int32 product is computed: ATen's int8 GEMM (at::_int_mm) is fast only where oneDNN
+// has int8 dot-product instructions (AVX512-VNNI, AMX); elsewhere it is a scalar loop, many
+// times slower than MKL's sgemm. There the codes are converted to fp32 and multiplied by MKL's
+// sgemm (common/blas.h), which is exact: every product of two codes is an integer of at most
+// 2^14 and every partial sum an integer no larger than sum_k |x1_ik| |x2_kj|; while that bound is
+// <= 2^24 each partial sum is an exactly representable fp32, whatever order the GEMM adds in.
+// Usually W is converted panel by panel in cache, 512 deep (so the bound always holds) and the
+// panels summed in int32 (tiled_int_gemm_kernel); for many rows the whole operands are converted,
+// the conversion measures the bound (per-row L1 norms and absolute maxima of the codes), and K is
+// split into chunks that keep it, summed in int32.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
+#include <ATen/ops/_int_mm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/util/accumulate.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <cstring>
 #include <vector>
 
 #include "common/blas.h"
@@ -20,6 +37,16 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 using IVec = at::vec::Vectorized<int32_t>;
+
+// Largest integer magnitude below which every fp32 integer sum is exact.
+constexpr int64_t kExactFloatInt = int64_t{1} << 24;
+
+// Statistics of converted codes: the largest |code| and the largest row L1 norm (sum of |code|
+// over the contiguous last dim of the source).
+struct CodeStats {
+  int64_t absmax = 0;
+  int64_t row_l1_max = 0;
+};
 
 // Code k (0..7) of an int4 word, sign-extended: bits [4k, 4k + 4).
 inline int32_t nibble(int32_t word, int k) {
@@ -87,6 +114,8 @@ inline int64_t int4_to_float(const int32_t* src, float* dst, int64_t words, int3
   return l1;
 }
 
+// int8 [rows, n] (contiguous) -> fp32 [rows, n]; int32 words [rows, n / 8] holding eight int4
+// codes each (lowest bits first, sign-extended) -> fp32 [rows, n]. `dst` is contiguous.
 CodeStats codes_to_float_kernel(const at::Tensor& src, bool int4, at::Tensor& dst) {
   const int64_t rows = dst.size(0);
   const int64_t n = dst.size(1);
@@ -164,6 +193,7 @@ void tiled_int_gemm_kernel(const float* a, int64_t m, int64_t k, int64_t n, cons
   });
 }
 
+// int4 words [rows, w] -> int8 codes [rows, 8 w].
 void unpack_int4_kernel(const at::Tensor& src, at::Tensor& dst) {
   const int64_t rows = src.size(0);
   const int64_t w = src.size(1);
@@ -180,6 +210,7 @@ void unpack_int4_kernel(const at::Tensor& src, at::Tensor& dst) {
   });
 }
 
+// acc (int32, contiguous) += int32(partial) (fp32 holding exact integers, same numel).
 void accumulate_chunk_kernel(at::Tensor& acc, const at::Tensor& partial) {
   int32_t* a = acc.mutable_data_ptr<int32_t>();
   const float* p = partial.const_data_ptr<float>();
@@ -302,6 +333,136 @@ void quant_matmul_epilogue_kernel(const at::Tensor& acc, const QuantMatmulEpilog
   }
 }
 
+// Up to this many rows of x1 per batch, W is converted to fp32 panel by panel
+// (tiled_int_gemm_kernel); above, once whole, and MKL's threads run one large GEMM. The bound is
+// high because the whole path's exactness chunks along K cost more than the panels' re-reads of
+// x1 up to thousands of rows (the measurements are in the commit that moved this here).
+constexpr int64_t kTiledRows = 4096;
+
+// How the int32 product is computed (see the top of this file): ATen's int8 GEMM where oneDNN
+// has int8 dot-product instructions, else exact fp32 GEMMs: panel by panel for few rows
+// (kTiledRows), whole otherwise. OPENNPU_QUANT_MATMUL_GEMM=int / tiled / whole forces one (tests
+// run each).
+enum class GemmPath { kInt, kTiled, kWhole };
+
+GemmPath gemm_path(int64_t m) {
+  const char* forced = std::getenv("OPENNPU_QUANT_MATMUL_GEMM");
+  if (forced != nullptr && std::strcmp(forced, "int") == 0) return GemmPath::kInt;
+  if (forced != nullptr && std::strcmp(forced, "tiled") == 0) return GemmPath::kTiled;
+  if (forced != nullptr && std::strcmp(forced, "whole") == 0) return GemmPath::kWhole;
+  static const bool fast_int8 = at::cpu::is_avx512_vnni_supported() || at::cpu::init_amx();
+  if (fast_int8) return GemmPath::kInt;
+  return m <= kTiledRows ? GemmPath::kTiled : GemmPath::kWhole;
+}
+
+// Index into an operand's (contiguous) batches of output batch b, with broadcasting.
+int64_t batch_index(const std::vector<int64_t>& out_batch, c10::IntArrayRef batch, int64_t b) {
+  int64_t index = 0, stride = 1;
+  const int64_t skip = static_cast<int64_t>(out_batch.size()) - static_cast<int64_t>(batch.size());
+  for (int64_t d = static_cast<int64_t>(out_batch.size()) - 1; d >= 0; --d) {
+    const int64_t coord = b % out_batch[d];
+    b /= out_batch[d];
+    if (d < skip) continue;
+    const int64_t size = batch[d - skip];
+    if (size != 1) index += coord * stride;
+    stride *= size;
+  }
+  return index;
+}
+
+// The int32 product of every output batch, as int32 [B * m, n] or fp32 holding exact integers.
+at::Tensor int_product(const QuantMatmulArgs& op) {
+  const bool int4 = op.int4;
+  const std::vector<int64_t>& out_batch = op.out_batch;
+  const c10::IntArrayRef a_batch = op.a_batch, w_batch = op.w_batch;
+  const int64_t batches = c10::multiply_integers(out_batch);
+  const int64_t m = op.m, k = op.k, n = op.n;
+  const auto opts = op.a.options();
+  const GemmPath path = gemm_path(m);
+  if (path == GemmPath::kInt) {
+    auto as_int8 = [&](const at::Tensor& t, int64_t cols) {
+      if (!int4) return t;
+      at::Tensor codes = at::empty({t.numel() / (cols / 8), cols}, opts.dtype(at::kChar));
+      unpack_int4_kernel(t.reshape({-1, cols / 8}), codes);
+      return codes;
+    };
+    const at::Tensor a = as_int8(op.a, k).view({-1, m, k});
+    const at::Tensor w = as_int8(op.w, op.w_trans ? k : n).view({-1, op.w_trans ? n : k,
+                                                                 op.w_trans ? k : n});
+    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kInt));
+    for (int64_t b = 0; b < batches; ++b) {
+      at::Tensor out = acc.narrow(0, b * m, m);
+      const at::Tensor wb = w[batch_index(out_batch, w_batch, b)];
+      at::_int_mm_out(out, a[batch_index(out_batch, a_batch, b)], op.w_trans ? wb.t() : wb);
+    }
+    return acc;
+  }
+  // fp32 copies of x1's codes; W converted panel by panel (few rows: W's traffic dominates).
+  const int64_t a_rows = op.a.numel() / (int4 ? k / 8 : k);
+  if (path == GemmPath::kTiled) {
+    at::Tensor af = at::empty({a_rows, k}, opts.dtype(at::kFloat));
+    codes_to_float_kernel(op.a.reshape({a_rows, -1}), int4, af);
+    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kInt));
+    const int64_t w_batch_elems = op.w.numel() / std::max<int64_t>(c10::multiply_integers(w_batch), 1);
+    const auto* w_bytes = static_cast<const char*>(op.w.const_data_ptr());
+    for (int64_t b = 0; b < batches; ++b) {
+      tiled_int_gemm_kernel(
+          af.const_data_ptr<float>() + batch_index(out_batch, a_batch, b) * m * k, m, k, n,
+          w_bytes + batch_index(out_batch, w_batch, b) * w_batch_elems * op.w.element_size(),
+          int4, op.w_trans, acc.mutable_data_ptr<int32_t>() + b * m * n);
+    }
+    return acc;
+  }
+  // Whole fp32 copies of the codes and the exactness bound (see the top of this file).
+  at::Tensor af = at::empty({op.a.numel() / (int4 ? k / 8 : k), k}, opts.dtype(at::kFloat));
+  const CodeStats sa = codes_to_float_kernel(op.a.reshape({af.size(0), -1}), int4, af);
+  const int64_t w_cols = op.w_trans ? k : n;
+  at::Tensor wf = at::empty({op.w.numel() / (int4 ? w_cols / 8 : w_cols), w_cols},
+                            opts.dtype(at::kFloat));
+  const CodeStats sw = codes_to_float_kernel(op.w.reshape({wf.size(0), -1}), int4, wf);
+  int64_t bound = sa.row_l1_max * sw.absmax;
+  if (op.w_trans) bound = std::min(bound, sw.row_l1_max * sa.absmax);
+  const int64_t chunk = bound <= kExactFloatInt
+                            ? k
+                            : std::max<int64_t>(1, kExactFloatInt / (sa.absmax * sw.absmax));
+  const float* pa = af.const_data_ptr<float>();
+  const float* pw = wf.const_data_ptr<float>();
+  if (chunk >= k) {  // one exact GEMM per batch, straight into the accumulator
+    at::Tensor acc = at::empty({batches * m, n}, opts.dtype(at::kFloat));
+    for (int64_t b = 0; b < batches; ++b) {
+      blas::gemm<float, float>(false, op.w_trans, m, n, k, 1.f,
+                               pa + batch_index(out_batch, a_batch, b) * m * k, k,
+                               pw + batch_index(out_batch, w_batch, b) * k * n, w_cols, 0.f,
+                               acc.mutable_data_ptr<float>() + b * m * n, n);
+    }
+    return acc;
+  }
+  at::Tensor acc = at::zeros({batches * m, n}, opts.dtype(at::kInt));
+  at::Tensor partial = at::empty({m, n}, opts.dtype(at::kFloat));
+  for (int64_t b = 0; b < batches; ++b) {
+    const float* ab = pa + batch_index(out_batch, a_batch, b) * m * k;
+    const float* wb = pw + batch_index(out_batch, w_batch, b) * k * n;
+    at::Tensor acc_b = acc.narrow(0, b * m, m);
+    for (int64_t k0 = 0; k0 < k; k0 += chunk) {
+      const int64_t kc = std::min(chunk, k - k0);
+      blas::gemm<float, float>(false, op.w_trans, m, n, kc, 1.f, ab + k0, k,
+                               wb + (op.w_trans ? k0 : k0 * n), w_cols, 0.f,
+                               partial.mutable_data_ptr<float>(), n);
+      accumulate_chunk_kernel(acc_b, partial);
+    }
+  }
+  return acc;
+}
+
+void quant_matmul_kernel(const QuantMatmulArgs& args, at::Tensor& out) {
+  if (args.k == 0) {  // an empty sum: the accumulator is 0
+    const at::Tensor acc = at::zeros({c10::multiply_integers(args.out_batch) * args.m, args.n},
+                                     args.a.options().dtype(at::kInt));
+    return quant_matmul_epilogue_kernel(acc, args.epilogue, out);
+  }
+  quant_matmul_epilogue_kernel(int_product(args), args.epilogue, out);
+}
+
 void pack_int4_kernel(const at::Tensor& weight, at::Tensor& packed) {
   const int64_t words = packed.numel();
   const int32_t* in = weight.const_data_ptr<int32_t>();
@@ -319,12 +480,8 @@ void pack_int4_kernel(const at::Tensor& weight, at::Tensor& packed) {
 
 }  // namespace
 
-OPENNPU_REGISTER_CPU_KERNEL(codes_to_float_cpu, &codes_to_float_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(tiled_int_gemm_cpu, &tiled_int_gemm_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(unpack_int4_cpu, &unpack_int4_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(accumulate_chunk_cpu, &accumulate_chunk_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(quant_matmul_epilogue_cpu, &quant_matmul_epilogue_kernel);
-OPENNPU_REGISTER_CPU_KERNEL(pack_int4_cpu, &pack_int4_kernel);
+OPENNPU_REGISTER_CPU_SLOT(quant_matmul, &quant_matmul_kernel);
+OPENNPU_REGISTER_CPU_SLOT(pack_int4, &pack_int4_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::quant
