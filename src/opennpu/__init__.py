@@ -38,7 +38,7 @@ from . import distributed  # noqa: E402
 # npu tensors; not where a CUDA GPU is visible, unless asked (see _device.py). TORCH_TRANSFER_TO_NPU
 # (run CUDA code on npu, below) asks for it, torch_npu included.
 if os.environ.get("TORCH_TRANSFER_TO_NPU", "0") != "0":
-    os.environ.setdefault(_device.ENV, "1")
+    _device.ask_for_npu()
 if _device.register():
     distributed.register()
 

@@ -14,6 +14,7 @@ tensors.
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import torch
@@ -23,6 +24,14 @@ from _opennpu_compat import cuda_gpu_visible, npu_device_wanted as wanted
 
 def is_registered() -> bool:
     return torch._C._get_privateuse1_backend_name() == "npu"
+
+
+def ask_for_npu() -> None:
+    """For code that runs on npu by definition (TORCH_TRANSFER_TO_NPU, `opennpu analyze`): npu and
+    torch_npu on also beside a visible GPU, unless OPENNPU_NPU_DEVICE=0 says never. Set in the
+    environment, so the import hook and child processes (DDP ranks) agree."""
+    if os.environ.get(ENV, "auto") != "0":
+        os.environ[ENV] = "1"
 
 
 def register(explicit: bool = False) -> bool:

@@ -194,7 +194,7 @@ def test_beside_a_gpu_torch_npu_needs_the_switch_which_warns_about_cuda_autograd
     probe = run_python("import torch, opennpu\n"
                        "try:\n    import torch_npu\nexcept ModuleNotFoundError:\n    print('absent')\n"
                        "print(torch.accelerator.current_accelerator().type)",
-                       TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+                       TORCH_DEVICE_BACKEND_AUTOLOAD="0", OPENNPU_NPU_DEVICE="auto")
     assert probe.returncode == 0 and probe.stdout.split() == ["absent", "cuda"], probe.stderr
     result = run_python("import warnings; warnings.simplefilter('always'); import torch_npu; "
                         "import torch; print(torch.accelerator.current_accelerator())",
@@ -214,6 +214,7 @@ def test_analyze_turns_npu_on_beside_a_gpu(tmp_path):
             "from opennpu.analyze import runner\n"
             f"assert runner.main([{str(script)!r}, '-o', {str(tmp_path / 'report')!r}]) == 0\n"
             "assert torch.npu.is_available()\n")
-    result = run_python(code, TORCH_DEVICE_BACKEND_AUTOLOAD="0")
+    # auto: a test before this one in the worker may have run `analyze` in-process (which sets 1)
+    result = run_python(code, TORCH_DEVICE_BACKEND_AUTOLOAD="0", OPENNPU_NPU_DEVICE="auto")
     assert result.returncode == 0, result.stderr
     assert "6.0" in result.stdout and "pytorch/pytorch#161129" in result.stderr

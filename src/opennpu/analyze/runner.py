@@ -40,11 +40,9 @@ def run_script(path, argv=(), *, steps: int | None = None, step_on: str = "optim
 def _npu_device_on() -> None:
     """The command runs a script on the npu device, so it asks for npu (and torch_npu) also
     beside a visible CUDA GPU, where they are off by default (docs/npu_device.md)."""
-    import os
-
     from .. import _device, distributed
 
-    os.environ.setdefault(_device.ENV, "1")
+    _device.ask_for_npu()
     if _device.register(explicit=True):
         distributed.register()
 
