@@ -1,13 +1,14 @@
 """opennpu's native CUDA kernels against the GPU peers, on one GPU, ratios from one run.
 
-    python -m benchmarks.cuda_kernels [--quick] [--json out.json]
+    python -m benchmarks.cuda_kernels [--quick] [--json out.json] [--ops rms_norm,attention]
 
 Per case: our median time per call (CUDA events around a batch of calls), effective GB/s (each
 tensor read or written once) and its fraction of the device-to-device copy bandwidth measured at
 the start of the run, and the speedup over each peer: the native PyTorch composition in eager
 mode, torch.compile of it (Inductor's fused Triton kernel), the portable path (opennpu's ATen
-composition, what a CUDA tensor got before these kernels), F.rms_norm for rms_norm, and
-Liger-Kernel's Triton kernel where Liger has the op and is importable. Method: shared/PERFORMANCE.md.
+composition, what a CUDA tensor got before these kernels), F.rms_norm for rms_norm,
+Liger-Kernel's Triton kernel where Liger has the op and is importable, and
+F.scaled_dot_product_attention for attention (which runs through the same flash kernels). Method: shared/PERFORMANCE.md.
 """
 
 from __future__ import annotations
@@ -142,6 +143,54 @@ def dynamic_quant_cases(t, h, dtype):
     return [("dynamic_quant", "fwd", nbytes, fwd)]
 
 
+def _no_flash(fn):
+    """fn with flash attention off: the portable composition the route replaces."""
+    def run():
+        torch.backends.cuda.enable_flash_sdp(False)
+        try:
+            return fn()
+        finally:
+            torch.backends.cuda.enable_flash_sdp(True)
+    return run
+
+
+def attention_cases(b, n, nkv, s, d, dtype):
+    """npu_fusion_attention (causal, BSND) through the flash route, against the seed's native
+    composition, torch.compile of it, the portable composition and F.scaled_dot_product_attention
+    (the same flash kernels: the route's overhead). Bytes: Q, K, V, O once (compute-bound)."""
+    q, k, v = rand(b, s, n, d, dtype=dtype), rand(b, s, nkv, d, dtype=dtype), rand(b, s, nkv, d, dtype=dtype)
+    mask, scale = torch.ones(2048, 2048, dtype=torch.bool, device="cuda").triu(1), d ** -0.5
+    causal = torch.ones(s, s, dtype=torch.bool, device="cuda").triu(1)
+
+    def ours():
+        return npu.npu_fusion_attention(q, k, v, n, "BSND", atten_mask=mask, scale=scale,
+                                        sparse_mode=3)
+
+    def native(q, k, v):
+        qb, kb, vb = (t.transpose(1, 2) for t in (q, k, v))
+        kb, vb = kb.repeat_interleave(n // nkv, 1), vb.repeat_interleave(n // nkv, 1)
+        return reference.native_flash_attention_seed(qb, kb, vb, causal, scale=scale, layout="BNSD")
+
+    def sdpa(q, k, v):
+        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                              is_causal=True, scale=scale, enable_gqa=nkv != n)
+
+    out, smax, ssum = ours()[:3]
+    dy = torch.randn_like(out)
+    size = 2 * (q.numel() + k.numel()) * q.element_size()
+    fwd = {"ours": ours, "eager": lambda: native(q, k, v), "compile": compiled(native, q, k, v),
+           "portable": _no_flash(ours), "sdpa": lambda: sdpa(q, k, v)}
+
+    def grad(**kw):
+        return npu.npu_fusion_attention_grad(q, k, v, dy, n, "BSND", atten_mask=mask,
+                                             softmax_max=smax, softmax_sum=ssum, attention_in=out,
+                                             scale_value=scale, sparse_mode=3)
+
+    bwd = {"ours": grad, "eager": grad_of(native, dy.transpose(1, 2), q, k, v),
+           "portable": _no_flash(grad), "sdpa": grad_of(sdpa, dy.transpose(1, 2), q, k, v)}
+    return [("attention", "fwd", size, fwd), ("attention", "bwd", 2 * size, bwd)]
+
+
 def compiled(fn, *args):
     c = torch.compile(fn)
     return lambda: c(*args)
@@ -156,15 +205,21 @@ def grad_of(fn, dy, *inputs):
 
 
 def all_cases(quick):
+    """(op family, shape, a function building the family's cases)."""
     dtype = torch.bfloat16
     rows = [(4096, 4096)] if quick else [(4096, 4096), (16384, 8192)]
     for t, h in rows:
-        yield f"T={t} H={h}", lambda t=t, h=h: rms_norm_cases(t, h, dtype)
-        yield f"T={t} H={h}", lambda t=t, h=h: add_rms_norm_cases(t, h, dtype)
-        yield f"T={t} H={h}", lambda t=t, h=h: swiglu_cases(t, h, dtype)
-        yield f"T={t} H={h}", lambda t=t, h=h: dynamic_quant_cases(t, h, dtype)
+        shape = f"T={t} H={h}"
+        yield "rms_norm", shape, lambda t=t, h=h: rms_norm_cases(t, h, dtype)
+        yield "add_rms_norm", shape, lambda t=t, h=h: add_rms_norm_cases(t, h, dtype)
+        yield "swiglu", shape, lambda t=t, h=h: swiglu_cases(t, h, dtype)
+        yield "dynamic_quant", shape, lambda t=t, h=h: dynamic_quant_cases(t, h, dtype)
     for b, n, s, d in [(4, 32, 2048, 128)] if quick else [(4, 32, 2048, 128), (64, 32, 1, 128)]:
-        yield f"B={b} N={n} S={s} D={d}", lambda b=b, n=n, s=s, d=d: rotary_cases(b, n, s, d, dtype)
+        yield "rotary_mul", f"B={b} N={n} S={s} D={d}", lambda b=b, n=n, s=s, d=d: rotary_cases(
+            b, n, s, d, dtype)
+    for b, n, nkv, s in [(4, 32, 8, 2048)] if quick else [(4, 32, 8, 2048), (1, 32, 32, 8192)]:
+        yield "attention", f"B={b} N={n}/{nkv} S={s} D=128", lambda b=b, n=n, nkv=nkv, s=s: (
+            attention_cases(b, n, nkv, s, 128, dtype))
 
 
 def main(argv=None):
@@ -172,15 +227,19 @@ def main(argv=None):
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--ops", help="comma-separated op families to run (default: all)")
     args = parser.parse_args(argv)
+    wanted = set(args.ops.split(",")) if args.ops else None
     bw = copy_bandwidth()
     print(f"{torch.cuda.get_device_name()}: copy {bw:.0f} GB/s; bf16; torch {torch.__version__}; "
           f"liger {'yes' if LigerRMSNormFunction else 'not installed'}")
-    peers = ("eager", "compile", "portable", "F.rms_norm", "liger")
+    peers = ("eager", "compile", "portable", "F.rms_norm", "liger", "sdpa")
     print(f"{'op':14} {'dir':4} {'shape':24} {'ours us':>9} {'GB/s':>7} {'%copy':>6} "
           + " ".join(f"{'x' + p:>11}" for p in peers))
     results = []
-    for shape, build in all_cases(args.quick):
+    for family, shape, build in all_cases(args.quick):
+        if wanted is not None and family not in wanted:
+            continue
         try:
             built = build()
         except Exception as error:

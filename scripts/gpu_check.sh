@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import torch, opennpu; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 status=0
-python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_cuda_kernels.py tests/ops/test_llm_decode_e2e.py \
+python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_cuda_kernels.py tests/ops/test_attention_flash.py tests/ops/test_llm_decode_e2e.py \
   tests/device/test_registration.py::test_beside_a_gpu_torch_npu_needs_the_switch_which_warns_about_cuda_autograd \
   2>&1 | tee "$out/cuda_kernels.log" | tail -40 || status=1
 python3 -m pytest -q -p no:cacheprovider -n 8 -m cuda tests/ops/test_portable.py 2>&1 | tee "$out/portable_cuda.log" | tail -40 || status=1

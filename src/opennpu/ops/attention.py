@@ -53,6 +53,9 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     attention_out in query's dtype and layout (head size of value); softmax_max / softmax_sum
     float32 (float64 for float64 inputs) ``[B, N, Sq, 8]`` (TND ``[T, N, 8]``) with the row max of the logits and the row sum
     of ``exp(logit - max)``, 8 copies each; softmax_out empty; numels the number of mask bits.
+    On CUDA, calls that fit flash attention run ATen's flash kernels and return the row's
+    log-sum-exp as softmax_max with softmax_sum = 1, the same normaliser ``max + log(sum)``
+    (opennpu.ops.flash_route lists what fits).
     Differentiable in query, key, value, pse and sink.
     """
     return _ops.npu_fusion_attention(

@@ -54,6 +54,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from . import flash_route
 from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
@@ -1436,10 +1437,17 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
     acc = _acc(query.dtype)
     sk = sink.to(acc) if sink is not None else None
     dropout = keep_prob < 1.0
+    flash = flash_route.plan(query, key, value, head_num, layout, pse=pse, atten_mask=atten_mask,
+                             keep_prob=keep_prob, pre_tokens=pre_tockens,
+                             next_tokens=next_tockens, sparse_mode=sparse_mode, sink=sink,
+                             actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen)
     if layout == "TND":
         t, n = query.shape[0], head_num
         seqs = _tnd_sequences(actual_seq_qlen, actual_seq_kvlen, sparse_mode)
         numels = _tnd_numels(n, seqs)
+        if flash is not None:
+            out, smax, ssum = flash_route.forward(flash, query, key, value, scale, softmax_layout)
+            return out, smax, ssum, query.new_empty([0]), seed, offset, numels
         keep = None
         if dropout:
             if dropout_mask is None:
@@ -1476,6 +1484,13 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
             smax, ssum = smax.t().reshape(t, n), ssum.t().reshape(t, n)
         return (out.to(query.dtype), _stats8(smax), _stats8(ssum), query.new_empty([0]),
                 seed, offset, numels)
+    if flash is not None:
+        out, smax, ssum = flash_route.forward(flash, query, key, value, scale)
+        d, _, _ = _layout_dims(query, key, value, head_num, layout)
+        q = _to_bnsd(query, layout, head_num, d)
+        k = _to_bnsd(key, layout, flash.kv_heads, d)
+        numels = q.shape[0] * head_num * q.shape[2] * k.shape[2]
+        return out, smax, ssum, query.new_empty([0]), seed, offset, numels
     q, k, v = _fa_bnsd_operands(query, key, value, head_num, layout)
     b, _, sq, _ = q.shape
     skv = k.shape[2]
@@ -1504,14 +1519,23 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                               numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                               sparse_mode=0, gen_mask_parallel=True, sync=False,
                               softmax_layout="", sink=None):
-    # P is recomputed from Q and K in fp32 (the saved statistics are not needed); rowsum(dO * O)
-    # takes the forward's output attention_in where given, as the CPU kernel does; dropout
-    # regenerates the mask from (seed, offset).
+    # On CUDA, a call that fits flash attention runs its backward (flash_route: it needs
+    # attention_in and the statistics). Otherwise P is recomputed from Q and K in fp32 (the saved
+    # statistics are not needed); rowsum(dO * O) takes the forward's output attention_in where
+    # given, as the CPU kernel does; dropout regenerates the mask from (seed, offset).
     layout = input_layout.upper()
     acc = _acc(query.dtype)
     sk = sink.to(acc) if sink is not None else None
     scale = scale_value
     dropout = keep_prob < 1.0
+    flash = flash_route.plan(query, key, value, head_num, layout, pse=pse, atten_mask=atten_mask,
+                             keep_prob=keep_prob, pre_tokens=pre_tockens,
+                             next_tokens=next_tockens, sparse_mode=sparse_mode, sink=sink,
+                             actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen)
+    grads = flash and flash_route.backward(flash, query, key, value, dy, attention_in, softmax_max,
+                                           softmax_sum, scale, softmax_layout)
+    if grads:
+        return (*grads, query.new_empty([0]), query.new_zeros([0], dtype=torch.float32))
     no_pse = query.new_empty([0])
     no_sink = query.new_zeros([0], dtype=torch.float32)
     if layout == "TND":

@@ -1,0 +1,225 @@
+"""npu_fusion_attention on CUDA through ATen's flash-attention kernels, where the call fits.
+
+The portable composition (portable.py) materialises the [B, N, Sq, Skv] scores in float32: right
+everywhere, slow and memory-bound on a GPU. Where a call asks for what flash attention computes,
+the portable forward and backward hand it to `aten::_flash_attention_forward` / `_backward`
+(the kernels behind F.scaled_dot_product_attention), which read Q, K, V in their layout (BSND
+strides; BSH, SBH and BNSD are views of it, TND is the varlen form) and never store the scores.
+
+A call fits when
+- the tensors are float16 / bfloat16 on a CUDA device of compute capability 8.0 or newer, with
+  torch.backends.cuda.flash_sdp_enabled() (turning it off restores the composition);
+- there is no pse, sink or dropout (keep_prob = 1: the dropout bits must be opennpu's Philox
+  stream, which flash does not draw), and no element count is zero;
+- the head size is a multiple of 8, at most 256, equal for Q, K and V, and N is a multiple of
+  N_kv (GQA / MQA run natively);
+- the visible keys form a band the flash kernels express. Flash aligns its band to the bottom
+  right: key j is visible from query i iff i + shift - left <= j <= i + shift + right, with
+  shift = Skv - Sq and -1 for an unbounded side. Without atten_mask nothing is masked (as in the
+  CPU kernel); sparse_mode 3 is (left, right) = (-1, 0) and 4 is (pre, next); 2 (j <= i) is
+  (-1, -shift) when Skv <= Sq. Modes that read the mask's content (0, 1, 5) and the prefix /
+  split-varlen modes (5-8) keep the composition. TND fits with sparse_mode 0 without a mask, 3,
+  or 2 when every sequence is square, and cumulative lengths that cover the whole tensors.
+
+Statistics. Flash returns the log-sum-exp L of each row's scaled logits, not the row max m and
+the sum s = sum(exp(logit - m)) that the CPU kernel writes. The route returns softmax_max = L and
+softmax_sum = 1: the same normaliser, since every consumer uses the pair as m + log(s) (the
+backward, and ring attention's merge of partial results: s * exp(m - M) is unchanged). Rows that
+see no key keep the CPU kernel's (-inf, 0). The backward rebuilds L = m + log(s) from whichever
+kernel wrote the pair.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+@dataclass(frozen=True)
+class FlashCall:
+    layout: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    left: int  # window sizes, -1 = unbounded
+    right: int
+    cum_q: list | None = None  # TND: cumulative ends of the sequences
+    cum_kv: list | None = None
+
+
+def _available(query) -> bool:
+    return (query.device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled()
+            and _capable(query.device.index if query.device.index is not None
+                         else torch.cuda.current_device()))
+
+
+def _window(mode, has_mask, sq, skv, pre, nxt):
+    """(left, right) of the band of sparse_mode `mode`, or None where flash cannot express it."""
+    if not has_mask:
+        return -1, -1
+    shift = skv - sq
+    if mode == 3:
+        return -1, 0
+    if mode == 2:
+        return (-1, -shift) if shift <= 0 else None
+    if mode == 4:
+        if pre < 0 or nxt < 0:
+            return None
+        return (-1 if pre >= skv else pre), (-1 if nxt >= skv else nxt)
+    return None
+
+
+def _cumulative(ends, total):
+    """The ends as a list when they rise monotonically and cover `total` rows, else None."""
+    if ends is None or len(ends) == 0:
+        return None
+    ends = [int(e) for e in ends]
+    if ends[-1] != total or any(b < a for a, b in zip([0] + ends, ends)):
+        return None
+    return ends
+
+
+def plan(query, key, value, head_num, input_layout, *, pse=None, atten_mask=None, keep_prob=1.0,
+         pre_tokens=2147483647, next_tokens=2147483647, sparse_mode=0, sink=None,
+         actual_seq_qlen=None, actual_seq_kvlen=None) -> FlashCall | None:
+    """The flash call for these arguments, or None where the composition must run."""
+    if not _available(query) or query.dtype not in _HALF:
+        return None
+    if key.dtype != query.dtype or value.dtype != query.dtype or key.shape != value.shape:
+        return None
+    if pse is not None or sink is not None or keep_prob < 1.0:
+        return None
+    if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
+        return None
+    layout = input_layout.upper()
+    if layout in ("BSH", "SBH"):
+        d = query.shape[2] // head_num
+        if d == 0 or query.shape[2] != d * head_num or key.shape[2] % d or value.shape[2] != key.shape[2]:
+            return None
+        nkv = key.shape[2] // d
+    elif layout in ("BSND", "BNSD", "TND"):
+        d = query.shape[-1]
+        nkv = key.shape[-2] if layout in ("BSND", "TND") else key.shape[1]
+        if key.shape[-1] != d or value.shape[-1] != d:
+            return None
+    else:
+        return None
+    if d % 8 or d > 256 or nkv == 0 or head_num % nkv:
+        return None
+    has_mask = atten_mask is not None
+    if layout == "TND":
+        cum_q = _cumulative(actual_seq_qlen, query.shape[0])
+        cum_kv = _cumulative(actual_seq_kvlen, key.shape[0])
+        if cum_q is None or cum_kv is None or len(cum_q) != len(cum_kv):
+            return None
+        lens = [(b - a, d_ - c) for a, b, c, d_ in zip([0] + cum_q, cum_q, [0] + cum_kv, cum_kv)]
+        if any(sq > 0 and skv == 0 for sq, skv in lens):
+            return None
+        if has_mask and sparse_mode not in (2, 3):
+            return None
+        if has_mask and sparse_mode == 2 and any(sq != skv for sq, skv in lens):
+            return None
+        left, right = (-1, 0) if has_mask else (-1, -1)
+        return FlashCall(layout, head_num, nkv, d, left, right, cum_q, cum_kv)
+    sq = query.shape[{"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}[layout]]
+    skv = key.shape[{"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}[layout]]
+    window = _window(sparse_mode, has_mask, sq, skv, pre_tokens, next_tokens)
+    if window is None:
+        return None
+    return FlashCall(layout, head_num, nkv, d, *window)
+
+
+def _bsnd(t, call: FlashCall, heads: int):
+    """A BSND view of a BSH / SBH / BSND / BNSD tensor (no copy); TND stays [T, N, D]."""
+    if call.layout == "BSH":
+        return t.unflatten(2, (heads, call.head_dim))
+    if call.layout == "SBH":
+        return t.unflatten(2, (heads, call.head_dim)).transpose(0, 1)
+    if call.layout == "BNSD":
+        return t.transpose(1, 2)
+    return t
+
+
+def _from_bsnd(t, call: FlashCall):
+    if call.layout == "BSH":
+        return t.flatten(2).contiguous()
+    if call.layout == "SBH":
+        return t.transpose(0, 1).flatten(2).contiguous()
+    if call.layout == "BNSD":
+        return t.transpose(1, 2).contiguous()
+    return t.contiguous()
+
+
+def _lengths(call: FlashCall, q, k):
+    """(cum_seq_q, cum_seq_k, max_q, max_k) of the flash call."""
+    if call.cum_q is None:
+        return None, None, q.shape[1], k.shape[1]
+    dev = q.device
+    cq = torch.tensor([0] + call.cum_q, dtype=torch.int32, device=dev)
+    ck = torch.tensor([0] + call.cum_kv, dtype=torch.int32, device=dev)
+    max_q = max(b - a for a, b in zip([0] + call.cum_q, call.cum_q))
+    max_k = max(b - a for a, b in zip([0] + call.cum_kv, call.cum_kv))
+    return cq, ck, max_q, max_k
+
+
+def _stats8(stat):
+    return stat.unsqueeze(-1).expand(*stat.shape, 8).contiguous()
+
+
+def forward(call: FlashCall, query, key, value, scale, softmax_layout=""):
+    """(attention_out, softmax_max, softmax_sum) in the shapes the CPU kernel returns."""
+    q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, call.kv_heads), _bsnd(
+        value, call, call.kv_heads)
+    cq, ck, max_q, max_k = _lengths(call, q, k)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cq, ck, max_q, max_k, 0.0, False, False, scale=scale,
+        window_size_left=call.left, window_size_right=call.right)
+    dead = ~torch.isfinite(lse)  # flash writes +inf for a row that sees no key
+    smax = lse.masked_fill(dead, float("-inf"))
+    ssum = (~dead).to(lse.dtype)
+    if call.layout == "TND":  # lse is [N, T]
+        t, n = query.shape[0], call.heads
+        if softmax_layout == "":  # [N, T, 8] storage viewed as [T, N, 8], as the CPU kernel
+            smax, ssum = smax.reshape(t, n), ssum.reshape(t, n)
+        else:
+            smax, ssum = smax.t(), ssum.t()
+    return _from_bsnd(out, call), _stats8(smax), _stats8(ssum)
+
+
+def _lse_of(call: FlashCall, softmax_max, softmax_sum, query, softmax_layout):
+    m, s = softmax_max[..., 0].float(), softmax_sum[..., 0].float()
+    lse = torch.where(s > 0, m + torch.log(s), float("inf"))
+    if call.layout == "TND":
+        t, n = query.shape[0], call.heads
+        lse = lse.contiguous().view(n, t) if softmax_layout == "" else lse.t()
+    return lse.contiguous()
+
+
+def backward(call: FlashCall, query, key, value, dy, attention_in, softmax_max, softmax_sum,
+             scale, softmax_layout=""):
+    """(dq, dk, dv) in the layout of query, key and value; None where the saved forward results
+    do not fit (flash needs the output and both statistics, in the inputs' dtype)."""
+    if attention_in is None or softmax_max is None or softmax_sum is None:
+        return None
+    if dy.dtype != query.dtype or attention_in.dtype != query.dtype:
+        return None
+    q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, call.kv_heads), _bsnd(
+        value, call, call.kv_heads)
+    g, o = _bsnd(dy, call, call.heads), _bsnd(attention_in, call, call.heads)
+    cq, ck, max_q, max_k = _lengths(call, q, k)
+    lse = _lse_of(call, softmax_max, softmax_sum, query, softmax_layout)
+    rng = torch.zeros(2, dtype=torch.uint64, device=query.device)  # unused without dropout
+    unused = torch.empty(0, device=query.device)
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        g, q, k, v, o, lse, cq, ck, max_q, max_k, 0.0, False, rng, unused, scale=scale,
+        window_size_left=call.left, window_size_right=call.right)
+    return _from_bsnd(dq, call), _from_bsnd(dk, call), _from_bsnd(dv, call)
