@@ -230,3 +230,38 @@ def test_autograd_and_compile_on_cuda_use_the_route():
         torch.testing.assert_close(f(q, k, v), out, atol=1.6e-2, rtol=1.6e-2)
     finally:
         torch.backends.cuda.enable_flash_sdp(True)
+
+
+@gpu
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_the_kernel_sdpa_prefers_runs_and_matches(cudnn):
+    q, k, v = _qkv("BSND", b=2, n=8, nkv=2, sq=256, skv=256, d=128, dtype=torch.bfloat16)
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+    try:
+        qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
+        call = flash_route.plan(qc, kc, vc, 8, "BSND", atten_mask=MASK, sparse_mode=3)
+        expected = "cudnn" if flash_route._prefers_cudnn(call, qc, kc, vc, 0.1) else "flash"
+        if not cudnn:
+            assert expected == "flash"
+        got = npu.npu_fusion_attention(qc, kc, vc, 8, "BSND", atten_mask=MASK.cuda(),
+                                       sparse_mode=3, scale=0.1)
+        assert flash_route.last_kernel == expected
+        ref = npu.npu_fusion_attention(q, k, v, 8, "BSND", atten_mask=MASK, sparse_mode=3,
+                                       scale=0.1)
+        torch.testing.assert_close(got[0].cpu(), ref[0], atol=1.6e-2, rtol=1.6e-2)
+        dy = torch.randn_like(ref[0])
+        def grad(dev, r):
+            return npu.npu_fusion_attention_grad(
+                *(t.to(dev) for t in (q, k, v, dy)), 8, "BSND", atten_mask=MASK.to(dev),
+                softmax_max=r[1], softmax_sum=r[2], attention_in=r[0], scale_value=0.1,
+                sparse_mode=3)
+
+        flash_route.last_kernel = None
+        grads = [grad("cuda", got)]
+        assert flash_route.last_kernel == expected
+        grads.append(grad("cpu", ref))
+        for a, b in zip(grads[0][:3], grads[1][:3]):
+            torch.testing.assert_close(a.cpu().float(), b.float(), atol=3e-2, rtol=3e-2)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)

@@ -21,6 +21,13 @@ A call fits when
   split-varlen modes (5-8) keep the composition. TND fits with sparse_mode 0 without a mask, 3,
   or 2 when every sequence is square, and cumulative lengths that cover the whole tensors.
 
+Kernel. Among the kernels behind F.scaled_dot_product_attention, the route takes the one SDPA
+itself would pick (aten::_fused_sdp_choice, asked as for a training call): cuDNN's fused
+attention where SDPA prefers it (Hopper and newer with a recent cuDNN; dense calls whose band is
+all keys or square causal), flash otherwise. Under torch.compile's tracing the choice cannot
+be asked and flash runs. `last_kernel` names the kernel of the latest call (for tests and
+benchmarks).
+
 Statistics. Flash returns the log-sum-exp L of each row's scaled logits, not the row max m and
 the sum s = sum(exp(logit - m)) that the CPU kernel writes. The route returns softmax_max = L and
 softmax_sum = 1: the same normaliser, since every consumer uses the pair as m + log(s) (the
@@ -37,6 +44,8 @@ from dataclasses import dataclass
 import torch
 
 _HALF = (torch.float16, torch.bfloat16)
+_CUDNN = 3  # SDPBackend.CUDNN_ATTENTION
+last_kernel = None  # "flash" or "cudnn": the kernel of the latest forward or backward
 
 
 @functools.lru_cache(maxsize=None)
@@ -171,6 +180,44 @@ def _lengths(call: FlashCall, q, k):
     return cq, ck, max_q, max_k
 
 
+def _prefers_cudnn(call: FlashCall, q, k, v, scale) -> bool:
+    """Whether SDPA would run cuDNN's attention for these BSND operands (dense calls only)."""
+    if call.cum_q is not None or call.left != -1 or call.right not in (-1, 0):
+        return False
+    if torch._subclasses.fake_tensor.is_fake(q) or not torch.backends.cuda.cudnn_sdp_enabled():
+        return False
+    causal = call.right == 0
+    if causal and q.shape[1] != k.shape[1]:  # SDPA's is_causal is top-left: equal only if square
+        return False
+    training = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
+    choice = torch.ops.aten._fused_sdp_choice(*training, None, 0.0, causal, scale=scale,
+                                              enable_gqa=call.kv_heads != call.heads)
+    return choice == _CUDNN
+
+
+def _cudnn_forward(call, q, k, v, scale):
+    """(out BSND, lse [B, N, Sq]) from cuDNN, or None where cuDNN finds no plan for the call."""
+    try:
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0,
+            call.right == 0, False, scale=scale)[:2]
+    except RuntimeError:  # cuDNN frontend: no execution plan for this shape; flash computes it
+        return None
+    return out.transpose(1, 2), lse[..., 0]
+
+
+def _cudnn_backward(call, g, q, k, v, o, lse, scale):
+    zero = torch.zeros((), dtype=torch.int64, device=q.device)  # Philox state: no dropout
+    bnsd = [t.transpose(1, 2) for t in (g, q, k, v, o)]
+    try:
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            *bnsd, lse.unsqueeze(-1).contiguous(), zero, zero, None, None, None, q.shape[1],
+            k.shape[1], 0.0, call.right == 0, scale=scale)
+    except RuntimeError:
+        return None
+    return [t.transpose(1, 2) for t in grads]
+
+
 def _stats8(stat):
     return stat.unsqueeze(-1).expand(*stat.shape, 8).contiguous()
 
@@ -179,10 +226,17 @@ def forward(call: FlashCall, query, key, value, scale, softmax_layout=""):
     """(attention_out, softmax_max, softmax_sum) in the shapes the CPU kernel returns."""
     q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, call.kv_heads), _bsnd(
         value, call, call.kv_heads)
-    cq, ck, max_q, max_k = _lengths(call, q, k)
-    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-        q, k, v, cq, ck, max_q, max_k, 0.0, False, False, scale=scale,
-        window_size_left=call.left, window_size_right=call.right)
+    global last_kernel
+    done = _cudnn_forward(call, q, k, v, scale) if _prefers_cudnn(call, q, k, v, scale) else None
+    if done is not None:
+        out, lse = done
+        last_kernel = "cudnn"
+    else:
+        cq, ck, max_q, max_k = _lengths(call, q, k)
+        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cq, ck, max_q, max_k, 0.0, False, False, scale=scale,
+            window_size_left=call.left, window_size_right=call.right)
+        last_kernel = "flash"
     dead = ~torch.isfinite(lse)  # flash writes +inf for a row that sees no key
     smax = lse.masked_fill(dead, float("-inf"))
     ssum = (~dead).to(lse.dtype)
@@ -214,12 +268,21 @@ def backward(call: FlashCall, query, key, value, dy, attention_in, softmax_max, 
         return None
     q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, call.kv_heads), _bsnd(
         value, call, call.kv_heads)
-    g, o = _bsnd(dy, call, call.heads), _bsnd(attention_in, call, call.heads)
-    cq, ck, max_q, max_k = _lengths(call, q, k)
+    # dO in O's layout (both in the layout of the call, as the forward wrote O)
+    g, o = _bsnd(dy.contiguous(), call, call.heads), _bsnd(attention_in.contiguous(), call, call.heads)
     lse = _lse_of(call, softmax_max, softmax_sum, query, softmax_layout)
-    rng = torch.zeros(2, dtype=torch.uint64, device=query.device)  # unused without dropout
-    unused = torch.empty(0, device=query.device)
-    dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        g, q, k, v, o, lse, cq, ck, max_q, max_k, 0.0, False, rng, unused, scale=scale,
-        window_size_left=call.left, window_size_right=call.right)
+    global last_kernel
+    grads = (_cudnn_backward(call, g, q, k, v, o, lse, scale)
+             if _prefers_cudnn(call, q, k, v, scale) else None)
+    if grads is not None:
+        dq, dk, dv = grads
+        last_kernel = "cudnn"
+    else:
+        cq, ck, max_q, max_k = _lengths(call, q, k)
+        rng = torch.zeros(2, dtype=torch.uint64, device=query.device)  # unused without dropout
+        unused = torch.empty(0, device=query.device)
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            g, q, k, v, o, lse, cq, ck, max_q, max_k, 0.0, False, rng, unused, scale=scale,
+            window_size_left=call.left, window_size_right=call.right)
+        last_kernel = "flash"
     return _from_bsnd(dq, call), _from_bsnd(dk, call), _from_bsnd(dv, call)
