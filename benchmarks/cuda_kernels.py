@@ -191,6 +191,25 @@ def attention_cases(b, n, nkv, s, d, dtype):
     return [("attention", "fwd", size, fwd), ("attention", "bwd", 2 * size, bwd)]
 
 
+def decode_attention_cases(b, n, nkv, skv, d, dtype):
+    """npu_fused_infer_attention_score decoding one token per sequence (BSH, GQA) over a dense
+    cache, against the portable composition and F.scaled_dot_product_attention. Bytes: the K/V
+    cache read once (memory-bound)."""
+    q = rand(b, 1, n * d, dtype=dtype)
+    k, v = rand(b, skv, nkv * d, dtype=dtype), rand(b, skv, nkv * d, dtype=dtype)
+    scale = d ** -0.5
+
+    def ours():
+        return npu.npu_fused_infer_attention_score(q, k, v, num_heads=n, num_key_value_heads=nkv,
+                                                   input_layout="BSH", scale=scale)
+
+    qb, kb, vb = q.unflatten(2, (n, d)).transpose(1, 2), k.unflatten(2, (nkv, d)).transpose(1, 2), \
+        v.unflatten(2, (nkv, d)).transpose(1, 2)
+    fwd = {"ours": ours, "portable": _no_flash(ours),
+           "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=nkv != n)}
+    return [("infer_attention", "fwd", 2 * k.numel() * k.element_size(), fwd)]
+
+
 def compiled(fn, *args):
     c = torch.compile(fn)
     return lambda: c(*args)
@@ -220,6 +239,9 @@ def all_cases(quick):
     for b, n, nkv, s in [(4, 32, 8, 2048)] if quick else [(4, 32, 8, 2048), (1, 32, 32, 8192)]:
         yield "attention", f"B={b} N={n}/{nkv} S={s} D=128", lambda b=b, n=n, nkv=nkv, s=s: (
             attention_cases(b, n, nkv, s, 128, dtype))
+    for b, skv in [(16, 8192)] if quick else [(16, 8192), (64, 4096)]:
+        yield "infer_attention", f"B={b} N=32/8 Skv={skv} D=128", lambda b=b, skv=skv: (
+            decode_attention_cases(b, 32, 8, skv, 128, dtype))
 
 
 def main(argv=None):

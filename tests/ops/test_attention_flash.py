@@ -265,3 +265,111 @@ def test_the_kernel_sdpa_prefers_runs_and_matches(cudnn):
             torch.testing.assert_close(a.cpu().float(), b.float(), atol=3e-2, rtol=3e-2)
     finally:
         torch.backends.cuda.enable_cudnn_sdp(previous)
+
+
+# ------------------------------------------------------------- npu_fused_infer_attention_score
+
+def _fia_args(layout="BSH", b=2, n=8, kvn=2, sq=1, skv=64, d=64, dtype=torch.float16, device="cpu"):
+    shapes = {"BSH": ((b, sq, n * d), (b, skv, kvn * d)), "BSND": ((b, sq, n, d), (b, skv, kvn, d)),
+              "BNSD": ((b, n, sq, d), (b, kvn, skv, d))}[layout]
+    q = torch.randn(shapes[0], dtype=dtype, device=device)
+    k, v = (torch.randn(shapes[1], dtype=dtype, device=device) for _ in range(2))
+    return q, k, v
+
+
+def _infer(q, k, v, lin="BSH", lout=None, n=8, kvn=2, mask=None, mode=0, pre=BIG, nxt=BIG,
+           seq_q=None, seq_kv=None, unrouted=False):
+    return flash_route.infer(q, k, v, num_heads=n, num_key_value_heads=kvn, lin=lin,
+                             lout=lout or lin, scale=0.125, atten_mask=mask, sparse_mode=mode,
+                             pre_tokens=pre, next_tokens=nxt, seq_q=seq_q, seq_kv=seq_kv,
+                             lse_flag=True, unrouted=unrouted)
+
+
+@pytest.fixture
+def captured(cuda_capable, monkeypatch):
+    seen = {}
+
+    def attend(call, q, k, v, scale, used=None):
+        seen.update(call=call, used=None if used is None else used.tolist())
+        return torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype), torch.zeros(
+            q.shape[0], q.shape[2], q.shape[1])
+
+    monkeypatch.setattr(flash_route, "_attend", attend)
+    return seen
+
+
+def test_infer_routes_decode_with_key_lengths(captured):
+    q, k, v = _fia_args()
+    out, lse = _infer(q, k, v, seq_kv=[5, 64], mode=3, mask=MASK)  # decode: every key visible
+    assert out.shape == q.shape and lse.shape == (2, 8, 1, 1)
+    assert captured["used"] == [5, 64]
+    assert (captured["call"].left, captured["call"].right) == (-1, -1)
+    assert _infer(q, k, v, seq_kv=[7]) is not None and captured["used"] == [7, 7]
+
+
+def test_infer_routes_prefill_bands(captured):
+    q, k, v = _fia_args("BNSD", sq=64, skv=64)
+    _infer(q, k, v, lin="BNSD", lout="BSND", mode=3)
+    assert (captured["call"].left, captured["call"].right) == (-1, 0)
+    _infer(q, k, v, lin="BNSD", mode=4, pre=8, nxt=0)
+    assert (captured["call"].left, captured["call"].right) == (8, 0)
+    _infer(q, k, v, lin="BNSD", mode=2, seq_kv=None)
+    assert (captured["call"].left, captured["call"].right) == (-1, 0)
+
+
+@pytest.mark.parametrize("why", ["paged or pse", "mask content", "query lengths", "key length 0",
+                                 "key lengths per batch wrong", "top-left with key lengths",
+                                 "finite top-left band", "int8 cache", "TND"])
+def test_infer_keeps_the_composition(captured, why):
+    q, k, v = _fia_args("BSH", sq=16, skv=64)
+    kw = {}
+    if why == "paged or pse":
+        kw = dict(unrouted=True)
+    elif why == "mask content":
+        kw = dict(mask=torch.zeros(16, 64, dtype=torch.bool))
+    elif why == "query lengths":
+        kw = dict(seq_q=[16, 9])
+    elif why == "key length 0":
+        kw = dict(seq_kv=[0, 64])
+    elif why == "key lengths per batch wrong":
+        kw = dict(seq_kv=[3, 4, 5])
+    elif why == "top-left with key lengths":
+        kw = dict(mode=2, seq_kv=[16, 16])
+    elif why == "finite top-left band":
+        kw = dict(pre=4)
+    elif why == "int8 cache":
+        k, v = (torch.randint(-8, 8, k.shape, dtype=torch.int8) for _ in range(2))
+    elif why == "TND":
+        kw = dict(lin="TND")
+    assert _infer(q, k, v, **kw) is None
+
+
+FIA_CASES = [  # (layout, sq, skv, sparse_mode, actual_seq_lengths_kv)
+    ("BSH", 1, 300, 0, [17, 300]),
+    ("BNSD", 1, 128, 0, None),
+    ("BSND", 64, 64, 3, None),
+    ("BNSD_BSND", 40, 96, 3, [70, 96]),
+    ("BSH", 32, 32, 0, None),
+]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", FIA_CASES, ids=lambda c: "-".join(map(str, c[:4])))
+def test_infer_attention_matches_the_cpu_kernel(case, dtype):
+    layout, sq, skv, mode, seq_kv = case
+    lin = layout.split("_")[0]
+    q, k, v = _fia_args(lin, sq=sq, skv=skv, dtype=dtype)
+    kw = dict(num_heads=8, num_key_value_heads=2, input_layout=layout, scale=0.125,
+              sparse_mode=mode, actual_seq_lengths_kv=seq_kv, softmax_lse_flag=True)
+
+    def fia(q, k, v):
+        return npu.npu_fused_infer_attention_score(
+            q, k, v, atten_mask=MASK.to(q.device) if mode else None, **kw)
+
+    flash_route.last_kernel = None
+    got, ref = _run_both(fia, q, k, v)
+    assert flash_route.last_kernel in ("flash", "cudnn")
+    tol = dict(atol=2e-3, rtol=2e-3) if dtype == torch.float16 else dict(atol=1.6e-2, rtol=1.6e-2)
+    torch.testing.assert_close(got[0].cpu(), ref[0], **tol)
+    torch.testing.assert_close(got[1].cpu(), ref[1], atol=1e-3, rtol=1e-4)

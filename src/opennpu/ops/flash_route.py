@@ -1,4 +1,5 @@
-"""npu_fusion_attention on CUDA through ATen's flash-attention kernels, where the call fits.
+"""npu_fusion_attention and npu_fused_infer_attention_score on CUDA through ATen's flash-attention
+kernels, where the call fits.
 
 The portable composition (portable.py) materialises the [B, N, Sq, Skv] scores in float32: right
 everywhere, slow and memory-bound on a GPU. Where a call asks for what flash attention computes,
@@ -38,6 +39,7 @@ kernel wrote the pair.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -67,6 +69,7 @@ class FlashCall:
 
 def _available(query) -> bool:
     return (query.device.type == "cuda" and torch.backends.cuda.flash_sdp_enabled()
+            and torch.cuda.is_available()  # fake CUDA tensors on a machine without a GPU
             and _capable(query.device.index if query.device.index is not None
                          else torch.cuda.current_device()))
 
@@ -222,21 +225,29 @@ def _stats8(stat):
     return stat.unsqueeze(-1).expand(*stat.shape, 8).contiguous()
 
 
+def _attend(call: FlashCall, q, k, v, scale, seqused_k=None):
+    """(out BSND, lse [B, N, Sq] or varlen [N, T]) of BSND (or varlen [T, N, D]) operands, by the
+    kernel SDPA prefers (cuDNN only for dense calls without per-batch key lengths)."""
+    global last_kernel
+    done = None
+    if seqused_k is None and _prefers_cudnn(call, q, k, v, scale):
+        done = _cudnn_forward(call, q, k, v, scale)
+    if done is not None:
+        last_kernel = "cudnn"
+        return done
+    cq, ck, max_q, max_k = _lengths(call, q, k)
+    out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
+        q, k, v, cq, ck, max_q, max_k, 0.0, False, False, scale=scale,
+        window_size_left=call.left, window_size_right=call.right, seqused_k=seqused_k)
+    last_kernel = "flash"
+    return out, lse
+
+
 def forward(call: FlashCall, query, key, value, scale, softmax_layout=""):
     """(attention_out, softmax_max, softmax_sum) in the shapes the CPU kernel returns."""
     q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, call.kv_heads), _bsnd(
         value, call, call.kv_heads)
-    global last_kernel
-    done = _cudnn_forward(call, q, k, v, scale) if _prefers_cudnn(call, q, k, v, scale) else None
-    if done is not None:
-        out, lse = done
-        last_kernel = "cudnn"
-    else:
-        cq, ck, max_q, max_k = _lengths(call, q, k)
-        out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cq, ck, max_q, max_k, 0.0, False, False, scale=scale,
-            window_size_left=call.left, window_size_right=call.right)
-        last_kernel = "flash"
+    out, lse = _attend(call, q, k, v, scale)
     dead = ~torch.isfinite(lse)  # flash writes +inf for a row that sees no key
     smax = lse.masked_fill(dead, float("-inf"))
     ssum = (~dead).to(lse.dtype)
@@ -247,6 +258,56 @@ def forward(call: FlashCall, query, key, value, scale, softmax_layout=""):
         else:
             smax, ssum = smax.t(), ssum.t()
     return _from_bsnd(out, call), _stats8(smax), _stats8(ssum)
+
+
+_INFER_LAYOUTS = ("BSH", "BSND", "BNSD")
+
+
+def infer(query, key, value, *, num_heads, num_key_value_heads, lin, lout, scale, atten_mask,
+          sparse_mode, pre_tokens, next_tokens, seq_q, seq_kv, lse_flag, unrouted):
+    """npu_fused_infer_attention_score's (attention_out, softmax_lse) by the flash kernels, or
+    None where the call does not fit: the dense (not paged) BSH / BSND / BNSD layouts without
+    pse_shift, rope parts, sink or quantisation (`unrouted` is True when any of those is given),
+    query lengths equal to Sq, key lengths (actual_seq_lengths_kv, each at least 1) through
+    flash's per-batch `seqused_k`, and the band of sparse_mode as in npu_fusion_attention
+    except that every mode applies without a mask; a decode call (Sq = 1) sees every key."""
+    if unrouted or lin not in _INFER_LAYOUTS or lout not in _INFER_LAYOUTS:
+        return None
+    kvn = num_key_value_heads or num_heads
+    sq = query.shape[2] if lin == "BNSD" else query.shape[1]
+    skv = key.shape[2] if lin == "BNSD" else key.shape[1]
+    if seq_q is not None and sq > 1 and any(int(s_) != sq for s_ in seq_q):
+        return None
+    batch = query.shape[0]
+    if seq_kv is not None and (len(seq_kv) not in (1, batch)
+                               or any(not 1 <= int(s_) <= skv for s_ in seq_kv)):
+        return None
+    if atten_mask is not None and sparse_mode in (0, 1):
+        return None  # the mask's content decides
+    call = plan(query, key, value, num_heads, lin)
+    if call is None or call.kv_heads != kvn:
+        return None
+    if sq > 1 and sparse_mode in (2, 3, 4):  # a decode call (Sq = 1) sees every key
+        if sparse_mode == 2 and seq_kv is not None:
+            return None  # top-left alignment with per-batch key lengths
+        window = _window(sparse_mode, True, sq, skv, pre_tokens, next_tokens)
+        if window is None:
+            return None
+        call = dataclasses.replace(call, left=window[0], right=window[1])
+    elif sq > 1 and sparse_mode == 0 and (pre_tokens < sq - 1 or next_tokens < skv - 1):
+        return None  # a top-left band that hides keys
+    q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, kvn), _bsnd(value, call, kvn)
+    used = None
+    if seq_kv is not None:
+        lens = [int(s_) for s_ in seq_kv]
+        used = torch.tensor(lens * batch if len(lens) == 1 else lens, dtype=torch.int32,
+                            device=query.device)
+    out, lse = _attend(call, q, k, v, scale, used)
+    out = _from_bsnd(out, FlashCall(lout, call.heads, kvn, call.head_dim, -1, -1))
+    if not lse_flag:
+        return out, query.new_zeros(1, dtype=torch.float32)
+    dead = ~torch.isfinite(lse)
+    return out, lse.masked_fill(dead, float("-inf")).unsqueeze(-1)
 
 
 def _lse_of(call: FlashCall, softmax_max, softmax_sum, query, softmax_layout):
