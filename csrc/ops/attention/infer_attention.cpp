@@ -771,54 +771,37 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
     return qt.offset.defined() ? xf.add(bcast(qt.offset)).mul_(sc) : xf.mul(sc);
   };
   at::Tensor qx = conv(q), kx, vx;
-  if (int8) {
-    at::Tensor idx;
-    at::Tensor kr8 = kc, vr8 = vc;
-    if (paged) {
-      const int64_t cols = (max_kv + a.block_size - 1) / a.block_size;
-      idx = at::zeros({batch, std::max<int64_t>(cols, 1)}, table.options().dtype(at::kLong));
-      const int32_t* t = table.const_data_ptr<int32_t>();
-      int64_t* ix = idx.data_ptr<int64_t>();
-      for (int64_t b = 0; b < batch; ++b) {
-        const int64_t need = (p.kv_len[b] + a.block_size - 1) / a.block_size;
-        for (int64_t j = 0; j < need; ++j) ix[b * idx.size(1) + j] = t[b * table_cols + j];
-      }
-      const auto gather = [&](const at::Tensor& c) {
-        return c.index_select(0, idx.flatten())
-            .reshape({batch, idx.size(1) * a.block_size, KVN, c.size(-1)})
-            .permute({0, 2, 1, 3});
-      };
-      kr8 = gather(kc);
-      vr8 = gather(vc);
-    }
-    if (!tnd || paged) {  // only the rows read: keys [0, max_kv)
-      kr8 = kr8.narrow(2, 0, max_kv);
-      vr8 = vr8.narrow(2, 0, max_kv);
-    }
-    kx = conv(dequant(kr8, kq, idx));
-    vx = conv(dequant(vr8, vq, idx));
-  } else if (paged) {
-    // Gather the blocks each sequence uses into [B, KVN, S, D]: O(S * D) next to O(Sq * S * D).
+  // Paged: gather the blocks each sequence uses into [B, KVN, S, D]: O(S * D) next to
+  // O(Sq * S * D).
+  at::Tensor idx;
+  if (paged) {
     const int64_t cols = (max_kv + a.block_size - 1) / a.block_size;
-    at::Tensor idx = at::zeros({batch, std::max<int64_t>(cols, 1)}, table.options().dtype(at::kLong));
+    idx = at::zeros({batch, std::max<int64_t>(cols, 1)}, table.options().dtype(at::kLong));
     const int32_t* t = table.const_data_ptr<int32_t>();
     int64_t* ix = idx.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t need = (p.kv_len[b] + a.block_size - 1) / a.block_size;
       for (int64_t j = 0; j < need; ++j) ix[b * idx.size(1) + j] = t[b * table_cols + j];
     }
-    const auto gather = [&](const at::Tensor& c) {
-      return conv(c.index_select(0, idx.flatten()))
-          .reshape({batch, idx.size(1) * a.block_size, KVN, c.size(-1)})
-          .permute({0, 2, 1, 3});
-    };
-    kx = gather(kc);
-    vx = gather(vc);
-    if (rope) kr = gather(kr);
+  }
+  const auto rows = [&](const at::Tensor& c) {
+    if (!paged) return c;
+    return c.index_select(0, idx.flatten())
+        .reshape({batch, idx.size(1) * a.block_size, KVN, c.size(-1)})
+        .permute({0, 2, 1, 3});
+  };
+  if (int8) {
+    at::Tensor k8 = rows(kc), v8 = rows(vc);
+    if (!tnd || paged) {  // only the rows read: keys [0, max_kv)
+      k8 = k8.narrow(2, 0, max_kv);
+      v8 = v8.narrow(2, 0, max_kv);
+    }
+    kx = conv(dequant(k8, kq, idx));
+    vx = conv(dequant(v8, vq, idx));
   } else {
-    kx = conv(kc);
-    vx = conv(vc);
-    if (rope) kr = conv(kr);
+    kx = conv(rows(kc));
+    vx = conv(rows(vc));
+    if (rope) kr = conv(rows(kr));
   }
   if (rope) {
     qx = at::cat({qx, conv(qr)}, -1);
