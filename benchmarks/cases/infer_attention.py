@@ -5,6 +5,11 @@ timed) and torch.compile of the native composition (gather + matmul + softmax + 
 32 query heads / 8 kv heads, D=128, block size 128, blocks shuffled. Decode reads the whole
 cache once, so the effective bytes are K + V (+ q and out) and the bandwidth fraction against
 the copy roof is the figure of merit.
+
+The int8 case (KV-cache antiquant, per-channel key and value factors with offsets) reads half the
+bytes: it is timed against our own fp16/bf16-cache decode on the same values ("float_kv"), the
+dequantise-then-attention composition (gather + (x + offset) * scale + matmul / softmax / matmul)
+eagerly and under torch.compile.
 """
 
 from __future__ import annotations
@@ -75,6 +80,56 @@ def decode(batch, ctx, dtype, threads):
                      qh.float(), kg.float(), vg.float(), scale=SCALE, enable_gqa=True))
 
 
+def _dequant(k8, scale, offset):
+    """[nb, bs, KVN * D] int8 -> (x + offset) * scale in fp32 (per-channel [KVN * D] factors)."""
+    return (k8.float() + offset) * scale
+
+
+def native_int8(q, k8, v8, ks, ko, vs, vo, table):
+    """Dequantise the gathered blocks, then the native attention composition (fp32 scores)."""
+    kg, vg = k8[table.long()], v8[table.long()]
+    k, v = _dequant(kg, ks, ko).to(q.dtype), _dequant(vg, vs, vo).to(q.dtype)
+    flat = table.new_tensor(range(table.numel())).view(table.shape)
+    return native(q, k.flatten(0, 1), v.flatten(0, 1), flat)
+
+
+def decode_int8(batch, ctx, dtype, threads):
+    from opennpu.testing.timing import compiled
+
+    q, k, v, table = _inputs(batch, ctx, dtype)
+    h = KV_HEADS * HEAD_DIM
+    ks, vs = torch.rand(h) * 0.02 + 0.01, torch.rand(h) * 0.02 + 0.01
+    ko, vo = torch.randn(h), torch.randn(h)
+    k8 = torch.randint(-128, 128, k.shape, dtype=torch.int8)
+    v8 = torch.randint(-128, 128, v.shape, dtype=torch.int8)
+    kf, vf = _dequant(k8, ks, ko).to(dtype), _dequant(v8, vs, vo).to(dtype)  # the float cache
+    lens = [ctx] * batch
+    native_compiled = compiled(native_int8, q, k8, v8, ks, ko, vs, vo, table, threads=threads)
+    kw = dict(num_heads=HEADS, num_key_value_heads=KV_HEADS, input_layout="BSH", scale=SCALE,
+              block_table=table, block_size=BLOCK, actual_seq_lengths_kv=lens)
+
+    def ours():
+        return npu.npu_fused_infer_attention_score(
+            q, k8, v8, key_antiquant_scale=ks.to(dtype), key_antiquant_offset=ko.to(dtype),
+            value_antiquant_scale=vs.to(dtype), value_antiquant_offset=vo.to(dtype), **kw)[0]
+
+    baselines = {"float_kv": lambda: npu.npu_fused_infer_attention_score(q, kf, vf, **kw)[0],
+                 "compile": lambda: native_compiled(q, k8, v8, ks, ko, vs, vo, table)}
+    if batch * ctx <= 8 * 4096:
+        baselines["eager"] = lambda: native_int8(q, k8, v8, ks, ko, vs, vo, table)
+    # factors rounded to dtype, as ours receives them
+    ks, ko, vs, vo = (t.to(dtype).float() for t in (ks, ko, vs, vo))
+    qh = q.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
+    kd = _gathered(_dequant(k8, ks, ko), table)
+    vd = _gathered(_dequant(v8, vs, vo), table)
+    shape = (batch, 1, HEADS, HEAD_DIM)
+    return Timed(ours=lambda: ours().view(shape).transpose(1, 2),
+                 baselines={name: (lambda f=f: f().reshape(shape).transpose(1, 2))
+                            for name, f in baselines.items()},
+                 reference=lambda: F.scaled_dot_product_attention(
+                     qh.float(), kd, vd, scale=SCALE, enable_gqa=True))
+
+
 def cases(quick: bool, dtypes):
     shapes = ((8, 4096), (32, 4096)) if quick else ((8, 4096), (8, 16384), (32, 4096), (32, 16384))
     for (batch, ctx), dtype in itertools.product(shapes, dtypes):
@@ -84,4 +139,13 @@ def cases(quick: bool, dtypes):
         shape = f"decode B={batch} ctx={ctx} N={HEADS}/{KV_HEADS} D={HEAD_DIM} paged"
         yield Case("infer_attention", "fwd", shape, dtype, kv_bytes + qo_bytes,
                    functools.partial(decode, batch, ctx, dtype),
+                   ("npu_fused_infer_attention_score",))
+    for (batch, ctx), dtype in itertools.product(shapes, dtypes):
+        if dtype not in (torch.float16, torch.bfloat16):
+            continue
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM  # int8
+        qo_bytes = 2 * batch * HEADS * HEAD_DIM * dtype.itemsize
+        shape = f"decode int8 KV B={batch} ctx={ctx} N={HEADS}/{KV_HEADS} D={HEAD_DIM} paged"
+        yield Case("infer_attention", "fwd", shape, dtype, kv_bytes + qo_bytes,
+                   functools.partial(decode_int8, batch, ctx, dtype),
                    ("npu_fused_infer_attention_score",))

@@ -500,14 +500,17 @@ def _call(**over):
     (dict(num_key_value_heads=4), "must have 4 key/value heads"),
     (dict(key=torch.zeros(2, 2, 20, 6)), "argument 'key' must have the head size of 'query'"),
     (dict(value=torch.zeros(2, 2, 21, 8)), "argument 'value' must match 'key'"),
-    (dict(key=torch.zeros(2, 2, 20, 8, dtype=torch.int8)), "int8/int4 key/value antiquant"),
+    (dict(key=torch.zeros(2, 2, 20, 8, dtype=torch.int8)), "'key' is int8, which needs antiquant"),
+    (dict(key=torch.zeros(2, 2, 20, 2, dtype=torch.int32)), "int4 key/value packed in int32"),
     (dict(sparse_mode=5), "argument 'sparse_mode' must be 0, 1, 2, 3 or 4"),
     (dict(actual_seq_lengths_kv=[21, 3]), "actual_seq_lengths_kv' must hold lengths in"),
     (dict(actual_seq_lengths_kv=[7]), None),
     (dict(atten_mask=torch.zeros(2, 10, dtype=torch.bool)), "argument 'atten_mask' must be"),
     (dict(atten_mask=torch.zeros(2, 20)), "argument 'atten_mask' must be bool, int8 or uint8"),
     (dict(quant_scale2=torch.ones(1)), "argument 'quant_scale2' is not supported"),
-    (dict(key_antiquant_scale=torch.ones(1)), "argument 'key_antiquant_scale' is not supported"),
+    (dict(key_antiquant_scale=torch.ones(1)), "'value_antiquant_scale' must be given together"),
+    (dict(key_antiquant_scale=torch.ones(1), value_antiquant_scale=torch.ones(1)),
+     "'key_antiquant_scale' applies to an int8 key/value cache, but 'key' is Float"),
     (dict(key_shared_prefix=torch.ones(1)), "argument 'key_shared_prefix' is not supported"),
     (dict(query_rope=torch.ones(2, 4, 1, 4)), "argument 'key_rope' must be given together"),
     (dict(input_layout="TND", query=torch.zeros(3, 4, 8), key=torch.zeros(3, 2, 8),
@@ -544,7 +547,7 @@ def test_v2_bad_inputs():
     q, k, v = make("BSH", 1, 2, 2, 1, 4, 8, torch.float32)
     with pytest.raises(RuntimeError, match="argument 'out_dtype' is not supported"):
         npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2, out_dtype=1)
-    with pytest.raises(RuntimeError, match="argument 'dequant_scale_key' is not supported"):
+    with pytest.raises(RuntimeError, match="argument 'dequant_scale_value' must be given together"):
         npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2,
                                                dequant_scale_key=torch.ones(1))
     with pytest.raises(RuntimeError, match="argument 'learnable_sink' must be"):

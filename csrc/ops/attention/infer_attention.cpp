@@ -109,6 +109,17 @@ void reject(const char* op, const char* arg, const std::optional<at::Tensor>& t,
                     "); pass None");
 }
 
+// Antiquant factors of one side (key or value) of an int8 cache, as an entry point passes them:
+// `index` >= 0 when they are row `index` of v1's combined [2, ...] antiquant_scale/offset.
+struct Antiquant {
+  std::optional<at::Tensor> scale, offset;
+  int64_t mode = 0;
+  int64_t index = -1;
+  const char* scale_name = "";
+  const char* offset_name = "";
+  const char* mode_name = "";
+};
+
 // The arguments both versions share, in v1's names.
 struct Args {
   const at::Tensor& query;
@@ -131,7 +142,138 @@ struct Args {
   int64_t inner_precise;
   int64_t block_size;
   bool softmax_lse_flag;
+  Antiquant kq{}, vq{};  // no scale: float key/value
 };
+
+// The factors of one side in the form the kernels read (KvQuant): fp32, contiguous,
+// kChannel [KVN, width]; kToken [B, 1 | KVN, S] (logical rows) or [blocks, 1 | KVN, block_size]
+// (paged, modes 4 / 5).
+struct QuantTable {
+  KvQuant::Kind kind = KvQuant::Kind::kNone;
+  at::Tensor scale, offset;
+  bool paged = false;
+
+  KvQuant view() const {
+    KvQuant q;
+    q.kind = kind;
+    if (kind == KvQuant::Kind::kNone) return q;
+    q.scale = scale.const_data_ptr<float>();
+    q.offset = offset.defined() ? offset.const_data_ptr<float>() : nullptr;
+    if (kind == KvQuant::Kind::kToken) {
+      q.stride_blk = scale.stride(0);
+      q.stride_n = scale.size(1) == 1 ? 0 : scale.stride(1);
+      q.stride_s = scale.stride(2);
+      q.paged = paged;
+    }
+    return q;
+  }
+};
+
+// Checks one side's factors against torch_npu's shapes for its mode and normalises them.
+//   mode 0: per-channel (1, KV_N, 1, D), (1, KV_N, D), (1, H), (KV_N, 1, D), (KV_N, D), (H), or
+//           per-tensor (1,); mode 1: per-token (1, B, KV_S) or (B, KV_S), float32;
+//   mode 2: per-tensor per-head (KV_N,); mode 3: per-token per-head (B, KV_N, KV_S), float32;
+//   mode 4 / 5: per-token of a paged cache (blocknum, block_size) / (blocknum, KV_N, block_size),
+//           float32. A combined [2, ...] antiquant_scale holds the key (row 0) and value (row 1)
+//           factors in these shapes (modes 0 and 1).
+// Offsets have the scale's shape; (x + offset) * scale is what the kernels compute.
+QuantTable quant_table(const char* op, const Antiquant& aq, const at::Tensor& query, int64_t kvn,
+                       int64_t width, int64_t batch, int64_t max_kv, bool paged, bool tnd,
+                       int64_t blocks, int64_t block_size) {
+  QuantTable qt;
+  const int64_t mode = aq.mode;
+  const bool token = mode == 1 || mode == 3 || mode == 4 || mode == 5;
+  const auto take = [&](const at::Tensor& t, const char* name) {
+    check_same_device(op, name, t, "query", query);
+    const at::ScalarType st = t.scalar_type();
+    OPENNPU_CHECK_ARG(token ? st == at::kFloat
+                            : (st == at::kHalf || st == at::kBFloat16 || st == at::kFloat),
+                      op, name, "must be ", token ? "float32" : "float16, bfloat16 or float32",
+                      " for ", aq.mode_name, " ", mode, ", but got ", st);
+    if (aq.index < 0) return t;
+    OPENNPU_CHECK_ARG(t.dim() >= 1 && t.size(0) == 2, op, name,
+                      "must hold the key (row 0) and value (row 1) factors in a leading dim of "
+                      "2, but got shape ", shape_str(t.sizes()));
+    return t.select(0, aq.index);
+  };
+  at::Tensor sc = take(*aq.scale, aq.scale_name);
+  at::Tensor off;
+  if (aq.offset.has_value()) {
+    OPENNPU_CHECK_ARG(aq.offset->sizes() == aq.scale->sizes(), op, aq.offset_name,
+                      "must have the shape of '", aq.scale_name, "' ",
+                      shape_str(aq.scale->sizes()), ", but got ", shape_str(aq.offset->sizes()));
+    off = take(*aq.offset, aq.offset_name);
+  }
+  const std::vector<int64_t> sz(sc.sizes().begin(), sc.sizes().end());
+  const auto is = [&](std::initializer_list<int64_t> shape) {
+    return sz == std::vector<int64_t>(shape);
+  };
+  const int64_t H = kvn * width;
+  std::vector<int64_t> target;  // the normalised shape, before expanding
+  std::string expected;
+  switch (mode) {
+    case 0:
+      if (is({}) || is({1})) {
+        target = {1, 1};
+      } else if (is({1, kvn, 1, width}) || is({1, kvn, width}) || is({1, H}) ||
+                 is({kvn, 1, width}) || is({kvn, width}) || is({H})) {
+        target = {kvn, width};
+      }
+      expected = "(1, KV_N, 1, D), (1, KV_N, D), (1, H), (KV_N, 1, D), (KV_N, D), (H) (per "
+                 "channel) or (1,) (per tensor)";
+      break;
+    case 1:
+      if (sz.size() == 3 && sz[0] == 1 && sz[1] == batch) target = {batch, 1, sz[2]};
+      if (sz.size() == 2 && sz[0] == batch) target = {batch, 1, sz[1]};
+      expected = "(1, B, KV_S) or (B, KV_S) (per token)";
+      break;
+    case 2:
+      if (is({kvn})) target = {kvn, 1};
+      expected = "(KV_N,) (per tensor and head)";
+      break;
+    case 3:
+      if (sz.size() == 3 && sz[0] == batch && sz[1] == kvn) target = sz;
+      expected = "(B, KV_N, KV_S) (per token and head)";
+      break;
+    case 4:
+      if (is({blocks, block_size})) target = {blocks, 1, block_size};
+      expected = "(blocknum, block_size) (per token of a paged cache)";
+      break;
+    case 5:
+      if (is({blocks, kvn, block_size})) target = sz;
+      expected = "(blocknum, KV_N, block_size) (per token and head of a paged cache)";
+      break;
+    default:
+      OPENNPU_CHECK_ARG(false, op, aq.mode_name, "must be in [0, 5], but got ", mode);
+  }
+  OPENNPU_CHECK_ARG(!(mode == 4 || mode == 5) || paged, op, aq.mode_name, "may be ", mode,
+                    " only with a paged cache (block_table), but block_table is None");
+  OPENNPU_CHECK_ARG(!target.empty(), op, aq.scale_name, "must be ", expected, " for ",
+                    aq.mode_name, " ", mode, " with B = ", batch, ", KV_N = ", kvn, ", D = ", width,
+                    paged ? ", blocknum = " + std::to_string(blocks) + ", block_size = " +
+                                std::to_string(block_size)
+                          : std::string(),
+                    ", but got shape ", shape_str(aq.index < 0 ? aq.scale->sizes() : sc.sizes()),
+                    aq.index < 0 ? "" : " (after taking its row)");
+  if (mode == 1 || mode == 3) {
+    OPENNPU_CHECK_ARG(target[2] >= max_kv, op, aq.scale_name, "must cover the ", max_kv,
+                      " keys read (KV_S >= ", max_kv, "), but got shape ",
+                      shape_str(aq.scale->sizes()));
+    OPENNPU_CHECK_ARG(!tnd || paged, op, aq.mode_name, "may be ", mode,
+                      " (per token) with input_layout TND/NTD only with a paged cache");
+  }
+  const auto norm = [&](const at::Tensor& t) {
+    at::Tensor r = t.to(at::kFloat).reshape(target);
+    if (target[0] == 1 && target.size() == 2) r = r.expand({kvn, width});
+    if (target.size() == 2 && target[1] == 1) r = r.expand({kvn, width});
+    return r.contiguous();
+  };
+  qt.kind = token ? KvQuant::Kind::kToken : KvQuant::Kind::kChannel;
+  qt.paged = mode == 4 || mode == 5;
+  qt.scale = norm(sc);
+  if (off.defined()) qt.offset = norm(off);
+  return qt;
+}
 
 // Shapes of the outputs (what _infer_output computes).
 struct Shapes {
@@ -239,13 +381,33 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
                         query.scalar_type() == at::kFloat || query.scalar_type() == at::kDouble,
                     op, "query", "must be float16, bfloat16, float32 or float64, but got ",
                     query.scalar_type());
+  // int8 key/value: antiquant (the factors are checked once the batch and lengths are known).
+  const bool int8 = a.key.scalar_type() == at::kChar;
+  const bool quant_given = a.kq.scale.has_value();
+  if (int8) {
+    OPENNPU_CHECK_ARG(quant_given, op, "key",
+                      "is int8, which needs antiquant factors (key_antiquant_scale and "
+                      "value_antiquant_scale, or antiquant_scale), but none were given");
+    OPENNPU_CHECK_ARG(query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16 ||
+                          query.scalar_type() == at::kFloat,
+                      op, "query", "must be float16, bfloat16 or float32 with an int8 key/value "
+                      "cache, but got ", query.scalar_type());
+    OPENNPU_CHECK_ARG(!a.query_rope.has_value(), op, "key_rope",
+                      "is not supported with an int8 key/value cache (MLA has no antiquant)");
+  } else {
+    OPENNPU_CHECK_ARG(!quant_given, op, a.kq.scale_name,
+                      "applies to an int8 key/value cache, but 'key' is ", a.key.scalar_type(),
+                      "; pass None");
+  }
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"key", &a.key},
                                 {"value", &a.value}}) {
-    OPENNPU_CHECK_ARG(t->scalar_type() == query.scalar_type(), op, name,
-                      "must have the dtype of 'query' (", query.scalar_type(), "), but got ",
-                      t->scalar_type(),
-                      t->scalar_type() == at::kChar || t->scalar_type() == at::kInt
-                          ? " (int8/int4 key/value antiquant is not supported by opennpu)"
+    const at::ScalarType want = int8 ? at::kChar : query.scalar_type();
+    OPENNPU_CHECK_ARG(t->scalar_type() == want, op, name,
+                      int8 ? "must be int8 like 'key' (an int8 antiquant cache) ("
+                           : "must have the dtype of 'query' (",
+                      want, "), but got ", t->scalar_type(),
+                      t->scalar_type() == at::kInt
+                          ? " (int4 key/value packed in int32 is not supported by opennpu)"
                           : "");
     check_same_device(op, name, *t, "query", query);
   }
@@ -392,6 +554,12 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   }
   const bool decode = max_q <= 1 && (tnd || seq_q == 1);
   const bool rope = a.query_rope.has_value();
+  QuantTable kq, vq;
+  if (int8) {
+    const int64_t blocks = paged ? kc.size(0) : 0;
+    kq = quant_table(op, a.kq, query, KVN, D, batch, max_kv, paged, tnd, blocks, a.block_size);
+    vq = quant_table(op, a.vq, query, KVN, Dv, batch, max_kv, paged, tnd, blocks, a.block_size);
+  }
   // torch_npu: with one query row and no rope, sparse_mode, pre_tokens and next_tokens are ignored.
   const bool ignore_sparse = decode && !rope;
 
@@ -547,6 +715,9 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
     };
     d.cache.k = rows_of(kv);
     d.cache.v = rows_of(vv);
+    d.cache.int8 = int8;
+    d.cache.kq = kq.view();
+    d.cache.vq = vq.view();
     if (rope) {
       d.cache.k_rope = rows_of(krv);
       d.q_rope = qrv.const_data_ptr();
@@ -571,36 +742,66 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
     return {out, lse};
   }
 
-  // Prefill (and decode with pse_shift / float64): the training forward kernel.
+  // Prefill (and decode with pse_shift / float64): the training forward kernel. An int8 cache is
+  // dequantised to fp32 (the rows read only) and the attention runs in fp32.
   const at::ScalarType acc = acc_dtype(query);
-  const AttentionPlan plan = attention_plan.get(op, query)(op, query.scalar_type(), D + Dr, Dv,
-                                                           /*check_forced_tiles=*/false);
+  const AttentionPlan plan = attention_plan.get(op, query)(
+      op, int8 ? at::kFloat : query.scalar_type(), D + Dr, Dv, /*check_forced_tiles=*/false);
   const at::ScalarType compute = plan.compute;
   p.tiles = plan.tiles;
   const auto conv = [&](const at::Tensor& t) { return t.to(compute); };
+  // int8 rows [B, KVN, S, D] (TND [T, KVN, D]) -> (x + offset) * scale in fp32; `idx` the
+  // gathered blocks of a paged cache ([B, cols]).
+  const auto dequant = [&](const at::Tensor& x, const QuantTable& qt, const at::Tensor& idx) {
+    const at::Tensor xf = x.to(at::kFloat);
+    const auto bcast = [&](const at::Tensor& t) {
+      if (qt.kind == KvQuant::Kind::kChannel) {
+        return x.dim() == 3 ? t.unsqueeze(0) : t.unsqueeze(0).unsqueeze(2);
+      }
+      at::Tensor r = t;  // [B | blocks, 1 | KVN, S | bs]
+      if (qt.paged) {
+        r = t.index_select(0, idx.flatten())
+                .view({batch, idx.size(1), t.size(1), t.size(2)})
+                .permute({0, 2, 1, 3})
+                .reshape({batch, t.size(1), idx.size(1) * t.size(2)});
+      }
+      return r.narrow(2, 0, x.size(2)).unsqueeze(-1);
+    };
+    const at::Tensor sc = bcast(qt.scale);
+    return qt.offset.defined() ? xf.add(bcast(qt.offset)).mul_(sc) : xf.mul(sc);
+  };
   at::Tensor qx = conv(q), kx, vx;
+  // Paged: gather the blocks each sequence uses into [B, KVN, S, D]: O(S * D) next to
+  // O(Sq * S * D).
+  at::Tensor idx;
   if (paged) {
-    // Gather the blocks each sequence uses into [B, KVN, S, D]: O(S * D) next to O(Sq * S * D).
     const int64_t cols = (max_kv + a.block_size - 1) / a.block_size;
-    at::Tensor idx = at::zeros({batch, std::max<int64_t>(cols, 1)}, table.options().dtype(at::kLong));
+    idx = at::zeros({batch, std::max<int64_t>(cols, 1)}, table.options().dtype(at::kLong));
     const int32_t* t = table.const_data_ptr<int32_t>();
     int64_t* ix = idx.data_ptr<int64_t>();
     for (int64_t b = 0; b < batch; ++b) {
       const int64_t need = (p.kv_len[b] + a.block_size - 1) / a.block_size;
       for (int64_t j = 0; j < need; ++j) ix[b * idx.size(1) + j] = t[b * table_cols + j];
     }
-    const auto gather = [&](const at::Tensor& c) {
-      return conv(c.index_select(0, idx.flatten()))
-          .reshape({batch, idx.size(1) * a.block_size, KVN, c.size(-1)})
-          .permute({0, 2, 1, 3});
-    };
-    kx = gather(kc);
-    vx = gather(vc);
-    if (rope) kr = gather(kr);
+  }
+  const auto rows = [&](const at::Tensor& c) {
+    if (!paged) return c;
+    return c.index_select(0, idx.flatten())
+        .reshape({batch, idx.size(1) * a.block_size, KVN, c.size(-1)})
+        .permute({0, 2, 1, 3});
+  };
+  if (int8) {
+    at::Tensor k8 = rows(kc), v8 = rows(vc);
+    if (!tnd || paged) {  // only the rows read: keys [0, max_kv)
+      k8 = k8.narrow(2, 0, max_kv);
+      v8 = v8.narrow(2, 0, max_kv);
+    }
+    kx = conv(dequant(k8, kq, idx));
+    vx = conv(dequant(v8, vq, idx));
   } else {
-    kx = conv(kc);
-    vx = conv(vc);
-    if (rope) kr = conv(kr);
+    kx = conv(rows(kc));
+    vx = conv(rows(vc));
+    if (rope) kr = conv(rows(kr));
   }
   if (rope) {
     qx = at::cat({qx, conv(qr)}, -1);
@@ -649,18 +850,39 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   return {out, lse};
 }
 
+// torch_npu's pairing rules of the separate key/value antiquant factors: scales both or neither,
+// offsets both or neither (and only with scales), key mode == value mode except key 0 / value 1.
+void check_antiquant(const char* op, Args& a) {
+  const Antiquant& k = a.kq;
+  const Antiquant& v = a.vq;
+  if (k.index < 0) {
+    OPENNPU_CHECK_ARG(k.scale.has_value() == v.scale.has_value(), op,
+                      k.scale.has_value() ? v.scale_name : k.scale_name,
+                      "must be given together with '",
+                      k.scale.has_value() ? k.scale_name : v.scale_name, "'");
+    OPENNPU_CHECK_ARG(k.offset.has_value() == v.offset.has_value(), op,
+                      k.offset.has_value() ? v.offset_name : k.offset_name,
+                      "must be given together with '",
+                      k.offset.has_value() ? k.offset_name : v.offset_name, "'");
+  }
+  OPENNPU_CHECK_ARG(k.scale.has_value() || !k.offset.has_value(), op, k.offset_name,
+                    "needs '", k.scale_name, "' (an offset without a scale)");
+  if (!k.scale.has_value()) {
+    a.kq = a.vq = Antiquant{};
+    a.kq.scale_name = a.vq.scale_name = k.scale_name;
+    return;
+  }
+  OPENNPU_CHECK_ARG(k.mode == v.mode || (k.mode == 0 && v.mode == 1), op, v.mode_name,
+                    "must equal ", k.mode_name, " (", k.mode, "), or be 1 with ", k.mode_name,
+                    " 0, but got ", v.mode);
+}
+
 // torch_npu's out-of-scope arguments of v1, rejected with a clear message.
 void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
                const std::optional<at::Tensor>& quant_scale1,
                const std::optional<at::Tensor>& dequant_scale2,
                const std::optional<at::Tensor>& quant_scale2,
                const std::optional<at::Tensor>& quant_offset2,
-               const std::optional<at::Tensor>& antiquant_scale,
-               const std::optional<at::Tensor>& antiquant_offset,
-               const std::optional<at::Tensor>& key_antiquant_scale,
-               const std::optional<at::Tensor>& key_antiquant_offset,
-               const std::optional<at::Tensor>& value_antiquant_scale,
-               const std::optional<at::Tensor>& value_antiquant_offset,
                const std::optional<at::Tensor>& query_padding_size,
                const std::optional<at::Tensor>& kv_padding_size,
                const std::optional<at::Tensor>& key_shared_prefix,
@@ -671,12 +893,6 @@ void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
   reject(kOp, "dequant_scale2", dequant_scale2, "int8 full quantisation");
   reject(kOp, "quant_scale2", quant_scale2, "int8 output quantisation");
   reject(kOp, "quant_offset2", quant_offset2, "int8 output quantisation");
-  reject(kOp, "antiquant_scale", antiquant_scale, "int8 key/value antiquant");
-  reject(kOp, "antiquant_offset", antiquant_offset, "int8 key/value antiquant");
-  reject(kOp, "key_antiquant_scale", key_antiquant_scale, "int8 key/value antiquant");
-  reject(kOp, "key_antiquant_offset", key_antiquant_offset, "int8 key/value antiquant");
-  reject(kOp, "value_antiquant_scale", value_antiquant_scale, "int8 key/value antiquant");
-  reject(kOp, "value_antiquant_offset", value_antiquant_offset, "int8 key/value antiquant");
   reject(kOp, "query_padding_size", query_padding_size, "left padding");
   reject(kOp, "kv_padding_size", kv_padding_size, "left padding");
   reject(kOp, "key_shared_prefix", key_shared_prefix, "shared prefix");
@@ -716,9 +932,8 @@ void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
 
 std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
   reject_v1(dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2,
-            antiquant_scale, antiquant_offset, key_antiquant_scale, key_antiquant_offset,
-            value_antiquant_scale, value_antiquant_offset, query_padding_size, kv_padding_size,
-            key_shared_prefix, value_shared_prefix, actual_shared_prefix_len);
+            query_padding_size, kv_padding_size, key_shared_prefix, value_shared_prefix,
+            actual_shared_prefix_len);
   (void)key_rope_antiquant_scale;  // reserved by torch_npu
   for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"antiquant_mode", antiquant_mode},
                                    {"key_antiquant_mode", key_antiquant_mode},
@@ -726,12 +941,30 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
     OPENNPU_CHECK_ARG(mode >= 0 && mode <= 5, kOp, name, "must be in [0, 5], but got ", mode);
   }
   const std::optional<at::Tensor> no_sink;
-  return run(kOp, Args{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_lengths),
-                       to_ints(actual_seq_lengths_kv), actual_seq_lengths.has_value(),
-                       actual_seq_lengths_kv.has_value(), block_table, query_rope, key_rope,
-                       no_sink, num_heads, scale, pre_tokens, next_tokens, input_layout,
-                       num_key_value_heads, sparse_mode, inner_precise, block_size,
-                       softmax_lse_flag});
+  Args a{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_lengths),
+         to_ints(actual_seq_lengths_kv), actual_seq_lengths.has_value(),
+         actual_seq_lengths_kv.has_value(), block_table, query_rope, key_rope,
+         no_sink, num_heads, scale, pre_tokens, next_tokens, input_layout,
+         num_key_value_heads, sparse_mode, inner_precise, block_size,
+         softmax_lse_flag};
+  // The separate key/value factors win over the combined antiquant_scale (torch_npu's rule).
+  if (key_antiquant_scale.has_value() || value_antiquant_scale.has_value() ||
+      key_antiquant_offset.has_value() || value_antiquant_offset.has_value()) {
+    a.kq = {key_antiquant_scale, key_antiquant_offset, key_antiquant_mode, -1,
+            "key_antiquant_scale", "key_antiquant_offset", "key_antiquant_mode"};
+    a.vq = {value_antiquant_scale, value_antiquant_offset, value_antiquant_mode, -1,
+            "value_antiquant_scale", "value_antiquant_offset", "value_antiquant_mode"};
+  } else if (antiquant_scale.has_value() || antiquant_offset.has_value()) {
+    OPENNPU_CHECK_ARG(antiquant_mode == 0 || antiquant_mode == 1, kOp, "antiquant_mode",
+                      "must be 0 (per channel / tensor) or 1 (per token) with antiquant_scale, "
+                      "but got ", antiquant_mode);
+    a.kq = {antiquant_scale, antiquant_offset, antiquant_mode, 0, "antiquant_scale",
+            "antiquant_offset", "antiquant_mode"};
+    a.vq = {antiquant_scale, antiquant_offset, antiquant_mode, 1, "antiquant_scale",
+            "antiquant_offset", "antiquant_mode"};
+  }
+  check_antiquant(kOp, a);
+  return run(kOp, a);
 }
 
 std::tuple<at::Tensor&, at::Tensor&> fia_v1_out(FIA_V1_PARAMS,
@@ -820,25 +1053,30 @@ std::tuple<at::Tensor, at::Tensor> fia_v2(
     std::optional<int64_t> /*dequant_scale_value_dtype*/,
     std::optional<int64_t> /*dequant_scale_key_rope_dtype*/, std::optional<int64_t> out_dtype) {
   reject(kOpV2, "dequant_scale_query", dequant_scale_query, "query dequantisation");
-  reject(kOpV2, "dequant_scale_key", dequant_scale_key, "int8 key/value antiquant");
-  reject(kOpV2, "dequant_offset_key", dequant_offset_key, "int8 key/value antiquant");
-  reject(kOpV2, "dequant_scale_value", dequant_scale_value, "int8 key/value antiquant");
-  reject(kOpV2, "dequant_offset_value", dequant_offset_value, "int8 key/value antiquant");
   reject(kOpV2, "quant_scale_out", quant_scale_out, "quantised output");
   reject(kOpV2, "quant_offset_out", quant_offset_out, "quantised output");
   reject(kOpV2, "quant_scale_p", quant_scale_p, "quantised probabilities");
-  OPENNPU_CHECK_ARG(query_quant_mode == 0 && key_quant_mode == 0 && value_quant_mode == 0, kOpV2,
-                    "key_quant_mode", "quant modes other than 0 are not supported by opennpu, "
-                    "but got query/key/value ", query_quant_mode, "/", key_quant_mode, "/",
-                    value_quant_mode);
+  OPENNPU_CHECK_ARG(query_quant_mode == 0, kOpV2, "query_quant_mode",
+                    "must be 0 (query dequantisation is not supported by opennpu), but got ",
+                    query_quant_mode);
+  for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"key_quant_mode", key_quant_mode},
+                                   {"value_quant_mode", value_quant_mode}}) {
+    OPENNPU_CHECK_ARG(mode >= 0 && mode <= 5, kOpV2, name, "must be in [0, 5], but got ", mode);
+  }
   OPENNPU_CHECK_ARG(!out_dtype.has_value(), kOpV2, "out_dtype",
                     "is not supported by opennpu (the output has query's dtype); pass None");
-  return run(kOpV2, Args{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_qlen),
-                         to_ints(actual_seq_kvlen), actual_seq_qlen.has_value(),
-                         actual_seq_kvlen.has_value(), block_table, query_rope, key_rope,
-                         learnable_sink, num_query_heads, softmax_scale, pre_tokens, next_tokens,
-                         input_layout, num_key_value_heads, sparse_mode, inner_precise,
-                         block_size, return_softmax_lse});
+  Args a{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_qlen),
+         to_ints(actual_seq_kvlen), actual_seq_qlen.has_value(),
+         actual_seq_kvlen.has_value(), block_table, query_rope, key_rope,
+         learnable_sink, num_query_heads, softmax_scale, pre_tokens, next_tokens,
+         input_layout, num_key_value_heads, sparse_mode, inner_precise,
+         block_size, return_softmax_lse};
+  a.kq = {dequant_scale_key, dequant_offset_key, key_quant_mode, -1, "dequant_scale_key",
+          "dequant_offset_key", "key_quant_mode"};
+  a.vq = {dequant_scale_value, dequant_offset_value, value_quant_mode, -1, "dequant_scale_value",
+          "dequant_offset_value", "value_quant_mode"};
+  check_antiquant(kOpV2, a);
+  return run(kOpV2, a);
 }
 
 }  // namespace

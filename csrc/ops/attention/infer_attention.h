@@ -6,7 +6,9 @@
 // kernels (attention.h) plus, for the decode kernel, a description of where each key/value row
 // lives (KvCache). Prefill (any query row count) runs on attention_fwd_cpu; decode (one query
 // row per sequence, no pse_shift) runs on infer_decode_cpu, which reads K/V straight from the
-// cache (paged or not) in their own dtype.
+// cache (paged or not) in their own dtype. An int8 cache (KV antiquant) is dequantised tile by
+// tile as the decode kernel reads it: x' = (x + offset) * scale in fp32, with per-channel
+// (scale per kv head and channel) or per-token (one scale per cached row) factors.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -31,8 +33,25 @@ struct KvRows {
   int64_t stride_n = 0;
 };
 
+// Antiquant factors of an int8 key or value cache: row t of batch b, kv head h, channel d is
+// (x + offset) * scale in fp32 (offset null: 0).
+//   kChannel: scale / offset are fp32 [KVN, D] (contiguous), the factors of channel d of head h.
+//   kToken:   one fp32 factor per row at base + i * stride_blk + j * stride_s + h * stride_n,
+//             (i, j) = (b, t) for logical rows, (block_table[b][t / bs], t % bs) when `paged`.
+struct KvQuant {
+  enum class Kind { kNone, kChannel, kToken } kind = Kind::kNone;
+  const float* scale = nullptr;
+  const float* offset = nullptr;
+  int64_t stride_blk = 0;
+  int64_t stride_s = 0;
+  int64_t stride_n = 0;
+  bool paged = false;
+};
+
 struct KvCache {
   KvRows k, v, k_rope;
+  bool int8 = false;  // k and v are int8 with the factors kq / vq (no k_rope then)
+  KvQuant kq, vq;
   const int32_t* block_table = nullptr;  // null: contiguous
   int64_t table_stride = 0;
   int64_t block_size = 0;
@@ -52,7 +71,8 @@ struct DecodeProblem {
   float* lse = nullptr;  // [stat rows] float32 at p->stat_index(b, n, 0) when not null
 };
 
-// q, q_rope, k, v, k_rope and out share one dtype: float32, float16 or bfloat16.
+// q, q_rope, k, v, k_rope and out share one dtype: float32, float16 or bfloat16 (k and v are
+// int8 instead when cache.int8).
 using InferDecodeFn = void(const DecodeProblem& d, at::ScalarType dtype, void* out);
 
 extern KernelSlots<InferDecodeFn> infer_decode;

@@ -10,12 +10,16 @@
 // once per tile of heads (the accumulators of kHeadTile heads x 2 vectors stay in registers).
 // When batch * kv heads gives the threads too little work, the context is split and the
 // partial (max, sum, acc) of the splits are merged in a second pass. The output is rounded once.
+// An int8 cache (antiquant) is dequantised chunk by chunk into fp32 rows of the task's scratch,
+// (x + offset) * scale with per-channel or per-token factors, and those rows go through the same
+// score and P V loops: no fp32 copy of the cache is made.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/vec.h"
@@ -78,9 +82,9 @@ OPENNPU_VEC_INLINE void dots(const float* q, int64_t ldq, const In* k, int64_t n
 }
 
 // s[h * kChunk + t] = scaled q_h . k_t (+ q_rope_h . k_rope_t) for NH heads, len keys.
-template <int NH, typename In>
+template <int NH, typename In, typename RopeIn>
 void chunk_scores(const float* q, const float* qr, int64_t ldq, int64_t ldqr, const In* k,
-                  int64_t k_stride, const In* kr, int64_t kr_stride, int64_t D, int64_t Dr,
+                  int64_t k_stride, const RopeIn* kr, int64_t kr_stride, int64_t D, int64_t Dr,
                   int64_t len, float* s) {
   for (int64_t t = 0; t < len; ++t) {
     Vec acc[NH];
@@ -146,17 +150,61 @@ void for_head_tiles(int64_t g, const F& f) {
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-// Per-thread buffers: scaled q of the group, scores / probabilities, accumulators.
+// Per-thread buffers: scaled q of the group, scores / probabilities, accumulators, and the
+// dequantised K / V rows of a chunk (int8 caches).
 struct Scratch {
-  std::vector<float> q, qr, s, acc, m, l;
+  std::vector<float> q, qr, s, acc, m, l, kd, vd;
 };
 
-template <typename In>
+// Offset of the token factor of row t0 of (b, h) in a KvQuant::Kind::kToken table.
+int64_t token_index(const KvQuant& qd, const DecodeProblem& d, int64_t b, int64_t h, int64_t t0) {
+  const KvCache& c = d.cache;
+  if (qd.paged) {
+    const int64_t blk = c.block_table[b * c.table_stride + t0 / c.block_size];
+    return blk * qd.stride_blk + (t0 % c.block_size) * qd.stride_s + h * qd.stride_n;
+  }
+  return b * qd.stride_blk + t0 * qd.stride_s + h * qd.stride_n;
+}
+
+// Rows t0 .. t0 + len of (b, h) (inside one cache block), n int8 values each at src_stride, as
+// fp32 rows (x + offset) * scale at dst + t * ld.
+void dequant_rows(const KvQuant& qd, const DecodeProblem& d, int64_t b, int64_t h, int64_t t0,
+                  int64_t len, const int8_t* src, int64_t src_stride, int64_t n, float* dst,
+                  int64_t ld) {
+  if (qd.kind == KvQuant::Kind::kChannel) {
+    const float* __restrict sc = qd.scale + h * n;
+    const float* __restrict off = qd.offset == nullptr ? nullptr : qd.offset + h * n;
+    for (int64_t t = 0; t < len; ++t) {
+      const int8_t* __restrict x = src + t * src_stride;
+      float* __restrict y = dst + t * ld;
+      if (off != nullptr) {
+        for (int64_t j = 0; j < n; ++j) y[j] = (static_cast<float>(x[j]) + off[j]) * sc[j];
+      } else {
+        for (int64_t j = 0; j < n; ++j) y[j] = static_cast<float>(x[j]) * sc[j];
+      }
+    }
+    return;
+  }
+  const int64_t i0 = token_index(qd, d, b, h, t0);
+  for (int64_t t = 0; t < len; ++t) {
+    const float s = qd.scale[i0 + t * qd.stride_s];
+    const float o = qd.offset == nullptr ? 0.0f : qd.offset[i0 + t * qd.stride_s];
+    const int8_t* __restrict x = src + t * src_stride;
+    float* __restrict y = dst + t * ld;
+    for (int64_t j = 0; j < n; ++j) y[j] = (static_cast<float>(x[j]) + o) * s;
+  }
+}
+
+// In: the dtype of q and out; KvT: of the K / V cache (In, or int8 with antiquant factors).
+template <typename In, typename KvT = In>
 struct DecodeKernel {
+  static constexpr bool kInt8 = std::is_same_v<KvT, int8_t>;
+  using KRow = std::conditional_t<kInt8, float, In>;  // what the score / P V loops read
   const DecodeProblem& d;
   const AttentionProblem& p;
   int64_t g, D, Dr, Dv, ldq, ldqr, ldacc;
-  Rows<In> K, V, KR;
+  Rows<KvT> K, V;
+  Rows<In> KR;
 
   explicit DecodeKernel(const DecodeProblem& dp)
       : d(dp), p(*dp.p), g(dp.p->group()), D(dp.p->head_dim), Dr(dp.rope_dim),
@@ -165,8 +213,8 @@ struct DecodeKernel {
     ldq = std::max<int64_t>(round_up(D, step), step);
     ldqr = std::max<int64_t>(round_up(Dr, step), step);
     ldacc = std::max<int64_t>(round_up(Dv, step), step);
-    K = rows_of<In>(d.cache.k);
-    V = rows_of<In>(d.cache.v);
+    K = rows_of<KvT>(d.cache.k);
+    V = rows_of<KvT>(d.cache.v);
     KR = rows_of<In>(d.cache.k_rope);
   }
 
@@ -177,6 +225,10 @@ struct DecodeKernel {
     w.acc.resize(g * ldacc);
     w.m.resize(g);
     w.l.resize(g);
+    if constexpr (kInt8) {
+      w.kd.resize(kChunk * ldq);
+      w.vd.resize(kChunk * ldacc);
+    }
   }
 
   // Loads the group's query rows, times scale, as fp32.
@@ -206,13 +258,29 @@ struct DecodeKernel {
     const int64_t bs = d.cache.block_table != nullptr ? d.cache.block_size : kChunk;
     for (int64_t c0 = t0; c0 < t1;) {
       const int64_t len = std::min({kChunk, t1 - c0, bs - c0 % bs});
-      const In* k = row_ptr(K, d, b, kvh, c0);
-      const In* v = row_ptr(V, d, b, kvh, c0);
+      const KvT* k_raw = row_ptr(K, d, b, kvh, c0);
+      const KvT* v_raw = row_ptr(V, d, b, kvh, c0);
+      const KRow* k;
+      const KRow* v;
+      int64_t k_stride, v_stride;
+      if constexpr (kInt8) {
+        dequant_rows(d.cache.kq, d, b, kvh, c0, len, k_raw, K.stride_s, D, w.kd.data(), ldq);
+        dequant_rows(d.cache.vq, d, b, kvh, c0, len, v_raw, V.stride_s, Dv, w.vd.data(), ldacc);
+        k = w.kd.data();
+        v = w.vd.data();
+        k_stride = ldq;
+        v_stride = ldacc;
+      } else {
+        k = k_raw;
+        v = v_raw;
+        k_stride = K.stride_s;
+        v_stride = V.stride_s;
+      }
       const In* kr = Dr > 0 ? row_ptr(KR, d, b, kvh, c0) : nullptr;
       for_head_tiles(g, [&](auto nh, int64_t h0) {
-        chunk_scores<decltype(nh)::value, In>(w.q.data() + h0 * ldq, w.qr.data() + h0 * ldqr, ldq,
-                                              ldqr, k, K.stride_s, kr, KR.stride_s, D, Dr, len,
-                                              w.s.data() + h0 * kChunk);
+        chunk_scores<decltype(nh)::value, KRow, In>(w.q.data() + h0 * ldq, w.qr.data() + h0 * ldqr,
+                                                    ldq, ldqr, k, k_stride, kr, KR.stride_s, D, Dr,
+                                                    len, w.s.data() + h0 * kChunk);
       });
       for (int64_t h = 0; h < g; ++h) {
         float* s = w.s.data() + h * kChunk;
@@ -252,8 +320,8 @@ struct DecodeKernel {
         w.m[h] = m_new;
       }
       for_head_tiles(g, [&](auto nh, int64_t h0) {
-        chunk_pv<decltype(nh)::value, In>(w.s.data() + h0 * kChunk, v, V.stride_s, len, Dv,
-                                          w.acc.data() + h0 * ldacc, ldacc);
+        chunk_pv<decltype(nh)::value, KRow>(w.s.data() + h0 * kChunk, v, v_stride, len, Dv,
+                                            w.acc.data() + h0 * ldacc, ldacc);
       });
       c0 += len;
     }
@@ -281,10 +349,10 @@ struct DecodeKernel {
   float scale_ = 1.0f;
 };
 
-template <typename In>
+template <typename In, typename KvT = In>
 void decode_impl(const DecodeProblem& d, void* out) {
   const AttentionProblem& p = *d.p;
-  DecodeKernel<In> kern(d);
+  DecodeKernel<In, KvT> kern(d);
   kern.q_base_ = static_cast<const In*>(d.q);
   kern.qr_base_ = static_cast<const In*>(d.q_rope);
   kern.out_ = static_cast<In*>(out);
@@ -378,6 +446,13 @@ void decode_impl(const DecodeProblem& d, void* out) {
 }
 
 void infer_decode_kernel(const DecodeProblem& d, at::ScalarType dtype, void* out) {
+  if (d.cache.int8) {
+    switch (dtype) {
+      case at::kBFloat16: return decode_impl<at::BFloat16, int8_t>(d, out);
+      case at::kHalf: return decode_impl<at::Half, int8_t>(d, out);
+      default: return decode_impl<float, int8_t>(d, out);
+    }
+  }
   switch (dtype) {
     case at::kBFloat16: return decode_impl<at::BFloat16>(d, out);
     case at::kHalf: return decode_impl<at::Half>(d, out);

@@ -6,7 +6,8 @@ GQA (``num_key_value_heads``), per-batch ``actual_seq_lengths`` / ``actual_seq_l
 paged KV caches (``block_table`` + ``block_size``), MLA (``query_rope`` / ``key_rope``: scores
 ``scale * (q k + q_rope k_rope)``) and ``softmax_lse`` (log-sum-exp of the scaled logits).
 Prefill runs on npu_fusion_attention's flash kernels; decode (one query row per sequence) on a
-kernel that reads the cache in place. Inference only: not differentiable.
+kernel that reads the cache in place (an int8 cache dequantised chunk by chunk). Inference only:
+not differentiable.
 """
 
 from __future__ import annotations
@@ -65,7 +66,11 @@ def npu_fused_infer_attention_score(query, key, value, **kwargs):
     Returns ``(attention_out, softmax_lse)``: out in query's dtype with value's head size; lse
     float32 ``[B, N, S, 1]`` (TND ``[T, N, 1]``) when ``softmax_lse_flag``, else ``zeros(1)``;
     a row that sees no key gives zeros and lse ``-inf``. fp16/bf16 are computed in fp32.
-    Quantised (int8/int4) and shared-prefix / left-padding arguments raise. Not differentiable.
+    int8 ``key``/``value`` (KV-cache antiquant) are dequantised as ``(x + offset) * scale`` in
+    fp32 with ``key_antiquant_scale``/``value_antiquant_scale`` (+ offsets, modes 0-5: per
+    channel / tensor, per token, per head, paged per token) or the combined ``antiquant_scale``
+    (row 0 key, row 1 value; ``antiquant_mode`` 0/1). int4 K/V, full / output quantisation and
+    shared-prefix / left-padding arguments raise. Not differentiable.
     """
     return _ops.npu_fused_infer_attention_score(query, key, value, **kwargs)
 
@@ -96,9 +101,10 @@ def _npu_fused_infer_attention_score_infer_output(query, value, **kwargs):
 def npu_fused_infer_attention_score_v2(query, key, value, **kwargs):
     """npu_fused_infer_attention_score with torch_npu's v2 names: ``actual_seq_qlen`` /
     ``actual_seq_kvlen``, ``num_query_heads``, ``softmax_scale``, ``return_softmax_lse``, plus
-    ``learnable_sink`` (one extra logit per head in every softmax row, no value row). The
-    dequant/quant arguments, quant modes other than 0 and ``out_dtype`` raise. Not
-    differentiable."""
+    ``learnable_sink`` (one extra logit per head in every softmax row, no value row). int8
+    key/value take ``dequant_scale_key``/``dequant_scale_value`` (+ ``dequant_offset_*``,
+    ``key_quant_mode``/``value_quant_mode`` 0-5) as v1's antiquant factors; query dequantisation,
+    output quantisation and ``out_dtype`` raise. Not differentiable."""
     return _ops.npu_fused_infer_attention_score_v2(query, key, value, **kwargs)
 
 

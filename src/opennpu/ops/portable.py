@@ -1770,9 +1770,79 @@ def _fia_layout_out(t, layout):
     return t
 
 
+def _fia_quant_side(op, aq, kvn, width, batch, paged, blocks, block_size):
+    """One side's antiquant factors (scale, offset, mode, row of a combined [2, ...] tensor or
+    None, (scale, offset, mode) names) -> (kind, scale, offset) in fp32: "channel" [KVN, 1, W];
+    "token" [B, 1 | KVN, S] (logical rows); "paged" [blocks, 1 | KVN, block_size]."""
+    sc, off, mode, index, (sname, oname, mname) = aq
+    token = mode in (1, 3, 4, 5)
+
+    def take(t, name):
+        ok = t.dtype == torch.float32 if token else t.dtype in (torch.float16, torch.bfloat16,
+                                                                 torch.float32)
+        if not ok:
+            raise RuntimeError(f"{op}: argument '{name}' must be "
+                               f"{'float32' if token else 'float16, bfloat16 or float32'} for "
+                               f"{mname} {mode}, but got {t.dtype}")
+        if index is None:
+            return t
+        if t.dim() < 1 or t.shape[0] != 2:
+            raise RuntimeError(f"{op}: argument '{name}' must hold the key (row 0) and value "
+                               f"(row 1) factors in a leading dim of 2, but got shape "
+                               f"{list(t.shape)}")
+        return t[index]
+
+    if off is not None and off.shape != sc.shape:
+        raise RuntimeError(f"{op}: argument '{oname}' must have the shape of '{sname}' "
+                           f"{list(sc.shape)}, but got {list(off.shape)}")
+    s = take(sc, sname)
+    o = take(off, oname) if off is not None else None
+    sz, h = list(s.shape), kvn * width
+    target = None
+    if mode == 0:
+        if sz in ([], [1]):
+            target = (1, 1, 1)
+        elif sz in ([1, kvn, 1, width], [1, kvn, width], [1, h], [kvn, 1, width], [kvn, width],
+                    [h]):
+            target = (kvn, 1, width)
+    elif mode == 1:
+        if len(sz) == 3 and sz[:2] == [1, batch] or len(sz) == 2 and sz[0] == batch:
+            target = (batch, 1, sz[-1])
+    elif mode == 2 and sz == [kvn]:
+        target = (kvn, 1, 1)
+    elif mode == 3 and len(sz) == 3 and sz[:2] == [batch, kvn]:
+        target = tuple(sz)
+    elif mode == 4 and paged and sz == [blocks, block_size]:
+        target = (blocks, 1, block_size)
+    elif mode == 5 and paged and sz == [blocks, kvn, block_size]:
+        target = tuple(sz)
+    if target is None:
+        raise RuntimeError(f"{op}: argument '{sname}' does not fit {mname} {mode} (B = {batch}, "
+                           f"KV_N = {kvn}, D = {width}, paged: {paged}): shape {list(sc.shape)}")
+    kind = "channel" if mode in (0, 2) else ("paged" if mode in (4, 5) else "token")
+    return kind, s.float().reshape(target), (o.float().reshape(target) if o is not None else None)
+
+
+def _fia_dequant(x, side, b, ids):
+    """int8 rows [KVN, S, W] of batch b (`ids` its cache blocks when paged) -> fp32
+    (x + offset) * scale."""
+    kind, sc, off = side
+
+    def factor(t):
+        if kind == "channel":
+            return t
+        r = t[b] if kind == "token" else t[ids].transpose(0, 1).flatten(1)
+        return r[:, :x.shape[1]].unsqueeze(-1)
+
+    y = x.float()
+    if off is not None:
+        y = y + factor(off)
+    return y * factor(sc)
+
+
 def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, query_rope,
          key_rope, sink, num_heads, scale, pre_tokens, next_tokens, input_layout,
-         num_key_value_heads, sparse_mode, block_size, lse_flag, op):
+         num_key_value_heads, sparse_mode, block_size, lse_flag, op, antiquant=None):
     from .infer_attention import LAYOUTS, output_shapes
 
     lin, lout = LAYOUTS[input_layout.upper()]
@@ -1825,6 +1895,15 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
         q_starts = kv_starts = [0] * batch
     decode = max(q_lens, default=0) <= 1 and (varlen or sq_all == 1)
     ignore_sparse = decode and query_rope is None
+    int8 = key.dtype == torch.int8
+    if int8 != (antiquant is not None) or int8 and value.dtype != torch.int8:
+        raise RuntimeError(f"{op}: int8 key and value need antiquant factors (and the factors an "
+                           f"int8 key/value), but got key {key.dtype}, value {value.dtype} and "
+                           f"{'no ' if antiquant is None else ''}factors")
+    if int8:
+        blocks = key.shape[0] if paged else 0
+        kq = _fia_quant_side(op, antiquant[0], kvn, kc.shape[-1], batch, paged, blocks, block_size)
+        vq = _fia_quant_side(op, antiquant[1], kvn, vc.shape[-1], batch, paged, blocks, block_size)
     shapes = output_shapes(query, value, input_layout, paged, n, num_key_value_heads, lse_flag)
     dv = shapes[0][-1] if lout not in ("BSH",) else shapes[0][-1] // n
     out_c = query.new_zeros((sq_all, n, dv) if varlen else (batch, n, sq_all, dv), dtype=acc)
@@ -1841,17 +1920,20 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
             qb = q[b, :, :sq]
             qrb = qr[b, :, :sq] if qr is not None else None
 
+        ids = block_table[b, :(skv + block_size - 1) // block_size].long() if paged else None
+
         def rows(c):
             if c is None:
                 return None
             if paged:
-                ids = block_table[b, :(skv + block_size - 1) // block_size].long()
                 return c[ids].flatten(0, 1)[:skv].transpose(0, 1)
             if varlen:
                 return c[kv_starts[b]:kv_starts[b] + skv].transpose(0, 1)
             return c[b, :, :skv]
 
         kb, vb, krb = rows(kc), rows(vc), rows(krc)
+        if int8:
+            kb, vb = _fia_dequant(kb, kq, b, ids), _fia_dequant(vb, vq, b, ids)
         kb = kb.to(acc).repeat_interleave(g, 0)
         vb = vb.to(acc).repeat_interleave(g, 0)
         s = qb.to(acc) @ kb.transpose(-1, -2)
@@ -1896,6 +1978,26 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
     return out, lse
 
 
+def _fia_antiquant_pair(op, k, v):
+    """torch_npu's pairing rules of the key / value antiquant factors; None when none given."""
+    (ks, ko, km, kidx, kn), (vs, vo, vm, _, vn) = k, v
+    if kidx is None:
+        for i in (0, 1):
+            if (k[i] is None) != (v[i] is None):
+                given, missing = (kn[i], vn[i]) if k[i] is not None else (vn[i], kn[i])
+                raise RuntimeError(f"{op}: argument '{missing}' must be given together with "
+                                   f"'{given}'")
+    if ks is None:
+        if ko is not None:
+            raise RuntimeError(f"{op}: argument '{kn[1]}' needs '{kn[0]}' (an offset without a "
+                               "scale)")
+        return None
+    if not (km == vm or (km == 0 and vm == 1)):
+        raise RuntimeError(f"{op}: argument '{vn[2]}' must equal {kn[2]} ({km}), or be 1 with "
+                           f"{kn[2]} 0, but got {vm}")
+    return k, v
+
+
 def _fia_reject(op, **tensors):
     for name, t in tensors.items():
         if t is not None:
@@ -1918,18 +2020,30 @@ def npu_fused_infer_attention_score(
     op = "npu_fused_infer_attention_score"
     _fia_reject(op, dequant_scale1=dequant_scale1, quant_scale1=quant_scale1,
                 dequant_scale2=dequant_scale2, quant_scale2=quant_scale2,
-                quant_offset2=quant_offset2, antiquant_scale=antiquant_scale,
-                antiquant_offset=antiquant_offset, key_antiquant_scale=key_antiquant_scale,
-                key_antiquant_offset=key_antiquant_offset,
-                value_antiquant_scale=value_antiquant_scale,
-                value_antiquant_offset=value_antiquant_offset,
+                quant_offset2=quant_offset2,
                 query_padding_size=query_padding_size, kv_padding_size=kv_padding_size,
                 key_shared_prefix=key_shared_prefix, value_shared_prefix=value_shared_prefix,
                 actual_shared_prefix_len=actual_shared_prefix_len)
+    if any(t is not None for t in (key_antiquant_scale, value_antiquant_scale,
+                                   key_antiquant_offset, value_antiquant_offset)):
+        aq = _fia_antiquant_pair(
+            op, (key_antiquant_scale, key_antiquant_offset, key_antiquant_mode, None,
+                 ("key_antiquant_scale", "key_antiquant_offset", "key_antiquant_mode")),
+            (value_antiquant_scale, value_antiquant_offset, value_antiquant_mode, None,
+             ("value_antiquant_scale", "value_antiquant_offset", "value_antiquant_mode")))
+    elif antiquant_scale is not None or antiquant_offset is not None:
+        names = ("antiquant_scale", "antiquant_offset", "antiquant_mode")
+        if antiquant_mode not in (0, 1):
+            raise RuntimeError(f"{op}: argument 'antiquant_mode' must be 0 (per channel / tensor) "
+                               f"or 1 (per token) with antiquant_scale, but got {antiquant_mode}")
+        aq = _fia_antiquant_pair(op, (antiquant_scale, antiquant_offset, antiquant_mode, 0, names),
+                                 (antiquant_scale, antiquant_offset, antiquant_mode, 1, names))
+    else:
+        aq = None
     return _fia(query, key, value, pse_shift, atten_mask, actual_seq_lengths,
                 actual_seq_lengths_kv, block_table, query_rope, key_rope, None, num_heads, scale,
                 pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode,
-                block_size, softmax_lse_flag, op)
+                block_size, softmax_lse_flag, op, aq)
 
 
 @_portable("npu::npu_fused_infer_attention_score.out")
@@ -1971,15 +2085,18 @@ def npu_fused_infer_attention_score_v2(
         query_quant_mode=0, key_quant_mode=0, value_quant_mode=0, inner_precise=0,
         return_softmax_lse=False, **_dtypes):
     op = "npu_fused_infer_attention_score_v2"
-    _fia_reject(op, dequant_scale_query=dequant_scale_query, dequant_scale_key=dequant_scale_key,
-                dequant_offset_key=dequant_offset_key, dequant_scale_value=dequant_scale_value,
-                dequant_offset_value=dequant_offset_value, quant_scale_out=quant_scale_out,
+    _fia_reject(op, dequant_scale_query=dequant_scale_query, quant_scale_out=quant_scale_out,
                 quant_offset_out=quant_offset_out, quant_scale_p=quant_scale_p,
                 out_dtype=_dtypes.get("out_dtype"))
+    aq = _fia_antiquant_pair(
+        op, (dequant_scale_key, dequant_offset_key, key_quant_mode, None,
+             ("dequant_scale_key", "dequant_offset_key", "key_quant_mode")),
+        (dequant_scale_value, dequant_offset_value, value_quant_mode, None,
+         ("dequant_scale_value", "dequant_offset_value", "value_quant_mode")))
     return _fia(query, key, value, pse_shift, atten_mask, actual_seq_qlen, actual_seq_kvlen,
                 block_table, query_rope, key_rope, learnable_sink, num_query_heads,
                 softmax_scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
-                sparse_mode, block_size, return_softmax_lse, op)
+                sparse_mode, block_size, return_softmax_lse, op, aq)
 
 
 # ----------------------------------------------------------------------------- sampling
