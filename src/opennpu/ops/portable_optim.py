@@ -500,7 +500,7 @@ def _fused_bert_adam_(params, exp_avgs, exp_avg_sqs, state_steps, *, lr, beta1, 
             # the gradients of each dtype clipped together by the norm of the unscaled gradients
             host = _host_float(grp.P[0].device)
             norm = torch.linalg.vector_norm(
-                torch.stack(torch._foreach_norm(grp.G, 2, dtype=grp.acc)).to(host)) * grad_scale
+                torch.stack(torch._foreach_norm(grp.G, 2, dtype=host))) * grad_scale
             coef = max_grad_norm / (norm + 1e-6)
             factor = torch.where(coef < 1, grad_scale * coef, grad_scale).to(grp.acc)
             g = torch._foreach_mul(grp.G, factor)
@@ -588,9 +588,9 @@ def _fused_grad_norm(params, norm_type=2.0):
         device = params[index[0]].device if index else torch.device("cpu")
         return torch.zeros((), dtype=torch.float32, device=device)
     host = _host_float(grads[0][0].device)
-    # per-tensor norms, accumulated in float32 (float64 for float64), then combined
-    norms = torch.cat([torch.stack(torch._foreach_norm(g, norm_type, dtype=_acc(g[0].dtype)))
-                       .to(host) for g in grads])
+    # per-tensor norms accumulated in float64 (float32 on MPS), then combined: the C++ kernel sums
+    # float32 partial sums in double; one float32 sum over a long tensor would lose digits
+    norms = torch.cat([torch.stack(torch._foreach_norm(g, norm_type, dtype=host)) for g in grads])
     if math.isinf(norm_type):
         total = norms.amax()
     else:
