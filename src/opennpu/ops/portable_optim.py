@@ -428,15 +428,22 @@ def _fused_adadelta_(params, square_avgs, acc_deltas, state_steps, *, lr, rho, e
         grp.store()
 
 
-def _lamb_update(grp, g, beta1, beta2, eps, weight_decay):
-    """LAMB / BERT-Adam: m, v updated (stored, rounded), and u = m / (sqrt(v) + eps) + wd * p
-    from the stored values."""
-    P, (M, V) = grp.P, grp.S
+def _moments(grp, g, beta1, beta2):
+    """m = beta1 m + (1 - beta1) g, v = beta2 v + (1 - beta2) g^2 (LAMB, BERT-Adam, AdamP: no
+    lerp), stored rounded and reloaded as stored."""
+    M, V = grp.S[0], grp.S[1]
     torch._foreach_mul_(M, beta1)
     torch._foreach_add_(M, g, alpha=1 - beta1)
     torch._foreach_mul_(V, beta2)
     torch._foreach_addcmul_(V, g, g, value=1 - beta2)
     grp.round_states((0, 1))
+
+
+def _lamb_update(grp, g, beta1, beta2, eps, weight_decay):
+    """LAMB / BERT-Adam: m, v updated (stored, rounded), and u = m / (sqrt(v) + eps) + wd * p
+    from the stored values."""
+    P, (M, V) = grp.P, grp.S
+    _moments(grp, g, beta1, beta2)
     u = torch._foreach_sqrt(V)
     torch._foreach_add_(u, eps)
     u = torch._foreach_div(M, u)
@@ -526,11 +533,7 @@ def _fused_adamp_(params, exp_avgs, exp_avg_sqs, state_steps, *, lr, beta1, beta
     for grp in _groups(params, index, [exp_avgs, exp_avg_sqs]):
         P, (M, V) = grp.P, grp.S
         g = grp.effective_grad(grad_scale)
-        torch._foreach_mul_(M, beta1)
-        torch._foreach_add_(M, g, alpha=1 - beta1)
-        torch._foreach_mul_(V, beta2)
-        torch._foreach_addcmul_(V, g, g, value=1 - beta2)
-        grp.round_states((0, 1))
+        _moments(grp, g, beta1, beta2)
         denom = torch._foreach_sqrt(V)
         torch._foreach_div_(denom, _pick(bc2_sqrt, grp))
         torch._foreach_add_(denom, eps)
