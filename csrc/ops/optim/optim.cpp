@@ -72,15 +72,19 @@ bool same_layout(const at::Tensor& a, const at::Tensor& b) {
 }
 
 // Validates the lists and collects the parameters that have a gradient. A state list must be
-// empty (state unused) or as long as params; steps likewise (empty for norm and scale calls).
+// empty (state unused) or as long as params. `counters` is the state_steps list of the ops that
+// count steps (it must be as long as params), null for the others (SGD, norm and scale calls).
+// Step counters are host scalars by contract (one-element float32 CPU tensors, whatever the
+// parameters' device): the entry points read them to compute bias corrections and schedules.
 Slots collect(const char* op, at::TensorList params, std::initializer_list<StateList> states,
-              at::TensorList steps) {
+              const at::TensorList* counters) {
+  const at::TensorList steps = counters != nullptr ? *counters : at::TensorList();
   for (const auto& state : states) {
     OPENNPU_CHECK_ARG(state.tensors.empty() || state.tensors.size() == params.size(), op,
                       state.name, "must hold one tensor per parameter (", params.size(),
                       ") or none, but got ", state.tensors.size());
   }
-  OPENNPU_CHECK_ARG(steps.empty() || steps.size() == params.size(), op, "state_steps",
+  OPENNPU_CHECK_ARG(counters == nullptr || steps.size() == params.size(), op, "state_steps",
                     "must hold one tensor per parameter (", params.size(), "), but got ",
                     steps.size());
   OPENNPU_CHECK_ARG(states.size() + 2 <= kMaxBuffers, op, "params", "too many state lists");
@@ -141,7 +145,7 @@ Slots collect(const char* op, at::TensorList params, std::initializer_list<State
       }
       ++b;
     }
-    if (!steps.empty()) {
+    if (counters != nullptr) {
       const at::Tensor& s = steps[i];
       OPENNPU_CHECK_ARG(s.defined() && s.scalar_type() == at::kFloat && s.numel() == 1 &&
                             s.device().is_cpu(),
@@ -199,7 +203,7 @@ void fused_adam_(at::TensorList params, at::TensorList exp_avgs, at::TensorList 
   Slots s = collect(op,
                     params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs},
                              {"max_exp_avg_sqs", amsgrad ? max_exp_avg_sqs : at::TensorList()}},
-                    state_steps);
+                    &state_steps);
   const auto steps = advance_steps(s, state_steps);
   for (const auto k : c10::irange(s.slots.size())) {
     s.slots[k].s[0] = lr / (1 - std::pow(beta1, steps[k]));
@@ -220,7 +224,7 @@ void fused_sgd_(at::TensorList params, at::TensorList momentum_buffers,
                     "but got ", momentum_buffers.size());
   Slots s = collect(op, params,
                     {{"momentum_buffers", momentum == 0 ? at::TensorList() : momentum_buffers}},
-                    {});
+                    nullptr);
   std::vector<bool> fresh(params.size(), false);
   for (const int64_t i : fresh_buffers) {
     OPENNPU_CHECK_ARG(i >= 0 && i < static_cast<int64_t>(params.size()), op, "fresh_buffers",
@@ -252,7 +256,7 @@ void fused_rmsprop_(at::TensorList params, at::TensorList square_avgs, at::Tenso
                     {{"square_avgs", square_avgs},
                      {"grad_avgs", centered ? grad_avgs : at::TensorList()},
                      {"momentum_buffers", momentum != 0 ? momentum_buffers : at::TensorList()}},
-                    state_steps);
+                    &state_steps);
   advance_steps(s, state_steps);
   const RmspropArgs args{lr,       alpha,    eps,      weight_decay,   momentum,       grad_scale,
                          centered, maximize, tf_style, lr_in_momentum, decoupled_decay};
@@ -268,7 +272,7 @@ void fused_adadelta_(at::TensorList params, at::TensorList square_avgs, at::Tens
                     "square_avgs", "and 'acc_deltas' must hold one tensor per parameter (",
                     params.size(), "), but got ", square_avgs.size(), " and ", acc_deltas.size());
   Slots s = collect(op, params, {{"square_avgs", square_avgs}, {"acc_deltas", acc_deltas}},
-                    state_steps);
+                    &state_steps);
   advance_steps(s, state_steps);
   const AdadeltaArgs args{lr, rho, eps, weight_decay, grad_scale, maximize};
   adadelta.get(op, s.device)(nonempty(s.slots), args);
@@ -290,7 +294,7 @@ void fused_lamb_(at::TensorList params, at::TensorList exp_avgs, at::TensorList 
   check_grad_scale(op, grad_scale);
   check_moments(op, params, exp_avgs, exp_avg_sqs);
   Slots s = collect(op, params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-                    state_steps);
+                    &state_steps);
   advance_steps(s, state_steps);
   std::vector<Slot> slots = nonempty(s.slots);
   for (auto& slot : slots) {
@@ -337,7 +341,7 @@ void fused_bert_adam_(at::TensorList params, at::TensorList exp_avgs, at::Tensor
   check_moments(op, params, exp_avgs, exp_avg_sqs);
   bert_schedule(op, schedule, 1.0, warmup);  // validates the name
   Slots s = collect(op, params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-                    state_steps);
+                    &state_steps);
   for (const auto k : c10::irange(s.slots.size())) {
     const double step = *state_steps[s.index[k]].data_ptr<float>();
     const double factor = t_total != -1 ? bert_schedule(op, schedule, step / t_total, warmup) : 1;
@@ -377,7 +381,7 @@ void fused_adamp_(at::TensorList params, at::TensorList exp_avgs, at::TensorList
   check_grad_scale(op, grad_scale);
   check_moments(op, params, exp_avgs, exp_avg_sqs);
   Slots s = collect(op, params, {{"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs}},
-                    state_steps);
+                    &state_steps);
   const auto steps = advance_steps(s, state_steps);
   std::vector<Slot> slots;
   std::vector<int64_t> dims;
@@ -434,7 +438,7 @@ at::Tensor fused_grad_norm(at::TensorList params, double norm_type) {
   constexpr const char* op = "_fused_grad_norm";
   OPENNPU_CHECK_ARG(norm_type > 0 && !std::isnan(norm_type), op, "norm_type",
                     "must be positive or inf, but got ", norm_type);
-  Slots s = collect(op, params, {}, {});
+  Slots s = collect(op, params, {}, nullptr);
   double total = grad_norm.get(op, s.device)(nonempty(s.slots), norm_type);
   if (!std::isinf(norm_type)) {
     total = norm_type == 2 ? std::sqrt(total) : std::pow(total, 1 / norm_type);
@@ -443,7 +447,7 @@ at::Tensor fused_grad_norm(at::TensorList params, double norm_type) {
 }
 
 void fused_scale_grads_(at::TensorList params, double scale) {
-  Slots s = collect("_fused_scale_grads_", params, {}, {});
+  Slots s = collect("_fused_scale_grads_", params, {}, nullptr);
   if (scale == 1.0) return;
   grad_scale.get("_fused_scale_grads_", s.device)(nonempty(s.slots), scale, false);
   write_back_grads(s);
@@ -460,7 +464,7 @@ void fused_unscale_grads_(at::TensorList params, at::Tensor& found_inf,
   OPENNPU_CHECK_ARG(inv_scale.numel() == 1 && inv_scale.scalar_type() == at::kFloat, op,
                     "inv_scale", "must be a one-element float32 tensor, but got ",
                     inv_scale.scalar_type(), " ", shape_str(inv_scale.sizes()));
-  Slots s = collect(op, params, {}, {});
+  Slots s = collect(op, params, {}, nullptr);
   const double scale = inv_scale.item<float>();
   if (grad_scale.get(op, s.device)(nonempty(s.slots), scale, true)) found_inf.fill_(1.0);
   write_back_grads(s);

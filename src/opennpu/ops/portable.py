@@ -55,6 +55,7 @@ import torch
 import torch.nn.functional as F
 
 from . import flash_route
+from .portable_optim import KERNELS as _optim_kernels
 from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
@@ -68,8 +69,9 @@ IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
 NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor", "npu::npu_fused_infer_attention_score.out",
                   "npu::npu_fusion_attention_v3.out", "npu::npu_fusion_attention_grad_v3.out",
                   "npu::npu_add_rms_norm_v2"}
-# Ops whose portable form plans its copies from index data read on the host (the KV-cache ops):
-# run eagerly, never traced into graphs, and unlike _npu_dropout_gen_mask forced onto CPU too.
+# Ops whose portable form plans its copies from index data read on the host (the KV-cache ops),
+# or reads its parameters' .grad (the fused optimizers): run eagerly, never traced into graphs,
+# and unlike _npu_dropout_gen_mask forced onto CPU too.
 HOST_SIDE: set[str] = set()
 # Ops that write into their arguments: their kernel is the function itself (it returns the
 # argument it wrote, not a copy).
@@ -2395,6 +2397,14 @@ def npu_gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_
     npu_gather_pa_kv_cache(key_cache, value_cache, block_tables, seq_lens, k, v, **kw)
     return k, v
 
+
+
+# ----------------------------------------------------------------------------- fused optimizers
+
+# opennpu::_fused_* (opennpu.optim's steps, gradient norm and (un)scaling): torch._foreach_*
+# compositions in portable_optim.py. They read params[i].grad and write their arguments in place.
+for _qualname, _fn in _optim_kernels.items():
+    _host_side(_qualname, mutating=True)(_fn)
 
 def _overload(qualname):
     ns_name, _, overload = qualname.partition(".")
