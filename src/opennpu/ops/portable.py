@@ -1853,7 +1853,7 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
         lout=lout, scale=scale, atten_mask=atten_mask, sparse_mode=sparse_mode,
         pre_tokens=pre_tokens, next_tokens=next_tokens, seq_q=seq, seq_kv=seq_kv,
         lse_flag=lse_flag, unrouted=any(t is not None for t in (pse_shift, block_table, query_rope,
-                                                                 key_rope, sink)))
+                                                                 key_rope, sink, antiquant)))
     if routed is not None:  # CUDA: the flash / cuDNN kernels
         return routed
     n, kvn = num_heads, num_key_value_heads or num_heads
