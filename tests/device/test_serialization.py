@@ -201,3 +201,16 @@ def test_pre_2_1_torch_npu_checkpoint(weights_only, map_location, expected):
     loaded = torch.load(buffer, map_location=map_location, weights_only=weights_only)["w"]
     assert loaded.device == torch.device(expected)
     assert torch.equal(loaded.cpu(), x.cpu())
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_a_saved_npu_tensor_keeps_its_recorded_format(tmp_path, weights_only):
+    import torch_npu
+
+    nz = torch_npu.npu_format_cast(torch.randn(4, 32).npu(), 29)
+    nchw_as_nd = torch_npu.npu_format_cast(torch.randn(2, 3, 4, 4).npu(), 2)
+    plain = torch.randn(2, 3, 4, 4).npu()
+    torch.save({"nz": nz, "nd": nchw_as_nd, "plain": plain, "cpu": torch.ones(2)}, tmp_path / "f.pt")
+    loaded = torch.load(tmp_path / "f.pt", weights_only=weights_only)
+    assert [torch_npu.get_npu_format(loaded[k]) for k in ("nz", "nd", "plain")] == [29, 2, 0]
+    assert torch.equal(loaded["nz"].cpu(), nz.cpu()) and loaded["cpu"].device.type == "cpu"

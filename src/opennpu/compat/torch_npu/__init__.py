@@ -34,8 +34,10 @@ from .utils import storage as _storage  # noqa: E402,F401  (loads pre-2.1 torch_
 from opennpu.npu.streams import _erase_stream as erase_stream  # noqa: E402
 from ._format import empty_with_format, get_npu_format, get_storage_size  # noqa: E402
 from ._format import npu_format_cast, npu_format_cast_  # noqa: E402
+from ._format import install_serialization as _install_serialization  # noqa: E402
 from ._format import install_tensor_methods as _install_tensor_methods  # noqa: E402
 
 _install_tensor_methods()
+_install_serialization()
 __all__ += ["empty_with_format", "erase_stream", "get_npu_format", "get_storage_size",
             "npu_format_cast", "npu_format_cast_"]

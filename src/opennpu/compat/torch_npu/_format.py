@@ -188,3 +188,41 @@ def install_tensor_methods() -> None:
     if not hasattr(torch.Tensor, "npu_format_cast"):
         torch.Tensor.npu_format_cast = npu_format_cast
         torch.Tensor.npu_format_cast_ = npu_format_cast_
+
+
+# torch.save keeps a tensor's backend metadata (a str -> bool dict, torch._utils'
+# get_tensor_metadata / set_tensor_metadata) beside its storage; torch_npu saves the storage
+# format there, so a loaded npu tensor reports the format it was saved with. The recorded format
+# travels as one key, "npu_format_<number>".
+_META_PREFIX = "npu_format_"
+
+
+def _get_tensor_metadata(get):
+    def get_tensor_metadata(tensor):
+        metadata = get(tensor)
+        if tensor.device.type == "npu":
+            recorded = _recorded(tensor)
+            if recorded is not None:
+                metadata = {**metadata, f"{_META_PREFIX}{recorded}": True}
+        return metadata
+    get_tensor_metadata.__wrapped__ = get
+    return get_tensor_metadata
+
+
+def _set_tensor_metadata(set_):
+    def set_tensor_metadata(tensor, metadata):
+        formats = [k for k in metadata if k.startswith(_META_PREFIX)]
+        set_(tensor, {k: v for k, v in metadata.items() if not k.startswith(_META_PREFIX)})
+        if formats and tensor.device.type == "npu":
+            _record(tensor, int(formats[0][len(_META_PREFIX):]))
+    set_tensor_metadata.__wrapped__ = set_
+    return set_tensor_metadata
+
+
+def install_serialization() -> None:
+    """Carry recorded formats through torch.save / torch.load (once per process)."""
+    import torch._utils as utils
+
+    if not hasattr(utils.get_tensor_metadata, "__wrapped__"):
+        utils.get_tensor_metadata = _get_tensor_metadata(utils.get_tensor_metadata)
+        utils.set_tensor_metadata = _set_tensor_metadata(utils.set_tensor_metadata)
