@@ -48,15 +48,16 @@ using GroupedGemmFn = void(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups
 
 extern KernelSlots<GroupedGemmFn> grouped_gemm;
 
-// Weight-only dequantisation: out [rows, cols] (float16 or bfloat16, contiguous) from `codes`,
-// int8 [rows, cols] or int32 [rows, cols / 8] (eight int4 codes per word, lowest bits first),
-// contiguous. The weight's K axis is the rows (k_on_rows) or the columns, its N axis the other;
-// scale / offset are fp32 [G, N] (offset may be undefined) and element (k, n) uses row
-// k / group_size of them. out = (code + offset) * scale, computed in fp32 with (code + offset)
-// first rounded to float16 for a float16 out (the golden's fp16 arithmetic), rounded once to out.
+// Weight-only dequantisation into `dtype` (float16 or bfloat16): out [rows, cols] (contiguous, in
+// dtype, or float32 holding the dtype values exactly) from `codes`, int8 [rows, cols] or int32
+// [rows, cols / 8] (eight int4 codes per word, lowest bits first), contiguous. The weight's K
+// axis is the rows (k_on_rows) or the columns, its N axis the other; scale / offset are fp32
+// [G, N] (offset may be undefined) and element (k, n) uses row k / group_size of them.
+// out = (code + offset) * scale, computed in fp32 with (code + offset) first rounded to float16
+// for float16 (the golden's fp16 arithmetic), rounded once to dtype.
 using AntiquantWeightFn = void(const at::Tensor& codes, bool int4, bool k_on_rows,
                                const at::Tensor& scale, const at::Tensor& offset,
-                               int64_t group_size, at::Tensor& out);
+                               int64_t group_size, at::ScalarType dtype, at::Tensor& out);
 
 extern KernelSlots<AntiquantWeightFn> antiquant_weight;
 

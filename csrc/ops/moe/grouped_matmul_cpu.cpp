@@ -170,11 +170,12 @@ void codes_to_float(const void* codes, bool int4, int64_t row, int64_t cols, flo
 }
 
 // (code + offset) * scale over one step of a row: fp32, with the sum rounded to fp16 first for
-// an fp16 output (see grouped_matmul.h), stored rounded once to scalar_t.
-template <typename scalar_t>
+// fp16 (see grouped_matmul.h), rounded once to scalar_t and stored as scalar_t or, for out_t
+// float, as the fp32 value of that rounding.
+template <typename scalar_t, typename out_t>
 OPENNPU_VEC_INLINE void dequant_step(const float* codes, const AccVec<scalar_t>& s0,
                                      const AccVec<scalar_t>& s1, const AccVec<scalar_t>* o0,
-                                     const AccVec<scalar_t>* o1, scalar_t* out, int64_t len) {
+                                     const AccVec<scalar_t>* o1, out_t* out, int64_t len) {
   using Vec = AccVec<scalar_t>;
   Vec a, b;
   VecPair<float>::load(codes, a, b, len);
@@ -185,23 +186,31 @@ OPENNPU_VEC_INLINE void dequant_step(const float* codes, const AccVec<scalar_t>&
       std::tie(a, b) = at::vec::convert_to_float<c10::Half>(at::vec::convert_from_float<c10::Half>(a, b));
     }
   }
-  VecPair<scalar_t>::store(out, a * s0, b * s1, len);
+  a = a * s0;
+  b = b * s1;
+  if constexpr (std::is_same_v<out_t, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(a, b));
+    VecPair<float>::store(out, a, b, len);
+  } else {
+    VecPair<scalar_t>::store(out, a, b, len);
+  }
 }
 
-template <typename scalar_t>
+template <typename scalar_t, typename out_t>
 void antiquant_typed(const at::Tensor& codes, bool int4, bool k_on_rows, const at::Tensor& scale,
                      const at::Tensor& offset, int64_t group_size, at::Tensor& out) {
   using Vec = AccVec<scalar_t>;
+  constexpr int64_t kStep = VecPair<scalar_t>::kStep;
   const int64_t rows = out.size(0), cols = out.size(1), n = scale.size(1);
   const void* pc = codes.const_data_ptr();
   const float* ps = scale.const_data_ptr<float>();
   const float* po = offset.defined() ? offset.const_data_ptr<float>() : nullptr;
-  scalar_t* pout = out.mutable_data_ptr<scalar_t>();
+  out_t* pout = out.mutable_data_ptr<out_t>();
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(cols);
     for (int64_t r = begin; r < end; ++r) {
       codes_to_float(pc, int4, r, cols, buf.data());
-      scalar_t* o_row = pout + r * cols;
+      out_t* o_row = pout + r * cols;
       if (k_on_rows) {  // row r is k: the scale row of its group, one channel per column
         const float* s = ps + (r / group_size) * n;
         const float* o = po != nullptr ? po + (r / group_size) * n : nullptr;
@@ -217,14 +226,9 @@ void antiquant_typed(const at::Tensor& codes, bool int4, bool k_on_rows, const a
           const int64_t g1 = std::min(cols, g0 + group_size);
           const Vec s(ps[(g0 / group_size) * n + r]);
           const Vec o(po != nullptr ? po[(g0 / group_size) * n + r] : 0.f);
-          int64_t c = g0;
-          for (; c + VecPair<scalar_t>::kStep <= g1; c += VecPair<scalar_t>::kStep) {
+          for (int64_t c = g0; c < g1; c += kStep) {
             dequant_step<scalar_t>(buf.data() + c, s, s, po != nullptr ? &o : nullptr, &o,
-                                   o_row + c, VecPair<scalar_t>::kStep);
-          }
-          if (c < g1) {
-            dequant_step<scalar_t>(buf.data() + c, s, s, po != nullptr ? &o : nullptr, &o,
-                                   o_row + c, g1 - c);
+                                   o_row + c, std::min(kStep, g1 - c));
           }
         }
       }
@@ -232,15 +236,31 @@ void antiquant_typed(const at::Tensor& codes, bool int4, bool k_on_rows, const a
   });
 }
 
+template <typename out_t>
+void antiquant_to(const at::Tensor& codes, bool int4, bool k_on_rows, const at::Tensor& scale,
+                  const at::Tensor& offset, int64_t group_size, at::ScalarType dtype,
+                  at::Tensor& out) {
+  if (dtype == at::kHalf) {
+    antiquant_typed<c10::Half, std::conditional_t<std::is_same_v<out_t, float>, float, c10::Half>>(
+        codes, int4, k_on_rows, scale, offset, group_size, out);
+  } else {
+    TORCH_INTERNAL_ASSERT(dtype == at::kBFloat16,
+                          "npu_grouped_matmul: antiquant dtype must be float16 or bfloat16");
+    antiquant_typed<c10::BFloat16,
+                    std::conditional_t<std::is_same_v<out_t, float>, float, c10::BFloat16>>(
+        codes, int4, k_on_rows, scale, offset, group_size, out);
+  }
+}
+
 void antiquant_weight_kernel(const at::Tensor& codes, bool int4, bool k_on_rows,
                              const at::Tensor& scale, const at::Tensor& offset,
-                             int64_t group_size, at::Tensor& out) {
-  if (out.scalar_type() == at::kHalf) {
-    antiquant_typed<c10::Half>(codes, int4, k_on_rows, scale, offset, group_size, out);
+                             int64_t group_size, at::ScalarType dtype, at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat) {
+    antiquant_to<float>(codes, int4, k_on_rows, scale, offset, group_size, dtype, out);
   } else {
-    TORCH_INTERNAL_ASSERT(out.scalar_type() == at::kBFloat16,
-                          "npu_grouped_matmul: antiquant output must be float16 or bfloat16");
-    antiquant_typed<c10::BFloat16>(codes, int4, k_on_rows, scale, offset, group_size, out);
+    TORCH_INTERNAL_ASSERT(out.scalar_type() == dtype, "npu_grouped_matmul: antiquant output "
+                          "must be float32 or ", dtype, ", got ", out.scalar_type());
+    antiquant_to<void>(codes, int4, k_on_rows, scale, offset, group_size, dtype, out);
   }
 }
 
