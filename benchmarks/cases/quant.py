@@ -1,5 +1,7 @@
 """Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast,
-quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM).
+quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM),
+grouped_matmul's quantised paths (A8W8 per-token and weight-only A16W8, MoE-shaped: against
+dequantise-then-grouped-GEMM).
 
 Baselines are the compositions the fused ops replace (opennpu.testing.reference): the golden's
 float32 quantiser (x * smooth, rowmax, divide, round, clamp, cast) and, for the fused op, torchair's
@@ -114,6 +116,68 @@ def quant_matmul_fwd(m, k, n, dtype, threads):
     )
 
 
+def _expert_sizes(m, e, gen):
+    """m token rows spread unevenly over e experts, a quarter of them empty (MoE routing)."""
+    weights = torch.rand(e, generator=gen) * (torch.rand(e, generator=gen) > 0.25)
+    weights[0] += 1e-3
+    sizes = (weights / weights.sum() * m).floor().long()
+    sizes[0] += m - int(sizes.sum())
+    return sizes.tolist()
+
+
+def native_grouped_dequant_gemm(x, w, scale, pertoken, sizes, out_dtype):
+    """A8W8 as dequantise-then-grouped-GEMM: per expert, the float GEMM of the codes (exact
+    while the sums stay below 2^24), * scale * per-token scale, rounded to out_dtype."""
+    ys = []
+    for g, (xg, pg) in enumerate(zip(x.split(sizes), pertoken.split(sizes))):
+        ys.append(((xg.float() @ w[g].float()) * scale[g] * pg.unsqueeze(-1)).to(out_dtype))
+    return torch.cat(ys)
+
+
+def native_grouped_antiquant_gemm(x, w, scale, sizes):
+    """Weight-only as dequantise-then-grouped-GEMM: every expert's weight to x's dtype, then
+    one GEMM per expert."""
+    w_deq = (w.to(x.dtype) * scale.unsqueeze(1)).to(x.dtype)
+    return torch.cat([xg @ w_deq[g] for g, xg in enumerate(x.split(sizes))])
+
+
+def grouped_matmul_quant_fwd(m, e, k, n, dtype, path, threads):
+    gen = torch.Generator().manual_seed(0)
+    sizes = _expert_sizes(m, e, gen)
+    group_list = torch.tensor(sizes).cumsum(0)
+    w = torch.randint(-128, 128, (e, k, n), dtype=torch.int8, generator=gen)
+    if path == "a8w8":
+        x = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+        scale, pt = torch.rand(e, n, generator=gen) * 1e-3, torch.rand(m, generator=gen)
+        native = functools.partial(native_grouped_dequant_gemm, sizes=sizes, out_dtype=dtype)
+        args = (x, w, scale, pt)
+
+        def ours():
+            return npu.npu_grouped_matmul([x], [w], scale=[scale], per_token_scale=[pt],
+                                          group_list=group_list, split_item=3, group_type=0,
+                                          output_dtype=dtype)[0]
+    else:
+        x = randn(m, k, dtype=dtype)
+        scale = (torch.rand(e, n, generator=gen) * 1e-2).to(dtype)
+        native = functools.partial(native_grouped_antiquant_gemm, sizes=sizes)
+        args = (x, w, scale)
+
+        def ours():
+            return npu.npu_grouped_matmul([x], [w], antiquant_scale=[scale],
+                                          group_list=group_list, split_item=3, group_type=0)[0]
+    native_compiled = compiled(native, *args, threads=threads)
+    return Timed(ours=ours,
+                 baselines={"eager": lambda: native(*args),
+                            "compile": lambda: native_compiled(*args)},
+                 reference=lambda: native(*args))
+
+
+def grouped_matmul_quant_shapes(quick: bool):
+    if quick:
+        return [(32, 8, 1024, 1024), (512, 8, 1024, 1024)]
+    return [(16, 16, 4096, 1536), (256, 16, 4096, 1536), (2048, 16, 4096, 1536)]
+
+
 def mx_quant_fwd(t, h, dtype, dst_type, threads):
     """MX quantisation against its torch composition (the oracle's ops: block maxima, exact
     exponents, rounding at the element precision), eager and compiled."""
@@ -178,6 +242,17 @@ def cases(quick: bool, dtypes):
         yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n}", dtype, qmm_bytes,
                    functools.partial(quant_matmul_fwd, m, k, n, dtype), ("npu_quant_matmul",),
                    flops=2 * m * k * n)
+    for (m, e, k, n), dtype in itertools.product(grouped_matmul_quant_shapes(quick), dtypes):
+        if dtype == torch.float32:  # outputs / x are fp16 / bf16
+            continue
+        for path in ("a8w8", "a16w8"):
+            x_bytes = m * k * (1 if path == "a8w8" else dtype.itemsize)
+            # x and the experts' int8 weights read, scales read, output written
+            gmm_bytes = x_bytes + e * k * n + 4 * e * n + m * n * dtype.itemsize
+            yield Case("grouped_matmul_quant", "fwd", f"M={m} E={e} K={k} N={n} {path}", dtype,
+                       gmm_bytes, functools.partial(grouped_matmul_quant_fwd, m, e, k, n, dtype,
+                                                    path),
+                       ("npu_grouped_matmul",), flops=2 * m * k * n)
     for (t, h), dtype in itertools.product(shapes(quick), dtypes):
         if dtype == torch.float32:
             continue

@@ -1,5 +1,6 @@
 """npu_grouped_matmul (Tensor group_list) and npu_grouped_matmul.List (int[] group_list), the
-non-quantised paths: split_item 0-3, group_type -1 / 0, group_list_type 0 / 1, bias.
+non-quantised paths: split_item 0-3, group_type -1 / 0, group_list_type 0 / 1, bias (the
+quantised ones: test_grouped_matmul_quant.py).
 
 Contract: shared/spec/torch_npu_api.md section 1.14; op-plugin's docs of npu_grouped_matmul (the
 "single / multi x, weight, y" scenarios).
@@ -242,7 +243,7 @@ def test_bad_inputs():
         with pytest.raises(RuntimeError, match=pattern):
             gmm(*args, **kwargs)
 
-    raises("argument 'scale' must be None: the quantised", [x], [w], scale=[torch.ones(3, 4)],
+    raises("argument 'scale' must be None on the non-quantised path", [x], [w], scale=[torch.ones(3, 4)],
            group_list=gl, split_item=3, group_type=0)
     raises("argument 'per_token_scale' must be None", [x], [w], per_token_scale=[torch.ones(9)],
            group_list=gl, split_item=3, group_type=0)
@@ -259,11 +260,11 @@ def test_bad_inputs():
     for bad in (1, 3, 100):  # op-plugin's words, which its test_npu_grouped_matmul matches
         raises(rf"The group type must be -1 .*, 0 .* or 2 .*but now is \[{bad}\]", [x], [w],
                group_list=gl, split_item=3, group_type=bad)
-    raises(r"argument 'x_dtype' must be None or the dtype of x \(Float\).*quantised", [x], [w],
+    raises(r"argument 'x_dtype' must be None or the dtype of x \(Float\).*MX", [x], [w],
            group_list=gl, split_item=3, group_type=0, x_dtype=torch.int8)
     raises(r"argument 'weight_dtype' must be None or a torch dtype; the code 296", [x], [w],
            group_list=gl, split_item=3, group_type=0, weight_dtype=296)
-    raises(r"argument 'scale_dtype' must be None: it gives the dtype of scale", [x], [w],
+    raises(r"argument 'scale_dtype' must be None when scale is not given", [x], [w],
            group_list=gl, split_item=3, group_type=0, scale_dtype=torch.float32)
     raises(r"argument 'per_token_scale_dtype' must be None", [x], [w], group_list=gl,
            split_item=3, group_type=0, per_token_scale_dtype=torch.float32)
@@ -291,7 +292,7 @@ def test_bad_inputs():
            [randn(8, 4), randn(8, 5), randn(8, 4)], group_list=gl, split_item=3, group_type=0)
     raises(r"argument 'weight\[0\]' must have x's dtype \(Float\), but got Half", [x], [w.half()],
            group_list=gl, split_item=3, group_type=0)
-    raises(r"argument 'x\[0\]' is int8: the quantised", [x.to(torch.int8)], [w.to(torch.int8)],
+    raises(r"argument 'scale' must be given with int8 x and weights", [x.to(torch.int8)], [w.to(torch.int8)],
            group_list=gl, split_item=3, group_type=0)
     raises(r"argument 'bias\[0\]' must be \[E, N\] = \[3, 4\]", [x], [w], bias=[randn(4)],
            group_list=gl, split_item=3, group_type=0)

@@ -11,24 +11,32 @@
 // after another ([sum of rows, N], every group with the same N; rows of x past the last group
 // are 0).
 // bias: one [N_g] tensor per weight, or one [E, N] tensor with a 3-D weight; x's dtype or float32,
-// added in float32 before the output is rounded.
+// added in float32 before the output is rounded (A8W8: int32 into the accumulator, or float after
+// the dequantisation).
+// The path follows x's and weight's dtypes: float (both floating), A8W8 (int8 x and weights) or
+// weight-only (float16 / bfloat16 x, int8 / int4 weights); see grouped_matmul.h.
 #include "ops/moe/grouped_matmul.h"
 
+#include <ATen/cpu/Utils.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <tuple>
+#include <utility>
 #include <string>
 #include <vector>
 
 #include "common/checks.h"
 #include "common/dtype.h"
+#include "ops/quant/quant_matmul.h"
 
 namespace opennpu::moe {
 
 KernelSlots<GroupedGemmFn> grouped_gemm;
+KernelSlots<AntiquantWeightFn> antiquant_weight;
 
 namespace {
 
@@ -38,31 +46,43 @@ std::string list_arg(const char* name, int64_t i) {
   return std::string(name) + "[" + std::to_string(i) + "]";
 }
 
-// The quantisation / fused-activation arguments: opennpu implements the float paths only.
-void check_absent(const char* name, const std::optional<at::TensorList>& list) {
-  OPENNPU_CHECK_ARG(!list.has_value() || list->empty(), kOp, name,
-                    "must be None: the quantised and fused-activation paths of "
-                    "npu_grouped_matmul (scale, offset, antiquant_scale, antiquant_offset, "
-                    "per_token_scale, activation_*) are not implemented by opennpu, but got a "
-                    "list of ", list.has_value() ? list->size() : 0, " tensors");
-}
-
 using OptionalList = std::optional<at::TensorList>;
 
-// Both overloads: the quantised and fused-activation arguments must be absent.
-void check_no_quantisation(const OptionalList& scale, const OptionalList& offset,
-                           const OptionalList& antiquant_scale, const OptionalList& antiquant_offset,
-                           const OptionalList& per_token_scale, const OptionalList& activation_input,
-                           const OptionalList& activation_quant_scale,
-                           const OptionalList& activation_quant_offset) {
-  check_absent("scale", scale);
-  check_absent("offset", offset);
-  check_absent("antiquant_scale", antiquant_scale);
-  check_absent("antiquant_offset", antiquant_offset);
-  check_absent("per_token_scale", per_token_scale);
-  check_absent("activation_input", activation_input);
-  check_absent("activation_quant_scale", activation_quant_scale);
-  check_absent("activation_quant_offset", activation_quant_offset);
+at::TensorList given(const OptionalList& list) {
+  return list.has_value() ? *list : at::TensorList();
+}
+
+// The quantised arguments of a call (absent lists are empty).
+struct QuantLists {
+  at::TensorList scale, offset, antiquant_scale, antiquant_offset, per_token_scale;
+  at::TensorList activation_input, activation_quant_scale, activation_quant_offset;
+};
+
+QuantLists quant_lists(const OptionalList& scale, const OptionalList& offset,
+                       const OptionalList& antiquant_scale, const OptionalList& antiquant_offset,
+                       const OptionalList& per_token_scale, const OptionalList& activation_input,
+                       const OptionalList& activation_quant_scale,
+                       const OptionalList& activation_quant_offset) {
+  return {given(scale), given(offset), given(antiquant_scale), given(antiquant_offset),
+          given(per_token_scale), given(activation_input), given(activation_quant_scale),
+          given(activation_quant_offset)};
+}
+
+// Which computation the dtypes of x and weight ask for.
+enum class Path { kFloat, kA8W8, kAntiquant };
+
+const char* path_name(Path path) {
+  switch (path) {
+    case Path::kA8W8: return "the A8W8 path (int8 x and weights)";
+    case Path::kAntiquant: return "the weight-only path (float16 / bfloat16 x, int8 / int4 weights)";
+    default: return "the non-quantised path (floating x and weights)";
+  }
+}
+
+// A list argument the path does not take must be absent.
+void check_absent(const char* name, at::TensorList list, Path path, const char* what) {
+  OPENNPU_CHECK_ARG(list.empty(), kOp, name, "must be None on ", path_name(path), ": ", what,
+                    ", but got a list of ", list.size(), " tensors");
 }
 
 // The dtype codes of the Tensor overload (int?: a torch.dtype passed from Python arrives as its
@@ -74,29 +94,43 @@ std::optional<at::ScalarType> dtype_from_code(const char* name, std::optional<in
   OPENNPU_CHECK_ARG(c >= 0 && c < static_cast<int64_t>(at::ScalarType::NumOptions), kOp, name,
                     "must be None or a torch dtype; the code ", c, " is not one of PyTorch's "
                     "dtypes (torch_npu's packed / low-bit dtypes such as float4_e2m1fn_x2, "
-                    "hifloat8 or float8_e8m0fnu belong to the quantised paths, which opennpu does "
-                    "not implement)");
+                    "hifloat8 or float8_e8m0fnu belong to the MX / fp8 / fp4 paths, which opennpu "
+                    "does not implement)");
   return static_cast<at::ScalarType>(c);
 }
 
-// x_dtype / weight_dtype reinterpret the storage of x / weight (packed float4, hifloat8 ...), a
-// quantised-path feature: accepted when None or equal to the tensors' own dtype (a no-op).
-void check_storage_dtype(const char* name, std::optional<int64_t> code, at::TensorList tensors,
-                         const char* tensors_name) {
-  const std::optional<at::ScalarType> dtype = dtype_from_code(name, code);
-  if (!dtype.has_value() || tensors.empty() || !tensors[0].defined()) return;
-  OPENNPU_CHECK_ARG(*dtype == tensors[0].scalar_type(), kOp, name,
-                    "must be None or the dtype of ", tensors_name, " (", tensors[0].scalar_type(),
-                    "): reinterpreting ", tensors_name, "'s storage as another dtype belongs to "
-                    "the quantised paths, which opennpu does not implement, but got ", *dtype);
+// x_dtype / weight_dtype / scale_dtype / per_token_scale_dtype name the dtype the Ascend kernel
+// reads a tensor list as: accepted when None or a name of the tensors' own dtype (int32 weights:
+// also torch.quint4x2 / torch.int4, the int4 codes they pack; int64 scales: also torch.uint64,
+// Ascend's name for npu_trans_quant_param's encoding). Reinterpreting storage as another type
+// (float4, float8, hifloat8: the MX paths) is not implemented.
+void check_declared_dtype(const char* name, std::optional<int64_t> code, at::TensorList tensors,
+                          const char* tensors_name) {
+  const std::optional<at::ScalarType> declared = dtype_from_code(name, code);
+  if (!declared.has_value()) return;
+  OPENNPU_CHECK_ARG(!tensors.empty() && tensors[0].defined(), kOp, name,
+                    "must be None when ", tensors_name, " is not given, but got ", *declared);
+  const at::ScalarType own = tensors[0].scalar_type();
+  const bool int4_name = *declared == at::kQUInt4x2 || *declared == c10::ScalarType::Int4;
+  const bool same = *declared == own || (int4_name && own == at::kInt) ||
+                    (*declared == at::kUInt64 && own == at::kLong);
+  OPENNPU_CHECK_ARG(same, kOp, name, "must be None or the dtype of ", tensors_name, " (", own,
+                    "): reinterpreting ", tensors_name, "'s storage as another dtype (the MX / "
+                    "fp8 / fp4 paths) is not implemented by opennpu, but got ", *declared);
 }
 
-// scale_dtype / per_token_scale_dtype describe tensors of the quantised paths, which must be None.
-void check_quant_dtype_absent(const char* name, std::optional<int64_t> code,
-                              const char* tensor_name) {
-  OPENNPU_CHECK_ARG(!code.has_value(), kOp, name, "must be None: it gives the dtype of ",
-                    tensor_name, ", an argument of the quantised paths of npu_grouped_matmul, "
-                    "which opennpu does not implement, but got ", *code);
+// Whether a 2-D weight view is the transpose of a contiguous [N, K] tensor (op-plugin's
+// "weight transposed" layout; an int4 weight then packs its codes along K).
+bool is_transposed(const at::Tensor& w) {
+  return !w.is_contiguous() && w.stride(0) == 1 && w.stride(1) == w.size(0);
+}
+
+// The logical [K, N] of a 2-D weight view: int32 weights hold eight int4 codes per element along
+// their storage's last dim (N, or K when transposed).
+std::pair<int64_t, int64_t> weight_kn(const at::Tensor& w) {
+  if (w.scalar_type() != at::kInt) return {w.size(0), w.size(1)};
+  return is_transposed(w) ? std::make_pair(8 * w.size(0), w.size(1))
+                          : std::make_pair(w.size(0), 8 * w.size(1));
 }
 
 // Group sizes from group_list values: cumulative ends (type 0) or sizes (type 1).
@@ -237,8 +271,272 @@ std::vector<at::Tensor> grouped_matmul_on_k(at::TensorList x, at::TensorList wei
   return {y};
 }
 
+// One GEMM of the float paths: out [m, n] = a [m, k] @ b [k, n] (+ bias, in the accumulator
+// dtype), a and b in `dtype`.
+struct GemmTask {
+  at::Tensor a, b, bias, out;
+};
+
+// fp32/fp16/bf16 GEMMs without bias go to ATen's GEMM (MKL for fp32; oneDNN, AMX where the CPU
+// has it, for fp16/bf16, accumulating in fp32 and rounding once as our tiles do). It measured
+// faster at every group size tried, or level (2 threads, 8 groups: bf16 and fp16 at K=1024,
+// N=7168, M=16/128/512 rows each: bf16 11.3/19.3/48.1 ms against 15.9/26.3/84.5, fp16
+// 15.2/58.8/198 against 19.5/61.2/255; fp32 at M=4/64 rows, K=4096, N=14336: 122/283 ms against
+// 141/279, and K=7168, N=4096: 61.5/140 against 70.1/141). A bias stays on our tiles, which add
+// it in fp32 before the one rounding.
+void run_gemms(const at::Tensor& on, at::ScalarType dtype, const std::vector<GemmTask>& tasks) {
+  const bool aten_gemm =
+      dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
+  std::vector<GemmGroup> gemms;
+  std::vector<at::Tensor> keep;  // copies made for BLAS layouts
+  for (const GemmTask& t : tasks) {
+    const int64_t m = t.a.size(0), k = t.a.size(1), n = t.b.size(1);
+    if (m == 0 || n == 0) continue;
+    if (aten_gemm && !t.bias.defined()) {
+      at::Tensor out = t.out;
+      at::mm_out(out, t.a, t.b);
+      continue;
+    }
+    const at::Tensor a = fit(t.a), b = fit(t.b);
+    keep.push_back(a);
+    keep.push_back(b);
+    GemmGroup gemm = gemm_of(a, b, t.out.mutable_data_ptr(), n);
+    gemm.bias = t.bias.defined() ? t.bias.const_data_ptr() : nullptr;
+    gemm.m = m;
+    gemm.n = n;
+    gemm.k = k;
+    gemms.push_back(gemm);
+  }
+  if (!gemms.empty()) grouped_gemm.get(kOp, on)(dtype, gemms);
+}
+
+// The output dtype of the A8W8 path: int8 (None), float16, bfloat16, float32 or int32.
+at::ScalarType a8w8_output_dtype(std::optional<at::ScalarType> output_dtype) {
+  if (!output_dtype.has_value()) return at::kChar;
+  const at::ScalarType t = *output_dtype;
+  OPENNPU_CHECK_ARG(t == at::kChar || t == at::kHalf || t == at::kBFloat16 || t == at::kFloat ||
+                        t == at::kInt,
+                    kOp, "output_dtype", "must be None (int8), torch.int8, torch.float16, "
+                    "torch.bfloat16, torch.float32 or torch.int32 with int8 x and weights, but "
+                    "got ", t);
+  return t;
+}
+
+// A8W8: scale, per_token_scale, bias of each group as npu_quant_matmul's epilogue, then one
+// quant_matmul product per non-empty group straight into its output rows.
+void run_a8w8(at::TensorList x, at::TensorList weight, const QuantLists& q,
+              const std::vector<at::Tensor>& bias_of, bool single_weight, bool split_x,
+              const std::vector<int64_t>& rows, const std::vector<int64_t>& k_of,
+              const std::vector<int64_t>& n_of, const std::vector<at::Tensor>& out_of,
+              at::ScalarType out_dtype) {
+  const int64_t groups = static_cast<int64_t>(rows.size());
+  const bool int_out = out_dtype == at::kInt;
+  OPENNPU_CHECK_ARG(int_out || !q.scale.empty(), kOp, "scale",
+                    "must be given with int8 x and weights unless output_dtype is torch.int32 "
+                    "(the raw int32 accumulator), but got None for output dtype ", out_dtype);
+  OPENNPU_CHECK_ARG(!int_out || q.scale.empty(), kOp, "scale",
+                    "must be None with output_dtype torch.int32 (the raw int32 accumulator), but "
+                    "got a list of ", q.scale.size(), " tensors");
+  OPENNPU_CHECK_ARG(!int_out || q.per_token_scale.empty(), kOp, "per_token_scale",
+                    "must be None with output_dtype torch.int32 (the raw int32 accumulator), but "
+                    "got a list of ", q.per_token_scale.size(), " tensors");
+  OPENNPU_CHECK_ARG(q.offset.empty(), kOp, "offset",
+                    "must be None: op-plugin's asymmetric A8W4 offset is not implemented by "
+                    "opennpu (an int8 output's offset travels in an int64 scale made by "
+                    "npu_trans_quant_param(scale, offset)), but got a list of ", q.offset.size(),
+                    " tensors");
+  std::vector<at::Tensor> scale_of(groups), offset_of(groups);
+  if (!q.scale.empty()) {
+    OPENNPU_CHECK_ARG(q.scale.size() == weight.size(), kOp, "scale",
+                      "must hold one tensor per weight tensor (", weight.size(), "), but got ",
+                      q.scale.size());
+    for (size_t i = 0; i < q.scale.size(); ++i) {
+      const std::string name = list_arg("scale", i);
+      const at::Tensor& s = q.scale[i];
+      check_same_device(kOp, name.c_str(), s, "x[0]", x[0]);
+      OPENNPU_CHECK_ARG(s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16 ||
+                            s.scalar_type() == at::kLong,
+                        kOp, name.c_str(), "must be float32, bfloat16 or int64 "
+                        "(npu_trans_quant_param's encoding), but got ", s.scalar_type());
+      const int64_t n = n_of.empty() ? 0 : n_of[single_weight ? 0 : i];
+      const bool shape_ok = single_weight
+          ? s.dim() == 2 && s.size(0) == groups && (s.size(1) == n || s.size(1) == 1)
+          : s.dim() == 1 && (s.size(0) == n || s.size(0) == 1);
+      OPENNPU_CHECK_ARG(shape_ok, kOp, name.c_str(), "must be ",
+                        single_weight ? "[E, N] = [" + std::to_string(groups) + ", " +
+                                            std::to_string(n) + "] (or [E, 1]) for the 3-D weight"
+                                      : "1-D [N] = [" + std::to_string(n) + "] (or [1]), per "
+                                        "channel of weight[" + std::to_string(i) + "]",
+                        ", but got shape ", shape_str(s.sizes()),
+                        s.dim() == 3 ? " (per-group [E, G, N] scales belong to the A8W4 / A4W4 "
+                                       "paths, which opennpu does not implement)" : "");
+      at::Tensor values, offsets;
+      if (s.scalar_type() == at::kLong) {
+        std::tie(values, offsets) = quant::decode_int64_scale(s);
+        values = values.view(s.sizes());
+        if (offsets.defined()) {
+          OPENNPU_CHECK_ARG(out_dtype == at::kChar, kOp, name.c_str(),
+                            "carries an offset (npu_trans_quant_param(scale, offset)), which "
+                            "applies only to int8 outputs, but the output dtype is ", out_dtype);
+          offsets = offsets.view(s.sizes());
+        }
+      } else {
+        values = s.to(at::kFloat).contiguous();
+      }
+      if (single_weight) {
+        for (int64_t g = 0; g < groups; ++g) {
+          scale_of[g] = values[g];
+          if (offsets.defined()) offset_of[g] = offsets[g];
+        }
+      } else {
+        scale_of[i] = values;
+        offset_of[i] = offsets;
+      }
+    }
+  }
+  // per_token_scale: one float32 [M_i] (or [M_i, 1]) per x tensor, a scale per row.
+  std::vector<at::Tensor> token_of(x.size());
+  if (!q.per_token_scale.empty()) {
+    OPENNPU_CHECK_ARG(q.per_token_scale.size() == x.size(), kOp, "per_token_scale",
+                      "must hold one tensor per x tensor (", x.size(), "), but got ",
+                      q.per_token_scale.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      const std::string name = list_arg("per_token_scale", i);
+      const at::Tensor& t = q.per_token_scale[i];
+      check_same_device(kOp, name.c_str(), t, "x[0]", x[0]);
+      OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat, kOp, name.c_str(),
+                        "must be float32, but got ", t.scalar_type(),
+                        " (float8_e8m0 per-token scales belong to the MX paths, which opennpu "
+                        "does not implement)");
+      int64_t m_rows = 1;  // the rows of x[i]: all dims but the last
+      for (int64_t d = 0; d + 1 < x[i].dim(); ++d) m_rows *= x[i].size(d);
+      OPENNPU_CHECK_ARG((t.dim() == 1 && t.size(0) == m_rows) ||
+                            (t.dim() == 2 && t.size(0) == m_rows && t.size(1) == 1),
+                        kOp, name.c_str(), "must be [M] = [", m_rows, "] (or [M, 1]), one scale "
+                        "per row of x[", i, "], but got shape ", shape_str(t.sizes()));
+      token_of[i] = t.reshape({m_rows}).contiguous();
+    }
+  }
+  // bias: int32 (added to the accumulator) or float (added after the dequantisation, float
+  // outputs only).
+  std::vector<at::Tensor> bias_int(groups), bias_float(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::Tensor& b = bias_of[g];
+    if (!b.defined()) continue;
+    const at::ScalarType bt = b.scalar_type();
+    const std::string name = list_arg("bias", single_weight ? 0 : g);
+    OPENNPU_CHECK_ARG(bt == at::kInt || bt == at::kFloat || bt == at::kBFloat16 || bt == at::kHalf,
+                      kOp, name.c_str(), "must be int32, float32, bfloat16 or float16 with int8 x "
+                      "and weights, but got ", bt);
+    OPENNPU_CHECK_ARG(bt == at::kInt || !(out_dtype == at::kChar || out_dtype == at::kInt), kOp,
+                      name.c_str(), "must be int32 for ", out_dtype, " outputs (a float bias is "
+                      "added after the dequantisation, to float outputs), but got ", bt);
+    (bt == at::kInt ? bias_int : bias_float)[g] =
+        b.to(bt == at::kInt ? at::kInt : at::kFloat).reshape({1, b.numel()}).contiguous();
+  }
+
+  int64_t start = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t m = rows[g], row0 = start;
+    start += m;
+    if (m == 0 || n_of[g] == 0) continue;
+    quant::QuantMatmulArgs op;
+    op.a = (split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k_of[g]})).contiguous();
+    const at::Tensor w = single_weight ? weight[0][g] : weight[g];
+    op.w_trans = is_transposed(w);
+    op.w = op.w_trans ? w.t().contiguous() : w.contiguous();
+    op.m = m;
+    op.k = k_of[g];
+    op.n = n_of[g];
+    quant::QuantMatmulEpilogue& e = op.epilogue;
+    e.m = m;
+    e.scale = scale_of[g];
+    e.offset = offset_of[g];
+    e.bias_int = bias_int[g];
+    e.bias_float = bias_float[g];
+    const at::Tensor& token = token_of[split_x ? 0 : g];
+    if (token.defined()) e.pertoken = split_x ? token.narrow(0, row0, m) : token;
+    at::Tensor out = out_of[g];
+    quant::quant_matmul.get(kOp, x[0])(op, out);
+  }
+}
+
+// The weight-only path's antiquant_scale / antiquant_offset of each group: fp32 [G, N] and the
+// rows of K each of the G scale rows covers.
+struct Antiquant {
+  std::vector<at::Tensor> scale, offset;
+  std::vector<int64_t> group_size;
+};
+
+Antiquant antiquant_params(at::TensorList x, at::TensorList weight, const QuantLists& q,
+                           bool single_weight, const std::vector<int64_t>& k_of,
+                           const std::vector<int64_t>& n_of) {
+  const int64_t groups = static_cast<int64_t>(k_of.size());
+  const bool int4 = weight[0].scalar_type() == at::kInt;
+  const at::ScalarType dtype = x[0].scalar_type();
+  OPENNPU_CHECK_ARG(!q.antiquant_scale.empty(), kOp, "antiquant_scale",
+                    "must be given with ", int4 ? "int4 (int32)" : "int8", " weights and ", dtype,
+                    " x (the weight-only path: weight = (w + antiquant_offset) * "
+                    "antiquant_scale), but got None");
+  Antiquant params;
+  params.scale.resize(groups);
+  params.offset.resize(groups);
+  params.group_size.resize(groups);
+  for (const char* which : {"antiquant_scale", "antiquant_offset"}) {
+    const bool is_scale = which[10] == 's';
+    const at::TensorList list = is_scale ? q.antiquant_scale : q.antiquant_offset;
+    if (list.empty()) continue;
+    OPENNPU_CHECK_ARG(list.size() == weight.size(), kOp, which,
+                      "must hold one tensor per weight tensor (", weight.size(), "), but got ",
+                      list.size());
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::string name = list_arg(which, i);
+      const at::Tensor& t = list[i];
+      check_same_device(kOp, name.c_str(), t, "x[0]", x[0]);
+      OPENNPU_CHECK_ARG(t.scalar_type() == dtype, kOp, name.c_str(), "must have x's dtype (",
+                        dtype, "), but got ", t.scalar_type());
+      const int64_t n = n_of.empty() ? 0 : n_of[single_weight ? 0 : i];
+      const int64_t lead = single_weight ? 1 : 0;  // the E dim of a 3-D weight's [E, (G,) N]
+      const bool shape_ok = (t.dim() == lead + 1 || t.dim() == lead + 2) &&
+                            (!single_weight || t.size(0) == groups) && t.size(-1) == n &&
+                            (t.dim() == lead + 1 || t.size(lead) >= 1);
+      OPENNPU_CHECK_ARG(shape_ok, kOp, name.c_str(), "must be ", single_weight
+                            ? "[E, N] = [" + std::to_string(groups) + ", " + std::to_string(n) +
+                                  "] (per channel) or [E, G, N] (per group, int4 weights)"
+                            : "[N] = [" + std::to_string(n) + "] (per channel) or [G, N] (per "
+                              "group, int4 weights)",
+                        ", but got shape ", shape_str(t.sizes()));
+      const int64_t g_rows = t.dim() == lead + 2 ? t.size(lead) : 1;
+      OPENNPU_CHECK_ARG(g_rows == 1 || int4, kOp, name.c_str(),
+                        "must be per channel with int8 weights (op-plugin: per-group antiquant "
+                        "needs int4 weights), but got shape ", shape_str(t.sizes()));
+      const at::Tensor f = t.to(at::kFloat).reshape(single_weight
+                                                       ? std::vector<int64_t>{groups, g_rows, n}
+                                                       : std::vector<int64_t>{g_rows, n})
+                               .contiguous();
+      for (int64_t g = single_weight ? 0 : static_cast<int64_t>(i);
+           g < (single_weight ? groups : static_cast<int64_t>(i) + 1); ++g) {
+        const int64_t k = k_of[g];
+        OPENNPU_CHECK_ARG(k % g_rows == 0, kOp, name.c_str(), "must cut K = ", k,
+                          " into equal groups, but its ", g_rows, " rows do not divide it");
+        (is_scale ? params.scale : params.offset)[g] = single_weight ? f[g] : f;
+        if (is_scale) {
+          params.group_size[g] = std::max<int64_t>(k / g_rows, 1);
+        } else {
+          OPENNPU_CHECK_ARG(params.scale[g].size(0) == g_rows, kOp, name.c_str(),
+                            "must have the shape of antiquant_scale, ",
+                            shape_str(params.scale[g].sizes()), " per group, but got shape ",
+                            shape_str(t.sizes()));
+        }
+      }
+    }
+  }
+  return params;
+}
+
 std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                                        const std::optional<at::TensorList>& bias,
+                                       const QuantLists& q,
                                        const std::optional<std::vector<int64_t>>& group_values,
                                        std::optional<int64_t> split_item,
                                        std::optional<int64_t> group_type,
@@ -255,8 +553,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   const bool single_out = split >= 2;
   const int64_t act = act_type.value_or(0);
   OPENNPU_CHECK_ARG(act == 0, kOp, "act_type",
-                    "must be 0: fused activations belong to Ascend's quantised path, which opennpu "
-                    "does not implement (apply the activation to the output), but got ", act);
+                    "must be 0: fused activations (op-plugin: per-token A8W8 only) are not "
+                    "implemented by opennpu (apply the activation to the output), but got ", act);
   if (group_type.has_value()) {
     const int64_t gt = *group_type;
     // op-plugin's words ("The group type must be -1, 0 or 2"), which its tests match.
@@ -269,32 +567,86 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                       group_values ? group_values->size() : 0, " entries");
   }
 
-  // dtypes and the weights' groups.
-  const at::ScalarType dtype = x[0].scalar_type();
+  // The path, from the dtypes of x and weight; the arguments each path takes.
   for (size_t i = 0; i < x.size(); ++i) {
     const std::string name = list_arg("x", i);
     OPENNPU_CHECK_ARG(x[i].defined(), kOp, name.c_str(), "must be a tensor, but got None");
-    OPENNPU_CHECK_ARG(x[i].scalar_type() != at::kChar, kOp, name.c_str(),
-                      "is int8: the quantised npu_grouped_matmul is not implemented by opennpu");
-    check_floating(kOp, name.c_str(), x[i]);
-    OPENNPU_CHECK_ARG(x[i].scalar_type() == dtype, kOp, name.c_str(),
-                      "must have the dtype of x[0] (", dtype, "), but got ", x[i].scalar_type());
+    OPENNPU_CHECK_ARG(x[i].scalar_type() == x[0].scalar_type(), kOp, name.c_str(),
+                      "must have the dtype of x[0] (", x[0].scalar_type(), "), but got ",
+                      x[i].scalar_type());
     check_same_device(kOp, name.c_str(), x[i], "x[0]", x[0]);
   }
-  check_strict_dtype(kOp, "x[0]", x[0], {at::kHalf, at::kBFloat16, at::kFloat});
-  OPENNPU_CHECK_ARG(!output_dtype.has_value() || *output_dtype == dtype, kOp, "output_dtype",
-                    "must be None or x's dtype (", dtype, ") on the non-quantised path, but got ",
-                    *output_dtype);
-  const bool single_weight = weight.size() == 1 && weight[0].defined() && weight[0].dim() == 3;
+  OPENNPU_CHECK_ARG(weight[0].defined(), kOp, "weight[0]", "must be a tensor, but got None");
+  const at::ScalarType dtype = x[0].scalar_type();
+  const at::ScalarType wtype = weight[0].scalar_type();
+  const bool weight_codes = wtype == at::kChar || wtype == at::kInt;
+  Path path = Path::kFloat;
+  if (dtype == at::kChar) {
+    OPENNPU_CHECK_ARG(wtype == at::kChar, kOp, "weight[0]",
+                      "must be int8 with int8 x (A8W8); int4 weights with int8 x (A8W4) are not "
+                      "implemented by opennpu, but got ", wtype);
+    path = Path::kA8W8;
+  } else {
+    OPENNPU_CHECK_ARG(dtype != at::kInt, kOp, "x[0]",
+                      "is int32 (eight int4 codes per element, the A4W4 path), which opennpu does "
+                      "not implement");
+    OPENNPU_CHECK_ARG(at::isFloatingType(dtype) && !at::isFloat8Type(dtype), kOp, "x[0]",
+                      "must be float16, bfloat16, float32 or int8; float8 / float4 x (the MX "
+                      "paths) are not implemented by opennpu, but got ", dtype);
+    if (weight_codes) path = Path::kAntiquant;
+  }
+  check_absent("activation_input", q.activation_input, path, "fused-activation inputs are not "
+               "implemented by opennpu");
+  check_absent("activation_quant_scale", q.activation_quant_scale, path,
+               "fused-activation inputs are not implemented by opennpu");
+  check_absent("activation_quant_offset", q.activation_quant_offset, path,
+               "fused-activation inputs are not implemented by opennpu");
+  at::ScalarType out_dtype = dtype;
+  if (path == Path::kFloat) {
+    check_floating(kOp, "x[0]", x[0]);
+    check_strict_dtype(kOp, "x[0]", x[0], {at::kHalf, at::kBFloat16, at::kFloat});
+    const char* what = "it belongs to the quantised paths (int8 x and weights, or float16 / "
+                       "bfloat16 x with int8 / int4 weights)";
+    check_absent("scale", q.scale, path, what);
+    check_absent("offset", q.offset, path, what);
+    check_absent("antiquant_scale", q.antiquant_scale, path, what);
+    check_absent("antiquant_offset", q.antiquant_offset, path, what);
+    check_absent("per_token_scale", q.per_token_scale, path, what);
+    OPENNPU_CHECK_ARG(!output_dtype.has_value() || *output_dtype == dtype, kOp, "output_dtype",
+                      "must be None or x's dtype (", dtype, ") on the non-quantised path, but "
+                      "got ", *output_dtype);
+  } else if (path == Path::kAntiquant) {
+    OPENNPU_CHECK_ARG(dtype == at::kHalf || dtype == at::kBFloat16, kOp, "x[0]",
+                      "must be float16 or bfloat16 with int8 / int4 weights (the weight-only "
+                      "path), but got ", dtype);
+    const char* what = "it belongs to the A8W8 path (int8 x and weights)";
+    check_absent("scale", q.scale, path, what);
+    check_absent("offset", q.offset, path, what);
+    check_absent("per_token_scale", q.per_token_scale, path, what);
+    OPENNPU_CHECK_ARG(!output_dtype.has_value() || *output_dtype == dtype, kOp, "output_dtype",
+                      "must be None or x's dtype (", dtype, ") on the weight-only path, but got ",
+                      *output_dtype);
+  } else {
+    const char* what = "it belongs to the weight-only path (float16 / bfloat16 x with int8 / "
+                       "int4 weights)";
+    check_absent("antiquant_scale", q.antiquant_scale, path, what);
+    check_absent("antiquant_offset", q.antiquant_offset, path, what);
+    out_dtype = a8w8_output_dtype(output_dtype);
+  }
+  const bool single_weight = weight.size() == 1 && weight[0].dim() == 3;
   const int64_t groups = single_weight ? weight[0].size(0) : static_cast<int64_t>(weight.size());
   for (size_t i = 0; i < weight.size(); ++i) {
     const std::string name = list_arg("weight", i);
     const at::Tensor& w = weight[i];
     OPENNPU_CHECK_ARG(w.defined(), kOp, name.c_str(), "must be a tensor, but got None");
-    OPENNPU_CHECK_ARG(w.scalar_type() == dtype, kOp, name.c_str(), "must have x's dtype (", dtype,
-                      "), but got ", w.scalar_type(),
-                      w.scalar_type() == at::kChar || w.scalar_type() == at::kInt
-                          ? " (the quantised paths are not implemented by opennpu)" : "");
+    if (path == Path::kFloat) {
+      OPENNPU_CHECK_ARG(w.scalar_type() == dtype, kOp, name.c_str(), "must have x's dtype (",
+                        dtype, "), but got ", w.scalar_type());
+    } else {
+      OPENNPU_CHECK_ARG(w.scalar_type() == wtype, kOp, name.c_str(),
+                        "must have the dtype of weight[0] (", wtype, "), but got ",
+                        w.scalar_type());
+    }
     OPENNPU_CHECK_ARG(w.dim() == 2 || single_weight, kOp, name.c_str(),
                       "must be 2-D [K, N] (or one 3-D [E, K, N] tensor as the only weight), but "
                       "got shape ", shape_str(w.sizes()));
@@ -302,6 +654,9 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   }
   const auto weight_of = [&](int64_t g) { return single_weight ? weight[0][g] : weight[g]; };
   if (group_type.value_or(-1) == 2) {
+    OPENNPU_CHECK_ARG(path == Path::kFloat, kOp, "group_type",
+                      "must be -1 or 0 on the quantised paths (op-plugin: grouping on K, 2, is "
+                      "non-quantised only), but got 2");
     return grouped_matmul_on_k(x, weight, bias, group_values, split, group_list_type);
   }
 
@@ -362,8 +717,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   std::vector<int64_t> k_of(groups), n_of(groups);
   for (int64_t g = 0; g < groups; ++g) {
     const at::Tensor w = weight_of(g);
-    k_of[g] = w.size(0);
-    n_of[g] = w.size(1);
+    std::tie(k_of[g], n_of[g]) = weight_kn(w);
     const at::Tensor& xg = split_x ? x[0] : x[g];
     const std::string name = split_x ? std::string("x[0]") : list_arg("x", g);
     OPENNPU_CHECK_ARG(xg.size(-1) == k_of[g], kOp, name.c_str(), "must have K = ", k_of[g],
@@ -374,9 +728,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                       "group 0 has N = ", n_of[0], " and group ", g, " has N = ", n_of[g]);
   }
 
-  // Bias: [N_g] per weight tensor, or [E, N] for a 3-D weight; kept in the accumulator dtype.
-  const auto acc = acc_dtype(x[0]);
-  std::vector<at::Tensor> bias_acc(groups);
+  // Bias: [N_g] per weight tensor, or [E, N] for a 3-D weight: one [N] tensor per group here.
+  std::vector<at::Tensor> bias_of(groups);
   if (bias.has_value() && !bias->empty()) {
     OPENNPU_CHECK_ARG(bias->size() == weight.size(), kOp, "bias",
                       "must hold one tensor per weight tensor (", weight.size(), "), but got ",
@@ -384,30 +737,44 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     for (size_t i = 0; i < bias->size(); ++i) {
       const std::string name = list_arg("bias", i);
       const at::Tensor& b = (*bias)[i];
-      check_floating(kOp, name.c_str(), b);
-      OPENNPU_CHECK_ARG(b.scalar_type() == dtype || b.scalar_type() == acc, kOp, name.c_str(),
-                        "must have x's dtype (", dtype, ") or ", acc, ", but got ",
-                        b.scalar_type());
       check_same_device(kOp, name.c_str(), b, "x[0]", x[0]);
       if (single_weight) {
         OPENNPU_CHECK_ARG(b.dim() == 2 && b.size(0) == groups && b.size(1) == n_of[0], kOp,
                           name.c_str(), "must be [E, N] = [", groups, ", ", n_of[0],
                           "] for the 3-D weight, but got shape ", shape_str(b.sizes()));
-        const at::Tensor all = b.to(acc).contiguous();
-        for (int64_t g = 0; g < groups; ++g) bias_acc[g] = all[g];
+        for (int64_t g = 0; g < groups; ++g) bias_of[g] = b[g];
       } else {
         OPENNPU_CHECK_ARG(b.dim() == 1 && b.size(0) == n_of[i], kOp, name.c_str(),
                           "must be 1-D [N] = [", n_of[i], "] (the columns of weight[", i,
                           "]), but got shape ", shape_str(b.sizes()));
-        bias_acc[i] = b.to(acc).contiguous();
+        bias_of[i] = b;
       }
     }
+  }
+  // The float paths keep it in the accumulator dtype (x's dtype or that one given).
+  const auto acc = acc_dtype(x[0]);
+  std::vector<at::Tensor> bias_acc(groups);
+  if (path != Path::kA8W8) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const at::Tensor& b = bias_of[g];
+      if (!b.defined()) continue;
+      const std::string name = list_arg("bias", single_weight ? 0 : g);
+      check_floating(kOp, name.c_str(), b);
+      OPENNPU_CHECK_ARG(b.scalar_type() == dtype || b.scalar_type() == acc, kOp, name.c_str(),
+                        "must have x's dtype (", dtype, ") or ", acc, ", but got ",
+                        b.scalar_type());
+      bias_acc[g] = b.to(acc).contiguous();
+    }
+  }
+  Antiquant antiquant;
+  if (path == Path::kAntiquant) {
+    antiquant = antiquant_params(x, weight, q, single_weight, k_of, n_of);
   }
 
   // Outputs, and one GEMM per non-empty group.
   std::vector<at::Tensor> outputs;
   std::vector<at::Tensor> out_of(groups);  // [rows, N] view of each group's output
-  const at::TensorOptions options = x[0].options();
+  const at::TensorOptions options = x[0].options().dtype(out_dtype);
   if (single_out) {
     int64_t total = 0;
     for (int64_t m : rows) total += m;
@@ -434,41 +801,51 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     }
   }
 
-  // fp32/fp16/bf16 groups without bias go to ATen's GEMM (MKL for fp32; oneDNN, AMX where the
-  // CPU has it, for fp16/bf16, accumulating in fp32 and rounding once as our tiles do). It measured
-  // faster at every group size tried, or level (2 threads, 8 groups: bf16 and fp16 at K=1024,
-  // N=7168, M=16/128/512 rows each: bf16 11.3/19.3/48.1 ms against 15.9/26.3/84.5, fp16
-  // 15.2/58.8/198 against 19.5/61.2/255; fp32 at M=4/64 rows, K=4096, N=14336: 122/283 ms
-  // against 141/279, and K=7168, N=4096: 61.5/140 against 70.1/141). A bias stays on our tiles,
-  // which add it in fp32 before the one rounding.
-  const bool aten_gemm =
-      dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
-  std::vector<GemmGroup> gemms;
-  std::vector<at::Tensor> keep;  // copies made for BLAS layouts
-  const at::Tensor x0 = split_x ? fit(x[0]) : at::Tensor();
+  if (path == Path::kA8W8) {
+    run_a8w8(x, weight, q, bias_of, single_weight, split_x, rows, k_of, n_of, out_of, out_dtype);
+    return outputs;
+  }
+  // The float GEMMs: all groups in one call; on the weight-only path one group at a time, its
+  // weight dequantised into x's dtype just before (skipping empty groups, and holding one
+  // dequantised weight at a time). Without AMX, ATen's fp16 / bf16 GEMMs run far slower than
+  // MKL's sgemm (2 threads, AVX2: [85, 1024] @ [1024, 1024] bf16 276 ms, fp16 265 ms, fp32
+  // 5 ms), so there the weight-only path multiplies fp32 copies of the same values.
+  const bool fp32_gemm = path == Path::kAntiquant && !at::cpu::init_amx();
+  std::vector<GemmTask> tasks;
   int64_t start = 0;
   for (int64_t g = 0; g < groups; ++g) {
     const int64_t m = rows[g];
     const int64_t row0 = start;
     start += m;
     if (m == 0 || n_of[g] == 0) continue;
-    if (aten_gemm && !bias_acc[g].defined()) {
-      const at::Tensor a = split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k_of[g]});
-      at::mm_out(out_of[g], a, weight_of(g));
+    GemmTask task;
+    task.a = split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k_of[g]});
+    task.bias = bias_acc[g];
+    task.out = out_of[g];
+    if (path == Path::kFloat) {
+      task.b = weight_of(g);
+      tasks.push_back(task);
       continue;
     }
-    at::Tensor a = split_x ? x0.narrow(0, row0, m) : fit(x[g].reshape({m, k_of[g]}));
-    at::Tensor b = fit(weight_of(g));
-    keep.push_back(a);
-    keep.push_back(b);
-    GemmGroup gemm = gemm_of(a, b, out_of[g].mutable_data_ptr(), n_of[g]);
-    gemm.bias = bias_acc[g].defined() ? bias_acc[g].const_data_ptr() : nullptr;
-    gemm.m = m;
-    gemm.n = n_of[g];
-    gemm.k = k_of[g];
-    gemms.push_back(gemm);
+    const at::Tensor w = weight_of(g);
+    const bool trans = is_transposed(w);
+    const at::Tensor codes = trans ? w.t() : w.contiguous();  // [N, K] or [K, N] storage
+    at::Tensor deq = at::empty({trans ? n_of[g] : k_of[g], trans ? k_of[g] : n_of[g]},
+                               x[0].options().dtype(fp32_gemm ? at::kFloat : dtype));
+    antiquant_weight.get(kOp, x[0])(codes, wtype == at::kInt, !trans, antiquant.scale[g],
+                                    antiquant.offset[g], antiquant.group_size[g], dtype, deq);
+    task.b = trans ? deq.t() : deq;
+    if (!fp32_gemm) {
+      run_gemms(x[0], dtype, {task});
+      continue;
+    }
+    // fp32 operands holding x's and the weight's fp16 / bf16 values exactly: the same fp32
+    // accumulation, then + bias and one rounding into the output.
+    at::Tensor y = at::mm(task.a.to(at::kFloat), task.b);
+    if (task.bias.defined()) y.add_(task.bias);
+    task.out.copy_(y);
   }
-  grouped_gemm.get(kOp, x[0])(dtype, gemms);
+  run_gemms(x[0], dtype, tasks);
   return outputs;
 }
 
@@ -490,12 +867,14 @@ std::vector<at::Tensor> npu_grouped_matmul(
     std::optional<int64_t> x_dtype, std::optional<int64_t> weight_dtype,
     std::optional<int64_t> scale_dtype, std::optional<int64_t> per_token_scale_dtype) {
   (void)tuning_config;  // a tiling hint (expected tokens per expert); nothing to tune here
-  check_no_quantisation(scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
-                        activation_input, activation_quant_scale, activation_quant_offset);
-  check_storage_dtype("x_dtype", x_dtype, x, "x");
-  check_storage_dtype("weight_dtype", weight_dtype, weight, "weight");
-  check_quant_dtype_absent("scale_dtype", scale_dtype, "scale");
-  check_quant_dtype_absent("per_token_scale_dtype", per_token_scale_dtype, "per_token_scale");
+  const QuantLists q = quant_lists(scale, offset, antiquant_scale, antiquant_offset,
+                                   per_token_scale, activation_input, activation_quant_scale,
+                                   activation_quant_offset);
+  check_declared_dtype("x_dtype", x_dtype, x, "x");
+  check_declared_dtype("weight_dtype", weight_dtype, weight, "weight");
+  check_declared_dtype("scale_dtype", scale_dtype, q.scale, "scale");
+  check_declared_dtype("per_token_scale_dtype", per_token_scale_dtype, q.per_token_scale,
+                       "per_token_scale");
   // op-plugin requires it on this overload, in these words (its tests match them).
   OPENNPU_CHECK_ARG(group_type.has_value(), kOp, "group_type",
                     "is missing: Requires manual passing group_type, current is None (pass -1 for "
@@ -513,8 +892,8 @@ std::vector<at::Tensor> npu_grouped_matmul(
     const at::Tensor c = gl.to(at::kLong).contiguous();
     values.emplace(c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel());
   }
-  return grouped_matmul(x, weight, bias, values, split_item, group_type, group_list_type, act_type,
-                        dtype_from_code("output_dtype", output_dtype));
+  return grouped_matmul(x, weight, bias, q, values, split_item, group_type, group_list_type,
+                        act_type, dtype_from_code("output_dtype", output_dtype));
 }
 
 std::vector<at::Tensor> npu_grouped_matmul_list(
@@ -529,12 +908,13 @@ std::vector<at::Tensor> npu_grouped_matmul_list(
     std::optional<int64_t> split_item, std::optional<int64_t> group_type,
     std::optional<int64_t> group_list_type, std::optional<int64_t> act_type,
     std::optional<at::ScalarType> output_dtype) {
-  check_no_quantisation(scale, offset, antiquant_scale, antiquant_offset, per_token_scale,
-                        activation_input, activation_quant_scale, activation_quant_offset);
+  const QuantLists q = quant_lists(scale, offset, antiquant_scale, antiquant_offset,
+                                   per_token_scale, activation_input, activation_quant_scale,
+                                   activation_quant_offset);
   std::optional<std::vector<int64_t>> values;
   if (group_list.has_value()) values.emplace(group_list->begin(), group_list->end());
-  return grouped_matmul(x, weight, bias, values, split_item, group_type, group_list_type, act_type,
-                        output_dtype);
+  return grouped_matmul(x, weight, bias, q, values, split_item, group_type, group_list_type,
+                        act_type, output_dtype);
 }
 
 TORCH_LIBRARY_IMPL(npu, CPU, m) {

@@ -1,6 +1,11 @@
-// npu_grouped_matmul (Ascend GroupedMatmul), the non-quantised paths: y_g = x_g @ w_g (+ b_g) for
-// G groups, where the groups are separate tensors or the row ranges of one x that group_list
-// cuts (group_type 0, "grouped on M").
+// npu_grouped_matmul (Ascend GroupedMatmul): y_g = x_g @ w_g (+ b_g) for G groups, where the
+// groups are separate tensors or the row ranges of one x that group_list cuts (group_type 0,
+// "grouped on M"), or column ranges (group_type 2, "grouped on K"). Quantised paths:
+//   A8W8       int8 x and weights: each group is one npu_quant_matmul product (exact int32
+//              accumulation, then its fused dequantise / requantise epilogue; ops/quant).
+//   A16W8/W4   fp16 / bf16 x, int8 or packed-int4 weights with antiquant_scale (and offset):
+//              each non-empty group's weight is dequantised into x's dtype (antiquant_weight
+//              below, at the golden's rounding points) and goes through the float GEMMs.
 //
 // The entry point (grouped_matmul.cpp) turns every accepted x / weight / output layout into a list
 // of plain 2-D GEMMs (GemmGroup); the kernel (grouped_matmul_cpu.cpp) cuts those into tiles of at
@@ -42,5 +47,18 @@ struct GemmGroup {
 using GroupedGemmFn = void(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups);
 
 extern KernelSlots<GroupedGemmFn> grouped_gemm;
+
+// Weight-only dequantisation into `dtype` (float16 or bfloat16): out [rows, cols] (contiguous, in
+// dtype, or float32 holding the dtype values exactly) from `codes`, int8 [rows, cols] or int32
+// [rows, cols / 8] (eight int4 codes per word, lowest bits first), contiguous. The weight's K
+// axis is the rows (k_on_rows) or the columns, its N axis the other; scale / offset are fp32
+// [G, N] (offset may be undefined) and element (k, n) uses row k / group_size of them.
+// out = (code + offset) * scale, computed in fp32 with (code + offset) first rounded to float16
+// for float16 (the golden's fp16 arithmetic), rounded once to dtype.
+using AntiquantWeightFn = void(const at::Tensor& codes, bool int4, bool k_on_rows,
+                               const at::Tensor& scale, const at::Tensor& offset,
+                               int64_t group_size, at::ScalarType dtype, at::Tensor& out);
+
+extern KernelSlots<AntiquantWeightFn> antiquant_weight;
 
 }  // namespace opennpu::moe

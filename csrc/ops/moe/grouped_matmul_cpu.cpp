@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "common/blas.h"
@@ -151,9 +152,122 @@ void grouped_gemm_kernel(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups) 
   });
 }
 
+// One row of weight codes as floats: int8 [cols], or int32 words [cols / 8] of eight int4 codes
+// (lowest bits first, sign-extended). Plain loops: GCC vectorises them for this ISA.
+void codes_to_float(const void* codes, bool int4, int64_t row, int64_t cols, float* dst) {
+  if (int4) {
+    const int32_t* words = static_cast<const int32_t*>(codes) + row * (cols / 8);
+    for (int64_t i = 0; i < cols / 8; ++i) {
+      const uint32_t word = static_cast<uint32_t>(words[i]);
+      for (int j = 0; j < 8; ++j) {
+        dst[8 * i + j] = static_cast<float>(static_cast<int32_t>(word << (28 - 4 * j)) >> 28);
+      }
+    }
+  } else {
+    const int8_t* c = static_cast<const int8_t*>(codes) + row * cols;
+    for (int64_t i = 0; i < cols; ++i) dst[i] = static_cast<float>(c[i]);
+  }
+}
+
+// (code + offset) * scale over one step of a row: fp32, with the sum rounded to fp16 first for
+// fp16 (see grouped_matmul.h), rounded once to scalar_t and stored as scalar_t or, for out_t
+// float, as the fp32 value of that rounding.
+template <typename scalar_t, typename out_t>
+OPENNPU_VEC_INLINE void dequant_step(const float* codes, const AccVec<scalar_t>& s0,
+                                     const AccVec<scalar_t>& s1, const AccVec<scalar_t>* o0,
+                                     const AccVec<scalar_t>* o1, out_t* out, int64_t len) {
+  using Vec = AccVec<scalar_t>;
+  Vec a, b;
+  VecPair<float>::load(codes, a, b, len);
+  if (o0 != nullptr) {
+    a = a + *o0;
+    b = b + *o1;
+    if constexpr (std::is_same_v<scalar_t, c10::Half>) {
+      std::tie(a, b) = at::vec::convert_to_float<c10::Half>(at::vec::convert_from_float<c10::Half>(a, b));
+    }
+  }
+  a = a * s0;
+  b = b * s1;
+  if constexpr (std::is_same_v<out_t, float>) {
+    std::tie(a, b) = at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(a, b));
+    VecPair<float>::store(out, a, b, len);
+  } else {
+    VecPair<scalar_t>::store(out, a, b, len);
+  }
+}
+
+template <typename scalar_t, typename out_t>
+void antiquant_typed(const at::Tensor& codes, bool int4, bool k_on_rows, const at::Tensor& scale,
+                     const at::Tensor& offset, int64_t group_size, at::Tensor& out) {
+  using Vec = AccVec<scalar_t>;
+  constexpr int64_t kStep = VecPair<scalar_t>::kStep;
+  const int64_t rows = out.size(0), cols = out.size(1), n = scale.size(1);
+  const void* pc = codes.const_data_ptr();
+  const float* ps = scale.const_data_ptr<float>();
+  const float* po = offset.defined() ? offset.const_data_ptr<float>() : nullptr;
+  out_t* pout = out.mutable_data_ptr<out_t>();
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(cols);
+    for (int64_t r = begin; r < end; ++r) {
+      codes_to_float(pc, int4, r, cols, buf.data());
+      out_t* o_row = pout + r * cols;
+      if (k_on_rows) {  // row r is k: the scale row of its group, one channel per column
+        const float* s = ps + (r / group_size) * n;
+        const float* o = po != nullptr ? po + (r / group_size) * n : nullptr;
+        for_each_step<scalar_t>(cols, [&](int64_t c, int64_t len) {
+          Vec s0, s1, o0, o1;
+          VecPair<float>::load(s + c, s0, s1, len);
+          if (o != nullptr) VecPair<float>::load(o + c, o0, o1, len);
+          dequant_step<scalar_t>(buf.data() + c, s0, s1, o != nullptr ? &o0 : nullptr, &o1,
+                                 o_row + c, len);
+        });
+      } else {  // row r is channel n = r; the columns are k, one scale per group of them
+        for (int64_t g0 = 0; g0 < cols; g0 += group_size) {
+          const int64_t g1 = std::min(cols, g0 + group_size);
+          const Vec s(ps[(g0 / group_size) * n + r]);
+          const Vec o(po != nullptr ? po[(g0 / group_size) * n + r] : 0.f);
+          for (int64_t c = g0; c < g1; c += kStep) {
+            dequant_step<scalar_t>(buf.data() + c, s, s, po != nullptr ? &o : nullptr, &o,
+                                   o_row + c, std::min(kStep, g1 - c));
+          }
+        }
+      }
+    }
+  });
+}
+
+template <typename out_t>
+void antiquant_to(const at::Tensor& codes, bool int4, bool k_on_rows, const at::Tensor& scale,
+                  const at::Tensor& offset, int64_t group_size, at::ScalarType dtype,
+                  at::Tensor& out) {
+  if (dtype == at::kHalf) {
+    antiquant_typed<c10::Half, std::conditional_t<std::is_same_v<out_t, float>, float, c10::Half>>(
+        codes, int4, k_on_rows, scale, offset, group_size, out);
+  } else {
+    TORCH_INTERNAL_ASSERT(dtype == at::kBFloat16,
+                          "npu_grouped_matmul: antiquant dtype must be float16 or bfloat16");
+    antiquant_typed<c10::BFloat16,
+                    std::conditional_t<std::is_same_v<out_t, float>, float, c10::BFloat16>>(
+        codes, int4, k_on_rows, scale, offset, group_size, out);
+  }
+}
+
+void antiquant_weight_kernel(const at::Tensor& codes, bool int4, bool k_on_rows,
+                             const at::Tensor& scale, const at::Tensor& offset,
+                             int64_t group_size, at::ScalarType dtype, at::Tensor& out) {
+  if (out.scalar_type() == at::kFloat) {
+    antiquant_to<float>(codes, int4, k_on_rows, scale, offset, group_size, dtype, out);
+  } else {
+    TORCH_INTERNAL_ASSERT(out.scalar_type() == dtype, "npu_grouped_matmul: antiquant output "
+                          "must be float32 or ", dtype, ", got ", out.scalar_type());
+    antiquant_to<void>(codes, int4, k_on_rows, scale, offset, group_size, dtype, out);
+  }
+}
+
 }  // namespace
 
 OPENNPU_REGISTER_CPU_SLOT(grouped_gemm, &grouped_gemm_kernel);
+OPENNPU_REGISTER_CPU_SLOT(antiquant_weight, &antiquant_weight_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::moe

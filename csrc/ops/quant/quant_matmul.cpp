@@ -66,8 +66,8 @@ at::Tensor channel_vector(const char* arg, const at::Tensor& t, int64_t n) {
   return t.reshape({t.numel()}).to(at::kFloat).contiguous();
 }
 
-// The (scale, offset) an int64 scale of npu_trans_quant_param carries: the fp32 bits in bits
-// 0..31 (already cut to 19 bits), a 9-bit signed offset in bits 37..45.
+}  // namespace
+
 std::pair<at::Tensor, at::Tensor> decode_int64_scale(const at::Tensor& packed) {
   const at::Tensor p = packed.reshape({packed.numel()}).contiguous();
   at::Tensor scale = at::empty({p.numel()}, p.options().dtype(at::kFloat));
@@ -84,8 +84,6 @@ std::pair<at::Tensor, at::Tensor> decode_int64_scale(const at::Tensor& packed) {
   }
   return {scale, any_offset ? offset : at::Tensor()};
 }
-
-}  // namespace
 
 at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
                             const std::optional<at::Tensor>& offset,

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "common/kernel_slots.h"
@@ -53,6 +54,11 @@ using QuantMatmulFn = void(const QuantMatmulArgs& args, at::Tensor& out);
 using PackInt4Fn = void(const at::Tensor& weight, at::Tensor& packed);
 
 extern KernelSlots<QuantMatmulFn> quant_matmul;
+
+// npu_trans_quant_param's int64 encoding -> (fp32 scale [numel], fp32 offset [numel] or undefined
+// when every offset is 0): the fp32 bits in bits 0..31, a 9-bit signed offset in bits 37..45.
+// Shared by the ops that accept such a scale (npu_quant_matmul, npu_grouped_matmul).
+std::pair<at::Tensor, at::Tensor> decode_int64_scale(const at::Tensor& packed);
 extern KernelSlots<PackInt4Fn> pack_int4;
 
 }  // namespace opennpu::quant

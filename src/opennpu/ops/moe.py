@@ -348,7 +348,8 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
                        output_dtype: torch.dtype | int | None = None, x_dtype=None,
                        weight_dtype=None, scale_dtype=None,
                        per_token_scale_dtype=None) -> list[torch.Tensor]:
-    """Grouped matmul: ``y_g = x_g @ w_g (+ b_g)`` for G groups, returned as a list.
+    """Grouped matmul: ``y_g = x_g @ w_g (+ b_g)`` for G groups (float, A8W8 or weight-only
+    quantised), returned as a list.
 
     The groups (G = ``len(weight)``, or E for one 3-D weight ``[E, K, N]``):
 
@@ -371,12 +372,33 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
 
     dtypes: float16, bfloat16, float32 (and float64); fp16 / bf16 accumulate in float32 (bias
     added in float32) and round once. Each group's GEMM is BLAS (MKL), tiled and spread over the
-    threads. The quantised paths (``scale``, ``offset``, ``antiquant_*``, ``per_token_scale``,
-    int8 x / weights), ``act_type`` != 0 and ``group_list_type=2`` are not implemented (a clear
-    error says so); ``tuning_config`` is accepted and ignored.
-    ``output_dtype`` must be None or x's dtype. ``x_dtype`` / ``weight_dtype`` (torch_npu's
-    reinterpretation of packed storage) must be None or the tensors' own dtype;
-    ``scale_dtype`` / ``per_token_scale_dtype`` (dtypes of quantised-path tensors) must be None.
+    threads. ``output_dtype`` must be None or x's dtype there.
+
+    Quantised paths (``group_type`` -1 / 0):
+
+    - A8W8: int8 x and int8 weights, ``scale`` per weight tensor (``[N]`` / ``[1]``, or
+      ``[E, N]`` / ``[E, 1]`` for a 3-D weight; float32, bfloat16, or int64 from
+      npu_trans_quant_param, whose packed offset applies to int8 outputs), optional
+      ``per_token_scale`` per x tensor (float32 ``[M]``), ``bias`` int32 (added to the int32
+      accumulator) or float (added after the dequantisation, float outputs only):
+      ``y = (x @ w (+ bias_int32)) * scale (* per_token_scale) (+ bias_float)`` computed in fp32
+      from the exact int32 product and rounded once to ``output_dtype``: None / int8 (round half
+      to even, saturated), float16, bfloat16, float32, or int32 (the raw accumulator + int32 bias;
+      then no scale).
+    - A16W8 / A16W4 (weight-only): float16 / bfloat16 x, int8 weights or int32 ones packing eight
+      int4 codes (npu_convert_weight_to_int4pack's layout; N = 8 x the last dim, or K when the
+      weight is a transposed view), ``antiquant_scale`` (x's dtype, ``[N]`` / ``[E, N]`` per
+      channel; ``[G, N]`` / ``[E, G, N]`` per group of K / G rows, int4 only) and optional
+      ``antiquant_offset`` (same shape): ``y = x @ ((w + offset) * scale) + bias``, the weight
+      dequantised into x's dtype as op-plugin's golden does (float16: ``w + offset`` rounded to
+      float16 before ``* scale``), then the float GEMM.
+
+    Not implemented (a clear error says so): A8W4 / A4W4 (int4 x, per-group ``scale``,
+    ``offset``), the MX / fp8 / fp4 paths, ``act_type`` != 0, ``group_list_type=2``, the
+    ``activation_*`` inputs; ``tuning_config`` is accepted and ignored. ``x_dtype`` /
+    ``weight_dtype`` / ``scale_dtype`` / ``per_token_scale_dtype`` (torch_npu's reinterpretation
+    of storage) must be None or name the tensors' own dtype (``torch.quint4x2`` / ``torch.int4``
+    for int32 int4 weights, ``torch.uint64`` for an int64 scale).
 
     ``group_type`` None: this wrapper picks 0 when ``group_list`` splits one x, else -1
     (torch_npu, like ``torch.ops.npu.npu_grouped_matmul`` with a Tensor or no ``group_list``,
@@ -478,27 +500,54 @@ def _group_sizes(values, group_list_type):
     return [b - a for a, b in zip([0, *values[:-1]], values)]
 
 
-def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type=None):
+def _gmm_weight_n(w):
+    """N of a 2-D weight view, or of a 3-D [E, K, N] one: int32 weights pack eight int4 codes per
+    element along N (along K when the view is the transpose of a contiguous [.., N, K])."""
+    n = w.shape[-1]
+    if w.dtype != torch.int32:
+        return n
+    transposed = not w.is_contiguous() and w.stride(-2) == 1 and w.stride(-1) == w.shape[-2]
+    return n if transposed else 8 * n
+
+
+def _gmm_out_dtype(x, output_dtype):
+    """The output dtype: output_dtype (a torch.dtype or its ScalarType code), else x's."""
+    if output_dtype is None:
+        return x[0].dtype
+    if isinstance(output_dtype, torch.dtype):
+        return output_dtype
+    return _GMM_DTYPE_OF_CODE.get(int(output_dtype), x[0].dtype)
+
+
+# ScalarType codes of the output dtypes npu_grouped_matmul accepts.
+_GMM_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 6: torch.float32,
+                      7: torch.float64, 15: torch.bfloat16}
+
+
+def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type=None,
+                         output_dtype=None):
+    dtype = _gmm_out_dtype(x, output_dtype)
     if group_type == 2:  # grouping on K: one output [G, M, N]
         groups = len(group_list) if not isinstance(group_list, torch.Tensor) \
             else group_list.shape[0]
-        return [x[0].new_empty((groups, x[0].shape[0], weight[0].shape[1]))]
+        return [x[0].new_empty((groups, x[0].shape[0], weight[0].shape[1]), dtype=dtype)]
     single_weight = len(weight) == 1 and weight[0].dim() == 3
     groups = weight[0].shape[0] if single_weight else len(weight)
-    n_of = [weight[0].shape[2]] * groups if single_weight else [w.shape[1] for w in weight]
+    n_of = [_gmm_weight_n(weight[0])] * groups if single_weight \
+        else [_gmm_weight_n(w) for w in weight]
     split_x = group_list is not None and len(x) == 1
     split_item = 0 if split_item is None else split_item
     if split_item >= 2:
         rows = x[0].shape[0] if split_x else sum(t.shape[0] for t in x)
-        return [x[0].new_empty((rows, n_of[0] if groups else weight[0].shape[-1]))]
+        return [x[0].new_empty((rows, n_of[0] if groups else weight[0].shape[-1]), dtype=dtype)]
     if not split_x:
-        return [t.new_empty((*t.shape[:-1], n)) for t, n in zip(x, n_of)]
+        return [t.new_empty((*t.shape[:-1], n), dtype=dtype) for t, n in zip(x, n_of)]
     if isinstance(group_list, torch.Tensor):  # the group sizes are data
         ctx = torch.library.get_ctx()
         sizes = [ctx.new_dynamic_size() for _ in range(groups)]
     else:
         sizes = _group_sizes(list(group_list), 0 if group_list_type is None else group_list_type)
-    return [x[0].new_empty((m, n)) for m, n in zip(sizes, n_of)]
+    return [x[0].new_empty((m, n), dtype=dtype) for m, n in zip(sizes, n_of)]
 
 
 @register_fake("npu::npu_grouped_matmul")
@@ -509,7 +558,8 @@ def _grouped_matmul_tensor_fake(x, weight, *, bias=None, scale=None, offset=None
                                 split_item=0, group_type=None, group_list_type=0, act_type=0,
                                 tuning_config=None, output_dtype=None, x_dtype=None,
                                 weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
-    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type)
+    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type,
+                                output_dtype)
 
 
 @register_fake("npu::npu_grouped_matmul.List")
@@ -518,13 +568,8 @@ def _grouped_matmul_list_fake(x, weight, *, bias=None, scale=None, offset=None,
                               group_list=None, activation_input=None, activation_quant_scale=None,
                               activation_quant_offset=None, split_item=0, group_type=None,
                               group_list_type=0, act_type=0, output_dtype=None):
-    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type)
-
-
-def _permuted_rows(n, num_out_tokens):
-    if num_out_tokens is not None and num_out_tokens > 0:
-        return torch.sym_min(num_out_tokens, n)
-    return n + (num_out_tokens or 0)
+    return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type,
+                                output_dtype)
 
 
 @register_fake("npu::npu_moe_token_permute")

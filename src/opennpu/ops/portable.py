@@ -31,7 +31,7 @@ mask from opennpu's Philox generator through the CPU kernel of _npu_dropout_gen_
 bits and generator offsets as on CPU) and copies it to the device; _npu_dropout_gen_mask itself
 does the same. Those calls, and npu_grouped_matmul with a Tensor group_list (sizes read on the
 host), are not decomposed under torch.compile: the op stays in the graph and runs eagerly.
-npu_grouped_matmul's quantised paths are unimplemented on every device (NotImplementedError).
+npu_grouped_matmul's A8W4 / A4W4 / MX paths are unimplemented on every device (NotImplementedError).
 
 force(): the switch tests use to run the portable path on CPU tensors. Inside it the portable
 functions are also registered for the CPU key (torch.library, allow_override), and the
@@ -291,10 +291,18 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     else:
         a, w = x1, x2
     acc = torch.matmul(a.double(), w.double())  # exact: |sums| < 2^53
-    if bias is not None and bias.dtype == torch.int32:
-        acc = acc + bias.double()
     out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
         _QMM_DTYPES[output_dtype]
+    return _dequantise(acc, scale, offset, pertoken_scale, bias, out_dtype)
+
+
+def _dequantise(acc, scale, offset, pertoken_scale, bias, out_dtype):
+    """npu_quant_matmul's epilogue (also npu_grouped_matmul's A8W8 one) over the exact integer
+    product `acc` (float64): + int32 bias, then * scale (* pertoken) (+ float bias) (+ offset) in
+    float32, rounded once to out_dtype (int8: half to even, saturated); int32 outputs are the
+    accumulator (+ int32 bias)."""
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.double()
     if out_dtype == torch.int32:
         return acc.to(torch.int32)
     if scale.dtype == torch.int64:  # npu_trans_quant_param's encoding
@@ -1050,17 +1058,52 @@ def npu_moe_token_unpermute_with_routing_map_grad(unpermuted_tokens_grad, out_in
     return grad_rows, flat.view(t, e).to(g.dtype)
 
 
-def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, quantised):
-    if quantised:
+def _gmm_weight(w, antiquant_scale, antiquant_offset, dtype):
+    """A group's weight [K, N] for the float GEMM: the float weight itself, or the int8 / packed
+    int4 codes dequantised into x's dtype (float16: code + offset rounded to float16 first, as
+    op-plugin's golden computes in float16), one scale row per K / G rows."""
+    if antiquant_scale is None:
+        return w
+    if w.dtype == torch.int32:  # int4 words along N, or along K for a transposed view
+        transposed = not w.is_contiguous() and w.stride(0) == 1 and w.stride(1) == w.shape[0]
+        w = _unpack_int4(w.mT).mT if transposed else _unpack_int4(w)
+    v = w.float()
+    rows = antiquant_scale.reshape(-1, v.shape[-1]).float()
+    repeat = v.shape[0] // rows.shape[0]
+    if antiquant_offset is not None:
+        v = v + antiquant_offset.reshape(rows.shape).float().repeat_interleave(repeat, 0)
+        if dtype == torch.float16:
+            v = v.half().float()
+    return (v * rows.repeat_interleave(repeat, 0)).to(dtype)
+
+
+def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw):
+    if any(kw.get(name) for name in ("offset", "activation_input", "activation_quant_scale",
+                                     "activation_quant_offset")) or x[0].dtype == torch.int32:
         raise NotImplementedError(
-            "npu_grouped_matmul: the quantised paths (scale, offset, antiquant_*, "
-            "per_token_scale, activation_*) are not implemented")
+            "npu_grouped_matmul: offset (asymmetric A8W4), int4 x (A4W4) and the activation_* "
+            "inputs are not implemented")
     split_item = split_item or 0
     single_weight = len(weight) == 1 and weight[0].dim() == 3
     ws = list(weight[0].unbind(0)) if single_weight else list(weight)
-    bs = [None] * len(ws)
-    if bias:
-        bs = list(bias[0].unbind(0)) if single_weight else list(bias)
+
+    def per_group(lst):  # one entry per group: the rows of a 3-D weight's [E, ...] tensor
+        if not lst:
+            return [None] * len(ws)
+        return list(lst[0].unbind(0)) if single_weight else list(lst)
+
+    bs, scales = per_group(bias), per_group(kw.get("scale"))
+    aq_scales = per_group(kw.get("antiquant_scale"))
+    aq_offsets = per_group(kw.get("antiquant_offset"))
+    tokens = kw.get("per_token_scale")
+    a8w8 = x[0].dtype == torch.int8
+    if ws and ws[0].dtype in (torch.int8, torch.int32) and not a8w8 and not kw.get("antiquant_scale"):
+        raise RuntimeError("npu_grouped_matmul: argument 'antiquant_scale' must be given with "
+                           "int8 / int4 weights and floating x (the weight-only path)")
+    out_dtype = torch.int8 if a8w8 else x[0].dtype
+    od = kw.get("output_dtype")
+    if od is not None:
+        out_dtype = od if isinstance(od, torch.dtype) else _SCALAR_TYPES[od]
     tail = 0
     if group_list is not None and len(x) == 1:
         values = group_list.tolist() if isinstance(group_list, torch.Tensor) else list(group_list)
@@ -1068,25 +1111,29 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, qu
         sizes = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
         xs = list(x[0][:sum(sizes)].split(sizes))
         tail = x[0].shape[0] - sum(sizes)
+        ts = list(tokens[0].reshape(-1)[:sum(sizes)].split(sizes)) if tokens else [None] * len(ws)
     else:
         xs = list(x)
+        ts = [t.reshape(-1) for t in tokens] if tokens else [None] * len(ws)
     ys = []
-    for xg, w, b in zip(xs, ws, bs):
-        acc = _acc(xg.dtype)
-        y = xg.to(acc) @ w.to(acc)
-        ys.append((y if b is None else y + b.to(acc)).to(xg.dtype))
+    for xg, w, b, s, t, aqs, aqo in zip(xs, ws, bs, scales, ts, aq_scales, aq_offsets):
+        if a8w8:
+            if s is None and out_dtype != torch.int32:
+                raise RuntimeError("npu_grouped_matmul: argument 'scale' must be given with int8 "
+                                   "x and weights unless output_dtype is torch.int32")
+            acc = xg.reshape(-1, xg.shape[-1]).double() @ w.double()  # exact: |sums| < 2^53
+            y = _dequantise(acc, s, None, t, b, out_dtype)
+            ys.append(y.reshape(*xg.shape[:-1], y.shape[-1]))
+        else:
+            acc = _acc(xg.dtype)
+            y = xg.to(acc) @ _gmm_weight(w, aqs, aqo, xg.dtype).to(acc)
+            ys.append((y if b is None else y + b.to(acc)).to(xg.dtype))
     if split_item >= 2:
-        ref = x[0]
-        n = ws[0].shape[-1] if ws else weight[0].shape[-1]
-        out = torch.cat([y.flatten(0, -2) for y in ys]) if ys else ref.new_zeros(0, n)
+        n = ys[0].shape[-1] if ys else weight[0].shape[-1]
+        out = torch.cat([y.flatten(0, -2) for y in ys]) if ys else \
+            x[0].new_zeros(0, n, dtype=out_dtype)
         return [torch.cat([out, out.new_zeros(tail, out.shape[-1])])]
     return ys
-
-
-def _gmm_quantised(kw):
-    return any(kw.get(name) for name in ("scale", "offset", "antiquant_scale", "antiquant_offset",
-                                         "per_token_scale", "activation_input",
-                                         "activation_quant_scale", "activation_quant_offset"))
 
 
 def _grouped_matmul_over_k(x, weight, group_list, group_list_type):
@@ -1103,18 +1150,20 @@ def _grouped_matmul_over_k(x, weight, group_list, group_list_type):
 
 
 def _check_gmm_dtype_arguments(x, weight, kw):
-    """The C++ entry's checks of the dtype arguments (torch_npu's current schema)."""
-    for name, tensors in (("x_dtype", x), ("weight_dtype", weight)):
+    """The C++ entry's checks of the dtype arguments (torch_npu's current schema): None or a
+    name of the tensors' own dtype (int4 names for int32 weights, uint64 for an int64 scale)."""
+    for name, tensors in (("x_dtype", x), ("weight_dtype", weight), ("scale_dtype", kw.get("scale")),
+                          ("per_token_scale_dtype", kw.get("per_token_scale"))):
         code = kw.get(name)
-        if code is not None and tensors and code != _dtype_code(tensors[0].dtype):
-            raise RuntimeError(f"npu_grouped_matmul: argument '{name}' must be None or the dtype of "
-                               f"{name[:-6]} ({tensors[0].dtype}): reinterpreting storage belongs "
-                               f"to the quantised paths, which opennpu does not implement, but got "
-                               f"{code}")
-    for name in ("scale_dtype", "per_token_scale_dtype"):
-        if kw.get(name) is not None:
-            raise RuntimeError(f"npu_grouped_matmul: argument '{name}' must be None (quantised "
-                               f"paths are not implemented), but got {kw[name]}")
+        if code is None:
+            continue
+        own = tensors[0].dtype if tensors else None
+        names = {_dtype_code(own)} | ({_QUINT4X2, _INT4} if own == torch.int32 else set()) | \
+            ({_UINT64} if own == torch.int64 else set())
+        if own is None or code not in names:
+            raise RuntimeError(f"npu_grouped_matmul: argument '{name}' must be None or the dtype "
+                               f"of its tensors ({own}): reinterpreting storage (the MX / fp8 / "
+                               f"fp4 paths) is not implemented by opennpu, but got {code}")
 
 
 def _dtype_code(dtype: torch.dtype) -> int | None:
@@ -1125,6 +1174,7 @@ def _dtype_code(dtype: torch.dtype) -> int | None:
 _SCALAR_TYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
                  torch.float32, torch.float64, None, None, None, torch.bool, None, None, None,
                  torch.bfloat16)
+_QUINT4X2, _UINT64, _INT4 = 16, 29, 40  # ScalarType numbers of torch.quint4x2, uint64, int4
 
 
 @_portable("npu::npu_grouped_matmul")
@@ -1135,19 +1185,17 @@ def npu_grouped_matmul(x, weight, *, bias=None, group_list=None, split_item=0, g
         raise RuntimeError("npu_grouped_matmul: argument 'group_type' is missing: Requires manual "
                            "passing group_type, current is None (pass -1 for x[i] @ weight[i] or 0 "
                            "to group x's rows by group_list)")
-    if group_type == 2 and not _gmm_quantised(kw):
+    if group_type == 2:
         return _grouped_matmul_over_k(x, weight, group_list, group_list_type or 0)
-    return _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type,
-                           _gmm_quantised(kw))
+    return _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw)
 
 
 @_portable("npu::npu_grouped_matmul.List")
 def npu_grouped_matmul_list(x, weight, *, bias=None, group_list=None, split_item=0,
                             group_type=None, group_list_type=0, **kw):
-    if group_type == 2 and not _gmm_quantised(kw):
+    if group_type == 2:
         return _grouped_matmul_over_k(x, weight, group_list, group_list_type or 0)
-    return _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type,
-                           _gmm_quantised(kw))
+    return _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw)
 
 
 # ----------------------------------------------------------------------------- FFN
