@@ -241,9 +241,10 @@ def test_the_kernel_sdpa_prefers_runs_and_matches(cudnn):
     try:
         qc, kc, vc = q.cuda(), k.cuda(), v.cuda()
         call = flash_route.plan(qc, kc, vc, 8, "BSND", atten_mask=MASK, sparse_mode=3)
-        expected = "cudnn" if flash_route._prefers_cudnn(call, qc, kc, vc, 0.1) else "flash"
+        expected, expected_bwd = ("cudnn" if flash_route._prefers_cudnn(call, qc, kc, vc, 0.1, training)
+                                  else "flash" for training in (False, True))
         if not cudnn:
-            assert expected == "flash"
+            assert expected == expected_bwd == "flash"
         got = npu.npu_fusion_attention(qc, kc, vc, 8, "BSND", atten_mask=MASK.cuda(),
                                        sparse_mode=3, scale=0.1)
         assert flash_route.last_kernel == expected
@@ -259,7 +260,7 @@ def test_the_kernel_sdpa_prefers_runs_and_matches(cudnn):
 
         flash_route.last_kernel = None
         grads = [grad("cuda", got)]
-        assert flash_route.last_kernel == expected
+        assert flash_route.last_kernel == expected_bwd
         grads.append(grad("cpu", ref))
         for a, b in zip(grads[0][:3], grads[1][:3]):
             torch.testing.assert_close(a.cpu().float(), b.float(), atol=3e-2, rtol=3e-2)
@@ -291,6 +292,9 @@ def captured(cuda_capable, monkeypatch):
 
     def attend(call, q, k, v, scale, used=None):
         seen.update(call=call, used=None if used is None else used.tolist())
+        if call.cum_q is not None:  # varlen: [T, N, D] in, lse [N, T]
+            return torch.zeros(*q.shape[:2], v.shape[-1], dtype=q.dtype), torch.zeros(
+                q.shape[1], q.shape[0])
         return torch.zeros(*q.shape[:3], v.shape[-1], dtype=q.dtype), torch.zeros(
             q.shape[0], q.shape[2], q.shape[1])
 
@@ -304,6 +308,7 @@ def test_infer_routes_decode_with_key_lengths(captured):
     assert out.shape == q.shape and lse.shape == (2, 8, 1, 1)
     assert captured["used"] == [5, 64]
     assert (captured["call"].left, captured["call"].right) == (-1, -1)
+    assert (captured["call"].cum_q, captured["call"].cum_kv) == ([1, 2], [64, 128])
     assert _infer(q, k, v, seq_kv=[7]) is not None and captured["used"] == [7, 7]
 
 
@@ -346,6 +351,8 @@ def test_infer_keeps_the_composition(captured, why):
 
 FIA_CASES = [  # (layout, sq, skv, sparse_mode, actual_seq_lengths_kv)
     ("BSH", 1, 300, 0, [17, 300]),
+    ("BNSD", 1, 80, 0, [80, 33]),
+    ("BSND", 24, 100, 3, [50, 100]),
     ("BNSD", 1, 128, 0, None),
     ("BSND", 64, 64, 3, None),
     ("BNSD_BSND", 40, 96, 3, [70, 96]),

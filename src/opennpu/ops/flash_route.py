@@ -23,7 +23,7 @@ A call fits when
   or 2 when every sequence is square, and cumulative lengths that cover the whole tensors.
 
 Kernel. Among the kernels behind F.scaled_dot_product_attention, the route takes the one SDPA
-itself would pick (aten::_fused_sdp_choice, asked as for a training call): cuDNN's fused
+itself would pick (aten::_fused_sdp_choice, asked for the forward and for the backward): cuDNN's fused
 attention where SDPA prefers it (Hopper and newer with a recent cuDNN; dense calls whose band is
 all keys or square causal), flash otherwise. Under torch.compile's tracing the choice cannot
 be asked and flash runs. `last_kernel` names the kernel of the latest call (for tests and
@@ -183,8 +183,9 @@ def _lengths(call: FlashCall, q, k):
     return cq, ck, max_q, max_k
 
 
-def _prefers_cudnn(call: FlashCall, q, k, v, scale) -> bool:
-    """Whether SDPA would run cuDNN's attention for these BSND operands (dense calls only)."""
+def _prefers_cudnn(call: FlashCall, q, k, v, scale, training: bool) -> bool:
+    """Whether SDPA would run cuDNN's attention for these BSND operands (dense calls only), asked
+    for a forward (`training` False) or for the backward of one."""
     if call.cum_q is not None or call.left != -1 or call.right not in (-1, 0):
         return False
     if torch._subclasses.fake_tensor.is_fake(q) or not torch.backends.cuda.cudnn_sdp_enabled():
@@ -192,8 +193,8 @@ def _prefers_cudnn(call: FlashCall, q, k, v, scale) -> bool:
     causal = call.right == 0
     if causal and q.shape[1] != k.shape[1]:  # SDPA's is_causal is top-left: equal only if square
         return False
-    training = [t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v)]
-    choice = torch.ops.aten._fused_sdp_choice(*training, None, 0.0, causal, scale=scale,
+    operands = [t.transpose(1, 2).detach().requires_grad_(training) for t in (q, k, v)]
+    choice = torch.ops.aten._fused_sdp_choice(*operands, None, 0.0, causal, scale=scale,
                                               enable_gqa=call.kv_heads != call.heads)
     return choice == _CUDNN
 
@@ -230,7 +231,7 @@ def _attend(call: FlashCall, q, k, v, scale, seqused_k=None):
     kernel SDPA prefers (cuDNN only for dense calls without per-batch key lengths)."""
     global last_kernel
     done = None
-    if seqused_k is None and _prefers_cudnn(call, q, k, v, scale):
+    if seqused_k is None and _prefers_cudnn(call, q, k, v, scale, training=False):
         done = _cudnn_forward(call, q, k, v, scale)
     if done is not None:
         last_kernel = "cudnn"
@@ -269,7 +270,7 @@ def infer(query, key, value, *, num_heads, num_key_value_heads, lin, lout, scale
     None where the call does not fit: the dense (not paged) BSH / BSND / BNSD layouts without
     pse_shift, rope parts, sink or quantisation (`unrouted` is True when any of those is given),
     query lengths equal to Sq, key lengths (actual_seq_lengths_kv, each at least 1) through
-    flash's per-batch `seqused_k`, and the band of sparse_mode as in npu_fusion_attention
+    flash's per-sequence `seqused_k` (varlen form), and the band of sparse_mode as in npu_fusion_attention
     except that every mode applies without a mask; a decode call (Sq = 1) sees every key."""
     if unrouted or lin not in _INFER_LAYOUTS or lout not in _INFER_LAYOUTS:
         return None
@@ -297,12 +298,20 @@ def infer(query, key, value, *, num_heads, num_key_value_heads, lin, lout, scale
     elif sq > 1 and sparse_mode == 0 and (pre_tokens < sq - 1 or next_tokens < skv - 1):
         return None  # a top-left band that hides keys
     q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, kvn), _bsnd(value, call, kvn)
-    used = None
-    if seq_kv is not None:
+    if seq_kv is None:
+        out, lse = _attend(call, q, k, v, scale)
+    else:
+        # Per-batch key counts are flash's `seqused_k`, which only its varlen form reads: the
+        # batch becomes sequences of Sq queries and Skv cache rows (a view for BSH / BSND; a
+        # BNSD cache is copied into BSND order first).
         lens = [int(s_) for s_ in seq_kv]
         used = torch.tensor(lens * batch if len(lens) == 1 else lens, dtype=torch.int32,
                             device=query.device)
-    out, lse = _attend(call, q, k, v, scale, used)
+        call = dataclasses.replace(call, cum_q=[sq * (i + 1) for i in range(batch)],
+                                   cum_kv=[skv * (i + 1) for i in range(batch)])
+        flat = [t.reshape(-1, *t.shape[2:]) for t in (q, k, v)]
+        out, lse = _attend(call, *flat, scale, used)
+        out, lse = out.view(batch, sq, *out.shape[1:]), lse.view(-1, batch, sq).transpose(0, 1)
     out = _from_bsnd(out, FlashCall(lout, call.heads, kvn, call.head_dim, -1, -1))
     if not lse_flag:
         return out, query.new_zeros(1, dtype=torch.float32)
@@ -334,7 +343,7 @@ def backward(call: FlashCall, query, key, value, dy, attention_in, softmax_max, 
     lse = _lse_of(call, softmax_max, softmax_sum, query, softmax_layout)
     global last_kernel
     grads = (_cudnn_backward(call, g, q, k, v, o, lse, scale)
-             if _prefers_cudnn(call, q, k, v, scale) else None)
+             if _prefers_cudnn(call, q, k, v, scale, training=True) else None)
     if grads is not None:
         dq, dk, dv = grads
         last_kernel = "cudnn"
