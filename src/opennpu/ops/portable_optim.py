@@ -635,7 +635,14 @@ def _fused_unscale_grads_(params, found_inf, inv_scale):
         found = found.to(device)
     inv = inv_scale.reshape(1).to(device)
     for same in grads:
-        torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
+        if same[0].dtype == torch.bfloat16:
+            # torch's CUDA kernel takes float16 / float32 only: unscale float32 copies (exact),
+            # then round once, as the C++ kernel does
+            wide = [g.float() for g in same]
+            torch._amp_foreach_non_finite_check_and_unscale_(wide, found, inv)
+            torch._foreach_copy_(same, wide)
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(same, found, inv)
     if found_inf.device != device:
         found_inf.copy_(found.reshape(found_inf.shape))
 
