@@ -51,6 +51,34 @@ def test_fitting_calls_are_planned(cuda_capable, layout):
     assert (call.left, call.right) == (-1, 0)
 
 
+@pytest.mark.parametrize("sq,skv", [(8, 8), (5, 12), (12, 5), (1, 9), (9, 1), (3, 3)])
+@pytest.mark.parametrize("mode,pre,nxt", [(2, BIG, 0), (3, BIG, 0), (4, 2, 1), (4, 0, 0),
+                                          (4, BIG, 3), (4, 3, BIG), (4, 1, 6), (4, 7, 4)])
+def test_the_planned_window_shows_exactly_the_modes_keys(cuda_capable, sq, skv, mode, pre, nxt):
+    """Flash's rule (bottom-right band; a side >= seqlen_k is unbounded) on the planned window
+    gives the mask of sparse_mode; where no window is planned, the mode's own numbers as a
+    window would show other keys (so the composition is needed)."""
+    i, j, shift = torch.arange(sq)[:, None], torch.arange(skv), skv - sq
+
+    def flash_visible(left, right):
+        left, right = (-1 if w >= skv else w for w in (left, right))
+        visible = torch.ones(sq, skv, dtype=torch.bool)
+        if left >= 0:
+            visible &= j >= i + shift - left
+        if right >= 0:
+            visible &= j <= i + shift + right
+        return visible
+
+    want = {2: j <= i, 3: j <= i + shift,
+            4: (j <= i + shift + nxt) & (j >= i + shift - pre)}[mode].expand(sq, skv)
+    window = flash_route._window(mode, True, sq, skv, pre, nxt)
+    if window is not None:
+        assert torch.equal(flash_visible(*window), want)
+    else:
+        naive = {2: (-1, -shift), 4: (pre, nxt)}[mode]
+        assert min(naive) < -1 or not torch.equal(flash_visible(*naive), want)
+
+
 def test_top_left_causal_fits_only_where_it_is_bottom_right(cuda_capable):
     q, k, v = _qkv("BSND", sq=8, skv=8)
     assert (_plan(q, k, v, "BSND", atten_mask=MASK, sparse_mode=2).right) == 0

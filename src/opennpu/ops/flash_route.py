@@ -74,19 +74,26 @@ def _available(query) -> bool:
                          else torch.cuda.current_device()))
 
 
-def _window(mode, has_mask, sq, skv, pre, nxt):
-    """(left, right) of the band of sparse_mode `mode`, or None where flash cannot express it."""
+def _window(mode, has_mask, sq, skv, pre, nxt, skv_min=None):
+    """(left, right) of the band of sparse_mode `mode`, or None where flash cannot express it.
+    skv_min: the shortest key length where batches differ (skv the longest). Flash treats a
+    side of at least seqlen_k as unbounded, so a finite right side that reaches that far while
+    rows above still see fewer keys (Sq > Skv) has no flash form."""
     if not has_mask:
         return -1, -1
+    skv_min = skv if skv_min is None else skv_min
     shift = skv - sq
     if mode == 3:
         return -1, 0
-    if mode == 2:
-        return (-1, -shift) if shift <= 0 else None
+    if mode == 2:  # j <= i is the band (-1, Sq - Skv) at the bottom right
+        return (-1, -shift) if shift <= 0 and -shift < skv_min else None
     if mode == 4:
         if pre < 0 or nxt < 0:
             return None
-        return (-1 if pre >= skv else pre), (-1 if nxt >= skv else nxt)
+        left = -1 if pre >= skv - 1 else pre  # every key left of the diagonal is visible
+        if nxt >= sq - 1:  # every key right of it is visible
+            return left, -1
+        return (left, nxt) if nxt < skv_min else None
     return None
 
 
@@ -291,7 +298,8 @@ def infer(query, key, value, *, num_heads, num_key_value_heads, lin, lout, scale
     if sq > 1 and sparse_mode in (2, 3, 4):  # a decode call (Sq = 1) sees every key
         if sparse_mode == 2 and seq_kv is not None:
             return None  # top-left alignment with per-batch key lengths
-        window = _window(sparse_mode, True, sq, skv, pre_tokens, next_tokens)
+        window = _window(sparse_mode, True, sq, skv, pre_tokens, next_tokens,
+                         min(int(s_) for s_ in seq_kv) if seq_kv is not None else None)
         if window is None:
             return None
         call = dataclasses.replace(call, left=window[0], right=window[1])
