@@ -82,18 +82,21 @@ def _window(mode, has_mask, sq, skv, pre, nxt, skv_min=None):
     if not has_mask:
         return -1, -1
     skv_min = skv if skv_min is None else skv_min
-    shift = skv - sq
+
+    def right_side(r):
+        if r >= sq - 1:  # even the first row sees every key: unbounded
+            return -1
+        return r if r < skv_min else None
+
     if mode == 3:
         return -1, 0
     if mode == 2:  # j <= i is the band (-1, Sq - Skv) at the bottom right
-        return (-1, -shift) if shift <= 0 and -shift < skv_min else None
+        right = right_side(sq - skv) if sq >= skv else None
+        return None if right is None else (-1, right)
     if mode == 4:
-        if pre < 0 or nxt < 0:
-            return None
-        left = -1 if pre >= skv - 1 else pre  # every key left of the diagonal is visible
-        if nxt >= sq - 1:  # every key right of it is visible
-            return left, -1
-        return (left, nxt) if nxt < skv_min else None
+        right = right_side(nxt) if pre >= 0 and nxt >= 0 else None
+        # a left side past the first key shows every key left of the diagonal: unbounded
+        return None if right is None else (-1 if pre >= skv - 1 else pre, right)
     return None
 
 
