@@ -1,4 +1,5 @@
-"""Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast,
+"""Quantisation: dynamic_quant (int8 and int4), quantize (static per-channel scales: int8 with
+div_mode, int8 and packed int4 AscendQuant style), add_rms_norm_dynamic_quant, add_rms_norm_cast,
 quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM),
 grouped_matmul's quantised paths (A8W8 per-token and weight-only A16W8, MoE-shaped: against
 dequantise-then-grouped-GEMM).
@@ -53,6 +54,34 @@ def native_dynamic_quant(x, smooth, int4=False):
     nibbles = (codes & 0xF).unflatten(-1, (-1, 8))
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=x.device)
     return (nibbles << shifts).sum(dim=-1, dtype=torch.int32), scale.squeeze(-1)
+
+
+def native_quantize(x, scale, zero, div_mode, int4=False):
+    """npu_quantize's arithmetic as torch ops: per-channel (last dim) scale and zero point,
+    round half to even, clamp, cast (and for int4 the pack of eight codes per int32)."""
+    v = x.float()
+    t = torch.round(v * (1.0 / scale)) + zero if div_mode else torch.round(v * scale + zero)
+    if not int4:
+        return t.clamp(-128, 127).to(torch.int8)
+    codes = t.clamp(-8, 7).to(torch.int32)
+    nibbles = (codes & 0xF).unflatten(-1, (-1, 8))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=x.device)
+    return (nibbles << shifts).sum(dim=-1, dtype=torch.int32)
+
+
+def quantize_fwd(t, h, dtype, div_mode, int4, threads):
+    x = randn(t, h, dtype=dtype) * 20
+    scale = torch.rand(h) + 0.1
+    zero = torch.randint(-4, 4, (h,)).float()
+    zp = zero.to(torch.int32) if div_mode else zero
+    qtype = torch.quint4x2 if int4 else torch.qint8
+    native = functools.partial(native_quantize, div_mode=div_mode, int4=int4)
+    native_compiled = compiled(native, x, scale, zero, threads=threads)
+    # codes are compared exactly by the tests; the int4 words are not comparable by magnitude
+    return Timed(ours=lambda: npu.npu_quantize(x, scale, zp, qtype, -1, div_mode),
+                 baselines={"eager": lambda: native(x, scale, zero),
+                            "compile": lambda: native_compiled(x, scale, zero)},
+                 reference=None if int4 else lambda: native(x, scale, zero))
 
 
 def add_rms_norm_dynamic_quant_fwd(t, h, dtype, threads):
@@ -223,6 +252,13 @@ def cases(quick: bool, dtypes):
                    functools.partial(dynamic_quant_fwd, t, h, dtype, False), ("npu_dynamic_quant",))
         yield Case("dynamic_quant", "fwd", shape + " int4", dtype, q_bytes - t * h // 2,
                    functools.partial(dynamic_quant_fwd, t, h, dtype, True), ("npu_dynamic_quant",))
+        # x read, codes written (int4: half a byte each), scales / zero points read
+        for name, div_mode, int4 in (("div", True, False), ("mul", False, False),
+                                     ("mul int4", False, True)):
+            yield Case("quantize", "fwd", f"{shape} {name}", dtype,
+                       t * h * e + (t * h // 2 if int4 else t * h) + 8 * h,
+                       functools.partial(quantize_fwd, t, h, dtype, div_mode, int4),
+                       ("npu_quantize",))
         # x1, x2 read, x written, codes written, gamma and smooth read, fp32 scale
         fused_bytes = 3 * t * h * e + t * h + 2 * h * e + 4 * t
         yield Case("add_rms_norm_dynamic_quant", "fwd", shape, dtype, fused_bytes,

@@ -56,7 +56,7 @@ import torch.nn.functional as F
 
 from . import flash_route
 from .portable_optim import KERNELS as _optim_kernels
-from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4
+from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4, _quantize_out
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 # qualname -> the device types whose kernel is the portable one (decomposed under compile); CPU,
@@ -451,6 +451,30 @@ def npu_dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type=1, 
     y = (t.clamp(-qmax, qmax).to(fp8) if fp8 is not None else
          torch.nan_to_num(torch.round(t), nan=0.0).clamp(-qmax, qmax).to(torch.int8))
     return (y, scale) if x.dim() == 3 else (y[0], scale[0])
+
+
+@_portable("npu::npu_quantize")
+def npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):
+    x = self.float()
+    out, int4 = _quantize_out(dtype, div_mode)
+    ax = (axis % x.dim()) if div_mode else (x.dim() - 2 if axis == -2 else x.dim() - 1)
+    shape = [1] * x.dim()
+    shape[ax] = -1
+
+    def per_axis(t):
+        return t.float().reshape(shape)
+
+    z = per_axis(zero_points) if zero_points is not None else x.new_zeros(())
+    if div_mode:  # torch.quantize_per_channel: x * (float32 1 / scale), rounded, + zero point
+        t = torch.round(x * (1.0 / per_axis(scales))) + z
+    else:  # AscendQuantV2: the product rounded to float32, then + zero point
+        t = x * per_axis(scales) + z
+    t = torch.round(torch.where(torch.isnan(t), z.expand_as(t), t))
+    if out == torch.int32 and not int4:  # saturate beyond +-2^31 as an int64 clamp does
+        return t.clamp(-2.0**31, 2.0**31).to(torch.int64).clamp(-2**31, 2**31 - 1).to(out)
+    lo, hi = (-8, 7) if int4 else ((0, 255) if out == torch.uint8 else (-128, 127))
+    codes = t.clamp(lo, hi).to(torch.int32 if out == torch.uint8 else torch.int8)
+    return _pack_int4(codes) if int4 else codes.to(out)
 
 
 @_portable("npu::npu_convert_weight_to_int4pack")
