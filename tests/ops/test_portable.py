@@ -491,6 +491,12 @@ CASES = [
     Case("quant_matmul_int4_int64_scale", npu.npu_quant_matmul,
          lambda d: (lambda a, k: (a[:2] + [npu.npu_trans_quant_param(a[2], torch.ones(24))], k))(
              *_qmm(d, int4=True)), dtypes=(F32,)),
+    Case("quant_matmul_a8w4", npu.npu_quant_matmul,
+         lambda d: ([torch.randint(-128, 128, (5, 64), dtype=torch.int8),
+                     torch.randint(-2**31, 2**31 - 1, (64, 3), dtype=I32), torch.rand(2, 24)],
+                    dict(offset=torch.randn(24), pertoken_scale=torch.rand(5),
+                         output_dtype=torch.bfloat16 if d == torch.bfloat16 else torch.float16,
+                         group_sizes=[0, 0, 32])), dtypes=LOW_DTYPES),
     Case("quant_matmul_int32", npu.npu_quant_matmul,
          lambda d: _qmm(d, output_dtype=I32, bias=torch.ones(24, dtype=I32)), dtypes=(F32,)),
     Case("trans_quant_param", npu.npu_trans_quant_param,

@@ -188,7 +188,16 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     int8 outputs only; ``pertoken_scale`` float32 ``[m]``; ``bias`` ``[n]`` (or ``[batch, 1,
     n]``): int32 (added to the accumulator) or bfloat16 / float16 / float32 (added after the
     scales, float outputs). ``group_sizes`` must be None or [0, 0, 0] and ``y_scale`` None
-    (per-group and MX scaling are not implemented). Not differentiable.
+    (per-group and MX scaling are not implemented), except for A8W4.
+
+    A8W4 (int8 ``x1`` [m, k], int4 ``x2`` words [k, n / 8]): ``scale`` [k / group_k, n] (int64
+    from npu_trans_quant_param, or float32), ``group_sizes`` [0, 0, group_k] (None: k /
+    scale.size(0)), ``offset`` float32 [n] (the additive term), ``pertoken_scale`` [m],
+    ``output_dtype`` float16 / bfloat16, as op-plugin's golden computes it: x = 16 hi + lo + 8
+    split into two int4 halves; per K group the exact products with the weight, times the scale,
+    rounded to float16 and summed in float16; ``y = (acc_hi * 16 + acc_lo + offset) *
+    pertoken_scale``. That is the product of ``x1 - 8``: A8W4 weights come with ``8 * sum_k(w *
+    scale)`` folded into ``offset``. Not differentiable.
     """
     return _ops.npu_quant_matmul(
         x1, x2, scale, offset=offset, pertoken_scale=pertoken_scale, bias=bias,
@@ -233,6 +242,8 @@ def _quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=
     if x1.dtype == torch.int32:  # int4 words: [k, n / 8], or the transpose [k / 8, n]
         packed_k = x2.shape[-2] == 8 * x1.shape[-1]
         n = 8 * x2.shape[-1] if packed_k else x2.shape[-1]
+    elif x2.dtype == torch.int32:  # A8W4: int4 weight words [k, n / 8]
+        n = 8 * x2.shape[-1]
     else:
         n = x2.shape[-1]
     batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
