@@ -35,6 +35,10 @@ TORCH_LIBRARY(npu, m) {
         "Tensor? smooth_scale1=None, Tensor? smooth_scale2=None, Tensor? beta=None, "
         "float epsilon=1e-6, bool[2]? output_mask=None, int? y_dtype=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  // Affine quantisation with given scales / zero points along `axis`: clamp(round(x / scale) +
+  // zero_point) (div_mode) or clamp(round(x * scale + zero_point)); int8 / uint8 / int32 or int4.
+  m.def("npu_quantize(Tensor self, Tensor scales, Tensor? zero_points, int dtype, int axis=1, "
+        "bool div_mode=True) -> Tensor");
   // Quantised matmul: (x1 @ x2 (+ int32 bias)) in int32, then * scale (* pertoken_scale)
   // (+ float bias) (+ offset) in fp32, rounded once to output_dtype (int8 by default); int4
   // operands come as int32 holding eight codes each.

@@ -1,5 +1,7 @@
-"""Quantisation: dynamic_quant (int8 and int4), add_rms_norm_dynamic_quant, add_rms_norm_cast,
-quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM),
+"""Quantisation: dynamic_quant (int8 and int4), quantize (static per-channel scales: int8 with
+div_mode, int8 and packed int4 AscendQuant style), add_rms_norm_dynamic_quant, add_rms_norm_cast,
+quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM; A8W4
+per-group int4 weights against its torch composition),
 grouped_matmul's quantised paths (A8W8 per-token and weight-only A16W8, MoE-shaped: against
 dequantise-then-grouped-GEMM).
 
@@ -53,6 +55,34 @@ def native_dynamic_quant(x, smooth, int4=False):
     nibbles = (codes & 0xF).unflatten(-1, (-1, 8))
     shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=x.device)
     return (nibbles << shifts).sum(dim=-1, dtype=torch.int32), scale.squeeze(-1)
+
+
+def native_quantize(x, scale, zero, div_mode, int4=False):
+    """npu_quantize's arithmetic as torch ops: per-channel (last dim) scale and zero point,
+    round half to even, clamp, cast (and for int4 the pack of eight codes per int32)."""
+    v = x.float()
+    t = torch.round(v * (1.0 / scale)) + zero if div_mode else torch.round(v * scale + zero)
+    if not int4:
+        return t.clamp(-128, 127).to(torch.int8)
+    codes = t.clamp(-8, 7).to(torch.int32)
+    nibbles = (codes & 0xF).unflatten(-1, (-1, 8))
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=x.device)
+    return (nibbles << shifts).sum(dim=-1, dtype=torch.int32)
+
+
+def quantize_fwd(t, h, dtype, div_mode, int4, threads):
+    x = randn(t, h, dtype=dtype) * 20
+    scale = torch.rand(h) + 0.1
+    zero = torch.randint(-4, 4, (h,)).float()
+    zp = zero.to(torch.int32) if div_mode else zero
+    qtype = torch.quint4x2 if int4 else torch.qint8
+    native = functools.partial(native_quantize, div_mode=div_mode, int4=int4)
+    native_compiled = compiled(native, x, scale, zero, threads=threads)
+    # codes are compared exactly by the tests; the int4 words are not comparable by magnitude
+    return Timed(ours=lambda: npu.npu_quantize(x, scale, zp, qtype, -1, div_mode),
+                 baselines={"eager": lambda: native(x, scale, zero),
+                            "compile": lambda: native_compiled(x, scale, zero)},
+                 reference=None if int4 else lambda: native(x, scale, zero))
 
 
 def add_rms_norm_dynamic_quant_fwd(t, h, dtype, threads):
@@ -113,6 +143,42 @@ def quant_matmul_fwd(m, k, n, dtype, threads):
                    "compile": lambda: native_compiled(x1, w, scale, pt)},
         reference=lambda: reference.quant_matmul(x1, w, scale, pertoken_scale=pt,
                                                  output_dtype=dtype),
+    )
+
+
+def native_a8w4(x, words, scale, offset, pertoken, out_dtype):
+    """A8W4 in torch ops: unpack the int4 weight, split x into its two int4 halves, per K group
+    an exact fp32 GEMM (integer sums below 2^24) scaled and summed in float16."""
+    m, k = x.shape
+    groups = scale.shape[0]
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=words.device)
+    w = ((words.unsqueeze(-1) << (28 - shifts)) >> 28).flatten(-2).float()  # [k, n]
+    xi = x.to(torch.int32)
+    split = torch.stack([xi >> 4, (xi & 15) - 8], 1).reshape(2 * m, groups, k // groups)
+    prods = torch.bmm(split.transpose(0, 1).float(), w.reshape(groups, k // groups, -1))
+    terms = (prods * scale.unsqueeze(1)).half()
+    acc = terms[0]
+    for term in terms[1:]:
+        acc = (acc.float() + term.float()).half()
+    acc = acc.float().reshape(m, 2, -1)
+    return ((acc[:, 0] * 16 + acc[:, 1] + offset) * pertoken.unsqueeze(-1)).to(out_dtype)
+
+
+def quant_matmul_a8w4_fwd(m, k, n, dtype, threads):
+    gen = torch.Generator().manual_seed(0)
+    x1 = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=gen)
+    words = npu.npu_convert_weight_to_int4pack(
+        torch.randint(-8, 8, (k, n), dtype=torch.int32, generator=gen))
+    scale = torch.rand(k // 256, n, generator=gen) * 1e-2
+    offset, pt = torch.randn(n, generator=gen), torch.rand(m, generator=gen)
+    native = functools.partial(native_a8w4, out_dtype=dtype)
+    native_compiled = compiled(native, x1, words, scale, offset, pt, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_quant_matmul(x1, words, scale, offset=offset, pertoken_scale=pt,
+                                          output_dtype=dtype, group_sizes=[0, 0, 256]),
+        baselines={"eager": lambda: native(x1, words, scale, offset, pt),
+                   "compile": lambda: native_compiled(x1, words, scale, offset, pt)},
+        reference=lambda: native(x1, words, scale, offset, pt),
     )
 
 
@@ -223,6 +289,13 @@ def cases(quick: bool, dtypes):
                    functools.partial(dynamic_quant_fwd, t, h, dtype, False), ("npu_dynamic_quant",))
         yield Case("dynamic_quant", "fwd", shape + " int4", dtype, q_bytes - t * h // 2,
                    functools.partial(dynamic_quant_fwd, t, h, dtype, True), ("npu_dynamic_quant",))
+        # x read, codes written (int4: half a byte each), scales / zero points read
+        for name, div_mode, int4 in (("div", True, False), ("mul", False, False),
+                                     ("mul int4", False, True)):
+            yield Case("quantize", "fwd", f"{shape} {name}", dtype,
+                       t * h * e + (t * h // 2 if int4 else t * h) + 8 * h,
+                       functools.partial(quantize_fwd, t, h, dtype, div_mode, int4),
+                       ("npu_quantize",))
         # x1, x2 read, x written, codes written, gamma and smooth read, fp32 scale
         fused_bytes = 3 * t * h * e + t * h + 2 * h * e + 4 * t
         yield Case("add_rms_norm_dynamic_quant", "fwd", shape, dtype, fused_bytes,
@@ -241,6 +314,11 @@ def cases(quick: bool, dtypes):
         qmm_bytes = m * k + k * n + 4 * (m + n) + m * n * dtype.itemsize
         yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n}", dtype, qmm_bytes,
                    functools.partial(quant_matmul_fwd, m, k, n, dtype), ("npu_quant_matmul",),
+                   flops=2 * m * k * n)
+        # x codes and the int4 weight (half a byte per code) read, output written
+        yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n} a8w4", dtype,
+                   m * k + k * n // 2 + 4 * n * (k // 256 + 1) + m * n * dtype.itemsize,
+                   functools.partial(quant_matmul_a8w4_fwd, m, k, n, dtype), ("npu_quant_matmul",),
                    flops=2 * m * k * n)
     for (m, e, k, n), dtype in itertools.product(grouped_matmul_quant_shapes(quick), dtypes):
         if dtype == torch.float32:  # outputs / x are fp16 / bf16

@@ -426,8 +426,10 @@ def test_bad_quantised_inputs():
            output_dtype=F16)
     raises(r"argument 'antiquant_scale' must be None on the A8W8 path", [x], [w], scale=[s],
            antiquant_scale=[s.to(BF16)])
-    raises(r"argument 'weight\[0\]' must be int8 with int8 x \(A8W8\); int4 weights with int8 x "
-           r"\(A8W4\) are not implemented", [x], [w.int()], scale=[s])
+    raises(r"argument 'output_dtype' must be torch.float16 or torch.bfloat16 with int8 x and int4 "
+           r"weights \(A8W4\), but got None", [x], [w.int()], scale=[s])
+    raises(r"argument 'weight\[0\]' must be int8 \(A8W8\) or int32 .* \(A8W4\) with int8 x, but "
+           "got Short", [x], [w.short()], scale=[s])
     raises(r"argument 'x\[0\]' is int32 .*A4W4", [x.int()], [w.int()], scale=[s])
     raises(r"argument 'x\[0\]' must be float16, bfloat16, float32 or int8; float8", 
            [x.view(torch.float8_e4m3fn)], [w.view(torch.float8_e4m3fn)], scale=[s])
@@ -466,3 +468,94 @@ def test_bad_quantised_inputs():
            [x], [w], scale=[s], per_token_scale_dtype=F32)
     raises(r"argument 'activation_input' must be None on the A8W8 path", [x], [w], scale=[s],
            activation_input=[s])
+
+
+# ----------------------------------------------------------------------------- A8W4
+
+
+def _uint64_scale(scale):
+    """op-plugin's A8W4 scale: the float32 bits in the low 32 bits of an int64."""
+    return scale.contiguous().view(I32).to(I64) & 0xFFFFFFFF
+
+
+def _a8w4_experts(e=3, k=128, n=16, groups=2, rows=(2, 0, 5), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    m = sum(rows) + 2  # rows past the groups stay zero
+    x = codes(m, k)
+    w = torch.randint(-8, 8, (e, k, n), dtype=I32, generator=gen)
+    scale = torch.rand(e, groups, n, generator=gen) * 0.01
+    bias = torch.rand(e, n, generator=gen) * 10 - 5
+    token = torch.rand(m, 1, generator=gen)
+    return x, w, scale, bias, token
+
+
+def ref_a8w4(x, w, scale, bias, token, rows, out_dtype):
+    from opennpu.testing import reference as R
+
+    outs, start = [], 0
+    for g, m in enumerate(rows):
+        xs = x[start:start + m]
+        outs.append(R.a8w4_matmul(xs, w[g], scale[g], bias[g], token[start:start + m],
+                                  out_dtype))
+        start += m
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("out_dtype", (F16, BF16), ids=str)
+@pytest.mark.parametrize("scale_form", ("uint64", "float32"))
+def test_a8w4_matches_op_plugin_golden(out_dtype, scale_form):
+    rows = (2, 0, 5)
+    x, w, scale, bias, token = _a8w4_experts(rows=rows)
+    wq = opennpu.npu_quantize(w.float(), torch.tensor([1.0]), None, torch.quint4x2, -1, False)
+    s = _uint64_scale(scale) if scale_form == "uint64" else scale
+    y = gmm([x], [wq], bias=[bias], scale=[s], per_token_scale=[token],
+            group_list=torch.tensor(rows), split_item=3, group_type=0, group_list_type=1,
+            output_dtype=out_dtype)[0]
+    assert y.dtype == out_dtype and y.shape == (x.shape[0], 16)
+    assert torch.equal(y[:sum(rows)], ref_a8w4(x, w, scale, bias, token, rows, out_dtype))
+    assert (y[sum(rows):] == 0).all()
+    with portable.force():
+        yp = gmm([x], [wq], bias=[bias], scale=[s], per_token_scale=[token],
+                 group_list=torch.tensor(rows), split_item=3, group_type=0, group_list_type=1,
+                 output_dtype=out_dtype)[0]
+    assert torch.equal(yp, y)
+
+
+def test_a8w4_weight_list_and_x_list():
+    rows = (3, 4)
+    x, w, scale, bias, token = _a8w4_experts(e=2, k=64, n=24, groups=4, rows=rows, seed=1)
+    ws = [opennpu.npu_convert_weight_to_int4pack(w[g]) for g in range(2)]
+    xs = [x[:3], x[3:7]]
+    ys = gmm(xs, ws, bias=[bias[0], bias[1]], scale=[scale[0], scale[1]],
+             per_token_scale=[token[:3], token[3:7].reshape(-1)], output_dtype=F16)
+    ref = ref_a8w4(x, w, scale, bias, token, rows, F16)
+    assert torch.equal(torch.cat(ys), ref)
+    opcheck(npu.npu_grouped_matmul.default, [
+        (([x[:7]], ws), dict(scale=[scale[0], scale[1]], group_list=cumsum(rows), split_item=3,
+                             group_type=0, output_dtype=5)),
+    ])
+
+
+def test_a8w4_bad_inputs():
+    rows = (2, 0, 5)
+    x, w, scale, bias, token = _a8w4_experts(rows=rows)
+    wq = opennpu.npu_convert_weight_to_int4pack(w)
+    kw = dict(group_list=torch.tensor(rows), split_item=3, group_type=0, group_list_type=1,
+              output_dtype=F16)
+
+    def raises(pattern, **extra):
+        with pytest.raises(RuntimeError, match=pattern):
+            gmm([x], [wq], **dict(kw, **extra))
+
+    raises(r"argument 'scale' must be given with int8 x and int4 weights \(A8W4")
+    raises(r"argument 'scale\[0\]' must be \[E, G, N\] = \[3, G, 16\]", scale=[scale[0]])
+    raises(r"argument 'scale\[0\]' must be int64 .* or float32 with A8W4, but got Half",
+           scale=[scale.half()])
+    raises(r"argument 'scale' must cut K = 128 of group 0 into equal groups", 
+           scale=[torch.rand(3, 3, 16)])
+    raises(r"argument 'offset' must be None: op-plugin's asymmetric A8W4 offset", scale=[scale],
+           offset=[scale])
+    raises(r"argument 'bias\[0\]' must be float32 .* with A8W4, but got Int", scale=[scale],
+           bias=[bias.int()])
+    raises(r"argument 'output_dtype' must be torch.float16 or torch.bfloat16 with int8 x and "
+           r"int4 weights \(A8W4\), but got Float", scale=[scale], output_dtype=F32)

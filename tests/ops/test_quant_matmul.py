@@ -269,8 +269,8 @@ def test_quant_matmul_bad_inputs():
     qmm = opennpu.npu_quant_matmul
     _raises(lambda: qmm(x1.float(), x2, s), "npu_quant_matmul: argument 'x1' must be int8",
             "got Float")
-    _raises(lambda: qmm(x1, x2.int(), s), "argument 'x2' must have the dtype of 'x1' (Char)",
-            "got Int")
+    _raises(lambda: qmm(x1, x2.int(), s), "argument 'output_dtype' must be torch.float16 or "
+            "torch.bfloat16 with int8 'x1' and int4 'x2' (A8W4)", "got None")
     _raises(lambda: qmm(x1, codes(15, 8), s), "argument 'x2' must have k = 16", "[15, 8]")
     _raises(lambda: qmm(x1, x2, torch.rand(7)), "argument 'scale' must have shape [1] or [8]",
             "[7]")
@@ -427,3 +427,104 @@ def test_convert_weight_to_int4pack_bad_inputs_and_opcheck():
     opcheck(torch.ops.npu.npu_convert_weight_to_int4pack.default, [
         ((torch.randint(-8, 8, (4, 16), dtype=I32),), {}),
         ((torch.randint(-8, 8, (2, 4, 8), dtype=I32), 2), {})])
+
+
+# ----------------------------------------------------------------------------- A8W4
+
+
+def _a8w4_inputs(m, k, n, group, seed=0):
+    """op-plugin's A8W4 test data: int8 x, int4 weight codes, per-group scales, y offset, per-token
+    scales; the weight packed as its test packs it."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(-128, 128, (m, k), dtype=I8, generator=gen)
+    w = torch.randint(-8, 8, (k, n), dtype=I32, generator=gen)
+    scale = torch.rand(k // group, n, generator=gen)
+    offset = torch.randn(n, generator=gen)
+    token = torch.randn(m, 1, generator=gen) * 0.01
+    return x, w, opennpu.npu_convert_weight_to_int4pack(w), scale, offset, token
+
+
+@pytest.mark.parametrize("out_dtype", (F16, BF16), ids=str)
+@pytest.mark.parametrize("m,k,n,group", [(1, 256, 64, 64), (5, 96, 24, 32), (33, 512, 40, 256)])
+def test_a8w4_matches_op_plugin_golden(out_dtype, m, k, n, group):
+    x, w, x2, scale, offset, token = _a8w4_inputs(m, k, n, group)
+    out = opennpu.npu_quant_matmul(x, x2, scale, offset=offset, pertoken_scale=token,
+                                   output_dtype=out_dtype, group_sizes=[0, 0, group])
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    assert torch.equal(out, R.a8w4_matmul(x, w, scale, offset, token, out_dtype))
+    # the int64 scale of npu_trans_quant_param (its fp19 value), as op-plugin's test passes it
+    packed = opennpu.npu_trans_quant_param(scale.reshape(-1)).reshape(scale.shape)
+    out = opennpu.npu_quant_matmul(x, x2, packed, offset=offset, pertoken_scale=token.reshape(-1),
+                                   output_dtype=out_dtype, group_sizes=[0, 0, group])
+    fp19 = R.decode_trans_quant_param(packed.reshape(-1))[0].reshape(scale.shape)
+    assert torch.equal(out, R.a8w4_matmul(x, w, fp19, offset, token, out_dtype))
+
+
+def test_a8w4_float16_accumulation_and_optional_terms():
+    x, w, x2, scale, _, _ = _a8w4_inputs(4, 1024, 16, 32, seed=1)
+    scale = scale * 40  # sums near float16's 11 bits: the float16 accumulator rounds visibly
+    out = opennpu.npu_quant_matmul(x, x2, scale, output_dtype=F16)  # group from scale's rows
+    ref = R.a8w4_matmul(x, w, scale, output_dtype=F16)
+    assert torch.equal(out, ref)
+    hi = torch.div(x.int(), 16, rounding_mode="floor").double()
+    lo = ((x.int() & 15) - 8).double()
+    sc = scale.double().repeat_interleave(32, 0)
+    exact = 16 * (hi @ (w.double() * sc)) + lo @ (w.double() * sc)
+    assert exact.shape == out.shape
+    assert not torch.equal(out.double(), exact.half().double())  # the golden's roundings matter
+
+
+def test_a8w4_is_the_product_of_x_minus_8():
+    """With offset = 8 * sum_k(w * scale) (how A8W4 weights are prepared), the result is the
+    dequantised product x @ (w * scale), up to the float16 accumulation."""
+    x, w, x2, scale, _, _ = _a8w4_inputs(3, 128, 16, 64, seed=2)
+    wf = w.double() * scale.double().repeat_interleave(64, 0)
+    offset = (8 * wf.sum(0)).float()
+    out = opennpu.npu_quant_matmul(x, x2, scale, offset=offset, output_dtype=F16,
+                                   group_sizes=[0, 0, 64])
+    expected = x.double() @ wf
+    assert torch.allclose(out.double(), expected, rtol=4e-3, atol=0.5)
+
+
+def test_a8w4_portable_npu_device_opcheck_and_compile():
+    from opennpu.ops import portable
+
+    x, w, x2, scale, offset, token = _a8w4_inputs(6, 128, 32, 32, seed=3)
+    kw = dict(offset=offset, pertoken_scale=token, output_dtype=BF16, group_sizes=[0, 0, 32])
+    out = opennpu.npu_quant_matmul(x, x2, scale, **kw)
+    with portable.force():
+        assert torch.equal(opennpu.npu_quant_matmul(x, x2, scale, **kw), out)
+    on_npu = opennpu.npu_quant_matmul(x.to("npu"), x2.to("npu"), scale.to("npu"),
+                                      offset=offset.to("npu"), pertoken_scale=token.to("npu"),
+                                      output_dtype=BF16, group_sizes=[0, 0, 32])
+    assert on_npu.device.type == "npu" and torch.equal(on_npu.cpu(), out)
+    opcheck(torch.ops.npu.npu_quant_matmul.default, [
+        ((x, x2, scale), dict(offset=offset, pertoken_scale=token, output_dtype=5,
+                              group_sizes=[0, 0, 32])),
+        ((x[:1], x2, scale), dict(output_dtype=15))])
+    counter = torch._dynamo.testing.CompileCounter()
+    fn = torch.compile(lambda *a: opennpu.npu_quant_matmul(*a, **kw), fullgraph=True,
+                       backend=counter)
+    assert torch.equal(fn(x, x2, scale), out) and counter.frame_count == 1
+
+
+def test_a8w4_bad_inputs():
+    qmm = opennpu.npu_quant_matmul
+    x, _, x2, scale, offset, _ = _a8w4_inputs(2, 64, 16, 32)
+    _raises(lambda: qmm(x, x2, scale, output_dtype=I8), "argument 'output_dtype' must be "
+            "torch.float16 or torch.bfloat16 with int8 'x1' and int4 'x2' (A8W4)", "Char")
+    _raises(lambda: qmm(x, x2, scale[0], output_dtype=F16), "argument 'scale' must be "
+            "[k / group_size, n] = [G, 16]", "[16]")
+    _raises(lambda: qmm(x, x2, scale, output_dtype=F16, group_sizes=[0, 0, 16]),
+            "argument 'scale' must have k / group_size = 4 rows", "got shape [2, 16]")
+    _raises(lambda: qmm(x, x2, scale, output_dtype=F16, group_sizes=[2, 0, 32]),
+            "argument 'group_sizes' must be [0, 0, group_k]")
+    _raises(lambda: qmm(x, x2, scale.half(), output_dtype=F16), "argument 'scale' must be "
+            "int64", "Half")
+    _raises(lambda: qmm(x, x2, scale, bias=offset, output_dtype=F16),
+            "argument 'bias' must be None with A8W4")
+    _raises(lambda: qmm(x, x2[:32], scale, output_dtype=F16), "argument 'x2' must be int4 words "
+            "[k, n / 8] = [64, n / 8]", "[32, 2]")
+    _raises(lambda: qmm(x[None], x2, scale, output_dtype=F16), "argument 'x1' must be 2-D")
+    _raises(lambda: qmm(x, x2, scale, offset=offset.half(), output_dtype=F16),
+            "argument 'offset' must be float32 with A8W4", "Half")

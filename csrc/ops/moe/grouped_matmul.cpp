@@ -69,11 +69,12 @@ QuantLists quant_lists(const OptionalList& scale, const OptionalList& offset,
 }
 
 // Which computation the dtypes of x and weight ask for.
-enum class Path { kFloat, kA8W8, kAntiquant };
+enum class Path { kFloat, kA8W8, kA8W4, kAntiquant };
 
 const char* path_name(Path path) {
   switch (path) {
     case Path::kA8W8: return "the A8W8 path (int8 x and weights)";
+    case Path::kA8W4: return "the A8W4 path (int8 x, int4 weights)";
     case Path::kAntiquant: return "the weight-only path (float16 / bfloat16 x, int8 / int4 weights)";
     default: return "the non-quantised path (floating x and weights)";
   }
@@ -322,6 +323,34 @@ at::ScalarType a8w8_output_dtype(std::optional<at::ScalarType> output_dtype) {
   return t;
 }
 
+// per_token_scale: one float32 [M_i] (or [M_i, 1]) per x tensor, a scale per row; as
+// contiguous [M_i] (undefined entries when the list is absent).
+std::vector<at::Tensor> per_token_scales(at::TensorList x, const QuantLists& q) {
+  std::vector<at::Tensor> token_of(x.size());
+  if (!q.per_token_scale.empty()) {
+    OPENNPU_CHECK_ARG(q.per_token_scale.size() == x.size(), kOp, "per_token_scale",
+                      "must hold one tensor per x tensor (", x.size(), "), but got ",
+                      q.per_token_scale.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      const std::string name = list_arg("per_token_scale", i);
+      const at::Tensor& t = q.per_token_scale[i];
+      check_same_device(kOp, name.c_str(), t, "x[0]", x[0]);
+      OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat, kOp, name.c_str(),
+                        "must be float32, but got ", t.scalar_type(),
+                        " (float8_e8m0 per-token scales belong to the MX paths, which opennpu "
+                        "does not implement)");
+      int64_t m_rows = 1;  // the rows of x[i]: all dims but the last
+      for (int64_t d = 0; d + 1 < x[i].dim(); ++d) m_rows *= x[i].size(d);
+      OPENNPU_CHECK_ARG((t.dim() == 1 && t.size(0) == m_rows) ||
+                            (t.dim() == 2 && t.size(0) == m_rows && t.size(1) == 1),
+                        kOp, name.c_str(), "must be [M] = [", m_rows, "] (or [M, 1]), one scale "
+                        "per row of x[", i, "], but got shape ", shape_str(t.sizes()));
+      token_of[i] = t.reshape({m_rows}).contiguous();
+    }
+  }
+  return token_of;
+}
+
 // A8W8: scale, per_token_scale, bias of each group as npu_quant_matmul's epilogue, then one
 // quant_matmul product per non-empty group straight into its output rows.
 void run_a8w8(at::TensorList x, at::TensorList weight, const QuantLists& q,
@@ -368,8 +397,8 @@ void run_a8w8(at::TensorList x, at::TensorList weight, const QuantLists& q,
                                       : "1-D [N] = [" + std::to_string(n) + "] (or [1]), per "
                                         "channel of weight[" + std::to_string(i) + "]",
                         ", but got shape ", shape_str(s.sizes()),
-                        s.dim() == 3 ? " (per-group [E, G, N] scales belong to the A8W4 / A4W4 "
-                                       "paths, which opennpu does not implement)" : "");
+                        s.dim() == 3 ? " (per-group [E, G, N] scales belong to the A8W4 path: "
+                                       "int4 weights)" : "");
       at::Tensor values, offsets;
       if (s.scalar_type() == at::kLong) {
         std::tie(values, offsets) = quant::decode_int64_scale(s);
@@ -394,29 +423,7 @@ void run_a8w8(at::TensorList x, at::TensorList weight, const QuantLists& q,
       }
     }
   }
-  // per_token_scale: one float32 [M_i] (or [M_i, 1]) per x tensor, a scale per row.
-  std::vector<at::Tensor> token_of(x.size());
-  if (!q.per_token_scale.empty()) {
-    OPENNPU_CHECK_ARG(q.per_token_scale.size() == x.size(), kOp, "per_token_scale",
-                      "must hold one tensor per x tensor (", x.size(), "), but got ",
-                      q.per_token_scale.size());
-    for (size_t i = 0; i < x.size(); ++i) {
-      const std::string name = list_arg("per_token_scale", i);
-      const at::Tensor& t = q.per_token_scale[i];
-      check_same_device(kOp, name.c_str(), t, "x[0]", x[0]);
-      OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat, kOp, name.c_str(),
-                        "must be float32, but got ", t.scalar_type(),
-                        " (float8_e8m0 per-token scales belong to the MX paths, which opennpu "
-                        "does not implement)");
-      int64_t m_rows = 1;  // the rows of x[i]: all dims but the last
-      for (int64_t d = 0; d + 1 < x[i].dim(); ++d) m_rows *= x[i].size(d);
-      OPENNPU_CHECK_ARG((t.dim() == 1 && t.size(0) == m_rows) ||
-                            (t.dim() == 2 && t.size(0) == m_rows && t.size(1) == 1),
-                        kOp, name.c_str(), "must be [M] = [", m_rows, "] (or [M, 1]), one scale "
-                        "per row of x[", i, "], but got shape ", shape_str(t.sizes()));
-      token_of[i] = t.reshape({m_rows}).contiguous();
-    }
-  }
+  const std::vector<at::Tensor> token_of = per_token_scales(x, q);
   // bias: int32 (added to the accumulator) or float (added after the dequantisation, float
   // outputs only).
   std::vector<at::Tensor> bias_int(groups), bias_float(groups);
@@ -458,6 +465,88 @@ void run_a8w8(at::TensorList x, at::TensorList weight, const QuantLists& q,
     if (token.defined()) e.pertoken = split_x ? token.narrow(0, row0, m) : token;
     at::Tensor out = out_of[g];
     quant::quant_matmul.get(kOp, x[0])(op, out);
+  }
+}
+
+// A8W4 (op-plugin's golden; see quant::A8W4Args): per group, int8 x rows against int4 weight
+// words [K, N / 8] with per-group scales [G, N] (int64: float32 bits in the low 32, as the
+// golden's uint64 packing; or float32), an optional float bias [N] and per-token scales.
+void run_a8w4(at::TensorList x, at::TensorList weight, const QuantLists& q,
+              const std::vector<at::Tensor>& bias_of, bool single_weight, bool split_x,
+              const std::vector<int64_t>& rows, const std::vector<int64_t>& k_of,
+              const std::vector<int64_t>& n_of, const std::vector<at::Tensor>& out_of) {
+  const int64_t groups = static_cast<int64_t>(rows.size());
+  OPENNPU_CHECK_ARG(q.offset.empty(), kOp, "offset",
+                    "must be None: op-plugin's asymmetric A8W4 offset is not implemented by "
+                    "opennpu, but got a list of ", q.offset.size(), " tensors");
+  OPENNPU_CHECK_ARG(!q.scale.empty(), kOp, "scale",
+                    "must be given with int8 x and int4 weights (A8W4: per-group scales [E, G, N] "
+                    "or [G, N] per weight), but got None");
+  OPENNPU_CHECK_ARG(q.scale.size() == weight.size(), kOp, "scale",
+                    "must hold one tensor per weight tensor (", weight.size(), "), but got ",
+                    q.scale.size());
+  std::vector<at::Tensor> scale_of(groups);
+  for (size_t i = 0; i < q.scale.size(); ++i) {
+    const std::string name = list_arg("scale", i);
+    const at::Tensor& s = q.scale[i];
+    check_same_device(kOp, name.c_str(), s, "x[0]", x[0]);
+    OPENNPU_CHECK_ARG(s.scalar_type() == at::kLong || s.scalar_type() == at::kFloat, kOp,
+                      name.c_str(), "must be int64 (float32 bits in the low 32 bits, op-plugin's "
+                      "uint64 scale) or float32 with A8W4, but got ", s.scalar_type());
+    const int64_t lead = single_weight ? 1 : 0;
+    const int64_t n = n_of.empty() ? 0 : n_of[single_weight ? 0 : i];
+    OPENNPU_CHECK_ARG(s.dim() == lead + 2 && (!single_weight || s.size(0) == groups) &&
+                          s.size(-1) == n && s.size(-2) >= 1,
+                      kOp, name.c_str(), "must be ", single_weight
+                          ? "[E, G, N] = [" + std::to_string(groups) + ", G, " + std::to_string(n) +
+                                "]" : "[G, N] = [G, " + std::to_string(n) + "]",
+                      " (per-group scales, A8W4), but got shape ", shape_str(s.sizes()));
+    at::Tensor values = s.scalar_type() == at::kLong
+                            ? quant::decode_int64_scale(s).first.view(s.sizes())
+                            : s.to(at::kFloat);
+    values = values.contiguous();
+    if (single_weight) {
+      for (int64_t g = 0; g < groups; ++g) scale_of[g] = values[g];
+    } else {
+      scale_of[i] = values;
+    }
+  }
+  const std::vector<at::Tensor> token_of = per_token_scales(x, q);
+  int64_t start = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t m = rows[g], row0 = start;
+    start += m;
+    const at::Tensor w = single_weight ? weight[0][g] : weight[g];
+    const std::string wname = single_weight ? "weight[0]" : list_arg("weight", g);
+    OPENNPU_CHECK_ARG(!is_transposed(w), kOp, wname.c_str(), "must be int4 words [K, N / 8] "
+                      "(codes along N) with A8W4; the transposed layout is not implemented by "
+                      "opennpu, but got a transposed view of shape ", shape_str(w.sizes()));
+    const int64_t k = k_of[g], n = n_of[g], gk = scale_of[g].size(0);
+    OPENNPU_CHECK_ARG(k % gk == 0 && k / gk <= (int64_t{1} << 18), kOp, "scale",
+                      "must cut K = ", k, " of group ", g, " into equal groups of at most 262144 "
+                      "rows, but has ", gk, " rows");
+    if (m == 0 || n == 0) continue;
+    quant::A8W4Args p;
+    p.m = m;
+    p.k = k;
+    p.n = n;
+    p.group_size = k / gk;
+    p.x = (split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k})).contiguous();
+    p.w = w.contiguous();
+    p.scale = scale_of[g];
+    const at::Tensor& b = bias_of[g];
+    if (b.defined()) {
+      const std::string name = list_arg("bias", single_weight ? 0 : g);
+      OPENNPU_CHECK_ARG(b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16 ||
+                            b.scalar_type() == at::kHalf,
+                        kOp, name.c_str(), "must be float32 (or float16 / bfloat16) with A8W4, "
+                        "but got ", b.scalar_type());
+      p.bias = b.to(at::kFloat).contiguous();
+    }
+    const at::Tensor& token = token_of[split_x ? 0 : g];
+    if (token.defined()) p.pertoken = (split_x ? token.narrow(0, row0, m) : token).contiguous();
+    at::Tensor out = out_of[g];
+    quant::a8w4_matmul.get(kOp, x[0])(p, out);
   }
 }
 
@@ -582,10 +671,10 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   const bool weight_codes = wtype == at::kChar || wtype == at::kInt;
   Path path = Path::kFloat;
   if (dtype == at::kChar) {
-    OPENNPU_CHECK_ARG(wtype == at::kChar, kOp, "weight[0]",
-                      "must be int8 with int8 x (A8W8); int4 weights with int8 x (A8W4) are not "
-                      "implemented by opennpu, but got ", wtype);
-    path = Path::kA8W8;
+    OPENNPU_CHECK_ARG(wtype == at::kChar || wtype == at::kInt, kOp, "weight[0]",
+                      "must be int8 (A8W8) or int32 holding eight int4 codes per element (A8W4) "
+                      "with int8 x, but got ", wtype);
+    path = wtype == at::kChar ? Path::kA8W8 : Path::kA8W4;
   } else {
     OPENNPU_CHECK_ARG(dtype != at::kInt, kOp, "x[0]",
                       "is int32 (eight int4 codes per element, the A4W4 path), which opennpu does "
@@ -631,7 +720,16 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                        "int4 weights)";
     check_absent("antiquant_scale", q.antiquant_scale, path, what);
     check_absent("antiquant_offset", q.antiquant_offset, path, what);
-    out_dtype = a8w8_output_dtype(output_dtype);
+    if (path == Path::kA8W4) {
+      OPENNPU_CHECK_ARG(output_dtype.has_value() && (*output_dtype == at::kHalf ||
+                                                     *output_dtype == at::kBFloat16),
+                        kOp, "output_dtype", "must be torch.float16 or torch.bfloat16 with int8 x "
+                        "and int4 weights (A8W4), but got ",
+                        output_dtype.has_value() ? c10::toString(*output_dtype) : "None");
+      out_dtype = *output_dtype;
+    } else {
+      out_dtype = a8w8_output_dtype(output_dtype);
+    }
   }
   const bool single_weight = weight.size() == 1 && weight[0].dim() == 3;
   const int64_t groups = single_weight ? weight[0].size(0) : static_cast<int64_t>(weight.size());
@@ -754,7 +852,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   // The float paths keep it in the accumulator dtype (x's dtype or that one given).
   const auto acc = acc_dtype(x[0]);
   std::vector<at::Tensor> bias_acc(groups);
-  if (path != Path::kA8W8) {
+  if (path != Path::kA8W8 && path != Path::kA8W4) {
     for (int64_t g = 0; g < groups; ++g) {
       const at::Tensor& b = bias_of[g];
       if (!b.defined()) continue;
@@ -803,6 +901,10 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
 
   if (path == Path::kA8W8) {
     run_a8w8(x, weight, q, bias_of, single_weight, split_x, rows, k_of, n_of, out_of, out_dtype);
+    return outputs;
+  }
+  if (path == Path::kA8W4) {
+    run_a8w4(x, weight, q, bias_of, single_weight, split_x, rows, k_of, n_of, out_of);
     return outputs;
   }
   // The float GEMMs: all groups in one call; on the weight-only path one group at a time, its

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "common/checks.h"
@@ -17,6 +18,7 @@ namespace opennpu::quant {
 
 KernelSlots<DynamicQuantFn> dynamic_quant;
 KernelSlots<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant;
+KernelSlots<QuantizeFn> quantize;
 
 namespace {
 
@@ -265,9 +267,136 @@ npu_add_rms_norm_dynamic_quant(const at::Tensor& x1, const at::Tensor& x2, const
   return {y1, y2, x_out, scale1, scale2};
 }
 
+
+namespace {
+
+// npu_quantize's `dtype` code -> the output. div_mode (aclnnQuantize): qint8 / quint8 / qint32 or
+// int8 / uint8 / int32 give codes of those widths; otherwise (AscendQuantV2): qint8 / int8, or
+// quint4x2 / torch.int4 for int4 packed eight per int32.
+QuantizeOut parse_quantize_dtype(int64_t dtype, bool div_mode) {
+  constexpr const char* op = "npu_quantize";
+  const auto is = [&](c10::ScalarType t) { return dtype == static_cast<int64_t>(t); };
+  if (is(at::kQInt8) || is(at::kChar)) return QuantizeOut::kInt8;
+  if (div_mode && (is(at::kQUInt8) || is(at::kByte))) return QuantizeOut::kUInt8;
+  if (div_mode && (is(at::kQInt32) || is(at::kInt))) return QuantizeOut::kInt32;
+  if (!div_mode && (is(at::kQUInt4x2) || is(c10::ScalarType::Int4))) return QuantizeOut::kInt4;
+  const bool known = dtype >= 0 && dtype < static_cast<int64_t>(c10::ScalarType::NumOptions);
+  OPENNPU_CHECK_ARG(false, op, "dtype",
+                    div_mode ? "must be torch.qint8, torch.quint8 or torch.qint32 (or torch.int8 / "
+                               "torch.uint8 / torch.int32) with div_mode=True"
+                             : "must be torch.qint8 (or torch.int8) or torch.quint4x2 (int4 packed "
+                               "eight per int32) with div_mode=False",
+                    "; float8 / hifloat8 outputs are not supported by opennpu, but got ",
+                    known ? c10::toString(static_cast<c10::ScalarType>(dtype)) : "dtype code ",
+                    known ? "" : std::to_string(dtype));
+  return QuantizeOut::kInt8;
+}
+
+// scales / zero_points as float32 [n] for the quantised axis of size `size` (n == size, or 1 for
+// one value over the whole tensor). `expect` describes the accepted shapes for the message.
+at::Tensor quantize_param(const char* arg, const at::Tensor& t, const at::Tensor& x, bool ok,
+                          const std::string& expect) {
+  constexpr const char* op = "npu_quantize";
+  check_same_device(op, arg, t, "self", x);
+  OPENNPU_CHECK_ARG(ok, op, arg, "must be ", expect, ", but got shape ", shape_str(t.sizes()));
+  return t.to(at::kFloat).contiguous().view({t.numel()});
+}
+
+}  // namespace
+
+at::Tensor npu_quantize(const at::Tensor& self, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& zero_points, int64_t dtype, int64_t axis,
+                        bool div_mode) {
+  constexpr const char* op = "npu_quantize";
+  check_floating(op, "self", self);
+  OPENNPU_CHECK_ARG(self.dim() >= 1, op, "self", "must have at least 1 dim (the quantised axis), "
+                    "but got a 0-dim tensor");
+  check_strict_dtype(op, "self", self, {at::kFloat, at::kHalf, at::kBFloat16});
+  const QuantizeOut out = parse_quantize_dtype(dtype, div_mode);
+  const int64_t ndim = self.dim();
+  // The quantised axis: any dim with div_mode; otherwise -2 or, for every axis above -2, the
+  // last (AscendQuantV3's rule).
+  int64_t ax;
+  if (div_mode) {
+    ax = wrap_dim(op, "axis", axis, ndim);
+  } else {
+    OPENNPU_CHECK_ARG(axis >= -2 && axis < std::max<int64_t>(ndim, 2) && (axis != -2 || ndim >= 2),
+                      op, "axis", "must be -2 (the second-to-last dim, for an input of at least 2 "
+                      "dims) or in [-1, ", std::max<int64_t>(ndim, 2) - 1, "] (the last dim) with "
+                      "div_mode=False for an input of ", ndim, " dims, but got ", axis);
+    ax = axis == -2 ? ndim - 2 : ndim - 1;
+  }
+  const int64_t size = self.size(ax);
+
+  check_floating(op, "scales", scales);
+  std::string expect;
+  bool ok;
+  // [size] or [1]; without div_mode also a shape that broadcasts against x's (aligned at the
+  // right, at most x's rank) with 1 in every dim but the quantised one.
+  const auto per_axis = [&](const at::Tensor& t) {
+    if (t.dim() == 1) return t.size(0) == size || t.size(0) == 1;
+    if (div_mode || t.dim() == 0 || t.dim() > ndim) return false;
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      const int64_t xd = ndim - t.dim() + d;
+      if (t.size(d) != 1 && !(xd == ax && t.size(d) == size)) return false;
+    }
+    return true;
+  };
+  expect = "1-D [" + std::to_string(size) + "] (dim " + std::to_string(ax) + " of 'self') or [1]" +
+           (div_mode ? "" : ", or broadcastable to 'self' with 1 in every dim but dim " +
+                                std::to_string(ax));
+  ok = per_axis(scales);
+  at::Tensor s = quantize_param("scales", scales, self, ok, expect);
+  at::Tensor z;
+  if (zero_points.has_value()) {
+    const at::Tensor& zp = *zero_points;
+    const at::ScalarType zt = zp.scalar_type();
+    OPENNPU_CHECK_ARG(zt == at::kChar || zt == at::kByte || zt == at::kInt || zt == at::kLong ||
+                          (at::isFloatingType(zt) && !at::isFloat8Type(zt)),
+                      op, "zero_points", "must be int8, uint8, int32 or a float16 / bfloat16 / "
+                      "float32 tensor, but got ", zt);
+    if (div_mode) {
+      check_strict_dtype(op, "zero_points", zp, {at::kChar, at::kByte, at::kInt, at::kBFloat16});
+    } else {
+      OPENNPU_CHECK_STRICT(zt == scales.scalar_type(), op, "zero_points",
+                           "must have the dtype of 'scales' (", scales.scalar_type(),
+                           ") with div_mode=False, but got ", zt);
+    }
+    z = quantize_param("zero_points", zp, self, per_axis(zp) && zp.numel() == scales.numel(),
+                       expect + ", with as many elements as 'scales' (" +
+                           std::to_string(scales.numel()) + ")");
+  }
+  if (!div_mode) {
+    OPENNPU_CHECK_STRICT(scales.scalar_type() == self.scalar_type(), op, "scales",
+                         "must have the dtype of 'self' (", self.scalar_type(),
+                         ") with div_mode=False, but got ", scales.scalar_type());
+  }
+
+  std::vector<int64_t> shape(self.sizes().begin(), self.sizes().end());
+  if (out == QuantizeOut::kInt4) {
+    OPENNPU_CHECK_ARG(shape.back() % 8 == 0, op, "self", "must have a last dim divisible by 8 "
+                      "for dtype=torch.quint4x2 (eight int4 codes per int32), but got shape ",
+                      shape_str(self.sizes()));
+    shape.back() /= 8;
+  }
+  const at::ScalarType y_dtype = out == QuantizeOut::kInt8    ? at::kChar
+                                 : out == QuantizeOut::kUInt8 ? at::kByte
+                                                              : at::kInt;
+  at::Tensor y = at::empty(shape, self.options().dtype(y_dtype));
+  if (self.numel() == 0) return y;
+  const at::Tensor x = as_kernel_input(self);
+  const bool one = s.numel() == 1;  // one scale for every element: one span over all of them
+  const int64_t outer = one ? 1 : c10::multiply_integers(self.sizes().slice(0, ax));
+  const int64_t channels = one ? 1 : size;
+  const int64_t inner = one ? self.numel() : c10::multiply_integers(self.sizes().slice(ax + 1));
+  quantize.get(op, self)(x.view({outer, channels, inner}), s, z, div_mode, out, y);
+  return y;
+}
+
 TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_dynamic_quant", &npu_dynamic_quant);
   m.impl("npu_add_rms_norm_dynamic_quant", &npu_add_rms_norm_dynamic_quant);
+  m.impl("npu_quantize", &npu_quantize);
 }
 
 }  // namespace opennpu::quant

@@ -1,4 +1,4 @@
-// Quantisation family: npu_dynamic_quant and npu_add_rms_norm_dynamic_quant.
+// Quantisation family: npu_dynamic_quant, npu_add_rms_norm_dynamic_quant and npu_quantize.
 //
 // Why a folder of its own: both ops end in the same per-row symmetric quantiser (rowmax of |v|,
 // scale = rowmax / DTYPE_MAX, round half to even, clamp, int8 or packed int4), which lives once in
@@ -49,8 +49,22 @@ using AddRmsNormDynamicQuantFn = void(const at::Tensor& x1, const at::Tensor& x2
                                       const QuantSpec& spec, at::Tensor& y1, at::Tensor& y2,
                                       at::Tensor& x_out, at::Tensor& scale1, at::Tensor& scale2);
 
+// npu_quantize: the codes of an affine quantisation with fixed (not data-derived) parameters.
+// x is a contiguous [outer, channels, inner] view, scale and zero_point (the latter may be
+// undefined: 0) contiguous float32 [channels]; element (o, c, i) uses channel c's pair.
+//   div:  t = round_half_even(x * (1 / scale)) + zero_point      (torch.quantize_per_channel)
+//   mul:  t = fp32(x * scale) + zero_point (two roundings, no FMA) (AscendQuantV2's golden)
+// then q = clamp(round_half_even(t), lo, hi) of the output type (int32: saturating), NaN t -> 0.
+// y: int8 / uint8 / int32 codes of x's shape, or (int4) int32 [outer, channels, inner / 8]
+// words of eight int4 codes, lowest bits first; int4 needs inner % 8 == 0 or, with inner == 1,
+// channels % 8 == 0 (the packed axis is always x's last dim).
+enum class QuantizeOut { kInt8, kUInt8, kInt32, kInt4 };
+using QuantizeFn = void(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& zero_point,
+                        bool div, QuantizeOut out, at::Tensor& y);
+
 extern KernelSlots<DynamicQuantFn> dynamic_quant;
 extern KernelSlots<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant;
+extern KernelSlots<QuantizeFn> quantize;
 
 // The npu_dynamic_quant entry point (quant.cpp), registered for CPU there and for CUDA in
 // quant_cuda.cu.

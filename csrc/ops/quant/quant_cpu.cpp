@@ -14,10 +14,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "common/vec.h"
 #include "ops/norm/norm_rows.h"
+#include "ops/quant/fp_barrier.h"
 #include "ops/quant/quant.h"
 
 namespace opennpu::quant {
@@ -391,10 +393,143 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
   });
 }
 
+// ----------------------------------------------------------------------------- npu_quantize
+
+// Stores the first len <= Vec::size() lanes of q (integral floats within [0, 255]) as uint8.
+inline void store_uint8(uint8_t* out, const Vec& q, int64_t len) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m128i bytes = _mm512_cvtusepi32_epi8(_mm512_cvttps_epi32(q));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i ints = _mm256_cvttps_epi32(q);
+  const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(ints),
+                                         _mm256_extracti128_si256(ints, 1));
+  const __m128i bytes = _mm_packus_epi16(words, words);
+#endif
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  alignas(16) uint8_t tmp[16];
+  _mm_store_si128(reinterpret_cast<__m128i*>(tmp), bytes);
+  std::memcpy(out, tmp, len);
+#else
+  float tmp[Vec::size()];
+  q.store(tmp);
+  for (int64_t i = 0; i < len; ++i) out[i] = static_cast<uint8_t>(tmp[i]);
+#endif
+}
+
+// Stores the first len lanes of q (integral floats, not NaN) as int32, saturating: values at or
+// beyond +-2^31 (which float32 cannot hold exactly) become INT32_MAX / INT32_MIN, as torch's
+// int64 conversion and clamp do.
+inline void store_int32(int32_t* out, const Vec& q, int64_t len) {
+  float tmp[Vec::size()];
+  q.store(tmp);
+  for (int64_t i = 0; i < len; ++i) {
+    const float v = tmp[i];
+    out[i] = v >= 2147483648.f    ? std::numeric_limits<int32_t>::max()
+             : v <= -2147483648.f ? std::numeric_limits<int32_t>::min()
+                                  : static_cast<int32_t>(v);
+  }
+}
+
+template <QuantizeOut kOut>
+inline void store_quantized(void* out, int64_t index, const Vec& q, int64_t len) {
+  if constexpr (kOut == QuantizeOut::kInt8) {
+    store_codes(static_cast<int8_t*>(out) + index, q, len);
+  } else if constexpr (kOut == QuantizeOut::kUInt8) {
+    store_uint8(static_cast<uint8_t*>(out) + index, q, len);
+  } else if constexpr (kOut == QuantizeOut::kInt32) {
+    store_int32(static_cast<int32_t*>(out) + index, q, len);
+  } else {  // index and len are multiples of 8
+    store_int4(static_cast<int32_t*>(out) + index / 8, q, len);
+  }
+}
+
+// Codes of n consecutive elements x[0, n) starting at output element `index`. factor / zero:
+// per element (f, z not null: the channels run along x) or one value for the span (f0, z0).
+// factor is 1 / scale (div) or scale (mul); see QuantizeFn for the two formulas.
+template <typename src_t, QuantizeOut kOut>
+void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, float f0, float z0,
+                   bool div, void* out, int64_t index) {
+  constexpr float kLo = kOut == QuantizeOut::kInt8    ? -128.f
+                        : kOut == QuantizeOut::kUInt8 ? 0.f
+                        : kOut == QuantizeOut::kInt4  ? -8.f
+                                                      : -2147483648.f;
+  constexpr float kHi = kOut == QuantizeOut::kInt8    ? 127.f
+                        : kOut == QuantizeOut::kUInt8 ? 255.f
+                        : kOut == QuantizeOut::kInt4  ? 7.f
+                                                      : 2147483648.f;
+  const Vec lo(kLo), hi(kHi), vf0(f0), vz0(z0);
+  auto code = [&](const Vec& v, const Vec& fv, const Vec& zv) {
+    // The product is rounded to fp32 before the add (the golden's two roundings, not an FMA).
+    Vec t = div ? rounded(v * fv).round() + zv : rounded(v * fv) + zv;
+    t = Vec::blendv(t, zv, t.isnan());  // NaN: the zero point, not the cast's INT_MIN
+    return at::vec::minimum(at::vec::maximum(t.round(), lo), hi);
+  };
+  for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b, fa = vf0, fb = vf0, za = vz0, zb = vz0;
+    VecPair<src_t>::load(x + i, a, b, len);
+    if (f != nullptr) {
+      FloatIO::load(f + i, fa, fb, len);
+      if (z != nullptr) FloatIO::load(z + i, za, zb, len);
+    }
+    const int64_t len_a = std::min<int64_t>(len, Vec::size());
+    store_quantized<kOut>(out, index + i, code(a, fa, za), len_a);
+    if (len > Vec::size()) {
+      store_quantized<kOut>(out, index + i + Vec::size(), code(b, fb, zb), len - Vec::size());
+    }
+  });
+}
+
+template <QuantizeOut kOut>
+void quantize_typed(const at::Tensor& x, const std::vector<float>& factor, const float* zero,
+                    bool div, at::Tensor& y) {
+  const int64_t outer = x.size(0), channels = x.size(1), inner = x.size(2);
+  void* out = y.mutable_data_ptr();
+  const float* pf = factor.data();
+  OPENNPU_QUANT_DISPATCH(x.scalar_type(), "npu_quantize", [&] {
+    const scalar_t* px = x.const_data_ptr<scalar_t>();
+    if (inner == 1) {  // the channels run along each row: per-element factors
+      at::parallel_for(0, outer, grain_rows(channels), [&](int64_t begin, int64_t end) {
+        for (int64_t r = begin; r < end; ++r) {
+          quantize_span<scalar_t, kOut>(px + r * channels, channels, pf, zero, 0.f, 0.f, div, out,
+                                        r * channels);
+        }
+      });
+      return;
+    }
+    // One channel per span of `inner` elements: its factor and zero point broadcast.
+    at::parallel_for(0, outer * channels, grain_rows(inner), [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t c = u % channels;
+        quantize_span<scalar_t, kOut>(px + u * inner, inner, nullptr, nullptr, pf[c],
+                                      zero != nullptr ? zero[c] : 0.f, div, out, u * inner);
+      }
+    });
+  });
+}
+
+void quantize_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& zero_point,
+                     bool div, QuantizeOut out, at::Tensor& y) {
+  const int64_t channels = scale.numel();
+  const float* ps = scale.const_data_ptr<float>();
+  // div multiplies by the float32 reciprocal of each scale, as torch.quantize_per_channel does.
+  std::vector<float> factor(ps, ps + channels);
+  if (div) {
+    for (float& f : factor) f = 1.f / f;
+  }
+  const float* pz = zero_point.defined() ? zero_point.const_data_ptr<float>() : nullptr;
+  switch (out) {
+    case QuantizeOut::kInt8: return quantize_typed<QuantizeOut::kInt8>(x, factor, pz, div, y);
+    case QuantizeOut::kUInt8: return quantize_typed<QuantizeOut::kUInt8>(x, factor, pz, div, y);
+    case QuantizeOut::kInt32: return quantize_typed<QuantizeOut::kInt32>(x, factor, pz, div, y);
+    case QuantizeOut::kInt4: return quantize_typed<QuantizeOut::kInt4>(x, factor, pz, div, y);
+  }
+}
+
 }  // namespace
 
 OPENNPU_REGISTER_CPU_SLOT(dynamic_quant, &dynamic_quant_kernel);
 OPENNPU_REGISTER_CPU_SLOT(add_rms_norm_dynamic_quant, &add_rms_norm_dynamic_quant_kernel);
+OPENNPU_REGISTER_CPU_SLOT(quantize, &quantize_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::quant

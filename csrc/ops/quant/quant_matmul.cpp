@@ -20,6 +20,7 @@ namespace opennpu::quant {
 
 KernelSlots<QuantMatmulFn> quant_matmul;
 KernelSlots<PackInt4Fn> pack_int4;
+KernelSlots<A8W4MatmulFn> a8w4_matmul;
 
 namespace {
 
@@ -85,6 +86,96 @@ std::pair<at::Tensor, at::Tensor> decode_int64_scale(const at::Tensor& packed) {
   return {scale, any_offset ? offset : at::Tensor()};
 }
 
+namespace {
+
+// pertoken_scale: float32 [m] or [m, 1] -> contiguous [m].
+at::Tensor pertoken_vector(const at::Tensor& pt, const at::Tensor& x1, int64_t m) {
+  check_same_device(kQmm, "pertoken_scale", pt, "x1", x1);
+  OPENNPU_CHECK_ARG(pt.scalar_type() == at::kFloat, kQmm, "pertoken_scale",
+                    "must be float32, but got ", pt.scalar_type());
+  OPENNPU_CHECK_ARG(
+      (pt.dim() == 1 && pt.size(0) == m) || (pt.dim() == 2 && pt.size(0) == m && pt.size(1) == 1),
+      kQmm, "pertoken_scale", "must have shape [", m, "] (m, dim -2 of 'x1') or [", m,
+      ", 1], but got ", shape_str(pt.sizes()));
+  return pt.reshape({m}).contiguous();
+}
+
+// npu_quant_matmul's A8W4 path (int8 x1, int4 x2 words, per-group scales; see A8W4Args).
+at::Tensor a8w4_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
+                             const std::optional<at::Tensor>& offset,
+                             const std::optional<at::Tensor>& pertoken_scale,
+                             const std::optional<at::Tensor>& bias,
+                             std::optional<int64_t> output_dtype,
+                             at::OptionalIntArrayRef group_sizes) {
+  check_same_device(kQmm, "x2", x2, "x1", x1);
+  OPENNPU_CHECK_ARG(x1.dim() == 2, kQmm, "x1", "must be 2-D [m, k] with int4 'x2' (A8W4), but got "
+                    "shape ", shape_str(x1.sizes()));
+  const int64_t m = x1.size(0), k = x1.size(1);
+  OPENNPU_CHECK_ARG(x2.dim() == 2 && x2.size(0) == k, kQmm, "x2",
+                    "must be int4 words [k, n / 8] = [", k, ", n / 8] (npu_convert_weight_to_"
+                    "int4pack of a [k, n] weight) with int8 'x1' (A8W4), but got shape ",
+                    shape_str(x2.sizes()));
+  const int64_t n = 8 * x2.size(1);
+  OPENNPU_CHECK_ARG(output_dtype.has_value() &&
+                        (*output_dtype == static_cast<int64_t>(at::kHalf) ||
+                         *output_dtype == static_cast<int64_t>(at::kBFloat16)),
+                    kQmm, "output_dtype", "must be torch.float16 or torch.bfloat16 with int8 'x1' "
+                    "and int4 'x2' (A8W4), but got ",
+                    output_dtype.has_value() ? dtype_name(*output_dtype) : "None");
+  const auto out_dtype = static_cast<at::ScalarType>(*output_dtype);
+  check_same_device(kQmm, "scale", scale, "x1", x1);
+  OPENNPU_CHECK_ARG(scale.scalar_type() == at::kLong || scale.scalar_type() == at::kFloat, kQmm,
+                    "scale", "must be int64 (npu_trans_quant_param's encoding) or float32 with "
+                    "A8W4, but got ", scale.scalar_type());
+  OPENNPU_CHECK_ARG(scale.dim() == 2 && scale.size(1) == n && scale.size(0) >= 1, kQmm, "scale",
+                    "must be [k / group_size, n] = [G, ", n, "] with A8W4 (per-group scales), but "
+                    "got shape ", shape_str(scale.sizes()));
+  int64_t group = scale.size(0) > 0 ? k / scale.size(0) : 0;
+  if (group_sizes.has_value() && group_sizes->size() == 3 && (*group_sizes)[2] != 0) {
+    group = (*group_sizes)[2];
+  }
+  OPENNPU_CHECK_ARG(!group_sizes.has_value() ||
+                        (group_sizes->size() == 3 && (*group_sizes)[0] <= 1 &&
+                         (*group_sizes)[1] <= 1 && (*group_sizes)[0] >= 0 &&
+                         (*group_sizes)[1] >= 0 && (*group_sizes)[2] >= 0),
+                    kQmm, "group_sizes", "must be [0, 0, group_k] (or None: k / scale.size(0)) "
+                    "with A8W4, but got ", *group_sizes);
+  OPENNPU_CHECK_ARG(group > 0 && k % group == 0 && k / group == scale.size(0), kQmm, "scale",
+                    "must have k / group_size = ", group > 0 ? k / group : 0, " rows (k = ", k,
+                    ", group_size = ", group, ", which must divide k), but got shape ",
+                    shape_str(scale.sizes()));
+  OPENNPU_CHECK_ARG(group <= (int64_t{1} << 18), kQmm, "group_sizes",
+                    "must have a K group of at most 262144 rows (opennpu's exact fp32 products), "
+                    "but got ", group);
+  OPENNPU_CHECK_ARG(!bias.has_value(), kQmm, "bias", "must be None with A8W4 (its additive "
+                    "term is 'offset', float32 [n]), but got a tensor");
+  A8W4Args p;
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.group_size = group;
+  p.scale = (scale.scalar_type() == at::kLong ? decode_int64_scale(scale).first.view(scale.sizes())
+                                              : scale.to(at::kFloat))
+                .contiguous();
+  if (offset.has_value()) {
+    check_same_device(kQmm, "offset", *offset, "x1", x1);
+    OPENNPU_CHECK_ARG(offset->scalar_type() == at::kFloat, kQmm, "offset",
+                      "must be float32 with A8W4, but got ", offset->scalar_type());
+    p.bias = channel_vector("offset", *offset, n).expand({n}).contiguous();
+  }
+  if (pertoken_scale.has_value()) {
+    p.pertoken = pertoken_vector(*pertoken_scale, x1, m);
+  }
+  at::Tensor out = at::empty({m, n}, x1.options().dtype(out_dtype));
+  if (out.numel() == 0) return out;
+  p.x = x1.contiguous();
+  p.w = x2.contiguous();
+  a8w4_matmul.get(kQmm, x1)(p, out);
+  return out;
+}
+
+}  // namespace
+
 at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
                             const std::optional<at::Tensor>& offset,
                             const std::optional<at::Tensor>& pertoken_scale,
@@ -94,6 +185,14 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
                             std::optional<int64_t> pertoken_scale_dtype,
                             std::optional<int64_t> scale_dtype, at::OptionalIntArrayRef group_sizes,
                             const std::optional<at::Tensor>& y_scale) {
+  if (x1.scalar_type() == at::kChar && x2.scalar_type() == at::kInt) {
+    check_declared_dtype("x1_dtype", x1_dtype, x1, "x1");
+    check_declared_dtype("x2_dtype", x2_dtype, x2, "x2");
+    OPENNPU_CHECK_ARG(!y_scale.has_value(), kQmm, "y_scale",
+                      "must be None (an Ascend950 output scale, not supported by opennpu)");
+    return a8w4_quant_matmul(x1, x2, scale, offset, pertoken_scale, bias, output_dtype,
+                             group_sizes);
+  }
   // Operand dtypes: int8 x int8, or int32 x int32 holding eight int4 codes per element.
   OPENNPU_CHECK_ARG(x1.scalar_type() == at::kChar || x1.scalar_type() == at::kInt, kQmm, "x1",
                     "must be int8, or int32 holding eight int4 codes per element; float8, "
@@ -196,16 +295,9 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
   }
   if (pertoken_scale.has_value()) {
     const at::Tensor& pt = *pertoken_scale;
-    check_same_device(kQmm, "pertoken_scale", pt, "x1", x1);
-    OPENNPU_CHECK_ARG(pt.scalar_type() == at::kFloat, kQmm, "pertoken_scale",
-                      "must be float32, but got ", pt.scalar_type());
-    OPENNPU_CHECK_ARG(
-        (pt.dim() == 1 && pt.size(0) == m) || (pt.dim() == 2 && pt.size(0) == m && pt.size(1) == 1),
-        kQmm, "pertoken_scale", "must have shape [", m, "] (m, dim -2 of 'x1') or [", m,
-        ", 1], but got ", shape_str(pt.sizes()));
     OPENNPU_CHECK_ARG(out_dtype != at::kInt, kQmm, "pertoken_scale",
                       "does not apply to int32 outputs (the raw accumulator)");
-    e.pertoken = pt.reshape({m}).contiguous();
+    e.pertoken = pertoken_vector(pt, x1, m);
   }
   if (bias.has_value()) {
     const at::Tensor& bs = *bias;

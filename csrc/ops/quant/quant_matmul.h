@@ -49,6 +49,29 @@ struct QuantMatmulArgs {
 // out: contiguous, non-empty, in the output dtype (int8, float16, bfloat16 or int32).
 using QuantMatmulFn = void(const QuantMatmulArgs& args, at::Tensor& out);
 
+// A8W4: int8 x, int4 weights with per-group scales, as op-plugin's goldens of npu_quant_matmul's
+// and npu_grouped_matmul's A8W4 tests compute it (Ascend's A8W4 kernels run int4 x int4 cubes):
+// each x code splits as x = 16 * hi + lo + 8, hi = floor(x / 16) and lo = (x & 15) - 8 both in
+// [-8, 7]; per K group g (group_size rows of w, in order) the exact int32 products
+// H_g = hi[:, g] @ w[g] and L_g = lo[:, g] @ w[g] are scaled, P = fp16(fp32(H_g) * scale[g, j]),
+// and summed in float16, acc = fp16(acc + P) (the golden's "atomic" float16 accumulator); then
+// y = (fp32(acc_H) * 16 + fp32(acc_L) + bias[j]) * pertoken[i], rounded once to the output
+// dtype. 16 * hi + lo = x - 8: the product is that of (x - 8); A8W4 weights are prepared with
+// 8 * sum_k(w * scale) folded into the bias.
+struct A8W4Args {
+  at::Tensor x;         // int8 [m, k], contiguous
+  at::Tensor w;         // int32 [k, n / 8]: eight int4 codes per word along n, contiguous
+  at::Tensor scale;     // fp32 [k / group_size, n], contiguous
+  at::Tensor bias;      // fp32 [n] or undefined
+  at::Tensor pertoken;  // fp32 [m] or undefined
+  int64_t m = 0, k = 0, n = 0, group_size = 1;
+};
+// out: [m, n] (a row-major view with a row stride, e.g. rows of a larger output), float16,
+// bfloat16 or float32.
+using A8W4MatmulFn = void(const A8W4Args& args, at::Tensor& out);
+
+extern KernelSlots<A8W4MatmulFn> a8w4_matmul;
+
 // weight int32 [..., n] with values in [-8, 7] -> int32 [..., n / 8], eight codes per word,
 // lowest bits first.
 using PackInt4Fn = void(const at::Tensor& weight, at::Tensor& packed);

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 #include "common/blas.h"
@@ -37,6 +38,7 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 using IVec = at::vec::Vectorized<int32_t>;
+using FloatIO = VecPair<float>;
 
 // Largest integer magnitude below which every fp32 integer sum is exact.
 constexpr int64_t kExactFloatInt = int64_t{1} << 24;
@@ -478,10 +480,123 @@ void pack_int4_kernel(const at::Tensor& weight, at::Tensor& packed) {
   });
 }
 
+// ----------------------------------------------------------------------------- A8W4
+
+// a | b rounded to float16 and back (round to nearest even; beyond the range: inf), as numpy's
+// astype(np.float16) rounds the golden's float32 values.
+inline void round_to_half(Vec& a, Vec& b) {
+  const auto h = at::vec::convert_from_float<c10::Half>(a, b);
+  std::tie(a, b) = at::vec::convert_to_float<c10::Half>(h);
+}
+
+// See A8W4Args (quant_matmul.h). Like tiled_int_gemm_kernel, each thread takes column tiles of
+// the output, kTileN wide: per K group it converts the tile's int4 weight rows to fp32 in a panel
+// that stays in cache (W is read once, at half a byte per code), multiplies the split codes by it
+// with MKL's sgemm, and folds the product into the tile's float16 accumulator; then it writes the
+// tile's outputs. The products are exact: |hi|, |lo|, |w| <= 8, so every partial sum is an
+// integer of at most 64 * group_size <= 2^24 (the entry points bound group_size), in any order
+// and across the kChunkK-deep pieces of a long group (summed by sgemm's beta = 1).
+template <typename scalar_t>
+void a8w4_tiles(const A8W4Args& p, const float* xs, scalar_t* out) {
+  constexpr int64_t kTileN = 128;
+  constexpr int64_t kChunkK = 512;
+  const int64_t m = p.m, k = p.k, n = p.n, gs = p.group_size, groups = k / gs;
+  const int64_t rows = 2 * m, tiles = (n + kTileN - 1) / kTileN;
+  const int32_t* w4 = p.w.const_data_ptr<int32_t>();
+  const float* scale = p.scale.const_data_ptr<float>();
+  const float* bias = p.bias.defined() ? p.bias.const_data_ptr<float>() : nullptr;
+  const float* token = p.pertoken.defined() ? p.pertoken.const_data_ptr<float>() : nullptr;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    blas::TileBuffer<float> panel(std::min(gs, kChunkK) * kTileN), part(rows * kTileN),
+        acc(rows * kTileN);
+    int32_t amax = 0;  // unused
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j0 = t * kTileN, tn = std::min(kTileN, n - j0);  // multiples of 8
+      std::fill(acc.data(), acc.data() + rows * tn, 0.f);
+      for (int64_t g = 0; g < groups; ++g) {
+        for (int64_t c0 = 0; c0 < gs; c0 += kChunkK) {
+          const int64_t kc = std::min(kChunkK, gs - c0), k0 = g * gs + c0;
+          for (int64_t r = 0; r < kc; ++r) {
+            int4_to_float(w4 + (k0 + r) * (n / 8) + j0 / 8, panel.data() + r * tn, tn / 8, amax);
+          }
+          blas::gemm<float, float>(false, false, rows, tn, kc, 1.f, xs + k0, k, panel.data(), tn,
+                                   c0 == 0 ? 0.f : 1.f, part.data(), tn);
+        }
+        // acc = fp16(acc + fp16(product * scale)): the golden's float16 accumulation
+        const float* srow = scale + g * n + j0;
+        for (int64_t r = 0; r < rows; ++r) {
+          float* arow = acc.data() + r * tn;
+          const float* prow = part.data() + r * tn;
+          for_each_step<float>(tn, [&](int64_t j, int64_t len) {
+            Vec pa, pb, sa, sb, aa, ab;
+            FloatIO::load(prow + j, pa, pb, len);
+            FloatIO::load(srow + j, sa, sb, len);
+            FloatIO::load(arow + j, aa, ab, len);
+            Vec ta = pa * sa, tb = pb * sb;
+            round_to_half(ta, tb);
+            aa = aa + ta;  // formed in fp32 and rounded, as numpy adds float16
+            ab = ab + tb;
+            round_to_half(aa, ab);
+            FloatIO::store(arow + j, aa, ab, len);
+          });
+        }
+      }
+      // y = (acc_hi * 16 + acc_lo (+ bias)) (* pertoken) in fp32, rounded once
+      const Vec sixteen(16.f);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* hi = acc.data() + 2 * i * tn;
+        const float* lo = hi + tn;
+        const Vec tok(token != nullptr ? token[i] : 1.f);
+        for_each_step<float>(tn, [&](int64_t j, int64_t len) {
+          Vec ha, hb, la, lb;
+          FloatIO::load(hi + j, ha, hb, len);
+          FloatIO::load(lo + j, la, lb, len);
+          Vec ya = ha * sixteen + la, yb = hb * sixteen + lb;  // * 16 is exact: FMA or not
+          if (bias != nullptr) {
+            Vec ba, bb;
+            FloatIO::load(bias + j0 + j, ba, bb, len);
+            ya = ya + ba;
+            yb = yb + bb;
+          }
+          if (token != nullptr) {
+            ya = ya * tok;
+            yb = yb * tok;
+          }
+          VecPair<scalar_t>::store(out + i * n + j0 + j, ya, yb, len);
+        });
+      }
+    }
+  });
+}
+
+void a8w4_matmul_kernel(const A8W4Args& p, at::Tensor& out) {
+  const int64_t m = p.m, k = p.k;
+  // The split codes as fp32: row 2i is hi = floor(x / 16) of x's row i, row 2i + 1 its
+  // lo = (x & 15) - 8 (the golden's order).
+  blas::TileBuffer<float> xs(2 * m * k);
+  const int8_t* px = p.x.const_data_ptr<int8_t>();
+  float* ps = xs.data();
+  at::parallel_for(0, m, grain_rows(k), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (int64_t c = 0; c < k; ++c) {
+        const int32_t v = px[i * k + c];
+        ps[2 * i * k + c] = static_cast<float>(v >> 4);
+        ps[(2 * i + 1) * k + c] = static_cast<float>((v & 15) - 8);
+      }
+    }
+  });
+  AT_DISPATCH_SWITCH(out.scalar_type(), "npu_quant_matmul",
+      AT_DISPATCH_CASE(at::kFloat, [&] { a8w4_tiles<scalar_t>(p, ps, out.mutable_data_ptr<scalar_t>()); })
+      AT_DISPATCH_CASE(at::kHalf, [&] { a8w4_tiles<scalar_t>(p, ps, out.mutable_data_ptr<scalar_t>()); })
+      AT_DISPATCH_CASE(at::kBFloat16,
+                       [&] { a8w4_tiles<scalar_t>(p, ps, out.mutable_data_ptr<scalar_t>()); }));
+}
+
 }  // namespace
 
 OPENNPU_REGISTER_CPU_SLOT(quant_matmul, &quant_matmul_kernel);
 OPENNPU_REGISTER_CPU_SLOT(pack_int4, &pack_int4_kernel);
+OPENNPU_REGISTER_CPU_SLOT(a8w4_matmul, &a8w4_matmul_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::quant

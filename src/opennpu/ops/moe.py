@@ -392,9 +392,13 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
       ``antiquant_offset`` (same shape): ``y = x @ ((w + offset) * scale) + bias``, the weight
       dequantised into x's dtype as op-plugin's golden does (float16: ``w + offset`` rounded to
       float16 before ``* scale``), then the float GEMM.
+    - A8W4: int8 x, int32 weights packing eight int4 codes along N, ``scale`` per group of K
+      (``[E, G, N]`` / ``[G, N]``; int64 with the float32 bits in the low 32, or float32),
+      ``bias`` float ``[E, N]``, ``per_token_scale``, ``output_dtype`` float16 / bfloat16: each
+      group is npu_quant_matmul's A8W4 product (op-plugin's golden: x = 16 hi + lo + 8, float16
+      accumulation over the K groups, ``(acc_hi * 16 + acc_lo + bias) * per_token_scale``).
 
-    Not implemented (a clear error says so): A8W4 / A4W4 (int4 x, per-group ``scale``,
-    ``offset``), the MX / fp8 / fp4 paths, ``act_type`` != 0, ``group_list_type=2``, the
+    Not implemented (a clear error says so): A4W4 (int4 x), A8W4's ``offset``, the MX / fp8 / fp4 paths, ``act_type`` != 0, ``group_list_type=2``, the
     ``activation_*`` inputs; ``tuning_config`` is accepted and ignored. ``x_dtype`` /
     ``weight_dtype`` / ``scale_dtype`` / ``per_token_scale_dtype`` (torch_npu's reinterpretation
     of storage) must be None or name the tensors' own dtype (``torch.quint4x2`` / ``torch.int4``

@@ -31,7 +31,8 @@ mask from opennpu's Philox generator through the CPU kernel of _npu_dropout_gen_
 bits and generator offsets as on CPU) and copies it to the device; _npu_dropout_gen_mask itself
 does the same. Those calls, and npu_grouped_matmul with a Tensor group_list (sizes read on the
 host), are not decomposed under torch.compile: the op stays in the graph and runs eagerly.
-npu_grouped_matmul's A8W4 / A4W4 / MX paths are unimplemented on every device (NotImplementedError).
+npu_grouped_matmul's A4W4 / MX paths and A8W4's offset are unimplemented on every device
+(NotImplementedError).
 
 force(): the switch tests use to run the portable path on CPU tensors. Inside it the portable
 functions are also registered for the CPU key (torch.library, allow_override), and the
@@ -56,7 +57,7 @@ import torch.nn.functional as F
 
 from . import flash_route
 from .portable_optim import KERNELS as _optim_kernels
-from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4
+from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4, _quantize_out
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 # qualname -> the device types whose kernel is the portable one (decomposed under compile); CPU,
@@ -282,6 +283,10 @@ _QMM_DTYPES = {None: torch.int8, 1: torch.int8, 3: torch.int32, 5: torch.float16
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
                      output_dtype=None, x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None,
                      scale_dtype=None, group_sizes=None, y_scale=None):
+    if x1.dtype == torch.int8 and x2.dtype == torch.int32 and y_scale is None:
+        out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
+            _QMM_DTYPES[output_dtype]
+        return _a8w4(x1, x2, scale, offset, pertoken_scale, out_dtype)
     if y_scale is not None or (group_sizes is not None and any(group_sizes)):
         raise NotImplementedError("npu_quant_matmul: per-group / MX scaling (group_sizes, "
                                   "y_scale) is not implemented by opennpu")
@@ -294,6 +299,34 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
         _QMM_DTYPES[output_dtype]
     return _dequantise(acc, scale, offset, pertoken_scale, bias, out_dtype)
+
+
+def _a8w4(x, words, scale, bias, pertoken, out_dtype):
+    """A8W4 as op-plugin's goldens compute it (csrc/ops/quant/quant_matmul.h): x = 16 hi + lo + 8
+    (hi = floor(x / 16), lo = (x & 15) - 8); per K group (scale's rows) the exact products of hi
+    and lo with the int4 weight, times the group's scale in float32, rounded to float16 and summed
+    in float16 in group order; y = (acc_hi * 16 + acc_lo (+ bias)) (* pertoken), rounded once."""
+    if scale.dtype == torch.int64:  # float32 bits in the low 32 (npu_trans_quant_param / uint64)
+        scale = (scale & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+    scale = scale.float()
+    m, k = x.shape
+    groups = scale.shape[0]
+    w = _unpack_int4(words).double()  # [k, n]
+    xi = x.to(torch.int32)
+    split = torch.stack([torch.div(xi, 16, rounding_mode="floor"), (xi & 15) - 8], 1)
+    split = split.reshape(2 * m, groups, k // groups).transpose(0, 1).double()
+    prods = torch.bmm(split, w.reshape(groups, k // groups, -1))  # [G, 2m, n], exact
+    terms = (prods.float() * scale.unsqueeze(1)).half()
+    acc = torch.zeros_like(terms[0])
+    for term in terms.unbind(0):
+        acc = (acc.float() + term.float()).half()
+    acc = acc.float().reshape(m, 2, w.shape[-1])
+    y = acc[:, 0] * 16 + acc[:, 1]
+    if bias is not None:
+        y = y + bias.float().reshape(-1)
+    if pertoken is not None:
+        y = y * pertoken.float().reshape(-1, 1)
+    return y.to(out_dtype)
 
 
 def _dequantise(acc, scale, offset, pertoken_scale, bias, out_dtype):
@@ -451,6 +484,30 @@ def npu_dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type=1, 
     y = (t.clamp(-qmax, qmax).to(fp8) if fp8 is not None else
          torch.nan_to_num(torch.round(t), nan=0.0).clamp(-qmax, qmax).to(torch.int8))
     return (y, scale) if x.dim() == 3 else (y[0], scale[0])
+
+
+@_portable("npu::npu_quantize")
+def npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):
+    x = self.float()
+    out, int4 = _quantize_out(dtype, div_mode)
+    ax = (axis % x.dim()) if div_mode else (x.dim() - 2 if axis == -2 else x.dim() - 1)
+    shape = [1] * x.dim()
+    shape[ax] = -1
+
+    def per_axis(t):
+        return t.float().reshape(shape)
+
+    z = per_axis(zero_points) if zero_points is not None else x.new_zeros(())
+    if div_mode:  # torch.quantize_per_channel: x * (float32 1 / scale), rounded, + zero point
+        t = torch.round(x * (1.0 / per_axis(scales))) + z
+    else:  # AscendQuantV2: the product rounded to float32, then + zero point
+        t = x * per_axis(scales) + z
+    t = torch.round(torch.where(torch.isnan(t), z.expand_as(t), t))
+    if out == torch.int32 and not int4:  # saturate beyond +-2^31 as an int64 clamp does
+        return t.clamp(-2.0**31, 2.0**31).to(torch.int64).clamp(-2**31, 2**31 - 1).to(out)
+    lo, hi = (-8, 7) if int4 else ((0, 255) if out == torch.uint8 else (-128, 127))
+    codes = t.clamp(lo, hi).to(torch.int32 if out == torch.uint8 else torch.int8)
+    return _pack_int4(codes) if int4 else codes.to(out)
 
 
 @_portable("npu::npu_convert_weight_to_int4pack")
@@ -1097,6 +1154,7 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
     aq_offsets = per_group(kw.get("antiquant_offset"))
     tokens = kw.get("per_token_scale")
     a8w8 = x[0].dtype == torch.int8
+    a8w4 = a8w8 and bool(ws) and ws[0].dtype == torch.int32
     if ws and ws[0].dtype in (torch.int8, torch.int32) and not a8w8 and not kw.get("antiquant_scale"):
         raise RuntimeError("npu_grouped_matmul: argument 'antiquant_scale' must be given with "
                            "int8 / int4 weights and floating x (the weight-only path)")
@@ -1117,7 +1175,10 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
         ts = [t.reshape(-1) for t in tokens] if tokens else [None] * len(ws)
     ys = []
     for xg, w, b, s, t, aqs, aqo in zip(xs, ws, bs, scales, ts, aq_scales, aq_offsets):
-        if a8w8:
+        if a8w4:
+            y = _a8w4(xg.reshape(-1, xg.shape[-1]), w, s, b, t, out_dtype)
+            ys.append(y.reshape(*xg.shape[:-1], y.shape[-1]))
+        elif a8w8:
             if s is None and out_dtype != torch.int32:
                 raise RuntimeError("npu_grouped_matmul: argument 'scale' must be given with int8 "
                                    "x and weights unless output_dtype is torch.int32")

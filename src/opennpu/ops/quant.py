@@ -1,5 +1,5 @@
-"""Quantisation family: npu_dynamic_quant and npu_add_rms_norm_dynamic_quant; the quantised
-matmul npu_quant_matmul with its helpers npu_trans_quant_param and npu_convert_weight_to_int4pack.
+"""Quantisation family: npu_dynamic_quant, npu_add_rms_norm_dynamic_quant and npu_quantize; the
+quantised matmul npu_quant_matmul with its helpers npu_trans_quant_param and npu_convert_weight_to_int4pack.
 
 Numerics: inputs (float16, bfloat16, float32; float64 is rounded to float32 first) are computed
 in float32. ``scale = rowmax(|v|) / DTYPE_MAX`` with ``v = x * smooth`` (or ``x``), DTYPE_MAX 127
@@ -87,6 +87,43 @@ def npu_add_rms_norm_dynamic_quant(x1, x2, gamma, *, smooth_scale1=None, smooth_
         output_mask=output_mask, y_dtype=y_dtype, **extra)
 
 
+# npu_quantize's `dtype` codes: torch.qint8 / int8 -> int8, torch.quint8 / uint8 -> uint8,
+# torch.qint32 / int32 -> int32 (div_mode=True); torch.quint4x2 / torch.int4 -> packed int32.
+_QUANTIZE_OUT = {12: torch.int8, 1: torch.int8, 13: torch.uint8, 0: torch.uint8,
+                 14: torch.int32, 3: torch.int32}
+_DTYPE_CODE = {torch.qint8: 12, torch.quint8: 13, torch.qint32: 14, torch.int8: 1,
+               torch.uint8: 0, torch.int32: 3, torch.quint4x2: 16, torch.int4: 40}
+
+
+def _quantize_out(dtype, div_mode: bool):
+    """(output dtype, int4 packed) of npu_quantize's ``dtype`` argument."""
+    code = _DTYPE_CODE.get(dtype, -1) if isinstance(dtype, torch.dtype) else int(dtype)
+    if not div_mode and code in _INT4_CODES:
+        return torch.int32, True
+    if not div_mode and code not in (12, 1):
+        return torch.int8, False  # rejected by the kernel; the fake only needs a shape
+    return _QUANTIZE_OUT.get(code, torch.int8), False
+
+
+def npu_quantize(input, scales, zero_points, dtype, axis: int = 1, div_mode: bool = True):
+    """Affine quantisation with given scales and zero points. Returns the codes.
+
+    ``div_mode=True`` (torch.quantize_per_channel's arithmetic): ``q = clamp(round(x * (1 /
+    scale)) + zero_point)`` with the float32 reciprocal of each scale, along ``axis`` (any dim;
+    ``scales`` / ``zero_points`` 1-D of that dim's size, or ``[1]``); ``dtype`` torch.qint8 /
+    torch.quint8 / torch.qint32 (or torch.int8 / uint8 / int32) gives int8 / uint8 / int32 codes.
+    ``div_mode=False`` (AscendQuantV2): ``q = clamp(round(fp32(x * scale) + zero_point))``, the
+    product rounded to float32 before the add; ``axis=-2`` quantises along the second-to-last
+    dim, every other axis (> -2) along the last; ``scales`` ``[C]`` / ``[1]`` or of x's rank with
+    1 in every other dim; ``dtype`` torch.qint8 (int8) or torch.quint4x2 (int4 in ``[-8, 7]``,
+    eight per int32 along the last dim, lowest bits first; the last dim must divide by 8).
+    ``round`` is half to even, codes saturate at the type's range, a NaN input gives the zero
+    point. x is float16 / bfloat16 / float32 (float64 is rounded to float32), computed in
+    float32. Not differentiable.
+    """
+    return _ops.npu_quantize(input, scales, zero_points, dtype, axis, div_mode)
+
+
 # ----------------------------------------------------------------------------- fake kernels
 
 
@@ -105,6 +142,12 @@ def _dynamic_quant_fake(input, *, smooth_scales=None, group_index=None, dst_type
                         dtype=fp8 or (torch.int32 if int4 else torch.int8))
     scale_shape = [1] if quant_mode == "pertensor" else list(input.shape[:-1])
     return y, input.new_empty(scale_shape, dtype=torch.float32)
+
+
+@register_fake("npu::npu_quantize")
+def _quantize_fake(self, scales, zero_points, dtype, axis=1, div_mode=True):
+    out, int4 = _quantize_out(dtype, div_mode)
+    return self.new_empty(_code_shape(self, int4), dtype=out)
 
 
 @register_fake("npu::npu_add_rms_norm_dynamic_quant")
@@ -145,7 +188,16 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     int8 outputs only; ``pertoken_scale`` float32 ``[m]``; ``bias`` ``[n]`` (or ``[batch, 1,
     n]``): int32 (added to the accumulator) or bfloat16 / float16 / float32 (added after the
     scales, float outputs). ``group_sizes`` must be None or [0, 0, 0] and ``y_scale`` None
-    (per-group and MX scaling are not implemented). Not differentiable.
+    (per-group and MX scaling are not implemented), except for A8W4.
+
+    A8W4 (int8 ``x1`` [m, k], int4 ``x2`` words [k, n / 8]): ``scale`` [k / group_k, n] (int64
+    from npu_trans_quant_param, or float32), ``group_sizes`` [0, 0, group_k] (None: k /
+    scale.size(0)), ``offset`` float32 [n] (the additive term), ``pertoken_scale`` [m],
+    ``output_dtype`` float16 / bfloat16, as op-plugin's golden computes it: x = 16 hi + lo + 8
+    split into two int4 halves; per K group the exact products with the weight, times the scale,
+    rounded to float16 and summed in float16; ``y = (acc_hi * 16 + acc_lo + offset) *
+    pertoken_scale``. That is the product of ``x1 - 8``: A8W4 weights come with ``8 * sum_k(w *
+    scale)`` folded into ``offset``. Not differentiable.
     """
     return _ops.npu_quant_matmul(
         x1, x2, scale, offset=offset, pertoken_scale=pertoken_scale, bias=bias,
@@ -190,6 +242,8 @@ def _quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=
     if x1.dtype == torch.int32:  # int4 words: [k, n / 8], or the transpose [k / 8, n]
         packed_k = x2.shape[-2] == 8 * x1.shape[-1]
         n = 8 * x2.shape[-1] if packed_k else x2.shape[-1]
+    elif x2.dtype == torch.int32:  # A8W4: int4 weight words [k, n / 8]
+        n = 8 * x2.shape[-1]
     else:
         n = x2.shape[-1]
     batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
@@ -329,6 +383,7 @@ def _dynamic_block_quant_fake(x, *, min_scale=0.0, round_mode="rint", dst_type=1
 _NO_GRADIENT = "torch_npu registers no gradient for it (inference op)"
 mark_not_differentiable("npu_dynamic_quant", _NO_GRADIENT)
 mark_not_differentiable("npu_add_rms_norm_dynamic_quant", _NO_GRADIENT)
+mark_not_differentiable("npu_quantize", _NO_GRADIENT)
 mark_not_differentiable("npu_quant_matmul", _NO_GRADIENT)
 mark_not_differentiable("npu_trans_quant_param", "integer output (a packed parameter)")
 mark_not_differentiable("npu_convert_weight_to_int4pack", "integer input and output")
@@ -336,7 +391,7 @@ for _name in ("npu_dynamic_mx_quant", "npu_dynamic_mx_quant_with_dual_axis",
               "npu_grouped_dynamic_mx_quant", "npu_dynamic_block_quant"):
     mark_not_differentiable(_name, _NO_GRADIENT)
 
-__all__ = ["npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_quant_matmul",
+__all__ = ["npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_quantize", "npu_quant_matmul",
            "npu_trans_quant_param", "npu_convert_weight_to_int4pack", "npu_dynamic_mx_quant",
            "npu_dynamic_mx_quant_with_dual_axis", "npu_grouped_dynamic_mx_quant",
            "npu_dynamic_block_quant"]

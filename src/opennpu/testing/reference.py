@@ -254,6 +254,36 @@ def quant_matmul(x1, x2, scale, offset=None, pertoken_scale=None, bias=None, out
     return y.to(out_dtype)
 
 
+def a8w4_matmul(x, w_codes, scale, bias=None, pertoken_scale=None, output_dtype=torch.float16):
+    """A8W4 as op-plugin's goldens compute it (test_npu_quant_matmul.py a8w4_quant_golden and
+    test_npu_grouped_matmul.py gmm_a8w4_golden), in numpy: x int8 [m, k] split into rows
+    x // 16 and (x & 15) - 8; per K group j the int32 product with w_codes [k, n] (int4 values),
+    times scale[j] (float32 [G, n]) in float32, cast to float16 and added to a float16
+    accumulator; then acc_hi * 16 + acc_lo + bias in float32, times pertoken_scale [m, 1]."""
+    import numpy as np
+
+    xs = x.numpy().astype(np.int32)
+    m, k = xs.shape
+    split = np.concatenate([xs.reshape(m, 1, k) // 16, (xs.reshape(m, 1, k) & 0x0F) - 8],
+                           axis=1).reshape(m * 2, k)
+    sc = scale.float().numpy()
+    groups = sc.shape[0]
+    n = sc.shape[1]
+    w = w_codes.numpy().astype(np.int32).reshape(groups, k // groups, n)
+    xi = split.reshape(-1, groups, k // groups)
+    acc = np.zeros([2 * m, n], dtype=np.float16)
+    for j in range(groups):
+        mm = np.matmul(xi[:, j, :], w[j]).astype(np.float32) * sc[j].reshape(1, -1)
+        acc = (acc.astype(np.float16) + mm.astype(np.float16)).astype(np.float16)
+    acc = acc.reshape(m, 2, n).astype(np.float32)
+    y = acc[:, 0, :] * 16 + acc[:, 1, :]
+    if bias is not None:
+        y = y + bias.float().numpy().reshape(1, n)
+    if pertoken_scale is not None:
+        y = y * pertoken_scale.float().numpy().reshape(-1, 1)
+    return torch.from_numpy(np.ascontiguousarray(y)).to(output_dtype)
+
+
 # MX (microscaling) quantisation as CANN's aclnnDynamicMxQuant golden computes it, with exact
 # exponents (torch.frexp): (mbits, emax, min_exp, max_norm, fp4) per element format.
 MX_FORMATS = {
