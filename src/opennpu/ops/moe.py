@@ -576,6 +576,12 @@ def _grouped_matmul_list_fake(x, weight, *, bias=None, scale=None, offset=None,
                                 output_dtype)
 
 
+def _permuted_rows(n, num_out_tokens):
+    if num_out_tokens is not None and num_out_tokens > 0:
+        return torch.sym_min(num_out_tokens, n)
+    return n + (num_out_tokens or 0)
+
+
 @register_fake("npu::npu_moe_token_permute")
 def _token_permute_fake(tokens, indices, num_out_tokens=None, padded_mode=False):
     n = indices.numel()
