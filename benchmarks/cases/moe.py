@@ -27,6 +27,7 @@ from opennpu.testing.moe_layer import npu_moe_layer
 from opennpu.testing.timing import compiled
 
 from ..common import Case, Timed, randn
+from .quant import _expert_sizes
 
 npu = torch.ops.npu
 EXPERTS, TOP_K, HIDDEN = 8, 2, 4096
@@ -91,20 +92,10 @@ def moe_layer_fwd(t, dtype, threads):
 
 
 def grouped_matmul_shapes(quick: bool):
-    """(M, E, K, N): M token rows over E experts (sizes from _expert_sizes)."""
+    """(M, E, K, N): M token rows over E experts (sizes from quant._expert_sizes)."""
     if quick:
         return [(32, 8, 1024, 1024), (512, 8, 1024, 1024)]
     return [(16, 16, 4096, 1536), (256, 16, 4096, 1536), (2048, 16, 4096, 1536)]
-
-
-def _expert_sizes(m, e):
-    """m rows spread unevenly over e experts, a quarter of them empty (MoE routing), seeded."""
-    gen = torch.Generator().manual_seed(0)
-    weights = torch.rand(e, generator=gen) * (torch.rand(e, generator=gen) > 0.25)
-    weights[0] += 1e-3
-    sizes = (weights / weights.sum() * m).floor().long()
-    sizes[0] += m - int(sizes.sum())
-    return sizes.tolist()
 
 
 def native_grouped_matmul(x, w, bias, sizes):
@@ -117,7 +108,7 @@ def native_grouped_matmul(x, w, bias, sizes):
 
 
 def grouped_matmul_fwd(m, e, k, n, dtype, with_bias, threads):
-    sizes = _expert_sizes(m, e)
+    sizes = _expert_sizes(m, e, torch.Generator().manual_seed(0))
     group_list = torch.tensor(sizes).cumsum(0)
     x = randn(m, k, dtype=dtype)
     w = randn(e, k, n, dtype=dtype).mul_(k ** -0.5)

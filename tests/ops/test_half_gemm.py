@@ -61,6 +61,16 @@ def _both(monkeypatch, fn):
     return results
 
 
+def _check_both(monkeypatch, run, ref, dtype):
+    """run() under both settings: each within 2x the table's tolerance of the float64 reference,
+    and within 4x of each other."""
+    out = _both(monkeypatch, run)
+    for policy, y in out.items():
+        assert y.dtype == dtype and y.shape == ref.shape, policy
+        assert_close(y, ref, scale=2, msg=policy)
+    assert_close(out["native"], out["fp32"], scale=4)
+
+
 # ----------------------------------------------------------------------------- the policy
 
 
@@ -153,11 +163,7 @@ def test_grouped_matmul_both_policies(monkeypatch, dtype, bias, transposed):
         return opennpu.npu_grouped_matmul([x], [w], bias=b, group_list=gl, split_item=3,
                                           group_type=0)[0]
 
-    out = _both(monkeypatch, run)
-    for policy, y in out.items():
-        assert y.dtype == dtype and y.shape == ref.shape, policy
-        assert_close(y, ref, scale=2, msg=policy)
-    assert_close(out["native"], out["fp32"], scale=4)
+    _check_both(monkeypatch, run, ref, dtype)
 
 
 @HALF
@@ -181,11 +187,7 @@ def test_grouped_matmul_weight_only_both_policies(monkeypatch, dtype, bias):
                                           bias=[b] if bias else None, group_list=gl,
                                           split_item=3, group_type=0)[0]
 
-    out = _both(monkeypatch, run)
-    for policy, y in out.items():
-        assert y.dtype == dtype and y.shape == ref.shape, policy
-        assert_close(y, ref, scale=2, msg=policy)
-    assert_close(out["native"], out["fp32"], scale=4)
+    _check_both(monkeypatch, run, ref, dtype)
 
 
 # ----------------------------------------------------------------------------- attention
