@@ -65,6 +65,7 @@ GroupedGemmPlan grouped_gemm_plan_kernel(at::ScalarType dtype) {
   GroupedGemmPlan plan;
   const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
   plan.whole_aten = dtype == at::kFloat || (half && !half_gemm_in_fp32(dtype));
+  if (!half) return plan;  // fp32 / fp64: nothing to convert (and the weight-only path is half)
   switch (half_gemm_setting()) {
     case HalfGemmSetting::kNative: plan.antiquant_fp32 = false; break;
     case HalfGemmSetting::kFp32: plan.antiquant_fp32 = true; break;
