@@ -7,6 +7,7 @@
 
 #include "common/checks.h"
 #include "common/cpu_dispatch.h"
+#include "common/half_gemm.h"
 #include "common/random.h"
 
 TORCH_LIBRARY(npu, m) {
@@ -461,6 +462,11 @@ TORCH_LIBRARY(opennpu, m) {
   m.def("is_strict() -> bool", []() { return opennpu::strict_mode(); });
   // The instruction set the CPU kernels run with ("AVX512", "AVX2" or "DEFAULT").
   m.def("cpu_isa() -> str", []() { return std::string(opennpu::cpu_isa_name(opennpu::cpu_isa())); });
+  // The CPU GEMM policy for dtype's products (common/half_gemm.h, OPENNPU_HALF_GEMM): "fp32"
+  // where fp16 / bf16 operands are multiplied as fp32 copies, else "native".
+  m.def("half_gemm(ScalarType dtype) -> str", [](at::ScalarType dtype) {
+    return std::string(opennpu::half_gemm_in_fp32(dtype) ? "fp32" : "native");
+  });
   // The Philox generator of fused ops with dropout: seed, and (seed, offset) of the next draw.
   m.def("manual_seed(int seed) -> ()", [](int64_t seed) { opennpu::manual_seed(static_cast<uint64_t>(seed)); });
   m.def("initial_seed() -> int", []() { return static_cast<int64_t>(opennpu::initial_seed()); });

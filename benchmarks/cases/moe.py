@@ -7,6 +7,12 @@ projection on already-routed rows: the floor a fused layer can approach).
 T in {16, 256} tokens. The bf16 weights take 2.8 GB; in fp32 they would take 5.6 GB, more than
 the benchmark machines can spare next to everything else, so the fp32 cases halve I (7168).
 torch.compile is not a baseline: the loop's per-expert token counts are data-dependent.
+
+grouped_matmul: npu_grouped_matmul's float path alone (x [M, K] split over E experts by
+group_list, weight [E, K, N], with or without bias) against the per-expert loop of torch.mm in the
+same dtype (the native composition), torch.compile of it, and the same loop on float32 copies
+made beforehand ("fp32 gemms": the GEMMs' floor on a CPU without fp16 / bf16 arithmetic, where
+opennpu multiplies fp32 tiles; docs/performance.md, "fp16 / bf16 GEMMs on the CPU").
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ import torch
 import torch.nn.functional as F
 from opennpu.testing import reference
 from opennpu.testing.moe_layer import npu_moe_layer
+from opennpu.testing.timing import compiled
 
-from ..common import Case, Timed
+from ..common import Case, Timed, randn
+from .quant import _expert_sizes
 
+npu = torch.ops.npu
 EXPERTS, TOP_K, HIDDEN = 8, 2, 4096
 INTER = {torch.bfloat16: 14336, torch.float16: 14336, torch.float32: 7168}
 
@@ -82,7 +91,53 @@ def moe_layer_fwd(t, dtype, threads):
     )
 
 
+def grouped_matmul_shapes(quick: bool):
+    """(M, E, K, N): M token rows over E experts (sizes from quant._expert_sizes)."""
+    if quick:
+        return [(32, 8, 1024, 1024), (512, 8, 1024, 1024)]
+    return [(16, 16, 4096, 1536), (256, 16, 4096, 1536), (2048, 16, 4096, 1536)]
+
+
+def native_grouped_matmul(x, w, bias, sizes):
+    """The per-expert loop: x_g @ w_g (+ b_g) in x's dtype."""
+    ys = []
+    for g, xg in enumerate(x.split(sizes)):
+        y = xg @ w[g]
+        ys.append(y if bias is None else y + bias[g])
+    return torch.cat(ys)
+
+
+def grouped_matmul_fwd(m, e, k, n, dtype, with_bias, threads):
+    sizes = _expert_sizes(m, e, torch.Generator().manual_seed(0))
+    group_list = torch.tensor(sizes).cumsum(0)
+    x = randn(m, k, dtype=dtype)
+    w = randn(e, k, n, dtype=dtype).mul_(k ** -0.5)
+    bias = randn(e, n, dtype=dtype) if with_bias else None
+    native = functools.partial(native_grouped_matmul, sizes=sizes)
+    native_compiled = compiled(native, x, w, bias, threads=threads)
+    xf, wf = x.float(), w.float()
+    bf = bias.float() if with_bias else None
+    return Timed(
+        ours=lambda: npu.npu_grouped_matmul([x], [w], bias=None if bias is None else [bias],
+                                            group_list=group_list, split_item=3,
+                                            group_type=0)[0],
+        baselines={"eager": lambda: native(x, w, bias),
+                   "compile": lambda: native_compiled(x, w, bias),
+                   "fp32 gemms": lambda: native(xf, wf, bf)},
+        reference=lambda: native(xf, wf, bf),
+    )
+
+
 def cases(quick: bool, dtypes):
+    for (m, e, k, n), dtype in itertools.product(grouped_matmul_shapes(quick), dtypes):
+        for with_bias in (False, True):
+            # x, the experts' weights (and biases) read, output written
+            nbytes = (m * k + e * k * n + m * n + (e * n if with_bias else 0)) * dtype.itemsize
+            yield Case("grouped_matmul", "fwd",
+                       f"M={m} E={e} K={k} N={n}" + (" bias" if with_bias else ""), dtype,
+                       nbytes, functools.partial(grouped_matmul_fwd, m, e, k, n, dtype,
+                                                 with_bias),
+                       ("npu_grouped_matmul",), flops=2 * m * k * n)
     for t, dtype in itertools.product(tokens(quick), dtypes):
         inter = INTER[dtype]
         e = dtype.itemsize

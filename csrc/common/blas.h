@@ -19,6 +19,8 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include "common/half_gemm.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <memory>
@@ -43,19 +45,9 @@ void cblas_gemm_f16f16f32(int layout, int transa, int transb, int m, int n, int 
 
 namespace opennpu::blas {
 
-// Whether the CPU multiplies t natively: AMX-BF16 or AVX512-BF16 for bf16, AVX512-FP16 (which
-// every AMX-FP16 CPU also has) for fp16. Elsewhere MKL and oneDNN emulate them, and converting
-// to fp32 once is faster.
-inline bool cpu_multiplies_natively(at::ScalarType t) {
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  if (t == at::kBFloat16) {
-    return __builtin_cpu_supports("amx-bf16") || __builtin_cpu_supports("avx512bf16");
-  }
-  if (t == at::kHalf) return __builtin_cpu_supports("avx512fp16");
-#endif
-  return false;
-}
+// Whether the CPU multiplies t natively (common/half_gemm.h: AMX-BF16 or AVX512-BF16 for bf16,
+// AVX512-FP16 for fp16). Elsewhere MKL and oneDNN emulate them, and converting to fp32 is faster.
+using opennpu::cpu_multiplies_natively;
 
 // Whether MKL's half-precision GEMMs use those instructions. MKL picks its kernels by CPU vendor:
 // on an AMD Zen 4 (AVX512-BF16) cblas_gemm_bf16bf16f32 ran at fp32 speed (one thread,
@@ -70,9 +62,11 @@ inline bool mkl_multiplies_natively(at::ScalarType t) {
 #endif
 }
 
-// Whether fp16 / bf16 operands can be multiplied as they are, fast (see above).
+// Whether fp16 / bf16 operands of dtype t are multiplied as they are, by MKL's half-precision
+// GEMMs: the CPU GEMM policy (common/half_gemm.h) does not send them to fp32 copies, and
+// PyTorch's MKL has those GEMMs.
 inline bool half_gemm_available(at::ScalarType t) {
-  if (!cpu_multiplies_natively(t)) return false;
+  if (half_gemm_in_fp32(t)) return false;
   if (t == at::kBFloat16) return cblas_gemm_bf16bf16f32 != nullptr;
   if (t == at::kHalf) return cblas_gemm_f16f16f32 != nullptr;
   return false;

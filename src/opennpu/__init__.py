@@ -45,7 +45,7 @@ if _device.register():
 # opennpu.optim (and torch.npu.amp) import torch._dynamo (torch.compiler.disable), seconds of work
 # that `import torch` would pay through the backend autoload: they load on first use.
 from . import npu, ops  # noqa: E402
-from ._library import cpu_isa  # noqa: E402
+from ._library import cpu_isa, half_gemm  # noqa: E402
 from ._strict import is_strict, set_strict, strict  # noqa: E402
 from .ops import *  # noqa: E402,F401,F403
 
@@ -61,7 +61,7 @@ def __getattr__(name: str):
         return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'opennpu' has no attribute {name!r}")
 
-__all__ = ["cpu_isa", "is_strict", "set_strict", "strict", *ops.__all__]
+__all__ = ["cpu_isa", "half_gemm", "is_strict", "set_strict", "strict", *ops.__all__]
 
 # TORCH_TRANSFER_TO_NPU=1 migrates CUDA code at run time as soon as opennpu loads (import torch,
 # import torch_npu), as torch_npu does; other values than 0 and 1 are a ValueError. The patcher

@@ -37,3 +37,12 @@ def load(conflicting_package: str | None = None) -> None:
 def cpu_isa() -> str:
     """The instruction set opennpu's CPU kernels run with: 'AVX512', 'AVX2' or 'DEFAULT'."""
     return torch.ops.opennpu.cpu_isa()
+
+
+def half_gemm(dtype: torch.dtype) -> str:
+    """How the CPU kernels multiply matrices of ``dtype``: ``'fp32'`` where float16 / bfloat16
+    operands are multiplied as float32 copies (a CPU without native arithmetic for the dtype:
+    bfloat16 needs AVX512_BF16 or AMX-BF16, float16 AVX512_FP16), else ``'native'``. Either way
+    products accumulate in float32 and the result is rounded once. ``OPENNPU_HALF_GEMM=auto``
+    (default), ``native`` or ``fp32`` overrides the choice; it is read on every call."""
+    return torch.ops.opennpu.half_gemm(dtype)

@@ -153,7 +153,8 @@ void copy_out(at::Tensor& dst, const at::Tensor& src, const char* op, const char
 // dtype: q's (fp16, bf16, fp32 or fp64); head_dim, head_dim_v: D and Dv. check_forced_tiles:
 // raise where a forced tile path cannot run this call (npu_fusion_attention and its gradient);
 // without it the kernels take the BLAS tiles there instead (the infer op's prefill). The CPU
-// implementation reads OPENNPU_ATTENTION_HALF_GEMM and OPENNPU_ATTENTION_TILES on every call.
+// implementation reads OPENNPU_ATTENTION_HALF_GEMM, OPENNPU_HALF_GEMM (common/half_gemm.h) and
+// OPENNPU_ATTENTION_TILES on every call.
 using AttentionPlanFn = AttentionPlan(const char* op, at::ScalarType dtype, int64_t head_dim,
                                       int64_t head_dim_v, bool check_forced_tiles);
 

@@ -1300,9 +1300,12 @@ void attention_bwd_kernel(const AttentionProblem& p, const at::Tensor& q, const 
 }
 
 // The CPU's plan for a call (AttentionPlan). fp16/bf16 inputs stay in their dtype, for
-// half-precision GEMMs with fp32 accumulation, where the CPU has matrix units for them and
-// PyTorch's MKL provides those GEMMs (blas::half_gemm_available); elsewhere they are converted to
-// fp32 once. OPENNPU_ATTENTION_HALF_GEMM=0 turns them off, e.g. to compare both paths.
+// half-precision GEMMs with fp32 accumulation, where the CPU GEMM policy (common/half_gemm.h)
+// multiplies them natively and PyTorch's MKL provides those GEMMs (blas::half_gemm_available);
+// elsewhere they are converted to fp32 once, and every product then runs in fp32 with the
+// same single rounding of the output. OPENNPU_ATTENTION_HALF_GEMM=0 (this op only) or
+// OPENNPU_HALF_GEMM=fp32 turns them off, OPENNPU_HALF_GEMM=native on, e.g. to compare both
+// paths.
 bool use_half_gemm(at::ScalarType t) {
   if (t != at::kBFloat16 && t != at::kHalf) return false;
   const char* env = std::getenv("OPENNPU_ATTENTION_HALF_GEMM");

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "common/blas.h"
+#include "common/half_gemm.h"
 #include "common/vec.h"
 #include "ops/activation/act_math.h"
 #include "ops/ffn/ffn.h"
@@ -542,6 +543,8 @@ class Runner {
 // once to x's dtype, bias included, exactly as F.linear rounds it), then one pass over H in
 // place: act in fp32, rounded once (GLU forms write a * act(b) over the left half a, reading
 // each b before nothing overwrites it), then y_e = H' W2_e + b2_e by ATen into the output.
+// fp16 / bf16 reach these ATen GEMMs only where the CPU GEMM policy (common/half_gemm.h) keeps
+// them in their dtype, or when OPENNPU_FFN_GEMM=aten forces it (choose_gemm).
 template <typename X>
 void run_aten(const FfnArgs& a) {
   const int64_t experts = a.w1.size(0), n1 = a.w1.size(2), k2 = a.w2.size(1);
@@ -638,8 +641,9 @@ enum class FfnGemm {
 // composition runs. float32: MKL sgemm tiles up to kWholeGemmRows rows per expert, whole ATen
 // GEMMs (the same sgemm) from there. OPENNPU_FFN_GEMM=blas|fp32|aten forces a path (the tests
 // run every path on every machine); "blas" falls back to fp32 tiles where MKL has no fp16 / bf16
-// GEMM. The measurements behind these choices are in the commit history (git log -S
-// kWholeGemmRows) and docs/performance.md.
+// GEMM; with none of those, OPENNPU_HALF_GEMM=fp32 forces the fp32 tiles and =native the
+// choice a CPU with fp16 / bf16 arithmetic makes. The measurements behind these choices are in
+// the commit history (git log -S kWholeGemmRows) and docs/performance.md.
 constexpr int64_t kWholeGemmRows = 512;
 
 FfnGemm choose_gemm(at::ScalarType xt, bool weight_only, int64_t rows_per_expert) {
@@ -664,7 +668,9 @@ FfnGemm choose_gemm(at::ScalarType xt, bool weight_only, int64_t rows_per_expert
   }
   if (forced == "fp32") return FfnGemm::kFp32Tiles;
   if (forced == "blas") return mkl_half ? FfnGemm::kBlasTiles : FfnGemm::kFp32Tiles;
-  if (!blas::cpu_multiplies_natively(xt)) return FfnGemm::kFp32Tiles;
+  // The CPU GEMM policy (common/half_gemm.h; OPENNPU_HALF_GEMM): where the CPU has no fp16 /
+  // bf16 arithmetic, fp32 tiles, with the same fp32 accumulation and rounding points as below.
+  if (half_gemm_in_fp32(xt)) return FfnGemm::kFp32Tiles;
   if (xt == at::kHalf || !blas::mkl_multiplies_natively(xt)) return FfnGemm::kATen;
   return mkl_half ? FfnGemm::kBlasTiles : FfnGemm::kFp32Tiles;
 }

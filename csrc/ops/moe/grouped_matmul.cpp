@@ -17,7 +17,6 @@
 // weight-only (float16 / bfloat16 x, int8 / int4 weights); see grouped_matmul.h.
 #include "ops/moe/grouped_matmul.h"
 
-#include <ATen/cpu/Utils.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/zeros.h>
@@ -36,6 +35,7 @@
 namespace opennpu::moe {
 
 KernelSlots<GroupedGemmFn> grouped_gemm;
+KernelSlots<GroupedGemmPlanFn> grouped_gemm_plan;
 KernelSlots<AntiquantWeightFn> antiquant_weight;
 
 namespace {
@@ -278,22 +278,17 @@ struct GemmTask {
   at::Tensor a, b, bias, out;
 };
 
-// fp32/fp16/bf16 GEMMs without bias go to ATen's GEMM (MKL for fp32; oneDNN, AMX where the CPU
-// has it, for fp16/bf16, accumulating in fp32 and rounding once as our tiles do). It measured
-// faster at every group size tried, or level (2 threads, 8 groups: bf16 and fp16 at K=1024,
-// N=7168, M=16/128/512 rows each: bf16 11.3/19.3/48.1 ms against 15.9/26.3/84.5, fp16
-// 15.2/58.8/198 against 19.5/61.2/255; fp32 at M=4/64 rows, K=4096, N=14336: 122/283 ms against
-// 141/279, and K=7168, N=4096: 61.5/140 against 70.1/141). A bias stays on our tiles, which add
-// it in fp32 before the one rounding.
-void run_gemms(const at::Tensor& on, at::ScalarType dtype, const std::vector<GemmTask>& tasks) {
-  const bool aten_gemm =
-      dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat;
+// The tasks' GEMMs: those without bias as one whole ATen GEMM each where the device's plan says
+// so (plan.whole_aten), the rest on grouped_gemm's tiles, which add the bias in the accumulator
+// dtype before the single rounding.
+void run_gemms(const at::Tensor& on, at::ScalarType dtype, const GroupedGemmPlan& plan,
+               const std::vector<GemmTask>& tasks) {
   std::vector<GemmGroup> gemms;
   std::vector<at::Tensor> keep;  // copies made for BLAS layouts
   for (const GemmTask& t : tasks) {
     const int64_t m = t.a.size(0), k = t.a.size(1), n = t.b.size(1);
     if (m == 0 || n == 0) continue;
-    if (aten_gemm && !t.bias.defined()) {
+    if (plan.whole_aten && !t.bias.defined()) {
       at::Tensor out = t.out;
       at::mm_out(out, t.a, t.b);
       continue;
@@ -909,10 +904,9 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   }
   // The float GEMMs: all groups in one call; on the weight-only path one group at a time, its
   // weight dequantised into x's dtype just before (skipping empty groups, and holding one
-  // dequantised weight at a time). Without AMX, ATen's fp16 / bf16 GEMMs run far slower than
-  // MKL's sgemm (2 threads, AVX2: [85, 1024] @ [1024, 1024] bf16 276 ms, fp16 265 ms, fp32
-  // 5 ms), so there the weight-only path multiplies fp32 copies of the same values.
-  const bool fp32_gemm = path == Path::kAntiquant && !at::cpu::init_amx();
+  // dequantised weight at a time), or into fp32 where the plan multiplies fp32 copies.
+  const GroupedGemmPlan plan = grouped_gemm_plan.get(kOp, x[0])(dtype);
+  const bool fp32_gemm = path == Path::kAntiquant && plan.antiquant_fp32;
   std::vector<GemmTask> tasks;
   int64_t start = 0;
   for (int64_t g = 0; g < groups; ++g) {
@@ -938,7 +932,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                                     antiquant.offset[g], antiquant.group_size[g], dtype, deq);
     task.b = trans ? deq.t() : deq;
     if (!fp32_gemm) {
-      run_gemms(x[0], dtype, {task});
+      run_gemms(x[0], dtype, plan, {task});
       continue;
     }
     // fp32 operands holding x's and the weight's fp16 / bf16 values exactly: the same fp32
@@ -947,7 +941,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     if (task.bias.defined()) y.add_(task.bias);
     task.out.copy_(y);
   }
-  run_gemms(x[0], dtype, tasks);
+  run_gemms(x[0], dtype, plan, tasks);
   return outputs;
 }
 

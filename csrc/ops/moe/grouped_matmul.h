@@ -15,9 +15,13 @@
 // cache:
 //   fp32 / fp64   MKL sgemm_ / dgemm_ (or ATen's addmm) straight into the output, then + bias;
 //   fp16 / bf16   MKL's cblas_gemm_{f16f16f32,bf16bf16f32} (fp32 accumulation) into an fp32 tile,
-//                 then + bias (kept in fp32) and one rounding into the output. Where PyTorch's
-//                 BLAS lacks those (or OPENNPU_GMM_HALF_GEMM=0), the tile's operands are
-//                 converted to fp32 and go through sgemm_.
+//                 then + bias (kept in fp32) and one rounding into the output. Where the CPU
+//                 GEMM policy (common/half_gemm.h) says fp32 (a CPU without fp16 / bf16
+//                 arithmetic), where PyTorch's BLAS lacks those GEMMs, or with
+//                 OPENNPU_GMM_HALF_GEMM=0, the tile's operands are converted to fp32 and go
+//                 through sgemm_ instead.
+// Groups without bias skip the tiles for one whole ATen GEMM each where grouped_gemm_plan says so
+// (see GroupedGemmPlan).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -47,6 +51,22 @@ struct GemmGroup {
 using GroupedGemmFn = void(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups);
 
 extern KernelSlots<GroupedGemmFn> grouped_gemm;
+
+// How the float and weight-only paths multiply on this device (the CPU's policy lives in
+// grouped_matmul_cpu.cpp). Read once per call.
+struct GroupedGemmPlan {
+  // Groups without bias go to one whole ATen GEMM each (at::mm_out in `dtype`) rather than the
+  // tiles of grouped_gemm.
+  bool whole_aten = false;
+  // The weight-only path multiplies fp32 copies of x and of the dequantised weight (holding
+  // their fp16 / bf16 values exactly), then adds the bias and rounds once into the output,
+  // rather than GEMMs in x's dtype.
+  bool antiquant_fp32 = false;
+};
+
+using GroupedGemmPlanFn = GroupedGemmPlan(at::ScalarType dtype);
+
+extern KernelSlots<GroupedGemmPlanFn> grouped_gemm_plan;
 
 // Weight-only dequantisation into `dtype` (float16 or bfloat16): out [rows, cols] (contiguous, in
 // dtype, or float32 holding the dtype values exactly) from `codes`, int8 [rows, cols] or int32

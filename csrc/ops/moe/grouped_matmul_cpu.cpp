@@ -8,6 +8,7 @@
 // output. A tile of kRowTile x kColTile fp32 values (512 KB) stays in L2 between the two.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 
 #include <algorithm>
 #include <atomic>
@@ -17,6 +18,7 @@
 #include <vector>
 
 #include "common/blas.h"
+#include "common/half_gemm.h"
 #include "common/vec.h"
 #include "ops/moe/grouped_matmul.h"
 
@@ -31,17 +33,47 @@ struct Tile {
   int64_t group, r0, c0;
 };
 
-// Whether fp16 / bf16 tiles go to MKL's half-precision GEMMs (fp32 accumulation and output).
-// OPENNPU_GMM_HALF_GEMM=0 forces the convert-to-fp32 path (also what runs without those GEMMs).
+// Whether fp16 / bf16 tiles go to MKL's half-precision GEMMs (fp32 accumulation and output):
+// where the CPU GEMM policy keeps them in their dtype (common/half_gemm.h, through
+// blas::half_gemm_available). Elsewhere, and with OPENNPU_GMM_HALF_GEMM=0, the tiles' operands
+// are converted to fp32 for sgemm, with the same fp32 accumulation and single rounding.
 bool use_half_gemm(at::ScalarType dtype) {
   static const bool enabled = [] {
     const char* env = std::getenv("OPENNPU_GMM_HALF_GEMM");
     return env == nullptr || std::strcmp(env, "0") != 0;
   }();
-  if (!enabled) return false;
-  if (dtype == at::kBFloat16) return cblas_gemm_bf16bf16f32 != nullptr;
-  if (dtype == at::kHalf) return cblas_gemm_f16f16f32 != nullptr;
-  return false;
+  return enabled && blas::half_gemm_available(dtype);
+}
+
+// The float paths' plan (GroupedGemmPlan).
+//
+// whole_aten: fp32 / fp16 / bf16 groups without bias go to ATen's GEMM (MKL for fp32; oneDNN,
+// AMX where the CPU has it, for fp16 / bf16, accumulating in fp32 and rounding once as the tiles
+// do) where the CPU multiplies their dtype natively. It measured faster than the tiles at every
+// group size tried (2 threads, 8 groups: bf16 and fp16 at K=1024, N=7168, M=16/128/512 rows
+// each: bf16 11.3/19.3/48.1 ms against 15.9/26.3/84.5, fp16 15.2/58.8/198 against
+// 19.5/61.2/255; fp32 at M=4/64 rows, K=4096, N=14336: 122/283 ms against 141/279, and K=7168,
+// N=4096: 61.5/140 against 70.1/141). Where the CPU GEMM policy sends fp16 / bf16 to fp32
+// (common/half_gemm.h: a CPU without their arithmetic, where ATen emulates it), they take the
+// tiles, which convert each tile's operands to fp32 (use_half_gemm); a bias always does.
+//
+// antiquant_fp32: the weight-only path multiplies fp32 copies wherever the CPU GEMM policy says
+// fp32 and, under OPENNPU_HALF_GEMM=auto, also on CPUs without AMX (e.g. an AMD Zen 4 with
+// AVX512_BF16: the dequantised weight is made once per call, and its fp32 GEMM was faster there).
+// OPENNPU_HALF_GEMM=native / fp32 force it either way.
+GroupedGemmPlan grouped_gemm_plan_kernel(at::ScalarType dtype) {
+  GroupedGemmPlan plan;
+  const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
+  plan.whole_aten = dtype == at::kFloat || (half && !half_gemm_in_fp32(dtype));
+  if (!half) return plan;  // fp32 / fp64: nothing to convert (and the weight-only path is half)
+  switch (half_gemm_setting()) {
+    case HalfGemmSetting::kNative: plan.antiquant_fp32 = false; break;
+    case HalfGemmSetting::kFp32: plan.antiquant_fp32 = true; break;
+    case HalfGemmSetting::kAuto:
+      plan.antiquant_fp32 = half_gemm_in_fp32(dtype) || !at::cpu::init_amx();
+      break;
+  }
+  return plan;
 }
 
 // out[r, :] = acc[r, :] (+ bias), rounded once to scalar_t; acc may alias out (fp32 / fp64).
@@ -267,6 +299,7 @@ void antiquant_weight_kernel(const at::Tensor& codes, bool int4, bool k_on_rows,
 }  // namespace
 
 OPENNPU_REGISTER_CPU_SLOT(grouped_gemm, &grouped_gemm_kernel);
+OPENNPU_REGISTER_CPU_SLOT(grouped_gemm_plan, &grouped_gemm_plan_kernel);
 OPENNPU_REGISTER_CPU_SLOT(antiquant_weight, &antiquant_weight_kernel);
 
 }  // namespace CPU_CAPABILITY

@@ -134,7 +134,9 @@ at::Tensor npu_rotary_mul(const at::Tensor& self, const at::Tensor& r1, const at
   at::Tensor s = prepare_r(op, "r2", r2, self).to(rt);
 
   if (rotate.has_value() && rotate->defined()) {
-    // rotate(x) = x @ rotate: a GEMM (BLAS through ATen), then the same mul-add, all in acc dtype.
+    // rotate(x) = x @ rotate: a GEMM (BLAS through ATen), then the same mul-add, all in acc dtype
+    // (fp32 for fp16 / bf16: one rounding at the end, and never ATen's half-precision GEMM, which
+    // CPUs without fp16 / bf16 arithmetic emulate; see common/half_gemm.h).
     const at::Tensor& m = *rotate;
     check_floating(op, "rotate", m);
     check_same_device(op, "rotate", m, "self", self);
