@@ -355,6 +355,10 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/, t
 
 }  // namespace
 
+void run_boxed_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  npu_fallback(op, keys, stack);
+}
+
 c10::Storage make_cpu_alias_storage(const c10::Storage& npu_storage) {
   // Resizing the alias (an out= argument a kernel grows) allocates through the CPU allocator,
   // which the fallback's CpuAllocationRedirect points at the device pool.
