@@ -46,6 +46,7 @@
 #include <vector>
 
 #include "device/npu_device.h"
+#include "device/npu_run.h"
 
 namespace opennpu::device {
 
@@ -95,19 +96,6 @@ class AliasCall {
   // Everything else passes as it is.
   template <typename T>
   std::decay_t<T> map(const T& v) { return v; }
-
-  // Runs `kernel` with the call's device current and CPU allocations served by its pool.
-  template <typename Kernel>
-  decltype(auto) run(Kernel&& kernel) const {
-    const c10::DeviceIndex previous = current_device();
-    if (previous != device_) set_current_device(device_);
-    struct Restore {
-      c10::DeviceIndex index;
-      ~Restore() { if (current_device() != index) set_current_device(index); }
-    } restore{previous};
-    CpuAllocationRedirect redirect(device_);
-    return kernel();
-  }
 
   // A result of the CPU kernel as an npu tensor.
   at::Tensor result(at::Tensor t) {
@@ -191,14 +179,14 @@ struct NpuKernel<Op, Ret(Args...)> {
       }, cpu_args);
     };
     if constexpr (std::is_void_v<Ret>) {
-      call.run(kernel);
+      run_on_device(call.device(), kernel);
     } else if constexpr (std::is_lvalue_reference_v<Ret>) {
-      call.run(kernel);
+      run_on_device(call.device(), kernel);
       auto& self = std::get<0>(std::forward_as_tuple(args...));
       call.check_unchanged(self);
       return self;
     } else {
-      return call.result(call.run(kernel));
+      return call.result(run_on_device(call.device(), kernel));
     }
   }
 
