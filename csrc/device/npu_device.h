@@ -5,6 +5,8 @@
 
 #include <ATen/core/CachingHostAllocator.h>
 #include <ATen/core/Generator.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/Device.h>
 #include <c10/core/Storage.h>
@@ -136,6 +138,8 @@ struct FallbackStats {
   int64_t view_outputs = 0;      // outputs that alias an npu input's storage
 };
 FallbackStats fallback_stats();
+// The boxed fallback itself, for unboxed kernels that hand it the calls they do not handle.
+void run_boxed_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack);
 // Makes every aten op that has a CPU kernel run it on npu too (see the definition); returns how
 // many ops that took. Idempotent; called once by opennpu._device.register().
 int64_t route_cpu_kernels_to_fallback();

@@ -38,6 +38,7 @@
 
 #include "common/random.h"
 #include "device/npu_device.h"
+#include "device/npu_run.h"
 
 namespace opennpu::device {
 
@@ -91,18 +92,11 @@ class FallbackCall {
   void run() {
     find_device();
     replace_arguments();
-    {
-      const c10::DeviceIndex previous = current_device();
-      if (previous != device_) set_current_device(device_);
-      struct RestoreDevice {
-        c10::DeviceIndex index;
-        ~RestoreDevice() { if (current_device() != index) set_current_device(index); }
-      } restore{previous};
-      CpuAllocationRedirect redirect(device_);
+    run_on_device(device_, [&] {
       // Fused ops with dropout draw their Philox words from the device's generator.
       PhiloxSourceGuard philox(philox_source_of(default_generator(device_)));
       op_.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack_);
-    }
+    });
     write_back_arguments();
     map_returns();
   }
@@ -354,6 +348,10 @@ void npu_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet /*keys*/, t
 }
 
 }  // namespace
+
+void run_boxed_fallback(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  npu_fallback(op, keys, stack);
+}
 
 c10::Storage make_cpu_alias_storage(const c10::Storage& npu_storage) {
   // Resizing the alias (an out= argument a kernel grows) allocates through the CPU allocator,

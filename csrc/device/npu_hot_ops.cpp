@@ -11,7 +11,10 @@
 #include <c10/core/TensorImpl.h>
 #include <torch/library.h>
 
+#include <utility>
+
 #include "device/npu_device.h"
+#include "device/npu_run.h"
 
 namespace opennpu::device {
 
@@ -49,14 +52,7 @@ class BinaryArgs {
   // its pool.
   template <typename Kernel>
   auto run(Kernel&& kernel) const {
-    const c10::DeviceIndex previous = current_device();
-    if (previous != device_) set_current_device(device_);
-    struct Restore {
-      c10::DeviceIndex index;
-      ~Restore() { if (current_device() != index) set_current_device(index); }
-    } restore{previous};
-    CpuAllocationRedirect redirect(device_);
-    return kernel();
+    return run_on_device(device_, std::forward<Kernel>(kernel));
   }
 
   // The CPU kernel's fresh output, made an npu tensor in place (nothing else holds it).

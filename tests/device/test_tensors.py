@@ -203,6 +203,54 @@ def test_arithmetic_fast_path_keeps_cpu_semantics():
     torch.testing.assert_close(y.cpu(), torch.arange(6.0) * 1.5 / torch.arange(1.0, 7))
 
 
+def test_unboxed_kernels_match_cpu_and_hand_unusual_calls_to_the_fallback():
+    fallback = torch.ops.opennpu._npu_fallback_stats
+    torch.manual_seed(0)
+    a, b, c = torch.randn(5, 7), torch.randn(7, 3), torch.randn(5, 3)
+    an, bn, cn = a.npu(), b.npu(), c.npu()
+    before = fallback()[0]
+    for got, want in ((torch.addmm(cn, an, bn, beta=0.5), torch.addmm(c, a, b, beta=0.5)),
+                      (torch.mm(an, bn), torch.mm(a, b)), (torch.nn.functional.gelu(an), torch.nn.functional.gelu(a)),
+                      (torch.ops.aten.gelu_backward(an, an, approximate="tanh"),
+                       torch.ops.aten.gelu_backward(a, a, approximate="tanh")),
+                      (an.sum(1, keepdim=True, dtype=torch.float64), a.sum(1, keepdim=True, dtype=torch.float64)),
+                      (torch.nn.functional.mse_loss(cn, cn * 2), torch.nn.functional.mse_loss(c, c * 2)),
+                      (an.t().sqrt(), a.t().sqrt()), (an * 3, a * 3)):
+        assert got.device.type == "npu"
+        assert torch.equal(got.cpu(), want) or torch.allclose(got.cpu(), want, equal_nan=True)
+    # in-place on views and overlapping arguments, 0-dim CPU tensors, foreach lists sharing storage
+    x, xn = a.clone(), a.clone().npu()
+    ptr = xn.data_ptr()
+    assert xn[1:].lerp_(xn[:-1].clone(), 0.25) is not None and xn.data_ptr() == ptr
+    x[1:].lerp_(x[:-1].clone(), 0.25)
+    y = xn.addcdiv_(xn, an * an + 1, value=0.5)
+    assert y is xn
+    x.addcdiv_(x, a * a + 1, value=0.5)
+    xn.addcmul_(an, torch.tensor(2.0), value=-1)
+    x.addcmul_(a, torch.tensor(2.0), value=-1)
+    lists = [xn[:2], xn[2:], bn]
+    torch._foreach_mul_(lists, 0.5)
+    torch._foreach_lerp_(lists, [t.clone() for t in lists], 0.1)
+    torch._foreach_addcdiv_(lists, lists, [t * t + 1 for t in lists], [0.1, 0.2, 0.3])
+    roots = list(torch._foreach_sqrt([t * t for t in lists]))
+    ref = [x[:2], x[2:], b.clone()]
+    torch._foreach_mul_(ref, 0.5)
+    torch._foreach_lerp_(ref, [t.clone() for t in ref], 0.1)
+    torch._foreach_addcdiv_(ref, ref, [t * t + 1 for t in ref], [0.1, 0.2, 0.3])
+    for got, want in zip(lists + roots, ref + list(torch._foreach_sqrt([t * t for t in ref]))):
+        assert got.device.type == "npu" and torch.equal(got.cpu(), want)
+    assert xn.fill_(3.0) is xn and torch.equal(xn.cpu(), torch.full((5, 7), 3.0))
+    assert fallback()[0] == before  # none of these took the boxed fallback
+    # unusual calls take the fallback and fail or succeed as it does
+    with pytest.raises(RuntimeError, match="argument 'mat2' of aten::mm"):
+        torch.mm(an, b)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch._foreach_mul_([an, a], 2.0)
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        an.lerp_(a, 0.5)
+    assert fallback()[0] > before
+
+
 def test_untyped_storage_on_npu():
     s = torch.UntypedStorage(8, device="npu")
     assert s.device.type == "npu" and s.nbytes() == 8
