@@ -91,8 +91,10 @@ def test_npu_dispatch_kinds():
     assert npu_dispatch("aten::view")[0] == "npu-kernel"
     kind, detail = npu_dispatch("aten::relu")
     assert kind == "fallback" and "routed" not in detail
-    kind, detail = npu_dispatch("aten::addmm")
+    kind, detail = npu_dispatch("aten::bmm")
     assert kind == "fallback" and "routed" in detail
+    kind, detail = npu_dispatch("aten::addmm")  # a training step's hot op: unboxed
+    assert kind == "npu-kernel" and "npu_unboxed_ops.cpp" in detail
     assert npu_dispatch("aten::t")[0] == "composite"
     assert npu_dispatch("aten::linear")[0] == "composite-implicit"
     assert npu_dispatch("aten::_scaled_dot_product_flash_attention")[0] == "missing"
