@@ -867,11 +867,7 @@ void check_antiquant(const char* op, Args& a) {
   }
   OPENNPU_CHECK_ARG(k.scale.has_value() || !k.offset.has_value(), op, k.offset_name,
                     "needs '", k.scale_name, "' (an offset without a scale)");
-  if (!k.scale.has_value()) {
-    a.kq = a.vq = Antiquant{};
-    a.kq.scale_name = a.vq.scale_name = k.scale_name;
-    return;
-  }
+  if (!k.scale.has_value()) return;
   OPENNPU_CHECK_ARG(k.mode == v.mode || (k.mode == 0 && v.mode == 1), op, v.mode_name,
                     "must equal ", k.mode_name, " (", k.mode, "), or be 1 with ", k.mode_name,
                     " 0, but got ", v.mode);

@@ -49,11 +49,8 @@ bool use_half_gemm(at::ScalarType dtype) {
 //
 // whole_aten: fp32 / fp16 / bf16 groups without bias go to ATen's GEMM (MKL for fp32; oneDNN,
 // AMX where the CPU has it, for fp16 / bf16, accumulating in fp32 and rounding once as the tiles
-// do) where the CPU multiplies their dtype natively. It measured faster than the tiles at every
-// group size tried (2 threads, 8 groups: bf16 and fp16 at K=1024, N=7168, M=16/128/512 rows
-// each: bf16 11.3/19.3/48.1 ms against 15.9/26.3/84.5, fp16 15.2/58.8/198 against
-// 19.5/61.2/255; fp32 at M=4/64 rows, K=4096, N=14336: 122/283 ms against 141/279, and K=7168,
-// N=4096: 61.5/140 against 70.1/141). Where the CPU GEMM policy sends fp16 / bf16 to fp32
+// do) where the CPU multiplies their dtype natively (measured faster than the tiles at every
+// group size tried: docs/performance.md). Where the CPU GEMM policy sends fp16 / bf16 to fp32
 // (common/half_gemm.h: a CPU without their arithmetic, where ATen emulates it), they take the
 // tiles, which convert each tile's operands to fp32 (use_half_gemm); a bias always does.
 //
@@ -64,15 +61,13 @@ bool use_half_gemm(at::ScalarType dtype) {
 GroupedGemmPlan grouped_gemm_plan_kernel(at::ScalarType dtype) {
   GroupedGemmPlan plan;
   const bool half = dtype == at::kHalf || dtype == at::kBFloat16;
-  plan.whole_aten = dtype == at::kFloat || (half && !half_gemm_in_fp32(dtype));
+  plan.whole_aten = dtype == at::kFloat;
   if (!half) return plan;  // fp32 / fp64: nothing to convert (and the weight-only path is half)
-  switch (half_gemm_setting()) {
-    case HalfGemmSetting::kNative: plan.antiquant_fp32 = false; break;
-    case HalfGemmSetting::kFp32: plan.antiquant_fp32 = true; break;
-    case HalfGemmSetting::kAuto:
-      plan.antiquant_fp32 = half_gemm_in_fp32(dtype) || !at::cpu::init_amx();
-      break;
-  }
+  const HalfGemmSetting setting = half_gemm_setting();  // read once per call
+  const bool fp32 = setting == HalfGemmSetting::kFp32 ||
+                    (setting == HalfGemmSetting::kAuto && !cpu_multiplies_natively(dtype));
+  plan.whole_aten = !fp32;
+  plan.antiquant_fp32 = setting == HalfGemmSetting::kAuto ? fp32 || !at::cpu::init_amx() : fp32;
   return plan;
 }
 

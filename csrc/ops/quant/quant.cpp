@@ -385,10 +385,13 @@ at::Tensor npu_quantize(const at::Tensor& self, const at::Tensor& scales,
   at::Tensor y = at::empty(shape, self.options().dtype(y_dtype));
   if (self.numel() == 0) return y;
   const at::Tensor x = as_kernel_input(self);
-  const bool one = s.numel() == 1;  // one scale for every element: one span over all of them
-  const int64_t outer = one ? 1 : c10::multiply_integers(self.sizes().slice(0, ax));
+  // One scale for every element: the rows of the last dim as `outer` (the kernel splits outer x
+  // channels over threads), each one span with the same factor and zero point.
+  const bool one = s.numel() == 1;
+  const int64_t outer = one ? self.numel() / self.size(-1)
+                            : c10::multiply_integers(self.sizes().slice(0, ax));
   const int64_t channels = one ? 1 : size;
-  const int64_t inner = one ? self.numel() : c10::multiply_integers(self.sizes().slice(ax + 1));
+  const int64_t inner = one ? self.size(-1) : c10::multiply_integers(self.sizes().slice(ax + 1));
   quantize.get(op, self)(x.view({outer, channels, inner}), s, z, div_mode, out, y);
   return y;
 }

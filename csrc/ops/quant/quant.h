@@ -54,7 +54,7 @@ using AddRmsNormDynamicQuantFn = void(const at::Tensor& x1, const at::Tensor& x2
 // undefined: 0) contiguous float32 [channels]; element (o, c, i) uses channel c's pair.
 //   div:  t = round_half_even(x * (1 / scale)) + zero_point      (torch.quantize_per_channel)
 //   mul:  t = fp32(x * scale) + zero_point (two roundings, no FMA) (AscendQuantV2's golden)
-// then q = clamp(round_half_even(t), lo, hi) of the output type (int32: saturating), NaN t -> 0.
+// then q = clamp(round_half_even(t), lo, hi) of the output type (int32: saturating), NaN t -> zero_point.
 // y: int8 / uint8 / int32 codes of x's shape, or (int4) int32 [outer, channels, inner / 8]
 // words of eight int4 codes, lowest bits first; int4 needs inner % 8 == 0 or, with inner == 1,
 // channels % 8 == 0 (the packed axis is always x's last dim).

@@ -254,14 +254,19 @@ def _attend(call: FlashCall, q, k, v, scale, seqused_k=None):
     return out, lse
 
 
+def _max_and_sum(lse):
+    """The route's (softmax_max, softmax_sum): the log-sum-exp and 1, or the CPU kernel's (-inf, 0)
+    for a row that sees no key (the kernels write +inf there)."""
+    dead = ~torch.isfinite(lse)
+    return lse.masked_fill(dead, float("-inf")), (~dead).to(lse.dtype)
+
+
 def forward(call: FlashCall, query, key, value, scale, softmax_layout=""):
     """(attention_out, softmax_max, softmax_sum) in the shapes the CPU kernel returns."""
     q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, call.kv_heads), _bsnd(
         value, call, call.kv_heads)
     out, lse = _attend(call, q, k, v, scale)
-    dead = ~torch.isfinite(lse)  # flash writes +inf for a row that sees no key
-    smax = lse.masked_fill(dead, float("-inf"))
-    ssum = (~dead).to(lse.dtype)
+    smax, ssum = _max_and_sum(lse)
     if call.layout == "TND":  # lse is [N, T]
         t, n = query.shape[0], call.heads
         if softmax_layout == "":  # [N, T, 8] storage viewed as [T, N, 8], as the CPU kernel
@@ -326,8 +331,7 @@ def infer(query, key, value, *, num_heads, num_key_value_heads, lin, lout, scale
     out = _from_bsnd(out, FlashCall(lout, call.heads, kvn, call.head_dim, -1, -1))
     if not lse_flag:
         return out, query.new_zeros(1, dtype=torch.float32)
-    dead = ~torch.isfinite(lse)
-    return out, lse.masked_fill(dead, float("-inf")).unsqueeze(-1)
+    return out, _max_and_sum(lse)[0].unsqueeze(-1)
 
 
 def _lse_of(call: FlashCall, softmax_max, softmax_sum, query, softmax_layout):
