@@ -517,9 +517,9 @@ void run_a8w4(at::TensorList x, at::TensorList weight, const QuantLists& q,
                       "(codes along N) with A8W4; the transposed layout is not implemented by "
                       "opennpu, but got a transposed view of shape ", shape_str(w.sizes()));
     const int64_t k = k_of[g], n = n_of[g], gk = scale_of[g].size(0);
-    OPENNPU_CHECK_ARG(k % gk == 0 && k / gk <= (int64_t{1} << 18), kOp, "scale",
-                      "must cut K = ", k, " of group ", g, " into equal groups of at most 262144 "
-                      "rows, but has ", gk, " rows");
+    OPENNPU_CHECK_ARG(k % gk == 0 && k / gk <= quant::kA8W4MaxGroup, kOp, "scale",
+                      "must cut K = ", k, " of group ", g, " into equal groups of at most ",
+                      quant::kA8W4MaxGroup, " rows, but has ", gk, " rows");
     if (m == 0 || n == 0) continue;
     quant::A8W4Args p;
     p.m = m;

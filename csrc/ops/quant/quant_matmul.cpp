@@ -144,9 +144,9 @@ at::Tensor a8w4_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const a
                     "must have k / group_size = ", group > 0 ? k / group : 0, " rows (k = ", k,
                     ", group_size = ", group, ", which must divide k), but got shape ",
                     shape_str(scale.sizes()));
-  OPENNPU_CHECK_ARG(group <= (int64_t{1} << 18), kQmm, "group_sizes",
-                    "must have a K group of at most 262144 rows (opennpu's exact fp32 products), "
-                    "but got ", group);
+  OPENNPU_CHECK_ARG(group <= kA8W4MaxGroup, kQmm, "group_sizes",
+                    "must have a K group of at most ", kA8W4MaxGroup,
+                    " rows (opennpu's exact fp32 products), but got ", group);
   OPENNPU_CHECK_ARG(!bias.has_value(), kQmm, "bias", "must be None with A8W4 (its additive "
                     "term is 'offset', float32 [n]), but got a tensor");
   A8W4Args p;

@@ -49,6 +49,10 @@ struct QuantMatmulArgs {
 // out: contiguous, non-empty, in the output dtype (int8, float16, bfloat16 or int32).
 using QuantMatmulFn = void(const QuantMatmulArgs& args, at::Tensor& out);
 
+// The longest K group A8W4 takes: every partial sum of a group (|x_hi|, |x_lo| <= 8 times
+// |w| <= 8, over at most this many rows) stays an integer that fp32 holds exactly.
+constexpr int64_t kA8W4MaxGroup = int64_t{1} << 18;
+
 // A8W4: int8 x, int4 weights with per-group scales, as op-plugin's goldens of npu_quant_matmul's
 // and npu_grouped_matmul's A8W4 tests compute it (Ascend's A8W4 kernels run int4 x int4 cubes):
 // each x code splits as x = 16 * hi + lo + 8, hi = floor(x / 16) and lo = (x & 15) - 8 both in
