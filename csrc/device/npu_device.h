@@ -39,6 +39,18 @@ bool devices_initialized() noexcept;
 void check_device_index(int64_t index);
 // The physical id of each visible device (ASCEND_RT_VISIBLE_DEVICES order).
 std::vector<int64_t> visible_physical_ids();
+// OPENNPU_DEVICE_COUNT: the devices the machine has, before ASCEND_RT_VISIBLE_DEVICES.
+int64_t physical_device_count();
+
+// ---- npu_affinity.cpp ----------------------------------------------------------------------
+// CPU_AFFINITY_CONF core binding (0 when off). A thread is bound to a device's cores when it
+// sets that device explicitly (explicit_request) or, once, when it first runs a kernel on one.
+int affinity_mode();
+void bind_thread_to_device(c10::DeviceIndex index, bool explicit_request);
+// torch_npu.utils.set_thread_affinity (empty: the current device's range) / reset_thread_affinity
+// (the cores of the last explicit set_device). Both do nothing while binding is off.
+void set_thread_affinity(std::vector<int64_t> cores);
+void reset_thread_affinity();
 
 // ---- npu_guard.cpp -------------------------------------------------------------------------
 // The calling thread's current device (0 until set_device).

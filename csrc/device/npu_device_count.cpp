@@ -17,6 +17,8 @@ namespace {
 
 constexpr int64_t kDefaultDeviceCount = 8;
 
+}  // namespace
+
 int64_t physical_device_count() {
   const char* text = std::getenv("OPENNPU_DEVICE_COUNT");
   if (text == nullptr || *text == '\0') return kDefaultDeviceCount;
@@ -31,6 +33,8 @@ int64_t physical_device_count() {
   }
   return value;
 }
+
+namespace {
 
 // ASCEND_RT_VISIBLE_DEVICES: a comma list of physical ids in ascending order. As in CANN, parsing
 // stops at the first entry that is not such an id (not a number, out of range, or not above the

@@ -23,7 +23,10 @@ struct NpuHooks final : at::PrivateUse1HooksInterface {
   void init() const override { initialize_devices(); }
 
   c10::DeviceIndex deviceCount() const override { return device_count(); }
-  void setCurrentDevice(c10::DeviceIndex index) const override { set_current_device(index); }
+  void setCurrentDevice(c10::DeviceIndex index) const override {
+    set_current_device(index);
+    bind_thread_to_device(index, /*explicit_request=*/true);
+  }
   c10::DeviceIndex getCurrentDevice() const override { return current_device(); }
   c10::DeviceIndex exchangeDevice(c10::DeviceIndex index) const override {
     const c10::DeviceIndex previous = current_device();

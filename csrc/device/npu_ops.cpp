@@ -40,7 +40,16 @@ TORCH_LIBRARY_FRAGMENT(opennpu, m) {
   m.def("_npu_is_initialized() -> bool", []() { return devices_initialized(); });
   // The calling thread's current device.
   m.def("_npu_current_device() -> int", []() -> int64_t { return current_device(); });
-  m.def("_npu_set_device(int device) -> ()", [](int64_t device) { set_current_device(checked_index(device)); });
+  m.def("_npu_set_device(int device) -> ()", [](int64_t device) {
+    set_current_device(checked_index(device));
+    bind_thread_to_device(static_cast<c10::DeviceIndex>(device), /*explicit_request=*/true);
+  });
+  // CPU_AFFINITY_CONF: the binding mode, and torch_npu.utils.set_thread_affinity's core list
+  // (empty: the current device's range) / reset_thread_affinity.
+  m.def("_npu_affinity_mode() -> int", []() -> int64_t { return affinity_mode(); });
+  m.def("_npu_set_thread_affinity(int[] cores) -> ()",
+        [](std::vector<int64_t> cores) { set_thread_affinity(std::move(cores)); });
+  m.def("_npu_reset_thread_affinity() -> ()", []() { reset_thread_affinity(); });
   // [allocated, allocated peak, reserved, reserved peak, active blocks, active blocks peak,
   //  segments, segments peak, allocs, frees, host allocs, host frees, alloc retries, ooms,
   //  adopted bytes] of one device, bytes where not counts.

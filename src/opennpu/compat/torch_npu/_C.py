@@ -29,6 +29,20 @@ def _npu_getCurrentStream(device_index: int):
     return (s.stream_id, s.device_index, s.device_type)
 
 
+def _npu_set_thread_affinity(*cores) -> None:
+    """Binds the calling thread to a list of CPU ids, or with (-1, -1) to its current device's
+    CPU_AFFINITY_CONF range (torch_npu's two call forms). Does nothing while CPU_AFFINITY_CONF's
+    mode is 0."""
+    if len(cores) == 1 and isinstance(cores[0], (list, tuple)):
+        cores = tuple(cores[0])
+    _ops._npu_set_thread_affinity([] if cores == (-1, -1) else [int(c) for c in cores])
+
+
+def _npu_reset_thread_affinity() -> None:
+    """Binds the calling thread back to the main thread's CPU_AFFINITY_CONF range."""
+    _ops._npu_reset_thread_affinity()
+
+
 def __getattr__(name: str):
     raise AttributeError(f"torch_npu._C.{name} is not provided by opennpu (a binding of the "
                          "Ascend runtime with no counterpart on the emulated device)")

@@ -1,0 +1,129 @@
+"""CPU_AFFINITY_CONF core binding (csrc/device/npu_affinity.cpp) and torch_npu.utils'
+set_thread_affinity / reset_thread_affinity. Each case runs in a fresh interpreter: the
+configuration is read once per process, and binding changes the process's threads."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch_npu
+
+CPUS = sorted(os.sched_getaffinity(0))
+two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs this process may use")
+
+# Prints, as JSON, each named thread's allowed CPUs after a forward/backward on `device`.
+PROBE = textwrap.dedent("""
+    import json, os, sys, torch, torch_npu
+    torch.set_num_threads(1)
+    if {set_device} is not None:
+        torch.npu.set_device({set_device})
+    device = torch.device("npu", {device})
+    model = torch.nn.Linear(8, 8).to(device)
+    model(torch.randn(4, 8, device=device)).sum().backward()
+    threads = {{}}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            name = open(f"/proc/self/task/{{tid}}/comm").read().strip()
+        except FileNotFoundError:  # a thread that ended meanwhile
+            continue
+        threads[name if int(tid) != os.getpid() else "main"] = sorted(os.sched_getaffinity(int(tid)))
+    print(json.dumps(threads))
+""")
+
+
+def _run(script: str, conf: str | None, **fmt) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("CPU_AFFINITY_CONF", "ASCEND_RT_VISIBLE_DEVICES")}
+    env["OPENNPU_DEVICE_COUNT"] = "2"
+    if conf is not None:
+        env["CPU_AFFINITY_CONF"] = conf
+    return subprocess.run([sys.executable, "-c", script.format(**fmt) if fmt else script], capture_output=True, text=True,
+                          env=env, timeout=120)
+
+
+def _threads(conf: str | None, set_device, device) -> dict:
+    result = _run(PROBE, conf, set_device=set_device, device=device)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_off_by_default_binds_nothing():
+    threads = _threads(None, 1, 1)
+    assert threads["main"] == CPUS
+    assert threads["pt_autograd_1"] == CPUS
+
+
+@two_cpus
+def test_mode1_binds_set_device_caller_and_the_autograd_thread_of_each_device():
+    a, b = CPUS[0], CPUS[1]
+    # The main thread sets npu:0 (bound to a) and trains on npu:1: the autograd engine's npu:1
+    # thread runs npu:1's backward kernels and is bound to npu:1's range (b) by its first kernel.
+    threads = _threads(f"1,npu0:{a}-{a},npu1:{b}-{b}", 0, 1)
+    assert threads["main"] == [a]
+    assert threads["pt_autograd_1"] == [b]
+
+
+@two_cpus
+def test_default_ranges_split_the_process_cpus_over_the_devices():
+    threads = _threads("1", 1, 1)
+    # 2 devices: device 1 gets the upper half of the CPUs (or CPU 1 mod #CPUs with fewer CPUs).
+    half = len(CPUS) // 2
+    assert threads["main"] == CPUS[half:]
+    assert threads["pt_autograd_1"] == CPUS[half:]
+
+
+@two_cpus
+def test_mode2_pins_a_single_threaded_worker_to_the_first_core_of_its_range():
+    a, b = CPUS[0], CPUS[1]
+    threads = _threads(f"2,npu1:{a}-{b}", 1, 1)
+    assert threads["main"] == [a]
+
+
+def test_range_outside_the_process_cpus_is_skipped_with_a_warning():
+    outside = max(CPUS) + 1
+    result = _run(PROBE, f"1,npu1:{outside}-{outside}", set_device=1, device=1)
+    assert result.returncode == 0, result.stderr
+    assert "may not run on" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["main"] == CPUS
+
+
+@pytest.mark.parametrize("conf", ["3", "1,npu0:5-2"])
+def test_malformed_config_warns_and_binds_nothing(conf):
+    result = _run(PROBE, conf, set_device=1, device=1)
+    assert result.returncode == 0, result.stderr
+    assert "CPU_AFFINITY_CONF=" in result.stderr and "no core binding" in result.stderr
+    assert json.loads(result.stdout.strip().splitlines()[-1])["main"] == CPUS
+
+
+@two_cpus
+def test_set_and_reset_thread_affinity_for_a_child_thread():
+    a, b = CPUS[0], CPUS[1]
+    script = textwrap.dedent(f"""
+        import os, threading, torch, torch_npu
+        torch.npu.set_device(0)
+        seen = {{}}
+        torch_npu.utils.set_thread_affinity([{b}, {b}])
+        child = threading.Thread(target=lambda: seen.update(child=sorted(os.sched_getaffinity(0))))
+        child.start()
+        torch_npu.utils.reset_thread_affinity()
+        child.join()
+        print(seen["child"], sorted(os.sched_getaffinity(0)))
+    """)
+    result = _run(script, f"1,npu0:{a}-{a}")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"[{b}] [{a}]"
+
+
+def test_thread_affinity_calls_do_nothing_while_binding_is_off():
+    before = sorted(os.sched_getaffinity(0))
+    torch_npu.utils.set_thread_affinity([CPUS[0], CPUS[0]])
+    torch_npu.utils.reset_thread_affinity()
+    assert sorted(os.sched_getaffinity(0)) == before
+
+
+@pytest.mark.parametrize("bad", [[1, 2, 3], [], [-1, 5], [2, -3], [[2, 1]], "0-1"])
+def test_set_thread_affinity_rejects_bad_ranges(bad):
+    with pytest.raises(ValueError, match="Invalid core range"):
+        torch_npu.utils.set_thread_affinity(bad)
