@@ -23,10 +23,23 @@
 // renumbers them). A range holding a CPU the process may not use is skipped with a warning unless
 // `force:1`, which binds to the usable part. `npu_affine` (NUMA affinity of a real card) has no
 // meaning on the emulated devices and is accepted without effect.
+//
+// Without CPU_AFFINITY_CONF (mode 0), one policy still applies, because the emulated device's
+// backward runs on the autograd engine's thread: that thread follows its caller. Each kernel an
+// ordinary thread runs on device d notes the CPU it ran on; when the engine's npu:d thread next
+// runs a kernel and that CPU has changed, it moves itself there (sched_setaffinity to that one
+// CPU). The caller is blocked in backward() meanwhile, so the backward runs on the caller's core,
+// beside the forward's activations in its caches, instead of wherever the OS woke the thread.
+// OPENNPU_BACKWARD_FOLLOWS_CALLER=0 turns this off.
 #include <c10/util/Exception.h>
 #include <ATen/Parallel.h>
 
 #include <sched.h>
+#include <sys/prctl.h>
+
+#include <array>
+#include <atomic>
+#include <cstring>
 
 #include <algorithm>
 #include <cstdlib>
@@ -44,6 +57,7 @@ namespace {
 
 struct AffinityConfig {
   int mode = 0;
+  bool backward_follows_caller = true;  // mode 0 only
   bool force = false;
   std::vector<int> allowed;                   // the process's CPUs when the config was read
   std::map<int64_t, std::vector<int>> custom; // physical device id -> its cores
@@ -75,6 +89,8 @@ std::vector<int> process_cpus() {
 
 AffinityConfig parse_config() {
   AffinityConfig config;
+  const char* follow = std::getenv("OPENNPU_BACKWARD_FOLLOWS_CALLER");
+  config.backward_follows_caller = follow == nullptr || std::strcmp(follow, "0") != 0;
   const char* env = std::getenv("CPU_AFFINITY_CONF");
   if (env == nullptr || *env == '\0') return config;
   const std::string text(env);
@@ -122,7 +138,9 @@ const AffinityConfig& config() {
       return new AffinityConfig(parse_config());
     } catch (const c10::Error& e) {
       TORCH_WARN(e.what_without_backtrace(), "; no core binding");
-      return new AffinityConfig();
+      auto* off = new AffinityConfig();
+      off->backward_follows_caller = false;
+      return off;
     }
   }();
   return *parsed;
@@ -158,6 +176,38 @@ void bind_calling_thread(const AffinityConfig& c, std::vector<int> cores, const 
 
 thread_local c10::DeviceIndex tls_bound_device = -1;
 
+// The follow-the-caller policy (mode 0). A thread's role is found once, from its name: the
+// autograd engine names its device threads pt_autograd_<index>.
+enum class Role : uint8_t { kUnknown, kEngine, kCaller };
+thread_local Role tls_role = Role::kUnknown;
+thread_local int tls_pinned_cpu = -1;
+// The CPU of each device's last kernel on a caller thread, plus one: 0 = none yet.
+std::array<std::atomic<int>, kMaxDevices> caller_cpu_plus_one{};
+
+Role find_role() {
+  char name[16] = {};
+  prctl(PR_GET_NAME, name, 0, 0, 0);
+  return std::strncmp(name, "pt_autograd_", 12) == 0 ? Role::kEngine : Role::kCaller;
+}
+
+void follow_caller(c10::DeviceIndex index) {
+  if (tls_role == Role::kUnknown) tls_role = find_role();
+  std::atomic<int>& noted = caller_cpu_plus_one[static_cast<size_t>(index)];
+  if (tls_role == Role::kCaller) {
+    const int cpu = sched_getcpu();
+    if (cpu >= 0 && noted.load(std::memory_order_relaxed) != cpu + 1) {
+      noted.store(cpu + 1, std::memory_order_relaxed);
+    }
+    return;
+  }
+  const int cpu = noted.load(std::memory_order_relaxed) - 1;
+  if (cpu < 0 || cpu == tls_pinned_cpu) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (sched_setaffinity(0, sizeof(set), &set) == 0) tls_pinned_cpu = cpu;
+}
+
 std::mutex main_cores_mutex;
 std::vector<int> main_cores;  // what the last explicit set_device bound (reset_thread_affinity)
 
@@ -169,7 +219,11 @@ int affinity_mode() { return config().mode; }
 
 void bind_thread_to_device(c10::DeviceIndex index, bool explicit_request) {
   const AffinityConfig& c = config();
-  if (c.mode == 0 || index < 0) return;
+  if (index < 0) return;
+  if (c.mode == 0) {
+    if (c.backward_follows_caller && !explicit_request) follow_caller(index);
+    return;
+  }
   if (tls_bound_device == index || (!explicit_request && tls_bound_device >= 0)) return;
   std::vector<int> cores = device_range(c, index);
   if (cores.empty()) return;

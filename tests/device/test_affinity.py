@@ -49,10 +49,18 @@ def _threads(conf: str | None, set_device, device) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_off_by_default_binds_nothing():
+def test_without_conf_only_the_backward_thread_moves_to_its_callers_cpu():
     threads = _threads(None, 1, 1)
     assert threads["main"] == CPUS
-    assert threads["pt_autograd_1"] == CPUS
+    # The engine's npu:1 thread ran the backward on the CPU the forward's thread last ran on.
+    assert len(threads["pt_autograd_1"]) == 1 and threads["pt_autograd_1"][0] in CPUS
+    assert threads["pt_autograd_0"] == CPUS  # never ran a kernel
+
+
+def test_backward_follows_caller_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("OPENNPU_BACKWARD_FOLLOWS_CALLER", "0")
+    threads = _threads(None, 1, 1)
+    assert threads["main"] == CPUS and threads["pt_autograd_1"] == CPUS
 
 
 @two_cpus
