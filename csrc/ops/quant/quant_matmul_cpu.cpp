@@ -19,6 +19,8 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
@@ -465,6 +467,102 @@ void quant_matmul_kernel(const QuantMatmulArgs& args, at::Tensor& out) {
   quant_matmul_epilogue_kernel(int_product(args), args.epilogue, out);
 }
 
+// ----------------------------------------------------------------------------- float operands
+
+// The exact fp32 value of every float8_e4m3fn / float8_e5m2 byte (c10's conversions) and of
+// every float4_e2m1 nibble (sign, 2 exponent bits with bias 1, 1 mantissa bit).
+struct CodeTables {
+  float e4m3[256], e5m2[256], e2m1[16];
+  CodeTables() {
+    for (int c = 0; c < 256; ++c) {
+      const auto bits = static_cast<uint8_t>(c);
+      e4m3[c] = static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()));
+      e5m2[c] = static_cast<float>(c10::Float8_e5m2(bits, c10::Float8_e5m2::from_bits()));
+    }
+    constexpr float kMagnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (int c = 0; c < 16; ++c) e2m1[c] = (c & 8) ? -kMagnitude[c & 7] : kMagnitude[c & 7];
+  }
+};
+
+const CodeTables& code_tables() {
+  static const CodeTables tables;
+  return tables;
+}
+
+// Batch b of an operand (FloatOperand) decoded to fp32 dst [rows, cols] and multiplied by its
+// block scales; `k_cols`: K runs along the columns (x1 [m, k], x2 [n, k]).
+void decode_operand(const FloatOperand& op, int64_t b, bool k_cols, float* dst) {
+  constexpr int64_t kBlock = 32;
+  const int64_t rows = op.rows, cols = op.cols;
+  const bool fp4 = op.code == FloatCode::kE2m1;
+  const int64_t row_bytes = fp4 ? cols / 2 : cols;
+  const uint8_t* src = op.codes.const_data_ptr<uint8_t>() + b * rows * row_bytes;
+  const CodeTables& t = code_tables();
+  const float* table = op.code == FloatCode::kE4m3 ? t.e4m3 : t.e5m2;
+  const float* scale = nullptr;
+  if (op.block_scale.defined()) {
+    scale = op.block_scale.const_data_ptr<float>() +
+            (op.block_scale.size(0) == 1 ? 0 : b) * op.block_scale.stride(0);
+  }
+  const int64_t col_blocks = (cols + kBlock - 1) / kBlock;
+  at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float* d = dst + r * cols;
+      const uint8_t* s = src + r * row_bytes;
+      if (fp4) {
+        for (int64_t c = 0; c < row_bytes; ++c) {
+          d[2 * c] = t.e2m1[s[c] & 15];
+          d[2 * c + 1] = t.e2m1[s[c] >> 4];
+        }
+      } else {
+        for (int64_t c = 0; c < cols; ++c) d[c] = table[s[c]];
+      }
+      if (scale == nullptr) continue;
+      if (k_cols) {  // scale [rows, ceil(cols / 32)]
+        const float* sr = scale + r * col_blocks;
+        for (int64_t blk = 0; blk < col_blocks; ++blk) {
+          const float f = sr[blk];
+          const int64_t c1 = std::min(cols, (blk + 1) * kBlock);
+          for (int64_t c = blk * kBlock; c < c1; ++c) d[c] *= f;
+        }
+      } else {  // scale [ceil(rows / 32), cols]
+        const float* sr = scale + (r / kBlock) * cols;
+        for (int64_t c = 0; c < cols; ++c) d[c] *= sr[c];
+      }
+    }
+  });
+}
+
+// See FloatQuantMatmulArgs (quant_matmul.h): the decoded, block-scaled operands in fp32 (each
+// of an operand's batches once), one MKL sgemm per output batch (with the operands' transposes)
+// into an fp32 accumulator, then the epilogue.
+void float_quant_matmul_kernel(const FloatQuantMatmulArgs& p, at::Tensor& out) {
+  const int64_t batches = c10::multiply_integers(p.out_batch);
+  const int64_t m = p.m, k = p.k, n = p.n;
+  const auto opts = p.a.codes.options().dtype(at::kFloat);
+  auto decoded = [&](const FloatOperand& op, bool k_cols) {
+    at::Tensor f = at::empty({op.batches, op.rows, op.cols}, opts);
+    for (int64_t b = 0; b < op.batches; ++b) {
+      decode_operand(op, b, k_cols, f.mutable_data_ptr<float>() + b * op.rows * op.cols);
+    }
+    return f;
+  };
+  at::Tensor acc = at::empty({batches * m, n}, opts);
+  if (k == 0) {
+    acc.zero_();
+  } else {
+    const at::Tensor af = decoded(p.a, !p.a.trans), wf = decoded(p.w, p.w.trans);
+    for (int64_t b = 0; b < batches; ++b) {
+      blas::gemm<float, float>(
+          p.a.trans, p.w.trans, m, n, k, 1.f,
+          af.const_data_ptr<float>() + batch_index(p.out_batch, p.a_batch, b) * m * k, p.a.cols,
+          wf.const_data_ptr<float>() + batch_index(p.out_batch, p.w_batch, b) * k * n, p.w.cols,
+          0.f, acc.mutable_data_ptr<float>() + b * m * n, n);
+    }
+  }
+  quant_matmul_epilogue_kernel(acc, p.epilogue, out);
+}
+
 void pack_int4_kernel(const at::Tensor& weight, at::Tensor& packed) {
   const int64_t words = packed.numel();
   const int32_t* in = weight.const_data_ptr<int32_t>();
@@ -597,6 +695,7 @@ void a8w4_matmul_kernel(const A8W4Args& p, at::Tensor& out) {
 OPENNPU_REGISTER_CPU_SLOT(quant_matmul, &quant_matmul_kernel);
 OPENNPU_REGISTER_CPU_SLOT(pack_int4, &pack_int4_kernel);
 OPENNPU_REGISTER_CPU_SLOT(a8w4_matmul, &a8w4_matmul_kernel);
+OPENNPU_REGISTER_CPU_SLOT(float_quant_matmul, &float_quant_matmul_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::quant
