@@ -577,25 +577,29 @@ def mx_scale_codes(*shape, gen=None, lo=125, hi=130):
     return torch.randint(lo, hi, shape, dtype=torch.int32, generator=gen).to(U8)
 
 
+def mx_scales(sa, sw, k):
+    """float64 per element of the logical operands: x1's [..., m, k] from codes [..., m,
+    ceil(k / 64), 2] and x2's [..., k, n] from [..., ceil(k / 64), n, 2]; element kk takes the
+    code [kk // 64, (kk // 32) % 2] (block kk // 32 of 32)."""
+    kk = torch.arange(k)
+    return (e8m0(sa)[..., kk // 64, (kk // 32) % 2],
+            e8m0(sw).movedim(-1, -2)[..., kk // 64, (kk // 32) % 2, :])
+
+
 def ref_float_qmm(a, w, scale=None, pertoken=None, bias=None, out_dtype=F32, sa=None, sw=None):
     """float64 oracle on decoded logical operands a [..., m, k], w [..., k, n]; sa / sw: MX
     scale codes [..., m, ceil(k / 64), 2] / [..., ceil(k / 64), n, 2]."""
     k = a.shape[-1]
     if sa is not None:
-        a = a * e8m0(sa).flatten(-2).repeat_interleave(32, -1)[..., :k]
-        w = w * e8m0(sw).transpose(-1, -2).flatten(-3, -2).repeat_interleave(32, -2)[..., :k, :]
+        ea, ew = mx_scales(sa, sw, k)
+        a, w = a * ea, w * ew
     y = a @ w
-    if scale is not None:
-        s = scale.double().reshape(-1)
-        if pertoken is not None and pertoken.numel() == 1 and y.shape[-2] != 1:
-            y = y * (scale.float() * pertoken.float()).double()
-        else:
-            y = y * s
-            if pertoken is not None:
-                y = y * pertoken.double().reshape(-1, 1)
-    if bias is not None:
-        y = y + bias.double()
-    return y.to(out_dtype)
+    factor = torch.ones(1, 1, dtype=torch.float64)  # [m or 1, n or 1]: scale x pertoken
+    if scale is not None and pertoken is not None and pertoken.numel() == 1 and y.shape[-2] != 1:
+        factor = (scale.float() * pertoken.float()).double()[None]  # the golden's double scale
+    elif scale is not None:
+        factor = scale.double()[None] * (1.0 if pertoken is None else pertoken.double()[:, None])
+    return (y * factor + (0.0 if bias is None else bias.double())).to(out_dtype)
 
 
 def assert_close_fp32_acc(out, ref64, a, w, scale_abs=1.0):
@@ -713,8 +717,7 @@ def test_mx_quant_matmul_odd_sizes_and_partial_blocks(kinds, m, k, n):
     out = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mx_kw(*kinds, F32))
     ref = ref_float_qmm(a, w, out_dtype=torch.float64, sa=sa, sw=sw)
     assert out.shape == (m, n)
-    sa64 = e8m0(sa).flatten(-2).repeat_interleave(32, -1)[..., :k]
-    sw64 = e8m0(sw).transpose(-1, -2).flatten(-3, -2).repeat_interleave(32, -2)[..., :k, :]
+    sa64, sw64 = mx_scales(sa, sw, k)
     assert_close_fp32_acc(out, ref, a * sa64, w * sw64)
 
 
@@ -799,8 +802,8 @@ def test_mx_end_to_end_with_dynamic_mx_quant():
         rel = ((y.double() - exact).norm() / exact.norm()).item()
         assert rel < tol, (dst, rel)
         deq = lambda q, s: (unpack_fp4(q) if dst == 296 else q.double())  # noqa: E731
-        a = deq(xq, xs) * e8m0(xs).flatten(-2).repeat_interleave(32, -1)[:, :k]
-        b = deq(wq, ws) * e8m0(ws).flatten(-2).repeat_interleave(32, -1)[:, :k]
+        ea, ew = mx_scales(xs, ws.transpose(0, 1), k)
+        a, b = deq(xq, xs) * ea, deq(wq, ws) * ew.T
         assert_close_fp32_acc(y, a @ b.T, a, b.T)
 
 
