@@ -707,8 +707,18 @@ def test_mx_quant_matmul_exact(out_dtype, kinds, trans1, trans2):
     assert out.shape == (m, n) and torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("trans1,trans2", [(False, True), (True, False)], ids=["nt", "tn"])
+def test_mx_quant_matmul_exact_many_rows(trans1, trans2):
+    """Above 512 rows the kernel decodes all of W and runs one GEMM (below, panel by panel)."""
+    gen = torch.Generator().manual_seed(21)
+    x1, x2, a, w, sa, sw = mx_operands(600, 96, 6, "fp4", E5, gen, trans1, trans2)
+    out = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mx_kw("fp4", E5, F32))
+    assert torch.equal(out, ref_float_qmm(a, w, out_dtype=F32, sa=sa, sw=sw))
+
+
 @pytest.mark.parametrize("kinds", MX_KINDS, ids=MX_IDS)
-@pytest.mark.parametrize("m,k,n", [(1, 32, 1), (5, 96, 7), (3, 100, 4), (0, 64, 3), (2, 64, 0)])
+@pytest.mark.parametrize("m,k,n", [(1, 32, 1), (5, 96, 7), (3, 100, 4), (0, 64, 3), (2, 64, 0),
+                                   (2, 1100, 130), (520, 100, 6)])  # K panels of 512; > 512 rows
 def test_mx_quant_matmul_odd_sizes_and_partial_blocks(kinds, m, k, n):
     gen = torch.Generator().manual_seed(14)
     if "fp4" in kinds and (m % 2 or n % 2):  # float4 packs x1 [m, k / 2], x2 [k, n / 2]

@@ -70,7 +70,8 @@ struct FloatOperand {
 // npu_quant_matmul with float operands: out [*out_batch, m, n] = epilogue(A @ W), where A and W
 // are the decoded codes (exact in fp32) times their block scales (exact powers of two, barring
 // fp32 overflow / underflow, as op-plugin's golden scales the decoded operands in fp32), and
-// the product is one fp32 GEMM (fp32 accumulation; the golden's torch.matmul in float32).
+// the product is an fp32 GEMM (fp32 accumulation, the golden's torch.matmul in float32; for few
+// rows the CPU kernel sums K panels of 512 with sgemm's beta = 1).
 struct FloatQuantMatmulArgs {
   FloatOperand a, w;
   int64_t m = 0, k = 0, n = 0;
