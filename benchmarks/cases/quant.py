@@ -1,7 +1,8 @@
 """Quantisation: dynamic_quant (int8 and int4), quantize (static per-channel scales: int8 with
 div_mode, int8 and packed int4 AscendQuant style), add_rms_norm_dynamic_quant, add_rms_norm_cast,
 quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-then-GEMM; A8W4
-per-group int4 weights against its torch composition),
+per-group int4 weights against its torch composition; float8 e4m3 with per-channel x per-token
+scales and MX fp8 / fp4 with e8m0 block scales, against dequantise-then-GEMM),
 grouped_matmul's quantised paths (A8W8 per-token and weight-only A16W8, MoE-shaped: against
 dequantise-then-grouped-GEMM).
 
@@ -182,6 +183,62 @@ def quant_matmul_a8w4_fwd(m, k, n, dtype, threads):
     )
 
 
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
+               -6.0)
+
+
+def native_float_quant_matmul(x1, x2, scale, pt, sa, sw, out_dtype, fp4):
+    """Dequantise-then-GEMM in torch ops, as op-plugin's goldens: the float8 codes (float4: a
+    nibble table) in float32, times the e8m0 block scales repeated 32 times along k (MX) or the
+    per-channel / per-token scales after the GEMM."""
+    def decode(t, trans):
+        if not fp4:
+            return t.float()
+        mem = (t.mT if trans else t).view(torch.uint8).long()
+        lut = torch.tensor(_FP4_VALUES, device=t.device)
+        v = torch.stack([lut[mem & 15], lut[mem >> 4]], -1).flatten(-2)
+        return v.mT if trans else v
+
+    a, w = decode(x1, False), decode(x2, True)
+    if sa is None:
+        return (torch.matmul(a, w) * scale * pt.unsqueeze(-1)).to(out_dtype)
+    k = a.shape[-1]
+    ea = sa.view(torch.float8_e8m0fnu).float().flatten(-2).repeat_interleave(32, -1)[..., :k]
+    ew = sw.view(torch.float8_e8m0fnu).float().transpose(-1, -2).flatten(-3, -2)
+    ew = ew.repeat_interleave(32, -2)[..., :k, :]
+    return torch.matmul(a * ea, w * ew).to(out_dtype)
+
+
+def quant_matmul_float_fwd(m, k, n, dtype, path, threads):
+    """npu_quant_matmul's Ascend950 paths: fp8 (e4m3, per-channel x per-token float32 scales),
+    MX fp8 and MX fp4 (e8m0 block scales from npu_dynamic_mx_quant), weights as Ascend's x2.t()."""
+    gen = torch.Generator().manual_seed(0)
+    x, wt = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    kw = dict(output_dtype=dtype)
+    scale = pt = sa = sw = None
+    if path == "fp8":
+        x1, w = x.to(torch.float8_e4m3fn), wt.to(torch.float8_e4m3fn).t()
+        scale, pt = torch.rand(n, generator=gen) * 1e-3, torch.rand(m, generator=gen)
+        kw["pertoken_scale"] = pt
+    else:
+        dst = 296 if path == "mxfp4" else torch.float8_e4m3fn
+        x1, sa = npu.npu_dynamic_mx_quant(x, dst_type=dst)
+        wq, ws = npu.npu_dynamic_mx_quant(wt, dst_type=dst)
+        w, sw = wq.t(), ws.transpose(0, 1)
+        kw.update(pertoken_scale=sa, scale_dtype=293, pertoken_scale_dtype=293)
+        if path == "mxfp4":
+            kw.update(x1_dtype=296, x2_dtype=296)
+    s = sw if sw is not None else scale
+    native = functools.partial(native_float_quant_matmul, out_dtype=dtype, fp4=path == "mxfp4")
+    native_compiled = compiled(native, x1, w, scale, pt, sa, sw, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_quant_matmul(x1, w, s, **kw),
+        baselines={"eager": lambda: native(x1, w, scale, pt, sa, sw),
+                   "compile": lambda: native_compiled(x1, w, scale, pt, sa, sw)},
+        reference=lambda: native(x1, w, scale, pt, sa, sw),
+    )
+
+
 def _expert_sizes(m, e, gen):
     """m token rows spread unevenly over e experts, a quarter of them empty (MoE routing)."""
     weights = torch.rand(e, generator=gen) * (torch.rand(e, generator=gen) > 0.25)
@@ -320,6 +377,13 @@ def cases(quick: bool, dtypes):
                    m * k + k * n // 2 + 4 * n * (k // 256 + 1) + m * n * dtype.itemsize,
                    functools.partial(quant_matmul_a8w4_fwd, m, k, n, dtype), ("npu_quant_matmul",),
                    flops=2 * m * k * n)
+        for path in ("fp8", "mxfp8", "mxfp4"):
+            code_bytes = (m * k + k * n) // (2 if path == "mxfp4" else 1)
+            scale_bytes = 4 * (m + n) if path == "fp8" else (m + n) * (k // 32)
+            yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n} {path}", dtype,
+                       code_bytes + scale_bytes + m * n * dtype.itemsize,
+                       functools.partial(quant_matmul_float_fwd, m, k, n, dtype, path),
+                       ("npu_quant_matmul",), flops=2 * m * k * n)
     for (m, e, k, n), dtype in itertools.product(grouped_matmul_quant_shapes(quick), dtypes):
         if dtype == torch.float32:  # outputs / x are fp16 / bf16
             continue

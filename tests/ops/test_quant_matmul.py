@@ -292,8 +292,10 @@ def test_quant_matmul_bad_inputs():
     _raises(lambda: qmm(x1, x2, s, group_sizes=[1, 1, 32]),
             "argument 'group_sizes' must be None or [0, 0, 0]")
     _raises(lambda: qmm(x1, x2, s, y_scale=torch.ones(1)), "argument 'y_scale' must be None")
-    _raises(lambda: qmm(x1, x2, s, x1_dtype=290), "argument 'x1_dtype' must be None",
-            "dtype code 290")
+    _raises(lambda: qmm(x1, x2, s, x1_dtype=290), "argument 'x1_dtype' must not be "
+            "torch_npu.hifloat8 (290)")
+    _raises(lambda: qmm(x1, x2, s, x2_dtype=293), "argument 'x2_dtype' must be None",
+            "dtype code 293")
     _raises(lambda: qmm(codes(2, 4, 16), codes(3, 16, 8), s), "argument 'x2' must have batch dims",
             "[2]", "[3]")
     _raises(lambda: qmm(codes(16), x2, s), "argument 'x1' must have 2 to 6 dims")
@@ -528,3 +530,398 @@ def test_a8w4_bad_inputs():
     _raises(lambda: qmm(x[None], x2, scale, output_dtype=F16), "argument 'x1' must be 2-D")
     _raises(lambda: qmm(x, x2, scale, offset=offset.half(), output_dtype=F16),
             "argument 'offset' must be float32 with A8W4", "Half")
+
+
+# ----------------------------------------------------------------------------- float8 / MX
+#
+# Contract: op-plugin's QuantMatmulKernelNpuOpApi.cpp (x1_dtype / x2_dtype / scale_dtype
+# reinterpretations, float4 packing along the memory-contiguous dim, the output shape, the MX
+# scales' transpose check), test_npu_quant_matmul.py's Ascend950 goldens (matmul(x1.float(),
+# x2.float()) * scale (* pertoken_scale); MX: the operands times their e8m0 scales repeated 32
+# times along k, cut to k, then one float32 matmul) and npu_add_quant_matmul_.md (MX scale
+# shapes [m, ceil(k / 64), 2] / [ceil(k / 64), n, 2], a last block shorter than 32).
+# The oracle below decodes the codes with torch's own float8 dtypes and multiplies in float64.
+# With small-integer codes and power-of-two scales every fp32 sum is exact, so the kernel must
+# match it bit for bit; with full-range codes it must match within fp32 accumulation error.
+
+E4, E5, U8 = torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], dtype=torch.float64)
+
+
+def fp8(*shape, dtype=E4, gen=None, small=False):
+    """Finite float8 codes: small integers in [-5, 5) (op-plugin's randint inputs) or any
+    finite code."""
+    if small:
+        return torch.randint(-5, 5, shape, generator=gen).to(dtype)
+    bits = torch.randint(0, 256, shape, dtype=torch.int32, generator=gen).to(U8)
+    v = bits.view(dtype)
+    return torch.where(v.float().isfinite(), v.float(), 0.0).to(dtype)
+
+
+def fp4_bytes(*shape, gen=None):
+    return torch.randint(0, 256, shape, dtype=torch.int32, generator=gen).to(U8)
+
+
+def unpack_fp4(b):
+    """bytes [..., c] -> float64 [..., 2c], element 2j the low nibble."""
+    b = b.long()
+    return torch.stack([FP4[b & 15], FP4[b >> 4]], -1).flatten(-2)
+
+
+def e8m0(codes):
+    return torch.where(codes == 255, float("nan"), torch.exp2(codes.double() - 127))
+
+
+def mx_scale_codes(*shape, gen=None, lo=125, hi=130):
+    return torch.randint(lo, hi, shape, dtype=torch.int32, generator=gen).to(U8)
+
+
+def mx_scales(sa, sw, k):
+    """float64 per element of the logical operands: x1's [..., m, k] from codes [..., m,
+    ceil(k / 64), 2] and x2's [..., k, n] from [..., ceil(k / 64), n, 2]; element kk takes the
+    code [kk // 64, (kk // 32) % 2] (block kk // 32 of 32)."""
+    kk = torch.arange(k)
+    return (e8m0(sa)[..., kk // 64, (kk // 32) % 2],
+            e8m0(sw).movedim(-1, -2)[..., kk // 64, (kk // 32) % 2, :])
+
+
+def ref_float_qmm(a, w, scale=None, pertoken=None, bias=None, out_dtype=F32, sa=None, sw=None):
+    """float64 oracle on decoded logical operands a [..., m, k], w [..., k, n]; sa / sw: MX
+    scale codes [..., m, ceil(k / 64), 2] / [..., ceil(k / 64), n, 2]."""
+    k = a.shape[-1]
+    if sa is not None:
+        ea, ew = mx_scales(sa, sw, k)
+        a, w = a * ea, w * ew
+    y = a @ w
+    factor = torch.ones(1, 1, dtype=torch.float64)  # [m or 1, n or 1]: scale x pertoken
+    if scale is not None and pertoken is not None and pertoken.numel() == 1 and y.shape[-2] != 1:
+        factor = (scale.float() * pertoken.float()).double()[None]  # the golden's double scale
+    elif scale is not None:
+        factor = scale.double()[None] * (1.0 if pertoken is None else pertoken.double()[:, None])
+    return (y * factor + (0.0 if bias is None else bias.double())).to(out_dtype)
+
+
+def assert_close_fp32_acc(out, ref64, a, w, scale_abs=1.0):
+    """out within fp32 accumulation error (k * 2^-23 * (|a| @ |w|) * |scales|) plus one rounding
+    of the output dtype of the float64 result (which overflows where that result's does)."""
+    bound = a.shape[-1] * 2.0 ** -23 * (a.abs() @ w.abs()) * scale_abs
+    ulp = {F32: 2.0 ** -23, F16: 2.0 ** -10, BF16: 2.0 ** -7}[out.dtype]
+    overflow = ref64.to(out.dtype).isinf()
+    assert torch.equal(out[overflow], ref64.to(out.dtype)[overflow])
+    err = (out.double() - ref64).abs()[~overflow]
+    tol = (bound + ulp * ref64.abs() + 1e-30)[~overflow]
+    assert bool((err <= tol).all()), (err - tol).max()
+
+
+@pytest.mark.parametrize("out_dtype", (F16, BF16, F32), ids=str)
+@pytest.mark.parametrize("dt1,dt2", [(E4, E4), (E5, E5), (E4, E5)], ids=["e4m3", "e5m2", "mixed"])
+@pytest.mark.parametrize("scales", ["tensor", "channel", "token", "double"])
+def test_fp8_quant_matmul_exact_small_codes(out_dtype, dt1, dt2, scales):
+    gen = torch.Generator().manual_seed(11)
+    m, k, n = 7, 53, 19
+    x1, x2 = fp8(m, k, dtype=dt1, gen=gen, small=True), fp8(k, n, dtype=dt2, gen=gen, small=True)
+    pow2 = lambda *s: torch.exp2(torch.randint(-4, 5, s, generator=gen).float())  # noqa: E731
+    scale = pow2(n) if scales in ("channel", "token") else pow2(1)
+    pt = {"token": pow2(m), "double": pow2(1)}.get(scales)
+    bias = torch.randint(-8, 8, (n,), generator=gen).float() if scales == "token" else None
+    out = opennpu.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt, bias=bias,
+                                   output_dtype=out_dtype)
+    ref = ref_float_qmm(x1.double(), x2.double(), scale, pt, bias, out_dtype)
+    assert out.dtype == out_dtype and out.shape == (m, n)
+    assert torch.equal(out, ref)
+    # op-plugin's golden, in float32
+    golden = torch.matmul(x1.float(), x2.float()) * (scale * pt if scales == "double" else scale)
+    if scales == "token":
+        golden = golden * pt.unsqueeze(-1) + bias
+    assert torch.equal(out, golden.to(out_dtype))
+
+
+@pytest.mark.parametrize("out_dtype", (F16, BF16, F32), ids=str)
+@pytest.mark.parametrize("dt1,dt2", [(E4, E4), (E5, E5), (E5, E4)], ids=["e4m3", "e5m2", "mixed"])
+def test_fp8_quant_matmul_full_range_codes(out_dtype, dt1, dt2):
+    gen = torch.Generator().manual_seed(12)
+    m, k, n = 9, 130, 21
+    x1, x2 = fp8(m, k, dtype=dt1, gen=gen), fp8(k, n, dtype=dt2, gen=gen)
+    scale, pt = torch.rand(n, generator=gen) * 1e-3, torch.rand(m, generator=gen)
+    bias = torch.randn(n, generator=gen).to(BF16)
+    out = opennpu.npu_quant_matmul(x1, x2, scale, pertoken_scale=pt, bias=bias,
+                                   output_dtype=out_dtype)
+    ref = ref_float_qmm(x1.double(), x2.double(), scale, pt, bias, F32).double()
+    a, w = x1.double(), x2.double()
+    assert_close_fp32_acc(out, ref, a, w * scale.double(), pt.double().reshape(-1, 1) * 1.01)
+
+
+def mx_operands(m, k, n, kind1, kind2, gen, trans1=False, trans2=False, small=True):
+    """MX inputs as op-plugin passes them (float4 as uint8 bytes with x?_dtype), and their
+    decoded float64 logical operands."""
+    def operand(rows, cols, kind, trans):  # logical [rows, cols]; memory [cols, rows] if trans
+        mem_shape = (cols, rows) if trans else (rows, cols)
+        if kind == "fp4":
+            b = fp4_bytes(mem_shape[0], mem_shape[1] // 2, gen=gen)
+            v = unpack_fp4(b)
+        else:
+            b = fp8(*mem_shape, dtype=kind, gen=gen, small=small)
+            v = b.double()
+        return (b.t() if trans else b), (v.t() if trans else v)
+
+    x1, a = operand(m, k, kind1, trans1)
+    x2, w = operand(k, n, kind2, trans2)
+    pairs = (k + 63) // 64
+    sa = mx_scale_codes(pairs, m, 2, gen=gen).transpose(0, 1) if trans1 else \
+        mx_scale_codes(m, pairs, 2, gen=gen)
+    sw = mx_scale_codes(n, pairs, 2, gen=gen).transpose(0, 1) if trans2 else \
+        mx_scale_codes(pairs, n, 2, gen=gen)
+    return x1, x2, a, w, sa, sw
+
+
+def mx_kw(kind1, kind2, out_dtype, e8m0_dtype=False):
+    kw = dict(output_dtype=out_dtype)
+    if not e8m0_dtype:
+        kw.update(scale_dtype=torch_npu_codes["e8m0"], pertoken_scale_dtype=torch_npu_codes["e8m0"])
+    if kind1 == "fp4":
+        kw["x1_dtype"] = torch_npu_codes["fp4"]
+    if kind2 == "fp4":
+        kw["x2_dtype"] = torch_npu_codes["fp4"]
+    return kw
+
+
+torch_npu_codes = {"e8m0": 293, "fp4": 296, "hif8": 290}
+
+MX_KINDS = [(E4, E4), (E5, E5), ("fp4", "fp4"), (E4, "fp4")]
+MX_IDS = ["mxfp8_e4m3", "mxfp8_e5m2", "mxfp4", "fp8_x_fp4"]
+
+
+@pytest.mark.parametrize("out_dtype", (F16, BF16, F32), ids=str)
+@pytest.mark.parametrize("kinds", MX_KINDS, ids=MX_IDS)
+@pytest.mark.parametrize("trans1,trans2", [(False, False), (False, True), (True, True)],
+                         ids=["nn", "nt", "tt"])
+def test_mx_quant_matmul_exact(out_dtype, kinds, trans1, trans2):
+    gen = torch.Generator().manual_seed(13)
+    m, k, n = 6, 160, 10  # k: 5 blocks of 32, 3 pairs (the last half padding)
+    x1, x2, a, w, sa, sw = mx_operands(m, k, n, *kinds, gen, trans1, trans2)
+    bias = torch.randint(-4, 4, (n,), generator=gen).float()
+    out = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, bias=bias,
+                                   **mx_kw(*kinds, out_dtype))
+    ref = ref_float_qmm(a, w, bias=bias, out_dtype=out_dtype, sa=sa, sw=sw)
+    assert out.shape == (m, n) and torch.equal(out, ref)
+
+
+@pytest.mark.parametrize("trans1,trans2", [(False, True), (True, False)], ids=["nt", "tn"])
+def test_mx_quant_matmul_exact_many_rows(trans1, trans2):
+    """Above 512 rows the kernel decodes all of W and runs one GEMM (below, panel by panel)."""
+    gen = torch.Generator().manual_seed(21)
+    x1, x2, a, w, sa, sw = mx_operands(600, 96, 6, "fp4", E5, gen, trans1, trans2)
+    out = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mx_kw("fp4", E5, F32))
+    assert torch.equal(out, ref_float_qmm(a, w, out_dtype=F32, sa=sa, sw=sw))
+
+
+@pytest.mark.parametrize("kinds", MX_KINDS, ids=MX_IDS)
+@pytest.mark.parametrize("m,k,n", [(1, 32, 1), (5, 96, 7), (3, 100, 4), (0, 64, 3), (2, 64, 0),
+                                   (2, 1100, 130), (520, 100, 6)])  # K panels of 512; > 512 rows
+def test_mx_quant_matmul_odd_sizes_and_partial_blocks(kinds, m, k, n):
+    gen = torch.Generator().manual_seed(14)
+    if "fp4" in kinds and (m % 2 or n % 2):  # float4 packs x1 [m, k / 2], x2 [k, n / 2]
+        m, n = m + m % 2, n + n % 2
+    x1, x2, a, w, sa, sw = mx_operands(m, k, n, *kinds, gen, small=False)
+    out = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mx_kw(*kinds, F32))
+    ref = ref_float_qmm(a, w, out_dtype=torch.float64, sa=sa, sw=sw)
+    assert out.shape == (m, n)
+    sa64, sw64 = mx_scales(sa, sw, k)
+    assert_close_fp32_acc(out, ref, a * sa64, w * sw64)
+
+
+def test_mx_quant_matmul_torch_dtypes_batch_and_3d_bias():
+    """torch.float8_e8m0fnu / torch.float4_e2m1fn_x2 tensors need no *_dtype; scales may carry
+    the operands' batch dims; a [batch, 1, n] bias."""
+    gen = torch.Generator().manual_seed(15)
+    b, m, k, n = 3, 4, 128, 6
+    x1 = fp4_bytes(b, m, k // 2, gen=gen)
+    x2 = fp4_bytes(b, n, k // 2, gen=gen)  # transposed weights [n, k / 2]
+    sa = mx_scale_codes(b, m, 2, 2, gen=gen)
+    sw = mx_scale_codes(b, n, 2, 2, gen=gen).transpose(1, 2)
+    bias = torch.randn(b, 1, n, generator=gen)
+    out = opennpu.npu_quant_matmul(
+        x1.view(torch.float4_e2m1fn_x2), x2.view(torch.float4_e2m1fn_x2).mT,
+        sw.view(torch.float8_e8m0fnu), pertoken_scale=sa.view(torch.float8_e8m0fnu), bias=bias,
+        output_dtype=BF16, group_sizes=[1, 1, 32])
+    ref = ref_float_qmm(unpack_fp4(x1), unpack_fp4(x2).mT, bias=bias, out_dtype=BF16, sa=sa,
+                        sw=sw)
+    assert out.shape == (b, m, n) and torch.equal(out, ref)
+    # the same with uint8 bytes and torch_npu's codes, and with unbatched scales broadcast
+    out2 = opennpu.npu_quant_matmul(x1, x2.mT, sw, pertoken_scale=sa, bias=bias,
+                                    **mx_kw("fp4", "fp4", BF16))
+    assert torch.equal(out2, out)
+    out3 = opennpu.npu_quant_matmul(x1, x2.mT, sw[0], pertoken_scale=sa[0],
+                                    **mx_kw("fp4", "fp4", F32))
+    ref3 = ref_float_qmm(unpack_fp4(x1), unpack_fp4(x2).mT, out_dtype=F32, sa=sa[0], sw=sw[0])
+    assert torch.equal(out3, ref3)
+
+
+def test_fp8_quant_matmul_batches_non_contiguous_and_empty():
+    gen = torch.Generator().manual_seed(16)
+    x1 = fp8(2, 5, 70, gen=gen, small=True)[:, :, ::2]  # non-contiguous [2, 5, 35]
+    x2 = fp8(3, 35, dtype=E5, gen=gen, small=True).t()  # a transpose [35, 3]
+    x2 = x2.unsqueeze(0).expand(2, 35, 3)  # broadcast batch (stride 0)
+    scale = torch.tensor([0.5])
+    out = opennpu.npu_quant_matmul(x1, x2, scale, output_dtype=F32)
+    ref = ref_float_qmm(x1.double(), x2.double(), scale, out_dtype=F32)
+    assert torch.equal(out, ref)
+    out = opennpu.npu_quant_matmul(fp8(0, 16), fp8(16, 4), scale, output_dtype=F16)
+    assert out.shape == (0, 4) and out.dtype == F16
+    out = opennpu.npu_quant_matmul(fp8(3, 0), fp8(0, 4), scale, output_dtype=F16,
+                                   bias=torch.ones(4))
+    assert torch.equal(out, torch.ones(3, 4, dtype=F16))
+
+
+def test_fp8_reinterpreted_bytes_and_nan_codes():
+    gen = torch.Generator().manual_seed(17)
+    x1, x2 = fp8(4, 32, gen=gen), fp8(32, 5, dtype=E5, gen=gen)
+    s = torch.rand(5, generator=gen)
+    out = opennpu.npu_quant_matmul(x1, x2, s, output_dtype=F32)
+    for d1, d2 in [(292, 291), (E4, E5)]:
+        got = opennpu.npu_quant_matmul(x1.view(U8), x2.view(torch.int8), s, output_dtype=F32,
+                                       x1_dtype=d1, x2_dtype=d2)
+        assert torch.equal(got, out)
+    nan = x1.clone()
+    nan.view(U8)[1, 3] = 0x7F  # e4m3fn NaN
+    got = opennpu.npu_quant_matmul(nan, x2, s, output_dtype=F16)
+    assert got[1].isnan().all() and not got[[0, 2, 3]].isnan().any()
+    # e8m0 code 255 is NaN: its block's products are NaN
+    x1b, x2b, *_, sa, sw = mx_operands(2, 64, 2, E4, E4, gen)
+    sa[0, 0, 1] = 255
+    got = opennpu.npu_quant_matmul(x1b, x2b, sw, pertoken_scale=sa, **mx_kw(E4, E4, F32))
+    assert got[0].isnan().all() and not got[1].isnan().any()
+
+
+def test_mx_end_to_end_with_dynamic_mx_quant():
+    """npu_dynamic_mx_quant(x) and of the weights -> npu_quant_matmul with the mxscales:
+    x @ w.T up to the element formats' precision, and exactly the product of the dequantised
+    operands."""
+    gen = torch.Generator().manual_seed(18)
+    m, k, n = 16, 256, 24
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+    exact = x.double() @ w.double().T
+    for dst, tol in [(torch.float8_e4m3fn, 0.06), (torch.float8_e5m2, 0.12), (296, 0.3)]:
+        xq, xs = opennpu.npu_dynamic_mx_quant(x, dst_type=dst)
+        wq, ws = opennpu.npu_dynamic_mx_quant(w, dst_type=dst)
+        kw = dict(output_dtype=F32, scale_dtype=293, pertoken_scale_dtype=293)
+        if dst == 296:
+            kw.update(x1_dtype=296, x2_dtype=296)
+        y = opennpu.npu_quant_matmul(xq, wq.t(), ws.transpose(0, 1), pertoken_scale=xs, **kw)
+        rel = ((y.double() - exact).norm() / exact.norm()).item()
+        assert rel < tol, (dst, rel)
+        deq = lambda q, s: (unpack_fp4(q) if dst == 296 else q.double())  # noqa: E731
+        ea, ew = mx_scales(xs, ws.transpose(0, 1), k)
+        a, b = deq(xq, xs) * ea, deq(wq, ws) * ew.T
+        assert_close_fp32_acc(y, a @ b.T, a, b.T)
+
+
+def test_float_quant_matmul_portable_npu_device_opcheck_and_compile():
+    from opennpu.ops import portable
+
+    gen = torch.Generator().manual_seed(19)
+    x1, x2, *_, sa, sw = mx_operands(4, 96, 6, "fp4", "fp4", gen, trans2=True)
+    mxkw = mx_kw("fp4", "fp4", BF16)
+    f1, f2 = fp8(4, 40, gen=gen, small=True), fp8(40, 6, dtype=E5, gen=gen, small=True)
+    s, pt = torch.tensor([0.25]), torch.exp2(torch.randint(-3, 3, (4,), generator=gen).float())
+    fkw = dict(pertoken_scale=pt, bias=torch.ones(6), output_dtype=F16)
+    mx_out = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mxkw)
+    f_out = opennpu.npu_quant_matmul(f1, f2, s, **fkw)
+    with portable.force():
+        assert torch.equal(opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mxkw),
+                           mx_out)
+        assert torch.equal(opennpu.npu_quant_matmul(f1, f2, s, **fkw), f_out)
+    on_npu = opennpu.npu_quant_matmul(f1.to("npu"), f2.to("npu"), s.to("npu"),
+                                      pertoken_scale=pt.to("npu"), bias=torch.ones(6, device="npu"),
+                                      output_dtype=F16)
+    assert on_npu.device.type == "npu" and torch.equal(on_npu.cpu(), f_out)
+    # opcheck's schema check compares inputs with allclose, which float8 tensors lack: the
+    # float8 operands go as bytes with x1_dtype / x2_dtype (torch.compile below runs the dtypes)
+    b1, b2 = f1.view(U8), f2.t().contiguous().t().view(U8)
+    opcheck(torch.ops.npu.npu_quant_matmul.default, [
+        ((x1, x2, sw), dict(pertoken_scale=sa, **mxkw)),
+        ((b1, b2, s), dict(x1_dtype=24, x2_dtype=291, **fkw)),
+        ((b1, b2, torch.rand(6)), dict(x1_dtype=E4, x2_dtype=E5, output_dtype=F32)),
+    ])
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    def block(x1, x2, sw, sa, f1, f2, s, pt):
+        y = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mxkw)
+        z = opennpu.npu_quant_matmul(f1, f2, s, pertoken_scale=pt, output_dtype=F16)
+        return y.float() * 2, z
+
+    compiled = torch.compile(block, fullgraph=True, backend=counter)
+    args = (x1, x2, sw, sa, f1, f2, s, pt)
+    for e, c in zip(block(*args), compiled(*args)):
+        assert torch.equal(e, c)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()
+    fn = torch.compile(lambda *a: opennpu.npu_quant_matmul(*a, **fkw) * 2, fullgraph=True)
+    assert torch.equal(fn(f1, f2, s), f_out * 2)
+    torch._dynamo.reset()
+
+
+def test_float_quant_matmul_bad_inputs():
+    gen = torch.Generator().manual_seed(20)
+    qmm = opennpu.npu_quant_matmul
+    f1, f2, s = fp8(4, 64, gen=gen), fp8(64, 8, gen=gen), torch.rand(8)
+    x1, x2, *_, sa, sw = mx_operands(4, 64, 8, E4, E4, gen)
+    mkw = mx_kw(E4, E4, F32)
+    _raises(lambda: qmm(f1, codes(64, 8), s, output_dtype=F32),
+            "argument 'x2' must be float8 / float4 codes like 'x1'", "Char")
+    _raises(lambda: qmm(codes(4, 64), f2, s, output_dtype=F32),
+            "argument 'x1' must be float8 / float4 codes like 'x2'", "Char")
+    _raises(lambda: qmm(f1, f2, s), "argument 'output_dtype' must be torch.float16, "
+            "torch.bfloat16 or torch.float32 with float8 / float4 operands", "None")
+    _raises(lambda: qmm(f1, f2, s, output_dtype=I8), "argument 'output_dtype'", "Char")
+    _raises(lambda: qmm(f1, f2, s, offset=s, output_dtype=F16), "argument 'offset' must be None")
+    _raises(lambda: qmm(f1, f2, s.half(), output_dtype=F16),
+            "argument 'scale' must be float32 or bfloat16 with float8 operands", "Half")
+    _raises(lambda: qmm(f1, f2, torch.rand(7), output_dtype=F16),
+            "argument 'scale' must have shape [1] or [8]", "[7]")
+    _raises(lambda: qmm(f1, f2, s, pertoken_scale=torch.rand(3), output_dtype=F16),
+            "argument 'pertoken_scale' must have shape [4]", "[3]")
+    _raises(lambda: qmm(f1, f2, s, bias=torch.ones(8, dtype=I32), output_dtype=F16),
+            "argument 'bias' must be bfloat16, float16 or float32 with float8", "Int")
+    _raises(lambda: qmm(f1, fp8(63, 8), s, output_dtype=F16), "argument 'x2' must have k = 64",
+            "gives k = 63")
+    _raises(lambda: qmm(f1, f2, torch.rand(1, 8), pertoken_scale=torch.rand(4, 1),
+                        output_dtype=F16, group_sizes=[1, 128, 128]),
+            "argument 'group_sizes' must be None or [0, 0, 0] with float8 operands",
+            "per-block float32 scaling")
+    _raises(lambda: qmm(f1.view(U8), f2, s, x1_dtype=290, output_dtype=F16),
+            "argument 'x1_dtype' must not be torch_npu.hifloat8")
+    _raises(lambda: qmm(f1.float(), f2, s, x1_dtype=292, output_dtype=F16),
+            "argument 'x1' must hold one byte per element", "Float")
+    _raises(lambda: qmm(f1, f2, s, y_scale=s, output_dtype=F16), "argument 'y_scale' must be None")
+    # MX
+    _raises(lambda: qmm(x1, x2, sw[:, :4], pertoken_scale=sa, **mkw),
+            "argument 'scale' must have shape [1, 8, 2]", "got [1, 4, 2]")
+    _raises(lambda: qmm(x1, x2, sw, pertoken_scale=sa[:, :, :1], **mkw),
+            "argument 'pertoken_scale' must have shape [4, 1, 2]", "[4, 1, 1]")
+    _raises(lambda: qmm(x1, x2, sw.reshape(2, 8), pertoken_scale=sa, **mkw),
+            "argument 'scale' must have shape [1, 8, 2]", "[2, 8]")
+    _raises(lambda: qmm(x1, x2, sw, pertoken_scale=torch.rand(4), output_dtype=F32,
+                        scale_dtype=293), "argument 'pertoken_scale' must be float8_e8m0 block "
+            "scales like 'scale'")
+    _raises(lambda: qmm(x1, x2, sw, output_dtype=F32, scale_dtype=293),
+            "argument 'pertoken_scale' must be float8_e8m0 block scales", "None")
+    _raises(lambda: qmm(x1, x2, sw.float(), pertoken_scale=sa, output_dtype=F32,
+                        scale_dtype=293, pertoken_scale_dtype=293),
+            "argument 'scale' must hold one byte per element", "Float")
+    _raises(lambda: qmm(x1, x2, sw, pertoken_scale=sa, scale_dtype=5, output_dtype=F32),
+            "argument 'scale_dtype' must be None, float8_e8m0fnu", "Half")
+    _raises(lambda: qmm(x1, x2, sw, pertoken_scale=sa, group_sizes=[1, 1, 64], **mkw),
+            "argument 'group_sizes' must be None, [0, 0, 0] or [1, 1, 32] with MX scales")
+    _raises(lambda: qmm(fp4_bytes(4, 32), fp4_bytes(64, 4), s, x1_dtype=296, x2_dtype=296,
+                        output_dtype=F32),
+            "argument 'scale' must be float8_e8m0 block scales", "float4_e2m1 operands")
+    # a transposed x2 needs its scale transposed too (op-plugin's "transpose are not same")
+    sq, sp = mx_scale_codes(2, 8, 2, gen=gen), mx_scale_codes(4, 2, 2, gen=gen)
+    _raises(lambda: qmm(fp8(4, 128, gen=gen), fp8(8, 128, gen=gen).t(), sq, pertoken_scale=sp,
+                        **mkw), "argument 'scale' must be a transpose", "strides [16, 2, 1]")
+    sq_t = mx_scale_codes(8, 2, 2, gen=gen).transpose(0, 1)
+    _raises(lambda: qmm(fp8(4, 128, gen=gen), fp8(128, 8, gen=gen), sq_t, pertoken_scale=sp,
+                        **mkw), "argument 'scale' must not be a transpose", "as 'x2' is not")

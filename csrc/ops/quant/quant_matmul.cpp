@@ -5,10 +5,13 @@
 
 #include <ATen/ExpandUtils.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/ones.h>
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
 #include <bit>
+#include <limits>
 #include <cmath>
 #include <optional>
 #include <string>
@@ -21,6 +24,7 @@ namespace opennpu::quant {
 KernelSlots<QuantMatmulFn> quant_matmul;
 KernelSlots<PackInt4Fn> pack_int4;
 KernelSlots<A8W4MatmulFn> a8w4_matmul;
+KernelSlots<FloatQuantMatmulFn> float_quant_matmul;
 
 namespace {
 
@@ -65,6 +69,50 @@ at::Tensor channel_vector(const char* arg, const at::Tensor& t, int64_t n) {
                     kQmm, arg, "must have shape [1] or [", n, "] (n, the last dim of the output), "
                     "or [1, 1] / [1, ", n, "], but got ", shape_str(t.sizes()));
   return t.reshape({t.numel()}).to(at::kFloat).contiguous();
+}
+
+// The output's batch dims: those of x1 and x2 broadcast.
+std::vector<int64_t> broadcast_batch(const at::Tensor& x1, const at::Tensor& x2) {
+  const c10::IntArrayRef a_batch = x1.sizes().slice(0, x1.dim() - 2);
+  const c10::IntArrayRef w_batch = x2.sizes().slice(0, x2.dim() - 2);
+  try {
+    return at::infer_size(a_batch, w_batch);
+  } catch (const c10::Error&) {
+    OPENNPU_CHECK_ARG(false, kQmm, "x2", "must have batch dims that broadcast with those of 'x1' (",
+                      shape_str(a_batch), "), but got ", shape_str(w_batch));
+  }
+  return {};
+}
+
+// bias: [n], or [batch, 1, n] for a 3-D output; int32 (added to the integer accumulator; integer
+// operands only) or bfloat16 / float16 / float32 (added after the scales, float outputs).
+void parse_bias(const at::Tensor& bs, const at::Tensor& x1, int64_t out_dim, int64_t batches,
+                int64_t n, at::ScalarType out_dtype, bool float_operands, QuantMatmulEpilogue& e) {
+  check_same_device(kQmm, "bias", bs, "x1", x1);
+  const auto bt = bs.scalar_type();
+  if (float_operands) {
+    OPENNPU_CHECK_ARG(bt == at::kFloat || bt == at::kBFloat16 || bt == at::kHalf, kQmm, "bias",
+                      "must be bfloat16, float16 or float32 with float8 / float4 operands, but "
+                      "got ", bt);
+  } else {
+    OPENNPU_CHECK_ARG(bt == at::kInt || bt == at::kFloat || bt == at::kBFloat16 ||
+                          bt == at::kHalf,
+                      kQmm, "bias", "must be int32, bfloat16, float16 or float32, but got ", bt);
+    OPENNPU_CHECK_ARG(bt == at::kInt || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
+                      kQmm, "bias", "must be int32 for ", out_dtype, " outputs (float biases are "
+                      "added after dequantisation, to float16 / bfloat16 outputs), but got ", bt);
+  }
+  const bool batched = bs.dim() == 3 && out_dim == 3 && bs.size(0) == batches &&
+                       bs.size(1) == 1 && bs.size(2) == n;
+  OPENNPU_CHECK_ARG((bs.dim() == 1 && bs.size(0) == n) || batched, kQmm, "bias",
+                    "must have shape [", n, "], or [batch, 1, ", n,
+                    "] for a 3-D output (batch = ", batches, "), but got ", shape_str(bs.sizes()));
+  const at::Tensor rows = bs.reshape({bs.dim() == 3 ? bs.size(0) : 1, n}).contiguous();
+  if (bt == at::kInt) {
+    e.bias_int = rows;
+  } else {
+    e.bias_float = rows.to(at::kFloat);
+  }
 }
 
 }  // namespace
@@ -174,6 +222,278 @@ at::Tensor a8w4_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const a
   return out;
 }
 
+// ----------------------------------------------------------------------------- float operands
+
+// Codes of the types opennpu reads in x1_dtype / x2_dtype / scale_dtype / pertoken_scale_dtype:
+// torch's ScalarType and torch_npu's DType (torch_npu.hifloat8 = 290, float8_e5m2 291,
+// float8_e4m3fn 292, float8_e8m0fnu 293, float4_e2m1fn_x2 296).
+constexpr int64_t kNpuHif8 = 290, kNpuE5m2 = 291, kNpuE4m3 = 292, kNpuE8m0 = 293, kNpuE2m1 = 296;
+constexpr int64_t kMxBlock = 32;
+
+bool is_byte_sized(const at::Tensor& t) {
+  const auto st = t.scalar_type();
+  return st == at::kByte || st == at::kChar || st == at::kFloat8_e4m3fn ||
+         st == at::kFloat8_e5m2 || st == at::kFloat8_e8m0fnu || st == at::kFloat4_e2m1fn_x2;
+}
+
+// The float element format of x1 / x2 (its dtype, or x?_dtype reinterpreting a byte tensor), or
+// nullopt for the integer paths.
+std::optional<FloatCode> float_code(const char* arg, const char* dtype_arg, const at::Tensor& t,
+                                    std::optional<int64_t> declared) {
+  const auto st = t.scalar_type();
+  int64_t code = declared.value_or(static_cast<int64_t>(st));
+  OPENNPU_CHECK_ARG(code != kNpuHif8, kQmm, dtype_arg,
+                    "must not be torch_npu.hifloat8 (290): hifloat8 operands are not supported "
+                    "by opennpu");
+  std::optional<FloatCode> f;
+  if (code == static_cast<int64_t>(at::kFloat8_e4m3fn) || code == kNpuE4m3) f = FloatCode::kE4m3;
+  if (code == static_cast<int64_t>(at::kFloat8_e5m2) || code == kNpuE5m2) f = FloatCode::kE5m2;
+  if (code == static_cast<int64_t>(at::kFloat4_e2m1fn_x2) || code == kNpuE2m1) {
+    f = FloatCode::kE2m1;
+  }
+  if (f.has_value() && declared.has_value()) {
+    OPENNPU_CHECK_ARG(is_byte_sized(t), kQmm, arg, "must hold one byte per element (int8, "
+                      "uint8, float8 or float4_e2m1fn_x2) when '", dtype_arg, "' is ",
+                      dtype_name(*declared), ", but got ", st);
+  }
+  return f;
+}
+
+// Whether a scale holds float8_e8m0 block scales (its dtype, or scale_dtype /
+// pertoken_scale_dtype naming torch.float8_e8m0fnu / torch_npu.float8_e8m0fnu).
+bool is_e8m0(const char* arg, const char* dtype_arg, const at::Tensor& t,
+             std::optional<int64_t> declared) {
+  if (!declared.has_value()) return t.scalar_type() == at::kFloat8_e8m0fnu;
+  const int64_t code = *declared;
+  if (code == kNpuE8m0 || code == static_cast<int64_t>(at::kFloat8_e8m0fnu)) {
+    OPENNPU_CHECK_ARG(is_byte_sized(t), kQmm, arg, "must hold one byte per element (uint8, "
+                      "int8 or float8_e8m0fnu) when '", dtype_arg,
+                      "' is float8_e8m0fnu, but got ", t.scalar_type());
+    return true;
+  }
+  OPENNPU_CHECK_ARG(code == static_cast<int64_t>(t.scalar_type()), kQmm, dtype_arg,
+                    "must be None, float8_e8m0fnu (torch 44 / torch_npu 293) or the dtype of '",
+                    arg, "' (", t.scalar_type(), "), but got ", dtype_name(code));
+  return false;
+}
+
+// op-plugin's test of a transposed operand: the last two dims are a transpose of a contiguous
+// tensor (and not both of size 1). float4 codes are packed along the memory-contiguous dim.
+bool is_transpose_last_two(const at::Tensor& t) {
+  const int64_t d1 = t.dim() - 1, d2 = t.dim() - 2;
+  if (t.stride(d2) != 1 || t.stride(d1) != t.size(d2)) return false;
+  int64_t expected = t.size(d1) * t.size(d2);
+  for (int64_t d = t.dim() - 3; d >= 0; --d) {
+    if (t.stride(d) != expected) return false;
+    expected *= t.size(d);
+  }
+  return !(t.size(d1) == 1 && t.size(d2) == 1);
+}
+
+// An operand's bytes in memory orientation (FloatOperand), its batch count and logical dims.
+FloatOperand float_operand(const at::Tensor& t, FloatCode code) {
+  FloatOperand op;
+  op.code = code;
+  const bool fp4 = code == FloatCode::kE2m1;
+  const at::Tensor bytes = t.scalar_type() == at::kByte ? t : t.view(at::kByte);
+  op.trans = fp4 ? is_transpose_last_two(t)
+                 : !t.is_contiguous() && t.mT().is_contiguous() && t.size(-1) > 1;
+  op.codes = op.trans ? bytes.mT().contiguous() : bytes.contiguous();
+  op.rows = op.codes.size(-2);
+  op.cols = op.codes.size(-1) * (fp4 ? 2 : 1);
+  op.batches = c10::multiply_integers(t.sizes().slice(0, t.dim() - 2));
+  return op;
+}
+
+// e8m0 codes -> fp32: 2^(code - 127), code 255 NaN (as torch.float8_e8m0fnu converts).
+at::Tensor decode_e8m0(const at::Tensor& t) {
+  const at::Tensor codes = (t.scalar_type() == at::kByte ? t : t.view(at::kByte)).contiguous();
+  at::Tensor out = at::empty(codes.sizes(), codes.options().dtype(at::kFloat));
+  const uint8_t* in = codes.const_data_ptr<uint8_t>();
+  float* o = out.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < codes.numel(); ++i) {
+    o[i] = in[i] == 255 ? std::numeric_limits<float>::quiet_NaN()
+                        : std::ldexp(1.f, static_cast<int>(in[i]) - 127);
+  }
+  return out;
+}
+
+// op-plugin's check that an MX scale is laid out like its operand: both transposes (of their
+// last two dims / of the scale's two dims before the trailing 2) or neither. opennpu reads
+// every layout by its logical shape; the check keeps a weight's [n, ceil(k / 64), 2] scale
+// from being read as [ceil(k / 64), n, 2] where the two sizes happen to be equal.
+void check_same_transpose(const char* arg, const at::Tensor& s, const char* x_arg,
+                          const at::Tensor& x) {
+  const int64_t dx = x.dim() - 2, ds = s.dim() - 3;
+  // Dims of size 0 or 1 leave a layout's transposition undefined (op-plugin skips [1, 1] ones).
+  if (x.size(dx) <= 1 || x.size(dx + 1) <= 1 || s.size(ds) <= 1 || s.size(ds + 1) <= 1) return;
+  const bool x_trans = x.stride(dx + 1) == x.stride(dx) * x.size(dx);
+  const bool s_trans = s.stride(ds + 1) == s.stride(ds) * s.size(ds);
+  OPENNPU_CHECK_ARG(x_trans == s_trans, kQmm, arg,
+                    x_trans ? "must be a transpose (of its dims -3 and -2), as '"
+                            : "must not be a transpose (of its dims -3 and -2), as '",
+                    x_arg, x_trans ? "' is one" : "' is not", " (op-plugin: \"transpose are not "
+                    "same\"), but got strides ", shape_str(s.strides()));
+}
+
+// An MX scale, logical [*batch, rows, ceil(k / 64), 2] (x1's, rows = m) or
+// [*batch, ceil(k / 64), cols, 2] (x2's, cols = n), as fp32 per block of 32 along K:
+// [batches or 1, other, ceil(k / 32)] (k_first false) or [batches or 1, ceil(k / 32), other].
+at::Tensor mx_block_scale(const char* arg, const at::Tensor& s, const char* x_arg,
+                          const at::Tensor& x, c10::IntArrayRef batch, int64_t other, int64_t k,
+                          bool k_first) {
+  check_same_device(kQmm, arg, s, "x1", x);
+  const int64_t pairs = (k + 2 * kMxBlock - 1) / (2 * kMxBlock);
+  const int64_t blocks = (k + kMxBlock - 1) / kMxBlock;
+  std::vector<int64_t> want(batch.begin(), batch.end());
+  if (k_first) {
+    want.insert(want.end(), {pairs, other, 2});
+  } else {
+    want.insert(want.end(), {other, pairs, 2});
+  }
+  const c10::IntArrayRef tail(want.data() + batch.size(), 3);
+  const bool ok = s.sizes() == c10::IntArrayRef(want) || s.sizes() == tail;
+  OPENNPU_CHECK_ARG(ok, kQmm, arg, "must have shape ", shape_str(want),
+                    batch.empty() ? "" : " (or without the batch dims)", " (float8_e8m0 scales "
+                    "of blocks of 32 along k = ", k, ", two per pair: ", k_first ?
+                    "[ceil(k / 64), n, 2]" : "[m, ceil(k / 64), 2]", ", as npu_dynamic_mx_quant "
+                    "writes them), but got ", shape_str(s.sizes()));
+  check_same_transpose(arg, s, x_arg, x);
+  const int64_t sb = s.dim() == 3 ? 1 : c10::multiply_integers(batch);
+  at::Tensor f = decode_e8m0(s).reshape({sb, k_first ? pairs : other, k_first ? other : pairs, 2});
+  if (k_first) {  // [sb, pairs, other, 2] -> [sb, 2 pairs, other]
+    f = f.permute({0, 1, 3, 2}).reshape({sb, 2 * pairs, other}).narrow(1, 0, blocks);
+  } else {
+    f = f.reshape({sb, other, 2 * pairs}).narrow(2, 0, blocks);
+  }
+  return f.contiguous();
+}
+
+// npu_quant_matmul with float8 / float4 operands (FloatQuantMatmulArgs): per-tensor / channel /
+// token float32 scales (float8), or MX block scales (float8 / float4).
+at::Tensor quant_matmul_float_operands(
+    const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
+    const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& pertoken_scale,
+    const std::optional<at::Tensor>& bias, std::optional<int64_t> output_dtype,
+    std::optional<FloatCode> c1, std::optional<FloatCode> c2,
+    std::optional<int64_t> pertoken_scale_dtype, std::optional<int64_t> scale_dtype,
+    at::OptionalIntArrayRef group_sizes) {
+  OPENNPU_CHECK_ARG(c1.has_value(), kQmm, "x1", "must be float8 / float4 codes like 'x2' ("
+                    "int8 / int4 operands cannot be mixed with float ones), but got ",
+                    x1.scalar_type());
+  OPENNPU_CHECK_ARG(c2.has_value(), kQmm, "x2", "must be float8 / float4 codes like 'x1' ("
+                    "int8 / int4 operands cannot be mixed with float ones), but got ",
+                    x2.scalar_type());
+  check_same_device(kQmm, "x2", x2, "x1", x1);
+  OPENNPU_CHECK_ARG(x1.dim() >= 2 && x1.dim() <= 6, kQmm, "x1",
+                    "must have 2 to 6 dims, but got shape ", shape_str(x1.sizes()));
+  OPENNPU_CHECK_ARG(x2.dim() >= 2 && x2.dim() <= 6, kQmm, "x2",
+                    "must have 2 to 6 dims, but got shape ", shape_str(x2.sizes()));
+  at::ScalarType out_dtype = at::kFloat;
+  {
+    bool ok = false;
+    for (at::ScalarType t : {at::kHalf, at::kBFloat16, at::kFloat}) {
+      if (output_dtype.has_value() && *output_dtype == static_cast<int64_t>(t)) {
+        ok = true;
+        out_dtype = t;
+      }
+    }
+    OPENNPU_CHECK_ARG(ok, kQmm, "output_dtype", "must be torch.float16, torch.bfloat16 or "
+                      "torch.float32 with float8 / float4 operands, but got ",
+                      output_dtype.has_value() ? dtype_name(*output_dtype) : "None");
+  }
+  OPENNPU_CHECK_ARG(!offset.has_value(), kQmm, "offset",
+                    "must be None with float8 / float4 operands (it applies to int8 outputs)");
+
+  FloatQuantMatmulArgs p;
+  p.a = float_operand(x1, *c1);
+  p.w = float_operand(x2, *c2);
+  p.m = p.a.trans ? p.a.cols : p.a.rows;
+  p.k = p.a.trans ? p.a.rows : p.a.cols;
+  p.n = p.w.trans ? p.w.rows : p.w.cols;
+  const int64_t k2 = p.w.trans ? p.w.cols : p.w.rows;
+  const bool fp4_1 = *c1 == FloatCode::kE2m1, fp4_2 = *c2 == FloatCode::kE2m1;
+  OPENNPU_CHECK_ARG(k2 == p.k, kQmm, "x2", "must have k = ", p.k, " (that of 'x1', shape ",
+                    shape_str(x1.sizes()), "), but its shape ", shape_str(x2.sizes()),
+                    " gives k = ", k2, (fp4_1 || fp4_2) ? " (float4 codes are two per byte along "
+                    "the memory-contiguous dim: dim -1, or dim -2 of a transpose)" : "");
+  const c10::IntArrayRef a_batch = x1.sizes().slice(0, x1.dim() - 2);
+  const c10::IntArrayRef w_batch = x2.sizes().slice(0, x2.dim() - 2);
+  p.out_batch = broadcast_batch(x1, x2);
+  p.a_batch.assign(a_batch.begin(), a_batch.end());
+  p.w_batch.assign(w_batch.begin(), w_batch.end());
+  const int64_t m = p.m, k = p.k, n = p.n;
+  const int64_t batches = c10::multiply_integers(p.out_batch);
+
+  check_same_device(kQmm, "scale", scale, "x1", x1);
+  const bool mx = is_e8m0("scale", "scale_dtype", scale, scale_dtype);
+  const bool mx_pt = pertoken_scale.has_value() &&
+                     is_e8m0("pertoken_scale", "pertoken_scale_dtype", *pertoken_scale,
+                             pertoken_scale_dtype);
+  OPENNPU_CHECK_ARG(mx == mx_pt, kQmm, mx ? "pertoken_scale" : "scale",
+                    "must be float8_e8m0 block scales like '", mx ? "scale" : "pertoken_scale",
+                    "' (MX scaling scales both operands: 'pertoken_scale' x1's, 'scale' x2's), "
+                    "but got ", mx ? (pertoken_scale.has_value() ? "another type" : "None")
+                                   : "float8_e8m0 scales only for x1");
+  OPENNPU_CHECK_ARG(mx || (!fp4_1 && !fp4_2), kQmm, "scale",
+                    "must be float8_e8m0 block scales (scale_dtype=torch_npu.float8_e8m0fnu, "
+                    "with 'pertoken_scale' for x1) with float4_e2m1 operands (MX only), but got ",
+                    scale.scalar_type());
+  if (group_sizes.has_value()) {
+    const auto& g = *group_sizes;
+    const bool ok = mx ? g.size() == 3 && (g[0] == 0 || g[0] == 1) && (g[1] == 0 || g[1] == 1) &&
+                             (g[2] == 0 || g[2] == kMxBlock)
+                       : g.size() == 3 && g[0] == 0 && g[1] == 0 && g[2] == 0;
+    OPENNPU_CHECK_ARG(ok, kQmm, "group_sizes", mx ? "must be None, [0, 0, 0] or [1, 1, 32] with "
+                      "MX scales (blocks of 32 along k)" : "must be None or [0, 0, 0] with "
+                      "float8 operands and float32 scales: per-block float32 scaling of float8 "
+                      "(Ascend950's [1, 128, 128] tiles) is not supported by opennpu", ", but got ",
+                      g);
+  }
+  QuantMatmulEpilogue& e = p.epilogue;
+  e.m = m;
+  if (mx) {
+    const at::Tensor sa = mx_block_scale("pertoken_scale", *pertoken_scale, "x1", x1, a_batch, m,
+                                         k, false);  // [sb, m, blocks]
+    const at::Tensor sw = mx_block_scale("scale", scale, "x2", x2, w_batch, n, k, true);
+    // In memory orientation: K along x1's columns unless x1 is a transpose, along x2's rows
+    // unless x2 is one.
+    p.a.block_scale = p.a.trans ? sa.mT().contiguous() : sa;
+    p.w.block_scale = p.w.trans ? sw.mT().contiguous() : sw;
+    e.scale = at::ones({1}, x1.options().dtype(at::kFloat));
+  } else {
+    OPENNPU_CHECK_ARG(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16,
+                      kQmm, "scale", "must be float32 or bfloat16 with float8 operands (or "
+                      "float8_e8m0 MX block scales with 'pertoken_scale' ones), but got ",
+                      scale.scalar_type());
+    OPENNPU_CHECK_ARG(scale.numel() > 0, kQmm, "scale", "must not be empty");
+    e.scale = channel_vector("scale", scale, n);
+    if (pertoken_scale.has_value()) {
+      const at::Tensor& pt = *pertoken_scale;
+      check_same_device(kQmm, "pertoken_scale", pt, "x1", x1);
+      OPENNPU_CHECK_ARG(pt.scalar_type() == at::kFloat, kQmm, "pertoken_scale",
+                        "must be float32 (or float8_e8m0 MX block scales), but got ",
+                        pt.scalar_type());
+      if (pt.numel() == 1 && pt.dim() == 1 && m != 1) {
+        // One x1 scale: the golden's double scale, scale * pertoken_scale in float32.
+        e.scale = at::mul(e.scale, pt.to(at::kFloat));
+      } else {
+        e.pertoken = pertoken_vector(pt, x1, m);
+      }
+    }
+  }
+  if (bias.has_value()) {
+    parse_bias(*bias, x1, std::max(x1.dim(), x2.dim()), batches, n, out_dtype, true, e);
+  }
+  std::vector<int64_t> out_shape = p.out_batch;
+  out_shape.push_back(m);
+  out_shape.push_back(n);
+  at::Tensor out = at::empty(out_shape, x1.options().dtype(out_dtype));
+  if (out.numel() == 0) return out;
+  float_quant_matmul.get(kQmm, x1)(p, out);
+  return out;
+}
+
 }  // namespace
 
 at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
@@ -185,6 +505,14 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
                             std::optional<int64_t> pertoken_scale_dtype,
                             std::optional<int64_t> scale_dtype, at::OptionalIntArrayRef group_sizes,
                             const std::optional<at::Tensor>& y_scale) {
+  const std::optional<FloatCode> c1 = float_code("x1", "x1_dtype", x1, x1_dtype);
+  const std::optional<FloatCode> c2 = float_code("x2", "x2_dtype", x2, x2_dtype);
+  if (c1.has_value() || c2.has_value()) {
+    OPENNPU_CHECK_ARG(!y_scale.has_value(), kQmm, "y_scale",
+                      "must be None (an Ascend950 output scale, not supported by opennpu)");
+    return quant_matmul_float_operands(x1, x2, scale, offset, pertoken_scale, bias, output_dtype,
+                                       c1, c2, pertoken_scale_dtype, scale_dtype, group_sizes);
+  }
   if (x1.scalar_type() == at::kChar && x2.scalar_type() == at::kInt) {
     check_declared_dtype("x1_dtype", x1_dtype, x1, "x1");
     check_declared_dtype("x2_dtype", x2_dtype, x2, "x2");
@@ -195,8 +523,9 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
   }
   // Operand dtypes: int8 x int8, or int32 x int32 holding eight int4 codes per element.
   OPENNPU_CHECK_ARG(x1.scalar_type() == at::kChar || x1.scalar_type() == at::kInt, kQmm, "x1",
-                    "must be int8, or int32 holding eight int4 codes per element; float8, "
-                    "hifloat8 and float4 operands are not supported by opennpu, but got ",
+                    "must be int8, int32 holding eight int4 codes per element, or float8 / "
+                    "float4 codes (float8_e4m3fn, float8_e5m2, float4_e2m1fn_x2; hifloat8 is "
+                    "not supported by opennpu), but got ",
                     x1.scalar_type());
   OPENNPU_CHECK_ARG(x2.scalar_type() == x1.scalar_type(), kQmm, "x2",
                     "must have the dtype of 'x1' (", x1.scalar_type(), "), but got ",
@@ -250,13 +579,7 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
   }
   const c10::IntArrayRef a_batch = x1.sizes().slice(0, x1.dim() - 2);
   const c10::IntArrayRef w_batch = x2.sizes().slice(0, x2.dim() - 2);
-  std::vector<int64_t> out_batch;
-  try {
-    out_batch = at::infer_size(a_batch, w_batch);
-  } catch (const c10::Error&) {
-    OPENNPU_CHECK_ARG(false, kQmm, "x2", "must have batch dims that broadcast with those of 'x1' (",
-                      shape_str(a_batch), "), but got ", shape_str(w_batch));
-  }
+  std::vector<int64_t> out_batch = broadcast_batch(x1, x2);
   const int64_t m = op.m, n = op.n;
   const int64_t batches = c10::multiply_integers(out_batch);
 
@@ -300,28 +623,7 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
     e.pertoken = pertoken_vector(pt, x1, m);
   }
   if (bias.has_value()) {
-    const at::Tensor& bs = *bias;
-    check_same_device(kQmm, "bias", bs, "x1", x1);
-    const auto bt = bs.scalar_type();
-    OPENNPU_CHECK_ARG(bt == at::kInt || bt == at::kFloat || bt == at::kBFloat16 ||
-                          bt == at::kHalf,
-                      kQmm, "bias", "must be int32, bfloat16, float16 or float32, but got ", bt);
-    OPENNPU_CHECK_ARG(bt == at::kInt || out_dtype == at::kHalf || out_dtype == at::kBFloat16,
-                      kQmm, "bias", "must be int32 for ", out_dtype, " outputs (float biases are "
-                      "added after dequantisation, to float16 / bfloat16 outputs), but got ", bt);
-    const int64_t out_dim = std::max(x1.dim(), x2.dim());
-    const bool batched = bs.dim() == 3 && out_dim == 3 && bs.size(0) == batches &&
-                         bs.size(1) == 1 && bs.size(2) == n;
-    OPENNPU_CHECK_ARG((bs.dim() == 1 && bs.size(0) == n) || batched, kQmm, "bias",
-                      "must have shape [", n, "], or [batch, 1, ", n,
-                      "] for a 3-D output (batch = ", batches, "), but got ",
-                      shape_str(bs.sizes()));
-    const at::Tensor rows = bs.reshape({bs.dim() == 3 ? bs.size(0) : 1, n}).contiguous();
-    if (bt == at::kInt) {
-      e.bias_int = rows;
-    } else {
-      e.bias_float = rows.to(at::kFloat);
-    }
+    parse_bias(*bias, x1, std::max(x1.dim(), x2.dim()), batches, n, out_dtype, false, e);
   }
 
   std::vector<int64_t> out_shape = out_batch;

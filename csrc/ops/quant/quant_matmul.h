@@ -49,6 +49,38 @@ struct QuantMatmulArgs {
 // out: contiguous, non-empty, in the output dtype (int8, float16, bfloat16 or int32).
 using QuantMatmulFn = void(const QuantMatmulArgs& args, at::Tensor& out);
 
+// Float operands (Ascend950's float8 / MX paths): element codes of float8_e4m3fn, float8_e5m2 or
+// float4_e2m1 (two codes per byte, element 2j in the low nibble, along the operand's
+// memory-contiguous dim, as npu_dynamic_mx_quant packs them).
+enum class FloatCode : uint8_t { kE4m3, kE5m2, kE2m1 };
+
+// One operand as stored: bytes [batches, rows, cols] (contiguous; float4: cols / 2 bytes per row)
+// in memory orientation: x1 is [m, k] or, `trans`, [k, m]; x2 is [k, n] or, `trans`, [n, k].
+// block_scale: fp32 (decoded float8_e8m0 powers of two) per block of 32 along K, in the same
+// orientation: [batches or 1, rows, ceil(cols / 32)] when K runs along the columns, else
+// [batches or 1, ceil(rows / 32), cols]; undefined without MX scaling.
+struct FloatOperand {
+  at::Tensor codes;  // uint8
+  FloatCode code = FloatCode::kE4m3;
+  bool trans = false;
+  int64_t batches = 1, rows = 0, cols = 0;
+  at::Tensor block_scale;
+};
+
+// npu_quant_matmul with float operands: out [*out_batch, m, n] = epilogue(A @ W), where A and W
+// are the decoded codes (exact in fp32) times their block scales (exact powers of two, barring
+// fp32 overflow / underflow, as op-plugin's golden scales the decoded operands in fp32), and
+// the product is an fp32 GEMM (fp32 accumulation, the golden's torch.matmul in float32; for few
+// rows the CPU kernel sums K panels of 512 with sgemm's beta = 1).
+struct FloatQuantMatmulArgs {
+  FloatOperand a, w;
+  int64_t m = 0, k = 0, n = 0;
+  std::vector<int64_t> out_batch, a_batch, w_batch;
+  QuantMatmulEpilogue epilogue;  // acc is fp32; bias_int unused
+};
+using FloatQuantMatmulFn = void(const FloatQuantMatmulArgs& args, at::Tensor& out);
+extern KernelSlots<FloatQuantMatmulFn> float_quant_matmul;
+
 // The longest K group A8W4 takes: every partial sum of a group (|x_hi|, |x_lo| <= 8 times
 // |w| <= 8, over at most this many rows) stays an integer that fp32 holds exactly.
 constexpr int64_t kA8W4MaxGroup = int64_t{1} << 18;

@@ -19,6 +19,8 @@
 #include <ATen/ops/_int_mm.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
@@ -465,6 +467,154 @@ void quant_matmul_kernel(const QuantMatmulArgs& args, at::Tensor& out) {
   quant_matmul_epilogue_kernel(int_product(args), args.epilogue, out);
 }
 
+// ----------------------------------------------------------------------------- float operands
+
+// The exact fp32 value of every float8_e4m3fn / float8_e5m2 byte (c10's conversions) and of
+// every float4_e2m1 nibble (sign, 2 exponent bits with bias 1, 1 mantissa bit).
+struct CodeTables {
+  float e4m3[256], e5m2[256], e2m1[16];
+  CodeTables() {
+    for (int c = 0; c < 256; ++c) {
+      const auto bits = static_cast<uint8_t>(c);
+      e4m3[c] = static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()));
+      e5m2[c] = static_cast<float>(c10::Float8_e5m2(bits, c10::Float8_e5m2::from_bits()));
+    }
+    constexpr float kMagnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
+    for (int c = 0; c < 16; ++c) e2m1[c] = (c & 8) ? -kMagnitude[c & 7] : kMagnitude[c & 7];
+  }
+};
+
+const CodeTables& code_tables() {
+  static const CodeTables tables;
+  return tables;
+}
+
+// Rows [r0, r1) x columns [c0, c1) of batch b of an operand (FloatOperand), decoded to fp32 dst
+// (row stride ld) and multiplied by their block scales; `k_cols`: K runs along the columns
+// (x1 [m, k], x2 [n, k]). float4: c0 and c1 even (whole bytes).
+void decode_rect(const FloatOperand& op, int64_t b, bool k_cols, int64_t r0, int64_t r1,
+                 int64_t c0, int64_t c1, float* dst, int64_t ld) {
+  constexpr int64_t kBlock = 32;
+  const int64_t rows = op.rows, cols = op.cols;
+  const bool fp4 = op.code == FloatCode::kE2m1;
+  const int64_t row_bytes = fp4 ? cols / 2 : cols;
+  const uint8_t* src = op.codes.const_data_ptr<uint8_t>() + b * rows * row_bytes;
+  const CodeTables& t = code_tables();
+  const float* table = op.code == FloatCode::kE4m3 ? t.e4m3 : t.e5m2;
+  const float* scale = nullptr;
+  if (op.block_scale.defined()) {
+    scale = op.block_scale.const_data_ptr<float>() +
+            (op.block_scale.size(0) == 1 ? 0 : b) * op.block_scale.stride(0);
+  }
+  const int64_t col_blocks = (cols + kBlock - 1) / kBlock;
+  const int64_t w = c1 - c0;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* d = dst + (r - r0) * ld;
+    const uint8_t* s = src + r * row_bytes;
+    if (fp4) {
+      for (int64_t c = c0 / 2; c < c1 / 2; ++c) {
+        d[2 * c - c0] = t.e2m1[s[c] & 15];
+        d[2 * c + 1 - c0] = t.e2m1[s[c] >> 4];
+      }
+    } else {
+      for (int64_t c = c0; c < c1; ++c) d[c - c0] = table[s[c]];
+    }
+    if (scale == nullptr) continue;
+    if (k_cols) {  // scale [rows, ceil(cols / 32)]
+      const float* sr = scale + r * col_blocks;
+      for (int64_t blk = c0 / kBlock; blk * kBlock < c1; ++blk) {
+        const float f = sr[blk];
+        const int64_t e0 = std::max(c0, blk * kBlock), e1 = std::min(c1, (blk + 1) * kBlock);
+        for (int64_t c = e0; c < e1; ++c) d[c - c0] *= f;
+      }
+    } else {  // scale [ceil(rows / 32), cols]
+      const float* sr = scale + (r / kBlock) * cols + c0;
+      for (int64_t c = 0; c < w; ++c) d[c] *= sr[c];
+    }
+  }
+}
+
+// A whole batch of an operand, decoded (decode_rect) to dst [rows, cols], rows over threads.
+void decode_operand(const FloatOperand& op, int64_t b, bool k_cols, float* dst) {
+  at::parallel_for(0, op.rows, grain_rows(op.cols), [&](int64_t begin, int64_t end) {
+    decode_rect(op, b, k_cols, begin, end, 0, op.cols, dst + begin * op.cols, op.cols);
+  });
+}
+
+// acc [m, n] (ldc n) = A [m, k] (fp32, decoded, lda) x W batch b, W decoded panel by panel:
+// each thread takes column tiles of kTileN and, per kTileK rows of K, decodes W's panel into a
+// buffer that stays in cache and adds its product (MKL sgemm, beta 1 after the first panel).
+// W's codes are read once, at one byte (or half a byte) each, where decoding all of W writes and
+// reads it back as fp32: the cost that dominates for few rows.
+void tiled_float_gemm(const float* a, bool a_trans, int64_t lda, const FloatOperand& w,
+                      int64_t b, int64_t m, int64_t k, int64_t n, float* acc) {
+  constexpr int64_t kTileN = 128;
+  constexpr int64_t kTileK = 512;
+  const int64_t tiles = (n + kTileN - 1) / kTileN;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    blas::TileBuffer<float> panel(kTileK * kTileN);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t j0 = t * kTileN, tn = std::min(kTileN, n - j0);
+      for (int64_t k0 = 0; k0 < k; k0 += kTileK) {
+        const int64_t kc = std::min(kTileK, k - k0);
+        if (!w.trans) {  // W [k, n]: rows k0.., columns j0..: panel [kc, tn]
+          decode_rect(w, b, false, k0, k0 + kc, j0, j0 + tn, panel.data(), tn);
+        } else {  // W [n, k]: rows j0.., columns k0..: panel [tn, kc]
+          decode_rect(w, b, true, j0, j0 + tn, k0, k0 + kc, panel.data(), kc);
+        }
+        const float* ak = a + (a_trans ? k0 * lda : k0);
+        blas::gemm<float, float>(a_trans, w.trans, m, tn, kc, 1.f, ak, lda, panel.data(),
+                                 w.trans ? kc : tn, k0 == 0 ? 0.f : 1.f, acc + j0, n);
+      }
+    }
+  });
+}
+
+// Up to this many rows of x1 per batch W is decoded panel by panel (tiled_float_gemm); above,
+// whole, and MKL's threads run one large GEMM per batch.
+constexpr int64_t kTiledFloatRows = 512;
+
+// See FloatQuantMatmulArgs (quant_matmul.h): x1 decoded and block-scaled in fp32 (each of its
+// batches once); for few rows W decoded panel by panel in cache (tiled_float_gemm), else whole,
+// and one MKL sgemm per output batch (with the operands' transposes) into an fp32 accumulator;
+// then the epilogue.
+void float_quant_matmul_kernel(const FloatQuantMatmulArgs& p, at::Tensor& out) {
+  const int64_t batches = c10::multiply_integers(p.out_batch);
+  const int64_t m = p.m, k = p.k, n = p.n;
+  const auto opts = p.a.codes.options().dtype(at::kFloat);
+  auto decoded = [&](const FloatOperand& op, bool k_cols) {
+    at::Tensor f = at::empty({op.batches, op.rows, op.cols}, opts);
+    for (int64_t b = 0; b < op.batches; ++b) {
+      decode_operand(op, b, k_cols, f.mutable_data_ptr<float>() + b * op.rows * op.cols);
+    }
+    return f;
+  };
+  at::Tensor acc = at::empty({batches * m, n}, opts);
+  if (k == 0) {
+    acc.zero_();
+  } else {
+    const at::Tensor af = decoded(p.a, !p.a.trans);
+    if (m <= kTiledFloatRows) {
+      for (int64_t b = 0; b < batches; ++b) {
+        tiled_float_gemm(
+            af.const_data_ptr<float>() + batch_index(p.out_batch, p.a_batch, b) * m * k,
+            p.a.trans, p.a.cols, p.w, batch_index(p.out_batch, p.w_batch, b), m, k, n,
+            acc.mutable_data_ptr<float>() + b * m * n);
+      }
+      return quant_matmul_epilogue_kernel(acc, p.epilogue, out);
+    }
+    const at::Tensor wf = decoded(p.w, p.w.trans);
+    for (int64_t b = 0; b < batches; ++b) {
+      blas::gemm<float, float>(
+          p.a.trans, p.w.trans, m, n, k, 1.f,
+          af.const_data_ptr<float>() + batch_index(p.out_batch, p.a_batch, b) * m * k, p.a.cols,
+          wf.const_data_ptr<float>() + batch_index(p.out_batch, p.w_batch, b) * k * n, p.w.cols,
+          0.f, acc.mutable_data_ptr<float>() + b * m * n, n);
+    }
+  }
+  quant_matmul_epilogue_kernel(acc, p.epilogue, out);
+}
+
 void pack_int4_kernel(const at::Tensor& weight, at::Tensor& packed) {
   const int64_t words = packed.numel();
   const int32_t* in = weight.const_data_ptr<int32_t>();
@@ -597,6 +747,7 @@ void a8w4_matmul_kernel(const A8W4Args& p, at::Tensor& out) {
 OPENNPU_REGISTER_CPU_SLOT(quant_matmul, &quant_matmul_kernel);
 OPENNPU_REGISTER_CPU_SLOT(pack_int4, &pack_int4_kernel);
 OPENNPU_REGISTER_CPU_SLOT(a8w4_matmul, &a8w4_matmul_kernel);
+OPENNPU_REGISTER_CPU_SLOT(float_quant_matmul, &float_quant_matmul_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::quant

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from . import flash_route
 from .portable_optim import KERNELS as _optim_kernels
 from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4, _quantize_out
+from .quant import _QMM_E8M0_CODES, _qmm_float_kind, _transposed, _type_code
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
 # qualname -> the device types whose kernel is the portable one (decomposed under compile); CPU,
@@ -287,6 +288,10 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
         out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
             _QMM_DTYPES[output_dtype]
         return _a8w4(x1, x2, scale, offset, pertoken_scale, out_dtype)
+    kind1, kind2 = _qmm_float_kind(x1, x1_dtype), _qmm_float_kind(x2, x2_dtype)
+    if kind1 is not None and kind2 is not None and y_scale is None and offset is None:
+        return _float_quant_matmul(x1, x2, scale, pertoken_scale, bias, output_dtype, kind1,
+                                   kind2, scale_dtype, pertoken_scale_dtype)
     if y_scale is not None or (group_sizes is not None and any(group_sizes)):
         raise NotImplementedError("npu_quant_matmul: per-group / MX scaling (group_sizes, "
                                   "y_scale) is not implemented by opennpu")
@@ -299,6 +304,59 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
         _QMM_DTYPES[output_dtype]
     return _dequantise(acc, scale, offset, pertoken_scale, bias, out_dtype)
+
+
+_QMM_FLOAT_OUT = {None: None, 5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
+_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
+             -6.0)
+
+
+def _float_operand(t, kind):
+    """float8 / float4 codes of npu_quant_matmul as float32 (exact), in t's logical shape
+    (float4: the packed dim doubled: the last, or the one before for a transpose)."""
+    if kind != "fp4":
+        return t.view(kind).float()
+    trans = _transposed(t)
+    b = (t.mT if trans else t).view(torch.uint8).long()
+    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=t.device)
+    v = torch.stack([lut[b & 15], lut[b >> 4]], -1).flatten(-2)
+    return v.mT if trans else v
+
+
+def _e8m0(t):
+    """float8_e8m0 codes as float32: 2^(code - 127), 255 NaN."""
+    return t.view(torch.uint8).view(torch.float8_e8m0fnu).float()
+
+
+def _float_quant_matmul(x1, x2, scale, pertoken, bias, output_dtype, kind1, kind2, scale_dtype,
+                        pertoken_dtype):
+    """npu_quant_matmul's float8 / MX paths (csrc/ops/quant/quant_matmul.h): the decoded
+    operands (MX: times their e8m0 block scales of 32 along k) multiplied in float32, then
+    * scale (* pertoken) (+ bias), rounded once."""
+    out_dtype = output_dtype if isinstance(output_dtype, torch.dtype) else \
+        _QMM_FLOAT_OUT[output_dtype]
+    a, w = _float_operand(x1, kind1), _float_operand(x2, kind2)
+    k = a.shape[-1]
+    mx = _type_code(scale_dtype) in _QMM_E8M0_CODES or (
+        scale_dtype is None and scale.dtype == torch.float8_e8m0fnu)
+    if mx:  # pertoken [*, m, ceil(k / 64), 2], scale [*, ceil(k / 64), n, 2]
+        sa = _e8m0(pertoken).flatten(-2).repeat_interleave(32, -1)[..., :k]
+        sw = _e8m0(scale).transpose(-1, -2).flatten(-3, -2).repeat_interleave(32, -2)[..., :k, :]
+        acc = torch.matmul(a * sa, w * sw)
+        y = acc
+    else:
+        acc = torch.matmul(a, w)
+        s = scale.float().reshape(-1)
+        if pertoken is not None and pertoken.dim() == 1 and pertoken.numel() == 1 and \
+                a.shape[-2] != 1:
+            s = s * pertoken.float()  # the golden's double scale
+            pertoken = None
+        y = acc * s
+        if pertoken is not None:
+            y = y * pertoken.float().reshape(-1, 1)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
 
 
 def _a8w4(x, words, scale, bias, pertoken, out_dtype):

@@ -169,7 +169,8 @@ def _add_rms_norm_dynamic_quant_fake(x1, x2, gamma, *, smooth_scale1=None, smoot
 # ----------------------------------------------------------------------------- quantised matmul
 
 # The `int?` codes torch.ops gives the output dtypes of npu_quant_matmul.
-_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 15: torch.bfloat16}
+_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 6: torch.float32,
+                  15: torch.bfloat16}
 
 
 def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
@@ -188,7 +189,27 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     int8 outputs only; ``pertoken_scale`` float32 ``[m]``; ``bias`` ``[n]`` (or ``[batch, 1,
     n]``): int32 (added to the accumulator) or bfloat16 / float16 / float32 (added after the
     scales, float outputs). ``group_sizes`` must be None or [0, 0, 0] and ``y_scale`` None
-    (per-group and MX scaling are not implemented), except for A8W4.
+    (per-group scaling of integer operands is not implemented), except for A8W4 and MX.
+
+    Float operands (Ascend950's paths): ``x1`` / ``x2`` float8_e4m3fn or float8_e5m2 (mixed
+    allowed; or int8 / uint8 bytes with ``x1_dtype`` / ``x2_dtype`` torch.float8_* or torch_npu's
+    291 / 292), or float4_e2m1 (torch.float4_e2m1fn_x2, or bytes with ``x?_dtype`` 296 /
+    torch_npu.float4_e2m1fn_x2): two codes per byte, element 2j in the low nibble, along the
+    memory-contiguous dim (``x1`` [m, k / 2], or the transpose [m / 2, k] of a contiguous
+    [k, m / 2]; ``x2`` [k, n / 2], or the transpose [k / 2, n] of a contiguous [n, k / 2]).
+    ``output_dtype`` float16 / bfloat16 / float32; ``bias`` float [n] / [batch, 1, n]; no
+    ``offset``. The product is one float32 GEMM of the exactly decoded operands (float32
+    accumulation), then ``y = acc * scale (* pertoken_scale) (+ bias)``: per-tensor / channel
+    float32 ``scale`` [1] / [n], ``pertoken_scale`` float32 [m] (or [1]: the golden's double
+    scale ``scale * pertoken_scale``). MX (float8 or float4 operands): both scales float8_e8m0
+    (torch.float8_e8m0fnu, or uint8 / int8 with ``scale_dtype`` / ``pertoken_scale_dtype``
+    torch_npu.float8_e8m0fnu = 293), one per block of 32 along k as npu_dynamic_mx_quant
+    writes them: ``pertoken_scale`` [(batch,) m, ceil(k / 64), 2] for x1, ``scale`` [(batch,)
+    ceil(k / 64), n, 2] for x2 (the transpose of [n, ceil(k / 64), 2] when x2 is a transpose);
+    the operands are multiplied by their block scales in float32 (exact powers of two) before
+    the GEMM, a last block shorter than 32 allowed; ``group_sizes`` None, [0, 0, 0] or
+    [1, 1, 32]. hifloat8 operands, per-block float32 scaling of float8 and ``y_scale`` are not
+    implemented.
 
     A8W4 (int8 ``x1`` [m, k], int4 ``x2`` words [k, n / 8]): ``scale`` [k / group_k, n] (int64
     from npu_trans_quant_param, or float32), ``group_sizes`` [0, 0, group_k] (None: k /
@@ -231,6 +252,51 @@ def _dtype_of(code, default):
     return _DTYPE_OF_CODE.get(int(code), default)
 
 
+# Operand / scale type codes of npu_quant_matmul's float paths: torch's ScalarType codes and
+# torch_npu's DType (torch_npu.float8_e5m2 291, float8_e4m3fn 292, float8_e8m0fnu 293,
+# float4_e2m1fn_x2 296).
+_QMM_FP8_CODES = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
+                  291: torch.float8_e5m2}
+_QMM_FP4_CODES = {45, 296}
+_QMM_E8M0_CODES = {44, 293}
+_CODE_OF_DTYPE = {torch.float8_e5m2: 23, torch.float8_e4m3fn: 24, torch.float8_e8m0fnu: 44,
+                  torch.float4_e2m1fn_x2: 45, torch.float32: 6, torch.float16: 5,
+                  torch.bfloat16: 15, torch.int8: 1, torch.int32: 3, torch.uint8: 0}
+
+
+def _type_code(declared):
+    """An `int?` dtype argument as its code (a torch.dtype passed through Python stays one)."""
+    if declared is None or not isinstance(declared, torch.dtype):
+        return declared
+    return _CODE_OF_DTYPE.get(declared, -1)
+
+
+def _qmm_float_kind(t, declared):
+    """npu_quant_matmul's element format of x1 / x2: a float8 dtype, "fp4", or None (integer)."""
+    code = _type_code(declared)
+    if code is None:
+        if t.dtype == torch.float4_e2m1fn_x2:
+            return "fp4"
+        return t.dtype if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
+    if code in _QMM_FP4_CODES:
+        return "fp4"
+    return _QMM_FP8_CODES.get(code)
+
+
+def _transposed(t):
+    """op-plugin's test of a transposed operand: its last two dims are the transpose of a
+    contiguous tensor (float4 codes are packed two per byte along the memory-contiguous dim)."""
+    r, c = t.shape[-2], t.shape[-1]
+    if t.stride(-2) != 1 or t.stride(-1) != r:
+        return False
+    expected = r * c
+    for d in range(t.dim() - 3, -1, -1):
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return not (r == 1 and c == 1)
+
+
 @register_fake("npu::npu_quant_matmul")
 def _quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None,
                        output_dtype=None, x1_dtype=None, x2_dtype=None,
@@ -239,15 +305,24 @@ def _quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=
     torch._check(x1.dim() >= 2 and x2.dim() >= 2,
                  lambda: "npu_quant_matmul: x1 and x2 must have 2 to 6 dims")
     m = x1.shape[-2]
-    if x1.dtype == torch.int32:  # int4 words: [k, n / 8], or the transpose [k / 8, n]
+    kind1, kind2 = _qmm_float_kind(x1, x1_dtype), _qmm_float_kind(x2, x2_dtype)
+    if kind1 is not None or kind2 is not None:  # float8 / float4 codes
+        if kind1 == "fp4" and _transposed(x1):
+            m = 2 * m
+        n = x2.shape[-1] if kind2 != "fp4" or _transposed(x2) else 2 * x2.shape[-1]
+        default = torch.float32
+    elif x1.dtype == torch.int32:  # int4 words: [k, n / 8], or the transpose [k / 8, n]
         packed_k = x2.shape[-2] == 8 * x1.shape[-1]
         n = 8 * x2.shape[-1] if packed_k else x2.shape[-1]
+        default = torch.int8
     elif x2.dtype == torch.int32:  # A8W4: int4 weight words [k, n / 8]
         n = 8 * x2.shape[-1]
+        default = torch.int8
     else:
         n = x2.shape[-1]
+        default = torch.int8
     batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
-    return x1.new_empty([*batch, m, n], dtype=_dtype_of(output_dtype, torch.int8))
+    return x1.new_empty([*batch, m, n], dtype=_dtype_of(output_dtype, default))
 
 
 @register_fake("npu::npu_trans_quant_param")

@@ -18,6 +18,12 @@ if _device.register(explicit=True):
 __version__ = f"{opennpu.__version__}+opennpu"
 IS_OPENNPU = True
 
+# torch_npu's codes (c10_npu::DType) of the types that op arguments such as npu_quant_matmul's
+# x1_dtype / scale_dtype name; ops read them as they read torch's dtype codes.
+hifloat8 = 290
+float8_e8m0fnu = 293
+float4_e2m1fn_x2 = 296
+
 for _name in npu_op_names():
     globals()[_name] = op_alias(_name)
 
