@@ -57,6 +57,7 @@ import torch.nn.functional as F
 
 from . import flash_route
 from .portable_optim import KERNELS as _optim_kernels
+from .portable_optim import acc_dtype as _acc
 from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4, _quantize_out
 from .quant import _QMM_E8M0_CODES, _qmm_float_kind, _transposed, _type_code
 
@@ -118,10 +119,6 @@ def _portable(qualname):
         return fn
 
     return register
-
-
-def _acc(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _up(t):

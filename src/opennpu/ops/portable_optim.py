@@ -78,8 +78,10 @@ def _same_layout(a, b):
     return (a.is_contiguous() and b.is_contiguous()) or a.stride() == b.stride()
 
 
-def _acc(dtype):
+def acc_dtype(dtype):
+    """The dtype a composition computes in: float64 stays, everything else is float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 
 def _host_float(device):
@@ -181,7 +183,7 @@ class _Group:
     holds the positions (in the lists given to _groups) of its tensors."""
 
     def __init__(self, dtype, index, params, grads, states):
-        self.dtype, self.acc, self.index = dtype, _acc(dtype), index
+        self.dtype, self.acc, self.index = dtype, acc_dtype(dtype), index
         self.low = dtype != self.acc
         self.params, self.states = params, states
         self.P = self._up(params)
