@@ -3,8 +3,10 @@
     python -m benchmarks.run [--ops rms_norm,swiglu] [--dtypes fp32,bf16] [--threads 1,2]
                              [--quick] [--shapes 'T=8192 H=4096,S=8192'] [--json out.json]
 
-Per case and thread count: our median time (p20-p80), effective GB/s and its fraction of the copy
-bandwidth measured at the start of the same run (GFLOP/s for attention, which is compute-bound),
+Per case and thread count: our median time (p20-p80), effective GB/s and its fraction of the two
+memory roofs measured at the start of the same run: `copy_` (ordinary stores, which read every
+written line first) and a copy with streaming stores (no such read: the roof of an op that streams
+its outputs) (GFLOP/s for attention, which is compute-bound),
 the speedup over each baseline (native eager, torch.compile of it, F.rms_norm for rms_norm and
 F.scaled_dot_product_attention for attention), and the max abs error of ours and of native eager
 against the fp32 oracle (where the oracle fits in memory). Method and targets: shared/PERFORMANCE.md.
@@ -22,7 +24,7 @@ import sys
 import opennpu
 import torch
 from opennpu.testing.timing import (busy_warning, has_cpu_kernel, max_abs_error,
-                                    measure_copy_bandwidth, num_threads, reuse_freed_memory,
+                                    measure_roofs, num_threads, reuse_freed_memory,
                                     time_interleaved)
 
 from .cases import OPS, all_cases
@@ -62,7 +64,8 @@ def parse_args(argv=None):
     return args
 
 
-def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_time: float):
+def run_case(case: Case, threads: list[int], roofs: dict[int, dict[str, float]],
+             min_run_time: float):
     """One result row per thread count."""
     rows, errors = [], None
     for n in threads:
@@ -93,7 +96,9 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
         rows.append({
             "op": case.op, "direction": case.direction, "shape": case.shape,
             "dtype": DTYPE_NAMES[case.dtype], "threads": n, "bytes": case.nbytes,
-            "ours": ours, "baselines": peers, "gbps": gbps, "copy_bw_fraction": gbps / copy_bw[n],
+            "ours": ours, "baselines": peers, "gbps": gbps,
+            "copy_bw_fraction": gbps / roofs[n]["copy"],
+            "stream_bw_fraction": gbps / roofs[n]["stream"],
             "flops": case.flops, "gflops": case.flops / ours["median"] / 1e9,
             "speedup": {name: t["median"] / ours["median"] for name, t in peers.items()},
             "max_abs_err_ours": errors[0], "max_abs_err_eager": errors[1], "info": info,
@@ -102,17 +107,18 @@ def run_case(case: Case, threads: list[int], copy_bw: dict[int, float], min_run_
 
 
 HEADER = (f"{'op':<27}{'dir':<5}{'shape':<32}{'dtype':<6}{'thr':>3} {'ours ms (p20-p80)':>25}"
-          f"{'GB/s':>7}{'%copy':>7}{'x eager':>9}{'x compile':>10}{'x F.rms':>9}{'x sdpa':>8}"
-          f"{'err ours':>10}{'err eager':>10}")
+          f"{'GB/s':>7}{'%copy':>7}{'%strm':>7}{'x eager':>9}{'x compile':>10}{'x F.rms':>9}"
+          f"{'x sdpa':>8}{'err ours':>10}{'err eager':>10}")
 
 
 def format_row(row) -> str:
     ours = row["ours"]
     timing = f"{ours['median'] * 1e3:.4g} ({ours['p20'] * 1e3:.4g}-{ours['p80'] * 1e3:.4g})"
     speedups = [f"{row['speedup'][p]:.2f}x" if p in row["speedup"] else "-" for p in PEERS]
-    # Compute-bound cases show GFLOP/s in the GB/s column and no bandwidth fraction.
-    rate, fraction = ((f"{row['gflops']:>6.0f}F", f"{'-':>7}") if row["flops"]
-                      else (f"{row['gbps']:>7.1f}", f"{row['copy_bw_fraction']:>7.0%}"))
+    # Compute-bound cases show GFLOP/s in the GB/s column and no bandwidth fractions.
+    rate, fraction = ((f"{row['gflops']:>6.0f}F", f"{'-':>7}{'-':>7}") if row["flops"]
+                      else (f"{row['gbps']:>7.1f}",
+                            f"{row['copy_bw_fraction']:>7.0%}{row['stream_bw_fraction']:>7.0%}"))
     # Peers without a column of their own (the optimizer baselines) follow the table's columns.
     others = "".join(f"  x {name}: {x:.2f}" for name, x in row["speedup"].items()
                      if name not in PEERS)
@@ -128,12 +134,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     notes = [warning] if (warning := busy_warning()) else []
     reused = not args.system_malloc and reuse_freed_memory()
-    copy_bw = {n: measure_copy_bandwidth(n) for n in args.threads}
+    roofs = {n: measure_roofs(n) for n in args.threads}
     print(f"torch {torch.__version__}, opennpu ISA {opennpu.cpu_isa()}, {platform.platform()}")
     print("malloc: freed memory is " + ("reused (no page faults on outputs)" if reused
                                        else "returned to the OS (outputs page-fault in)"))
-    print("copy bandwidth (read + write): "
-          + ", ".join(f"{n} thread(s) {bw:.1f} GB/s" for n, bw in copy_bw.items()))
+    print("memory roofs (read + write), copy_ / streaming-store copy: "
+          + ", ".join(f"{n} thread(s) {r['copy']:.1f} / {r['stream']:.1f} GB/s"
+                      for n, r in roofs.items()))
     print(HEADER, flush=True)
 
     rows = []
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
                 notes.append(note)
             continue
         try:
-            case_rows = run_case(case, args.threads, copy_bw, args.min_run_time)
+            case_rows = run_case(case, args.threads, roofs, args.min_run_time)
         except Exception as error:  # report and go on: one broken op must not lose the run
             notes.append(f"FAILED {case.op} {case.direction} {case.shape} "
                          f"{DTYPE_NAMES[case.dtype]}: {type(error).__name__}: {error}")
@@ -167,7 +174,9 @@ def main(argv=None) -> int:
         result = {
             "torch": torch.__version__, "cpu_isa": opennpu.cpu_isa(),
             "machine": platform.platform(), "arch": platform.machine(), "cpus": os.cpu_count(),
-            "copy_bandwidth_gbps": copy_bw, "min_run_time": args.min_run_time,
+            "copy_bandwidth_gbps": {n: r["copy"] for n, r in roofs.items()},
+            "stream_copy_bandwidth_gbps": {n: r["stream"] for n, r in roofs.items()},
+            "min_run_time": args.min_run_time,
             "malloc_reuses_freed_memory": reused,
             "rows": rows, "notes": notes,
         }

@@ -8,6 +8,7 @@
 #include "common/checks.h"
 #include "common/cpu_dispatch.h"
 #include "common/half_gemm.h"
+#include "common/stream_store.h"
 #include "common/random.h"
 
 TORCH_LIBRARY(npu, m) {
@@ -456,6 +457,15 @@ TORCH_LIBRARY(opennpu, m) {
   m.def("_fused_scale_grads_(Tensor(a!)[] params, float scale) -> ()");
   // GradScaler.unscale_ in one pass: grads *= inv_scale; found_inf = 1 if any is inf or NaN.
   m.def("_fused_unscale_grads_(Tensor(a!)[] params, Tensor(b!) found_inf, Tensor inv_scale) -> ()");
+
+  // dst <- src byte for byte with non-temporal stores (contiguous, same shape and dtype): the
+  // benchmark harness's streaming-copy memory roof (ops/transpose).
+  m.def("_stream_copy_(Tensor(a!) self, Tensor src) -> Tensor(a!)");
+  // The streaming-store policy (common/stream_store.h): the last-level cache size found, and the
+  // output size from which kernels stream (setting < 0 restores the default; returns the old one).
+  m.def("_last_level_cache_bytes() -> int", []() { return opennpu::last_level_cache_bytes(); });
+  m.def("_set_stream_min_bytes(int bytes) -> int",
+        [](int64_t bytes) { return opennpu::set_stream_min_bytes(bytes); });
 
   // Strict mode: also enforce the documented Ascend limits (shapes, dtypes, ranks).
   m.def("set_strict(bool enabled) -> ()", [](bool enabled) { opennpu::set_strict_mode(enabled); });

@@ -32,3 +32,13 @@ def _strict_off():
 def dtype(request) -> torch.dtype:
     """fp32, fp16, bf16 and fp64."""
     return request.param
+
+
+@pytest.fixture
+def stream_threshold():
+    """torch.ops.opennpu._set_stream_min_bytes (the output size from which kernels write with
+    streaming stores; < 0: the default, the last-level cache), the default restored after."""
+    set_threshold = torch.ops.opennpu._set_stream_min_bytes
+    set_threshold(-1)
+    yield set_threshold
+    set_threshold(-1)

@@ -16,3 +16,10 @@ def test_time_interleaved_runs_every_function_in_alternation():
     timed = calls[3:]
     assert len(timed) == 12 and all(sorted(timed[i:i + 3]) == sorted(fns) for i in range(0, 12, 3))
     assert timed[:3] != timed[3:6]  # the order rotates between rounds
+
+
+def test_measure_roofs_reports_both_copies():
+    from opennpu.testing.timing import measure_roofs
+
+    roofs = measure_roofs(threads=1, nbytes=1 << 20, min_run_time=0.0)
+    assert set(roofs) == {"copy", "stream"} and all(gbps > 0 for gbps in roofs.values())

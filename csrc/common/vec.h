@@ -287,56 +287,5 @@ inline void for_each_step(int64_t n, const Body& body) {
   if (i < n) body(i, n - i);
 }
 
-// Outputs at least this large are written with non-temporal stores (they would not stay in the
-// caches anyway, and skipping the read of every destination line saves a third of the traffic).
-constexpr int64_t kStreamBytes = int64_t{16} << 20;
-
-// Stores one full step (kStep elements) with non-temporal stores; p must be aligned to the
-// vector width. For outputs far larger than the caches this skips reading the destination lines
-// before they are overwritten (a third of the traffic of a read-one-write-one kernel). kNative:
-// bf16 rounded as by store_pair<true>.
-template <bool kNative = false, typename scalar_t>
-inline void stream_step(scalar_t* p, const AccVec<scalar_t>& a, const AccVec<scalar_t>& b) {
-  using Vec = AccVec<scalar_t>;
-#if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (kNative && std::is_same_v<scalar_t, at::BFloat16>) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), bf16_native(a, b));
-    return;
-  } else if constexpr (std::is_same_v<scalar_t, float>) {
-    _mm512_stream_ps(p, a);
-    _mm512_stream_ps(p + Vec::size(), b);
-    return;
-  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
-    const __m512i packed = at::vec::convert_from_float<scalar_t>(a, b);
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), packed);
-    return;
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    _mm256_stream_ps(p, a);
-    _mm256_stream_ps(p + Vec::size(), b);
-    return;
-  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16> || std::is_same_v<scalar_t, at::Half>) {
-    const __m256i packed = at::vec::convert_from_float<scalar_t>(a, b);
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), packed);
-    return;
-  }
-#endif
-  VecPair<scalar_t>::store(p, a, b);
-}
-
-// Orders this thread's non-temporal stores before whatever follows the kernel.
-inline void stream_fence() {
-#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  _mm_sfence();
-#endif
-}
-
-// Whether p is aligned for stream_step (with rows of whole cache lines, so is every row).
-template <typename scalar_t>
-inline bool stream_aligned(const scalar_t* p) {
-  return reinterpret_cast<uintptr_t>(p) % 64 == 0;
-}
-
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu

@@ -212,6 +212,27 @@ def test_glu_sizes(glu, shape):
     check_glu(glu, randn(*shape))
 
 
+BITS = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+
+
+@glu_cases
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=dtype_id)
+@pytest.mark.parametrize("shape,dim", [((3, 14), -1), ((5, 166), -1), ((3, 2050), -1),
+                                       ((4, 6, 10), 1), ((10, 6), 0)],
+                         ids=["3x14", "5x166", "3x2050", "mid-dim", "dim0"])
+def test_glu_streamed_outputs_have_the_same_bits(glu, dtype, shape, dim, stream_threshold):
+    # Outputs of stream_min_bytes and more are written with streaming stores (whole lines; head
+    # and tail of each run with ordinary stores); 0 streams every output here.
+    x = randn(*shape, dtype=dtype)
+    stream_threshold(2**62)
+    plain = glu.ours(x, dim)
+    stream_threshold(0)
+    for got, want in zip(glu.ours(x, dim), plain, strict=True):  # `plain` alive: other buffers
+        assert torch.equal(got.view(BITS[dtype]), want.view(BITS[dtype]))
+
+
 @glu_cases
 def test_glu_large_low_precision(glu):
     check_glu(glu, randn(64, 4096, dtype=torch.bfloat16))

@@ -134,6 +134,68 @@ def test_sizes(op, shape):
     check_parity(op, op.make(shape))
 
 
+# ----------------------------------------------------------------------------- streaming stores
+# Outputs at least stream_min_bytes large are written with non-temporal stores (whole cache lines;
+# each row's partial lines with ordinary stores). The values must be the same bits either way.
+# (stream_threshold: tests/conftest.py.)
+
+NEVER = 2**62
+BITS = {F32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
+        torch.bfloat16: torch.int16}
+
+
+def assert_same_bits(got, want):
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(g.contiguous().view(BITS[g.dtype]), w.contiguous().view(BITS[w.dtype]))
+
+
+def test_stream_threshold_setting(stream_threshold):
+    assert torch.ops.opennpu._last_level_cache_bytes() >= 0
+    default = stream_threshold(123)
+    assert default > 0  # the last-level cache, or 16 MiB where the system does not say
+    assert stream_threshold(-1) == 123
+    assert stream_threshold(-1) == default
+
+
+@norm_ops
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16, torch.float16, torch.float64],
+                         ids=dtype_id)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 83), (4, 64), (3, 1000), (2, 4099),
+                                   (2, 3, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_streamed_outputs_have_the_same_bits(op, dtype, shape, stream_threshold):
+    inputs = op.make(shape, dtype=dtype)
+    stream_threshold(NEVER)
+    plain = op.ours(*inputs)
+    stream_threshold(0)  # every output streams
+    # `plain` stays alive, so the streamed outputs are other buffers: a store left out shows.
+    assert_same_bits(op.ours(*inputs), plain)
+    assert_same_bits(plain, op.ours(*inputs))
+
+
+@norm_ops
+@pytest.mark.parametrize("layout", ["transposed", "sliced"])
+def test_streamed_outputs_non_contiguous_inputs(op, layout, stream_threshold):
+    inputs = [non_contiguous(t.shape, layout) for t in op.make((6, 5, 40))]
+    stream_threshold(NEVER)
+    plain = op.ours(*inputs)
+    stream_threshold(0)
+    assert_same_bits(op.ours(*inputs), plain)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=dtype_id)
+def test_outputs_above_and_below_the_stream_threshold(dtype, stream_threshold):
+    n = 520  # rows of 2080 / 1040 bytes: not whole cache lines
+    cases = [(op, op.make((rows, n), dtype=dtype)) for op in (RMS, ADD) for rows in (4, 64)]
+    stream_threshold(NEVER)
+    plain = [op.ours(*xs) for op, xs in cases]
+    stream_threshold(16 * n * dtype.itemsize)  # 4 rows store normally, 64 rows stream
+    for (op, xs), want in zip(cases, plain):
+        assert_same_bits(op.ours(*xs), want)
+        check_parity(op, xs)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16], ids=dtype_id)
 def test_large_low_precision(dtype):
     check_parity(RMS, RMS.make((64, 4096), dtype=dtype))

@@ -193,6 +193,27 @@ def test_sizes(x_shape, r_shape, mode):
     check_rotary(*make(x_shape, r_shape), mode, grad_scale=8.0)
 
 
+@modes
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float16, F64], ids=dtype_id)
+@pytest.mark.parametrize("layout", ["BSND", "BNSD-view", "D=64", "D=40"])
+def test_streamed_outputs_have_the_same_bits(dtype, layout, mode, stream_threshold):
+    # Outputs of stream_min_bytes and more are written with streaming stores where every half row
+    # starts on a cache line (D = 128 and 64 here; D = 40 never does, and stores normally);
+    # 0 streams every output here.
+    if layout == "BNSD-view":  # BSND memory viewed as BNSD: the tiled path
+        x = randn(2, 37, 3, 128, dtype=dtype).transpose(1, 2)
+        r1, r2 = randn(1, 1, 37, 128, dtype=dtype), randn(1, 1, 37, 128, dtype=dtype)
+    else:
+        d = {"BSND": 128, "D=64": 64, "D=40": 40}[layout]
+        x, r1, r2 = make((2, 9, 3, d), (1, 9, 1, d), dtype)
+    stream_threshold(2**62)
+    plain = opennpu.npu_rotary_mul(x, r1, r2, mode)
+    stream_threshold(0)
+    got = opennpu.npu_rotary_mul(x, r1, r2, mode)  # `plain` alive: another buffer
+    bits = {F32: torch.int32, F64: torch.int64}.get(dtype, torch.int16)
+    assert torch.equal(got.view(bits), plain.view(bits))
+
+
 def test_large_low_precision():
     check_rotary(*make((2, 64, 8, 128), (1, 64, 1, 128), BF16), "half")
 

@@ -9,6 +9,7 @@
 
 #include <cmath>
 
+#include "common/stream_store.h"
 #include "common/vec.h"
 #include "ops/activation/act_math.h"
 #include "ops/activation/activation.h"
@@ -41,6 +42,12 @@ void glu_fwd_impl(const GluHalves& x, int64_t outer, int64_t m, at::Tensor& out,
   const scalar_t* po = x.o.const_data_ptr<scalar_t>() + x.o_offset;
   scalar_t* py = out.mutable_data_ptr<scalar_t>();
   scalar_t* pg = gelu_out.defined() ? gelu_out.mutable_data_ptr<scalar_t>() : nullptr;
+  // Outputs larger than the last-level cache are streamed (common/stream_store.h); gelu_out too
+  // where its lines fall at the same offsets as out's.
+  const bool stream = stream_output(py, out.nbytes());
+  const bool stream_g = stream && pg != nullptr &&
+                        reinterpret_cast<uintptr_t>(pg) % kLineBytes ==
+                            reinterpret_cast<uintptr_t>(py) % kLineBytes;
   with_bf16_stores<scalar_t>([&](auto native) {
     constexpr bool kNative = decltype(native)::value;
     at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {
@@ -49,16 +56,17 @@ void glu_fwd_impl(const GluHalves& x, int64_t outer, int64_t m, at::Tensor& out,
         const scalar_t* other = po + o * x.stride + j;
         scalar_t* y = py + o * m + j;
         scalar_t* g = pg ? pg + o * m + j : nullptr;
-        for_each_step<scalar_t>(len, [&](int64_t k, int64_t l) {
+        for_each_output_step<scalar_t>(y, len, stream, [&](int64_t k, int64_t l, bool streamed) {
           Vec h0, h1, b0, b1;
           IO::load(h + k, h0, h1, l);
           IO::load(other + k, b0, b1, l);
           const Vec a0 = act_value<kAct, scalar_t>(h0);
           const Vec a1 = act_value<kAct, scalar_t>(h1);
-          store_pair<kNative>(y + k, a0 * b0, a1 * b1, l);
-          if (g) store_pair<kNative>(g + k, a0, a1, l);
+          store_output<kNative>(y + k, a0 * b0, a1 * b1, l, streamed);
+          if (g) store_output<kNative>(g + k, a0, a1, l, streamed && stream_g);
         });
       });
+      if (stream) stream_fence();
     });
   });
 }

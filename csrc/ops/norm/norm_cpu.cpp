@@ -10,7 +10,9 @@
 #include <ATen/ops/zeros.h>
 
 #include <cmath>
+#include <vector>
 
+#include "common/stream_store.h"
 #include "common/vec.h"
 #include "ops/norm/norm.h"
 #include "ops/norm/norm_rows.h"
@@ -29,13 +31,16 @@ void rms_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& gamma, double ep
     const T* pg = gamma.const_data_ptr<T>();
     scalar_t* py = y.mutable_data_ptr<scalar_t>();
     T* pr = rstd.mutable_data_ptr<T>();
+    // y is written once and never read back: streamed where it outgrows the last-level cache.
+    const bool stream = stream_output(py, y.nbytes());
     with_bf16_stores<scalar_t>([&](auto native) {
       constexpr bool kNative = decltype(native)::value;
       at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           pr[r] = rms_norm_row<scalar_t, kNative>(px + r * n, pg, py + r * n, n,
-                                                  static_cast<T>(eps));
+                                                  static_cast<T>(eps), stream);
         }
+        if (stream) stream_fence();
       });
     });
   });
@@ -54,14 +59,27 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
         scalar_t* py = y.mutable_data_ptr<scalar_t>();
         scalar_t* px = x.mutable_data_ptr<scalar_t>();
         T* pr = rstd.mutable_data_ptr<T>();
+        // Large outputs are streamed (common/stream_store.h). y is written once; the sum x is read
+        // back to normalise it, which a streamed line would have to come back from memory for:
+        // when x streams, each row's sum goes to an L1 scratch row first (the same rounded
+        // values, normalised from there) and is streamed from it to x.
+        const bool stream_y = stream_output(py, y.nbytes());
+        const bool stream_x = stream_output(px, x.nbytes());
         with_bf16_stores<scalar_t>([&](auto native) {
           constexpr bool kNative = decltype(native)::value;
           at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+            std::vector<scalar_t> scratch(stream_x ? n : 0);
             for (int64_t r = begin; r < end; ++r) {
-              scalar_t* xr = px + r * n;
+              scalar_t* xr = stream_x ? scratch.data() : px + r * n;
               add_row<scalar_t, kNative>(pa + r * n, pb + r * n, xr, n);
-              pr[r] = rms_norm_row<scalar_t, kNative>(xr, pg, py + r * n, n, static_cast<T>(eps));
+              pr[r] = rms_norm_row<scalar_t, kNative>(xr, pg, py + r * n, n, static_cast<T>(eps),
+                                                      stream_y);
+              if (stream_x) {
+                stream_bytes(reinterpret_cast<char*>(px + r * n),
+                             reinterpret_cast<const char*>(xr), n * sizeof(scalar_t));
+              }
             }
+            if (stream_x || stream_y) stream_fence();
           });
         });
       });

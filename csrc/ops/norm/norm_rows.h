@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "common/stream_store.h"
 #include "common/vec.h"
 
 namespace opennpu::norm {
@@ -74,14 +75,23 @@ acc_t<scalar_t> rms_norm_row_to(const scalar_t* x, const acc_t<scalar_t>* gamma,
 }
 
 // y = x * rstd * gamma in x's dtype; returns rstd. kNative: bf16 rounded by the AVX512_BF16
-// instruction (see with_bf16_stores in common/vec.h).
+// instruction (see with_bf16_stores in common/vec.h). stream: y's whole lines are written with
+// streaming stores (common/stream_store.h; the values are the same either way, as y is
+// elementwise in x's lanes).
 template <typename scalar_t, bool kNative = false>
 acc_t<scalar_t> rms_norm_row(const scalar_t* x, const acc_t<scalar_t>* gamma, scalar_t* y,
-                             int64_t n, acc_t<scalar_t> eps) {
-  return rms_norm_row_to<scalar_t>(x, gamma, n, eps, [&](int64_t i, const auto& a, const auto& b,
-                                                          int64_t len) {
-    store_pair<kNative>(y + i, a, b, len);
+                             int64_t n, acc_t<scalar_t> eps, bool stream = false) {
+  using T = acc_t<scalar_t>;
+  using Vec = AccVec<scalar_t>;
+  const T rstd = rstd_of<T>(sum_of_squares(x, n), n, eps);
+  const Vec vrstd(rstd);
+  for_each_output_step<scalar_t>(y, n, stream, [&](int64_t i, int64_t len, bool streamed) {
+    Vec a, b, ga, gb;
+    VecPair<scalar_t>::load(x + i, a, b, len);
+    VecPair<T>::load(gamma + i, ga, gb, len);
+    store_output<kNative>(y + i, a * vrstd * ga, b * vrstd * gb, len, streamed);
   });
+  return rstd;
 }
 
 }  // namespace CPU_CAPABILITY

@@ -17,6 +17,7 @@
 #include <limits>
 #include <vector>
 
+#include "common/stream_store.h"
 #include "common/vec.h"
 #include "ops/norm/norm_rows.h"
 #include "ops/quant/fp_barrier.h"
@@ -308,8 +309,8 @@ void add_rms_norm_dynamic_quant_kernel(const at::Tensor& x1, const at::Tensor& x
     // non-temporal stores, which skip reading each destination line first (rows of whole
     // cache lines, so every line is written by streaming stores alone).
     const int64_t row_bytes = n * static_cast<int64_t>(sizeof(scalar_t));
-    const bool stream = rows * row_bytes >= kStreamBytes && row_bytes % 64 == 0 &&
-                        stream_aligned(px);
+    const bool stream = row_bytes % kLineBytes == 0 && stream_aligned(px) &&
+                        stream_output(px, rows * row_bytes);
     // The int8 codes likewise, when x_out streams and their rows are whole cache lines too.
     const auto codes_aligned = [&](const at::Tensor& y) {
       return y.defined() && y.dim() > 0 && stream_aligned(static_cast<const int8_t*>(y.const_data_ptr()));

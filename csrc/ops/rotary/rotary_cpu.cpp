@@ -14,6 +14,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "common/stream_store.h"
 #include "common/vec.h"
 #include "ops/norm/norm_rows.h"
 #include "ops/rotary/rotary.h"
@@ -98,12 +99,18 @@ class RowCursor {
   std::vector<int64_t> index_;
 };
 
+// stream: y's full steps are written with streaming stores (the caller checked that each half
+// row starts on a cache line, so every other step covers whole lines by itself).
 template <typename scalar_t, typename r_t>
-void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int64_t D, Mode mode) {
+void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int64_t D, Mode mode,
+                bool stream = false) {
   using Vec = AccVec<scalar_t>;
   using IO = VecPair<scalar_t>;
   using RIO = VecPair<r_t>;
   const int64_t h = D / 2;
+  const auto store = [stream](scalar_t* p, const Vec& a, const Vec& b, int64_t l) {
+    store_output(p, a, b, l, stream && l == IO::kStep);
+  };
   // Rotate-half of output lanes [k, k + l) of both halves, given the first-half inputs (a) and
   // the second-half inputs (b): y1 = a*c1 - b*s1, y2 = b*c2 + a*s2.
   const auto half_step = [&](int64_t k, int64_t l, const Vec& a0, const Vec& a1, const Vec& b0,
@@ -113,8 +120,8 @@ void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int6
     RIO::load(c + h + k, c20, c21, l);
     RIO::load(s + k, s10, s11, l);
     RIO::load(s + h + k, s20, s21, l);
-    IO::store(y + k, a0 * c10 - b0 * s10, a1 * c11 - b1 * s11, l);
-    IO::store(y + h + k, at::vec::fmadd(a0, s20, b0 * c20), at::vec::fmadd(a1, s21, b1 * c21), l);
+    store(y + k, a0 * c10 - b0 * s10, a1 * c11 - b1 * s11, l);
+    store(y + h + k, at::vec::fmadd(a0, s20, b0 * c20), at::vec::fmadd(a1, s21, b1 * c21), l);
   };
   if (mode == Mode::kHalf) {
     for_each_step<scalar_t>(h, [&](int64_t k, int64_t l) {
@@ -143,8 +150,8 @@ void rotary_row(const scalar_t* x, const r_t* c, const r_t* s, scalar_t* y, int6
       IO::load(x + k, a0, a1, l);
       RIO::load(c + k, c0, c1, l);
       RIO::load(s + k, s0, s1, l);
-      IO::store(y + k, at::vec::fmadd(swap_pairs(a0) * sign, s0, a0 * c0),
-                at::vec::fmadd(swap_pairs(a1) * sign, s1, a1 * c1), l);
+      store(y + k, at::vec::fmadd(swap_pairs(a0) * sign, s0, a0 * c0),
+            at::vec::fmadd(swap_pairs(a1) * sign, s1, a1 * c1), l);
     });
   }
 }
@@ -158,6 +165,11 @@ void rotary_fwd_impl(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
   const r_t* pc = r1.const_data_ptr<r_t>();
   const r_t* ps = r2.const_data_ptr<r_t>();
   scalar_t* py = out.mutable_data_ptr<scalar_t>();
+  // Outputs larger than the last-level cache are streamed (common/stream_store.h) where every
+  // half row starts on a cache line: the steps of a row then cover whole lines, the full ones
+  // streamed and a shorter last one stored normally.
+  const bool stream = (D / 2) * static_cast<int64_t>(sizeof(scalar_t)) % kLineBytes == 0 &&
+                      D % 2 == 0 && stream_aligned(py) && stream_output(py, out.nbytes());
   const int64_t L = static_cast<int64_t>(layout.sizes.size());
   if (L >= 2 && layout.sizes[L - 2] > 1 && layout.sizes[L - 1] > 1 &&
       layout.x_strides[L - 2] < layout.x_strides[L - 1]) {
@@ -188,10 +200,11 @@ void rotary_fwd_impl(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
           for (int64_t n = 0; n < N; ++n) {
             rotary_row<scalar_t, r_t>(x0 + n * xn + i * xs, c0 + n * c_n + i * c_s,
                                       sn0 + n * s_n + i * s_s, py + ((o * N + n) * S + i) * D, D,
-                                      mode);
+                                      mode, stream);
           }
         }
       }
+      if (stream) stream_fence();
     });
     return;
   }
@@ -199,8 +212,10 @@ void rotary_fwd_impl(const at::Tensor& x, const at::Tensor& r1, const at::Tensor
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     RowCursor row(layout, begin);
     for (int64_t r = begin; r < end; ++r, row.next()) {
-      rotary_row<scalar_t, r_t>(px + row.x, pc + row.r1, ps + row.r2, py + r * D, D, mode);
+      rotary_row<scalar_t, r_t>(px + row.x, pc + row.r1, ps + row.r2, py + r * D, D, mode,
+                                stream);
     }
+    if (stream) stream_fence();
   });
 }
 

@@ -30,6 +30,7 @@
 #include <memory>
 #include <vector>
 
+#include "common/stream_store.h"
 #include "common/vec.h"
 #include "ops/softmax/softmax.h"
 
@@ -354,7 +355,7 @@ void for_each_row(const scalar_t* in, const scalar_t* in2, scalar_t* out, int64_
   // alone (a partial step at a row's end covers whole lines too).
   const int64_t row_bytes = w * static_cast<int64_t>(sizeof(scalar_t));
   const bool stream =
-      rows * row_bytes >= kStreamBytes && row_bytes % 64 == 0 && stream_aligned(out);
+      row_bytes % kLineBytes == 0 && stream_aligned(out) && stream_output(out, rows * row_bytes);
   const int64_t ahead = ahead_rows<scalar_t>(w);
   at::parallel_for(0, rows, grain_rows(w), [&](int64_t begin, int64_t end) {
     auto row = make_row();

@@ -31,4 +31,10 @@ using PermuteCopyFn = void(const char* src, char* dst, const CopyPlan& plan);
 
 extern KernelSlots<PermuteCopyFn> permute_copy;
 
+// dst[0, bytes) <- src[0, bytes) with streaming stores (common/stream_store.h), in parallel: the
+// benchmark harness's second memory roof (torch.ops.opennpu._stream_copy_).
+using StreamCopyFn = void(const char* src, char* dst, int64_t bytes);
+
+extern KernelSlots<StreamCopyFn> stream_copy;
+
 }  // namespace opennpu::transpose

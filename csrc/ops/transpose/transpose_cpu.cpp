@@ -12,12 +12,14 @@
 //   square blocks transposed in SIMD registers: on AVX-512 16 x 16 for 4-byte units and 32 x 32
 //   for 2-byte units (rows of one 64-byte line), otherwise AVX2/SSE2 shuffles.
 //
-// Outputs of 16 MiB and more are written with non-temporal (streaming) stores of whole 64-byte
-// lines: such an output does not stay in cache anyway, and streaming saves the read-for-ownership
-// of each output line (a third of the memory traffic of a copy). Blocks narrower than a line go
+// Outputs of stream_min_bytes() and more (common/stream_store.h: the size of the last-level
+// cache) are written with non-temporal (streaming) stores of whole 64-byte lines: such an output
+// does not stay in cache anyway, and streaming saves the read-for-ownership of each output line
+// (a third of the memory traffic of a copy). Blocks narrower than a line go
 // through an L1 staging buffer, as do output rows that are not line-aligned (their partial end
 // lines are stored normally). Run copies stream only into pages already mapped (see
-// pages_resident). Smaller outputs use ordinary stores, so the next op finds them in cache.
+// pages_resident in common/stream_store.h). Smaller outputs use ordinary stores, so the next op
+// finds them in cache.
 //
 // Why not ATen: out.copy_(x.permute(perm)) reached 68-84% of copy bandwidth on large BSND -> BNSD
 // copies and 8-45% on 2-D transposes (its blocked 2-D path is single-threaded) on the development
@@ -35,11 +37,7 @@
 #define OPENNPU_TRANSPOSE_SIMD 1
 #endif
 
-#ifdef __linux__
-#include <sys/mman.h>
-#include <unistd.h>
-#endif
-
+#include "common/stream_store.h"
 #include "ops/transpose/transpose.h"
 
 namespace opennpu::transpose {
@@ -64,11 +62,9 @@ constexpr int64_t kStagedRowBytes = 2048;
 constexpr int64_t kStagedTileBytes = 256 << 10;
 // Runs up to this long are copied inline rather than by memcpy.
 constexpr int64_t kInlineRunBytes = 1024;
-// Outputs at least this large are written with streaming stores where lines are whole.
-constexpr int64_t kStreamMinBytes = 16 << 20;
 // Work below this many bytes per parallel chunk stays on one thread.
 constexpr int64_t kParallelBytes = 64 << 10;
-constexpr int64_t kLine = 64;
+constexpr int64_t kLine = kLineBytes;
 
 template <int kBytes>
 inline void move_unit(char* dst, const char* src) {
@@ -370,33 +366,9 @@ void transpose_tile(const char* src, int64_t ld_src, char* dst, int64_t ld_dst, 
   scalar_block<kBytes>(src + a * ld_src, ld_src, kBytes, dst + a * kBytes, ld_dst, na - a, nb);
 }
 
-// Streams one line from any address to a line-aligned destination.
-inline void stream_line_from(char* dst, const char* src) {
-#if defined(CPU_CAPABILITY_AVX512)
-  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst), _mm512_loadu_si512(src));
-#elif defined(OPENNPU_TRANSPOSE_SIMD)
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst),
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-  _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32),
-                      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32)));
-#else
-  std::memcpy(dst, src, kLine);
-#endif
-}
-
-// n bytes to any dst: whole lines streamed, the partial line at each end stored normally.
-inline void write_streaming(char* dst, const char* src, int64_t n) {
-  const int64_t misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(dst) % kLine);
-  const int64_t head = std::min(n, (kLine - misalign) % kLine);
-  std::memcpy(dst, src, head);
-  int64_t i = head;
-  for (; i + kLine <= n; i += kLine) stream_line_from(dst + i, src + i);
-  std::memcpy(dst + i, src + i, n - i);
-}
-
 // Streaming with output rows that are not line-aligned (n_a * kBytes not a multiple of a line):
 // each kV x na piece (na * kBytes <= kStagedRowBytes) is transposed into an L1 staging buffer,
-// then each output row is written with write_streaming. Tiles advance along A, so the line a
+// then each output row is written with stream_bytes (common/stream_store.h). Tiles advance along A, so the line a
 // tile leaves partial is completed by the next one while it is still in cache.
 template <int kBytes>
 void transpose_tile_staged(const char* src, int64_t ld_src, char* dst, int64_t ld_dst,
@@ -414,7 +386,7 @@ void transpose_tile_staged(const char* src, int64_t ld_src, char* dst, int64_t l
       scalar_block<kBytes>(src + na_blocks * ld_src + b * kBytes, ld_src, kBytes,
                            stage + na_blocks * kBytes, kStagedRowBytes, na - na_blocks, kV);
       for (int r = 0; r < kV; ++r) {
-        write_streaming(dst + (b + r) * ld_dst, stage + r * kStagedRowBytes, na * kBytes);
+        stream_bytes(dst + (b + r) * ld_dst, stage + r * kStagedRowBytes, na * kBytes);
       }
     }
   }
@@ -471,28 +443,6 @@ int64_t offset_of(int64_t i, const std::vector<int64_t>& sizes,
 }
 
 bool line_aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kLine == 0; }
-
-// Whether the output [p, p + n) is mapped already. A large output that glibc has just mapped
-// (or handed back by trimming the heap) is zeroed by the kernel on first touch, which leaves its
-// lines in cache; streaming stores then have to evict them, and plain stores are faster for
-// sequential runs. Interior pages are probed: malloc itself touches the first and the last page
-// (its chunk header, and the header of the free space that follows).
-bool pages_resident(const char* p, int64_t n) {
-#ifdef __linux__
-  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  for (int64_t quarter = 1; quarter <= 3; ++quarter) {
-    const uintptr_t at = reinterpret_cast<uintptr_t>(p + n / 4 * quarter);
-    unsigned char resident = 0;
-    if (mincore(reinterpret_cast<void*>(at & ~(page - 1)), 1, &resident) != 0) return true;
-    if ((resident & 1) == 0) return false;
-  }
-  return true;
-#else
-  (void)p;
-  (void)n;
-  return true;
-#endif
-}
 
 // Every run of run_bytes by itself, split into chunks; for long runs and the plain copy.
 template <bool kStream>
@@ -574,7 +524,7 @@ void permute_copy_impl(const char* src, char* dst, const CopyPlan& plan) {
   for (auto& s : src_strides) s *= kBytes;
   int64_t total = run_bytes;
   for (int64_t s : plan.sizes) total *= s;
-  const bool big = total >= kStreamMinBytes && line_aligned(dst);
+  const bool big = total >= stream_min_bytes() && line_aligned(dst);
 #ifndef OPENNPU_TRANSPOSE_SIMD
   constexpr bool kCanStream = false;
 #else
@@ -661,9 +611,19 @@ void permute_copy_kernel(const char* src, char* dst, const CopyPlan& plan) {
   }
 }
 
+// The streaming copy of the roofline: each thread streams one contiguous span (whole lines; the
+// partial line at either end of a span stored normally), then fences.
+void stream_copy_kernel(const char* src, char* dst, int64_t bytes) {
+  at::parallel_for(0, bytes, kParallelBytes, [&](int64_t begin, int64_t end) {
+    stream_bytes(dst + begin, src + begin, end - begin);
+    ::opennpu::stream_fence();
+  });
+}
+
 }  // namespace
 
 OPENNPU_REGISTER_CPU_SLOT(permute_copy, &permute_copy_kernel);
+OPENNPU_REGISTER_CPU_SLOT(stream_copy, &stream_copy_kernel);
 
 }  // namespace CPU_CAPABILITY
 }  // namespace opennpu::transpose

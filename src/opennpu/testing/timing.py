@@ -86,6 +86,23 @@ def measure_copy_bandwidth(threads: int, nbytes: int = 256 * 2**20,
     return 2 * nbytes / seconds / 1e9
 
 
+def measure_roofs(threads: int, nbytes: int = 256 * 2**20,
+                  min_run_time: float = 0.5) -> dict[str, float]:
+    """Both memory roofs, timed in alternation, in GB/s counting the bytes read and written once:
+    "copy", a large `dst.copy_(src)` (ordinary stores: every written line is read first, its
+    read-for-ownership, so 3 bytes move per 2 counted), and "stream", the same copy with
+    non-temporal stores (torch.ops.opennpu._stream_copy_: no read-for-ownership). An op that
+    streams its outputs can pass 100% of "copy"; "stream" is the roof it can reach."""
+    src = torch.ones(nbytes // 4)
+    dst, dst_stream = torch.empty_like(src), torch.empty_like(src)
+    dst_stream.copy_(src)  # map the pages first, as dst's first timed call does
+    stream_copy = torch.ops.opennpu._stream_copy_
+    times = time_interleaved({"copy": lambda: dst.copy_(src),
+                              "stream": lambda: stream_copy(dst_stream, src)},
+                             threads, min_run_time)
+    return {name: 2 * nbytes / t["median"] / 1e9 for name, t in times.items()}
+
+
 _compiled: dict[tuple, Callable] = {}
 
 
