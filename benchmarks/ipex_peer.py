@@ -226,12 +226,12 @@ def run_case(worker: IpexWorker, case: IpexCase, dtype_name: str, threads: int, 
     return row
 
 
-HEADER = (f"{'op':<14}{'shape':<26}{'dtype':<6}{'thr':>3}{'ours ms':>10}{'IPEX ms':>10}"
+HEADER = (f"{'op':<14}{'shape':<30}{'dtype':<6}{'thr':>3}{'ours ms':>10}{'IPEX ms':>10}"
           f"{'x IPEX':>8}{'err ours':>10}{'/floor':>7}{'err IPEX':>10}{'/floor':>7}")
 
 
 def format_row(row: dict) -> str:
-    head = f"{row['op']:<14}{row['shape']:<26}{row['dtype']:<6}{row['threads']:>3}"
+    head = f"{row['op']:<14}{row['shape']:<30}{row['dtype']:<6}{row['threads']:>3}"
     if "skip" in row:
         return f"{head}  IPEX skipped: {row['skip']}"
     return (f"{head}{row['ours'] * 1e3:>10.4g}{row['ipex'] * 1e3:>10.4g}{row['ratio']:>7.2f}x"
