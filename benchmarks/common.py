@@ -38,6 +38,16 @@ class Case:
     flops: int = 0  # compute-bound cases (attention) report GFLOP/s instead of bandwidth
 
 
+def gpt2_small_shapes(vocab=50257, positions=1024, width=768, layers=12):
+    """GPT-2 small's 148 parameter shapes (124 M parameters)."""
+    shapes = [(vocab, width), (positions, width)]
+    for _ in range(layers):
+        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
+                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),
+                   (width,)]
+    return shapes + [(width,), (width,)]
+
+
 def randn(*shape: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.randn(*shape, dtype=torch.float32).to(dtype)
 

@@ -2,6 +2,7 @@
 
     python -m benchmarks.run [--ops rms_norm,swiglu] [--dtypes fp32,bf16] [--threads 1,2]
                              [--quick] [--shapes 'T=8192 H=4096,S=8192'] [--json out.json]
+                             [--ipex-python /path/to/venv-ipex/bin/python]
 
 Per case and thread count: our median time (p20-p80), effective GB/s and its fraction of the two
 memory roofs measured at the start of the same run: `copy_` (ordinary stores, which read every
@@ -10,6 +11,11 @@ its outputs) (GFLOP/s for attention, which is compute-bound),
 the speedup over each baseline (native eager, torch.compile of it, F.rms_norm for rms_norm and
 F.scaled_dot_product_attention for attention), and the max abs error of ours and of native eager
 against the fp32 oracle (where the oracle fits in memory). Method and targets: shared/PERFORMANCE.md.
+
+With --ipex-python (or OPENNPU_IPEX_PYTHON) naming the Python of a torch 2.8 + Intel Extension for
+PyTorch virtualenv, a second table follows: ours against IPEX on the ops both have
+(benchmarks/ipex_peer.py), timed in alternation with an IPEX worker process; without it that
+table is skipped with a note.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from opennpu.testing.timing import (busy_warning, has_cpu_kernel, max_abs_error,
                                     measure_roofs, num_threads, reuse_freed_memory,
                                     time_interleaved)
 
+from . import ipex_peer
 from .cases import OPS, all_cases
 from .common import DTYPE_NAMES, DTYPES, Case
 
@@ -49,6 +56,9 @@ def parse_args(argv=None):
     parser.add_argument("--min-run-time", type=float, default=None,
                         help="seconds per timing (default 0.5, 0.2 with --quick)")
     parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--ipex-python", default=os.environ.get(ipex_peer.ENV),
+                        help="the Python of a torch 2.8 + IPEX virtualenv: adds the IPEX table "
+                             f"(default: ${ipex_peer.ENV})")
     parser.add_argument("--system-malloc", action="store_true",
                         help="keep glibc's default of returning large blocks to the OS (every "
                              "call then page-faults its outputs in)")
@@ -57,7 +67,7 @@ def parse_args(argv=None):
     for given, known in ((args.ops, OPS), (dtype_names, DTYPES)):
         if unknown := set(given) - set(known):
             parser.error(f"unknown {sorted(unknown)}; choose from {', '.join(known)}")
-    args.dtypes = [DTYPES[name] for name in dtype_names]
+    args.dtype_names, args.dtypes = dtype_names, [DTYPES[name] for name in dtype_names]
     args.threads = [int(n) for n in args.threads.split(",")]
     if args.min_run_time is None:
         args.min_run_time = 0.2 if args.quick else 0.5
@@ -168,6 +178,9 @@ def main(argv=None) -> int:
             print(format_row(row), flush=True)
         rows.extend(case_rows)
 
+    ipex_rows, ipex_notes = ipex_peer.run_table(args.ipex_python, args.ops, args.dtype_names,
+                                                args.threads, min_run_time=args.min_run_time)
+    notes += ipex_notes
     for note in notes:
         print(note)
     if args.json:
@@ -178,7 +191,7 @@ def main(argv=None) -> int:
             "stream_copy_bandwidth_gbps": {n: r["stream"] for n, r in roofs.items()},
             "min_run_time": args.min_run_time,
             "malloc_reuses_freed_memory": reused,
-            "rows": rows, "notes": notes,
+            "rows": rows, "ipex_rows": ipex_rows, "notes": notes,
         }
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -18,16 +18,7 @@ from __future__ import annotations
 import torch
 from opennpu import optim
 
-from ..common import Case, Timed
-
-
-def gpt2_small_shapes(vocab=50257, positions=1024, width=768, layers=12):
-    shapes = [(vocab, width), (positions, width)]
-    for _ in range(layers):
-        shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,),
-                   (width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width),
-                   (width,)]
-    return shapes + [(width,), (width,)]
+from ..common import Case, Timed, gpt2_small_shapes
 
 
 def small_shapes(count=10_000, largest=2048):

@@ -442,6 +442,7 @@ Prepared prepare(const char* op, const SharedArgs& a) {
       attention_plan.get(op, a.query)(op, out.dtype, d, vd.dim, /*check_forced_tiles=*/true);
   const at::ScalarType compute = plan.compute;
   p.tiles = plan.tiles;
+  p.pv = plan.pv;
   out.q = a.query.to(compute).contiguous();
   out.k = a.key.to(compute).contiguous();
   out.v = a.value.to(compute).contiguous();

@@ -48,6 +48,15 @@ enum SparseMode : int64_t {
 // BLAS tiles.
 enum class TilePath { kAuto, kAvx512Bf16, kBlas };
 
+// The dtype of P in the forward's P V product where fp16/bf16 are computed in their dtype
+// (OPENNPU_ATTENTION_PV). kHalf ("half"): P rounded to the dtype, for a half-precision GEMM
+// with V as it is. kFp32 ("fp32"): P kept in fp32, multiplied with V converted to fp32 once, so
+// the output's error is the rounding floor (1.0x the float64 result rounded, against 1.6x on
+// average for kHalf in bf16). kAuto: kFp32 on the BLAS tiles, whose half-precision GEMMs (MKL's)
+// run no faster than sgemm where measured, kHalf on the brgemm / AVX512_BF16 tiles, where an
+// fp32 P V would give up their half-precision rate for half the FLOPs. docs/performance.md.
+enum class PvPrecision { kAuto, kFp32, kHalf };
+
 struct AttentionProblem {
   int64_t batch = 0;
   int64_t heads_q = 0;
@@ -60,6 +69,7 @@ struct AttentionProblem {
 
   double scale = 1.0;
   TilePath tiles = TilePath::kAuto;
+  PvPrecision pv = PvPrecision::kAuto;
 
   // Visibility: a key j is visible from query i iff lo(i) <= j <= hi(i) (computed per batch from
   // the sparse mode, pre/next tokens and prefix) and the user mask, when read, is false there.
@@ -144,6 +154,7 @@ using AttentionBwdFn = void(const AttentionProblem& p, const at::Tensor& q, cons
 struct AttentionPlan {
   at::ScalarType compute = at::kFloat;
   TilePath tiles = TilePath::kAuto;
+  PvPrecision pv = PvPrecision::kAuto;  // applies where compute is fp16/bf16
 };
 
 // An .out overload's output `dst` takes `src` (resized to src's shape where it differs; the

@@ -376,10 +376,11 @@ std::vector<Task> query_block_tasks(const AttentionProblem& p, int64_t block_row
 template <typename T, typename In>
 constexpr bool kRoundsOperands = !std::is_same_v<T, In>;
 
-template <typename T, typename In>
+// P: the dtype of the probabilities P (In, or T where PvPrecision::kFp32 keeps them).
+template <typename T, typename P>
 struct FwdScratch {
   blas::TileBuffer<T> scores{kQBlock * kKvBlock};
-  blas::TileBuffer<In> probs{kQBlock * kKvBlock};  // P, the A operand of P V
+  blas::TileBuffer<P> probs{kQBlock * kKvBlock};  // P, the A operand of P V
   blas::TileBuffer<T> acc;
   blas::TileBuffer<T> factor{kKvBlock};
   blas::TileBuffer<uint8_t> keep{kKvBlock};
@@ -395,9 +396,9 @@ struct FwdScratch {
 
 // The online-softmax state of a task's rows before any key: the sink (when given) is the first
 // logit each row has seen, with exp(sink - max) = 1 in the running sum.
-template <typename T, typename In>
+template <typename T, typename P>
 void start_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
-                FwdScratch<T, In>& w) {
+                FwdScratch<T, P>& w) {
   const T m0 = p.sink != nullptr ? static_cast<T>(p.sink[task.n]) : static_cast<T>(kNegInf);
   std::fill(w.m, w.m + rows, m0);
   std::copy(w.m, w.m + rows, w.top);
@@ -409,9 +410,9 @@ void start_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64
 // out = acc / l for the task's rows (rounded once to the output dtype In), and the 8-copy
 // statistics: the true row max and the sum rebased to it. A row that saw no key (and has no
 // sink) has l = 0: its output is 0, not NaN.
-template <typename T, typename In>
+template <typename T, typename In, typename P>
 void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64_t dv,
-                 FwdScratch<T, In>& w, In* out, T* smax, T* ssum) {
+                 FwdScratch<T, P>& w, In* out, T* smax, T* ssum) {
   const int64_t b = task.b, n = task.n;
   In* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
   for (int64_t r = 0; r < rows; ++r) {
@@ -436,6 +437,7 @@ void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int6
 // packs the operands, which made its packing ~40% slower.
 template <typename T, typename In>
 struct BlasTiles {
+  using Probs = In;  // the dtype add_pv takes P in
   static int64_t query_rows(const AttentionProblem&) { return 128; }
   const AttentionProblem& p;
   static int64_t width(int64_t len) { return len; }
@@ -601,6 +603,7 @@ struct BrgemmTiles {
   static int64_t query_rows(const AttentionProblem& p) {
     return rows_see_different_keys(p) ? 64 : 128;
   }
+  using Probs = In;
   static constexpr int64_t kPanel = 64;
   const AttentionProblem& p;
   KeyBlockSlots slots;
@@ -647,8 +650,48 @@ struct BrgemmTiles {
   }
 };
 
+// fp16/bf16 tiles (BlasTiles or BrgemmTiles) whose P V product takes P in fp32 instead
+// (PvPrecision::kFp32): an sgemm on V converted to fp32 once, per key block (KeyBlockSlots,
+// [len, Dv] each, shared by a GQA group's heads), so P is never rounded. The scores stay on the
+// inner tiles.
+template <typename In, typename Inner>
+struct Fp32PvTiles {
+  using T = float;
+  using Probs = float;
+  const Inner& inner;
+  const AttentionProblem& p;
+  KeyBlockSlots slots;
+  blas::TileBuffer<float> v32;
+
+  Fp32PvTiles(const Inner& tiles, const AttentionProblem& prob, const In* v)
+      : inner(tiles), p(prob), slots(prob, kKvBlock),
+        v32(slots.count() * kKvBlock * prob.head_dim_v) {
+    const int64_t Dv = p.head_dim_v;
+    slots.for_each([&](int64_t b, int64_t kvh, int64_t j0, int64_t len, int64_t sl) {
+      const In* src = slots.rows(v, p.v, b, kvh, j0);
+      float* dst = v32.data() + sl * kKvBlock * Dv;
+      for (int64_t j = 0; j < len; ++j) at::vec::convert(src + j * p.v.stride_s, dst + j * Dv, Dv);
+    });
+  }
+  static int64_t query_rows(const AttentionProblem& p) { return Inner::query_rows(p); }
+  static int64_t width(int64_t len) { return Inner::width(len); }
+  void release() const { inner.release(); }
+  void scores(const HeadBlock<T, In>& hb, int64_t blk, int64_t j0, int64_t len, T* s) const {
+    inner.scores(hb, blk, j0, len, s);
+  }
+  // acc[rows, Dv] += P V over the first len keys of key block blk; P's rows are width(len) long.
+  void add_pv(const HeadBlock<T, In>& hb, int64_t blk, int64_t /*j0*/, int64_t len,
+              const float* probs, T* acc) const {
+    const int64_t Dv = p.head_dim_v;
+    const float* vb = v32.data() + slots.slot(hb.b, hb.n / p.group(), blk) * kKvBlock * Dv;
+    blas::gemm<float, float>(false, false, hb.rows, Dv, len, 1.0f, probs, width(len), vb, Dv,
+                             1.0f, acc, Dv);
+  }
+};
+
 // T: the accumulator (fp32, or fp64 for fp64 inputs); In: the dtype q/k/v are read and the
-// output written in. Tiles: BlasTiles or BrgemmTiles.
+// output written in. Tiles: BlasTiles, BrgemmTiles or Fp32PvTiles; P (Tiles::Probs) is rounded
+// to In unless it is T.
 template <typename T, typename In, typename Tiles>
 void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, const In* v,
                          const Tiles& tiles, In* out, T* smax, T* ssum) {
@@ -657,9 +700,10 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
   const T scale = static_cast<T>(p.scale);
   const uint64_t threshold = keep_threshold(p.keep_prob);
   const std::vector<Task> tasks = query_block_tasks(p, Tiles::query_rows(p));
-  struct Scratch : FwdScratch<T, In> {
+  using P = typename Tiles::Probs;
+  struct Scratch : FwdScratch<T, P> {
     const Tiles& tiles;
-    Scratch(int64_t dv, const Tiles& t) : FwdScratch<T, In>(dv), tiles(t) {}
+    Scratch(int64_t dv, const Tiles& t) : FwdScratch<T, P>(dv), tiles(t) {}
     ~Scratch() { tiles.release(); }
   };
 
@@ -675,8 +719,9 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
         const bool fuse_scale = hb.pse_row0 == nullptr && hb.mask_row0 == nullptr && scale > T(0);
         const T exp_scale = fuse_scale ? scale : T(1);
         const bool native_bf16 = has_avx512_bf16();
-        // P is rounded to In (kRoundsOperands): with or without dropout, every exp is.
-        constexpr bool kReducedExp = kRoundsOperands<T, In>;
+        // P is rounded to In (kRoundsOperands) unless kept in T: with or without dropout, every
+        // exp is.
+        constexpr bool kReducedExp = kRoundsOperands<T, P>;
         start_rows(p, task, rows, Dv, w);
 
         const int64_t blk_hi = hb.key_lo <= hb.key_hi ? hb.key_hi / kKvBlock : -1;
@@ -688,7 +733,7 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
           tiles.scores(hb, blk, j0, len, s);
           for (int64_t r = 0; r < rows; ++r) {
             T* sr = s + r * width;
-            In* pr = w.probs.data() + r * width;
+            P* pr = w.probs.data() + r * width;
             const auto [a, e] = hb.logits(r, sr, j0, width, scale, /*apply_scale=*/!fuse_scale);
             // exp(sc * s - m_ref) over the visible keys [a, e) into out, 0 elsewhere; the sum.
             T raw_max;
@@ -732,7 +777,7 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
               // ... unless what it sees is NaN (a NaN in q, or in every key it sees): the
               // maxima skip NaN, so l carries it, and the output and statistics become NaN.
               if (a < e && any_nan(sr + a, e - a)) w.l[r] = std::numeric_limits<T>::quiet_NaN();
-              std::fill(pr, pr + width, In(0));
+              std::fill(pr, pr + width, P(0));
               continue;
             }
             const T alpha = std::exp(w.m[r] - m_new);  // 0 when the row had no max yet
@@ -765,18 +810,27 @@ void attention_fwd_impl(const AttentionProblem& p, const at::Tensor& q_t, const 
   T* smax = max_t.data_ptr<T>();  // float32, float64 for float64 inputs
   T* ssum = sum_t.data_ptr<T>();
   if constexpr (kRoundsOperands<T, In>) {
+    // The tiles as chosen, or with fp32 P V (Fp32PvTiles; see PvPrecision for kAuto's choice).
+    const auto run = [&](const auto& tiles) {
+      using Tiles = std::decay_t<decltype(tiles)>;
+      if (p.pv == PvPrecision::kFp32 ||
+          (p.pv == PvPrecision::kAuto && std::is_same_v<Tiles, BlasTiles<T, In>>)) {
+        const Fp32PvTiles<In, Tiles> fp32_pv(tiles, p, v);
+        return attention_fwd_tiles<T, In>(p, q, k, v, fp32_pv, out, smax, ssum);
+      }
+      attention_fwd_tiles<T, In>(p, q, k, v, tiles, out, smax, ssum);
+    };
     const at::ScalarType dtype = q_t.scalar_type();
     const TilePath path = p.tiles;
     if (path == TilePath::kAuto && BrgemmTiles<In, OneDnnBrgemm>::supports(p, dtype)) {
-      const BrgemmTiles<In, OneDnnBrgemm> tiles(p, k, v, dtype);
-      return attention_fwd_tiles<T, In>(p, q, k, v, tiles, out, smax, ssum);
+      return run(BrgemmTiles<In, OneDnnBrgemm>(p, k, v, dtype));
     }
     if constexpr (std::is_same_v<In, at::BFloat16>) {
       if (path != TilePath::kBlas && BrgemmTiles<In, Avx512Bf16Dot>::supports(p, dtype)) {
-        const BrgemmTiles<In, Avx512Bf16Dot> tiles(p, k, v, dtype);
-        return attention_fwd_tiles<T, In>(p, q, k, v, tiles, out, smax, ssum);
+        return run(BrgemmTiles<In, Avx512Bf16Dot>(p, k, v, dtype));
       }
     }
+    return run(BlasTiles<T, In>{p});
   }
   attention_fwd_tiles<T, In>(p, q, k, v, BlasTiles<T, In>{p}, out, smax, ssum);
 }
@@ -1324,12 +1378,24 @@ TilePath requested_tiles(const char* op) {
               value, "'");
 }
 
+// OPENNPU_ATTENTION_PV=auto|fp32|half (unset: auto; see PvPrecision), read on every call.
+PvPrecision requested_pv(const char* op) {
+  const char* env = std::getenv("OPENNPU_ATTENTION_PV");
+  const std::string value = env == nullptr ? "" : env;
+  if (value.empty() || value == "auto") return PvPrecision::kAuto;
+  if (value == "fp32") return PvPrecision::kFp32;
+  if (value == "half") return PvPrecision::kHalf;
+  TORCH_CHECK(false, op, ": OPENNPU_ATTENTION_PV must be auto, fp32 or half, but got '", value,
+              "'");
+}
+
 AttentionPlan attention_plan_kernel(const char* op, at::ScalarType dtype, int64_t head_dim,
                                     int64_t head_dim_v, bool check_forced_tiles) {
   AttentionPlan plan;
   const at::ScalarType acc = dtype == at::kDouble ? at::kDouble : at::kFloat;
   plan.compute = use_half_gemm(dtype) ? dtype : acc;
   plan.tiles = requested_tiles(op);
+  plan.pv = requested_pv(op);
   // The AVX512_BF16 tile GEMM exists in this compilation only where it is the AVX-512 one, which
   // runs only on CPUs whose kernels are chosen as AVX-512 (cpu_isa), and needs the extension.
   const bool bf16_tiles = has_avx512_bf16();

@@ -749,6 +749,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
       op, int8 ? at::kFloat : query.scalar_type(), D + Dr, Dv, /*check_forced_tiles=*/false);
   const at::ScalarType compute = plan.compute;
   p.tiles = plan.tiles;
+  p.pv = plan.pv;
   const auto conv = [&](const at::Tensor& t) { return t.to(compute); };
   // int8 rows [B, KVN, S, D] (TND [T, KVN, D]) -> (x + offset) * scale in fp32; `idx` the
   // gathered blocks of a paged cache ([B, cols]).
