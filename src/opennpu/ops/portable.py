@@ -307,8 +307,6 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
 
 
 _QMM_FLOAT_OUT = {None: None, 5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
-_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
-             -6.0)
 
 
 def _float_operand(t, kind):
@@ -318,9 +316,17 @@ def _float_operand(t, kind):
         return t.view(kind).float()
     trans = _transposed(t)
     b = (t.mT if trans else t).view(torch.uint8).long()
-    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=t.device)
-    v = torch.stack([lut[b & 15], lut[b >> 4]], -1).flatten(-2)
+    v = torch.stack([_fp4_values(b & 15), _fp4_values(b >> 4)], -1).flatten(-2)
     return v.mT if trans else v
+
+
+def _fp4_values(c):
+    """float4_e2m1 codes (int64 nibbles) as float32, computed rather than looked up (no constant
+    tensor to move to the device): sign bit 3, exponent bits 1-2 with bias 1, mantissa bit 0;
+    exponent 0 is subnormal (0 or 0.5). The values: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + 0.5 * m))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def _e8m0(t):
