@@ -4,7 +4,8 @@ quant_matmul (int8 codes, per-channel and per-token scales; against dequantise-t
 per-group int4 weights against its torch composition; float8 e4m3 with per-channel x per-token
 scales and MX fp8 / fp4 with e8m0 block scales, against dequantise-then-GEMM),
 grouped_matmul's quantised paths (A8W8 per-token and weight-only A16W8, MoE-shaped: against
-dequantise-then-grouped-GEMM).
+dequantise-then-grouped-GEMM; MX fp8 / fp4 with e8m0 block scales, a few experts, M = 256 in
+all, K = N = 2048: against dequantise-then-grouped-GEMM).
 
 Baselines are the compositions the fused ops replace (opennpu.testing.reference): the golden's
 float32 quantiser (x * smooth, rowmax, divide, round, clamp, cast) and, for the fused op, torchair's
@@ -295,6 +296,39 @@ def grouped_matmul_quant_fwd(m, e, k, n, dtype, path, threads):
                  reference=lambda: native(*args))
 
 
+def native_grouped_float_gemm(x, w, sa, sw, sizes, out_dtype, fp4):
+    """The MX grouped matmul as dequantise-then-grouped-GEMM: per expert, the dequantised rows
+    of x times its dequantised weight (native_float_quant_matmul), the rows concatenated."""
+    return torch.cat([native_float_quant_matmul(xg, w[g], None, None, ag, sw[g], out_dtype, fp4)
+                      for g, (xg, ag) in enumerate(zip(x.split(sizes), sa.split(sizes)))])
+
+
+def grouped_matmul_mx_fwd(m, e, k, n, dtype, path, threads):
+    """npu_grouped_matmul's MX path: x and each expert's weight (Ascend's [N, K] layout,
+    transposed) from npu_dynamic_mx_quant, e8m0 block scales, uneven expert sizes."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = _expert_sizes(m, e, gen)
+    group_list = torch.tensor(sizes).cumsum(0)
+    dst = 296 if path == "mxfp4" else torch.float8_e4m3fn
+    x, sa = npu.npu_dynamic_mx_quant(torch.randn(m, k, generator=gen), dst_type=dst)
+    wq, ws = zip(*(npu.npu_dynamic_mx_quant(torch.randn(n, k, generator=gen), dst_type=dst)
+                   for _ in range(e)))
+    w, sw = torch.stack(wq).mT, torch.stack(ws).transpose(1, 2)  # [E, K, N], [E, K / 64, N, 2]
+    kw = dict(scale_dtype=293, per_token_scale_dtype=293, output_dtype=dtype)
+    if path == "mxfp4":
+        kw.update(x_dtype=296, weight_dtype=296)
+    native = functools.partial(native_grouped_float_gemm, sizes=sizes, out_dtype=dtype,
+                               fp4=path == "mxfp4")
+    args = (x, w, sa, sw)
+    native_compiled = compiled(native, *args, threads=threads)
+    return Timed(
+        ours=lambda: npu.npu_grouped_matmul([x], [w], scale=[sw], per_token_scale=[sa],
+                                            group_list=group_list, split_item=3, group_type=0,
+                                            **kw)[0],
+        baselines={"eager": lambda: native(*args), "compile": lambda: native_compiled(*args)},
+        reference=lambda: native(*args))
+
+
 def grouped_matmul_quant_shapes(quick: bool):
     if quick:
         return [(32, 8, 1024, 1024), (512, 8, 1024, 1024)]
@@ -393,6 +427,19 @@ def cases(quick: bool, dtypes):
             gmm_bytes = x_bytes + e * k * n + 4 * e * n + m * n * dtype.itemsize
             yield Case("grouped_matmul_quant", "fwd", f"M={m} E={e} K={k} N={n} {path}", dtype,
                        gmm_bytes, functools.partial(grouped_matmul_quant_fwd, m, e, k, n, dtype,
+                                                    path),
+                       ("npu_grouped_matmul",), flops=2 * m * k * n)
+    for dtype in dtypes:
+        if dtype == torch.float32:
+            continue
+        m, e, k, n = 256, 4, 2048, 2048
+        for path in ("mxfp8", "mxfp4"):
+            half = 2 if path == "mxfp4" else 1
+            # codes of x and the experts' weights, their e8m0 scales, the output
+            gmm_bytes = (m * k + e * k * n) // half + (m + e * n) * (k // 32) + \
+                m * n * dtype.itemsize
+            yield Case("grouped_matmul_quant", "fwd", f"M={m} E={e} K={k} N={n} {path}", dtype,
+                       gmm_bytes, functools.partial(grouped_matmul_mx_fwd, m, e, k, n, dtype,
                                                     path),
                        ("npu_grouped_matmul",), flops=2 * m * k * n)
     for (t, h), dtype in itertools.product(shapes(quick), dtypes):

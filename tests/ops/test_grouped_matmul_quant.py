@@ -431,8 +431,8 @@ def test_bad_quantised_inputs():
     raises(r"argument 'weight\[0\]' must be int8 \(A8W8\) or int32 .* \(A8W4\) with int8 x, but "
            "got Short", [x], [w.short()], scale=[s])
     raises(r"argument 'x\[0\]' is int32 .*A4W4", [x.int()], [w.int()], scale=[s])
-    raises(r"argument 'x\[0\]' must be float16, bfloat16, float32 or int8; float8", 
-           [x.view(torch.float8_e4m3fn)], [w.view(torch.float8_e4m3fn)], scale=[s])
+    raises(r"argument 'weight\[0\]' must be float8 / float4 codes like x\[0\].* but got Char",
+           [x.view(torch.float8_e4m3fn)], [w], scale=[s], output_dtype=F32)
     raises(r"argument 'group_type' must be -1 or 0 on the quantised paths", [x], [codes(8, 4)],
            scale=[torch.rand(4)], group_type=2)
     # weight-only
@@ -458,10 +458,12 @@ def test_bad_quantised_inputs():
     raises(r"argument 'output_dtype' must be None or x's dtype \(BFloat16\) on the weight-only",
            [xh], [w], antiquant_scale=[s.to(BF16)], output_dtype=F16)
     # the declared dtypes
-    raises(r"argument 'x_dtype' must be None or a torch dtype; the code 296 .* MX", [x], [w],
-           scale=[s], x_dtype=296)
-    raises(r"argument 'weight_dtype' must be None or the dtype of weight \(Char\).*MX", [x], [w],
+    raises(r"argument 'weight\[0\]' must be float8 / float4 codes like x\[0\]", [x], [w],
+           scale=[s], x_dtype=296)  # int8 bytes named float4_e2m1 x: the float8 / MX path
+    raises(r"argument 'x\[0\]' must be float8 / float4 codes like weight\[0\]", [x], [w],
            scale=[s], weight_dtype=torch.float8_e4m3fn)
+    raises(r"argument 'x_dtype' must be None or a torch dtype; the code 297 .* float4_e1m2", [x],
+           [w], scale=[s], x_dtype=297)
     raises(r"argument 'scale_dtype' must be None or the dtype of scale \(Float\)", [x], [w],
            scale=[s], scale_dtype=I64)
     raises(r"argument 'per_token_scale_dtype' must be None when per_token_scale is not given",

@@ -302,6 +302,10 @@ def _mx(dtype, **kw):
     return [x.to(dtype)], kw
 
 
+def _bytes(*shape, lo=0, hi=256):
+    return torch.randint(lo, hi, shape, dtype=torch.int32).to(torch.uint8)
+
+
 def _qmm(dtype, int4=False, **kw):
     """npu_quant_matmul's codes (int8, or int4 words with x2 as a transposed [n, k / 8]); the
     float dtype picks the output (float32: int8 requantisation)."""
@@ -612,6 +616,20 @@ CASES = [
     Case("grouped_matmul_tensor_group_list", npu.npu_grouped_matmul,
          lambda d: ([_gmm(d)[0][0], _gmm(d)[0][1]],
                     dict(group_list=torch.tensor([5, 5, 20]), split_item=2, group_type=0)), scale=4),
+    Case("grouped_matmul_fp8", npu.npu_grouped_matmul.List,
+         lambda d: ([[randn(5, 40).to(torch.float8_e4m3fn)],
+                     [randn(2, 24, 40).to(torch.float8_e5m2).mT]],
+                    dict(scale=[torch.rand(2, 24)], per_token_scale=[torch.rand(5)],
+                         bias=[torch.randn(2, 24)], group_list=[2, 5], split_item=3,
+                         group_type=0, output_dtype=d))),
+    Case("grouped_matmul_mxfp4", npu.npu_grouped_matmul.List,
+         lambda d: ([[_bytes(5, 48).view(torch.float4_e2m1fn_x2)],
+                     [_bytes(2, 24, 48).view(torch.float4_e2m1fn_x2).mT]],
+                    dict(scale=[_bytes(2, 24, 2, 2, lo=120, hi=135).view(torch.float8_e8m0fnu)
+                                .transpose(1, 2)],
+                         per_token_scale=[_bytes(5, 2, 2, lo=120, hi=135)
+                                          .view(torch.float8_e8m0fnu)],
+                         group_list=[3, 5], split_item=3, group_type=0, output_dtype=d))),
     Case("ffn_swiglu", npu.npu_ffn, _ffn, scale=4),
     Case("ffn_experts_gelu", npu.npu_ffn, lambda d: _ffn(d, "gelu", True), scale=4),
     Case("ffn_int8", npu.npu_ffn, _ffn_int8, dtypes=(F32,), scale=4),

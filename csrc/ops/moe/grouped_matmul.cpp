@@ -13,12 +13,15 @@
 // bias: one [N_g] tensor per weight, or one [E, N] tensor with a 3-D weight; x's dtype or float32,
 // added in float32 before the output is rounded (A8W8: int32 into the accumulator, or float after
 // the dequantisation).
-// The path follows x's and weight's dtypes: float (both floating), A8W8 (int8 x and weights) or
-// weight-only (float16 / bfloat16 x, int8 / int4 weights); see grouped_matmul.h.
+// The path follows x's and weight's dtypes: float (both floating), A8W8 (int8 x and weights),
+// A8W4 (int8 x, int4 weights), weight-only (float16 / bfloat16 x, int8 / int4 weights) or float8
+// / MX (float8 / float4 codes: their dtypes, or bytes that x_dtype / weight_dtype name so); see
+// grouped_matmul.h.
 #include "ops/moe/grouped_matmul.h"
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
+#include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
@@ -69,13 +72,34 @@ QuantLists quant_lists(const OptionalList& scale, const OptionalList& offset,
 }
 
 // Which computation the dtypes of x and weight ask for.
-enum class Path { kFloat, kA8W8, kA8W4, kAntiquant };
+enum class Path { kFloat, kA8W8, kA8W4, kAntiquant, kFloatCodes };
+
+// The element formats of float8 / float4 x and weights (their dtypes, or x_dtype / weight_dtype
+// reinterpreting bytes), and the dtype arguments of their scales; x and w are nullopt on the
+// other paths.
+struct FloatTypes {
+  std::optional<quant::FloatCode> x, w;
+  std::optional<int64_t> scale_dtype, per_token_scale_dtype;
+};
+
+FloatTypes float_types(at::TensorList x, at::TensorList weight, std::optional<int64_t> x_dtype,
+                       std::optional<int64_t> weight_dtype) {
+  FloatTypes ft;
+  if (!x.empty() && x[0].defined()) {
+    ft.x = quant::float_code(kOp, "x[0]", "x_dtype", x[0], x_dtype);
+  }
+  if (!weight.empty() && weight[0].defined()) {
+    ft.w = quant::float_code(kOp, "weight[0]", "weight_dtype", weight[0], weight_dtype);
+  }
+  return ft;
+}
 
 const char* path_name(Path path) {
   switch (path) {
     case Path::kA8W8: return "the A8W8 path (int8 x and weights)";
     case Path::kA8W4: return "the A8W4 path (int8 x, int4 weights)";
     case Path::kAntiquant: return "the weight-only path (float16 / bfloat16 x, int8 / int4 weights)";
+    case Path::kFloatCodes: return "the float8 / MX path (float8 / float4 x and weights)";
     default: return "the non-quantised path (floating x and weights)";
   }
 }
@@ -94,17 +118,18 @@ std::optional<at::ScalarType> dtype_from_code(const char* name, std::optional<in
   const int64_t c = *code;
   OPENNPU_CHECK_ARG(c >= 0 && c < static_cast<int64_t>(at::ScalarType::NumOptions), kOp, name,
                     "must be None or a torch dtype; the code ", c, " is not one of PyTorch's "
-                    "dtypes (torch_npu's packed / low-bit dtypes such as float4_e2m1fn_x2, "
-                    "hifloat8 or float8_e8m0fnu belong to the MX / fp8 / fp4 paths, which opennpu "
-                    "does not implement)");
+                    "dtypes (of torch_npu's own codes opennpu reads float8_e5m2 291, "
+                    "float8_e4m3fn 292 and float4_e2m1fn_x2 296 as x_dtype / weight_dtype, with "
+                    "byte tensors, and float8_e8m0fnu 293 as scale_dtype / "
+                    "per_token_scale_dtype; other types such as float4_e1m2 are not supported)");
   return static_cast<at::ScalarType>(c);
 }
 
 // x_dtype / weight_dtype / scale_dtype / per_token_scale_dtype name the dtype the Ascend kernel
 // reads a tensor list as: accepted when None or a name of the tensors' own dtype (int32 weights:
 // also torch.quint4x2 / torch.int4, the int4 codes they pack; int64 scales: also torch.uint64,
-// Ascend's name for npu_trans_quant_param's encoding). Reinterpreting storage as another type
-// (float4, float8, hifloat8: the MX paths) is not implemented.
+// Ascend's name for npu_trans_quant_param's encoding). On the float8 / MX path x_dtype /
+// weight_dtype name float8 / float4 codes and the scales' dtypes are read there instead.
 void check_declared_dtype(const char* name, std::optional<int64_t> code, at::TensorList tensors,
                           const char* tensors_name) {
   const std::optional<at::ScalarType> declared = dtype_from_code(name, code);
@@ -116,8 +141,8 @@ void check_declared_dtype(const char* name, std::optional<int64_t> code, at::Ten
   const bool same = *declared == own || (int4_name && own == at::kInt) ||
                     (*declared == at::kUInt64 && own == at::kLong);
   OPENNPU_CHECK_ARG(same, kOp, name, "must be None or the dtype of ", tensors_name, " (", own,
-                    "): reinterpreting ", tensors_name, "'s storage as another dtype (the MX / "
-                    "fp8 / fp4 paths) is not implemented by opennpu, but got ", *declared);
+                    ") on this path (byte tensors reinterpreted as float8 / float4 codes take "
+                    "the float8 / MX path), but got ", *declared);
 }
 
 // Whether a 2-D weight view is the transpose of a contiguous [N, K] tensor (op-plugin's
@@ -127,8 +152,13 @@ bool is_transposed(const at::Tensor& w) {
 }
 
 // The logical [K, N] of a 2-D weight view: int32 weights hold eight int4 codes per element along
-// their storage's last dim (N, or K when transposed).
-std::pair<int64_t, int64_t> weight_kn(const at::Tensor& w) {
+// their storage's last dim (N, or K when transposed); float4 weights (fp4) two per byte along
+// their memory-contiguous dim (N, or K for the transpose of a contiguous [N, K / 2]).
+std::pair<int64_t, int64_t> weight_kn(const at::Tensor& w, bool fp4 = false) {
+  if (fp4) {
+    return quant::is_transpose_last_two(w) ? std::make_pair(2 * w.size(0), w.size(1))
+                                           : std::make_pair(w.size(0), 2 * w.size(1));
+  }
   if (w.scalar_type() != at::kInt) return {w.size(0), w.size(1)};
   return is_transposed(w) ? std::make_pair(8 * w.size(0), w.size(1))
                           : std::make_pair(w.size(0), 8 * w.size(1));
@@ -332,8 +362,8 @@ std::vector<at::Tensor> per_token_scales(at::TensorList x, const QuantLists& q) 
       check_same_device(kOp, name.c_str(), t, "x[0]", x[0]);
       OPENNPU_CHECK_ARG(t.scalar_type() == at::kFloat, kOp, name.c_str(),
                         "must be float32, but got ", t.scalar_type(),
-                        " (float8_e8m0 per-token scales belong to the MX paths, which opennpu "
-                        "does not implement)");
+                        " (float8_e8m0 per-token scales belong to the MX path: float8 / float4 x "
+                        "and weights)");
       int64_t m_rows = 1;  // the rows of x[i]: all dims but the last
       for (int64_t d = 0; d + 1 < x[i].dim(); ++d) m_rows *= x[i].size(d);
       OPENNPU_CHECK_ARG((t.dim() == 1 && t.size(0) == m_rows) ||
@@ -344,6 +374,86 @@ std::vector<at::Tensor> per_token_scales(at::TensorList x, const QuantLists& q) 
     }
   }
   return token_of;
+}
+
+// The x rows of group g, 2-D: rows [row0, row0 + m) of x[0] (x split by group_list), or x[g] with
+// its leading dims flattened.
+at::Tensor group_rows(at::TensorList x, bool split_x, int64_t g, int64_t row0, int64_t m) {
+  return split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, x[g].size(-1)});
+}
+
+// A group's product dims in npu_quant_matmul's arguments (integer or float operands), and the
+// rows its epilogue indexes per-token scales by.
+template <typename QuantArgs>
+void set_dims(QuantArgs& p, int64_t m, int64_t k, int64_t n) {
+  p.m = m;
+  p.k = k;
+  p.n = n;
+  p.epilogue.m = m;
+}
+
+// `scale` as per-channel scales, one tensor per weight tensor ([N] / [1], or [E, N] / [E, 1] for
+// a 3-D weight; float32, bfloat16 or npu_trans_quant_param's int64, whose packed offset applies to
+// int8 outputs): fp32 scale[g] and offset[g] (undefined without one) per group. A8W8 and the
+// float8 path.
+struct ChannelScales {
+  std::vector<at::Tensor> scale, offset;
+};
+
+ChannelScales channel_scales(at::TensorList x, at::TensorList weight, const QuantLists& q,
+                             bool single_weight, const std::vector<int64_t>& n_of,
+                             at::ScalarType out_dtype) {
+  const int64_t groups = static_cast<int64_t>(n_of.size());
+  ChannelScales cs;
+  cs.scale.resize(groups);
+  cs.offset.resize(groups);
+  OPENNPU_CHECK_ARG(q.scale.size() == weight.size(), kOp, "scale",
+                    "must hold one tensor per weight tensor (", weight.size(), "), but got ",
+                    q.scale.size());
+  for (size_t i = 0; i < q.scale.size(); ++i) {
+    const std::string name = list_arg("scale", i);
+    const at::Tensor& s = q.scale[i];
+    check_same_device(kOp, name.c_str(), s, "x[0]", x[0]);
+    OPENNPU_CHECK_ARG(s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16 ||
+                          s.scalar_type() == at::kLong,
+                      kOp, name.c_str(), "must be float32, bfloat16 or int64 "
+                      "(npu_trans_quant_param's encoding), but got ", s.scalar_type());
+    const int64_t n = n_of.empty() ? 0 : n_of[single_weight ? 0 : i];
+    const bool shape_ok = single_weight
+        ? s.dim() == 2 && s.size(0) == groups && (s.size(1) == n || s.size(1) == 1)
+        : s.dim() == 1 && (s.size(0) == n || s.size(0) == 1);
+    OPENNPU_CHECK_ARG(shape_ok, kOp, name.c_str(), "must be ",
+                      single_weight ? "[E, N] = [" + std::to_string(groups) + ", " +
+                                          std::to_string(n) + "] (or [E, 1]) for the 3-D weight"
+                                    : "1-D [N] = [" + std::to_string(n) + "] (or [1]), per "
+                                      "channel of weight[" + std::to_string(i) + "]",
+                      ", but got shape ", shape_str(s.sizes()),
+                      s.dim() == 3 ? " (per-group [E, G, N] scales belong to the A8W4 path: "
+                                     "int4 weights)" : "");
+    at::Tensor values, offsets;
+    if (s.scalar_type() == at::kLong) {
+      std::tie(values, offsets) = quant::decode_int64_scale(s);
+      values = values.view(s.sizes());
+      if (offsets.defined()) {
+        OPENNPU_CHECK_ARG(out_dtype == at::kChar, kOp, name.c_str(),
+                          "carries an offset (npu_trans_quant_param(scale, offset)), which "
+                          "applies only to int8 outputs, but the output dtype is ", out_dtype);
+        offsets = offsets.view(s.sizes());
+      }
+    } else {
+      values = s.to(at::kFloat).contiguous();
+    }
+    if (single_weight) {
+      for (int64_t g = 0; g < groups; ++g) {
+        cs.scale[g] = values[g];
+        if (offsets.defined()) cs.offset[g] = offsets[g];
+      }
+    } else {
+      cs.scale[i] = values;
+      cs.offset[i] = offsets;
+    }
+  }
+  return cs;
 }
 
 // A8W8: scale, per_token_scale, bias of each group as npu_quant_matmul's epilogue, then one
@@ -369,55 +479,12 @@ void run_a8w8(at::TensorList x, at::TensorList weight, const QuantLists& q,
                     "opennpu (an int8 output's offset travels in an int64 scale made by "
                     "npu_trans_quant_param(scale, offset)), but got a list of ", q.offset.size(),
                     " tensors");
-  std::vector<at::Tensor> scale_of(groups), offset_of(groups);
-  if (!q.scale.empty()) {
-    OPENNPU_CHECK_ARG(q.scale.size() == weight.size(), kOp, "scale",
-                      "must hold one tensor per weight tensor (", weight.size(), "), but got ",
-                      q.scale.size());
-    for (size_t i = 0; i < q.scale.size(); ++i) {
-      const std::string name = list_arg("scale", i);
-      const at::Tensor& s = q.scale[i];
-      check_same_device(kOp, name.c_str(), s, "x[0]", x[0]);
-      OPENNPU_CHECK_ARG(s.scalar_type() == at::kFloat || s.scalar_type() == at::kBFloat16 ||
-                            s.scalar_type() == at::kLong,
-                        kOp, name.c_str(), "must be float32, bfloat16 or int64 "
-                        "(npu_trans_quant_param's encoding), but got ", s.scalar_type());
-      const int64_t n = n_of.empty() ? 0 : n_of[single_weight ? 0 : i];
-      const bool shape_ok = single_weight
-          ? s.dim() == 2 && s.size(0) == groups && (s.size(1) == n || s.size(1) == 1)
-          : s.dim() == 1 && (s.size(0) == n || s.size(0) == 1);
-      OPENNPU_CHECK_ARG(shape_ok, kOp, name.c_str(), "must be ",
-                        single_weight ? "[E, N] = [" + std::to_string(groups) + ", " +
-                                            std::to_string(n) + "] (or [E, 1]) for the 3-D weight"
-                                      : "1-D [N] = [" + std::to_string(n) + "] (or [1]), per "
-                                        "channel of weight[" + std::to_string(i) + "]",
-                        ", but got shape ", shape_str(s.sizes()),
-                        s.dim() == 3 ? " (per-group [E, G, N] scales belong to the A8W4 path: "
-                                       "int4 weights)" : "");
-      at::Tensor values, offsets;
-      if (s.scalar_type() == at::kLong) {
-        std::tie(values, offsets) = quant::decode_int64_scale(s);
-        values = values.view(s.sizes());
-        if (offsets.defined()) {
-          OPENNPU_CHECK_ARG(out_dtype == at::kChar, kOp, name.c_str(),
-                            "carries an offset (npu_trans_quant_param(scale, offset)), which "
-                            "applies only to int8 outputs, but the output dtype is ", out_dtype);
-          offsets = offsets.view(s.sizes());
-        }
-      } else {
-        values = s.to(at::kFloat).contiguous();
-      }
-      if (single_weight) {
-        for (int64_t g = 0; g < groups; ++g) {
-          scale_of[g] = values[g];
-          if (offsets.defined()) offset_of[g] = offsets[g];
-        }
-      } else {
-        scale_of[i] = values;
-        offset_of[i] = offsets;
-      }
-    }
-  }
+  const ChannelScales cs =
+      q.scale.empty() ? ChannelScales{std::vector<at::Tensor>(groups),
+                                      std::vector<at::Tensor>(groups)}
+                      : channel_scales(x, weight, q, single_weight, n_of, out_dtype);
+  const std::vector<at::Tensor>& scale_of = cs.scale;
+  const std::vector<at::Tensor>& offset_of = cs.offset;
   const std::vector<at::Tensor> token_of = per_token_scales(x, q);
   // bias: int32 (added to the accumulator) or float (added after the dequantisation, float
   // outputs only).
@@ -443,15 +510,12 @@ void run_a8w8(at::TensorList x, at::TensorList weight, const QuantLists& q,
     start += m;
     if (m == 0 || n_of[g] == 0) continue;
     quant::QuantMatmulArgs op;
-    op.a = (split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k_of[g]})).contiguous();
+    op.a = group_rows(x, split_x, g, row0, m).contiguous();
     const at::Tensor w = single_weight ? weight[0][g] : weight[g];
     op.w_trans = is_transposed(w);
     op.w = op.w_trans ? w.t().contiguous() : w.contiguous();
-    op.m = m;
-    op.k = k_of[g];
-    op.n = n_of[g];
+    set_dims(op, m, k_of[g], n_of[g]);
     quant::QuantMatmulEpilogue& e = op.epilogue;
-    e.m = m;
     e.scale = scale_of[g];
     e.offset = offset_of[g];
     e.bias_int = bias_int[g];
@@ -526,7 +590,7 @@ void run_a8w4(at::TensorList x, at::TensorList weight, const QuantLists& q,
     p.k = k;
     p.n = n;
     p.group_size = k / gk;
-    p.x = (split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k})).contiguous();
+    p.x = group_rows(x, split_x, g, row0, m).contiguous();
     p.w = w.contiguous();
     p.scale = scale_of[g];
     const at::Tensor& b = bias_of[g];
@@ -542,6 +606,151 @@ void run_a8w4(at::TensorList x, at::TensorList weight, const QuantLists& q,
     if (token.defined()) p.pertoken = (split_x ? token.narrow(0, row0, m) : token).contiguous();
     at::Tensor out = out_of[g];
     quant::a8w4_matmul.get(kOp, x[0])(p, out);
+  }
+}
+
+// The float8 / MX path: npu_quant_matmul's float-operand product (quant::FloatQuantMatmulArgs)
+// once per non-empty group, straight into its output rows.
+//   float8 x and weights: `scale` per channel as on A8W8 (float32, bfloat16 or int64 without an
+//     offset), optional float32 `per_token_scale` [M] per x tensor: y = acc * scale (* pt).
+//   MX (float8 or float4 codes): float8_e8m0 block scales of 32 along K, as npu_dynamic_mx_quant
+//     writes them: `per_token_scale` (x's) [M, ceil(K / 64), 2] per x tensor, `scale` (the
+//     weights') [ceil(K / 64), N, 2] per 2-D weight or [E, ceil(K / 64), N, 2] for a 3-D one (a
+//     transpose of dims -3 and -2 where the weight is a transposed view); the decoded operands
+//     are scaled in fp32 before the GEMM.
+// bias: float32, bfloat16 or float16, added after the scales; the output float16, bfloat16 or
+// float32, rounded once.
+void run_float_codes(at::TensorList x, at::TensorList weight, const QuantLists& q,
+                     const FloatTypes& ft, const std::vector<at::Tensor>& bias_of,
+                     bool single_weight, bool split_x, const std::vector<int64_t>& rows,
+                     const std::vector<int64_t>& k_of, const std::vector<int64_t>& n_of,
+                     const std::vector<at::Tensor>& out_of, at::ScalarType out_dtype) {
+  const int64_t groups = static_cast<int64_t>(rows.size());
+  const bool fp4 = *ft.x == quant::FloatCode::kE2m1 || *ft.w == quant::FloatCode::kE2m1;
+  OPENNPU_CHECK_ARG(q.offset.empty(), kOp, "offset",
+                    "must be None with float8 / float4 x and weights, but got a list of ",
+                    q.offset.size(), " tensors");
+  OPENNPU_CHECK_ARG(!q.scale.empty(), kOp, "scale",
+                    "must be given with float8 / float4 x and weights (float32 / bfloat16 / "
+                    "int64 per-channel scales, or float8_e8m0 MX block scales with "
+                    "per_token_scale), but got None");
+  OPENNPU_CHECK_ARG(q.scale.size() == weight.size(), kOp, "scale",
+                    "must hold one tensor per weight tensor (", weight.size(), "), but got ",
+                    q.scale.size());
+  // torch.uint64 names an int64 (npu_trans_quant_param) scale, as on the other paths.
+  std::optional<int64_t> scale_dtype = ft.scale_dtype;
+  if (scale_dtype == static_cast<int64_t>(at::kUInt64) && q.scale[0].scalar_type() == at::kLong) {
+    scale_dtype.reset();
+  }
+  const bool mx = quant::is_e8m0(kOp, "scale[0]", "scale_dtype", q.scale[0], scale_dtype);
+  OPENNPU_CHECK_ARG(!ft.per_token_scale_dtype.has_value() || !q.per_token_scale.empty(), kOp,
+                    "per_token_scale_dtype", "must be None when per_token_scale is not given, "
+                    "but got ", *ft.per_token_scale_dtype);
+  const bool mx_pt = !q.per_token_scale.empty() &&
+                     quant::is_e8m0(kOp, "per_token_scale[0]", "per_token_scale_dtype",
+                                    q.per_token_scale[0], ft.per_token_scale_dtype);
+  OPENNPU_CHECK_ARG(mx == mx_pt, kOp, mx ? "per_token_scale" : "scale",
+                    "must be float8_e8m0 block scales like ", mx ? "scale" : "per_token_scale",
+                    " (MX scaling scales both operands: per_token_scale x's, scale the weights'), "
+                    "but got ", mx ? (q.per_token_scale.empty() ? "None" : "another type")
+                                   : "float8_e8m0 scales only for x");
+  OPENNPU_CHECK_ARG(mx || !fp4, kOp, "scale",
+                    "must be float8_e8m0 block scales (scale_dtype / per_token_scale_dtype = "
+                    "torch_npu.float8_e8m0fnu) with float4_e2m1 x or weights (MX only), but got ",
+                    q.scale[0].scalar_type());
+
+  // Per x tensor: MX block scales of x [1, M_i, ceil(K / 32)], or float32 per-token scales.
+  const int64_t nx = static_cast<int64_t>(x.size());
+  std::vector<at::Tensor> token_of, x_block(nx);
+  if (mx) {
+    OPENNPU_CHECK_ARG(q.per_token_scale.size() == x.size(), kOp, "per_token_scale",
+                      "must hold one tensor per x tensor (", x.size(), "), but got ",
+                      q.per_token_scale.size());
+    for (int64_t i = 0; i < nx; ++i) {
+      const std::string name = list_arg("per_token_scale", i);
+      const at::Tensor& t = q.per_token_scale[i];
+      OPENNPU_CHECK_ARG(
+          i == 0 || quant::is_e8m0(kOp, name.c_str(), "per_token_scale_dtype", t,
+                                   ft.per_token_scale_dtype),
+          kOp, name.c_str(), "must be float8_e8m0 block scales like per_token_scale[0], but got ",
+          t.scalar_type());
+      const at::Tensor x2d = x[i].reshape({-1, x[i].size(-1)});
+      const int64_t k = x2d.size(1) * (*ft.x == quant::FloatCode::kE2m1 ? 2 : 1);
+      x_block[i] = quant::mx_block_scale(kOp, name.c_str(), t, list_arg("x", i).c_str(), x2d, {},
+                                         x2d.size(0), k, false);
+    }
+  } else {
+    token_of = per_token_scales(x, q);
+  }
+  // Per group: MX block scales of the weight [ceil(K / 32), N], or per-channel scales.
+  std::vector<at::Tensor> w_block(groups);
+  ChannelScales cs;
+  if (mx) {
+    for (size_t i = 0; i < q.scale.size(); ++i) {
+      const std::string name = list_arg("scale", i);
+      const at::Tensor& s = q.scale[i];
+      OPENNPU_CHECK_ARG(i == 0 || quant::is_e8m0(kOp, name.c_str(), "scale_dtype", s,
+                                                 scale_dtype),
+                        kOp, name.c_str(), "must be float8_e8m0 block scales like scale[0], but "
+                        "got ", s.scalar_type());
+      const std::string wname = list_arg("weight", i);
+      const int64_t g0 = single_weight ? 0 : static_cast<int64_t>(i);
+      OPENNPU_CHECK_ARG(s.dim() == (single_weight ? 4 : 3), kOp, name.c_str(), "must be ",
+                        single_weight ? "4-D [E, ceil(K / 64), N, 2] for the 3-D weight"
+                                      : "3-D [ceil(K / 64), N, 2]", " (float8_e8m0 MX scales), "
+                        "but got shape ", shape_str(s.sizes()));
+      const at::Tensor f = quant::mx_block_scale(
+          kOp, name.c_str(), s, wname.c_str(), weight[i],
+          single_weight ? c10::IntArrayRef(weight[0].sizes().data(), 1) : c10::IntArrayRef(),
+          n_of[g0], k_of[g0], true);
+      if (single_weight) {
+        for (int64_t g = 0; g < groups; ++g) w_block[g] = f[g];
+      } else {
+        w_block[i] = f[0];
+      }
+    }
+  } else {
+    cs = channel_scales(x, weight, q, single_weight, n_of, out_dtype);
+  }
+  std::vector<at::Tensor> bias_float(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const at::Tensor& b = bias_of[g];
+    if (!b.defined()) continue;
+    const std::string name = list_arg("bias", single_weight ? 0 : g);
+    OPENNPU_CHECK_ARG(b.scalar_type() == at::kFloat || b.scalar_type() == at::kBFloat16 ||
+                          b.scalar_type() == at::kHalf,
+                      kOp, name.c_str(), "must be float32, bfloat16 or float16 with float8 / "
+                      "float4 x and weights, but got ", b.scalar_type());
+    bias_float[g] = b.to(at::kFloat).reshape({1, b.numel()}).contiguous();
+  }
+
+  const at::Tensor one = at::ones({1}, x[0].options().dtype(at::kFloat));
+  int64_t start = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t m = rows[g], row0 = start;
+    start += m;
+    if (m == 0 || n_of[g] == 0) continue;
+    const int64_t xi = split_x ? 0 : g;
+    quant::FloatQuantMatmulArgs p;
+    p.a = quant::float_operand(group_rows(x, split_x, g, row0, m), *ft.x);
+    p.w = quant::float_operand(single_weight ? weight[0][g] : weight[g], *ft.w);
+    set_dims(p, m, k_of[g], n_of[g]);
+    quant::QuantMatmulEpilogue& e = p.epilogue;
+    e.bias_float = bias_float[g];
+    if (mx) {
+      // Block scales in the operands' memory orientation (K along x's columns unless x is a
+      // transposed view, along the weight's rows unless it is one).
+      const at::Tensor sa = split_x ? x_block[0][0].narrow(0, row0, m) : x_block[xi][0];
+      p.a.block_scale = (p.a.trans ? sa.t() : sa).contiguous().unsqueeze(0);
+      p.w.block_scale = (p.w.trans ? w_block[g].t() : w_block[g]).contiguous().unsqueeze(0);
+      e.scale = one;
+    } else {
+      e.scale = cs.scale[g];
+      const at::Tensor& token = token_of[xi];
+      if (token.defined()) e.pertoken = split_x ? token.narrow(0, row0, m) : token;
+    }
+    at::Tensor out = out_of[g];
+    quant::float_quant_matmul.get(kOp, x[0])(p, out);
   }
 }
 
@@ -620,7 +829,7 @@ Antiquant antiquant_params(at::TensorList x, at::TensorList weight, const QuantL
 
 std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                                        const std::optional<at::TensorList>& bias,
-                                       const QuantLists& q,
+                                       const QuantLists& q, const FloatTypes& ft,
                                        const std::optional<std::vector<int64_t>>& group_values,
                                        std::optional<int64_t> split_item,
                                        std::optional<int64_t> group_type,
@@ -665,7 +874,15 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   const at::ScalarType wtype = weight[0].scalar_type();
   const bool weight_codes = wtype == at::kChar || wtype == at::kInt;
   Path path = Path::kFloat;
-  if (dtype == at::kChar) {
+  if (ft.x.has_value() || ft.w.has_value()) {
+    OPENNPU_CHECK_ARG(ft.x.has_value(), kOp, "x[0]", "must be float8 / float4 codes like "
+                      "weight[0] (float8_e4m3fn, float8_e5m2, float4_e2m1fn_x2, or bytes with "
+                      "x_dtype naming one), but got ", dtype);
+    OPENNPU_CHECK_ARG(ft.w.has_value(), kOp, "weight[0]", "must be float8 / float4 codes like "
+                      "x[0] (float8_e4m3fn, float8_e5m2, float4_e2m1fn_x2, or bytes with "
+                      "weight_dtype naming one), but got ", wtype);
+    path = Path::kFloatCodes;
+  } else if (dtype == at::kChar) {
     OPENNPU_CHECK_ARG(wtype == at::kChar || wtype == at::kInt, kOp, "weight[0]",
                       "must be int8 (A8W8) or int32 holding eight int4 codes per element (A8W4) "
                       "with int8 x, but got ", wtype);
@@ -675,8 +892,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                       "is int32 (eight int4 codes per element, the A4W4 path), which opennpu does "
                       "not implement");
     OPENNPU_CHECK_ARG(at::isFloatingType(dtype) && !at::isFloat8Type(dtype), kOp, "x[0]",
-                      "must be float16, bfloat16, float32 or int8; float8 / float4 x (the MX "
-                      "paths) are not implemented by opennpu, but got ", dtype);
+                      "must be float16, bfloat16, float32, int8, or float8 / float4 codes, but "
+                      "got ", dtype);
     if (weight_codes) path = Path::kAntiquant;
   }
   check_absent("activation_input", q.activation_input, path, "fused-activation inputs are not "
@@ -699,6 +916,18 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     OPENNPU_CHECK_ARG(!output_dtype.has_value() || *output_dtype == dtype, kOp, "output_dtype",
                       "must be None or x's dtype (", dtype, ") on the non-quantised path, but "
                       "got ", *output_dtype);
+  } else if (path == Path::kFloatCodes) {
+    const char* what = "it belongs to the weight-only path (float16 / bfloat16 x with int8 / "
+                       "int4 weights)";
+    check_absent("antiquant_scale", q.antiquant_scale, path, what);
+    check_absent("antiquant_offset", q.antiquant_offset, path, what);
+    OPENNPU_CHECK_ARG(output_dtype.has_value() && (*output_dtype == at::kHalf ||
+                                                   *output_dtype == at::kBFloat16 ||
+                                                   *output_dtype == at::kFloat),
+                      kOp, "output_dtype", "must be torch.float16, torch.bfloat16 or "
+                      "torch.float32 with float8 / float4 x and weights, but got ",
+                      output_dtype.has_value() ? c10::toString(*output_dtype) : "None");
+    out_dtype = *output_dtype;
   } else if (path == Path::kAntiquant) {
     OPENNPU_CHECK_ARG(dtype == at::kHalf || dtype == at::kBFloat16, kOp, "x[0]",
                       "must be float16 or bfloat16 with int8 / int4 weights (the weight-only "
@@ -806,14 +1035,25 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     }
   }
 
-  // Shapes: K of every group, and N (equal across groups for a single output).
+  // Shapes: K of every group, and N (equal across groups for a single output). float4 codes are
+  // two per byte: x [.., M, K / 2] (packed along K), weights as weight_kn says.
+  const bool fp4_x = ft.x == quant::FloatCode::kE2m1, fp4_w = ft.w == quant::FloatCode::kE2m1;
+  if (fp4_x) {
+    for (int64_t i = 0; i < nx; ++i) {
+      const std::string name = list_arg("x", i);
+      OPENNPU_CHECK_ARG(!quant::is_transpose_last_two(x[i]), kOp, name.c_str(), "must hold "
+                        "float4 codes packed along K ([M, K / 2] bytes), but got a transposed "
+                        "view of shape ", shape_str(x[i].sizes()));
+    }
+  }
   std::vector<int64_t> k_of(groups), n_of(groups);
   for (int64_t g = 0; g < groups; ++g) {
     const at::Tensor w = weight_of(g);
-    std::tie(k_of[g], n_of[g]) = weight_kn(w);
+    std::tie(k_of[g], n_of[g]) = weight_kn(w, fp4_w);
     const at::Tensor& xg = split_x ? x[0] : x[g];
     const std::string name = split_x ? std::string("x[0]") : list_arg("x", g);
-    OPENNPU_CHECK_ARG(xg.size(-1) == k_of[g], kOp, name.c_str(), "must have K = ", k_of[g],
+    OPENNPU_CHECK_ARG(xg.size(-1) * (fp4_x ? 2 : 1) == k_of[g], kOp, name.c_str(),
+                      "must have K = ", k_of[g], fp4_x ? " (float4 codes, two per byte)" : "",
                       " columns (weight", single_weight ? "[0][" : "[", g, "] is ",
                       shape_str(w.sizes()), "), but got shape ", shape_str(xg.sizes()));
     OPENNPU_CHECK_ARG(!single_out || n_of[g] == n_of[0], kOp, "weight",
@@ -847,7 +1087,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   // The float paths keep it in the accumulator dtype (x's dtype or that one given).
   const auto acc = acc_dtype(x[0]);
   std::vector<at::Tensor> bias_acc(groups);
-  if (path != Path::kA8W8 && path != Path::kA8W4) {
+  if (path == Path::kFloat || path == Path::kAntiquant) {
     for (int64_t g = 0; g < groups; ++g) {
       const at::Tensor& b = bias_of[g];
       if (!b.defined()) continue;
@@ -902,6 +1142,11 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     run_a8w4(x, weight, q, bias_of, single_weight, split_x, rows, k_of, n_of, out_of);
     return outputs;
   }
+  if (path == Path::kFloatCodes) {
+    run_float_codes(x, weight, q, ft, bias_of, single_weight, split_x, rows, k_of, n_of, out_of,
+                    out_dtype);
+    return outputs;
+  }
   // The float GEMMs: all groups in one call; on the weight-only path one group at a time, its
   // weight dequantised into x's dtype just before (skipping empty groups, and holding one
   // dequantised weight at a time), or into fp32 where the plan multiplies fp32 copies.
@@ -915,7 +1160,7 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     start += m;
     if (m == 0 || n_of[g] == 0) continue;
     GemmTask task;
-    task.a = split_x ? x[0].narrow(0, row0, m) : x[g].reshape({m, k_of[g]});
+    task.a = group_rows(x, split_x, g, row0, m);
     task.bias = bias_acc[g];
     task.out = out_of[g];
     if (path == Path::kFloat) {
@@ -966,11 +1211,19 @@ std::vector<at::Tensor> npu_grouped_matmul(
   const QuantLists q = quant_lists(scale, offset, antiquant_scale, antiquant_offset,
                                    per_token_scale, activation_input, activation_quant_scale,
                                    activation_quant_offset);
-  check_declared_dtype("x_dtype", x_dtype, x, "x");
-  check_declared_dtype("weight_dtype", weight_dtype, weight, "weight");
-  check_declared_dtype("scale_dtype", scale_dtype, q.scale, "scale");
-  check_declared_dtype("per_token_scale_dtype", per_token_scale_dtype, q.per_token_scale,
-                       "per_token_scale");
+  // float8 / float4 x and weights (their dtypes, or bytes named so) take the float8 / MX path,
+  // which reads the scales' dtype arguments itself; elsewhere every dtype argument must name its
+  // tensors' own dtype.
+  FloatTypes ft = float_types(x, weight, x_dtype, weight_dtype);
+  ft.scale_dtype = scale_dtype;
+  ft.per_token_scale_dtype = per_token_scale_dtype;
+  if (!ft.x.has_value() && !ft.w.has_value()) {
+    check_declared_dtype("x_dtype", x_dtype, x, "x");
+    check_declared_dtype("weight_dtype", weight_dtype, weight, "weight");
+    check_declared_dtype("scale_dtype", scale_dtype, q.scale, "scale");
+    check_declared_dtype("per_token_scale_dtype", per_token_scale_dtype, q.per_token_scale,
+                         "per_token_scale");
+  }
   // op-plugin requires it on this overload, in these words (its tests match them).
   OPENNPU_CHECK_ARG(group_type.has_value(), kOp, "group_type",
                     "is missing: Requires manual passing group_type, current is None (pass -1 for "
@@ -988,7 +1241,7 @@ std::vector<at::Tensor> npu_grouped_matmul(
     const at::Tensor c = gl.to(at::kLong).contiguous();
     values.emplace(c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel());
   }
-  return grouped_matmul(x, weight, bias, q, values, split_item, group_type, group_list_type,
+  return grouped_matmul(x, weight, bias, q, ft, values, split_item, group_type, group_list_type,
                         act_type, dtype_from_code("output_dtype", output_dtype));
 }
 
@@ -1009,8 +1262,8 @@ std::vector<at::Tensor> npu_grouped_matmul_list(
                                    activation_quant_offset);
   std::optional<std::vector<int64_t>> values;
   if (group_list.has_value()) values.emplace(group_list->begin(), group_list->end());
-  return grouped_matmul(x, weight, bias, q, values, split_item, group_type, group_list_type,
-                        act_type, output_dtype);
+  return grouped_matmul(x, weight, bias, q, float_types(x, weight, std::nullopt, std::nullopt),
+                        values, split_item, group_type, group_list_type, act_type, output_dtype);
 }
 
 TORCH_LIBRARY_IMPL(npu, CPU, m) {

@@ -6,6 +6,9 @@
 //   A16W8/W4   fp16 / bf16 x, int8 or packed-int4 weights with antiquant_scale (and offset):
 //              each non-empty group's weight is dequantised into x's dtype (antiquant_weight
 //              below, at the golden's rounding points) and goes through the float GEMMs.
+//   float8 / MX float8 / float4 x and weights (Ascend 950's path): each group is one product of
+//              npu_quant_matmul's float-operand kernel (codes decoded exactly, MX block scales
+//              applied in fp32, an fp32 GEMM, its epilogue; ops/quant).
 //
 // The entry point (grouped_matmul.cpp) turns every accepted x / weight / output layout into a list
 // of plain 2-D GEMMs (GemmGroup); the kernel (grouped_matmul_cpu.cpp) cuts those into tiles of at

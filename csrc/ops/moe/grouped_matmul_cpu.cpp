@@ -21,6 +21,7 @@
 #include "common/half_gemm.h"
 #include "common/vec.h"
 #include "ops/moe/grouped_matmul.h"
+#include "ops/quant/int_codes.h"
 
 namespace opennpu::moe {
 inline namespace CPU_CAPABILITY {
@@ -179,23 +180,6 @@ void grouped_gemm_kernel(at::ScalarType dtype, c10::ArrayRef<GemmGroup> groups) 
   });
 }
 
-// One row of weight codes as floats: int8 [cols], or int32 words [cols / 8] of eight int4 codes
-// (lowest bits first, sign-extended). Plain loops: GCC vectorises them for this ISA.
-void codes_to_float(const void* codes, bool int4, int64_t row, int64_t cols, float* dst) {
-  if (int4) {
-    const int32_t* words = static_cast<const int32_t*>(codes) + row * (cols / 8);
-    for (int64_t i = 0; i < cols / 8; ++i) {
-      const uint32_t word = static_cast<uint32_t>(words[i]);
-      for (int j = 0; j < 8; ++j) {
-        dst[8 * i + j] = static_cast<float>(static_cast<int32_t>(word << (28 - 4 * j)) >> 28);
-      }
-    }
-  } else {
-    const int8_t* c = static_cast<const int8_t*>(codes) + row * cols;
-    for (int64_t i = 0; i < cols; ++i) dst[i] = static_cast<float>(c[i]);
-  }
-}
-
 // (code + offset) * scale over one step of a row: fp32, with the sum rounded to fp16 first for
 // fp16 (see grouped_matmul.h), rounded once to scalar_t and stored as scalar_t or, for out_t
 // float, as the fp32 value of that rounding.
@@ -236,7 +220,8 @@ void antiquant_typed(const at::Tensor& codes, bool int4, bool k_on_rows, const a
   at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
     std::vector<float> buf(cols);
     for (int64_t r = begin; r < end; ++r) {
-      codes_to_float(pc, int4, r, cols, buf.data());
+      quant::codes_row_to_float(
+          static_cast<const char*>(pc) + r * (int4 ? cols / 2 : cols), int4, cols, buf.data());
       out_t* o_row = pout + r * cols;
       if (k_on_rows) {  // row r is k: the scale row of its group, one channel per column
         const float* s = ps + (r / group_size) * n;

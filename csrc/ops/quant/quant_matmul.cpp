@@ -222,13 +222,11 @@ at::Tensor a8w4_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const a
   return out;
 }
 
+}  // namespace
+
 // ----------------------------------------------------------------------------- float operands
 
-// Codes of the types opennpu reads in x1_dtype / x2_dtype / scale_dtype / pertoken_scale_dtype:
-// torch's ScalarType and torch_npu's DType (torch_npu.hifloat8 = 290, float8_e5m2 291,
-// float8_e4m3fn 292, float8_e8m0fnu 293, float4_e2m1fn_x2 296).
-constexpr int64_t kNpuHif8 = 290, kNpuE5m2 = 291, kNpuE4m3 = 292, kNpuE8m0 = 293, kNpuE2m1 = 296;
-constexpr int64_t kMxBlock = 32;
+namespace {
 
 bool is_byte_sized(const at::Tensor& t) {
   const auto st = t.scalar_type();
@@ -236,13 +234,15 @@ bool is_byte_sized(const at::Tensor& t) {
          st == at::kFloat8_e5m2 || st == at::kFloat8_e8m0fnu || st == at::kFloat4_e2m1fn_x2;
 }
 
+}  // namespace
+
 // The float element format of x1 / x2 (its dtype, or x?_dtype reinterpreting a byte tensor), or
 // nullopt for the integer paths.
-std::optional<FloatCode> float_code(const char* arg, const char* dtype_arg, const at::Tensor& t,
-                                    std::optional<int64_t> declared) {
+std::optional<FloatCode> float_code(const char* op, const char* arg, const char* dtype_arg,
+                                    const at::Tensor& t, std::optional<int64_t> declared) {
   const auto st = t.scalar_type();
   int64_t code = declared.value_or(static_cast<int64_t>(st));
-  OPENNPU_CHECK_ARG(code != kNpuHif8, kQmm, dtype_arg,
+  OPENNPU_CHECK_ARG(code != kNpuHif8, op, dtype_arg,
                     "must not be torch_npu.hifloat8 (290): hifloat8 operands are not supported "
                     "by opennpu");
   std::optional<FloatCode> f;
@@ -252,7 +252,7 @@ std::optional<FloatCode> float_code(const char* arg, const char* dtype_arg, cons
     f = FloatCode::kE2m1;
   }
   if (f.has_value() && declared.has_value()) {
-    OPENNPU_CHECK_ARG(is_byte_sized(t), kQmm, arg, "must hold one byte per element (int8, "
+    OPENNPU_CHECK_ARG(is_byte_sized(t), op, arg, "must hold one byte per element (int8, "
                       "uint8, float8 or float4_e2m1fn_x2) when '", dtype_arg, "' is ",
                       dtype_name(*declared), ", but got ", st);
   }
@@ -261,17 +261,17 @@ std::optional<FloatCode> float_code(const char* arg, const char* dtype_arg, cons
 
 // Whether a scale holds float8_e8m0 block scales (its dtype, or scale_dtype /
 // pertoken_scale_dtype naming torch.float8_e8m0fnu / torch_npu.float8_e8m0fnu).
-bool is_e8m0(const char* arg, const char* dtype_arg, const at::Tensor& t,
+bool is_e8m0(const char* op, const char* arg, const char* dtype_arg, const at::Tensor& t,
              std::optional<int64_t> declared) {
   if (!declared.has_value()) return t.scalar_type() == at::kFloat8_e8m0fnu;
   const int64_t code = *declared;
   if (code == kNpuE8m0 || code == static_cast<int64_t>(at::kFloat8_e8m0fnu)) {
-    OPENNPU_CHECK_ARG(is_byte_sized(t), kQmm, arg, "must hold one byte per element (uint8, "
+    OPENNPU_CHECK_ARG(is_byte_sized(t), op, arg, "must hold one byte per element (uint8, "
                       "int8 or float8_e8m0fnu) when '", dtype_arg,
                       "' is float8_e8m0fnu, but got ", t.scalar_type());
     return true;
   }
-  OPENNPU_CHECK_ARG(code == static_cast<int64_t>(t.scalar_type()), kQmm, dtype_arg,
+  OPENNPU_CHECK_ARG(code == static_cast<int64_t>(t.scalar_type()), op, dtype_arg,
                     "must be None, float8_e8m0fnu (torch 44 / torch_npu 293) or the dtype of '",
                     arg, "' (", t.scalar_type(), "), but got ", dtype_name(code));
   return false;
@@ -318,31 +318,35 @@ at::Tensor decode_e8m0(const at::Tensor& t) {
   return out;
 }
 
+namespace {
+
 // op-plugin's check that an MX scale is laid out like its operand: both transposes (of their
 // last two dims / of the scale's two dims before the trailing 2) or neither. opennpu reads
 // every layout by its logical shape; the check keeps a weight's [n, ceil(k / 64), 2] scale
 // from being read as [ceil(k / 64), n, 2] where the two sizes happen to be equal.
-void check_same_transpose(const char* arg, const at::Tensor& s, const char* x_arg,
+void check_same_transpose(const char* op, const char* arg, const at::Tensor& s, const char* x_arg,
                           const at::Tensor& x) {
   const int64_t dx = x.dim() - 2, ds = s.dim() - 3;
   // Dims of size 0 or 1 leave a layout's transposition undefined (op-plugin skips [1, 1] ones).
   if (x.size(dx) <= 1 || x.size(dx + 1) <= 1 || s.size(ds) <= 1 || s.size(ds + 1) <= 1) return;
   const bool x_trans = x.stride(dx + 1) == x.stride(dx) * x.size(dx);
   const bool s_trans = s.stride(ds + 1) == s.stride(ds) * s.size(ds);
-  OPENNPU_CHECK_ARG(x_trans == s_trans, kQmm, arg,
+  OPENNPU_CHECK_ARG(x_trans == s_trans, op, arg,
                     x_trans ? "must be a transpose (of its dims -3 and -2), as '"
                             : "must not be a transpose (of its dims -3 and -2), as '",
                     x_arg, x_trans ? "' is one" : "' is not", " (op-plugin: \"transpose are not "
                     "same\"), but got strides ", shape_str(s.strides()));
 }
 
+}  // namespace
+
 // An MX scale, logical [*batch, rows, ceil(k / 64), 2] (x1's, rows = m) or
 // [*batch, ceil(k / 64), cols, 2] (x2's, cols = n), as fp32 per block of 32 along K:
 // [batches or 1, other, ceil(k / 32)] (k_first false) or [batches or 1, ceil(k / 32), other].
-at::Tensor mx_block_scale(const char* arg, const at::Tensor& s, const char* x_arg,
+at::Tensor mx_block_scale(const char* op, const char* arg, const at::Tensor& s, const char* x_arg,
                           const at::Tensor& x, c10::IntArrayRef batch, int64_t other, int64_t k,
                           bool k_first) {
-  check_same_device(kQmm, arg, s, "x1", x);
+  check_same_device(op, arg, s, x_arg, x);
   const int64_t pairs = (k + 2 * kMxBlock - 1) / (2 * kMxBlock);
   const int64_t blocks = (k + kMxBlock - 1) / kMxBlock;
   std::vector<int64_t> want(batch.begin(), batch.end());
@@ -353,12 +357,12 @@ at::Tensor mx_block_scale(const char* arg, const at::Tensor& s, const char* x_ar
   }
   const c10::IntArrayRef tail(want.data() + batch.size(), 3);
   const bool ok = s.sizes() == c10::IntArrayRef(want) || s.sizes() == tail;
-  OPENNPU_CHECK_ARG(ok, kQmm, arg, "must have shape ", shape_str(want),
+  OPENNPU_CHECK_ARG(ok, op, arg, "must have shape ", shape_str(want),
                     batch.empty() ? "" : " (or without the batch dims)", " (float8_e8m0 scales "
                     "of blocks of 32 along k = ", k, ", two per pair: ", k_first ?
                     "[ceil(k / 64), n, 2]" : "[m, ceil(k / 64), 2]", ", as npu_dynamic_mx_quant "
                     "writes them), but got ", shape_str(s.sizes()));
-  check_same_transpose(arg, s, x_arg, x);
+  check_same_transpose(op, arg, s, x_arg, x);
   const int64_t sb = s.dim() == 3 ? 1 : c10::multiply_integers(batch);
   at::Tensor f = decode_e8m0(s).reshape({sb, k_first ? pairs : other, k_first ? other : pairs, 2});
   if (k_first) {  // [sb, pairs, other, 2] -> [sb, 2 pairs, other]
@@ -368,6 +372,8 @@ at::Tensor mx_block_scale(const char* arg, const at::Tensor& s, const char* x_ar
   }
   return f.contiguous();
 }
+
+namespace {
 
 // npu_quant_matmul with float8 / float4 operands (FloatQuantMatmulArgs): per-tensor / channel /
 // token float32 scales (float8), or MX block scales (float8 / float4).
@@ -426,9 +432,9 @@ at::Tensor quant_matmul_float_operands(
   const int64_t batches = c10::multiply_integers(p.out_batch);
 
   check_same_device(kQmm, "scale", scale, "x1", x1);
-  const bool mx = is_e8m0("scale", "scale_dtype", scale, scale_dtype);
+  const bool mx = is_e8m0(kQmm, "scale", "scale_dtype", scale, scale_dtype);
   const bool mx_pt = pertoken_scale.has_value() &&
-                     is_e8m0("pertoken_scale", "pertoken_scale_dtype", *pertoken_scale,
+                     is_e8m0(kQmm, "pertoken_scale", "pertoken_scale_dtype", *pertoken_scale,
                              pertoken_scale_dtype);
   OPENNPU_CHECK_ARG(mx == mx_pt, kQmm, mx ? "pertoken_scale" : "scale",
                     "must be float8_e8m0 block scales like '", mx ? "scale" : "pertoken_scale",
@@ -453,9 +459,9 @@ at::Tensor quant_matmul_float_operands(
   QuantMatmulEpilogue& e = p.epilogue;
   e.m = m;
   if (mx) {
-    const at::Tensor sa = mx_block_scale("pertoken_scale", *pertoken_scale, "x1", x1, a_batch, m,
-                                         k, false);  // [sb, m, blocks]
-    const at::Tensor sw = mx_block_scale("scale", scale, "x2", x2, w_batch, n, k, true);
+    const at::Tensor sa = mx_block_scale(kQmm, "pertoken_scale", *pertoken_scale, "x1", x1,
+                                         a_batch, m, k, false);  // [sb, m, blocks]
+    const at::Tensor sw = mx_block_scale(kQmm, "scale", scale, "x2", x2, w_batch, n, k, true);
     // In memory orientation: K along x1's columns unless x1 is a transpose, along x2's rows
     // unless x2 is one.
     p.a.block_scale = p.a.trans ? sa.mT().contiguous() : sa;
@@ -505,8 +511,8 @@ at::Tensor npu_quant_matmul(const at::Tensor& x1, const at::Tensor& x2, const at
                             std::optional<int64_t> pertoken_scale_dtype,
                             std::optional<int64_t> scale_dtype, at::OptionalIntArrayRef group_sizes,
                             const std::optional<at::Tensor>& y_scale) {
-  const std::optional<FloatCode> c1 = float_code("x1", "x1_dtype", x1, x1_dtype);
-  const std::optional<FloatCode> c2 = float_code("x2", "x2_dtype", x2, x2_dtype);
+  const std::optional<FloatCode> c1 = float_code(kQmm, "x1", "x1_dtype", x1, x1_dtype);
+  const std::optional<FloatCode> c2 = float_code(kQmm, "x2", "x2_dtype", x2, x2_dtype);
   if (c1.has_value() || c2.has_value()) {
     OPENNPU_CHECK_ARG(!y_scale.has_value(), kQmm, "y_scale",
                       "must be None (an Ascend950 output scale, not supported by opennpu)");

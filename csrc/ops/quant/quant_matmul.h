@@ -10,7 +10,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <c10/util/ArrayRef.h>
+
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -80,6 +83,42 @@ struct FloatQuantMatmulArgs {
 };
 using FloatQuantMatmulFn = void(const FloatQuantMatmulArgs& args, at::Tensor& out);
 extern KernelSlots<FloatQuantMatmulFn> float_quant_matmul;
+
+// The float operands' arguments, read alike by npu_quant_matmul and npu_grouped_matmul (`op`
+// names the op in their error messages).
+//
+// Type codes these ops read in their *_dtype arguments: torch's ScalarType and torch_npu's DType
+// (torch_npu.hifloat8 = 290, float8_e5m2 291, float8_e4m3fn 292, float8_e8m0fnu 293,
+// float4_e2m1fn_x2 296).
+constexpr int64_t kNpuHif8 = 290, kNpuE5m2 = 291, kNpuE4m3 = 292, kNpuE8m0 = 293, kNpuE2m1 = 296;
+// MX: one float8_e8m0 scale per block of this many elements along K.
+constexpr int64_t kMxBlock = 32;
+
+// The float element format of an operand (its dtype, or `declared`, its *_dtype argument,
+// reinterpreting a byte tensor), or nullopt for integer / non-quantised operands; hifloat8
+// raises (not supported).
+std::optional<FloatCode> float_code(const char* op, const char* arg, const char* dtype_arg,
+                                    const at::Tensor& t, std::optional<int64_t> declared);
+// Whether a scale holds float8_e8m0 block scales (its dtype, or `declared` naming
+// float8_e8m0fnu); `declared` must otherwise be None or the scale's own dtype.
+bool is_e8m0(const char* op, const char* arg, const char* dtype_arg, const at::Tensor& t,
+             std::optional<int64_t> declared);
+// op-plugin's test of a transposed operand: its last two dims are the transpose of a contiguous
+// tensor (not both of size 1). float4 codes are packed along the memory-contiguous dim.
+bool is_transpose_last_two(const at::Tensor& t);
+// An operand's bytes in memory orientation (FloatOperand), its batch count and logical dims;
+// block_scale left undefined.
+FloatOperand float_operand(const at::Tensor& t, FloatCode code);
+// e8m0 codes (any byte dtype) -> fp32: 2^(code - 127), code 255 NaN.
+at::Tensor decode_e8m0(const at::Tensor& t);
+// An MX scale of operand x (arg / x_arg: their names), logical [*batch, other, ceil(k / 64), 2]
+// (x1's, other = m) or, k_first, [*batch, ceil(k / 64), other, 2] (x2's, other = n), the batch
+// dims optional, laid out as a transpose when x is one: checked, and decoded to fp32 per block
+// of 32 along K, [batches or 1, other, ceil(k / 32)] or, k_first, [batches or 1,
+// ceil(k / 32), other] (FloatOperand::block_scale before the operand's orientation).
+at::Tensor mx_block_scale(const char* op, const char* arg, const at::Tensor& s, const char* x_arg,
+                          const at::Tensor& x, c10::IntArrayRef batch, int64_t other, int64_t k,
+                          bool k_first);
 
 // The longest K group A8W4 takes: every partial sum of a group (|x_hi|, |x_lo| <= 8 times
 // |w| <= 8, over at most this many rows) stays an integer that fp32 holds exactly.

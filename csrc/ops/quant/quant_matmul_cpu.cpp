@@ -32,6 +32,7 @@
 #include "common/blas.h"
 #include "common/vec.h"
 #include "ops/quant/fp_barrier.h"
+#include "ops/quant/int_codes.h"
 #include "ops/quant/quant_matmul.h"
 
 namespace opennpu::quant {
@@ -52,11 +53,6 @@ struct CodeStats {
   int64_t row_l1_max = 0;
 };
 
-// Code k (0..7) of an int4 word, sign-extended: bits [4k, 4k + 4).
-inline int32_t nibble(int32_t word, int k) {
-  return static_cast<int32_t>(static_cast<uint32_t>(word) << (28 - 4 * k)) >> 28;
-}
-
 // Per-thread maxima, combined after the parallel loop.
 struct StatsByThread {
   std::vector<CodeStats> slots{static_cast<size_t>(std::max(at::get_num_threads(), 1))};
@@ -72,51 +68,7 @@ struct StatsByThread {
   }
 };
 
-// The loops below are plain element loops on purpose: GCC vectorises them at -O3 for the ISA
-// of this compilation (sign extension, conversion, |v|, max and sum in 8 / 16 lanes); they are
-// bound by memory, not arithmetic.
-
-// dst[0, len) = float(src[0, len)) (int8 codes); returns sum |code| and raises amax.
-inline int64_t int8_to_float(const int8_t* src, float* dst, int64_t len, int32_t& amax) {
-  constexpr int64_t kBlock = int64_t{1} << 16;  // 128 * 2^16 < 2^31: no int32 overflow
-  int64_t l1 = 0;
-  for (int64_t i0 = 0; i0 < len; i0 += kBlock) {
-    const int64_t i1 = std::min(len, i0 + kBlock);
-    int32_t block = 0, block_max = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int32_t v = src[i];
-      const int32_t a = v < 0 ? -v : v;
-      dst[i] = static_cast<float>(v);
-      block_max = std::max(block_max, a);
-      block += a;
-    }
-    amax = std::max(amax, block_max);
-    l1 += block;
-  }
-  return l1;
-}
-
-// dst[0, 8 words) = the int4 codes of words[0, words) as floats; returns sum |code|.
-inline int64_t int4_to_float(const int32_t* src, float* dst, int64_t words, int32_t& amax) {
-  constexpr int64_t kBlock = int64_t{1} << 24;  // 8 * 8 * 2^24 < 2^31
-  int64_t l1 = 0;
-  for (int64_t i0 = 0; i0 < words; i0 += kBlock) {
-    const int64_t i1 = std::min(words, i0 + kBlock);
-    int32_t block = 0, block_max = 0;
-    for (int64_t i = i0; i < i1; ++i) {
-      for (int k = 0; k < 8; ++k) {
-        const int32_t v = nibble(src[i], k);
-        const int32_t a = v < 0 ? -v : v;
-        dst[8 * i + k] = static_cast<float>(v);
-        block_max = std::max(block_max, a);
-        block += a;
-      }
-    }
-    amax = std::max(amax, block_max);
-    l1 += block;
-  }
-  return l1;
-}
+// The int8 / int4 conversions (int8_to_float, int4_to_float, nibble): ops/quant/int_codes.h.
 
 // int8 [rows, n] (contiguous) -> fp32 [rows, n]; int32 words [rows, n / 8] holding eight int4
 // codes each (lowest bits first, sign-extended) -> fp32 [rows, n]. `dst` is contiguous.

@@ -26,6 +26,7 @@ import torch
 
 from ._registry import (DIFFERENTIABILITY, mark_backward_op, mark_not_differentiable,
                         register_autograd, register_fake)
+from .quant import _qmm_float_kind, _transposed
 
 _ops = torch.ops.npu
 
@@ -348,8 +349,8 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
                        output_dtype: torch.dtype | int | None = None, x_dtype=None,
                        weight_dtype=None, scale_dtype=None,
                        per_token_scale_dtype=None) -> list[torch.Tensor]:
-    """Grouped matmul: ``y_g = x_g @ w_g (+ b_g)`` for G groups (float, A8W8 or weight-only
-    quantised), returned as a list.
+    """Grouped matmul: ``y_g = x_g @ w_g (+ b_g)`` for G groups (float, or A8W8, A8W4,
+    weight-only, float8 / MX quantised), returned as a list.
 
     The groups (G = ``len(weight)``, or E for one 3-D weight ``[E, K, N]``):
 
@@ -398,11 +399,26 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
       group is npu_quant_matmul's A8W4 product (op-plugin's golden: x = 16 hi + lo + 8, float16
       accumulation over the K groups, ``(acc_hi * 16 + acc_lo + bias) * per_token_scale``).
 
-    Not implemented (a clear error says so): A4W4 (int4 x), A8W4's ``offset``, the MX / fp8 / fp4 paths, ``act_type`` != 0, ``group_list_type=2``, the
-    ``activation_*`` inputs; ``tuning_config`` is accepted and ignored. ``x_dtype`` /
-    ``weight_dtype`` / ``scale_dtype`` / ``per_token_scale_dtype`` (torch_npu's reinterpretation
-    of storage) must be None or name the tensors' own dtype (``torch.quint4x2`` / ``torch.int4``
-    for int32 int4 weights, ``torch.uint64`` for an int64 scale).
+    - float8 / MX (Ascend 950): float8_e4m3fn / float8_e5m2 or float4_e2m1 x and weights (torch's
+      float8 / float4_e2m1fn_x2 dtypes, or int8 / uint8 bytes with ``x_dtype`` / ``weight_dtype``
+      torch_npu.float4_e2m1fn_x2 = 296, float8_e4m3fn 292, float8_e5m2 291 or torch's codes;
+      float4: two codes per byte along the memory-contiguous dim, x ``[M, K / 2]``, weights
+      ``[E, K, N / 2]`` or the transpose of a contiguous ``[E, N, K / 2]``), ``output_dtype``
+      float16 / bfloat16 / float32, float ``bias``. float8 with per-channel ``scale`` (as A8W8)
+      and float32 ``per_token_scale``: ``y = (x @ w) * scale (* per_token_scale) (+ bias)``; MX:
+      float8_e8m0 block scales of 32 along K (``scale_dtype`` / ``per_token_scale_dtype``
+      torch_npu.float8_e8m0fnu = 293, or float8_e8m0fnu tensors) as npu_dynamic_mx_quant writes
+      them, ``per_token_scale`` x's ``[M, ceil(K / 64), 2]``, ``scale`` the weights'
+      ``[E, ceil(K / 64), N, 2]`` (a transpose of dims 1 / 2 for transposed weights):
+      ``y = (x * scale_x) @ (w * scale_w) (+ bias)``. Each group is npu_quant_matmul's float
+      product.
+
+    Not implemented (a clear error says so): A4W4 (int4 x), A8W4's ``offset``, hifloat8 and
+    float4_e1m2 operands, ``act_type`` != 0, ``group_list_type=2``, the ``activation_*`` inputs;
+    ``tuning_config`` is accepted and ignored. Off the float8 / MX path ``x_dtype`` /
+    ``weight_dtype`` / ``scale_dtype`` / ``per_token_scale_dtype`` must be None or name the
+    tensors' own dtype (``torch.quint4x2`` / ``torch.int4`` for int32 int4 weights,
+    ``torch.uint64`` for an int64 scale).
 
     ``group_type`` None: this wrapper picks 0 when ``group_list`` splits one x, else -1
     (torch_npu, like ``torch.ops.npu.npu_grouped_matmul`` with a Tensor or no ``group_list``,
@@ -504,10 +520,13 @@ def _group_sizes(values, group_list_type):
     return [b - a for a, b in zip([0, *values[:-1]], values)]
 
 
-def _gmm_weight_n(w):
+def _gmm_weight_n(w, fp4=False):
     """N of a 2-D weight view, or of a 3-D [E, K, N] one: int32 weights pack eight int4 codes per
-    element along N (along K when the view is the transpose of a contiguous [.., N, K])."""
+    element along N (along K when the view is the transpose of a contiguous [.., N, K]); float4
+    ones (fp4) two per byte, likewise."""
     n = w.shape[-1]
+    if fp4:
+        return n if _transposed(w) else 2 * n
     if w.dtype != torch.int32:
         return n
     transposed = not w.is_contiguous() and w.stride(-2) == 1 and w.stride(-1) == w.shape[-2]
@@ -529,16 +548,17 @@ _GMM_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 6: torch.
 
 
 def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type=None,
-                         output_dtype=None):
+                         output_dtype=None, weight_dtype=None):
     dtype = _gmm_out_dtype(x, output_dtype)
+    fp4 = _qmm_float_kind(weight[0], weight_dtype) == "fp4"
     if group_type == 2:  # grouping on K: one output [G, M, N]
         groups = len(group_list) if not isinstance(group_list, torch.Tensor) \
             else group_list.shape[0]
         return [x[0].new_empty((groups, x[0].shape[0], weight[0].shape[1]), dtype=dtype)]
     single_weight = len(weight) == 1 and weight[0].dim() == 3
     groups = weight[0].shape[0] if single_weight else len(weight)
-    n_of = [_gmm_weight_n(weight[0])] * groups if single_weight \
-        else [_gmm_weight_n(w) for w in weight]
+    n_of = [_gmm_weight_n(weight[0], fp4)] * groups if single_weight \
+        else [_gmm_weight_n(w, fp4) for w in weight]
     split_x = group_list is not None and len(x) == 1
     split_item = 0 if split_item is None else split_item
     if split_item >= 2:
@@ -563,7 +583,7 @@ def _grouped_matmul_tensor_fake(x, weight, *, bias=None, scale=None, offset=None
                                 tuning_config=None, output_dtype=None, x_dtype=None,
                                 weight_dtype=None, scale_dtype=None, per_token_scale_dtype=None):
     return _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type,
-                                output_dtype)
+                                output_dtype, weight_dtype)
 
 
 @register_fake("npu::npu_grouped_matmul.List")

@@ -31,7 +31,7 @@ mask from opennpu's Philox generator through the CPU kernel of _npu_dropout_gen_
 bits and generator offsets as on CPU) and copies it to the device; _npu_dropout_gen_mask itself
 does the same. Those calls, and npu_grouped_matmul with a Tensor group_list (sizes read on the
 host), are not decomposed under torch.compile: the op stays in the graph and runs eagerly.
-npu_grouped_matmul's A4W4 / MX paths and A8W4's offset are unimplemented on every device
+npu_grouped_matmul's A4W4 path and A8W4's offset are unimplemented on every device
 (NotImplementedError).
 
 force(): the switch tests use to run the portable path on CPU tensors. Inside it the portable
@@ -304,8 +304,6 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
 
 
 _QMM_FLOAT_OUT = {None: None, 5: torch.float16, 6: torch.float32, 15: torch.bfloat16}
-_FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0,
-             -6.0)
 
 
 def _float_operand(t, kind):
@@ -315,9 +313,17 @@ def _float_operand(t, kind):
         return t.view(kind).float()
     trans = _transposed(t)
     b = (t.mT if trans else t).view(torch.uint8).long()
-    lut = torch.tensor(_FP4_E2M1, dtype=torch.float32, device=t.device)
-    v = torch.stack([lut[b & 15], lut[b >> 4]], -1).flatten(-2)
+    v = torch.stack([_fp4_values(b & 15), _fp4_values(b >> 4)], -1).flatten(-2)
     return v.mT if trans else v
+
+
+def _fp4_values(c):
+    """float4_e2m1 codes (int64 nibbles) as float32, computed rather than looked up (no constant
+    tensor to move to the device): sign bit 3, exponent bits 1-2 with bias 1, mantissa bit 0;
+    exponent 0 is subnormal (0 or 0.5). The values: +-{0, 0.5, 1, 1.5, 2, 3, 4, 6}."""
+    e, m = (c >> 1) & 3, (c & 1).float()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).float()) * (1 + 0.5 * m))
+    return torch.where((c & 8) != 0, -mag, mag)
 
 
 def _e8m0(t):
@@ -1208,9 +1214,17 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
     aq_scales = per_group(kw.get("antiquant_scale"))
     aq_offsets = per_group(kw.get("antiquant_offset"))
     tokens = kw.get("per_token_scale")
-    a8w8 = x[0].dtype == torch.int8
+    kind_x = _qmm_float_kind(x[0], _type_code(kw.get("x_dtype")))
+    kind_w = _qmm_float_kind(weight[0], _type_code(kw.get("weight_dtype")))
+    float_codes = kind_x is not None and kind_w is not None
+    # MX per-token scales keep their [m, ceil(k / 64), 2] shape; float32 ones are [m] (or [m, 1])
+    mx = float_codes and tokens and (_type_code(kw.get("per_token_scale_dtype")) in
+                                     _QMM_E8M0_CODES or tokens[0].dtype == torch.float8_e8m0fnu)
+    flat = (lambda t: t) if mx else (lambda t: t.reshape(-1))  # noqa: E731
+    a8w8 = x[0].dtype == torch.int8 and not float_codes
     a8w4 = a8w8 and bool(ws) and ws[0].dtype == torch.int32
-    if ws and ws[0].dtype in (torch.int8, torch.int32) and not a8w8 and not kw.get("antiquant_scale"):
+    if ws and ws[0].dtype in (torch.int8, torch.int32) and not a8w8 and not float_codes \
+            and not kw.get("antiquant_scale"):
         raise RuntimeError("npu_grouped_matmul: argument 'antiquant_scale' must be given with "
                            "int8 / int4 weights and floating x (the weight-only path)")
     out_dtype = torch.int8 if a8w8 else x[0].dtype
@@ -1224,13 +1238,20 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
         sizes = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
         xs = list(x[0][:sum(sizes)].split(sizes))
         tail = x[0].shape[0] - sum(sizes)
-        ts = list(tokens[0].reshape(-1)[:sum(sizes)].split(sizes)) if tokens else [None] * len(ws)
+        ts = list(flat(tokens[0])[:sum(sizes)].split(sizes)) if tokens else [None] * len(ws)
     else:
         xs = list(x)
-        ts = [t.reshape(-1) for t in tokens] if tokens else [None] * len(ws)
+        ts = [flat(t) for t in tokens] if tokens else [None] * len(ws)
     ys = []
     for xg, w, b, s, t, aqs, aqo in zip(xs, ws, bs, scales, ts, aq_scales, aq_offsets):
-        if a8w4:
+        if float_codes:  # float8 / MX: npu_quant_matmul's float path per group
+            if s.dtype == torch.int64:  # npu_trans_quant_param's encoding: the float32 bits
+                s = (s & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
+            xg2 = xg.reshape(-1, xg.shape[-1])
+            y = _float_quant_matmul(xg2, w, s, t, b, out_dtype, kind_x, kind_w,
+                                    kw.get("scale_dtype"), kw.get("per_token_scale_dtype"))
+            ys.append(y.reshape(*xg.shape[:-1], y.shape[-1]))
+        elif a8w4:
             y = _a8w4(xg.reshape(-1, xg.shape[-1]), w, s, b, t, out_dtype)
             ys.append(y.reshape(*xg.shape[:-1], y.shape[-1]))
         elif a8w8:
@@ -1267,7 +1288,11 @@ def _grouped_matmul_over_k(x, weight, group_list, group_list_type):
 
 def _check_gmm_dtype_arguments(x, weight, kw):
     """The C++ entry's checks of the dtype arguments (torch_npu's current schema): None or a
-    name of the tensors' own dtype (int4 names for int32 weights, uint64 for an int64 scale)."""
+    name of the tensors' own dtype (int4 names for int32 weights, uint64 for an int64 scale),
+    except on the float8 / MX path (x / weight float8 / float4 codes), which reads them."""
+    if _qmm_float_kind(x[0], _type_code(kw.get("x_dtype"))) is not None or \
+            _qmm_float_kind(weight[0], _type_code(kw.get("weight_dtype"))) is not None:
+        return
     for name, tensors in (("x_dtype", x), ("weight_dtype", weight), ("scale_dtype", kw.get("scale")),
                           ("per_token_scale_dtype", kw.get("per_token_scale"))):
         code = kw.get(name)
