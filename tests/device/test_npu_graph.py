@@ -134,6 +134,34 @@ def test_random_ops_draw_again_and_follow_the_rng_state():
     torch.testing.assert_close(n1, torch.randn(8, device="npu"), rtol=0, atol=0)
 
 
+def test_fusion_attention_dropout_forward_and_backward_replay_eager():
+    """npu_fusion_attention returns its dropout seed / offset as ints, which its gradient op
+    takes: at replay the backward must use what the replayed forward drew."""
+    q, k, v = (torch.randn(1, 16, 64, device="npu", requires_grad=True) for _ in range(3))
+    dy = torch.randn(1, 16, 64, device="npu")
+
+    def step():
+        out = torch_npu.npu_fusion_attention(q, k, v, 2, "BSH", scale=0.125, keep_prob=0.7)[0]
+        out.backward(dy)
+        return out
+
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        out = step()
+    grads = [t.grad for t in (q, k, v)]
+    state = (torch.get_rng_state(), torch.npu.get_rng_state())
+    g.replay()
+    replayed = [out.clone()] + [t.clone() for t in grads]
+    torch.set_rng_state(state[0])
+    torch.npu.set_rng_state(state[1])
+    for t in (q, k, v):
+        t.grad = None
+    eager = [step().detach()] + [t.grad for t in (q, k, v)]
+    for a, b in zip(replayed, eager):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(replayed[0].cpu(), out.new_zeros(()).expand_as(out).cpu())
+
+
 @pytest.mark.parametrize("sync", ["item", "cpu", "tolist", "synchronize", "nonzero",
                                   "stream_synchronize", "equal", "bool"])
 def test_host_synchronisation_during_capture_raises(sync):

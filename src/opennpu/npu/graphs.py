@@ -20,8 +20,10 @@ recorded calls again, in order, on the same tensors:
 So after new values are written into the static inputs, `replay()` computes what running the code
 again would, into the captured outputs. Random ops draw again from their generator at replay (as
 CUDA graphs with registered generators do): after `torch.npu.set_rng_state(s)` a replay draws what
-eager code run after the same `set_rng_state(s)` draws. Values the ops returned that are not
-tensors (ints, floats) keep their capture-time values in the calls that took them.
+eager code run after the same `set_rng_state(s)` draws. The dropout seed and offset that
+npu_fusion_attention returns as ints reach its gradient op at replay as that replay's forward drew
+them; other values returned as Python numbers keep their capture-time values in the calls that
+took them.
 
 During capture, what a capturing stream forbids raises "operation not permitted when stream is
 capturing", naming the operation: host reads of npu tensors (`.item()`, `.tolist()`, `.cpu()`, any
@@ -116,11 +118,13 @@ def _check_not_capturing(what: str, graph: Optional["NPUGraph"] = None) -> None:
 class _Record:
     """One recorded call: what replay does with it is decided once, at capture."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "fresh", "kind")
+    __slots__ = ("func", "args", "kwargs", "outputs", "fresh", "kind", "links")
 
     def __init__(self, func, args, kwargs, outputs, fresh, kind):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outputs, self.fresh, self.kind = outputs, fresh, kind
+        # (argument name, index of the record whose int output it took, position of that output)
+        self.links: list[tuple[str, int, int]] = []
 
     def describe(self) -> dict:
         def meta(x):
@@ -179,7 +183,9 @@ class _CaptureMode(TorchDispatchMode):
         if npu_in and any(isinstance(o, torch.Tensor) and o.device.type == "cpu" for o in outs):
             _check_not_capturing(f"a copy from npu to the host ({func}, e.g. Tensor.cpu())", graph)
         kind, fresh = _classify(func, args, kwargs, out)
-        graph._records.append(_Record(func, args, dict(kwargs), out, fresh, kind))
+        record = _Record(func, args, dict(kwargs), out, fresh, kind)
+        record.links = _dropout_links(graph._records, func, args, kwargs)
+        graph._records.append(record)
         return out
 
 
@@ -197,13 +203,68 @@ def _replaying():
         yield
 
 
-def _run(record: _Record) -> None:
+# Arguments that take the dropout seed / offset a fused attention forward returned as ints
+# (npu_fusion_attention, _v2): their gradient ops must see what the forward drew at this replay.
+_RNG_ARGS = ("seed", "offset")
+
+
+def _int_arg(func, args, kwargs, name):
+    for i, a in enumerate(func._schema.arguments):
+        if a.name == name:
+            if not a.kwarg_only and i < len(args):
+                value = args[i]
+            else:  # an argument equal to its default is left out of the call
+                value = kwargs.get(name, a.default_value if a.has_default_value() else None)
+            return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return None
+
+
+def _dropout_links(records, func, args, kwargs) -> list[tuple[str, int, int]]:
+    """Which of this call's seed / offset arguments were returned as ints by an earlier recorded
+    call (the latest that returned that value): replay passes what that call returns then."""
+    links = []
+    for j, name in enumerate(_RNG_ARGS):
+        value = _int_arg(func, args, kwargs, name)
+        if value is None:
+            continue
+        for index in range(len(records) - 1, -1, -1):
+            outs = tree_leaves(records[index].outputs)
+            # the forwards return tensors, then (seed, offset, numels) as ints, in that order
+            ints = [p for p, o in enumerate(outs) if type(o) is int]
+            if (len(ints) > j and outs[ints[j]] == value
+                    and any(isinstance(o, torch.Tensor) for o in outs)):
+                links.append((name, index, ints[j]))
+                break
+    return links
+
+
+def _with_links(record: _Record, results: dict) -> tuple[tuple, dict]:
+    args, kwargs = list(record.args), dict(record.kwargs)
+    names = [a.name for a in record.func._schema.arguments]
+    for name, index, pos in record.links:
+        if index not in results:
+            continue
+        value = results[index][pos]
+        i = names.index(name)
+        if not record.func._schema.arguments[i].kwarg_only and i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def _run(record: _Record, index: int, results: dict) -> None:
     if record.kind in ("view", "alloc"):
         return
-    result = record.func(*record.args, **record.kwargs)
+    args, kwargs = (_with_links(record, results) if record.links
+                    else (record.args, record.kwargs))
+    result = record.func(*args, **kwargs)
+    leaves = tree_leaves(result)
+    if any(type(o) is int for o in leaves):
+        results[index] = leaves
     if record.kind == "mutate" and not any(record.fresh):
         return
-    for static, new, fresh in zip(tree_leaves(record.outputs), tree_leaves(result), record.fresh):
+    for static, new, fresh in zip(tree_leaves(record.outputs), leaves, record.fresh):
         if fresh and static is not new:
             static.copy_(new)
 
@@ -315,8 +376,9 @@ class NPUGraph:
         if not self._has_graph:
             raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
         with _replaying():
-            for record in self._records:
-                _run(record)
+            results: dict = {}
+            for index, record in enumerate(self._records):
+                _run(record, index, results)
 
     def reset(self) -> None:
         """Deletes the captured graph and releases the tensors it holds (its memory pool)."""
