@@ -57,8 +57,17 @@ def check_cuda_device_api():
         assert torch.cuda.get_device_capability("cuda:0") == torch.npu.get_device_capability(0)
     assert torch.cuda.can_device_access_peer(0, "cuda:1")
     assert torch.cuda.is_current_stream_capturing() is False
-    assert torch.cuda.CUDAGraph is not None
-    for call in (lambda: torch.cuda.utilization(0), lambda: torch.cuda.CUDAGraph()):
+    assert torch.cuda.CUDAGraph is torch.npu.NPUGraph
+    assert torch.cuda.graphs.graph is torch.npu.graph
+    g = torch.cuda.CUDAGraph()
+    x = torch.ones(2, device="cuda")
+    with torch.cuda.graph(g):
+        assert torch.cuda.is_current_stream_capturing()
+        y = x * 2
+    x.fill_(3)
+    g.replay()
+    assert y.tolist() == [6.0, 6.0]
+    for call in (lambda: torch.cuda.utilization(0),):
         try:
             call()
         except RuntimeError as e:

@@ -635,12 +635,6 @@ def _patch_cuda() -> None:
               "torch.npu.memory", CUDA_FUNCTIONS)
 
 
-def _not_capturing(stream=None) -> bool:
-    """torch.cuda.is_current_stream_capturing under transfer_to_npu: the npu device has no graph
-    capture, so never (PyTorch's optimizers and GradScaler ask before every step)."""
-    return False
-
-
 def _unavailable(qualname: str, npu_name: str) -> Callable:
     """A stand-in for a CUDA API the npu device lacks: raises a RuntimeError that says so (instead
     of CUDA's driver or NVML error)."""
@@ -658,8 +652,7 @@ def _unavailable(qualname: str, npu_name: str) -> Callable:
 
 # CUDA APIs without an npu counterpart in opennpu: name in torch.cuda (or a submodule) -> torch_npu's name.
 _CUDA_ONLY = {
-    "utilization": "utilization", "CUDAGraph": "NPUGraph", "graph": "graph",
-    "graph_pool_handle": "graph_pool_handle", "make_graphed_callables": "make_graphed_callables",
+    "utilization": "utilization",
     "MemPool": "MemPool", "use_mem_pool": "use_mem_pool", "ipc_collect": "ipc_collect",
     "memory._record_memory_history": "memory._record_memory_history",
     "memory._snapshot": "memory._snapshot", "memory._dump_snapshot": "memory._dump_snapshot",
@@ -689,11 +682,18 @@ def _patch_serialization() -> None:
     _set(serialization, "default_restore_location", _restore_location)
 
 
+# torch.cuda's graph capture -> torch.npu's (torch.cuda.graphs holds them too).
+_GRAPH_NAMES = {"CUDAGraph": "NPUGraph", "graph": "graph", "graph_pool_handle": "graph_pool_handle",
+                "make_graphed_callables": "make_graphed_callables",
+                "is_current_stream_capturing": "is_current_stream_capturing"}
+
+
 def _patch_cuda_only() -> None:
-    _set(torch.cuda, "is_current_stream_capturing", _not_capturing)
     graphs = sys.modules.get("torch.cuda.graphs")
-    if graphs is not None:
-        _set(graphs, "is_current_stream_capturing", _not_capturing)
+    for name, npu_name in _GRAPH_NAMES.items():
+        for owner in (torch.cuda, graphs):
+            if owner is not None and hasattr(owner, name):
+                _set(owner, name, getattr(torch.npu, npu_name))
     # torch._C._host_emptyCache (CUDA's pinned-memory cache) releases the npu one instead.
     _set(torch._C, "_host_emptyCache", torch.npu.host_empty_cache)
     for name, npu_name in _CUDA_ONLY.items():

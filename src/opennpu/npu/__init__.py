@@ -15,6 +15,8 @@ from ._not_provided import missing as _missing
 from .device import *  # noqa: F401,F403
 from .device import __all__ as _device_all
 from .device import _get_device_index, _is_in_bad_fork, _lazy_init  # noqa: F401
+from .graphs import *  # noqa: F401,F403
+from .graphs import __all__ as _graphs_all
 from .memory import *  # noqa: F401,F403
 from .memory import __all__ as _memory_all
 from .npu_config import *  # noqa: F401,F403  (Ascend-only switches: accepted, no effect here)
@@ -80,5 +82,5 @@ _INDUCTOR_HOOKS = {"Scheduling": "NpuScheduling", "PythonWrapperCodegen": "NpuPy
 
 
 __all__ = ["amp", "get_amp_supported_dtype", "get_autocast_dtype", "is_autocast_enabled",
-           "set_autocast_dtype", "set_autocast_enabled", "utils", *_config_all, *_device_all,
+           "set_autocast_dtype", "set_autocast_enabled", "utils", *_config_all, *_device_all, *_graphs_all,
            *_memory_all, *_random_all, *_streams_all, *_tensor_types_all]

@@ -5,7 +5,7 @@ AttributeError, so that `hasattr` probes by libraries still answer False)."""
 from __future__ import annotations
 
 _CANN = "it drives CANN or the Ascend driver, which do not exist off Ascend"
-_LATER = "not implemented yet; see the torch.npu API table in README.md"
+_LATER = "not implemented yet; see the torch.npu API table in docs/npu_device.md"
 
 REASONS: dict[str, str] = {
     **dict.fromkeys([
@@ -14,14 +14,12 @@ REASONS: dict[str, str] = {
         "stop_device", "restart_device", "set_device_limit",
         "get_device_limit", "set_stream_limit", "reset_stream_limit", "get_stream_limit",
         "obfuscation_initialize", "obfuscation_finalize", "obfuscation_calculate",
-        "set_op_timeout_ms", "SyncLaunchStream", "graph_task_group_begin", "graph_task_group_end",
-        "graph_task_update_begin", "graph_task_update_end", "utilization", "get_cann_version",
+        "set_op_timeout_ms", "SyncLaunchStream", "utilization", "get_cann_version",
         "empty_virt_addr_cache", "mstx", "CubeMathType", "set_deterministic_level",
         "enable_deterministic_with_backward", "disable_deterministic_with_backward",
     ], _CANN),
     **dict.fromkeys([
-        "NPUGraph", "graph", "graph_pool_handle", "is_current_stream_capturing",
-        "make_graphed_callables", "ExternalEvent", "ipc_collect", "MemPool", "MemPoolContext",
+        "ipc_collect", "MemPool", "MemPoolContext",
         "use_mem_pool", "NPUPluggableAllocator",
         "change_current_allocator",
     ], _LATER),

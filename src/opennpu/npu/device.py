@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from . import graphs as _graphs
+
 __all__ = [
     "can_device_access_peer", "current_blas_handle", "current_device", "device", "device_count",
     "device_of",
@@ -105,8 +107,9 @@ class device_of(device):
 
 def synchronize(device: Any = None) -> None:
     """Waits for the device's work: kernels run synchronously on the host, so this only checks
-    the device."""
+    the device (and raises while a graph captures, as a capturing stream does)."""
     _checked_index(device)
+    _graphs._check_not_capturing("torch.npu.synchronize()")
 
 
 def _soc_name() -> str:

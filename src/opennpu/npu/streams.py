@@ -42,7 +42,12 @@ class Stream(torch.Stream):
         return True
 
     def synchronize(self) -> None:
-        pass
+        from .graphs import _capturing, _check_not_capturing
+
+        graph = _capturing
+        if graph is not None and (self.stream_id, self.device_index) == (
+                graph._stream.stream_id, graph._stream.device_index):
+            _check_not_capturing("Stream.synchronize() on the capturing stream")
 
     @property
     def npu_stream(self) -> int:
