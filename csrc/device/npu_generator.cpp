@@ -7,10 +7,6 @@
 // torch_npu's device generator does: on npu such an op draws (current seed, offset) and advances
 // the offset; manual_seed restarts it at 0. The state (get_state / set_state) is the CPU
 // generator's byte tensor followed by that offset (8 bytes).
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/ones_like.h>
-#include <torch/library.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/ops/empty.h>
 #include <ATen/core/Generator.h>
@@ -129,34 +125,5 @@ at::Generator cpu_engine_of(const at::Generator& npu_generator) {
               "but found '", npu_generator.device().type(), "'");
   return at::check_generator<NpuGeneratorImpl>(npu_generator)->engine();
 }
-
-
-namespace {
-
-// aten::native_dropout (F.dropout's kernel) on npu. ATen's CPU kernel draws its mask from the CPU
-// default generator, which torch.npu.manual_seed / set_rng_state would not govern; this one draws
-// it with bernoulli_ on the npu mask, so from the device's generator, and otherwise computes what
-// the CPU kernel does (the same bits for the same generator state): output = input * mask *
-// (1 / (1 - p)), scale 0 when p == 1; the mask comes back as bool; train=False gives a copy and an
-// all-true mask; an empty input gives an empty output and an empty mask of its dtype.
-std::tuple<at::Tensor, at::Tensor> native_dropout(const at::Tensor& input, double p,
-                                                  std::optional<bool> train) {
-  if (input.numel() == 0) return {input.clone(), at::empty_like(input)};
-  if (train.has_value() && !*train) {
-    return {input.clone(), at::ones_like(input, input.options().dtype(at::kBool))};
-  }
-  TORCH_CHECK(p >= 0 && p <= 1, "native_dropout: p (the dropout probability) must be in [0, 1], "
-              "but got ", p);
-  const double keep = 1.0 - p;
-  const double scale = keep == 0 ? 0.0 : 1.0 / keep;
-  at::Tensor mask = at::empty_like(input, at::MemoryFormat::Contiguous);
-  mask.bernoulli_(keep);
-  at::Tensor output = input.mul(mask).mul_(scale);
-  return {output, mask.to(at::kBool)};
-}
-
-}  // namespace
-
-TORCH_LIBRARY_IMPL(aten, PrivateUse1, m) { m.impl("native_dropout", TORCH_FN(native_dropout)); }
 
 }  // namespace opennpu::device

@@ -117,27 +117,6 @@ def test_dropout_on_npu_matches_cpu():
     torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0)
 
 
-def test_dropout_draws_from_the_npu_generator():
-    x = torch.randn(257, 3).npu()[:, ::2]  # non-contiguous too
-    torch.manual_seed(1)
-    torch.npu.manual_seed(5)
-    first, mask = torch.ops.aten.native_dropout(x, 0.3, True)
-    torch.manual_seed(2)  # reseeds the npu devices as well: npu's seed goes last
-    torch.npu.manual_seed(5)
-    second = torch.nn.functional.dropout(x, 0.3)
-    torch.testing.assert_close(second, first, rtol=0, atol=0)
-    assert mask.dtype == torch.bool and mask.device == x.device
-    torch.testing.assert_close(first, torch.where(mask, x * (1 / 0.7), 0.0), rtol=0, atol=0)
-    state = torch.npu.get_rng_state()
-    a = torch.nn.functional.dropout(x, 0.5)
-    torch.npu.set_rng_state(state)
-    torch.testing.assert_close(torch.nn.functional.dropout(x, 0.5), a, rtol=0, atol=0)
-    out, mask = torch.ops.aten.native_dropout(x, 0.3, False)
-    assert torch.equal(out, x) and bool(mask.all())
-    assert torch.nn.functional.dropout(torch.empty(0, 3).npu(), 0.2).shape == (0, 3)
-    assert torch.nn.functional.dropout(x, 1.0).abs().sum() == 0
-
-
 def _attention_with_dropout(q):
     import torch_npu
 
