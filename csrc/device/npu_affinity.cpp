@@ -215,8 +215,6 @@ std::string describe(c10::DeviceIndex index) { return "npu:" + std::to_string(in
 
 }  // namespace
 
-int affinity_mode() { return config().mode; }
-
 void bind_thread_to_device(c10::DeviceIndex index, bool explicit_request) {
   const AffinityConfig& c = config();
   if (index < 0) return;

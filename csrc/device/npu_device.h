@@ -43,9 +43,8 @@ std::vector<int64_t> visible_physical_ids();
 int64_t physical_device_count();
 
 // ---- npu_affinity.cpp ----------------------------------------------------------------------
-// CPU_AFFINITY_CONF core binding (0 when off). A thread is bound to a device's cores when it
+// CPU_AFFINITY_CONF core binding. A thread is bound to a device's cores when it
 // sets that device explicitly (explicit_request) or, once, when it first runs a kernel on one.
-int affinity_mode();
 void bind_thread_to_device(c10::DeviceIndex index, bool explicit_request);
 // torch_npu.utils.set_thread_affinity (empty: the current device's range) / reset_thread_affinity
 // (the cores of the last explicit set_device). Both do nothing while binding is off.

@@ -44,9 +44,8 @@ TORCH_LIBRARY_FRAGMENT(opennpu, m) {
     set_current_device(checked_index(device));
     bind_thread_to_device(static_cast<c10::DeviceIndex>(device), /*explicit_request=*/true);
   });
-  // CPU_AFFINITY_CONF: the binding mode, and torch_npu.utils.set_thread_affinity's core list
-  // (empty: the current device's range) / reset_thread_affinity.
-  m.def("_npu_affinity_mode() -> int", []() -> int64_t { return affinity_mode(); });
+  // CPU_AFFINITY_CONF: torch_npu.utils.set_thread_affinity's core list (empty: the current
+  // device's range) / reset_thread_affinity.
   m.def("_npu_set_thread_affinity(int[] cores) -> ()",
         [](std::vector<int64_t> cores) { set_thread_affinity(std::move(cores)); });
   m.def("_npu_reset_thread_affinity() -> ()", []() { reset_thread_affinity(); });
