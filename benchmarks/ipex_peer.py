@@ -36,7 +36,8 @@ import torch
 from opennpu import optim
 from opennpu.testing import timing
 
-from .ipex_worker import ADAMW, DTYPES, EPS, checksum, make_inputs
+from .ipex_worker import (ADAMW, DTYPES, EPS, checksum, llama_config, llama_weight_shapes,
+                          make_inputs)
 
 ENV = "OPENNPU_IPEX_PYTHON"
 WORKER = Path(__file__).with_name("ipex_worker.py")
@@ -60,6 +61,8 @@ CASES = (
     IpexCase("rotary_mul", {"S": 8192, "N": 32, "D": 128}, ("fp32", "bf16")),
     IpexCase("attention", {"S": 2048, "N": 32, "Nkv": 32, "D": 128}, ("fp32", "bf16")),
     IpexCase("attention", {"S": 2048, "N": 32, "Nkv": 8, "D": 128}, ("fp32", "bf16")),
+    IpexCase("llama_layer", {"S": 512, "H": 1024, "N": 16, "Nkv": 4, "I": 2816}, ("fp32", "bf16")),
+    IpexCase("llama_layer", {"S": 2048, "H": 1024, "N": 16, "Nkv": 4, "I": 2816}, ("fp32", "bf16")),
     IpexCase("adamw", {"params": "GPT-2 small 124M", "wd": 0}, ("fp32",)),
 )
 
@@ -94,9 +97,59 @@ def _adamw64(params, grads):
     return out
 
 
-def ours_case(op: str, inputs: list[torch.Tensor]):
+def _llama_layer(shape: dict, weights, dtype):
+    """transformers' LlamaDecoderLayer with the case's weights, and its rotary embedding."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    config = llama_config(shape)
+    config._attn_implementation = "sdpa"
+    layer = LlamaDecoderLayer(config, layer_idx=0).eval().to(dtype)
+    names = [name for name, _ in llama_weight_shapes(shape)]
+    layer.load_state_dict({n: w.to(dtype) for n, w in zip(names, weights)}, strict=True)
+    return layer, LlamaRotaryEmbedding(config=config)
+
+
+class _LlamaCall(torch.nn.Module):
+    """layer(hidden_states, position_embeddings=(cos, sin)), as LlamaModel calls it (no padding:
+    attention_mask None, so SDPA runs causal)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cos, sin):
+        out = self.layer(x, attention_mask=None, position_embeddings=(cos, sin))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _llama_case(shape: dict, inputs: list[torch.Tensor]):
+    """The layer compiled with opennpu's backend (default CompilerConfig), against the float64
+    eager layer. cos / sin are computed once outside the timed call, as LlamaModel shares them
+    across layers (IPEX's layer computes its own from a cached table)."""
+    from opennpu.compile import get_npu_backend
+
+    x, weights = inputs[0], inputs[1:]
+    layer, rotary = _llama_layer(shape, weights, x.dtype)
+    with torch.no_grad():
+        cos, sin = rotary(x, torch.arange(x.shape[1])[None])
+    module = _LlamaCall(layer)
+    compiled_fn = torch.compile(module, backend=get_npu_backend(), dynamic=False)
+
+    def fn():  # the first call compiles, with Inductor's C++ kernels fixed to the thread count
+        with torch.no_grad(), torch._inductor.config.patch({"cpp.threads": torch.get_num_threads()}):
+            return compiled_fn(x, cos, sin)
+
+    def reference():
+        layer64 = _LlamaCall(_llama_layer(shape, weights, torch.float64)[0])
+        return layer64(x.double(), cos.double(), sin.double())
+    return fn, fn, reference
+
+
+def ours_case(op: str, inputs: list[torch.Tensor], shape: dict | None = None):
     """(fn, outputs, reference): fn() is timed; outputs() gives the tensors checked against
     reference() (float64), from fresh inputs."""
+    if op == "llama_layer":
+        return _llama_case(shape, inputs)
     if op == "rms_norm":
         x, w = inputs
         fn = lambda: npu.npu_rms_norm(x, w, EPS)[0]  # noqa: E731
@@ -209,7 +262,7 @@ def run_case(worker: IpexWorker, case: IpexCase, dtype_name: str, threads: int, 
         if not math.isclose(reply["checksum"], checksum(inputs), rel_tol=1e-12, abs_tol=1e-6):
             raise RuntimeError(f"the IPEX worker built other inputs (checksum {reply['checksum']}"
                                f" != {checksum(inputs)})")
-        fn, outputs, reference = ours_case(case.op, inputs)
+        fn, outputs, reference = ours_case(case.op, inputs, case.shape)
         with torch.no_grad(), timing.num_threads(threads):
             expected = reference()
             row["err_ours"], row["floor_ours"] = errors(outputs(), expected, dtype)

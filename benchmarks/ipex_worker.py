@@ -63,11 +63,42 @@ def make_inputs(case: str, shape: dict, dtype: torch.dtype, seed: int) -> list[t
         s, n, nkv, d = shape["S"], shape["N"], shape["Nkv"], shape["D"]
         return [_randn(1, s, n, d, dtype=dtype), _randn(1, s, nkv, d, dtype=dtype),
                 _randn(1, s, nkv, d, dtype=dtype)]
+    if case == "llama_layer":  # hidden states [1, S, H], then the layer's weights (LLAMA_WEIGHTS)
+        x = _randn(1, shape["S"], shape["H"], dtype=dtype)
+        weights = []
+        for name, dims in llama_weight_shapes(shape):
+            if len(dims) == 1:  # the norms' gammas
+                weights.append((0.5 + torch.rand(dims)).to(dtype))
+            else:  # nn.Linear [out, in], scaled so that activations stay O(1)
+                weights.append((torch.randn(dims) / math.sqrt(dims[1])).to(dtype))
+        return [x, *weights]
     if case == "adamw":  # parameters then gradients, GPT-2 small's shapes
         shapes = gpt2_small_shapes()
         params = [_randn(*s, dtype=dtype) for s in shapes]
         return params + [(torch.randn(s) * 1e-2).to(dtype) for s in shapes]
     raise ValueError(f"unknown case {case!r}")
+
+
+def llama_weight_shapes(shape: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """A Llama decoder layer's parameters, named as in transformers' LlamaDecoderLayer."""
+    h, i = shape["H"], shape["I"]
+    kv = h * shape["Nkv"] // shape["N"]
+    return [("input_layernorm.weight", (h,)), ("self_attn.q_proj.weight", (h, h)),
+            ("self_attn.k_proj.weight", (kv, h)), ("self_attn.v_proj.weight", (kv, h)),
+            ("self_attn.o_proj.weight", (h, h)), ("post_attention_layernorm.weight", (h,)),
+            ("mlp.gate_proj.weight", (i, h)), ("mlp.up_proj.weight", (i, h)),
+            ("mlp.down_proj.weight", (h, i))]
+
+
+def llama_config(shape: dict):
+    """transformers' LlamaConfig of the case: one layer, no bias, a small vocabulary."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=shape["H"], num_attention_heads=shape["N"],
+                       num_key_value_heads=shape["Nkv"], intermediate_size=shape["I"],
+                       num_hidden_layers=1, vocab_size=128, max_position_embeddings=8192,
+                       rms_norm_eps=EPS, attention_dropout=0.0,
+                       architectures=["LlamaForCausalLM"])
 
 
 def checksum(inputs: list[torch.Tensor]) -> float:
@@ -117,6 +148,33 @@ def ipex_case(case: str, shape: dict, inputs: list[torch.Tensor]):
             out = ops.flash_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                       0.0, True, scale=scale)[0]
             return out.transpose(1, 2)
+        return fn, fn
+    if case == "llama_layer":
+        # ipex.llm.optimize on a one-layer LlamaForCausalLM (IPEX's validated transformers), then
+        # its decoder layer called as its LlamaModel calls it in a prefill: a 4-D causal mask
+        # from IPEX's own op, position ids, a fresh KV cache (IPEX's layer fills it).
+        from transformers import LlamaForCausalLM
+
+        x, weights = inputs[0], inputs[1:]
+        dtype = x.dtype
+        model = LlamaForCausalLM(llama_config(shape)).eval().to(dtype)
+        names = [name for name, _ in llama_weight_shapes(shape)]
+        model.model.layers[0].load_state_dict(dict(zip(names, weights)), strict=True)
+        try:
+            model = ipex.llm.optimize(model, dtype=dtype, inplace=True, deployment_mode=False)
+        except AssertionError as error:  # e.g. bf16 weight prepacking on a CPU without AVX-512
+            raise NotImplementedError(f"ipex.llm.optimize: {error}") from error
+        layer = model.model.layers[0]
+        s = x.shape[1]
+        mask = ops.prepare_4d_causal_attention_mask(
+            torch.ones(1, s, dtype=torch.long), x, torch.tensor(0).contiguous(),
+            torch.tensor(torch.finfo(dtype).min).contiguous(), 8192)
+        position_ids = torch.arange(s)[None]
+
+        def fn():
+            with torch.no_grad():
+                return layer(x, attention_mask=mask, position_ids=position_ids,
+                             past_key_value=None, use_cache=True)[0]
         return fn, fn
     if case == "adamw":  # ipex.optimize's Adam: its step runs torch_ipex::adam_fused_step
         n = len(inputs) // 2

@@ -135,3 +135,19 @@ def test_errors_are_measured_against_the_rounding_floor(peer):
                             torch.bfloat16)
     assert err == 2.0 ** -7 and over == 8.0
     assert math.isnan(peer.errors(ref, ref, torch.float64)[1])  # no rounding: no floor
+
+
+def test_llama_layer_inputs_load_into_transformers_layer(peer):
+    """The llama_layer case's weights (make_inputs) are exactly a LlamaDecoderLayer's parameters
+    (strict load), and the float64 layer built from them gives finite, non-trivial outputs."""
+    pytest.importorskip("transformers")
+    shape = {"S": 8, "H": 32, "N": 4, "Nkv": 2, "I": 48}
+    inputs = peer.make_inputs("llama_layer", shape, torch.float32, seed=0)
+    names = [name for name, _ in peer.llama_weight_shapes(shape)]
+    layer, rotary = peer._llama_layer(shape, inputs[1:], torch.float64)
+    assert set(names) == set(layer.state_dict())
+    x = inputs[0].double()
+    cos, sin = rotary(x, torch.arange(shape["S"])[None])
+    out = peer._LlamaCall(layer)(x, cos, sin)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    assert not torch.allclose(out, x)  # the layer did something to the residual stream
