@@ -13,6 +13,11 @@ each side's median over the rounds' medians, ratio = IPEX time / ours (> 1: we a
 both sides' max abs error against a float64 reference, also as a multiple of the rounding floor
 (the error of the float64 result rounded to the case's dtype).
 
+The llama_layer case also needs transformers in that virtualenv (IPEX 2.8 is validated with 4.51.3:
+`pip install transformers==4.51.3`); ours runs the layer of this environment's transformers with
+the same weights. IPEX refuses bf16 on CPUs without AVX-512 (its weight prepacking): that row is
+then skipped with IPEX's message.
+
 IPEX's CPU kernels are written for AVX-512 (and AMX); on an AVX2-only CPU it runs its AVX2
 builds or falls back to ATen, so a ratio measured there says nothing about IPEX on Intel CPUs.
 """
