@@ -550,7 +550,7 @@ _GMM_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 6: torch.
 def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type=None,
                          output_dtype=None, weight_dtype=None):
     dtype = _gmm_out_dtype(x, output_dtype)
-    fp4 = _qmm_float_kind(weight[0], weight_dtype) == "fp4"
+    fp4 = _qmm_float_kind(weight[0], weight_dtype) in ("fp4", "fp4_e1m2")
     if group_type == 2:  # grouping on K: one output [G, M, N]
         groups = len(group_list) if not isinstance(group_list, torch.Tensor) \
             else group_list.shape[0]
