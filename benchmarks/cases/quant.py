@@ -210,13 +210,40 @@ def native_float_quant_matmul(x1, x2, scale, pt, sa, sw, out_dtype, fp4):
     return torch.matmul(a * ea, w * ew).to(out_dtype)
 
 
+def native_block_quant_matmul(x1, x2, s1, s2, out_dtype):
+    """Dequantise-then-GEMM for per-block float32 scales (x1's [m, ceil(k / 128)], x2's
+    [ceil(k / 128), ceil(n / 128)]): each operand times its scales repeated over the blocks, one
+    float32 GEMM (the per-K-block sum of op-plugin's golden regrouped, as torch users write it)."""
+    m, k = x1.shape
+    n = x2.shape[-1]
+    a = x1.float() * s1.repeat_interleave(128, -1)[:, :k]
+    w = x2.float() * s2.repeat_interleave(128, 0)[:k].repeat_interleave(128, -1)[:, :n]
+    return torch.matmul(a, w).to(out_dtype)
+
+
 def quant_matmul_float_fwd(m, k, n, dtype, path, threads):
     """npu_quant_matmul's Ascend950 paths: fp8 (e4m3, per-channel x per-token float32 scales),
-    MX fp8 and MX fp4 (e8m0 block scales from npu_dynamic_mx_quant), weights as Ascend's x2.t()."""
+    fp8 per-block (npu_dynamic_block_quant's 1 x 128 / 128 x 128 float32 block scales), MX fp8 and
+    MX fp4 (e8m0 block scales from npu_dynamic_mx_quant), weights as Ascend's x2.t()."""
     gen = torch.Generator().manual_seed(0)
     x, wt = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
     kw = dict(output_dtype=dtype)
     scale = pt = sa = sw = None
+    if path == "fp8_block":
+        e4 = torch.float8_e4m3fn
+        x1, s1 = npu.npu_dynamic_block_quant(x, dst_type=e4, row_block_size=1,
+                                             col_block_size=128)
+        wq, ws = npu.npu_dynamic_block_quant(wt, dst_type=e4, row_block_size=128,
+                                             col_block_size=128)
+        w, s2 = wq.t(), ws.t()  # x2 [k, n] and its scale [ceil(k / 128), ceil(n / 128)]
+        native_compiled = compiled(native_block_quant_matmul, x1, w, s1, s2, dtype,
+                                   threads=threads)
+        return Timed(
+            ours=lambda: npu.npu_quant_matmul(x1, w, s2, pertoken_scale=s1, output_dtype=dtype),
+            baselines={"eager": lambda: native_block_quant_matmul(x1, w, s1, s2, dtype),
+                       "compile": lambda: native_compiled(x1, w, s1, s2, dtype)},
+            reference=lambda: native_block_quant_matmul(x1, w, s1, s2, dtype),
+        )
     if path == "fp8":
         x1, w = x.to(torch.float8_e4m3fn), wt.to(torch.float8_e4m3fn).t()
         scale, pt = torch.rand(n, generator=gen) * 1e-3, torch.rand(m, generator=gen)
@@ -411,9 +438,11 @@ def cases(quick: bool, dtypes):
                    m * k + k * n // 2 + 4 * n * (k // 256 + 1) + m * n * dtype.itemsize,
                    functools.partial(quant_matmul_a8w4_fwd, m, k, n, dtype), ("npu_quant_matmul",),
                    flops=2 * m * k * n)
-        for path in ("fp8", "mxfp8", "mxfp4"):
+        for path in ("fp8", "fp8_block", "mxfp8", "mxfp4"):
             code_bytes = (m * k + k * n) // (2 if path == "mxfp4" else 1)
             scale_bytes = 4 * (m + n) if path == "fp8" else (m + n) * (k // 32)
+            if path == "fp8_block":
+                scale_bytes = 4 * (m * -(-k // 128) + -(-k // 128) * -(-n // 128))
             yield Case("quant_matmul", "fwd", f"M={m} K={k} N={n} {path}", dtype,
                        code_bytes + scale_bytes + m * n * dtype.itemsize,
                        functools.partial(quant_matmul_float_fwd, m, k, n, dtype, path),

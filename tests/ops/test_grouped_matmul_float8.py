@@ -116,6 +116,37 @@ def test_mx_split_x_exact(out_dtype, kinds, trans):
     assert torch.equal(torch.cat(ys), ref)
 
 
+E1M2 = 297  # torch_npu.float4_e1m2fn_x2
+E1M2_VALUES = torch.tensor([(-1 if c & 8 else 1) * 0.25 * (c & 7) for c in range(16)],
+                           dtype=torch.float64)
+
+
+def unpack_e1m2(b):
+    b = b.long()
+    return torch.stack([E1M2_VALUES[b & 15], E1M2_VALUES[b >> 4]], -1).flatten(-2)
+
+
+@pytest.mark.parametrize("trans", [False, True], ids=["w_kn", "w_nk"])
+def test_mx_float4_e1m2(trans):
+    """float4_e1m2 x and weights (bytes with x_dtype / weight_dtype 297), and e1m2 x with
+    float4_e2m1 weights: npu_quant_matmul's MX product per group, exact."""
+    from opennpu.ops import portable
+
+    gen = torch.Generator().manual_seed(39)
+    sizes, k, n = [3, 0, 5, 2], 160, 10
+    x, w, sa, sw, _, wv_e2m1 = mx_case(sizes, k, n, "fp4", "fp4", gen, trans)
+    a = unpack_e1m2(x)
+    wv = unpack_e1m2(w.mT).mT if trans else unpack_e1m2(w)
+    for weight_dtype, values in [(E1M2, wv), (FP4, wv_e2m1)]:
+        kw = dict(output_dtype=F32, scale_dtype=E8M0, per_token_scale_dtype=E8M0, x_dtype=E1M2,
+                  weight_dtype=weight_dtype, group_list=cumsum(sizes), split_item=3,
+                  group_type=0)
+        y = gmm([x], [w], scale=[sw], per_token_scale=[sa], **kw)[0]
+        assert torch.equal(y, torch.cat(ref_groups(sizes, a, values, F32, sa=sa, sw=sw)))
+        with portable.force():
+            assert torch.equal(gmm([x], [w], scale=[sw], per_token_scale=[sa], **kw)[0], y)
+
+
 @pytest.mark.parametrize("kinds", MX_KINDS, ids=MX_IDS)
 def test_mx_weight_list_and_x_list(kinds):
     """2-D weights, each with its [ceil(K / 64), N, 2] scale (one transposed), and x as one

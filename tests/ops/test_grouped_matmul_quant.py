@@ -462,8 +462,10 @@ def test_bad_quantised_inputs():
            scale=[s], x_dtype=296)  # int8 bytes named float4_e2m1 x: the float8 / MX path
     raises(r"argument 'x\[0\]' must be float8 / float4 codes like weight\[0\]", [x], [w],
            scale=[s], weight_dtype=torch.float8_e4m3fn)
-    raises(r"argument 'x_dtype' must be None or a torch dtype; the code 297 .* float4_e1m2", [x],
-           [w], scale=[s], x_dtype=297)
+    raises(r"argument 'weight\[0\]' must be float8 / float4 codes like x\[0\]", [x], [w],
+           scale=[s], x_dtype=297)  # int8 bytes named float4_e1m2 x
+    raises(r"argument 'x_dtype' must not be torch_npu.hifloat8 \(290\): hifloat8 x / weights "
+           r"are not supported", [x], [w], scale=[s], x_dtype=290)
     raises(r"argument 'scale_dtype' must be None or the dtype of scale \(Float\)", [x], [w],
            scale=[s], scale_dtype=I64)
     raises(r"argument 'per_token_scale_dtype' must be None when per_token_scale is not given",

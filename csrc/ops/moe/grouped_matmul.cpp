@@ -91,6 +91,10 @@ FloatTypes float_types(at::TensorList x, at::TensorList weight, std::optional<in
   if (!weight.empty() && weight[0].defined()) {
     ft.w = quant::float_code(kOp, "weight[0]", "weight_dtype", weight[0], weight_dtype);
   }
+  OPENNPU_CHECK_ARG(ft.x != quant::FloatCode::kHif8 && ft.w != quant::FloatCode::kHif8, kOp,
+                    ft.x == quant::FloatCode::kHif8 ? "x_dtype" : "weight_dtype",
+                    "must not be torch_npu.hifloat8 (290): hifloat8 x / weights are not "
+                    "supported by opennpu's npu_grouped_matmul (npu_quant_matmul reads them)");
   return ft;
 }
 
@@ -119,9 +123,10 @@ std::optional<at::ScalarType> dtype_from_code(const char* name, std::optional<in
   OPENNPU_CHECK_ARG(c >= 0 && c < static_cast<int64_t>(at::ScalarType::NumOptions), kOp, name,
                     "must be None or a torch dtype; the code ", c, " is not one of PyTorch's "
                     "dtypes (of torch_npu's own codes opennpu reads float8_e5m2 291, "
-                    "float8_e4m3fn 292 and float4_e2m1fn_x2 296 as x_dtype / weight_dtype, with "
-                    "byte tensors, and float8_e8m0fnu 293 as scale_dtype / "
-                    "per_token_scale_dtype; other types such as float4_e1m2 are not supported)");
+                    "float8_e4m3fn 292, float4_e2m1fn_x2 296 and float4_e1m2fn_x2 297 as "
+                    "x_dtype / weight_dtype, with byte tensors, and float8_e8m0fnu 293 as "
+                    "scale_dtype / per_token_scale_dtype; other types such as hifloat8 are not "
+                    "supported)");
   return static_cast<at::ScalarType>(c);
 }
 
@@ -626,7 +631,7 @@ void run_float_codes(at::TensorList x, at::TensorList weight, const QuantLists& 
                      const std::vector<int64_t>& k_of, const std::vector<int64_t>& n_of,
                      const std::vector<at::Tensor>& out_of, at::ScalarType out_dtype) {
   const int64_t groups = static_cast<int64_t>(rows.size());
-  const bool fp4 = *ft.x == quant::FloatCode::kE2m1 || *ft.w == quant::FloatCode::kE2m1;
+  const bool fp4 = quant::is_fp4(*ft.x) || quant::is_fp4(*ft.w);
   OPENNPU_CHECK_ARG(q.offset.empty(), kOp, "offset",
                     "must be None with float8 / float4 x and weights, but got a list of ",
                     q.offset.size(), " tensors");
@@ -675,7 +680,7 @@ void run_float_codes(at::TensorList x, at::TensorList weight, const QuantLists& 
           kOp, name.c_str(), "must be float8_e8m0 block scales like per_token_scale[0], but got ",
           t.scalar_type());
       const at::Tensor x2d = x[i].reshape({-1, x[i].size(-1)});
-      const int64_t k = x2d.size(1) * (*ft.x == quant::FloatCode::kE2m1 ? 2 : 1);
+      const int64_t k = x2d.size(1) * (quant::is_fp4(*ft.x) ? 2 : 1);
       x_block[i] = quant::mx_block_scale(kOp, name.c_str(), t, list_arg("x", i).c_str(), x2d, {},
                                          x2d.size(0), k, false);
     }
@@ -1037,7 +1042,8 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
 
   // Shapes: K of every group, and N (equal across groups for a single output). float4 codes are
   // two per byte: x [.., M, K / 2] (packed along K), weights as weight_kn says.
-  const bool fp4_x = ft.x == quant::FloatCode::kE2m1, fp4_w = ft.w == quant::FloatCode::kE2m1;
+  const bool fp4_x = ft.x.has_value() && quant::is_fp4(*ft.x);
+  const bool fp4_w = ft.w.has_value() && quant::is_fp4(*ft.w);
   if (fp4_x) {
     for (int64_t i = 0; i < nx; ++i) {
       const std::string name = list_arg("x", i);

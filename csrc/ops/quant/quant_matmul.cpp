@@ -10,6 +10,7 @@
 #include <c10/util/accumulate.h>
 #include <torch/library.h>
 
+#include <array>
 #include <bit>
 #include <limits>
 #include <cmath>
@@ -242,10 +243,9 @@ std::optional<FloatCode> float_code(const char* op, const char* arg, const char*
                                     const at::Tensor& t, std::optional<int64_t> declared) {
   const auto st = t.scalar_type();
   int64_t code = declared.value_or(static_cast<int64_t>(st));
-  OPENNPU_CHECK_ARG(code != kNpuHif8, op, dtype_arg,
-                    "must not be torch_npu.hifloat8 (290): hifloat8 operands are not supported "
-                    "by opennpu");
   std::optional<FloatCode> f;
+  if (code == kNpuHif8) f = FloatCode::kHif8;
+  if (code == kNpuE1m2) f = FloatCode::kE1m2;
   if (code == static_cast<int64_t>(at::kFloat8_e4m3fn) || code == kNpuE4m3) f = FloatCode::kE4m3;
   if (code == static_cast<int64_t>(at::kFloat8_e5m2) || code == kNpuE5m2) f = FloatCode::kE5m2;
   if (code == static_cast<int64_t>(at::kFloat4_e2m1fn_x2) || code == kNpuE2m1) {
@@ -294,7 +294,7 @@ bool is_transpose_last_two(const at::Tensor& t) {
 FloatOperand float_operand(const at::Tensor& t, FloatCode code) {
   FloatOperand op;
   op.code = code;
-  const bool fp4 = code == FloatCode::kE2m1;
+  const bool fp4 = is_fp4(code);
   const at::Tensor bytes = t.scalar_type() == at::kByte ? t : t.view(at::kByte);
   op.trans = fp4 ? is_transpose_last_two(t)
                  : !t.is_contiguous() && t.mT().is_contiguous() && t.size(-1) > 1;
@@ -320,22 +320,25 @@ at::Tensor decode_e8m0(const at::Tensor& t) {
 
 namespace {
 
-// op-plugin's check that an MX scale is laid out like its operand: both transposes (of their
-// last two dims / of the scale's two dims before the trailing 2) or neither. opennpu reads
-// every layout by its logical shape; the check keeps a weight's [n, ceil(k / 64), 2] scale
-// from being read as [ceil(k / 64), n, 2] where the two sizes happen to be equal.
+// op-plugin's check that a scale is laid out like its operand: the operand's last two dims and
+// the scale's two dims before its `trailing` ones (MX [.., ceil(k / 64), 2]: 1; per-block: 0)
+// both transposes (stride(d + 1) == stride(d) * size(d)) or neither. opennpu reads every layout
+// by its logical shape; the check keeps a weight's [n, ceil(k / 64), 2] scale from being read as
+// [ceil(k / 64), n, 2] where the two sizes happen to be equal. Dims of size 0 or 1 leave a
+// layout's transposition undefined (op-plugin exempts [1, 1] ones; opennpu all of them).
 void check_same_transpose(const char* op, const char* arg, const at::Tensor& s, const char* x_arg,
-                          const at::Tensor& x) {
-  const int64_t dx = x.dim() - 2, ds = s.dim() - 3;
-  // Dims of size 0 or 1 leave a layout's transposition undefined (op-plugin skips [1, 1] ones).
+                          const at::Tensor& x, int64_t trailing) {
+  const int64_t dx = x.dim() - 2, ds = s.dim() - 2 - trailing;
   if (x.size(dx) <= 1 || x.size(dx + 1) <= 1 || s.size(ds) <= 1 || s.size(ds + 1) <= 1) return;
   const bool x_trans = x.stride(dx + 1) == x.stride(dx) * x.size(dx);
   const bool s_trans = s.stride(ds + 1) == s.stride(ds) * s.size(ds);
-  OPENNPU_CHECK_ARG(x_trans == s_trans, op, arg,
-                    x_trans ? "must be a transpose (of its dims -3 and -2), as '"
-                            : "must not be a transpose (of its dims -3 and -2), as '",
-                    x_arg, x_trans ? "' is one" : "' is not", " (op-plugin: \"transpose are not "
-                    "same\"), but got strides ", shape_str(s.strides()));
+  const char* dims = trailing == 0 ? "of its last two dims" : "of its dims -3 and -2";
+  OPENNPU_CHECK_ARG(x_trans == s_trans, op, arg, x_trans ? "must be a transpose (" :
+                    "must not be a transpose (", dims, "), as '", x_arg,
+                    x_trans ? "' is one" : "' is not", " (op-plugin: \"Input ", x_arg,
+                    " tensor and ", arg, " tensor's transpose are not same, please check "
+                    "input\"), but got shape ", shape_str(s.sizes()), " with strides ",
+                    shape_str(s.strides()));
 }
 
 }  // namespace
@@ -362,7 +365,7 @@ at::Tensor mx_block_scale(const char* op, const char* arg, const at::Tensor& s, 
                     "of blocks of 32 along k = ", k, ", two per pair: ", k_first ?
                     "[ceil(k / 64), n, 2]" : "[m, ceil(k / 64), 2]", ", as npu_dynamic_mx_quant "
                     "writes them), but got ", shape_str(s.sizes()));
-  check_same_transpose(op, arg, s, x_arg, x);
+  check_same_transpose(op, arg, s, x_arg, x, 1);
   const int64_t sb = s.dim() == 3 ? 1 : c10::multiply_integers(batch);
   at::Tensor f = decode_e8m0(s).reshape({sb, k_first ? pairs : other, k_first ? other : pairs, 2});
   if (k_first) {  // [sb, pairs, other, 2] -> [sb, 2 pairs, other]
@@ -372,6 +375,138 @@ at::Tensor mx_block_scale(const char* op, const char* arg, const at::Tensor& s, 
   }
   return f.contiguous();
 }
+
+namespace {
+
+// Per-block float32 scales (FloatBlockScales): the group sizes Ascend950 implements, [1, 128,
+// 128] ("G-B", pertoken-perblock) and [128, 128, 128] ("B-B", perblock-perblock).
+constexpr int64_t kBlockGroup = 128;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// group_sizes [gm, gn, gk] (three values) with its zeros inferred: gm 1 when x1's per-block
+// scale pt has a row per row of x1, else 128; gn and gk 128.
+std::array<int64_t, 3> infer_groups(const at::Tensor& pt, at::OptionalIntArrayRef group_sizes,
+                                    int64_t m) {
+  std::array<int64_t, 3> g{0, 0, 0};
+  if (group_sizes.has_value()) {
+    for (size_t i = 0; i < 3; ++i) g[i] = (*group_sizes)[i];
+  }
+  if (g[0] == 0) g[0] = pt.size(-2) == m ? 1 : kBlockGroup;
+  if (g[1] == 0) g[1] = kBlockGroup;
+  if (g[2] == 0) g[2] = kBlockGroup;
+  return g;
+}
+
+// The group sizes the per-block scales' shapes imply (infer_groups), or nullopt when the shapes
+// are not per-block ones.
+std::optional<std::array<int64_t, 3>> block_groups(const at::Tensor& pt, const at::Tensor& scale,
+                                                   at::OptionalIntArrayRef group_sizes,
+                                                   int64_t m, int64_t k, int64_t n) {
+  if (group_sizes.has_value() && group_sizes->size() != 3) return std::nullopt;
+  if (pt.dim() < 2 || scale.dim() < 2) return std::nullopt;
+  const std::array<int64_t, 3> g = infer_groups(pt, group_sizes, m);
+  for (int64_t v : g) {
+    if (v <= 0) return std::nullopt;
+  }
+  const bool fits = pt.size(-2) == ceil_div(m, g[0]) && pt.size(-1) == ceil_div(k, g[2]) &&
+                    scale.size(-2) == ceil_div(k, g[2]) && scale.size(-1) == ceil_div(n, g[1]);
+  if (!fits) return std::nullopt;
+  return g;
+}
+
+// Whether float32 scales are per-block ones: group_sizes names groups, or (as op-plugin tells
+// them apart) 'pertoken_scale' has x1's dims and 'scale' x2's, at least 2 -- except op-plugin's
+// per-token [m, 1] with a per-channel [1, n] that is no per-block layout.
+bool is_block_mode(const at::Tensor& x1, const at::Tensor& x2, const at::Tensor& scale,
+                   const std::optional<at::Tensor>& pertoken_scale,
+                   at::OptionalIntArrayRef group_sizes, int64_t m, int64_t k, int64_t n) {
+  if (group_sizes.has_value()) {
+    for (int64_t g : *group_sizes) {
+      if (g != 0) return true;
+    }
+  }
+  if (!pertoken_scale.has_value()) return false;
+  const at::Tensor& pt = *pertoken_scale;
+  if (pt.dim() < 2 || scale.dim() < 2 || pt.dim() != x1.dim() || scale.dim() != x2.dim()) {
+    return false;
+  }
+  const bool per_token = pt.dim() == 2 && pt.size(0) == m && pt.size(1) == 1 &&
+                         scale.dim() == 2 && scale.size(0) == 1 &&
+                         (scale.size(1) == n || scale.size(1) == 1);
+  return !per_token || block_groups(pt, scale, group_sizes, m, k, n).has_value();
+}
+
+// npu_quant_matmul's per-block float32 scales: 'pertoken_scale' x1's [*x1 batch, ceil(m / gm),
+// ceil(k / gk)], 'scale' x2's [*x2 batch, ceil(k / gk), ceil(n / gn)], laid out as transposes
+// when their operands are; group_sizes [gm, gn, gk] None / zeros (inferred from the shapes),
+// [1, 128, 128] or [128, 128, 128].
+FloatBlockScales parse_block_scales(const at::Tensor& x1, const at::Tensor& x2,
+                                    const at::Tensor& scale,
+                                    const std::optional<at::Tensor>& pertoken_scale,
+                                    at::OptionalIntArrayRef group_sizes, int64_t m, int64_t k,
+                                    int64_t n) {
+  OPENNPU_CHECK_ARG(pertoken_scale.has_value(), kQmm, "pertoken_scale",
+                    "must be given with per-block scales (group_sizes ", *group_sizes,
+                    "): x1's float32 [m or ceil(m / 128), ceil(k / 128)] block scales");
+  const at::Tensor& pt = *pertoken_scale;
+  check_same_device(kQmm, "pertoken_scale", pt, "x1", x1);
+  if (group_sizes.has_value()) {
+    const auto& g = *group_sizes;
+    bool in_range = g.size() == 3;
+    for (int64_t v : g) in_range = in_range && v >= 0 && v <= 65535;
+    OPENNPU_CHECK_ARG(in_range, kQmm, "group_sizes", "must hold three values in [0, 65535] "
+                      "([group_m, group_n, group_k]), but got ", g);
+    const bool supported = (g[0] == 0 || g[0] == 1 || g[0] == kBlockGroup) &&
+                           (g[1] == 0 || g[1] == kBlockGroup) && (g[2] == 0 || g[2] == kBlockGroup);
+    OPENNPU_CHECK_ARG(supported, kQmm, "group_sizes", "must be [1, 128, 128] (pertoken-"
+                      "perblock) or [128, 128, 128] (perblock-perblock), zeros inferred from "
+                      "the scales' shapes, with float32 per-block scales (or [1, 1, 32] with "
+                      "float8_e8m0 MX scales); other group sizes are not supported, but got ", g);
+  }
+  OPENNPU_CHECK_ARG(scale.scalar_type() == at::kFloat, kQmm, "scale",
+                    "must be float32 per-block scales [ceil(k / 128), ceil(n / 128)], but got ",
+                    scale.scalar_type());
+  OPENNPU_CHECK_ARG(pt.scalar_type() == at::kFloat, kQmm, "pertoken_scale",
+                    "must be float32 per-block scales [m or ceil(m / 128), ceil(k / 128)], but "
+                    "got ", pt.scalar_type());
+  OPENNPU_CHECK_ARG(pt.dim() == x1.dim(), kQmm, "pertoken_scale",
+                    "must have the dims of 'x1' (", x1.dim(), ": its batch dims, then [m or "
+                    "ceil(m / 128), ceil(k / 128)]) with per-block scales, but got shape ",
+                    shape_str(pt.sizes()));
+  OPENNPU_CHECK_ARG(scale.dim() == x2.dim(), kQmm, "scale",
+                    "must have the dims of 'x2' (", x2.dim(), ": its batch dims, then "
+                    "[ceil(k / 128), ceil(n / 128)]) with per-block scales, but got shape ",
+                    shape_str(scale.sizes()));
+  check_same_transpose(kQmm, "pertoken_scale", pt, "x1", x1, 0);
+  check_same_transpose(kQmm, "scale", scale, "x2", x2, 0);
+  const std::array<int64_t, 3> g = infer_groups(pt, group_sizes, m);
+  const int64_t ms = ceil_div(m, g[0]), ks = ceil_div(k, g[2]), ns = ceil_div(n, g[1]);
+  std::vector<int64_t> want1(x1.sizes().begin(), x1.sizes().end() - 2);
+  std::vector<int64_t> want2(x2.sizes().begin(), x2.sizes().end() - 2);
+  want1.insert(want1.end(), {ms, ks});
+  want2.insert(want2.end(), {ks, ns});
+  OPENNPU_CHECK_ARG(pt.sizes() == c10::IntArrayRef(want1), kQmm, "pertoken_scale",
+                    "must have shape ", shape_str(want1), " (x1's batch dims, ceil(m / ", g[0],
+                    "), ceil(k / ", g[2], ") for m = ", m, ", k = ", k, ", group_sizes [", g[0],
+                    ", ", g[1], ", ", g[2], "]), but got ", shape_str(pt.sizes()));
+  OPENNPU_CHECK_ARG(scale.sizes() == c10::IntArrayRef(want2), kQmm, "scale",
+                    "must have shape ", shape_str(want2), " (x2's batch dims, ceil(k / ", g[2],
+                    "), ceil(n / ", g[1], ") for k = ", k, ", n = ", n, ", group_sizes [", g[0],
+                    ", ", g[1], ", ", g[2], "]), but got ", shape_str(scale.sizes()));
+  FloatBlockScales b;
+  b.gm = g[0];
+  b.gn = g[1];
+  b.gk = g[2];
+  b.x1_block = pt.reshape({c10::multiply_integers(pt.sizes().slice(0, pt.dim() - 2)), ms, ks})
+                   .contiguous();
+  b.x2_block =
+      scale.reshape({c10::multiply_integers(scale.sizes().slice(0, scale.dim() - 2)), ks, ns})
+          .contiguous();
+  return b;
+}
+
+}  // namespace
 
 namespace {
 
@@ -418,11 +553,16 @@ at::Tensor quant_matmul_float_operands(
   p.k = p.a.trans ? p.a.rows : p.a.cols;
   p.n = p.w.trans ? p.w.rows : p.w.cols;
   const int64_t k2 = p.w.trans ? p.w.cols : p.w.rows;
-  const bool fp4_1 = *c1 == FloatCode::kE2m1, fp4_2 = *c2 == FloatCode::kE2m1;
+  const bool fp4_1 = is_fp4(*c1), fp4_2 = is_fp4(*c2);
+  const bool hif8_1 = *c1 == FloatCode::kHif8, hif8_2 = *c2 == FloatCode::kHif8;
   OPENNPU_CHECK_ARG(k2 == p.k, kQmm, "x2", "must have k = ", p.k, " (that of 'x1', shape ",
                     shape_str(x1.sizes()), "), but its shape ", shape_str(x2.sizes()),
                     " gives k = ", k2, (fp4_1 || fp4_2) ? " (float4 codes are two per byte along "
                     "the memory-contiguous dim: dim -1, or dim -2 of a transpose)" : "");
+  OPENNPU_CHECK_ARG(hif8_1 == hif8_2, kQmm, hif8_1 ? "x2_dtype" : "x1_dtype",
+                    "must be torch_npu.hifloat8 like '", hif8_1 ? "x1_dtype" : "x2_dtype",
+                    "' (hifloat8 operands are multiplied with hifloat8 ones only), but got ",
+                    hif8_1 ? "x2 of another type" : "x1 of another type");
   const c10::IntArrayRef a_batch = x1.sizes().slice(0, x1.dim() - 2);
   const c10::IntArrayRef w_batch = x2.sizes().slice(0, x2.dim() - 2);
   p.out_batch = broadcast_batch(x1, x2);
@@ -443,22 +583,22 @@ at::Tensor quant_matmul_float_operands(
                                    : "float8_e8m0 scales only for x1");
   OPENNPU_CHECK_ARG(mx || (!fp4_1 && !fp4_2), kQmm, "scale",
                     "must be float8_e8m0 block scales (scale_dtype=torch_npu.float8_e8m0fnu, "
-                    "with 'pertoken_scale' for x1) with float4_e2m1 operands (MX only), but got ",
+                    "with 'pertoken_scale' for x1) with float4 operands (MX only), but got ",
                     scale.scalar_type());
-  if (group_sizes.has_value()) {
-    const auto& g = *group_sizes;
-    const bool ok = mx ? g.size() == 3 && (g[0] == 0 || g[0] == 1) && (g[1] == 0 || g[1] == 1) &&
-                             (g[2] == 0 || g[2] == kMxBlock)
-                       : g.size() == 3 && g[0] == 0 && g[1] == 0 && g[2] == 0;
-    OPENNPU_CHECK_ARG(ok, kQmm, "group_sizes", mx ? "must be None, [0, 0, 0] or [1, 1, 32] with "
-                      "MX scales (blocks of 32 along k)" : "must be None or [0, 0, 0] with "
-                      "float8 operands and float32 scales: per-block float32 scaling of float8 "
-                      "(Ascend950's [1, 128, 128] tiles) is not supported by opennpu", ", but got ",
-                      g);
-  }
+  OPENNPU_CHECK_ARG(!mx || !hif8_1, kQmm, "scale",
+                    "must be float32 with hifloat8 operands (per-tensor / channel / token or "
+                    "per-block scales; MX float8_e8m0 scales take float8 / float4 operands), "
+                    "but got float8_e8m0 scales");
   QuantMatmulEpilogue& e = p.epilogue;
   e.m = m;
   if (mx) {
+    if (group_sizes.has_value()) {
+      const auto& g = *group_sizes;
+      const bool ok = g.size() == 3 && (g[0] == 0 || g[0] == 1) && (g[1] == 0 || g[1] == 1) &&
+                      (g[2] == 0 || g[2] == kMxBlock);
+      OPENNPU_CHECK_ARG(ok, kQmm, "group_sizes", "must be None, [0, 0, 0] or [1, 1, 32] with MX "
+                        "scales (blocks of 32 along k), but got ", g);
+    }
     const at::Tensor sa = mx_block_scale(kQmm, "pertoken_scale", *pertoken_scale, "x1", x1,
                                          a_batch, m, k, false);  // [sb, m, blocks]
     const at::Tensor sw = mx_block_scale(kQmm, "scale", scale, "x2", x2, w_batch, n, k, true);
@@ -467,11 +607,25 @@ at::Tensor quant_matmul_float_operands(
     p.a.block_scale = p.a.trans ? sa.mT().contiguous() : sa;
     p.w.block_scale = p.w.trans ? sw.mT().contiguous() : sw;
     e.scale = at::ones({1}, x1.options().dtype(at::kFloat));
+  } else if (is_block_mode(x1, x2, scale, pertoken_scale, group_sizes, m, k, n)) {
+    p.block = parse_block_scales(x1, x2, scale, pertoken_scale, group_sizes, m, k, n);
+    e.scale = at::ones({1}, x1.options().dtype(at::kFloat));
   } else {
+    if (group_sizes.has_value()) {
+      const auto& g = *group_sizes;
+      OPENNPU_CHECK_ARG(g.size() == 3 && g[0] == 0 && g[1] == 0 && g[2] == 0, kQmm,
+                        "group_sizes", "must be None or [0, 0, 0] with per-tensor / channel / "
+                        "token float32 scales; per-block scales take a 2-D (or batched) "
+                        "'pertoken_scale' [m or ceil(m / 128), ceil(k / 128)] and 'scale' "
+                        "[ceil(k / 128), ceil(n / 128)], but got ", g, " with 'pertoken_scale' ",
+                        pertoken_scale.has_value() ? shape_str(pertoken_scale->sizes())
+                                                   : std::string("None"),
+                        " and 'scale' ", shape_str(scale.sizes()));
+    }
     OPENNPU_CHECK_ARG(scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kBFloat16,
-                      kQmm, "scale", "must be float32 or bfloat16 with float8 operands (or "
-                      "float8_e8m0 MX block scales with 'pertoken_scale' ones), but got ",
-                      scale.scalar_type());
+                      kQmm, "scale", "must be float32 or bfloat16 with float8 / hifloat8 "
+                      "operands (or float8_e8m0 MX block scales with 'pertoken_scale' ones), but "
+                      "got ", scale.scalar_type());
     OPENNPU_CHECK_ARG(scale.numel() > 0, kQmm, "scale", "must not be empty");
     e.scale = channel_vector("scale", scale, n);
     if (pertoken_scale.has_value()) {

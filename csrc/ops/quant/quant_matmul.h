@@ -53,9 +53,16 @@ struct QuantMatmulArgs {
 using QuantMatmulFn = void(const QuantMatmulArgs& args, at::Tensor& out);
 
 // Float operands (Ascend950's float8 / MX paths): element codes of float8_e4m3fn, float8_e5m2 or
-// float4_e2m1 (two codes per byte, element 2j in the low nibble, along the operand's
-// memory-contiguous dim, as npu_dynamic_mx_quant packs them).
-enum class FloatCode : uint8_t { kE4m3, kE5m2, kE2m1 };
+// float4_e2m1 / float4_e1m2 (two codes per byte, element 2j in the low nibble, along the
+// operand's memory-contiguous dim, as npu_dynamic_mx_quant packs them).
+// hifloat8 (kHif8): Ascend's tapered 8-bit float (arXiv 2409.16626; en_dtypes.hifloat8, the type
+// op-plugin's goldens use): sign bit 7; a prefix-coded "dot" field in bits 6..3 ('11' D=4,
+// '10' D=3, '01' D=2, '001' D=1, '0001' D=0, '0000' subnormal); a D-bit sign-magnitude exponent
+// with an implicit leading 1 (|E| in [2^(D-1), 2^D - 1], E = 0 for D=0); the remaining bits the
+// mantissa: value = +-2^E * 1.M. Subnormal: +-2^(M - 23), M the low 3 bits (M = 0: zero).
+// 0x00 is 0, 0x80 NaN, 0x6F / 0xEF +-inf; the largest finite value is 2^15.
+enum class FloatCode : uint8_t { kE4m3, kE5m2, kE2m1, kE1m2, kHif8 };
+inline bool is_fp4(FloatCode c) { return c == FloatCode::kE2m1 || c == FloatCode::kE1m2; }
 
 // One operand as stored: bytes [batches, rows, cols] (contiguous; float4: cols / 2 bytes per row)
 // in memory orientation: x1 is [m, k] or, `trans`, [k, m]; x2 is [k, n] or, `trans`, [n, k].
@@ -75,11 +82,27 @@ struct FloatOperand {
 // fp32 overflow / underflow, as op-plugin's golden scales the decoded operands in fp32), and
 // the product is an fp32 GEMM (fp32 accumulation, the golden's torch.matmul in float32; for few
 // rows the CPU kernel sums K panels of 512 with sgemm's beta = 1).
+//
+// Per-block float32 scales (Ascend950's "G-B" pertoken-perblock, group_sizes [1, 128, 128], and
+// "B-B" perblock-perblock, [128, 128, 128]), when x1_block is defined: the operands are decoded
+// without scaling and the product is the golden's (op-plugin's per-block CPU golden) sum over
+// K blocks in order, in fp32,
+//   acc[i, j] = sum_kb fp32(fp32(P_kb[i, j] * x1_block[i / gm, kb]) * x2_block[kb, j / gn]),
+//   P_kb = A[:, kb-th gk columns] @ W[kb-th gk rows, :] (an fp32 GEMM of block depth gk),
+// starting from +0, then the epilogue (scale 1, bias).
+struct FloatBlockScales {
+  at::Tensor x1_block;  // fp32 [batches, ceil(m / gm), ceil(k / gk)], contiguous
+  at::Tensor x2_block;  // fp32 [batches, ceil(k / gk), ceil(n / gn)], contiguous
+  // Each scale has its operand's batch dims (a_batch / w_batch), or none when they have none.
+  int64_t gm = 1, gn = 128, gk = 128;
+};
+
 struct FloatQuantMatmulArgs {
   FloatOperand a, w;
   int64_t m = 0, k = 0, n = 0;
   std::vector<int64_t> out_batch, a_batch, w_batch;
   QuantMatmulEpilogue epilogue;  // acc is fp32; bias_int unused
+  FloatBlockScales block;        // per-block float32 scales, or x1_block undefined
 };
 using FloatQuantMatmulFn = void(const FloatQuantMatmulArgs& args, at::Tensor& out);
 extern KernelSlots<FloatQuantMatmulFn> float_quant_matmul;
@@ -89,14 +112,14 @@ extern KernelSlots<FloatQuantMatmulFn> float_quant_matmul;
 //
 // Type codes these ops read in their *_dtype arguments: torch's ScalarType and torch_npu's DType
 // (torch_npu.hifloat8 = 290, float8_e5m2 291, float8_e4m3fn 292, float8_e8m0fnu 293,
-// float4_e2m1fn_x2 296).
-constexpr int64_t kNpuHif8 = 290, kNpuE5m2 = 291, kNpuE4m3 = 292, kNpuE8m0 = 293, kNpuE2m1 = 296;
+// float4_e2m1fn_x2 296, float4_e1m2fn_x2 297).
+constexpr int64_t kNpuHif8 = 290, kNpuE5m2 = 291, kNpuE4m3 = 292, kNpuE8m0 = 293, kNpuE2m1 = 296,
+                  kNpuE1m2 = 297;
 // MX: one float8_e8m0 scale per block of this many elements along K.
 constexpr int64_t kMxBlock = 32;
 
 // The float element format of an operand (its dtype, or `declared`, its *_dtype argument,
-// reinterpreting a byte tensor), or nullopt for integer / non-quantised operands; hifloat8
-// raises (not supported).
+// reinterpreting a byte tensor), or nullopt for integer / non-quantised operands.
 std::optional<FloatCode> float_code(const char* op, const char* arg, const char* dtype_arg,
                                     const at::Tensor& t, std::optional<int64_t> declared);
 // Whether a scale holds float8_e8m0 block scales (its dtype, or `declared` naming

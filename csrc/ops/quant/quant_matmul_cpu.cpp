@@ -24,8 +24,10 @@
 #include <c10/util/accumulate.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <tuple>
 #include <vector>
 
@@ -421,18 +423,55 @@ void quant_matmul_kernel(const QuantMatmulArgs& args, at::Tensor& out) {
 
 // ----------------------------------------------------------------------------- float operands
 
-// The exact fp32 value of every float8_e4m3fn / float8_e5m2 byte (c10's conversions) and of
-// every float4_e2m1 nibble (sign, 2 exponent bits with bias 1, 1 mantissa bit).
+// The exact fp32 value of a hifloat8 code (quant_matmul.h, FloatCode::kHif8).
+float hifloat8_value(uint8_t c) {
+  if (c == 0x80) return std::numeric_limits<float>::quiet_NaN();
+  const float sign = (c & 0x80) ? -1.f : 1.f;
+  if ((c & 0x7F) == 0x6F) return sign * std::numeric_limits<float>::infinity();
+  const int dot = (c >> 3) & 15;
+  int d, mbits;  // exponent and mantissa widths
+  if (dot >= 12) {
+    d = 4, mbits = 1;
+  } else if (dot >= 8) {
+    d = 3, mbits = 2;
+  } else if (dot >= 4) {
+    d = 2, mbits = 3;
+  } else if (dot >= 2) {
+    d = 1, mbits = 3;
+  } else if (dot == 1) {
+    d = 0, mbits = 3;
+  } else {  // subnormal: 2^(M - 23), M = 0 the zero
+    const int mant = c & 7;
+    return mant == 0 ? sign * 0.f : sign * std::ldexp(1.f, mant - 23);
+  }
+  const int mant = c & ((1 << mbits) - 1);
+  int e = 0;
+  if (d > 0) {
+    const int field = (c >> mbits) & ((1 << d) - 1);  // sign-magnitude, implicit leading 1
+    const int magnitude = (1 << (d - 1)) | (field & ((1 << (d - 1)) - 1));
+    e = (field >> (d - 1)) ? -magnitude : magnitude;
+  }
+  return sign * std::ldexp(1.f + static_cast<float>(mant) / static_cast<float>(1 << mbits), e);
+}
+
+// The exact fp32 value of every float8_e4m3fn / float8_e5m2 byte (c10's conversions), of every
+// hifloat8 byte, and of every float4_e2m1 nibble (sign, 2 exponent bits with bias 1, 1 mantissa
+// bit) and float4_e1m2 one (sign, 1 exponent bit with bias 1, 2 mantissa bits: multiples of
+// 0.25 up to 1.75).
 struct CodeTables {
-  float e4m3[256], e5m2[256], e2m1[16];
+  float e4m3[256], e5m2[256], hif8[256], e2m1[16], e1m2[16];
   CodeTables() {
     for (int c = 0; c < 256; ++c) {
       const auto bits = static_cast<uint8_t>(c);
       e4m3[c] = static_cast<float>(c10::Float8_e4m3fn(bits, c10::Float8_e4m3fn::from_bits()));
       e5m2[c] = static_cast<float>(c10::Float8_e5m2(bits, c10::Float8_e5m2::from_bits()));
+      hif8[c] = hifloat8_value(bits);
     }
     constexpr float kMagnitude[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};
-    for (int c = 0; c < 16; ++c) e2m1[c] = (c & 8) ? -kMagnitude[c & 7] : kMagnitude[c & 7];
+    for (int c = 0; c < 16; ++c) {
+      e2m1[c] = (c & 8) ? -kMagnitude[c & 7] : kMagnitude[c & 7];
+      e1m2[c] = (c & 8) ? -0.25f * static_cast<float>(c & 7) : 0.25f * static_cast<float>(c & 7);
+    }
   }
 };
 
@@ -448,11 +487,15 @@ void decode_rect(const FloatOperand& op, int64_t b, bool k_cols, int64_t r0, int
                  int64_t c0, int64_t c1, float* dst, int64_t ld) {
   constexpr int64_t kBlock = 32;
   const int64_t rows = op.rows, cols = op.cols;
-  const bool fp4 = op.code == FloatCode::kE2m1;
+  const bool fp4 = is_fp4(op.code);
   const int64_t row_bytes = fp4 ? cols / 2 : cols;
   const uint8_t* src = op.codes.const_data_ptr<uint8_t>() + b * rows * row_bytes;
   const CodeTables& t = code_tables();
-  const float* table = op.code == FloatCode::kE4m3 ? t.e4m3 : t.e5m2;
+  const float* table = op.code == FloatCode::kE4m3  ? t.e4m3
+                       : op.code == FloatCode::kE5m2 ? t.e5m2
+                       : op.code == FloatCode::kHif8 ? t.hif8
+                       : op.code == FloatCode::kE2m1 ? t.e2m1
+                                                     : t.e1m2;
   const float* scale = nullptr;
   if (op.block_scale.defined()) {
     scale = op.block_scale.const_data_ptr<float>() +
@@ -465,8 +508,8 @@ void decode_rect(const FloatOperand& op, int64_t b, bool k_cols, int64_t r0, int
     const uint8_t* s = src + r * row_bytes;
     if (fp4) {
       for (int64_t c = c0 / 2; c < c1 / 2; ++c) {
-        d[2 * c - c0] = t.e2m1[s[c] & 15];
-        d[2 * c + 1 - c0] = t.e2m1[s[c] >> 4];
+        d[2 * c - c0] = table[s[c] & 15];
+        d[2 * c + 1 - c0] = table[s[c] >> 4];
       }
     } else {
       for (int64_t c = c0; c < c1; ++c) d[c - c0] = table[s[c]];
@@ -522,6 +565,63 @@ void tiled_float_gemm(const float* a, bool a_trans, int64_t lda, const FloatOper
   });
 }
 
+// Per-block float32 scales (FloatBlockScales, quant_matmul.h): A [m, k] and W [k, n] decoded
+// whole (exact, unscaled) and, per output tile of kBlockTileM x kBlockTileN over the threads and
+// per K block in order, the block's fp32 product P (MKL sgemm of depth gk, beta 0) folded into
+// the tile as acc = acc + fp32(fp32(P * s1[i / gm, kb]) * s2[kb, j / gn]), each product rounded
+// to fp32 before the add (no fused multiply-add), as the golden's float32 tensors compute it.
+void block_scaled_float_gemm(const FloatQuantMatmulArgs& p, const float* af, const float* wf,
+                             float* acc_all) {
+  constexpr int64_t kBlockTileM = 64, kBlockTileN = 128;
+  const FloatBlockScales& bs = p.block;
+  const int64_t m = p.m, k = p.k, n = p.n, gm = bs.gm, gn = bs.gn, gk = bs.gk;
+  const int64_t ms = (m + gm - 1) / gm, ks = (k + gk - 1) / gk, ns = (n + gn - 1) / gn;
+  const int64_t batches = c10::multiply_integers(p.out_batch);
+  const int64_t tiles_m = (m + kBlockTileM - 1) / kBlockTileM;
+  const int64_t tiles_n = (n + kBlockTileN - 1) / kBlockTileN;
+  const float* s1_all = bs.x1_block.const_data_ptr<float>();
+  const float* s2_all = bs.x2_block.const_data_ptr<float>();
+  const bool s1_batched = bs.x1_block.size(0) > 1, s2_batched = bs.x2_block.size(0) > 1;
+  at::parallel_for(0, batches * tiles_m * tiles_n, 1, [&](int64_t begin, int64_t end) {
+    blas::TileBuffer<float> panel(kBlockTileM * kBlockTileN);
+    float s2row[kBlockTileN];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / (tiles_m * tiles_n), r = t % (tiles_m * tiles_n);
+      const int64_t i0 = (r / tiles_n) * kBlockTileM, j0 = (r % tiles_n) * kBlockTileN;
+      const int64_t tm = std::min(kBlockTileM, m - i0), tn = std::min(kBlockTileN, n - j0);
+      const int64_t ab = batch_index(p.out_batch, p.a_batch, b);
+      const int64_t wb = batch_index(p.out_batch, p.w_batch, b);
+      const float* a = af + ab * m * k;
+      const float* w = wf + wb * k * n;
+      const float* s1 = s1_all + (s1_batched ? ab : 0) * ms * ks;
+      const float* s2 = s2_all + (s2_batched ? wb : 0) * ks * ns;
+      float* acc = acc_all + b * m * n;
+      for (int64_t i = 0; i < tm; ++i) std::fill_n(acc + (i0 + i) * n + j0, tn, 0.f);
+      for (int64_t kb = 0; kb < ks; ++kb) {
+        const int64_t k0 = kb * gk, kc = std::min(gk, k - k0);
+        // In memory orientation: A [m, k] (lda k) or, transposed, [k, m] (lda m); W alike.
+        const float* ak = p.a.trans ? a + k0 * m + i0 : a + i0 * k + k0;
+        const float* wk = p.w.trans ? w + j0 * k + k0 : w + k0 * n + j0;
+        blas::gemm<float, float>(p.a.trans, p.w.trans, tm, tn, kc, 1.f, ak, p.a.cols, wk,
+                                 p.w.cols, 0.f, panel.data(), tn);
+        for (int64_t j = 0; j < tn; ++j) s2row[j] = s2[kb * ns + (j0 + j) / gn];
+        for (int64_t i = 0; i < tm; ++i) {
+          const float f1 = s1[((i0 + i) / gm) * ks + kb];
+          const Vec v1(f1);
+          float* ar = acc + (i0 + i) * n + j0;
+          const float* pr = panel.data() + i * tn;
+          int64_t j = 0;
+          for (; j + Vec::size() <= tn; j += Vec::size()) {
+            const Vec scaled = rounded(rounded(Vec::loadu(pr + j) * v1) * Vec::loadu(s2row + j));
+            (Vec::loadu(ar + j) + scaled).store(ar + j);
+          }
+          for (; j < tn; ++j) ar[j] = ar[j] + rounded(rounded(pr[j] * f1) * s2row[j]);
+        }
+      }
+    }
+  });
+}
+
 // Up to this many rows of x1 per batch W is decoded panel by panel (tiled_float_gemm); above,
 // whole, and MKL's threads run one large GEMM per batch.
 constexpr int64_t kTiledFloatRows = 512;
@@ -544,6 +644,11 @@ void float_quant_matmul_kernel(const FloatQuantMatmulArgs& p, at::Tensor& out) {
   at::Tensor acc = at::empty({batches * m, n}, opts);
   if (k == 0) {
     acc.zero_();
+  } else if (p.block.x1_block.defined()) {
+    const at::Tensor af = decoded(p.a, !p.a.trans);
+    const at::Tensor wf = decoded(p.w, p.w.trans);
+    block_scaled_float_gemm(p, af.const_data_ptr<float>(), wf.const_data_ptr<float>(),
+                            acc.mutable_data_ptr<float>());
   } else {
     const at::Tensor af = decoded(p.a, !p.a.trans);
     if (m <= kTiledFloatRows) {

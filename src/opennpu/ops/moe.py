@@ -413,12 +413,15 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
       ``y = (x * scale_x) @ (w * scale_w) (+ bias)``. Each group is npu_quant_matmul's float
       product.
 
-    Not implemented (a clear error says so): A4W4 (int4 x), A8W4's ``offset``, hifloat8 and
-    float4_e1m2 operands, ``act_type`` != 0, ``group_list_type=2``, the ``activation_*`` inputs;
-    ``tuning_config`` is accepted and ignored. Off the float8 / MX path ``x_dtype`` /
-    ``weight_dtype`` / ``scale_dtype`` / ``per_token_scale_dtype`` must be None or name the
-    tensors' own dtype (``torch.quint4x2`` / ``torch.int4`` for int32 int4 weights,
-    ``torch.uint64`` for an int64 scale).
+    float4_e1m2 x / weights (``x_dtype`` / ``weight_dtype`` 297) take the MX path like
+    float4_e2m1.
+
+    Not implemented (a clear error says so): A4W4 (int4 x), A8W4's ``offset``, hifloat8
+    operands, npu_quant_matmul's per-block float32 scales, ``act_type`` != 0,
+    ``group_list_type=2``, the ``activation_*`` inputs; ``tuning_config`` is accepted and
+    ignored. Off the float8 / MX path ``x_dtype`` / ``weight_dtype`` / ``scale_dtype`` /
+    ``per_token_scale_dtype`` must be None or name the tensors' own dtype (``torch.quint4x2`` /
+    ``torch.int4`` for int32 int4 weights, ``torch.uint64`` for an int64 scale).
 
     ``group_type`` None: this wrapper picks 0 when ``group_list`` splits one x, else -1
     (torch_npu, like ``torch.ops.npu.npu_grouped_matmul`` with a Tensor or no ``group_list``,
@@ -550,7 +553,7 @@ _GMM_DTYPE_OF_CODE = {1: torch.int8, 3: torch.int32, 5: torch.float16, 6: torch.
 def _grouped_matmul_fake(x, weight, group_list, split_item, group_list_type, group_type=None,
                          output_dtype=None, weight_dtype=None):
     dtype = _gmm_out_dtype(x, output_dtype)
-    fp4 = _qmm_float_kind(weight[0], weight_dtype) == "fp4"
+    fp4 = _qmm_float_kind(weight[0], weight_dtype) in ("fp4", "fp4_e1m2")
     if group_type == 2:  # grouping on K: one output [G, M, N]
         groups = len(group_list) if not isinstance(group_list, torch.Tensor) \
             else group_list.shape[0]

@@ -288,7 +288,7 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     kind1, kind2 = _qmm_float_kind(x1, x1_dtype), _qmm_float_kind(x2, x2_dtype)
     if kind1 is not None and kind2 is not None and y_scale is None and offset is None:
         return _float_quant_matmul(x1, x2, scale, pertoken_scale, bias, output_dtype, kind1,
-                                   kind2, scale_dtype, pertoken_scale_dtype)
+                                   kind2, scale_dtype, pertoken_scale_dtype, group_sizes)
     if y_scale is not None or (group_sizes is not None and any(group_sizes)):
         raise NotImplementedError("npu_quant_matmul: per-group / MX scaling (group_sizes, "
                                   "y_scale) is not implemented by opennpu")
@@ -307,13 +307,16 @@ _QMM_FLOAT_OUT = {None: None, 5: torch.float16, 6: torch.float32, 15: torch.bflo
 
 
 def _float_operand(t, kind):
-    """float8 / float4 codes of npu_quant_matmul as float32 (exact), in t's logical shape
-    (float4: the packed dim doubled: the last, or the one before for a transpose)."""
-    if kind != "fp4":
+    """float8 / hifloat8 / float4 codes of npu_quant_matmul as float32 (exact), in t's logical
+    shape (float4: the packed dim doubled: the last, or the one before for a transpose)."""
+    if kind == "hif8":
+        return _hif8_values(t.view(torch.uint8).long())
+    if kind not in ("fp4", "fp4_e1m2"):
         return t.view(kind).float()
     trans = _transposed(t)
     b = (t.mT if trans else t).view(torch.uint8).long()
-    v = torch.stack([_fp4_values(b & 15), _fp4_values(b >> 4)], -1).flatten(-2)
+    values = _fp4_values if kind == "fp4" else _e1m2_values
+    v = torch.stack([values(b & 15), values(b >> 4)], -1).flatten(-2)
     return v.mT if trans else v
 
 
@@ -326,13 +329,84 @@ def _fp4_values(c):
     return torch.where((c & 8) != 0, -mag, mag)
 
 
+def _e1m2_values(c):
+    """float4_e1m2 codes (int64 nibbles) as float32: sign bit 3, exponent bit 2 with bias 1,
+    mantissa bits 0-1: +-{0, 0.25, ..., 1.75}, multiples of 0.25."""
+    mag = (c & 7).float() * 0.25
+    return torch.where((c & 8) != 0, -mag, mag)
+
+
+def _hif8_values(c):
+    """hifloat8 codes (int64 bytes) as float32 (csrc/ops/quant/quant_matmul.h, FloatCode::kHif8):
+    sign bit 7; dot field '11' / '10' / '01' / '001' / '0001' (exponent widths 4 / 3 / 2 / 1 / 0,
+    mantissa widths 1 / 2 / 3 / 3 / 3), '0000' subnormal 2^(M - 23); the exponent sign-magnitude
+    with an implicit leading 1; 0x80 NaN, 0x6F / 0xEF +-inf."""
+    dot = (c >> 3) & 15
+    d = torch.where(dot >= 12, 4, torch.where(dot >= 8, 3, torch.where(
+        dot >= 4, 2, torch.where(dot >= 2, 1, 0))))
+    mbits = torch.where(d == 4, 1, torch.where(d == 3, 2, 3))
+    mant = c & ((1 << mbits) - 1)
+    field = (c >> mbits) & ((1 << d) - 1)
+    half = torch.where(d > 0, 1 << (d - 1).clamp(min=0), 0)
+    magnitude = half | (field & (half - 1).clamp(min=0))
+    e = torch.where((d > 0) & ((field >> (d - 1).clamp(min=0)) & 1 == 1), -magnitude, magnitude)
+    v = torch.exp2(e.float()) * (1 + mant.float() / (1 << mbits).float())
+    v = torch.where(dot == 0, torch.exp2(((c & 7) - 23).float()) * ((c & 7) != 0), v)
+    v = torch.where((c & 128) != 0, -v, v)
+    v = torch.where((c & 127) == 0x6F, torch.where((c & 128) != 0, -torch.inf, torch.inf), v)
+    return torch.where(c == 0x80, torch.nan, v)
+
+
+def _qmm_block_groups(x1, x2, scale, pertoken, group_sizes, m, k, n):
+    """npu_quant_matmul's per-block float32 scales (csrc/ops/quant/quant_matmul.cpp,
+    is_block_mode): their group sizes [gm, gn, gk], or None for per-tensor / channel / token."""
+    named = group_sizes is not None and any(group_sizes)
+    if not named and (pertoken is None or pertoken.dim() < 2 or scale.dim() < 2 or
+                      pertoken.dim() != x1.dim() or scale.dim() != x2.dim()):
+        return None
+    g = list(group_sizes) if group_sizes is not None else [0, 0, 0]
+    g = [g[0] or (1 if pertoken is not None and pertoken.shape[-2] == m else 128),
+         g[1] or 128, g[2] or 128]
+    fits = pertoken is not None and \
+        tuple(pertoken.shape[-2:]) == (-(-m // g[0]), -(-k // g[2])) and \
+        tuple(scale.shape[-2:]) == (-(-k // g[2]), -(-n // g[1]))
+    per_token = pertoken is not None and pertoken.dim() == 2 and \
+        tuple(pertoken.shape) == (m, 1) and scale.dim() == 2 and scale.shape[0] == 1 and \
+        scale.shape[1] in (1, n)
+    if not named and per_token and not fits:
+        return None
+    if not fits or g[0] not in (1, 128) or g[1:] != [128, 128]:
+        raise RuntimeError(f"npu_quant_matmul: per-block scales must be pertoken_scale [m or "
+                           f"ceil(m / 128), ceil(k / 128)] and scale [ceil(k / 128), ceil(n / "
+                           f"128)] (group_sizes [1 or 128, 128, 128]), but got group_sizes "
+                           f"{group_sizes}")
+    return g
+
+
+def _block_scaled_matmul(a, w, s1, s2, g):
+    """The per-block golden: sum over K blocks of fp32((P_kb * s1) * s2), in order, in fp32."""
+    gm, gn, gk = g
+    m, k, n = a.shape[-2], a.shape[-1], w.shape[-1]
+    acc = None
+    for kb in range(-(-k // gk)):
+        p = torch.matmul(a[..., kb * gk:(kb + 1) * gk], w[..., kb * gk:(kb + 1) * gk, :])
+        r = s1[..., kb].float().repeat_interleave(gm, -1)[..., :m].unsqueeze(-1)
+        c = s2[..., kb, :].float().repeat_interleave(gn, -1)[..., :n].unsqueeze(-2)
+        t = p * r * c
+        acc = t + 0.0 if acc is None else acc + t
+    if acc is None:
+        acc = torch.zeros(*torch.broadcast_shapes(a.shape[:-2], w.shape[:-2]), m, n,
+                          device=a.device)
+    return acc
+
+
 def _e8m0(t):
     """float8_e8m0 codes as float32: 2^(code - 127), 255 NaN."""
     return t.view(torch.uint8).view(torch.float8_e8m0fnu).float()
 
 
 def _float_quant_matmul(x1, x2, scale, pertoken, bias, output_dtype, kind1, kind2, scale_dtype,
-                        pertoken_dtype):
+                        pertoken_dtype, group_sizes=None):
     """npu_quant_matmul's float8 / MX paths (csrc/ops/quant/quant_matmul.h): the decoded
     operands (MX: times their e8m0 block scales of 32 along k) multiplied in float32, then
     * scale (* pertoken) (+ bias), rounded once."""
@@ -347,6 +421,9 @@ def _float_quant_matmul(x1, x2, scale, pertoken, bias, output_dtype, kind1, kind
         sw = _e8m0(scale).transpose(-1, -2).flatten(-3, -2).repeat_interleave(32, -2)[..., :k, :]
         acc = torch.matmul(a * sa, w * sw)
         y = acc
+    elif (g := _qmm_block_groups(x1, x2, scale, pertoken, group_sizes, a.shape[-2], k,
+                                 w.shape[-1])) is not None:
+        y = _block_scaled_matmul(a, w, pertoken, scale, g)
     else:
         acc = torch.matmul(a, w)
         s = scale.float().reshape(-1)
@@ -1216,6 +1293,10 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
     tokens = kw.get("per_token_scale")
     kind_x = _qmm_float_kind(x[0], _type_code(kw.get("x_dtype")))
     kind_w = _qmm_float_kind(weight[0], _type_code(kw.get("weight_dtype")))
+    if "hif8" in (kind_x, kind_w):
+        raise RuntimeError("npu_grouped_matmul: argument 'x_dtype' must not be torch_npu.hifloat8 "
+                           "(290): hifloat8 x / weights are not supported by opennpu's "
+                           "npu_grouped_matmul")
     float_codes = kind_x is not None and kind_w is not None
     # MX per-token scales keep their [m, ceil(k / 64), 2] shape; float32 ones are [m] (or [m, 1])
     mx = float_codes and tokens and (_type_code(kw.get("per_token_scale_dtype")) in

@@ -193,8 +193,10 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
 
     Float operands (Ascend950's paths): ``x1`` / ``x2`` float8_e4m3fn or float8_e5m2 (mixed
     allowed; or int8 / uint8 bytes with ``x1_dtype`` / ``x2_dtype`` torch.float8_* or torch_npu's
-    291 / 292), or float4_e2m1 (torch.float4_e2m1fn_x2, or bytes with ``x?_dtype`` 296 /
-    torch_npu.float4_e2m1fn_x2): two codes per byte, element 2j in the low nibble, along the
+    291 / 292), hifloat8 (bytes with ``x1_dtype`` and ``x2_dtype`` torch_npu.hifloat8 = 290; both
+    operands), or float4_e2m1 / float4_e1m2 (torch.float4_e2m1fn_x2, or bytes with ``x?_dtype``
+    296 / 297, torch_npu.float4_e2m1fn_x2 / float4_e1m2fn_x2; MX only): two codes per byte,
+    element 2j in the low nibble, along the
     memory-contiguous dim (``x1`` [m, k / 2], or the transpose [m / 2, k] of a contiguous
     [k, m / 2]; ``x2`` [k, n / 2], or the transpose [k / 2, n] of a contiguous [n, k / 2]).
     ``output_dtype`` float16 / bfloat16 / float32; ``bias`` float [n] / [batch, 1, n]; no
@@ -208,8 +210,12 @@ def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=No
     ceil(k / 64), n, 2] for x2 (the transpose of [n, ceil(k / 64), 2] when x2 is a transpose);
     the operands are multiplied by their block scales in float32 (exact powers of two) before
     the GEMM, a last block shorter than 32 allowed; ``group_sizes`` None, [0, 0, 0] or
-    [1, 1, 32]. hifloat8 operands, per-block float32 scaling of float8 and ``y_scale`` are not
-    implemented.
+    [1, 1, 32]. Per-block float32 scales (float8 / hifloat8): ``pertoken_scale`` [(batch,)
+    m or ceil(m / 128), ceil(k / 128)] and ``scale`` [(batch,) ceil(k / 128), ceil(n / 128)]
+    (``group_sizes`` [1, 128, 128] / [128, 128, 128], zeros inferred from the shapes; a scale is
+    a transpose when its operand is), as op-plugin's per-block golden: the sum over 128-deep K
+    blocks, in order in float32, of each block's product times its x1 scale, times its x2 scale.
+    ``y_scale`` is not implemented.
 
     A8W4 (int8 ``x1`` [m, k], int4 ``x2`` words [k, n / 8]): ``scale`` [k / group_k, n] (int64
     from npu_trans_quant_param, or float32), ``group_sizes`` [0, 0, group_k] (None: k /
@@ -253,11 +259,13 @@ def _dtype_of(code, default):
 
 
 # Operand / scale type codes of npu_quant_matmul's float paths: torch's ScalarType codes and
-# torch_npu's DType (torch_npu.float8_e5m2 291, float8_e4m3fn 292, float8_e8m0fnu 293,
-# float4_e2m1fn_x2 296).
+# torch_npu's DType (torch_npu.hifloat8 290, float8_e5m2 291, float8_e4m3fn 292, float8_e8m0fnu
+# 293, float4_e2m1fn_x2 296, float4_e1m2fn_x2 297).
 _QMM_FP8_CODES = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
-                  291: torch.float8_e5m2}
-_QMM_FP4_CODES = {45, 296}
+                  291: torch.float8_e5m2, 290: "hif8"}
+_QMM_FP4_CODES = {45: "fp4", 296: "fp4", 297: "fp4_e1m2"}
+# The float4 kinds _qmm_float_kind names (two codes per byte).
+_FP4_KINDS = ("fp4", "fp4_e1m2")
 _QMM_E8M0_CODES = {44, 293}
 _CODE_OF_DTYPE = {torch.float8_e5m2: 23, torch.float8_e4m3fn: 24, torch.float8_e8m0fnu: 44,
                   torch.float4_e2m1fn_x2: 45, torch.float32: 6, torch.float16: 5,
@@ -272,14 +280,15 @@ def _type_code(declared):
 
 
 def _qmm_float_kind(t, declared):
-    """npu_quant_matmul's element format of x1 / x2: a float8 dtype, "fp4", or None (integer)."""
+    """npu_quant_matmul's element format of x1 / x2: a float8 dtype, "hif8" (hifloat8), "fp4"
+    (float4_e2m1), "fp4_e1m2" (float4_e1m2), or None (integer)."""
     code = _type_code(declared)
     if code is None:
         if t.dtype == torch.float4_e2m1fn_x2:
             return "fp4"
         return t.dtype if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else None
     if code in _QMM_FP4_CODES:
-        return "fp4"
+        return _QMM_FP4_CODES[code]
     return _QMM_FP8_CODES.get(code)
 
 
@@ -307,9 +316,9 @@ def _quant_matmul_fake(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=
     m = x1.shape[-2]
     kind1, kind2 = _qmm_float_kind(x1, x1_dtype), _qmm_float_kind(x2, x2_dtype)
     if kind1 is not None or kind2 is not None:  # float8 / float4 codes
-        if kind1 == "fp4" and _transposed(x1):
+        if kind1 in _FP4_KINDS and _transposed(x1):
             m = 2 * m
-        n = x2.shape[-1] if kind2 != "fp4" or _transposed(x2) else 2 * x2.shape[-1]
+        n = x2.shape[-1] if kind2 not in _FP4_KINDS or _transposed(x2) else 2 * x2.shape[-1]
         default = torch.float32
     elif x1.dtype == torch.int32:  # int4 words: [k, n / 8], or the transpose [k / 8, n]
         packed_k = x2.shape[-2] == 8 * x1.shape[-1]

@@ -23,6 +23,7 @@ IS_OPENNPU = True
 hifloat8 = 290
 float8_e8m0fnu = 293
 float4_e2m1fn_x2 = 296
+float4_e1m2fn_x2 = 297
 
 for _name in npu_op_names():
     globals()[_name] = op_alias(_name)
