@@ -80,15 +80,18 @@ def npu_fused_infer_attention_score(query, key, value, **kwargs):
     return _ops.npu_fused_infer_attention_score(query, key, value, **kwargs)
 
 
-def _fia_out(query, key, value, *, out, workspace=None, **kwargs):
-    """The ``.out`` overload with torch_npu's ``out=[attention_out, softmax_lse]``."""
-    attention_out, softmax_lse = out
-    return _ops.npu_fused_infer_attention_score.out(
-        query, key, value, workspace=workspace, attention_out=attention_out,
-        softmax_lse=softmax_lse, **kwargs)
+def _out_list(packet):
+    """``packet.out`` with torch_npu's ``out=[attention_out, softmax_lse]``."""
+    def out_overload(query, key, value, *, out, workspace=None, **kwargs):
+        attention_out, softmax_lse = out
+        return packet.out(query, key, value, workspace=workspace, attention_out=attention_out,
+                          softmax_lse=softmax_lse, **kwargs)
+
+    out_overload.__doc__ = f"{packet.__name__}.out with torch_npu's out=[attention_out, softmax_lse]."
+    return out_overload
 
 
-npu_fused_infer_attention_score.out = _fia_out
+npu_fused_infer_attention_score.out = _out_list(_ops.npu_fused_infer_attention_score)
 
 
 def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
@@ -116,15 +119,7 @@ def npu_fused_infer_attention_score_v2(query, key, value, **kwargs):
     return _ops.npu_fused_infer_attention_score_v2(query, key, value, **kwargs)
 
 
-def _fia_v2_out(query, key, value, *, out, workspace=None, **kwargs):
-    """The ``.out`` overload with torch_npu's ``out=[attention_out, softmax_lse]``."""
-    attention_out, softmax_lse = out
-    return _ops.npu_fused_infer_attention_score_v2.out(
-        query, key, value, workspace=workspace, attention_out=attention_out,
-        softmax_lse=softmax_lse, **kwargs)
-
-
-npu_fused_infer_attention_score_v2.out = _fia_v2_out
+npu_fused_infer_attention_score_v2.out = _out_list(_ops.npu_fused_infer_attention_score_v2)
 
 
 def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **kwargs):

@@ -2285,18 +2285,35 @@ def npu_fused_infer_attention_score(
         query, key, value, query_rope, key_rope, num_heads, input_layout)
 
 
-@_portable("npu::npu_fused_infer_attention_score.out")
-def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, attention_out,
-                                        softmax_lse, **kwargs):
-    out, lse = torch.ops.npu.npu_fused_infer_attention_score(query, key, value, **kwargs)
-    attention_out.resize_(out.shape).copy_(out)
-    softmax_lse.resize_(lse.shape).copy_(lse)
-    return attention_out, softmax_lse
+def _fia_out(functional):
+    """The .out overload of an infer-attention op: `functional`'s outputs copied in."""
+    def out_kernel(query, key, value, *, workspace=None, attention_out, softmax_lse, **kwargs):
+        out, lse = functional(query, key, value, **kwargs)
+        attention_out.resize_(out.shape).copy_(out)
+        softmax_lse.resize_(lse.shape).copy_(lse)
+        return attention_out, softmax_lse
+
+    return out_kernel
+
+
+npu_fused_infer_attention_score_out = _portable("npu::npu_fused_infer_attention_score.out")(
+    _fia_out(torch.ops.npu.npu_fused_infer_attention_score))
+npu_fused_infer_attention_score_v2_out = _portable("npu::npu_fused_infer_attention_score_v2.out")(
+    _fia_out(torch.ops.npu.npu_fused_infer_attention_score_v2))
 
 
 @_portable("npu::_npu_fused_infer_attention_score_get_max_workspace")
+@_portable("npu::_npu_fused_infer_attention_score_v2_get_max_workspace")
 def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
     return query.new_empty(0, dtype=torch.uint8)
+
+
+def _fia_zero_outputs(query, value, input_layout, block_table, heads, kv_heads, lse_flag, dtype):
+    from .infer_attention import output_shapes
+
+    out, lse = output_shapes(query, value, input_layout, block_table is not None, heads, kv_heads,
+                             lse_flag)
+    return query.new_zeros(out, dtype=dtype), query.new_zeros(lse, dtype=torch.float32)
 
 
 @_portable("npu::_npu_fused_infer_attention_score_infer_output")
@@ -2304,12 +2321,21 @@ def _npu_fused_infer_attention_score_infer_output(query, value, *, input_layout=
                                                   quant_scale2=None, block_table=None,
                                                   num_heads=1, num_key_value_heads=0,
                                                   softmax_lse_flag=False, query_rope=None):
-    from .infer_attention import output_shapes
-
-    out, lse = output_shapes(query, value, input_layout, block_table is not None, num_heads,
-                             num_key_value_heads, softmax_lse_flag)
     dtype = torch.int8 if quant_scale2 is not None else query.dtype
-    return query.new_zeros(out, dtype=dtype), query.new_zeros(lse, dtype=torch.float32)
+    return _fia_zero_outputs(query, value, input_layout, block_table, num_heads,
+                             num_key_value_heads, softmax_lse_flag, dtype)
+
+
+@_portable("npu::_npu_fused_infer_attention_score_v2_infer_output")
+def _npu_fused_infer_attention_score_v2_infer_output(
+        query, value, *, query_dtype=None, value_dtype=None, input_layout="BSH",
+        quant_scale_out=None, block_table=None, num_query_heads=1, num_key_value_heads=0,
+        return_softmax_lse=False, query_rope=None, out_dtype=None):
+    from .infer_attention import v2_out_dtype
+
+    return _fia_zero_outputs(query, value, input_layout, block_table, num_query_heads,
+                             num_key_value_heads, return_softmax_lse,
+                             v2_out_dtype(query, quant_scale_out, out_dtype))
 
 
 @_portable("npu::npu_fused_infer_attention_score_v2")
@@ -2341,33 +2367,6 @@ def npu_fused_infer_attention_score_v2(
             input_layout, num_key_value_heads, sparse_mode, block_size, return_softmax_lse, op,
             aq),
         query, key, value, query_rope, key_rope, num_query_heads, input_layout)
-
-
-@_portable("npu::npu_fused_infer_attention_score_v2.out")
-def npu_fused_infer_attention_score_v2_out(query, key, value, *, workspace=None, attention_out,
-                                           softmax_lse, **kwargs):
-    out, lse = torch.ops.npu.npu_fused_infer_attention_score_v2(query, key, value, **kwargs)
-    attention_out.resize_(out.shape).copy_(out)
-    softmax_lse.resize_(lse.shape).copy_(lse)
-    return attention_out, softmax_lse
-
-
-@_portable("npu::_npu_fused_infer_attention_score_v2_get_max_workspace")
-def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **kwargs):
-    return query.new_empty(0, dtype=torch.uint8)
-
-
-@_portable("npu::_npu_fused_infer_attention_score_v2_infer_output")
-def _npu_fused_infer_attention_score_v2_infer_output(
-        query, value, *, query_dtype=None, value_dtype=None, input_layout="BSH",
-        quant_scale_out=None, block_table=None, num_query_heads=1, num_key_value_heads=0,
-        return_softmax_lse=False, query_rope=None, out_dtype=None):
-    from .infer_attention import output_shapes, v2_out_dtype
-
-    out, lse = output_shapes(query, value, input_layout, block_table is not None,
-                             num_query_heads, num_key_value_heads, return_softmax_lse)
-    return (query.new_zeros(out, dtype=v2_out_dtype(query, quant_scale_out, out_dtype)),
-            query.new_zeros(lse, dtype=torch.float32))
 
 
 # ----------------------------------------------------------------------------- sampling
