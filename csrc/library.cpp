@@ -281,6 +281,51 @@ TORCH_LIBRARY(npu, m) {
         "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
         "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
         "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> (Tensor, Tensor)");
+  // The same into attention_out / softmax_lse (workspace unused).
+  m.def("npu_fused_infer_attention_score_v2.out(Tensor query, Tensor key, Tensor value, "
+        "*, Tensor? query_rope=None, Tensor? key_rope=None, Tensor? pse_shift=None, "
+        "Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+        "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, "
+        "Tensor? dequant_scale_query=None, Tensor? dequant_scale_key=None, "
+        "Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+        "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, "
+        "Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, "
+        "Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
+        "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, "
+        "int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
+        "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
+        "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
+        "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, "
+        "int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
+        "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+        "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
+        "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None, Tensor? workspace=None, "
+        "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))");
+  // Workspace of npu_fused_infer_attention_score_v2: empty uint8 (the CPU kernels need none).
+  m.def("_npu_fused_infer_attention_score_v2_get_max_workspace(Tensor query, Tensor key, "
+        "Tensor value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
+        "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
+        "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, "
+        "Tensor? dequant_scale_query=None, Tensor? dequant_scale_key=None, "
+        "Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
+        "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, "
+        "Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, "
+        "Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
+        "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, "
+        "int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
+        "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
+        "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
+        "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, "
+        "int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
+        "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+        "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
+        "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> Tensor");
+  // Empty outputs of npu_fused_infer_attention_score_v2 with their shapes and dtypes.
+  m.def("_npu_fused_infer_attention_score_v2_infer_output(Tensor query, Tensor value, *, "
+        "int? query_dtype=None, int? value_dtype=None, str input_layout=\"BSH\", "
+        "Tensor? quant_scale_out=None, Tensor? block_table=None, int num_query_heads=1, "
+        "int num_key_value_heads=0, bool return_softmax_lse=False, Tensor? query_rope=None, "
+        "int? out_dtype=None) -> (Tensor, Tensor)");
 
   // FFN: act(x @ W1 + b1) @ W2 + b2, dense or with experts (rows split by expert_tokens counts or
   // expert_tokens_index cumulative ends), plus the int8 (scale, offset, deq_scale1/2) and

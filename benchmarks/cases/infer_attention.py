@@ -130,6 +130,42 @@ def decode_int8(batch, ctx, dtype, threads):
                      qh.float(), kd, vd, scale=SCALE, enable_gqa=True))
 
 
+def _quantise(o, qs):
+    """int8 post-quantisation of [B, 1, H] outputs with per-channel [H] factors (fp32 -> fp16 ->
+    int8, half to even, saturated)."""
+    return (o.float() * qs).half().float().round().clamp(-128, 127).to(torch.int8)
+
+
+def native_int8_out(q, k, v, table, qs):
+    return _quantise(native(q, k, v, table), qs)
+
+
+def decode_int8_out(batch, ctx, dtype, threads):
+    """Decode with an int8 output (quant_scale2 per channel) against our float-output decode
+    followed by a separate quantisation, and the native composition + quantisation compiled."""
+    from opennpu.testing.timing import compiled
+
+    q, k, v, table = _inputs(batch, ctx, dtype)
+    qs = torch.rand(HEADS * HEAD_DIM) * 100 + 20
+    kw = dict(num_heads=HEADS, num_key_value_heads=KV_HEADS, input_layout="BSH", scale=SCALE,
+              block_table=table, block_size=BLOCK, actual_seq_lengths_kv=[ctx] * batch)
+    native_compiled = compiled(native_int8_out, q, k, v, table, qs, threads=threads)
+    baselines = {
+        "float_out_then_quantise": lambda: _quantise(
+            npu.npu_fused_infer_attention_score(q, k, v, **kw)[0], qs),
+        "compile": lambda: native_compiled(q, k, v, table, qs)}
+    if batch * ctx <= 8 * 4096:
+        baselines["eager"] = lambda: native_int8_out(q, k, v, table, qs)
+    qh = q.view(batch, 1, HEADS, HEAD_DIM).transpose(1, 2)
+    kg, vg = _gathered(k, table).float(), _gathered(v, table).float()
+    return Timed(
+        ours=lambda: npu.npu_fused_infer_attention_score(q, k, v, quant_scale2=qs, **kw)[0],
+        baselines=baselines,
+        reference=lambda: _quantise(F.scaled_dot_product_attention(
+            qh.float(), kg, vg, scale=SCALE, enable_gqa=True).transpose(1, 2).reshape(batch, 1, -1),
+            qs))
+
+
 def cases(quick: bool, dtypes):
     shapes = ((8, 4096), (32, 4096)) if quick else ((8, 4096), (8, 16384), (32, 4096), (32, 16384))
     for (batch, ctx), dtype in itertools.product(shapes, dtypes):
@@ -148,4 +184,13 @@ def cases(quick: bool, dtypes):
         shape = f"decode int8 KV B={batch} ctx={ctx} N={HEADS}/{KV_HEADS} D={HEAD_DIM} paged"
         yield Case("infer_attention", "fwd", shape, dtype, kv_bytes + qo_bytes,
                    functools.partial(decode_int8, batch, ctx, dtype),
+                   ("npu_fused_infer_attention_score",))
+    for (batch, ctx), dtype in itertools.product(shapes[:1], dtypes):
+        if dtype not in (torch.float16, torch.bfloat16):
+            continue
+        kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * dtype.itemsize
+        qo_bytes = batch * HEADS * HEAD_DIM * (dtype.itemsize + 1)  # int8 out
+        shape = f"decode int8 out B={batch} ctx={ctx} N={HEADS}/{KV_HEADS} D={HEAD_DIM} paged"
+        yield Case("infer_attention", "fwd", shape, dtype, kv_bytes + qo_bytes,
+                   functools.partial(decode_int8_out, batch, ctx, dtype),
                    ("npu_fused_infer_attention_score",))

@@ -507,7 +507,7 @@ def _call(**over):
     (dict(actual_seq_lengths_kv=[7]), None),
     (dict(atten_mask=torch.zeros(2, 10, dtype=torch.bool)), "argument 'atten_mask' must be"),
     (dict(atten_mask=torch.zeros(2, 20)), "argument 'atten_mask' must be bool, int8 or uint8"),
-    (dict(quant_scale2=torch.ones(1)), "argument 'quant_scale2' is not supported"),
+    (dict(dequant_scale1=torch.ones(1)), "argument 'dequant_scale1' is not supported"),
     (dict(key_antiquant_scale=torch.ones(1)), "'value_antiquant_scale' must be given together"),
     (dict(key_antiquant_scale=torch.ones(1), value_antiquant_scale=torch.ones(1)),
      "'key_antiquant_scale' applies to an int8 key/value cache, but 'key' is Float"),
@@ -545,7 +545,7 @@ def test_bad_paged_inputs():
 
 def test_v2_bad_inputs():
     q, k, v = make("BSH", 1, 2, 2, 1, 4, 8, torch.float32)
-    with pytest.raises(RuntimeError, match="argument 'out_dtype' is not supported"):
+    with pytest.raises(RuntimeError, match="argument 'out_dtype' must be None or query's dtype"):
         npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2, out_dtype=1)
     with pytest.raises(RuntimeError, match="argument 'dequant_scale_value' must be given together"):
         npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2,

@@ -143,6 +143,7 @@ struct Args {
   int64_t block_size;
   bool softmax_lse_flag;
   Antiquant kq{}, vq{};  // no scale: float key/value
+  bool float_out = false;  // attention_out in float32 whatever query's dtype (to be quantised)
 };
 
 // The factors of one side in the form the kernels read (KvQuant): fp32, contiguous,
@@ -672,7 +673,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
 
   // Outputs.
   const auto opts = query.options();
-  at::Tensor out = at::empty(sh.out, opts);
+  at::Tensor out = at::empty(sh.out, a.float_out ? opts.dtype(at::kFloat) : opts);
   const bool rows_left = tnd ? sum_q < seq_q : max_q < seq_q || [&] {
     for (int64_t b = 0; b < batch; ++b) if (p.q_len[b] < seq_q) return true;
     return false;
@@ -716,6 +717,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
     d.cache.k = rows_of(kv);
     d.cache.v = rows_of(vv);
     d.cache.int8 = int8;
+    d.out_float = a.float_out;
     d.cache.kq = kq.view();
     d.cache.vq = vq.view();
     if (rope) {
@@ -746,7 +748,8 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   // dequantised to fp32 (the rows read only) and the attention runs in fp32.
   const at::ScalarType acc = acc_dtype(query);
   const AttentionPlan plan = attention_plan.get(op, query)(
-      op, int8 ? at::kFloat : query.scalar_type(), D + Dr, Dv, /*check_forced_tiles=*/false);
+      op, int8 || a.float_out ? at::kFloat : query.scalar_type(), D + Dr, Dv,
+      /*check_forced_tiles=*/false);
   const at::ScalarType compute = plan.compute;
   p.tiles = plan.tiles;
   p.pv = plan.pv;
@@ -835,7 +838,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
     p.pse_stride_n = pse.stride(1);
     p.pse_stride_i = ps.size(2) == 1 ? 0 : pse.stride(2);
   }
-  at::Tensor out_c = compute == query.scalar_type() ? out : at::zeros(sh.out, opts.dtype(compute));
+  at::Tensor out_c = compute == out.scalar_type() ? out : at::zeros(sh.out, opts.dtype(compute));
   const at::Tensor oc = canonical(out_c, sh.l.out, N);
   p.out = view_of(oc);
   const std::vector<int64_t> stats_shape =
@@ -849,6 +852,91 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
     lse.copy_(smax.select(-1, 0).add(ssum.select(-1, 0).log()).unsqueeze(-1));
   }
   return {out, lse};
+}
+
+// Output quantisation (v1's quant_scale2 / quant_offset2, v2's quant_scale_out / quant_offset_out):
+// attention_out = cast(o * scale + offset) with o the float32 attention output (never rounded to
+// query's dtype), the product and the sum each rounded to float32, and the cast, as Ascend's
+// post-quant kernels do it: int8 through float16 (float32 -> float16 -> int8, both round half to
+// even; opennpu saturates to [-128, 127] and maps NaN to 0), float8 directly (round half to
+// even, torch's conversion: no saturation). Per tensor (one factor) or per channel (Q_N * D
+// factors in any shape, e.g. (Q_N, D), (1, Q_N, 1, D), (1, 1, Q_N, D), (H,), (1, 1, H)).
+struct OutQuant {
+  at::ScalarType dtype = at::kChar;  // int8, float8_e5m2 or float8_e4m3fn
+  at::Tensor scale, offset;          // float32 [1] or [Q_N, D]; offset undefined: 0
+  bool per_channel = false;
+};
+
+std::optional<OutQuant> out_quant(const char* op, const char* scale_name, const char* offset_name,
+                                  const std::optional<at::Tensor>& scale,
+                                  const std::optional<at::Tensor>& offset, const Args& a,
+                                  at::ScalarType dtype) {
+  OPENNPU_CHECK_ARG(scale.has_value() || !offset.has_value(), op, offset_name, "needs '",
+                    scale_name, "' (an output quantisation offset without a scale)");
+  if (!scale.has_value()) return std::nullopt;
+  const at::Tensor& query = a.query;
+  const at::ScalarType qt = query.scalar_type();
+  OPENNPU_CHECK_ARG(qt == at::kHalf || qt == at::kBFloat16 || qt == at::kFloat, op, "query",
+                    "must be float16, bfloat16 or float32 with output quantisation ('", scale_name,
+                    "'), but got ", qt);
+  const at::Tensor& sc = *scale;
+  check_same_device(op, scale_name, sc, "query", query);
+  OPENNPU_CHECK_ARG(sc.scalar_type() == at::kFloat ||
+                        (sc.scalar_type() == at::kBFloat16 && qt == at::kBFloat16),
+                    op, scale_name, "must be float32 (or bfloat16 with a bfloat16 query), but got ",
+                    sc.scalar_type(), " with a ", qt, " query");
+  if (offset.has_value()) {
+    check_same_device(op, offset_name, *offset, "query", query);
+    OPENNPU_CHECK_ARG(offset->scalar_type() == sc.scalar_type() && offset->sizes() == sc.sizes(),
+                      op, offset_name, "must have the dtype and shape of '", scale_name, "' (",
+                      sc.scalar_type(), " ", shape_str(sc.sizes()), "), but got ",
+                      offset->scalar_type(), " ", shape_str(offset->sizes()));
+  }
+  const Shapes sh = output_shapes(op, query, a.value, a.input_layout, a.block_table.has_value(),
+                                  a.num_heads, a.num_key_value_heads, a.softmax_lse_flag);
+  const int64_t channels = sh.heads * sh.dim_v;
+  OPENNPU_CHECK_ARG(sc.numel() == 1 || sc.numel() == channels, op, scale_name,
+                    "must hold one factor (per tensor) or Q_N * D = ", sh.heads, " * ", sh.dim_v,
+                    " = ", channels, " factors (per channel: (Q_N, D), (1, Q_N, 1, D), "
+                    "(1, 1, Q_N, D), (H,), (1, 1, H)), but got shape ", shape_str(sc.sizes()));
+  OutQuant q;
+  q.dtype = dtype;
+  q.per_channel = sc.numel() != 1;
+  const auto norm = [&](const at::Tensor& t) {
+    at::Tensor r = t.to(at::kFloat).contiguous();
+    return q.per_channel ? r.view({sh.heads, sh.dim_v}) : r.view({1});
+  };
+  q.scale = norm(sc);
+  if (offset.has_value()) q.offset = norm(*offset);
+  return q;
+}
+
+// `out` (float32, in the output layout `l` with `heads` heads) quantised in place and cast.
+at::Tensor quantise_out(const OutQuant& q, at::Tensor out, L l, int64_t heads) {
+  TORCH_INTERNAL_ASSERT(out.scalar_type() == at::kFloat);
+  at::Tensor c = canonical(out, l, heads);  // [B, N, S, D] or [T, N, D]: a view of out
+  const auto fit = [&](const at::Tensor& t) {
+    return q.per_channel && c.dim() == 4 ? t.unsqueeze(1) : t;  // [N, 1, D] against [B, N, S, D]
+  };
+  c.mul_(fit(q.scale));
+  if (q.offset.defined()) c.add_(fit(q.offset));
+  if (q.dtype != at::kChar) return out.to(q.dtype);
+  // float32 -> float16 (round half to even; overflow gives +-inf) -> int8 (half to even).
+  at::Tensor h = out.to(at::kHalf).to(at::kFloat);
+  h.nan_to_num_(0.0, 127.0, -128.0).round_().clamp_(-128.0, 127.0);
+  return h.to(at::kChar);
+}
+
+// run() with the output quantised: the attention writes its float32 output (decode straight
+// from the cache in its own dtype; prefill computes in float32), which is then quantised.
+std::tuple<at::Tensor, at::Tensor> run_quantised(const char* op, const Args& a,
+                                                 const std::optional<OutQuant>& q) {
+  if (!q.has_value()) return run(op, a);
+  Args b = a;
+  b.float_out = true;
+  auto [out, lse] = run(op, b);
+  const Layouts l = parse_layout(op, a.input_layout);
+  return {quantise_out(*q, out, l.out, a.num_heads), lse};
 }
 
 // torch_npu's pairing rules of the separate key/value antiquant factors: scales both or neither,
@@ -874,12 +962,21 @@ void check_antiquant(const char* op, Args& a) {
                     " 0, but got ", v.mode);
 }
 
+// softmax_lse of an .out call: float32 when returned; without the flag the output is a zeros(1)
+// placeholder, and any floating tensor takes it (torch_npu's aclgraph tests pass a float16 one).
+void copy_lse(at::Tensor& dst, const at::Tensor& lse, const char* op, bool flag) {
+  if (flag || !dst.is_floating_point()) {
+    copy_out(dst, lse, op, "softmax_lse");
+    return;
+  }
+  if (!dst.sizes().equals(lse.sizes())) dst.resize_(lse.sizes());
+  dst.copy_(lse);
+}
+
 // torch_npu's out-of-scope arguments of v1, rejected with a clear message.
 void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
                const std::optional<at::Tensor>& quant_scale1,
                const std::optional<at::Tensor>& dequant_scale2,
-               const std::optional<at::Tensor>& quant_scale2,
-               const std::optional<at::Tensor>& quant_offset2,
                const std::optional<at::Tensor>& query_padding_size,
                const std::optional<at::Tensor>& kv_padding_size,
                const std::optional<at::Tensor>& key_shared_prefix,
@@ -888,8 +985,6 @@ void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
   reject(kOp, "dequant_scale1", dequant_scale1, "int8 full quantisation");
   reject(kOp, "quant_scale1", quant_scale1, "int8 full quantisation");
   reject(kOp, "dequant_scale2", dequant_scale2, "int8 full quantisation");
-  reject(kOp, "quant_scale2", quant_scale2, "int8 output quantisation");
-  reject(kOp, "quant_offset2", quant_offset2, "int8 output quantisation");
   reject(kOp, "query_padding_size", query_padding_size, "left padding");
   reject(kOp, "kv_padding_size", kv_padding_size, "left padding");
   reject(kOp, "key_shared_prefix", key_shared_prefix, "shared prefix");
@@ -928,9 +1023,8 @@ void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
       int64_t value_antiquant_mode, bool softmax_lse_flag
 
 std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
-  reject_v1(dequant_scale1, quant_scale1, dequant_scale2, quant_scale2, quant_offset2,
-            query_padding_size, kv_padding_size, key_shared_prefix, value_shared_prefix,
-            actual_shared_prefix_len);
+  reject_v1(dequant_scale1, quant_scale1, dequant_scale2, query_padding_size, kv_padding_size,
+            key_shared_prefix, value_shared_prefix, actual_shared_prefix_len);
   (void)key_rope_antiquant_scale;  // reserved by torch_npu
   for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"antiquant_mode", antiquant_mode},
                                    {"key_antiquant_mode", key_antiquant_mode},
@@ -961,7 +1055,8 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
             "antiquant_offset", "antiquant_mode"};
   }
   check_antiquant(kOp, a);
-  return run(kOp, a);
+  return run_quantised(kOp, a, out_quant(kOp, "quant_scale2", "quant_offset2", quant_scale2,
+                                         quant_offset2, a, at::kChar));
 }
 
 std::tuple<at::Tensor&, at::Tensor&> fia_v1_out(FIA_V1_PARAMS,
@@ -978,7 +1073,7 @@ std::tuple<at::Tensor&, at::Tensor&> fia_v1_out(FIA_V1_PARAMS,
       num_key_value_heads, sparse_mode, inner_precise, block_size, antiquant_mode,
       key_antiquant_mode, value_antiquant_mode, softmax_lse_flag);
   copy_out(attention_out, out, kOp, "attention_out");
-  copy_out(softmax_lse, lse, kOp, "softmax_lse");
+  copy_lse(softmax_lse, lse, kOp, softmax_lse_flag);
   return {attention_out, softmax_lse};
 }
 
@@ -1021,37 +1116,75 @@ std::tuple<at::Tensor, at::Tensor> fia_v1_infer_output(
                       softmax_lse_flag);
 }
 
-std::tuple<at::Tensor, at::Tensor> fia_v2(
-    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-    const std::optional<at::Tensor>& query_rope, const std::optional<at::Tensor>& key_rope,
-    const std::optional<at::Tensor>& pse_shift, const std::optional<at::Tensor>& atten_mask,
-    at::OptionalSymIntArrayRef actual_seq_qlen, at::OptionalSymIntArrayRef actual_seq_kvlen,
-    const std::optional<at::Tensor>& block_table,
-    const std::optional<at::Tensor>& dequant_scale_query,
-    const std::optional<at::Tensor>& dequant_scale_key,
-    const std::optional<at::Tensor>& dequant_offset_key,
-    const std::optional<at::Tensor>& dequant_scale_value,
-    const std::optional<at::Tensor>& dequant_offset_value,
-    const std::optional<at::Tensor>& /*dequant_scale_key_rope*/,
-    const std::optional<at::Tensor>& quant_scale_out,
-    const std::optional<at::Tensor>& quant_offset_out,
-    const std::optional<at::Tensor>& quant_scale_p,
-    const std::optional<at::Tensor>& learnable_sink, int64_t num_query_heads,
-    int64_t num_key_value_heads, double softmax_scale, int64_t pre_tokens, int64_t next_tokens,
-    c10::string_view input_layout, int64_t sparse_mode, int64_t block_size,
-    int64_t query_quant_mode, int64_t key_quant_mode, int64_t value_quant_mode,
-    int64_t inner_precise, bool return_softmax_lse, std::optional<int64_t> /*query_dtype*/,
-    std::optional<int64_t> /*key_dtype*/, std::optional<int64_t> /*value_dtype*/,
-    std::optional<int64_t> /*query_rope_dtype*/, std::optional<int64_t> /*key_rope_dtype*/,
-    std::optional<int64_t> /*key_shared_prefix_dtype*/,
-    std::optional<int64_t> /*value_shared_prefix_dtype*/,
-    std::optional<int64_t> /*dequant_scale_query_dtype*/,
-    std::optional<int64_t> /*dequant_scale_key_dtype*/,
-    std::optional<int64_t> /*dequant_scale_value_dtype*/,
-    std::optional<int64_t> /*dequant_scale_key_rope_dtype*/, std::optional<int64_t> out_dtype) {
+// v2's out_dtype: with quant_scale_out None (int8), int8, float8_e5m2 or float8_e4m3fn; without it
+// None or query's dtype (the output is never cast otherwise).
+at::ScalarType v2_out_dtype(std::optional<int64_t> out_dtype, const at::Tensor& query,
+                            const std::optional<at::Tensor>& quant_scale_out) {
+  if (quant_scale_out.has_value()) {
+    if (!out_dtype.has_value()) return at::kChar;
+    for (const at::ScalarType t : {at::kChar, at::kFloat8_e5m2, at::kFloat8_e4m3fn}) {
+      if (*out_dtype == static_cast<int64_t>(t)) return t;
+    }
+    OPENNPU_CHECK_ARG(false, kOpV2, "out_dtype",
+                      "must be None, torch.int8, torch.float8_e5m2 or torch.float8_e4m3fn with "
+                      "quant_scale_out (hifloat8 is not supported by opennpu), but got ",
+                      dtype_name(*out_dtype));
+  }
+  OPENNPU_CHECK_ARG(!out_dtype.has_value() ||
+                        *out_dtype == static_cast<int64_t>(query.scalar_type()),
+                    kOpV2, "out_dtype", "must be None or query's dtype (", query.scalar_type(),
+                    ") without quant_scale_out (a quantised output needs its factors), but got ",
+                    out_dtype.has_value() ? dtype_name(*out_dtype) : "None");
+  return query.scalar_type();
+}
+
+#define FIA_V2_PARAMS                                                                             \
+  const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,                        \
+      const std::optional<at::Tensor>&query_rope, const std::optional<at::Tensor>&key_rope,       \
+      const std::optional<at::Tensor>&pse_shift, const std::optional<at::Tensor>&atten_mask,      \
+      at::OptionalSymIntArrayRef actual_seq_qlen, at::OptionalSymIntArrayRef actual_seq_kvlen,    \
+      const std::optional<at::Tensor>&block_table,                                                \
+      const std::optional<at::Tensor>&dequant_scale_query,                                        \
+      const std::optional<at::Tensor>&dequant_scale_key,                                          \
+      const std::optional<at::Tensor>&dequant_offset_key,                                         \
+      const std::optional<at::Tensor>&dequant_scale_value,                                        \
+      const std::optional<at::Tensor>&dequant_offset_value,                                       \
+      const std::optional<at::Tensor>&dequant_scale_key_rope,                                     \
+      const std::optional<at::Tensor>&quant_scale_out,                                            \
+      const std::optional<at::Tensor>&quant_offset_out,                                           \
+      const std::optional<at::Tensor>&quant_scale_p,                                              \
+      const std::optional<at::Tensor>&learnable_sink, int64_t num_query_heads,                    \
+      int64_t num_key_value_heads, double softmax_scale, int64_t pre_tokens, int64_t next_tokens, \
+      c10::string_view input_layout, int64_t sparse_mode, int64_t block_size,                     \
+      int64_t query_quant_mode, int64_t key_quant_mode, int64_t value_quant_mode,                 \
+      int64_t inner_precise, bool return_softmax_lse, std::optional<int64_t> query_dtype,         \
+      std::optional<int64_t> key_dtype, std::optional<int64_t> value_dtype,                       \
+      std::optional<int64_t> query_rope_dtype, std::optional<int64_t> key_rope_dtype,             \
+      std::optional<int64_t> key_shared_prefix_dtype,                                             \
+      std::optional<int64_t> value_shared_prefix_dtype,                                           \
+      std::optional<int64_t> dequant_scale_query_dtype,                                           \
+      std::optional<int64_t> dequant_scale_key_dtype,                                             \
+      std::optional<int64_t> dequant_scale_value_dtype,                                           \
+      std::optional<int64_t> dequant_scale_key_rope_dtype, std::optional<int64_t> out_dtype
+
+#define FIA_V2_ARGS                                                                               \
+  query, key, value, query_rope, key_rope, pse_shift, atten_mask, actual_seq_qlen,                \
+      actual_seq_kvlen, block_table, dequant_scale_query, dequant_scale_key, dequant_offset_key,  \
+      dequant_scale_value, dequant_offset_value, dequant_scale_key_rope, quant_scale_out,         \
+      quant_offset_out, quant_scale_p, learnable_sink, num_query_heads, num_key_value_heads,      \
+      softmax_scale, pre_tokens, next_tokens, input_layout, sparse_mode, block_size,              \
+      query_quant_mode, key_quant_mode, value_quant_mode, inner_precise, return_softmax_lse,      \
+      query_dtype, key_dtype, value_dtype, query_rope_dtype, key_rope_dtype,                      \
+      key_shared_prefix_dtype, value_shared_prefix_dtype, dequant_scale_query_dtype,              \
+      dequant_scale_key_dtype, dequant_scale_value_dtype, dequant_scale_key_rope_dtype, out_dtype
+
+std::tuple<at::Tensor, at::Tensor> fia_v2(FIA_V2_PARAMS) {
+  // reserved by torch_npu (dequant_scale_key_rope and the *_dtype codes but out_dtype)
+  (void)dequant_scale_key_rope; (void)query_dtype; (void)key_dtype; (void)value_dtype;
+  (void)query_rope_dtype; (void)key_rope_dtype; (void)key_shared_prefix_dtype;
+  (void)value_shared_prefix_dtype; (void)dequant_scale_query_dtype; (void)dequant_scale_key_dtype;
+  (void)dequant_scale_value_dtype; (void)dequant_scale_key_rope_dtype;
   reject(kOpV2, "dequant_scale_query", dequant_scale_query, "query dequantisation");
-  reject(kOpV2, "quant_scale_out", quant_scale_out, "quantised output");
-  reject(kOpV2, "quant_offset_out", quant_offset_out, "quantised output");
   reject(kOpV2, "quant_scale_p", quant_scale_p, "quantised probabilities");
   OPENNPU_CHECK_ARG(query_quant_mode == 0, kOpV2, "query_quant_mode",
                     "must be 0 (query dequantisation is not supported by opennpu), but got ",
@@ -1060,8 +1193,6 @@ std::tuple<at::Tensor, at::Tensor> fia_v2(
                                    {"value_quant_mode", value_quant_mode}}) {
     OPENNPU_CHECK_ARG(mode >= 0 && mode <= 5, kOpV2, name, "must be in [0, 5], but got ", mode);
   }
-  OPENNPU_CHECK_ARG(!out_dtype.has_value(), kOpV2, "out_dtype",
-                    "is not supported by opennpu (the output has query's dtype); pass None");
   Args a{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_qlen),
          to_ints(actual_seq_kvlen), actual_seq_qlen.has_value(),
          actual_seq_kvlen.has_value(), block_table, query_rope, key_rope,
@@ -1073,7 +1204,50 @@ std::tuple<at::Tensor, at::Tensor> fia_v2(
   a.vq = {dequant_scale_value, dequant_offset_value, value_quant_mode, -1, "dequant_scale_value",
           "dequant_offset_value", "value_quant_mode"};
   check_antiquant(kOpV2, a);
-  return run(kOpV2, a);
+  return run_quantised(kOpV2, a, out_quant(kOpV2, "quant_scale_out", "quant_offset_out",
+                                           quant_scale_out, quant_offset_out, a,
+                                           v2_out_dtype(out_dtype, query, quant_scale_out)));
+}
+
+std::tuple<at::Tensor&, at::Tensor&> fia_v2_out(FIA_V2_PARAMS,
+                                                const std::optional<at::Tensor>& /*workspace*/,
+                                                at::Tensor& attention_out,
+                                                at::Tensor& softmax_lse) {
+  auto [out, lse] = fia_v2(FIA_V2_ARGS);
+  copy_out(attention_out, out, kOpV2, "attention_out");
+  copy_lse(softmax_lse, lse, kOpV2, return_softmax_lse);
+  return {attention_out, softmax_lse};
+}
+
+// The CPU kernels need no workspace: an empty uint8 tensor.
+at::Tensor fia_v2_workspace(FIA_V2_PARAMS) {
+  (void)key; (void)value; (void)query_rope; (void)key_rope; (void)pse_shift; (void)atten_mask;
+  (void)actual_seq_qlen; (void)actual_seq_kvlen; (void)block_table; (void)dequant_scale_query;
+  (void)dequant_scale_key; (void)dequant_offset_key; (void)dequant_scale_value;
+  (void)dequant_offset_value; (void)dequant_scale_key_rope; (void)quant_scale_out;
+  (void)quant_offset_out; (void)quant_scale_p; (void)learnable_sink; (void)num_query_heads;
+  (void)num_key_value_heads; (void)softmax_scale; (void)pre_tokens; (void)next_tokens;
+  (void)input_layout; (void)sparse_mode; (void)block_size; (void)query_quant_mode;
+  (void)key_quant_mode; (void)value_quant_mode; (void)inner_precise; (void)return_softmax_lse;
+  (void)query_dtype; (void)key_dtype; (void)value_dtype; (void)query_rope_dtype;
+  (void)key_rope_dtype; (void)key_shared_prefix_dtype; (void)value_shared_prefix_dtype;
+  (void)dequant_scale_query_dtype; (void)dequant_scale_key_dtype; (void)dequant_scale_value_dtype;
+  (void)dequant_scale_key_rope_dtype; (void)out_dtype;
+  return at::empty({0}, query.options().dtype(at::kByte));
+}
+
+std::tuple<at::Tensor, at::Tensor> fia_v2_infer_output(
+    const at::Tensor& query, const at::Tensor& value, std::optional<int64_t> /*query_dtype*/,
+    std::optional<int64_t> /*value_dtype*/, c10::string_view input_layout,
+    const std::optional<at::Tensor>& quant_scale_out, const std::optional<at::Tensor>& block_table,
+    int64_t num_query_heads, int64_t num_key_value_heads, bool return_softmax_lse,
+    const std::optional<at::Tensor>& /*query_rope*/, std::optional<int64_t> out_dtype) {
+  const char* op = "_npu_fused_infer_attention_score_v2_infer_output";
+  const Shapes sh = output_shapes(op, query, value, input_layout, block_table.has_value(),
+                                  num_query_heads, num_key_value_heads, return_softmax_lse);
+  const at::ScalarType dt = v2_out_dtype(out_dtype, query, quant_scale_out);
+  return {at::zeros(sh.out, query.options().dtype(dt)),
+          at::zeros(sh.lse, query.options().dtype(at::kFloat))};
 }
 
 }  // namespace
@@ -1084,6 +1258,9 @@ TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("_npu_fused_infer_attention_score_get_max_workspace", &fia_v1_workspace);
   m.impl("_npu_fused_infer_attention_score_infer_output", &fia_v1_infer_output);
   m.impl("npu_fused_infer_attention_score_v2", &fia_v2);
+  m.impl("npu_fused_infer_attention_score_v2.out", &fia_v2_out);
+  m.impl("_npu_fused_infer_attention_score_v2_get_max_workspace", &fia_v2_workspace);
+  m.impl("_npu_fused_infer_attention_score_v2_infer_output", &fia_v2_infer_output);
 }
 
 }  // namespace opennpu::attention

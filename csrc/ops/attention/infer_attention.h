@@ -69,10 +69,11 @@ struct DecodeProblem {
   int64_t rope_dim = 0;
   std::vector<KeyInterval> visible;  // per batch: keys [lo, hi] before the user mask
   float* lse = nullptr;  // [stat rows] float32 at p->stat_index(b, n, 0) when not null
+  bool out_float = false;  // out is float32 whatever q's dtype (an output to be quantised)
 };
 
 // q, q_rope, k, v, k_rope and out share one dtype: float32, float16 or bfloat16 (k and v are
-// int8 instead when cache.int8).
+// int8 instead when cache.int8; out is float32 when out_float).
 using InferDecodeFn = void(const DecodeProblem& d, at::ScalarType dtype, void* out);
 
 extern KernelSlots<InferDecodeFn> infer_decode;

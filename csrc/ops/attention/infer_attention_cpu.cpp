@@ -329,14 +329,21 @@ struct DecodeKernel {
 
   // out row of head n = acc / l rounded once; lse = m + log(l) (-inf when nothing was seen).
   void finish(int64_t b, int64_t n, const float* acc, float m, float l) const {
-    In* o = out_ + b * p.out.stride_b + p.q_start[b] * p.out.stride_s + n * p.out.stride_n;
+    const int64_t at = b * p.out.stride_b + p.q_start[b] * p.out.stride_s + n * p.out.stride_n;
     const float inv = l == 0.0f ? 0.0f : 1.0f / l;
-    using Pair = VecPair<In>;
-    for (int64_t j = 0; j < Dv; j += Pair::kStep) {
-      const int64_t cnt = std::min<int64_t>(Pair::kStep, Dv - j);
-      const Vec a0 = Vec::loadu(acc + j) * Vec(inv);
-      const Vec a1 = Vec::loadu(acc + j + Vec::size()) * Vec(inv);
-      Pair::store(o + j, a0, a1, cnt);
+    const auto store = [&]<typename O>(O* o) {
+      using Pair = VecPair<O>;
+      for (int64_t j = 0; j < Dv; j += Pair::kStep) {
+        const int64_t cnt = std::min<int64_t>(Pair::kStep, Dv - j);
+        const Vec a0 = Vec::loadu(acc + j) * Vec(inv);
+        const Vec a1 = Vec::loadu(acc + j + Vec::size()) * Vec(inv);
+        Pair::store(o + j, a0, a1, cnt);
+      }
+    };
+    if (d.out_float) {
+      store(static_cast<float*>(out_raw_) + at);
+    } else {
+      store(out_ + at);
     }
     if (d.lse != nullptr) {
       d.lse[p.stat_index(b, n, 0)] = l == 0.0f ? kNegInf : m + std::log(l);
@@ -346,6 +353,7 @@ struct DecodeKernel {
   const In* q_base_ = nullptr;
   const In* qr_base_ = nullptr;
   In* out_ = nullptr;
+  void* out_raw_ = nullptr;  // out_, or float32 rows when d.out_float
   float scale_ = 1.0f;
 };
 
@@ -356,6 +364,7 @@ void decode_impl(const DecodeProblem& d, void* out) {
   kern.q_base_ = static_cast<const In*>(d.q);
   kern.qr_base_ = static_cast<const In*>(d.q_rope);
   kern.out_ = static_cast<In*>(out);
+  kern.out_raw_ = out;
   kern.scale_ = static_cast<float>(p.scale);
   const int64_t g = kern.g;
   const int64_t pairs = p.batch * p.heads_kv;

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "common/dtype.h"
 
 namespace opennpu::quant {
 
@@ -30,12 +31,6 @@ KernelSlots<FloatQuantMatmulFn> float_quant_matmul;
 namespace {
 
 constexpr const char* kQmm = "npu_quant_matmul";
-std::string dtype_name(int64_t code) {
-  if (code >= 0 && code < static_cast<int64_t>(c10::ScalarType::NumOptions)) {
-    return c10::toString(static_cast<c10::ScalarType>(code));
-  }
-  return "dtype code " + std::to_string(code) + " (an Ascend-only type such as hifloat8 or float4)";
-}
 
 // x1_dtype / x2_dtype / scale_dtype / pertoken_scale_dtype: None, or the tensor's own dtype
 // (torch.quint4x2 / torch.int4 also name the int4 codes of an int32 tensor).

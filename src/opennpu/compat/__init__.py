@@ -23,25 +23,34 @@ def _unrepresentable_int(schema, args, kwargs):
     return None
 
 
-def op_alias(name: str):
-    """`torch.ops.npu.<name>`, callable as torch_npu calls it.
+def _alias(name: str, op, schema):
+    """A callable over `op` (an OpOverloadPacket or OpOverload) with torch_npu's conventions.
 
     torch_npu binds `self` arguments to Python's `input=` keyword too (its tests call
     `torch_npu.fast_gelu(input=x)`); the dispatcher only knows `self`, so `input` is renamed.
-    An integer that int64 cannot hold fails in PyTorch's argument parser with a message that
-    names neither the op nor the argument; the alias names both.
+    An out overload also takes torch_npu's `out=` (one tensor, or a list in the order of the
+    schema's out arguments: `.out(..., out=[attention_out, softmax_lse])`). An integer that int64
+    cannot hold fails in PyTorch's argument parser with a message that names neither the op nor
+    the argument; the alias names both.
     """
-    packet = getattr(torch.ops.npu, name)
-    schema = getattr(packet, packet.overloads()[0])._schema  # e.g. _npu_dropout_gen_mask.Tensor
-    renames_input = "self" in (arg.name for arg in schema.arguments)
+    names = [arg.name for arg in schema.arguments]
+    renames_input = "self" in names
+    outs = [arg.name for arg in schema.arguments if arg.is_out] if "out" not in names else []
 
     def call(*args, **kwargs):
         if renames_input and "input" in kwargs:
             kwargs["self"] = kwargs.pop("input")
+        if outs and "out" in kwargs:
+            out = kwargs.pop("out")
+            out = [out] if isinstance(out, torch.Tensor) else list(out)
+            if len(out) != len(outs):
+                raise TypeError(f"{name}: out= must hold {len(outs)} tensor(s) "
+                                f"({', '.join(outs)}), but got {len(out)}")
+            kwargs.update(zip(outs, out))
         if torch.compiler.is_compiling():  # traced: the graph holds the op, not this wrapper
-            return packet(*args, **kwargs)
+            return op(*args, **kwargs)
         try:
-            return packet(*args, **kwargs)
+            return op(*args, **kwargs)
         except (RuntimeError, TypeError, OverflowError) as error:
             bad = _unrepresentable_int(schema, args, kwargs)
             if bad is None:
@@ -50,7 +59,20 @@ def op_alias(name: str):
                                f"[-2**63, 2**63 - 1], but got {bad[1]}") from error
 
     call.__name__ = call.__qualname__ = name
-    call.__doc__ = packet.__doc__
+    call.__doc__ = op.__doc__
+    return call
+
+
+def op_alias(name: str):
+    """`torch.ops.npu.<name>`, callable as torch_npu calls it (see `_alias`), with each ATen
+    overload as an attribute, as torch_npu exposes them: `torch_npu.<name>.default`,
+    `torch_npu.npu_fused_infer_attention_score.out(..., out=[attention_out, softmax_lse])`."""
+    packet = getattr(torch.ops.npu, name)
+    overloads = packet.overloads()
+    call = _alias(name, packet, getattr(packet, overloads[0])._schema)  # e.g. _npu_dropout_gen_mask.Tensor
+    for overload in overloads:
+        op = getattr(packet, overload)
+        setattr(call, overload, _alias(f"{name}.{overload}", op, op._schema))
     return call
 
 

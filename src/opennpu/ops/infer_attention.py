@@ -69,21 +69,29 @@ def npu_fused_infer_attention_score(query, key, value, **kwargs):
     int8 ``key``/``value`` (KV-cache antiquant) are dequantised as ``(x + offset) * scale`` in
     fp32 with ``key_antiquant_scale``/``value_antiquant_scale`` (+ offsets, modes 0-5: per
     channel / tensor, per token, per head, paged per token) or the combined ``antiquant_scale``
-    (row 0 key, row 1 value; ``antiquant_mode`` 0/1). int4 K/V, full / output quantisation and
-    shared-prefix / left-padding arguments raise. Not differentiable.
+    (row 0 key, row 1 value; ``antiquant_mode`` 0/1). ``quant_scale2`` (+ ``quant_offset2``)
+    quantise the output to int8 ("int8后量化"): ``o * scale + offset`` on the float32 attention
+    output, cast float32 -> float16 -> int8 (round half to even, saturated; NaN -> 0), per tensor
+    (one factor) or per channel (Q_N * D factors, e.g. (Q_N, D), (1, Q_N, 1, D), (H,)); float32
+    factors, or bfloat16 with a bfloat16 query. int4 K/V, full quantisation (int8 query,
+    dequant_scale1 / quant_scale1 / dequant_scale2) and shared-prefix / left-padding arguments
+    raise. Not differentiable.
     """
     return _ops.npu_fused_infer_attention_score(query, key, value, **kwargs)
 
 
-def _fia_out(query, key, value, *, out, workspace=None, **kwargs):
-    """The ``.out`` overload with torch_npu's ``out=[attention_out, softmax_lse]``."""
-    attention_out, softmax_lse = out
-    return _ops.npu_fused_infer_attention_score.out(
-        query, key, value, workspace=workspace, attention_out=attention_out,
-        softmax_lse=softmax_lse, **kwargs)
+def _out_list(packet):
+    """``packet.out`` with torch_npu's ``out=[attention_out, softmax_lse]``."""
+    def out_overload(query, key, value, *, out, workspace=None, **kwargs):
+        attention_out, softmax_lse = out
+        return packet.out(query, key, value, workspace=workspace, attention_out=attention_out,
+                          softmax_lse=softmax_lse, **kwargs)
+
+    out_overload.__doc__ = f"{packet.__name__}.out with torch_npu's out=[attention_out, softmax_lse]."
+    return out_overload
 
 
-npu_fused_infer_attention_score.out = _fia_out
+npu_fused_infer_attention_score.out = _out_list(_ops.npu_fused_infer_attention_score)
 
 
 def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
@@ -103,25 +111,59 @@ def npu_fused_infer_attention_score_v2(query, key, value, **kwargs):
     ``actual_seq_kvlen``, ``num_query_heads``, ``softmax_scale``, ``return_softmax_lse``, plus
     ``learnable_sink`` (one extra logit per head in every softmax row, no value row). int8
     key/value take ``dequant_scale_key``/``dequant_scale_value`` (+ ``dequant_offset_*``,
-    ``key_quant_mode``/``value_quant_mode`` 0-5) as v1's antiquant factors; query dequantisation,
-    output quantisation and ``out_dtype`` raise. Not differentiable."""
+    ``key_quant_mode``/``value_quant_mode`` 0-5) as v1's antiquant factors. ``quant_scale_out`` (+
+    ``quant_offset_out``) quantise the output as v1's ``quant_scale2``: to int8 (``out_dtype``
+    None or torch.int8), or to torch.float8_e5m2 / torch.float8_e4m3fn (``o * scale + offset``
+    cast directly, round half to even, unsaturated as torch casts). Query dequantisation and
+    hifloat8 outputs raise. Not differentiable."""
     return _ops.npu_fused_infer_attention_score_v2(query, key, value, **kwargs)
+
+
+npu_fused_infer_attention_score_v2.out = _out_list(_ops.npu_fused_infer_attention_score_v2)
+
+
+def _npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **kwargs):
+    """Workspace for npu_fused_infer_attention_score_v2.out: an empty uint8 tensor (the CPU
+    kernels need none)."""
+    return _ops._npu_fused_infer_attention_score_v2_get_max_workspace(query, key, value, **kwargs)
+
+
+def _npu_fused_infer_attention_score_v2_infer_output(query, value, **kwargs):
+    """Zero-filled ``(attention_out, softmax_lse)`` of npu_fused_infer_attention_score_v2's shapes
+    and dtypes (int8, or the float8 ``out_dtype``, when quant_scale_out is given), for ``.out``."""
+    return _ops._npu_fused_infer_attention_score_v2_infer_output(query, value, **kwargs)
 
 
 # ----------------------------------------------------------------------------- fake kernels
 
 
-def _fake_outputs(query, value, input_layout, block_table, num_heads, num_key_value_heads, flag):
+# Output dtypes of a quantised output (v2's out_dtype codes: torch's ScalarType numbering).
+_OUT_DTYPES = {torch.int8: torch.int8, torch.float8_e5m2: torch.float8_e5m2,
+               torch.float8_e4m3fn: torch.float8_e4m3fn}
+_OUT_DTYPE_CODES = {1: torch.int8, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn}
+
+
+def v2_out_dtype(query, quant_scale_out, out_dtype):
+    """attention_out's dtype of a v2 call (int8 / float8 when quant_scale_out is given)."""
+    if quant_scale_out is None:
+        return query.dtype
+    if out_dtype is None:
+        return torch.int8
+    return _OUT_DTYPES.get(out_dtype) or _OUT_DTYPE_CODES.get(out_dtype, torch.int8)
+
+
+def _fake_outputs(query, value, input_layout, block_table, num_heads, num_key_value_heads, flag,
+                  dtype=None):
     out, lse = output_shapes(query, value, input_layout, block_table is not None, num_heads,
                              num_key_value_heads, flag)
-    return query.new_empty(out), query.new_empty(lse, dtype=torch.float32)
+    return query.new_empty(out, dtype=dtype or query.dtype), query.new_empty(lse, dtype=torch.float32)
 
 
 @register_fake("npu::npu_fused_infer_attention_score")
 def _fia_fake(query, key, value, *, block_table=None, num_heads=1, input_layout="BSH",
-              num_key_value_heads=0, softmax_lse_flag=False, **_):
+              num_key_value_heads=0, softmax_lse_flag=False, quant_scale2=None, **_):
     return _fake_outputs(query, value, input_layout, block_table, num_heads, num_key_value_heads,
-                         softmax_lse_flag)
+                         softmax_lse_flag, torch.int8 if quant_scale2 is not None else None)
 
 
 @register_fake("npu::npu_fused_infer_attention_score.out")
@@ -146,16 +188,42 @@ def _fia_infer_output_fake(query, value, *, input_layout="BSH", quant_scale2=Non
 
 @register_fake("npu::npu_fused_infer_attention_score_v2")
 def _fia_v2_fake(query, key, value, *, block_table=None, num_query_heads=1, input_layout="BSH",
-                 num_key_value_heads=0, return_softmax_lse=False, **_):
+                 num_key_value_heads=0, return_softmax_lse=False, quant_scale_out=None,
+                 out_dtype=None, **_):
     return _fake_outputs(query, value, input_layout, block_table, num_query_heads,
-                         num_key_value_heads, return_softmax_lse)
+                         num_key_value_heads, return_softmax_lse,
+                         v2_out_dtype(query, quant_scale_out, out_dtype))
+
+
+@register_fake("npu::npu_fused_infer_attention_score_v2.out")
+def _fia_v2_out_fake(query, key, value, *, attention_out, softmax_lse, **_):
+    return attention_out, softmax_lse
+
+
+@register_fake("npu::_npu_fused_infer_attention_score_v2_get_max_workspace")
+def _fia_v2_workspace_fake(query, key, value, **_):
+    return query.new_empty([0], dtype=torch.uint8)
+
+
+@register_fake("npu::_npu_fused_infer_attention_score_v2_infer_output")
+def _fia_v2_infer_output_fake(query, value, *, query_dtype=None, value_dtype=None,
+                              input_layout="BSH", quant_scale_out=None, block_table=None,
+                              num_query_heads=1, num_key_value_heads=0, return_softmax_lse=False,
+                              query_rope=None, out_dtype=None):
+    return _fake_outputs(query, value, input_layout, block_table, num_query_heads,
+                         num_key_value_heads, return_softmax_lse,
+                         v2_out_dtype(query, quant_scale_out, out_dtype))
 
 
 _INFERENCE = "an inference op; torch_npu registers no gradient"
 for _name in ("npu_fused_infer_attention_score", "_npu_fused_infer_attention_score_get_max_workspace",
-              "_npu_fused_infer_attention_score_infer_output", "npu_fused_infer_attention_score_v2"):
+              "_npu_fused_infer_attention_score_infer_output", "npu_fused_infer_attention_score_v2",
+              "_npu_fused_infer_attention_score_v2_get_max_workspace",
+              "_npu_fused_infer_attention_score_v2_infer_output"):
     mark_not_differentiable(_name, _INFERENCE)
 
 __all__ = ["npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2",
            "_npu_fused_infer_attention_score_get_max_workspace",
-           "_npu_fused_infer_attention_score_infer_output"]
+           "_npu_fused_infer_attention_score_infer_output",
+           "_npu_fused_infer_attention_score_v2_get_max_workspace",
+           "_npu_fused_infer_attention_score_v2_infer_output"]

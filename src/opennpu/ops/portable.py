@@ -70,6 +70,7 @@ IMPLS: dict[str, object] = {}  # "ns::name[.overload]" -> the portable function
 # Run eagerly, never traced into graphs (npu_add_rms_norm_v2 writes its inputs: under
 # torch.compile it is functionalised, and its functional form is decomposed).
 NOT_DECOMPOSED = {"npu::_npu_dropout_gen_mask.Tensor", "npu::npu_fused_infer_attention_score.out",
+                  "npu::npu_fused_infer_attention_score_v2.out",
                   "npu::npu_fusion_attention_v3.out", "npu::npu_fusion_attention_grad_v3.out",
                   "npu::npu_add_rms_norm_v2"}
 # Ops whose portable form plans its copies from index data read on the host (the KV-cache ops),
@@ -2270,6 +2271,51 @@ def _fia_antiquant_pair(op, k, v):
     return k, v
 
 
+def _fia_quantised(op, names, scale, offset, out_dtype, call, query, key, value, query_rope,
+                   key_rope, num_heads, input_layout):
+    """call(query, key, value, query_rope, key_rope) -> (out, lse), with the output quantised when
+    `scale` is given: float32 inputs, o * scale + offset in float32, then int8 through float16
+    (half to even, saturated, NaN -> 0) or float8 directly."""
+    from .infer_attention import LAYOUTS
+
+    if scale is None:
+        if offset is not None:
+            raise RuntimeError(f"{op}: argument '{names[1]}' needs '{names[0]}' (an output "
+                               f"quantisation offset without a scale)")
+        return call(query, key, value, query_rope, key_rope)
+    bf16 = query.dtype == torch.bfloat16
+    if scale.dtype != torch.float32 and not (bf16 and scale.dtype == torch.bfloat16):
+        raise RuntimeError(f"{op}: argument '{names[0]}' must be float32 (or bfloat16 with a "
+                           f"bfloat16 query), but got {scale.dtype} with a {query.dtype} query")
+    if offset is not None and (offset.dtype != scale.dtype or offset.shape != scale.shape):
+        raise RuntimeError(f"{op}: argument '{names[1]}' must have the dtype and shape of "
+                           f"'{names[0]}'")
+
+    def f32(t):
+        return t.float() if t is not None and t.is_floating_point() else t
+
+    out, lse = call(f32(query), f32(key), f32(value), f32(query_rope), f32(key_rope))
+    lout = LAYOUTS[input_layout.upper()][1]
+    c = out.transpose(0, 1) if lout == "NBSD" else _fia_bnsd(out, lout, num_heads)  # views
+    n, dv = c.shape[1], c.shape[-1]  # [B, N, S, D] or [T, N, D]
+    if scale.numel() not in (1, n * dv):
+        raise RuntimeError(f"{op}: argument '{names[0]}' must hold one factor (per tensor) or "
+                           f"Q_N * D = {n * dv} factors (per channel), but got shape "
+                           f"{tuple(scale.shape)}")
+
+    def fit(t):
+        t = t.float().reshape(n, dv) if t.numel() != 1 else t.float().reshape(1)
+        return t.unsqueeze(1) if t.dim() == 2 and c.dim() == 4 else t
+
+    c.mul_(fit(scale))
+    if offset is not None:
+        c.add_(fit(offset))
+    if out_dtype != torch.int8:
+        return out.to(out_dtype), lse
+    h = out.half().float().nan_to_num_(0.0, 127.0, -128.0).round_().clamp_(-128.0, 127.0)
+    return h.to(torch.int8), lse
+
+
 def _fia_reject(op, **tensors):
     for name, t in tensors.items():
         if t is not None:
@@ -2291,8 +2337,7 @@ def npu_fused_infer_attention_score(
         value_antiquant_mode=0, softmax_lse_flag=False):
     op = "npu_fused_infer_attention_score"
     _fia_reject(op, dequant_scale1=dequant_scale1, quant_scale1=quant_scale1,
-                dequant_scale2=dequant_scale2, quant_scale2=quant_scale2,
-                quant_offset2=quant_offset2,
+                dequant_scale2=dequant_scale2,
                 query_padding_size=query_padding_size, kv_padding_size=kv_padding_size,
                 key_shared_prefix=key_shared_prefix, value_shared_prefix=value_shared_prefix,
                 actual_shared_prefix_len=actual_shared_prefix_len)
@@ -2312,24 +2357,44 @@ def npu_fused_infer_attention_score(
                                  (antiquant_scale, antiquant_offset, antiquant_mode, 1, names))
     else:
         aq = None
-    return _fia(query, key, value, pse_shift, atten_mask, actual_seq_lengths,
-                actual_seq_lengths_kv, block_table, query_rope, key_rope, None, num_heads, scale,
-                pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode,
-                block_size, softmax_lse_flag, op, aq)
+    return _fia_quantised(
+        op, ("quant_scale2", "quant_offset2"), quant_scale2, quant_offset2, torch.int8,
+        lambda q, k, v, qr, kr: _fia(
+            q, k, v, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
+            block_table, qr, kr, None, num_heads, scale, pre_tokens, next_tokens, input_layout,
+            num_key_value_heads, sparse_mode, block_size, softmax_lse_flag, op, aq),
+        query, key, value, query_rope, key_rope, num_heads, input_layout)
 
 
-@_portable("npu::npu_fused_infer_attention_score.out")
-def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, attention_out,
-                                        softmax_lse, **kwargs):
-    out, lse = torch.ops.npu.npu_fused_infer_attention_score(query, key, value, **kwargs)
-    attention_out.resize_(out.shape).copy_(out)
-    softmax_lse.resize_(lse.shape).copy_(lse)
-    return attention_out, softmax_lse
+def _fia_out(functional):
+    """The .out overload of an infer-attention op: `functional`'s outputs copied in."""
+    def out_kernel(query, key, value, *, workspace=None, attention_out, softmax_lse, **kwargs):
+        out, lse = functional(query, key, value, **kwargs)
+        attention_out.resize_(out.shape).copy_(out)
+        softmax_lse.resize_(lse.shape).copy_(lse)
+        return attention_out, softmax_lse
+
+    return out_kernel
+
+
+npu_fused_infer_attention_score_out = _portable("npu::npu_fused_infer_attention_score.out")(
+    _fia_out(torch.ops.npu.npu_fused_infer_attention_score))
+npu_fused_infer_attention_score_v2_out = _portable("npu::npu_fused_infer_attention_score_v2.out")(
+    _fia_out(torch.ops.npu.npu_fused_infer_attention_score_v2))
 
 
 @_portable("npu::_npu_fused_infer_attention_score_get_max_workspace")
+@_portable("npu::_npu_fused_infer_attention_score_v2_get_max_workspace")
 def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **kwargs):
     return query.new_empty(0, dtype=torch.uint8)
+
+
+def _fia_zero_outputs(query, value, input_layout, block_table, heads, kv_heads, lse_flag, dtype):
+    from .infer_attention import output_shapes
+
+    out, lse = output_shapes(query, value, input_layout, block_table is not None, heads, kv_heads,
+                             lse_flag)
+    return query.new_zeros(out, dtype=dtype), query.new_zeros(lse, dtype=torch.float32)
 
 
 @_portable("npu::_npu_fused_infer_attention_score_infer_output")
@@ -2337,12 +2402,21 @@ def _npu_fused_infer_attention_score_infer_output(query, value, *, input_layout=
                                                   quant_scale2=None, block_table=None,
                                                   num_heads=1, num_key_value_heads=0,
                                                   softmax_lse_flag=False, query_rope=None):
-    from .infer_attention import output_shapes
-
-    out, lse = output_shapes(query, value, input_layout, block_table is not None, num_heads,
-                             num_key_value_heads, softmax_lse_flag)
     dtype = torch.int8 if quant_scale2 is not None else query.dtype
-    return query.new_zeros(out, dtype=dtype), query.new_zeros(lse, dtype=torch.float32)
+    return _fia_zero_outputs(query, value, input_layout, block_table, num_heads,
+                             num_key_value_heads, softmax_lse_flag, dtype)
+
+
+@_portable("npu::_npu_fused_infer_attention_score_v2_infer_output")
+def _npu_fused_infer_attention_score_v2_infer_output(
+        query, value, *, query_dtype=None, value_dtype=None, input_layout="BSH",
+        quant_scale_out=None, block_table=None, num_query_heads=1, num_key_value_heads=0,
+        return_softmax_lse=False, query_rope=None, out_dtype=None):
+    from .infer_attention import v2_out_dtype
+
+    return _fia_zero_outputs(query, value, input_layout, block_table, num_query_heads,
+                             num_key_value_heads, return_softmax_lse,
+                             v2_out_dtype(query, quant_scale_out, out_dtype))
 
 
 @_portable("npu::npu_fused_infer_attention_score_v2")
@@ -2357,18 +2431,23 @@ def npu_fused_infer_attention_score_v2(
         query_quant_mode=0, key_quant_mode=0, value_quant_mode=0, inner_precise=0,
         return_softmax_lse=False, **_dtypes):
     op = "npu_fused_infer_attention_score_v2"
-    _fia_reject(op, dequant_scale_query=dequant_scale_query, quant_scale_out=quant_scale_out,
-                quant_offset_out=quant_offset_out, quant_scale_p=quant_scale_p,
-                out_dtype=_dtypes.get("out_dtype"))
+    from .infer_attention import v2_out_dtype
+
+    _fia_reject(op, dequant_scale_query=dequant_scale_query, quant_scale_p=quant_scale_p)
+    out_dtype = v2_out_dtype(query, quant_scale_out, _dtypes.get("out_dtype"))
     aq = _fia_antiquant_pair(
         op, (dequant_scale_key, dequant_offset_key, key_quant_mode, None,
              ("dequant_scale_key", "dequant_offset_key", "key_quant_mode")),
         (dequant_scale_value, dequant_offset_value, value_quant_mode, None,
          ("dequant_scale_value", "dequant_offset_value", "value_quant_mode")))
-    return _fia(query, key, value, pse_shift, atten_mask, actual_seq_qlen, actual_seq_kvlen,
-                block_table, query_rope, key_rope, learnable_sink, num_query_heads,
-                softmax_scale, pre_tokens, next_tokens, input_layout, num_key_value_heads,
-                sparse_mode, block_size, return_softmax_lse, op, aq)
+    return _fia_quantised(
+        op, ("quant_scale_out", "quant_offset_out"), quant_scale_out, quant_offset_out, out_dtype,
+        lambda q, k, v, qr, kr: _fia(
+            q, k, v, pse_shift, atten_mask, actual_seq_qlen, actual_seq_kvlen, block_table, qr,
+            kr, learnable_sink, num_query_heads, softmax_scale, pre_tokens, next_tokens,
+            input_layout, num_key_value_heads, sparse_mode, block_size, return_softmax_lse, op,
+            aq),
+        query, key, value, query_rope, key_rope, num_query_heads, input_layout)
 
 
 # ----------------------------------------------------------------------------- sampling
