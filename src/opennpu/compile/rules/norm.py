@@ -177,7 +177,7 @@ def _reinplace_add_rms_norm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
 
 @graph_rule("add_rms_norm_inplace", stage="post_grad", order=1,
             doc="npu_add_rms_norm whose x2 (or x1) buffer nothing reads afterwards -> "
-                "opennpu::_add_rms_norm_inplace, which writes the sum there")
+                "opennpu::_add_rms_norm_inplace (the sum written into that buffer)")
 def _add_rms_norm_inplace(gm: torch.fx.GraphModule) -> int:
     """IPEX's add_rms_norm(add_back=True): the residual sum goes into an addend's buffer instead
     of a new one (no allocation, and its lines are in cache from the read). Only where the write
