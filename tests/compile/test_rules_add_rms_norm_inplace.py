@@ -126,6 +126,36 @@ def test_disabled_by_name_keeps_the_functional_op():
     assert count(ops_of(backend), "_add_rms_norm_inplace") == 0
 
 
+def residual_stream(residual, h1, h2, h3, g):
+    """Consecutive layers' adds on the residual stream, the other addends graph inputs: the
+    second sum goes into the first sum's buffer, the third into that same buffer again."""
+    y1, _, x = npu.npu_add_rms_norm(h1, residual, g)
+    y2, _, x = npu.npu_add_rms_norm(h2, x, g)
+    y3, _, x = npu.npu_add_rms_norm(h3, x, g)
+    return y1, y2, y3, x
+
+
+def residual_stream_read_between(residual, h1, h2, h3, g):
+    y1, _, x = npu.npu_add_rms_norm(h1, residual, g)
+    y2, _, x = npu.npu_add_rms_norm(h2, x, g)
+    seen = x * 2                               # the second sum is read besides the third add
+    y3, _, x = npu.npu_add_rms_norm(h3, x, g)
+    return y1, y2, y3, x, seen
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["run_eagerly", "inductor"])
+@pytest.mark.parametrize("fn,fired", [(residual_stream, 2), (residual_stream_read_between, 1)],
+                         ids=["stream", "read_between"])
+def test_one_buffer_carries_the_residual_stream(fn, fired, eager):
+    args = [*inputs(), *inputs()[:2], weights()[1]]
+    compiled, backend = compile_fn(fn, eager=eager)
+    with torch.no_grad():
+        got = compiled(*args)
+    assert backend.fusions == {RULE: fired}
+    for g, w in zip(got, fn(*args)):
+        assert torch.equal(g, w)
+
+
 # --- where it must not fire ---------------------------------------------------------------------
 
 

@@ -239,14 +239,21 @@ def _aliased_source(node: torch.fx.Node):
     return False
 
 
-def overwritable(arg, user: torch.fx.Node) -> bool:
+def overwritable(arg, user: torch.fx.Node, wrote_before=None) -> bool:
     """Whether `user` (a call_function node of a functional graph) may write into `arg`'s memory
     without any other part of the program seeing it: `arg` is the only path to a buffer the graph
     itself allocated (the output of a non-aliasing op, possibly through single-use views or
     no-ops), and `user` is the only reader of that path and takes `arg` once. So the buffer is
     no graph input or parameter, no graph output (which in a training forward graph also means
-    not saved for backward), and nothing reads it, or any alias of it, after (or before) `user`."""
-    if not isinstance(arg, torch.fx.Node) or list(arg.users) != [user]:
+    not saved for backward), and nothing reads it, or any alias of it, after (or before) `user`.
+
+    `wrote_before(node)`: users of `arg` itself that wrote their result into it in place
+    earlier (the last in-place op's output is `arg`, so the ops reading that result are `arg`'s
+    other users); they are done with it before `user` runs."""
+    if not isinstance(arg, torch.fx.Node) or user not in arg.users:
+        return False
+    if any(u is not user and not (wrote_before is not None and wrote_before(u))
+           for u in arg.users):
         return False
     uses = [a for a in (*user.args, *user.kwargs.values()) if a is arg]
     if len(uses) != 1:

@@ -136,6 +136,16 @@ def _sum_fits(arg, total, layout: bool = True) -> bool:
             and (not layout or known_contiguous(value)))
 
 
+def _wrote_sum_into(writer: torch.fx.Node, buffer: torch.fx.Node) -> bool:
+    """`writer` is an earlier rewrite of this rule that wrote its sum into `buffer`. Its sum's
+    readers now read `buffer`, so a later add_rms_norm of that sum (the residual stream of
+    consecutive layers) may write its own sum there again: the buffer was dead after `writer`
+    but for that sum, and the writer itself precedes every one of them."""
+    return (writer.op == "call_function"
+            and writer.target is torch.ops.opennpu._add_rms_norm_inplace.default
+            and len(writer.args) > 1 and writer.args[1] is buffer)
+
+
 def _reinplace_add_rms_norm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     values = node.meta.get("val")
     users = list(node.users)
@@ -156,7 +166,8 @@ def _reinplace_add_rms_norm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
     if not all(_sum_fits(t, total, layout=False) for t in (x1, x2)):
         return False
     for target, other in ((x2, x1), (x1, x2)):
-        if target is not other and _sum_fits(target, total) and overwritable(target, node):
+        if target is not other and _sum_fits(target, total) and overwritable(
+                target, node, wrote_before=lambda u, t=target: _wrote_sum_into(u, t)):
             break
     else:
         return False
