@@ -759,3 +759,17 @@ def test_add_rms_norm_inplace_opcheck_and_portable():
         got = _inplace(x1, b, g)
     assert torch.equal(b, a)              # the sum: one bf16 rounding either way
     assert_close(got[0], want[0]) and assert_close(got[1], want[1])
+
+    def fn(x1, x2, gamma):                # called in user code: functionalised, x2 written back
+        y, rstd = _inplace(x1, x2, gamma)
+        return y, rstd, x2 * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (3, 7):
+        inputs = [randn(rows, 16), randn(rows, 16), torch.rand(16) + 0.5]
+        eager_in, comp_in = [t.clone() for t in inputs], [t.clone() for t in inputs]
+        for got, want in zip(compiled(*comp_in), fn(*eager_in)):
+            assert torch.equal(got, want)
+        assert torch.equal(comp_in[1], eager_in[1])
+    torch._dynamo.reset()
