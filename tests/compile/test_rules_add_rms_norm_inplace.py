@@ -114,6 +114,24 @@ def test_returned_sum_is_the_addends_buffer_and_stays_valid():
         assert torch.equal(t, k)
 
 
+def only_the_sum(h, residual, w_o, g1, *_):
+    attn = h @ w_o
+    _, _, x = npu.npu_add_rms_norm(residual, attn, g1)
+    return x * 2
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["run_eagerly", "inductor"])
+def test_op_whose_outputs_are_unused_still_runs(eager):
+    """Only the sum is read, through attn's node: the in-place op itself has no users left, and
+    must still run (a mutating op is never dead code)."""
+    args = [*inputs(), *weights()]
+    compiled, backend = compile_fn(only_the_sum, eager=eager)
+    with torch.no_grad():
+        got = compiled(*args)
+    assert backend.fusions == {RULE: 1}
+    assert torch.equal(got, only_the_sum(*args))
+
+
 def test_disabled_by_name_keeps_the_functional_op():
     compiled, backend = compile_fn(layer, disabled=[RULE])
     with torch.no_grad():
