@@ -489,6 +489,9 @@ TORCH_LIBRARY(opennpu, m) {
   // silu(gate) * up over two tensors of one shape and dtype (npu_swiglu with its halves apart),
   // and its gradients (d gate, d up): the compile backend's fusion of Llama's MLP activation.
   m.def("_silu_mul(Tensor gate, Tensor up) -> Tensor");
+  // npu_add_rms_norm writing the sum into x2's buffer (x2 <- x1 + x2); returns (y, rstd). The
+  // compile backend's rewrite of npu_add_rms_norm where x2 is an intermediate nothing reads after.
+  m.def("_add_rms_norm_inplace(Tensor x1, Tensor(a!) x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   m.def("_silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
   // npu_rotary_mul_backward's dx alone, for the usual case of r1/r2 without gradients (autograd
   // calls it then): no dr1/dr2 reductions, and self is only checked, never read.

@@ -6,8 +6,8 @@ from . import (activation, attention, compile, ffn, infer_attention, kvcache, mo
                norm, optim, quant, rotary, sampling, softmax, transpose)
 
 # The families --ops accepts, in the order the table lists them.
-OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_v2", "add_rms_norm_cast",
-       "dynamic_quant", "quantize", "add_rms_norm_dynamic_quant", "quant_matmul", "grouped_matmul",
+OPS = ("rms_norm", "gemma_rms_norm", "add_rms_norm", "add_rms_norm_v2", "add_rms_norm_inplace",
+       "add_rms_norm_cast", "dynamic_quant", "quantize", "add_rms_norm_dynamic_quant", "quant_matmul", "grouped_matmul",
        "grouped_matmul_quant", "dynamic_mx_quant", "dynamic_block_quant", "swiglu", "geglu",
        "fast_gelu", "rotary_mul", "interleave_rope", "kv_rmsnorm_rope_cache",
        "scaled_masked_softmax", "confusion_transpose", "attention", "infer_attention", "ffn",

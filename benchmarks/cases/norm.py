@@ -1,4 +1,5 @@
-"""RMSNorm family: rms_norm (fwd, bwd), gemma_rms_norm, add_rms_norm, add_rms_norm_v2."""
+"""RMSNorm family: rms_norm (fwd, bwd), gemma_rms_norm, add_rms_norm, add_rms_norm_v2, and graph
+mode's add_rms_norm_inplace rule (the sum written into a dead addend's buffer)."""
 
 from __future__ import annotations
 
@@ -128,6 +129,58 @@ def add_rms_norm_v2_fwd(t, h, dtype, threads):
     )
 
 
+def _three_adds(residual, h1, h2, h3, gamma):
+    """Three residual adds, each feeding a norm, as consecutive decoder layers have them (their
+    attention and MLP left out: h1..h3 stand for those outputs). The first sum adds two graph
+    inputs; the later ones add to the previous sum, which nothing reads afterwards."""
+    y1, _, x = npu.npu_add_rms_norm(h1, residual, gamma, EPS)
+    y2, _, x = npu.npu_add_rms_norm(h2, x, gamma, EPS)
+    y3, _, x = npu.npu_add_rms_norm(h3, x, gamma, EPS)
+    return y1, y2, y3, x
+
+
+def _opennpu_compiled(fn, args, threads, disabled=()):
+    from opennpu.compile import CompilerConfig, get_npu_backend
+
+    config = CompilerConfig()
+    config.experimental_config.disabled_patterns = list(disabled)
+    backend = get_npu_backend(compiler_config=config)
+    compiled_fn = torch.compile(fn, backend=backend, dynamic=False)
+    with torch._inductor.config.patch({"cpp.threads": threads}):
+        compiled_fn(*args)
+    return compiled_fn, backend
+
+
+def add_rms_norm_inplace_graph(t, h, dtype, threads):
+    """opennpu's backend with the add_rms_norm_inplace rule (2 of the 3 sums written into the
+    previous sum's buffer) against the same backend with the rule off, and eager."""
+    residual, w = _inputs(t, h, dtype)
+    args = (residual, *(randn(t, h, dtype=dtype) for _ in range(3)), w)
+    ours, backend = _opennpu_compiled(_three_adds, args, threads)
+    off, _ = _opennpu_compiled(_three_adds, args, threads, disabled=["add_rms_norm_inplace"])
+    fusions = ", ".join(f"{rule} {n}" for rule, n in sorted(backend.fusions.items()))
+    return Timed(
+        ours=lambda: ours(*args),
+        baselines={"eager": lambda: _three_adds(*args), "rule off": lambda: off(*args)},
+        reference=None,
+        info=f"fusions: {fusions or 'none'}",
+    )
+
+
+def add_rms_norm_inplace_op(t, h, dtype, threads):
+    """The op itself: the sum into x2's buffer (each call adds x1 to it again: values drift,
+    times do not) against npu_add_rms_norm's new output."""
+    x1, w = _inputs(t, h, dtype)
+    x2 = randn(t, h, dtype=dtype)
+    scratch = x2.clone()
+    return Timed(
+        ours=lambda: torch.ops.opennpu._add_rms_norm_inplace(x1, scratch, w, EPS),
+        baselines={"eager": lambda: reference.native_add_rms_norm(x1, x2, w, EPS),
+                   "npu_add_rms_norm": lambda: npu.npu_add_rms_norm(x1, x2, w, EPS)},
+        reference=None,
+    )
+
+
 def cases(quick: bool, dtypes):
     for (t, h), dtype in itertools.product(shapes(quick), dtypes):
         e = dtype.itemsize
@@ -145,3 +198,12 @@ def cases(quick: bool, dtypes):
                    functools.partial(add_rms_norm_fwd, t, h, dtype), ("npu_add_rms_norm",))
         yield Case("add_rms_norm_v2", "fwd", shape, dtype, 4 * t * h * e + h * e + 4 * t,
                    functools.partial(add_rms_norm_v2_fwd, t, h, dtype), ("npu_add_rms_norm_v2",))
+        if t >= 4096:  # the rule matters where the tensors outgrow the caches
+            yield Case("add_rms_norm_inplace", "fwd", f"{shape} op", dtype,
+                       4 * t * h * e + h * e + 4 * t,
+                       functools.partial(add_rms_norm_inplace_op, t, h, dtype),
+                       ("npu_add_rms_norm",))
+            yield Case("add_rms_norm_inplace", "fwd", f"{shape} 3 adds", dtype,
+                       3 * (4 * t * h * e + h * e + 4 * t),
+                       functools.partial(add_rms_norm_inplace_graph, t, h, dtype),
+                       ("npu_add_rms_norm",))

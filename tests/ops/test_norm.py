@@ -661,3 +661,115 @@ def test_add_rms_norm_v2_opcheck_and_compile():
             assert torch.equal(got, want)
         assert torch.equal(comp_in[0], eager_in[0]) and torch.equal(comp_in[1], eager_in[1])
     torch._dynamo.reset()
+
+
+# ------------------------------------------------------------- opennpu::_add_rms_norm_inplace
+
+
+_inplace = torch.ops.opennpu._add_rms_norm_inplace
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],
+                         ids=dtype_id)
+@pytest.mark.parametrize("shape", [(3, 7, 83), (1, 1), (5, 769), (0, 16), (2, 4096)], ids=str)
+def test_add_rms_norm_inplace_writes_the_sum_into_x2(dtype, shape):
+    x1, x2 = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype)
+    gamma = (torch.rand(shape[-1]) + 0.5).to(dtype)
+    y, rstd, x = opennpu.npu_add_rms_norm(x1, x2, gamma, 1e-5)
+    b, before = x2.clone(), x1.clone()
+    got_y, got_rstd = _inplace(x1, b, gamma, 1e-5)
+    assert torch.equal(b, x) and torch.equal(got_y, y) and torch.equal(got_rstd, rstd)
+    assert got_y.dtype == dtype and got_rstd.dtype == rstd.dtype and got_rstd.shape == rstd.shape
+    assert torch.equal(x1, before)
+    # x1 + x2 commutes: the sum written into the other addend is the same bits
+    a = x1.clone()
+    got_y, _ = _inplace(x2, a, gamma, 1e-5)
+    assert torch.equal(a, x) and torch.equal(got_y, y)
+
+
+def test_add_rms_norm_inplace_streaming_sizes_x1_aliasing_and_npu():
+    # over the streaming threshold: the in-place sum is stored normally, y still streams
+    old = torch.ops.opennpu._set_stream_min_bytes(1024)
+    try:
+        x1, x2, gamma = randn(64, 256), randn(64, 256), torch.rand(256) + 0.5
+        y, rstd, x = opennpu.npu_add_rms_norm(x1, x2, gamma)
+        b = x2.clone()
+        assert torch.equal(_inplace(x1, b, gamma)[0], y) and torch.equal(b, x)
+        # x1 is x2 itself: x = 2 * x1
+        c = x1.clone()
+        y2, _, x2x = opennpu.npu_add_rms_norm(x1, x1, gamma)
+        assert torch.equal(_inplace(c, c, gamma)[0], y2) and torch.equal(c, x2x)
+    finally:
+        torch.ops.opennpu._set_stream_min_bytes(old)
+    # a non-contiguous x1 is read through a copy
+    x1 = randn(33, 8).t()
+    x2 = randn(8, 33)
+    y, _, x = opennpu.npu_add_rms_norm(x1, x2, torch.ones(33))
+    assert torch.equal(_inplace(x1, x2, torch.ones(33))[0], y) and torch.equal(x2, x)
+    # an expanded x1 (another storage) is fine too
+    e, f = randn(1, 33).expand(8, 33), randn(8, 33)
+    y, _, x = opennpu.npu_add_rms_norm(e, f, torch.ones(33))
+    assert torch.equal(_inplace(e, f, torch.ones(33))[0], y) and torch.equal(f, x)
+    a, b = randn(4, 16).to("npu"), randn(4, 16).to("npu")
+    want = opennpu.npu_add_rms_norm(a.cpu(), b.cpu(), torch.ones(16))
+    got = _inplace(a, b, torch.ones(16).to("npu"))
+    assert got[0].device.type == "npu"
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(b.cpu(), want[2])
+
+
+def test_add_rms_norm_inplace_bad_inputs_and_no_gradient():
+    x1, gamma = randn(4, 8), torch.ones(8)
+    op = "_add_rms_norm_inplace"
+    with pytest.raises(RuntimeError, match=re.escape(f"{op}: argument 'x2' must have the shape "
+                                                     "of 'x1' ([4, 8]")):
+        _inplace(x1, randn(8), gamma)
+    with pytest.raises(RuntimeError, match=f"{op}: argument 'x2' must be contiguous"):
+        _inplace(x1, randn(8, 4).t(), gamma)
+    with pytest.raises(RuntimeError, match=f"{op}: argument 'x2' must be contiguous"):
+        _inplace(x1, randn(1, 8).expand(4, 8), gamma)    # an expanded x2 overlaps itself
+    base = randn(40)
+    with pytest.raises(RuntimeError, match=f"{op}: argument 'x1' must be x2 itself or not share"):
+        _inplace(base[:32].view(4, 8), base[8:].view(4, 8), gamma)
+    with pytest.raises(RuntimeError, match=f"{op}: argument 'x2' must have the dtype"):
+        _inplace(x1, randn(4, 8, dtype=torch.bfloat16), gamma)
+    with pytest.raises(RuntimeError, match="argument 'gamma' must have the shape of trailing"):
+        _inplace(x1, randn(4, 8), torch.ones(7))
+    b = randn(4, 8)
+    before = b.clone()
+    with pytest.raises(RuntimeError, match=f"{op}: not differentiable"):
+        _inplace(x1, b, gamma.clone().requires_grad_())
+    assert torch.equal(b, before)  # refused before anything was written
+    with torch.no_grad():
+        _inplace(x1, b, gamma.clone().requires_grad_())   # no grad mode: runs
+
+
+def test_add_rms_norm_inplace_opcheck_and_portable():
+    from opennpu.ops import portable
+
+    samples = [((randn(3, 5, 16), randn(3, 5, 16), torch.rand(16) + 0.5), {}),
+               ((randn(4, 33, dtype=torch.bfloat16), randn(4, 33, dtype=torch.bfloat16),
+                 (torch.rand(33) + 0.5).to(torch.bfloat16), 1e-5), {})]
+    opcheck(_inplace.default, samples)
+    x1, x2, g = randn(6, 40, dtype=torch.bfloat16), randn(6, 40, dtype=torch.bfloat16), \
+        (torch.rand(40) + 0.5).to(torch.bfloat16)
+    a = x2.clone()
+    want = _inplace(x1, a, g)
+    b = x2.clone()
+    with portable.force():
+        got = _inplace(x1, b, g)
+    assert torch.equal(b, a)              # the sum: one bf16 rounding either way
+    assert_close(got[0], want[0]) and assert_close(got[1], want[1])
+
+    def fn(x1, x2, gamma):                # called in user code: functionalised, x2 written back
+        y, rstd = _inplace(x1, x2, gamma)
+        return y, rstd, x2 * 2
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (3, 7):
+        inputs = [randn(rows, 16), randn(rows, 16), torch.rand(16) + 0.5]
+        eager_in, comp_in = [t.clone() for t in inputs], [t.clone() for t in inputs]
+        for got, want in zip(compiled(*comp_in), fn(*eager_in)):
+            assert torch.equal(got, want)
+        assert torch.equal(comp_in[1], eager_in[1])
+    torch._dynamo.reset()

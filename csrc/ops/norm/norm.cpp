@@ -2,6 +2,7 @@
 // allocation, and their registration for CPU here (for CUDA in norm_cuda.cu).
 #include "ops/norm/norm.h"
 
+#include <ATen/MemoryOverlap.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
@@ -133,11 +134,13 @@ std::pair<at::Tensor, at::Tensor> check_add_inputs(const char* op, const at::Ten
 
 namespace {
 
-// npu_add_rms_norm's (y, rstd, x) for op (npu_add_rms_norm and its v2 forms).
+// npu_add_rms_norm's (y, rstd, x) for op (npu_add_rms_norm and its v2 forms). `into`, when
+// given, is x2 itself (contiguous, x1's shape, checked by the caller): the sum is written there.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const char* op, const at::Tensor& x1,
                                                             const at::Tensor& x2,
                                                             const at::Tensor& gamma,
-                                                            double epsilon) {
+                                                            double epsilon,
+                                                            at::Tensor* into = nullptr) {
   auto rstd_shape = check_norm_args(op, "x1", x1, gamma, epsilon);
   check_strict_dtype(op, "x1", x1, {at::kHalf, at::kBFloat16, at::kFloat});
   OPENNPU_CHECK_STRICT(x1.numel() > 0, op, "x1", "must not be empty, but got shape ",
@@ -145,10 +148,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> add_rms_norm(const char* op, cons
   const auto [a, b] = check_add_inputs(op, x1, x2, gamma);
   const at::Tensor gamma_acc = gamma.to(acc_dtype(a)).contiguous();
   at::Tensor y = at::empty_like(a, at::MemoryFormat::Contiguous);
-  at::Tensor x = at::empty_like(a, at::MemoryFormat::Contiguous);
+  at::Tensor x = into != nullptr ? *into : at::empty_like(a, at::MemoryFormat::Contiguous);
   at::Tensor rstd = at::empty(rstd_shape, a.options().dtype(acc_dtype(a)));
   if (a.numel() > 0) {
-    add_rms_norm_fwd.get(op, a)(a, b, gamma_acc, epsilon, y, rstd, x);
+    // In place, b is x2 itself (contiguous): the kernel reads each element before it writes it.
+    add_rms_norm_fwd.get(op, a)(a, into != nullptr ? x : b, gamma_acc, epsilon, y, rstd, x);
   } else {
     fill_empty_norm_rstd(gamma_acc, rstd);
   }
@@ -180,6 +184,25 @@ at::Tensor npu_add_rms_norm_v2(at::Tensor& x1, at::Tensor& x2, const at::Tensor&
   x1.copy_(y);
   x2.copy_(x);
   return rstd.to(at::kFloat);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_inplace(const at::Tensor& x1, at::Tensor& x2,
+                                                       const at::Tensor& gamma, double epsilon) {
+  constexpr const char* op = "_add_rms_norm_inplace";
+  check_v2_shapes(op, x1, x2);
+  OPENNPU_CHECK_ARG(x2.is_contiguous(), op, "x2",
+                    "must be contiguous (it receives x1 + x2 in place), but got strides ",
+                    shape_str(x2.strides()));
+  // x1 may be x2 itself (x = 2 * x1) or separate memory, but not part of x2 elsewhere: its
+  // elements would be read after x2's write reached them.
+  const bool shared = x1.numel() > 0 && x1.has_storage() && x2.has_storage() &&
+                      x1.storage().is_alias_of(x2.storage());
+  const auto overlap = shared ? at::get_overlap_status(x1, x2) : at::MemOverlapStatus::No;
+  OPENNPU_CHECK_ARG(overlap == at::MemOverlapStatus::No || overlap == at::MemOverlapStatus::Full,
+                    op, "x1", "must be x2 itself or not share memory with x2 (which receives "
+                    "x1 + x2 in place), but the two overlap partially");
+  auto [y, rstd, x] = add_rms_norm(op, x1, x2, gamma, epsilon, &x2);
+  return {y, rstd};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_add_rms_norm_v2_functional(
@@ -248,5 +271,8 @@ void register_npu_entry_points(torch::Library& m) {
 }
 
 TORCH_LIBRARY_IMPL(npu, CPU, m) { register_npu_entry_points(m); }
+
+// CPU only (npu through its CPU fallback): the compile rule that inserts it checks the device.
+TORCH_LIBRARY_IMPL(opennpu, CPU, m) { m.impl("_add_rms_norm_inplace", &add_rms_norm_inplace); }
 
 }  // namespace opennpu::norm

@@ -64,7 +64,9 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
         // when x streams, each row's sum goes to an L1 scratch row first (the same rounded
         // values, normalised from there) and is streamed from it to x.
         const bool stream_y = stream_output(py, y.nbytes());
-        const bool stream_x = stream_output(px, x.nbytes());
+        // In place (x is x1's or x2's buffer: the compile backend's _add_rms_norm_inplace), each
+        // line of x was just read and is in cache: ordinary stores only dirty it.
+        const bool stream_x = px != pa && px != pb && stream_output(px, x.nbytes());
         with_bf16_stores<scalar_t>([&](auto native) {
           constexpr bool kNative = decltype(native)::value;
           at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {

@@ -314,12 +314,16 @@ class PostGradPasses(CustomGraphPass):
         if config.post_grad_custom_pre_pass is not None:
             config.post_grad_custom_pre_pass(gm, _graph_inputs(gm), config)
         counts: Counter = Counter()
-        if config.experimental_config.pattern_fusion_pass:
-            counts = fusion.apply_rules("post_grad", gm, fusion.inactive_rules(
-                config.experimental_config.disabled_patterns, config.debug.run_eagerly))
+        fusing = config.experimental_config.pattern_fusion_pass
+        inactive = fusion.inactive_rules(config.experimental_config.disabled_patterns,
+                                         config.debug.run_eagerly)
+        if fusing:
+            counts = fusion.apply_rules("post_grad", gm, inactive)
         if config.post_grad_custom_post_pass is not None:
             config.post_grad_custom_post_pass(gm, _graph_inputs(gm), config)
             gm.recompile()
+        if fusing:  # last: they decide which buffers may be overwritten, on the final graph
+            counts.update(fusion.apply_graph_rules("post_grad", gm, inactive))
         if phase in self.replayed:
             return
         if self.record is not None:

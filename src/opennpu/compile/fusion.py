@@ -327,6 +327,20 @@ def apply_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = 
     return counts
 
 
+def apply_graph_rules(stage: str, gm: torch.fx.GraphModule, disabled: Iterable[str] = ()) -> Counter:
+    """Run the graph rules of `stage` (rule_registry.graph_rule) over `gm`, in their order, after
+    its pattern rules; returns rewrites per rule."""
+    counts: Counter = Counter()
+    for rule in sorted((r for r in rules() if r.stage == stage and r.graph_pass is not None
+                        and r.name not in disabled), key=lambda r: r.order):
+        n = rule.graph_pass(gm)
+        if n:
+            counts[rule.name] += n
+    if counts:
+        gm.recompile()
+    return counts
+
+
 def node_targets(gm: torch.fx.GraphModule) -> Counter:
     """How many call_function nodes each op has in `gm` (used by reports and tests)."""
     return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")

@@ -28,6 +28,9 @@ class Rule:
     # Only where the graph runs op by op (debug.run_eagerly): for a fused op that beats ATen's
     # composition but not the code Inductor generates for it (see rules/transpose.py).
     eager_only: bool = False
+    # A rule that rewrites the graph itself instead of matching patterns: graph_pass(gm) makes
+    # its rewrites and returns how many (see graph_rule).
+    graph_pass: Callable | None = None
 
 
 _RULES: dict[str, Rule] = {}
@@ -43,6 +46,23 @@ def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0, eager_only: 
             raise ValueError(f"fusion rule {name!r} is registered twice")
         _RULES[name] = Rule(name, stage, doc, register, order, eager_only=eager_only)
         return register
+
+    return wrap
+
+
+def graph_rule(name: str, *, stage: str, doc: str, order: int = 0):
+    """Decorator for a rule that is a function over the whole graph, `fn(gm) -> int` (the number
+    of rewrites), for decisions a pattern cannot make alone (which buffers are read later).
+    Graph rules run after every pattern rule of their stage and after the user's
+    post_grad_custom_post_pass, in their order (fusion.apply_graph_rules)."""
+    if stage not in STAGES:
+        raise ValueError(f"graph_rule {name!r}: stage must be one of {STAGES}, got {stage!r}")
+
+    def wrap(graph_pass: Callable):
+        if name in _RULES:
+            raise ValueError(f"fusion rule {name!r} is registered twice")
+        _RULES[name] = Rule(name, stage, doc, lambda r: None, order, graph_pass=graph_pass)
+        return graph_pass
 
     return wrap
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ._registry import (accepts_input_keyword, acc_dtype, mark_backward_op, mark_not_differentiable,
-                        register_autograd, register_fake)
+from ._registry import (_register_mutable_overload_kernel, accepts_input_keyword, acc_dtype,
+                        mark_backward_op, mark_not_differentiable, register_autograd,
+                        register_fake)
 
 _ops = torch.ops.npu
 
@@ -120,6 +121,14 @@ def _add_rms_norm_v2_functional_fake(x1, x2, gamma, epsilon=1e-6):
             x1.new_empty(x1.shape))
 
 
+@register_fake("opennpu::_add_rms_norm_inplace")
+def _add_rms_norm_inplace_fake(x1, x2, gamma, epsilon=1e-6):
+    torch._check(x1.shape == x2.shape,
+                 lambda: f"_add_rms_norm_inplace: x2 must have x1's shape {tuple(x1.shape)} (it "
+                         f"receives x1 + x2), but got {tuple(x2.shape)}")
+    return x1.new_empty(x1.shape), x1.new_empty(_rstd_shape(x1, gamma), dtype=acc_dtype(x1.dtype))
+
+
 @register_fake("npu::npu_add_rms_norm_cast")
 def _add_rms_norm_cast_fake(x1, x2, gamma, epsilon=1e-6):
     acc = acc_dtype(x1.dtype)
@@ -195,6 +204,12 @@ mark_not_differentiable("npu_add_rms_norm_v2", "writes its results into x1 and x
                         "npu_add_rms_norm to train")
 mark_not_differentiable("npu_add_rms_norm_v2_functional",
                         "torch_npu registers no gradient for it; use npu_add_rms_norm to train")
+# opennpu::_add_rms_norm_inplace (x2 <- x1 + x2; returns y, rstd) is what the compile backend puts
+# in place of npu_add_rms_norm in its post-grad graphs, which autograd never runs through.
+_register_mutable_overload_kernel(
+    "opennpu::_add_rms_norm_inplace", torch.ops.opennpu._add_rms_norm_inplace.default,
+    "_add_rms_norm_inplace: not differentiable (writes x1 + x2 into x2; npu_add_rms_norm is the "
+    "differentiable form)")
 mark_not_differentiable("npu_add_rms_norm_cast",
                         "torch_npu registers no gradient for it; use npu_add_rms_norm to train")
 

@@ -193,6 +193,18 @@ def npu_add_rms_norm_v2_functional(x1, x2, gamma, epsilon=1e-6):
     return rstd.float(), y, x
 
 
+def _add_rms_norm_inplace(x1, x2, gamma, epsilon=1e-6):
+    y, rstd, x = npu_add_rms_norm(x1, x2, gamma, epsilon)
+    x2.copy_(x)
+    return y.contiguous(), rstd.contiguous()
+
+
+# Writes x2 (its kernel is the function itself); only ever put into post-grad graphs.
+NOT_DECOMPOSED.add("opennpu::_add_rms_norm_inplace")
+MUTATING.add("opennpu::_add_rms_norm_inplace")
+_portable("opennpu::_add_rms_norm_inplace")(_add_rms_norm_inplace)
+
+
 # ----------------------------------------------------------------------------- quantisation
 
 

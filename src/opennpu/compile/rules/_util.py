@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import operator
 
 import torch
 from torch._inductor.pattern_matcher import Match
@@ -210,3 +211,66 @@ def number_or_absent(match: Match, name: str) -> bool:
         return True
     value = match.kwargs[name]
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _aliased_source(node: torch.fx.Node):
+    """For a node whose result may share memory with one of its inputs, that input (or False when
+    the op may alias something this walk cannot follow); None when the result is a buffer of
+    its own. Aliasing ops: every op whose schema says so (views: view, reshape, slice, permute,
+    alias, detach...), and the ops Inductor's remove_noop_ops may replace by their input after
+    the post-grad rules ran (clone, a same-dtype convert_element_type, a full slice...)."""
+    from torch._inductor.fx_passes.post_grad import noop_registry
+
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload) or target._schema.is_mutable:
+        return False
+    schema = target._schema
+    aliased = [r for r in schema.returns if r.alias_info is not None]
+    if target in noop_registry:
+        _, src = noop_registry[target]
+        return node.args[0] if src == 0 and node.args else False  # copy, cat...: not followed
+    if not aliased:
+        return None
+    first = schema.arguments[0] if schema.arguments else None
+    if (len(schema.returns) == 1 and first is not None and first.alias_info is not None
+            and set(first.alias_info.before_set) == set(aliased[0].alias_info.before_set)
+            and node.args):
+        return node.args[0]  # a view of self
+    return False
+
+
+def overwritable(arg, user: torch.fx.Node, wrote_before=None) -> bool:
+    """Whether `user` (a call_function node of a functional graph) may write into `arg`'s memory
+    without any other part of the program seeing it: `arg` is the only path to a buffer the graph
+    itself allocated (the output of a non-aliasing op, possibly through single-use views or
+    no-ops), and `user` is the only reader of that path and takes `arg` once. So the buffer is
+    no graph input or parameter, no graph output (which in a training forward graph also means
+    not saved for backward), and nothing reads it, or any alias of it, after (or before) `user`.
+
+    `wrote_before(node)`: users of `arg` itself that wrote their result into it in place
+    earlier (the last in-place op's output is `arg`, so the ops reading that result are `arg`'s
+    other users); they are done with it before `user` runs."""
+    if not isinstance(arg, torch.fx.Node) or user not in arg.users:
+        return False
+    if any(u is not user and not (wrote_before is not None and wrote_before(u))
+           for u in arg.users):
+        return False
+    uses = [a for a in (*user.args, *user.kwargs.values()) if a is arg]
+    if len(uses) != 1:
+        return False
+    node = arg
+    while True:
+        if node.op != "call_function":
+            return False  # placeholder (input, parameter, saved tensor, tangent), get_attr
+        if node.target is operator.getitem:
+            # one output of a multi-output op that returns new buffers (npu_add_rms_norm...)
+            producer = node.args[0]
+            return (isinstance(producer, torch.fx.Node) and producer.op == "call_function"
+                    and isinstance(producer.target, torch._ops.OpOverload)
+                    and _aliased_source(producer) is None)
+        source = _aliased_source(node)
+        if source is None:
+            return True
+        if not (isinstance(source, torch.fx.Node) and len(source.users) == 1):
+            return False
+        node = source

@@ -16,12 +16,14 @@ stay native (see rules/_util.py).
 from __future__ import annotations
 
 import math
+import operator
 
 import torch
 
-from ..rule_registry import fusion_rule
+from ..rule_registry import fusion_rule, graph_rule
 from ._util import FLOAT_DTYPES, call_eps, drop_eps, empty, has_kernels, is_last_dim_vector, \
-    number_or_absent, same_float_dtype, val, worth_fusing
+    known_contiguous, known_same_shape, number_or_absent, overwritable, same_float_dtype, val, \
+    worth_fusing
 
 EPS = 2e-6  # an unusual literal, so scalar_workaround cannot confuse it with other constants
 
@@ -120,3 +122,82 @@ def _register_add_rms_norm(r) -> None:
             # The dispatcher drops an epsilon equal to the default (1e-6) from the call.
             r.replacement(drop_eps(search), drop_eps(replace), inputs,
                           extra_check=_add_rms_norm_ok)
+
+
+# --- the sum into a dead buffer ------------------------------------------------------------------
+
+
+def _sum_fits(arg, total, layout: bool = True) -> bool:
+    """`arg`'s value has npu_add_rms_norm's sum `total`'s shape, dtype and device and (`layout`)
+    is contiguous, the sum's layout, which later ops were traced against."""
+    value = arg.meta.get("val") if isinstance(arg, torch.fx.Node) else None
+    return (isinstance(value, torch.Tensor) and value.dtype == total.dtype
+            and value.device == total.device and known_same_shape(value, total)
+            and (not layout or known_contiguous(value)))
+
+
+def _wrote_sum_into(writer: torch.fx.Node, buffer: torch.fx.Node) -> bool:
+    """`writer` is an earlier rewrite of this rule that wrote its sum into `buffer`. Its sum's
+    readers now read `buffer`, so a later add_rms_norm of that sum (the residual stream of
+    consecutive layers) may write its own sum there again: the buffer was dead after `writer`
+    but for that sum, and the writer itself precedes every one of them."""
+    return (writer.op == "call_function"
+            and writer.target is torch.ops.opennpu._add_rms_norm_inplace.default
+            and len(writer.args) > 1 and writer.args[1] is buffer)
+
+
+def _reinplace_add_rms_norm(graph: torch.fx.Graph, node: torch.fx.Node) -> bool:
+    values = node.meta.get("val")
+    users = list(node.users)
+    if not (isinstance(values, (tuple, list)) and len(values) == 3 and len(node.args) >= 3
+            and all(u.op == "call_function" and u.target is operator.getitem
+                    and isinstance(u.args[1], int) for u in users)):
+        return False
+    x1, x2, gamma = node.args[:3]
+    total = values[2]
+    # The in-place kernel is the CPU one (npu runs it through its CPU fallback); elsewhere the op
+    # would be the portable composition, which copies.
+    if not (isinstance(total, torch.Tensor) and total.device.type in ("cpu", "npu")
+            and has_kernels(("opennpu::_add_rms_norm_inplace",), total)):
+        return False
+    # x1 + x2 is the same sum either way round (each element's fp32 addition commutes), so the
+    # residual (x2 in `h + residual` order) or the other addend, whichever is dead. Both must
+    # have the sum's shape: the in-place op does not broadcast (npu_add_rms_norm's x2 may).
+    if not all(_sum_fits(t, total, layout=False) for t in (x1, x2)):
+        return False
+    for target, other in ((x2, x1), (x1, x2)):
+        if target is not other and _sum_fits(target, total) and overwritable(
+                target, node, wrote_before=lambda u, t=target: _wrote_sum_into(u, t)):
+            break
+    else:
+        return False
+    with graph.inserting_before(node):
+        fused = graph.call_function(torch.ops.opennpu._add_rms_norm_inplace.default,
+                                    (other, target, gamma, *node.args[3:]), dict(node.kwargs))
+    fused.meta.update(node.meta)
+    fused.meta["val"] = (values[0], values[1])
+    for user in users:
+        if user.args[1] == 2:  # the sum: now target's buffer, written by the fused op
+            user.replace_all_uses_with(target)
+            graph.erase_node(user)
+        else:
+            user.replace_input_with(node, fused)
+    graph.erase_node(node)
+    return True
+
+
+@graph_rule("add_rms_norm_inplace", stage="post_grad", order=1,
+            doc="npu_add_rms_norm whose x2 (or x1) buffer nothing reads afterwards -> "
+                "opennpu::_add_rms_norm_inplace (the sum written into that buffer)")
+def _add_rms_norm_inplace(gm: torch.fx.GraphModule) -> int:
+    """IPEX's add_rms_norm(add_back=True): the residual sum goes into an addend's buffer instead
+    of a new one (no allocation, and its lines are in cache from the read). Only where the write
+    is invisible to the program (rules/_util.overwritable): never a graph input, a parameter, an
+    output, a tensor saved for backward, or memory read later through any alias. The graph is
+    no longer purely functional after it, so it runs last (after the user's post pass)."""
+    graph = gm.graph
+    count = 0
+    for node in list(graph.find_nodes(op="call_function",
+                                      target=torch.ops.npu.npu_add_rms_norm.default)):
+        count += _reinplace_add_rms_norm(graph, node)
+    return count
