@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 TORCH_VERSION="2.11.0"
 TRANSFORMERS_VERSION="5.23.0"  # graph-mode tests build decoder layers from small configs
 ACCELERATE_VERSION="1.15.0"    # tests: accelerate detects and trains on the npu device
+EN_DTYPES_VERSION="0.0.4"      # tests: op-plugin's goldens' float4 / hifloat8 codecs, an oracle for ours
 PYTHON="${PYTHON:-python}"
 export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
 say() { printf '[setup] %s\n' "$*" >&2; }
@@ -58,6 +59,11 @@ fi
 if [ "$(dist_version accelerate)" != "$ACCELERATE_VERSION" ]; then
   say "installing accelerate==$ACCELERATE_VERSION from PyPI (test dependency)"
   "$PYTHON" -m pip install --quiet "accelerate==$ACCELERATE_VERSION"
+fi
+
+if [ "$(dist_version en_dtypes)" != "$EN_DTYPES_VERSION" ]; then
+  say "installing en_dtypes==$EN_DTYPES_VERSION from PyPI (test dependency)"
+  "$PYTHON" -m pip install --quiet "en_dtypes==$EN_DTYPES_VERSION"
 fi
 
 # 4. opennpu, rebuilt only when a source file changed.
