@@ -230,7 +230,7 @@ def decode_contiguous(batch, ctx, dtype, layout, threads):
 
 # The native compositions' repeated K and V (bytes) that a case may allocate, and the largest
 # cache (bytes, K + V) a paged case holds beside its gathered copy.
-_NATIVE_BYTES = 4 << 30
+_NATIVE_BYTES = 2 << 30
 _PAGED_BYTES = 3 << 30
 
 
