@@ -251,6 +251,28 @@ def test_decode_long_context_splits(dtype):
           dtype)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_long_context_splits_all_heads(paged, dtype):
+    # BSH / [blocks, block_size, KVN * D] caches: a task walks the tokens of a sequence for every
+    # kv head at once; one sequence of 2999 keys is split across tasks and the partials merged
+    torch.manual_seed(2)
+    N, KVN, D, bs, S = 6, 3, 32, 128, 3001
+    q = rnd(1, 1, N * D, dtype=dtype)
+    extra, table = {}, None
+    if paged:
+        k, v = rnd(30, bs, KVN * D, dtype=dtype), rnd(30, bs, KVN * D, dtype=dtype)
+        table = torch.randperm(30, dtype=torch.int32)[:24].view(1, 24)
+        extra = dict(block_table=table, block_size=bs)
+    else:
+        k, v = rnd(1, S, KVN * D, dtype=dtype), rnd(1, S, KVN * D, dtype=dtype)
+    out, lse = npu.npu_fused_infer_attention_score(
+        q, k, v, num_heads=N, num_key_value_heads=KVN, input_layout="BSH", scale=0.2,
+        softmax_lse_flag=True, actual_seq_lengths_kv=[2999], **extra)
+    check(out, lse, reference(q, k, v, n=N, kvn=KVN, scale=0.2, layout="BSH", seq_kv=[2999],
+                              block_table=table), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_decode_tnd_paged_vllm_style(dtype, decode_path):
     # vllm-ascend: TND query, cumulative query ends, per-sequence cached lengths

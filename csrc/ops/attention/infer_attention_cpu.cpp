@@ -1,15 +1,21 @@
 // Decode kernel of npu_fused_infer_attention_score: one query row per sequence against a KV
 // cache, memory-bound on reading K and V.
 //
-// One task per (batch, kv head, context split). A task serves the whole GQA group of its kv
-// head, so every K/V row is read once for all g query heads. It walks the visible keys in chunks
-// of at most kChunk rows that never cross a cache block (paged caches are read in place through
-// the block table), and per chunk: scores of the g heads (vectorised dot products, fp32
-// accumulation, K converted from fp16/bf16 in registers), the user mask, one online-softmax step
-// per head (fp32 running max and sum, vectorised exp), then acc += P V with the V chunk read
-// once per tile of heads (the accumulators of kHeadTile heads x 2 vectors stay in registers).
-// When batch * kv heads gives the threads too little work, the context is split and the
-// partial (max, sum, acc) of the splits are merged in a second pass. The output is rounded once.
+// A task serves whole GQA groups, so every K/V row is read once for all g query heads of its kv
+// head. Where one kv head's rows are contiguous (BNSD, paged [blocks, KVN, block_size, D]) a
+// task is one (batch, kv head, context split); where the heads of a token are adjacent (BSH,
+// TND, paged [blocks, block_size, KVN * D]) a task is one (batch, context split) and walks the
+// tokens, chunk by chunk, for every kv head (token-major: each 4 KiB page of a chunk is consumed
+// while cached instead of once per kv head). A task walks its keys in chunks of at most 64 (32
+// token-major) rows that never cross a cache block (paged caches are read in place through the
+// block table), asks for the rows it needs next (software prefetch: rows kv heads apart start in
+// different pages, where the hardware prefetchers stop), and per chunk computes: scores of the g
+// heads (vectorised dot products, two keys at a time, fp32 accumulation, K converted from
+// fp16/bf16 in registers), the user mask, one online-softmax step per head (fp32 running max and
+// sum, vectorised exp), then acc += P V with the V chunk read once per tile of heads (the
+// accumulators of kHeadTile heads x 2 vectors stay in registers). When the tasks are too few for
+// the threads, the context is split (flash-decoding) and the partial (max, sum, acc) of the
+// splits are merged by log-sum-exp in a second pass. The output is rounded once.
 // An int8 cache (antiquant) is dequantised chunk by chunk into fp32 rows of the task's scratch,
 // (x + offset) * scale with per-channel or per-token factors, and those rows go through the same
 // score and P V loops: no fp32 copy of the cache is made.
@@ -33,8 +39,17 @@ using at::vec::Vectorized;
 using Vec = Vectorized<float>;
 
 constexpr int64_t kChunk = 64;     // keys per softmax step
+constexpr int64_t kChunkTokenMajor = 32;  // keys per step when a chunk holds every kv head
 constexpr int kHeadTile = 4;       // query heads whose accumulators share registers
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Cache-line prefetch of bytes [off, off + n) of row p (n may be 0). K/V rows of one kv head are
+// KVN * D elements apart in a BSH or paged cache, so every row starts in another 4 KiB page where
+// the hardware prefetchers stop: the kernel asks for the rows of the next chunk itself.
+OPENNPU_VEC_INLINE void prefetch_bytes(const void* p, int64_t off, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = off; o < off + n; o += 64) __builtin_prefetch(c + o, 0, 3);
+}
 
 template <typename In>
 struct Rows {
@@ -81,12 +96,59 @@ OPENNPU_VEC_INLINE void dots(const float* q, int64_t ldq, const In* k, int64_t n
   }
 }
 
-// s[h * kChunk + t] = scaled q_h . k_t (+ q_rope_h . k_rope_t) for NH heads, len keys.
+// Two keys at once: acc0 += q . k0, acc1 += q . k1 (each q vector loaded once for both).
+template <int NH, typename In>
+OPENNPU_VEC_INLINE void dots2(const float* q, int64_t ldq, const In* k0p, const In* k1p, int64_t n,
+                              Vec* acc0, Vec* acc1) {
+  using Pair = VecPair<In>;
+  int64_t j = 0;
+  for (; j + Pair::kStep <= n; j += Pair::kStep) {
+    Vec x0, x1, y0, y1;
+    Pair::load(k0p + j, x0, x1);
+    Pair::load(k1p + j, y0, y1);
+    for (int h = 0; h < NH; ++h) {
+      const Vec qa = Vec::loadu(q + h * ldq + j);
+      acc0[h] = at::vec::fmadd(qa, x0, acc0[h]);
+      acc1[h] = at::vec::fmadd(qa, y0, acc1[h]);
+      const Vec qb = Vec::loadu(q + h * ldq + j + Vec::size());
+      acc0[h] = at::vec::fmadd(qb, x1, acc0[h]);
+      acc1[h] = at::vec::fmadd(qb, y1, acc1[h]);
+    }
+  }
+  if (j < n) {
+    dots<NH>(q + j, ldq, k0p + j, n - j, acc0);
+    dots<NH>(q + j, ldq, k1p + j, n - j, acc1);
+  }
+}
+
+// s[h * kChunk + t] = scaled q_h . k_t (+ q_rope_h . k_rope_t) for NH heads, len keys. Prefetches
+// pf_bytes of rows [0, pf_len) of pf (pf_stride bytes apart), row t with key t, when pf is set.
 template <int NH, typename In, typename RopeIn>
 void chunk_scores(const float* q, const float* qr, int64_t ldq, int64_t ldqr, const In* k,
                   int64_t k_stride, const RopeIn* kr, int64_t kr_stride, int64_t D, int64_t Dr,
-                  int64_t len, float* s) {
-  for (int64_t t = 0; t < len; ++t) {
+                  int64_t len, float* s, const char* pf, int64_t pf_stride, int64_t pf_bytes,
+                  int64_t pf_len) {
+  if (pf == nullptr) pf_len = 0;
+  for (int64_t t = len; t < pf_len; ++t) prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
+  int64_t t = 0;
+  for (; t + 2 <= len; t += 2) {
+    if (t + 1 < pf_len) {
+      prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
+      prefetch_bytes(pf + (t + 1) * pf_stride, 0, pf_bytes);
+    } else if (t < pf_len) {
+      prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
+    }
+    Vec a0[NH], a1[NH];
+    for (int h = 0; h < NH; ++h) a0[h] = a1[h] = Vec(0.0f);
+    dots2<NH>(q, ldq, k + t * k_stride, k + (t + 1) * k_stride, D, a0, a1);
+    if (Dr > 0) dots2<NH>(qr, ldqr, kr + t * kr_stride, kr + (t + 1) * kr_stride, Dr, a0, a1);
+    for (int h = 0; h < NH; ++h) {
+      s[h * kChunk + t] = horizontal_sum(a0[h]);
+      s[h * kChunk + t + 1] = horizontal_sum(a1[h]);
+    }
+  }
+  if (t < len) {
+    if (t < pf_len) prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
     Vec acc[NH];
     for (int h = 0; h < NH; ++h) acc[h] = Vec(0.0f);
     dots<NH>(q, ldq, k + t * k_stride, D, acc);
@@ -98,10 +160,19 @@ void chunk_scores(const float* q, const float* qr, int64_t ldq, int64_t ldqr, co
 // acc_h[0, Dv) += sum_t p[h * kChunk + t] * v_t for NH heads.
 template <int NH, typename In>
 void chunk_pv(const float* p, const In* v, int64_t v_stride, int64_t len, int64_t Dv, float* acc,
-              int64_t ld_acc) {
+              int64_t ld_acc, const char* pf, int64_t pf_stride, int64_t pf_bytes, int64_t pf_len) {
   using Pair = VecPair<In>;
+  const int64_t tiles = (Dv + Pair::kStep - 1) / Pair::kStep;
   for (int64_t j = 0; j < Dv; j += Pair::kStep) {
     const int64_t n = std::min<int64_t>(Pair::kStep, Dv - j);
+    if (pf != nullptr) {  // tile i asks for line i of the next chunk's rows, the last tile the rest
+      const int64_t i = j / Pair::kStep;
+      const int64_t off = i * 64;
+      const int64_t cnt = i + 1 == tiles ? pf_bytes - off : std::min<int64_t>(64, pf_bytes - off);
+      if (cnt > 0) {
+        for (int64_t t = 0; t < pf_len; ++t) prefetch_bytes(pf + t * pf_stride, off, cnt);
+      }
+    }
     Vec a0[NH], a1[NH];
     for (int h = 0; h < NH; ++h) {  // acc rows are padded to a multiple of kStep
       a0[h] = Vec::loadu(acc + h * ld_acc + j);
@@ -218,111 +289,183 @@ struct DecodeKernel {
     KR = rows_of<In>(d.cache.k_rope);
   }
 
-  void prepare(Scratch& w) const {
-    w.q.assign(g * ldq, 0.0f);
-    w.qr.assign(g * ldqr, 0.0f);
+  // Kv heads whose state one task holds: 1 (a task walks one kv head's rows) or all of them
+  // (token-major: a task walks the tokens and, per chunk, every kv head). Token-major is taken
+  // where the heads of a token are adjacent in memory (BSH / TND caches, paged caches of
+  // [blocks, block_size, KVN * D]): one kv head's rows are KVN * D elements apart there, so a
+  // head-major walk would touch every 4 KiB page once per kv head and leave the rest of each
+  // page's lines to be fetched again from DRAM by the next head's task; token-major consumes a
+  // chunk of whole tokens while it is cached.
+  bool token_major() const {
+    if (p.heads_kv < 2) return false;
+    if (K.stride_n != D || V.stride_n != Dv) return false;
+    return Dr == 0 || KR.stride_n == Dr;
+  }
+
+  void prepare(Scratch& w, int64_t nkv) const {
+    w.q.assign(nkv * g * ldq, 0.0f);
+    w.qr.assign(nkv * g * ldqr, 0.0f);
     w.s.resize(g * kChunk);
-    w.acc.resize(g * ldacc);
-    w.m.resize(g);
-    w.l.resize(g);
+    w.acc.resize(nkv * g * ldacc);
+    w.m.resize(nkv * g);
+    w.l.resize(nkv * g);
     if constexpr (kInt8) {
       w.kd.resize(kChunk * ldq);
       w.vd.resize(kChunk * ldacc);
     }
   }
 
-  // Loads the group's query rows, times scale, as fp32.
-  void load_q(Scratch& w, int64_t b, int64_t kvh) const {
+  // Loads the query rows of kv head kvh's group, times scale, as fp32 into state `slot`.
+  void load_q(Scratch& w, int64_t b, int64_t kvh, int64_t slot) const {
+    float* q = w.q.data() + slot * g * ldq;
+    float* qr = w.qr.data() + slot * g * ldqr;
     for (int64_t h = 0; h < g; ++h) {
       const int64_t n = kvh * g + h;
       const In* src = q_base_ + b * p.q.stride_b + p.q_start[b] * p.q.stride_s + n * p.q.stride_n;
-      for (int64_t j = 0; j < D; ++j) w.q[h * ldq + j] = static_cast<float>(src[j]) * scale_;
+      for (int64_t j = 0; j < D; ++j) q[h * ldq + j] = static_cast<float>(src[j]) * scale_;
       if (Dr > 0) {
         const In* r = qr_base_ + b * d.q_rope_view.stride_b + p.q_start[b] * d.q_rope_view.stride_s +
                       n * d.q_rope_view.stride_n;
-        for (int64_t j = 0; j < Dr; ++j) w.qr[h * ldqr + j] = static_cast<float>(r[j]) * scale_;
+        for (int64_t j = 0; j < Dr; ++j) qr[h * ldqr + j] = static_cast<float>(r[j]) * scale_;
       }
     }
   }
 
-  // Online softmax over keys [t0, t1) of batch b, kv head kvh, from a fresh state (sink or
-  // nothing); leaves m, l and the unnormalised acc in w.
-  void run(Scratch& w, int64_t b, int64_t kvh, int64_t t0, int64_t t1, bool with_sink) const {
+  // A fresh online-softmax state (sink or nothing) for kv head kvh in `slot`.
+  void start(Scratch& w, int64_t kvh, int64_t slot, bool with_sink) const {
     for (int64_t h = 0; h < g; ++h) {
       const bool sink = with_sink && p.sink != nullptr;
-      w.m[h] = sink ? p.sink[kvh * g + h] : kNegInf;
-      w.l[h] = sink && w.m[h] != kNegInf ? 1.0f : 0.0f;
+      const float m = sink ? p.sink[kvh * g + h] : kNegInf;
+      w.m[slot * g + h] = m;
+      w.l[slot * g + h] = sink && m != kNegInf ? 1.0f : 0.0f;
     }
-    std::fill(w.acc.begin(), w.acc.end(), 0.0f);
-    const uint8_t* mask = p.user_mask == nullptr ? nullptr : p.user_mask + b * p.mask_stride_b;
+    std::fill(w.acc.begin() + slot * g * ldacc, w.acc.begin() + (slot + 1) * g * ldacc, 0.0f);
+  }
+
+  // Keys in the chunk starting at c (up to t1): at most `chunk`, never crossing a cache block.
+  int64_t chunk_len(int64_t c, int64_t t1) const {
     const int64_t bs = d.cache.block_table != nullptr ? d.cache.block_size : kChunk;
+    return std::min({chunk_, t1 - c, bs - c % bs});
+  }
+
+  // Asks for the keys of the first chunk of kv head kvh (later ones are asked for by step).
+  void prefetch_first(int64_t b, int64_t kvh, int64_t t0, int64_t t1) const {
+    if (kInt8 || t0 >= t1) return;
+    const char* k = reinterpret_cast<const char*>(row_ptr(K, d, b, kvh, t0));
+    const int64_t n = chunk_len(t0, t1);
+    for (int64_t t = 0; t < n; ++t) {
+      prefetch_bytes(k + t * K.stride_s * sizeof(KvT), 0, D * sizeof(KvT));
+    }
+  }
+
+  // One online-softmax step of kv head kvh (state `slot`) over keys [c0, c0 + len) of batch b.
+  void step(Scratch& w, int64_t slot, int64_t b, int64_t kvh, int64_t c0, int64_t len,
+            int64_t t1) const {
+    float* const qs = w.q.data() + slot * g * ldq;
+    float* const qrs = w.qr.data() + slot * g * ldqr;
+    float* const accs = w.acc.data() + slot * g * ldacc;
+    float* const ms = w.m.data() + slot * g;
+    float* const ls = w.l.data() + slot * g;
+    const uint8_t* mask = p.user_mask == nullptr ? nullptr : p.user_mask + b * p.mask_stride_b;
+    constexpr int64_t e = sizeof(KvT);
+    const int64_t k_bytes = D * e, v_bytes = Dv * e;
+    const int64_t k_pitch = K.stride_s * e, v_pitch = V.stride_s * e;
+    const KvT* k_raw = row_ptr(K, d, b, kvh, c0);
+    const KvT* v_raw = row_ptr(V, d, b, kvh, c0);
+    // Prefetches: an fp16/bf16/fp32 cache asks for this chunk's values while it scores and for
+    // the next chunk's keys while it sums P V (asking a whole chunk ahead for both measured
+    // slower on the token-major walk: two chunks of every head overflow L2); an int8 cache,
+    // dequantised as soon as it is read, for the next chunk's keys, then values.
+    const int64_t c1 = c0 + len;
+    const int64_t next_len = c1 < t1 ? chunk_len(c1, t1) : 0;
+    const char* next_k = next_len > 0 ? reinterpret_cast<const char*>(row_ptr(K, d, b, kvh, c1)) : nullptr;
+    const char* next_v = next_len > 0 ? reinterpret_cast<const char*>(row_ptr(V, d, b, kvh, c1)) : nullptr;
+    const char* pf_s = kInt8 ? next_k : reinterpret_cast<const char*>(v_raw);
+    const int64_t pf_s_len = kInt8 ? next_len : len;
+    const int64_t pf_s_pitch = kInt8 ? k_pitch : v_pitch, pf_s_bytes = kInt8 ? k_bytes : v_bytes;
+    const char* pf_pv = kInt8 ? next_v : next_k;
+    const int64_t pf_pv_pitch = kInt8 ? v_pitch : k_pitch, pf_pv_bytes = kInt8 ? v_bytes : k_bytes;
+    const KRow* k;
+    const KRow* v;
+    int64_t k_stride, v_stride;
+    if constexpr (kInt8) {
+      dequant_rows(d.cache.kq, d, b, kvh, c0, len, k_raw, K.stride_s, D, w.kd.data(), ldq);
+      dequant_rows(d.cache.vq, d, b, kvh, c0, len, v_raw, V.stride_s, Dv, w.vd.data(), ldacc);
+      k = w.kd.data();
+      v = w.vd.data();
+      k_stride = ldq;
+      v_stride = ldacc;
+    } else {
+      k = k_raw;
+      v = v_raw;
+      k_stride = K.stride_s;
+      v_stride = V.stride_s;
+    }
+    const In* kr = Dr > 0 ? row_ptr(KR, d, b, kvh, c0) : nullptr;
+    for_head_tiles(g, [&](auto nh, int64_t h0) {
+      chunk_scores<decltype(nh)::value, KRow, In>(qs + h0 * ldq, qrs + h0 * ldqr, ldq, ldqr, k,
+                                                  k_stride, kr, KR.stride_s, D, Dr, len,
+                                                  w.s.data() + h0 * kChunk,
+                                                  h0 == 0 ? pf_s : nullptr, pf_s_pitch,
+                                                  pf_s_bytes, pf_s_len);
+    });
+    for (int64_t h = 0; h < g; ++h) {
+      float* s = w.s.data() + h * kChunk;
+      if (mask != nullptr) {
+        // mask rows may differ per query head ([B, N, 1, S] masks)
+        const uint8_t* mrow = mask + (kvh * g + h) * p.mask_stride_n + c0;
+        for (int64_t t = 0; t < len; ++t) {
+          if (mrow[t] != 0) s[t] = kNegInf;
+        }
+      }
+      float cmax = kNegInf;
+      for (int64_t t = 0; t < len; ++t) cmax = std::max(cmax, s[t]);
+      const float m_new = std::max(ms[h], cmax);
+      if (m_new == kNegInf) {  // nothing visible yet: p = 0
+        std::fill(s, s + len, 0.0f);
+        continue;
+      }
+      const float alpha = ms[h] == kNegInf ? 0.0f : std::exp(ms[h] - m_new);
+      Vec vsum(0.0f);
+      const Vec vm(m_new);
+      int64_t t = 0;
+      for (; t + Vec::size() <= len; t += Vec::size()) {
+        const Vec ex = exp_fast(Vec::loadu(s + t) - vm);
+        ex.store(s + t);
+        vsum = vsum + ex;
+      }
+      float sum = horizontal_sum(vsum);
+      for (; t < len; ++t) {
+        s[t] = std::exp(s[t] - m_new);
+        sum += s[t];
+      }
+      if (alpha != 1.0f) {
+        float* a = accs + h * ldacc;
+        for (int64_t j = 0; j < ldacc; j += Vec::size()) (Vec::loadu(a + j) * Vec(alpha)).store(a + j);
+      }
+      ls[h] = ls[h] * alpha + sum;
+      ms[h] = m_new;
+    }
+    for_head_tiles(g, [&](auto nh, int64_t h0) {
+      chunk_pv<decltype(nh)::value, KRow>(w.s.data() + h0 * kChunk, v, v_stride, len, Dv,
+                                          accs + h0 * ldacc, ldacc, h0 == 0 ? pf_pv : nullptr,
+                                          pf_pv_pitch, pf_pv_bytes, next_len);
+    });
+  }
+
+  // Online softmax over keys [t0, t1) of batch b for kv heads kvh0 .. kvh0 + nkv (state slots
+  // 0 .. nkv), from fresh states (the sink when with_sink); leaves m, l and the unnormalised acc
+  // in w. nkv > 1 walks token-major: each chunk of keys for every head before the next chunk.
+  void run(Scratch& w, int64_t b, int64_t kvh0, int64_t nkv, int64_t t0, int64_t t1,
+           bool with_sink) const {
+    for (int64_t s = 0; s < nkv; ++s) {
+      load_q(w, b, kvh0 + s, s);
+      start(w, kvh0 + s, s, with_sink);
+      prefetch_first(b, kvh0 + s, t0, t1);
+    }
     for (int64_t c0 = t0; c0 < t1;) {
-      const int64_t len = std::min({kChunk, t1 - c0, bs - c0 % bs});
-      const KvT* k_raw = row_ptr(K, d, b, kvh, c0);
-      const KvT* v_raw = row_ptr(V, d, b, kvh, c0);
-      const KRow* k;
-      const KRow* v;
-      int64_t k_stride, v_stride;
-      if constexpr (kInt8) {
-        dequant_rows(d.cache.kq, d, b, kvh, c0, len, k_raw, K.stride_s, D, w.kd.data(), ldq);
-        dequant_rows(d.cache.vq, d, b, kvh, c0, len, v_raw, V.stride_s, Dv, w.vd.data(), ldacc);
-        k = w.kd.data();
-        v = w.vd.data();
-        k_stride = ldq;
-        v_stride = ldacc;
-      } else {
-        k = k_raw;
-        v = v_raw;
-        k_stride = K.stride_s;
-        v_stride = V.stride_s;
-      }
-      const In* kr = Dr > 0 ? row_ptr(KR, d, b, kvh, c0) : nullptr;
-      for_head_tiles(g, [&](auto nh, int64_t h0) {
-        chunk_scores<decltype(nh)::value, KRow, In>(w.q.data() + h0 * ldq, w.qr.data() + h0 * ldqr,
-                                                    ldq, ldqr, k, k_stride, kr, KR.stride_s, D, Dr,
-                                                    len, w.s.data() + h0 * kChunk);
-      });
-      for (int64_t h = 0; h < g; ++h) {
-        float* s = w.s.data() + h * kChunk;
-        if (mask != nullptr) {
-          // mask rows may differ per query head ([B, N, 1, S] masks)
-          const uint8_t* mrow = mask + (kvh * g + h) * p.mask_stride_n + c0;
-          for (int64_t t = 0; t < len; ++t) {
-            if (mrow[t] != 0) s[t] = kNegInf;
-          }
-        }
-        float cmax = kNegInf;
-        for (int64_t t = 0; t < len; ++t) cmax = std::max(cmax, s[t]);
-        const float m_new = std::max(w.m[h], cmax);
-        if (m_new == kNegInf) {  // nothing visible yet: p = 0
-          std::fill(s, s + len, 0.0f);
-          continue;
-        }
-        const float alpha = w.m[h] == kNegInf ? 0.0f : std::exp(w.m[h] - m_new);
-        Vec vsum(0.0f);
-        const Vec vm(m_new);
-        int64_t t = 0;
-        for (; t + Vec::size() <= len; t += Vec::size()) {
-          const Vec e = exp_fast(Vec::loadu(s + t) - vm);
-          e.store(s + t);
-          vsum = vsum + e;
-        }
-        float sum = horizontal_sum(vsum);
-        for (; t < len; ++t) {
-          s[t] = std::exp(s[t] - m_new);
-          sum += s[t];
-        }
-        if (alpha != 1.0f) {
-          float* a = w.acc.data() + h * ldacc;
-          for (int64_t j = 0; j < ldacc; j += Vec::size()) (Vec::loadu(a + j) * Vec(alpha)).store(a + j);
-        }
-        w.l[h] = w.l[h] * alpha + sum;
-        w.m[h] = m_new;
-      }
-      for_head_tiles(g, [&](auto nh, int64_t h0) {
-        chunk_pv<decltype(nh)::value, KRow>(w.s.data() + h0 * kChunk, v, v_stride, len, Dv,
-                                            w.acc.data() + h0 * ldacc, ldacc);
-      });
+      const int64_t len = chunk_len(c0, t1);
+      for (int64_t s = 0; s < nkv; ++s) step(w, s, b, kvh0 + s, c0, len, t1);
       c0 += len;
     }
   }
@@ -355,6 +498,7 @@ struct DecodeKernel {
   In* out_ = nullptr;
   void* out_raw_ = nullptr;  // out_, or float32 rows when d.out_float
   float scale_ = 1.0f;
+  int64_t chunk_ = kChunk;  // keys per step, <= kChunk
 };
 
 template <typename In, typename KvT = In>
@@ -367,7 +511,11 @@ void decode_impl(const DecodeProblem& d, void* out) {
   kern.out_raw_ = out;
   kern.scale_ = static_cast<float>(p.scale);
   const int64_t g = kern.g;
-  const int64_t pairs = p.batch * p.heads_kv;
+  const int64_t KVN = p.heads_kv;
+  // A task unit: one (batch, kv head) pair, or (token-major) one batch with all its kv heads.
+  const int64_t nkv = kern.token_major() ? KVN : 1;
+  if (nkv > 1) kern.chunk_ = kChunkTokenMajor;
+  const int64_t units = p.batch * (KVN / nkv);
 
   // Visible key range per batch (empty when the sequence has no query row).
   std::vector<int64_t> lo(p.batch), hi(p.batch);
@@ -380,76 +528,78 @@ void decode_impl(const DecodeProblem& d, void* out) {
   // Context splits: enough tasks for every thread (4 per thread), each split >= 512 keys.
   const int64_t threads = at::get_num_threads();
   int64_t splits = 1;
-  if (pairs < 4 * threads && max_keys > 1024) {
-    splits = std::min<int64_t>((4 * threads + pairs - 1) / pairs, (max_keys + 511) / 512);
+  if (units < 4 * threads && max_keys > 1024) {
+    splits = std::min<int64_t>((4 * threads + units - 1) / units, (max_keys + 511) / 512);
   }
   if (splits == 1) {
-    at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
       Scratch w;
-      kern.prepare(w);
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t b = t / p.heads_kv, kvh = t % p.heads_kv;
+      kern.prepare(w, nkv);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t b = u * nkv / KVN, kvh0 = u * nkv % KVN;
         if (p.q_len[b] == 0) continue;
-        kern.load_q(w, b, kvh);
-        kern.run(w, b, kvh, lo[b], hi[b] + 1, /*with_sink=*/true);
-        for (int64_t h = 0; h < g; ++h) {
-          kern.finish(b, kvh * g + h, w.acc.data() + h * kern.ldacc, w.m[h], w.l[h]);
+        kern.run(w, b, kvh0, nkv, lo[b], hi[b] + 1, /*with_sink=*/true);
+        for (int64_t i = 0; i < nkv * g; ++i) {
+          kern.finish(b, kvh0 * g + i, w.acc.data() + i * kern.ldacc, w.m[i], w.l[i]);
         }
       }
     });
     return;
   }
-  // Partials: per (pair, split, head) m, l and acc[ldacc].
+  // Partials: per (unit, split, head of the unit) m, l and acc[ldacc].
   const int64_t rec = kern.ldacc + 2;
-  std::vector<float> part(pairs * splits * g * rec);
-  at::parallel_for(0, pairs * splits, 1, [&](int64_t begin, int64_t end) {
+  const int64_t heads_per_unit = nkv * g;
+  std::vector<float> part(units * splits * heads_per_unit * rec);
+  at::parallel_for(0, units * splits, 1, [&](int64_t begin, int64_t end) {
     Scratch w;
-    kern.prepare(w);
+    kern.prepare(w, nkv);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t pair = t / splits, sp = t % splits;
-      const int64_t b = pair / p.heads_kv, kvh = pair % p.heads_kv;
-      float* dst = part.data() + t * g * rec;
+      const int64_t u = t / splits, sp = t % splits;
+      const int64_t b = u * nkv / KVN, kvh0 = u * nkv % KVN;
+      float* dst = part.data() + t * heads_per_unit * rec;
       const int64_t n_keys = std::max<int64_t>(hi[b] + 1 - lo[b], 0);
       const int64_t per = round_up((n_keys + splits - 1) / splits, kChunk);
       const int64_t t0 = lo[b] + std::min(n_keys, sp * per);
       const int64_t t1 = lo[b] + std::min(n_keys, (sp + 1) * per);
       if (p.q_len[b] == 0 || t0 >= t1) {
-        for (int64_t h = 0; h < g; ++h) {
-          dst[h * rec] = kNegInf;
-          dst[h * rec + 1] = 0.0f;
+        for (int64_t i = 0; i < heads_per_unit; ++i) {
+          dst[i * rec] = kNegInf;
+          dst[i * rec + 1] = 0.0f;
         }
         continue;
       }
-      kern.load_q(w, b, kvh);
-      kern.run(w, b, kvh, t0, t1, /*with_sink=*/sp == 0);
-      for (int64_t h = 0; h < g; ++h) {
-        dst[h * rec] = w.m[h];
-        dst[h * rec + 1] = w.l[h];
-        std::copy(w.acc.data() + h * kern.ldacc, w.acc.data() + (h + 1) * kern.ldacc, dst + h * rec + 2);
+      kern.run(w, b, kvh0, nkv, t0, t1, /*with_sink=*/sp == 0);
+      for (int64_t i = 0; i < heads_per_unit; ++i) {
+        dst[i * rec] = w.m[i];
+        dst[i * rec + 1] = w.l[i];
+        std::copy(w.acc.data() + i * kern.ldacc, w.acc.data() + (i + 1) * kern.ldacc,
+                  dst + i * rec + 2);
       }
     }
   });
-  at::parallel_for(0, pairs * g, 1, [&](int64_t begin, int64_t end) {
+  // Merge: head n = kvh * g + h of batch b is head i = n - kvh0 * g of unit b * KVN / nkv + ...
+  at::parallel_for(0, p.batch * KVN * g, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> acc(kern.ldacc);
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t pair = t / g, h = t % g;
-      const int64_t b = pair / p.heads_kv, kvh = pair % p.heads_kv;
+      const int64_t b = t / (KVN * g), n = t % (KVN * g);
       if (p.q_len[b] == 0) continue;
-      const float* src = part.data() + pair * splits * g * rec + h * rec;
+      const int64_t u = (b * KVN + n / g) / nkv, i = (b * KVN * g + n) % heads_per_unit;
+      const float* src = part.data() + u * splits * heads_per_unit * rec + i * rec;
+      const int64_t sp_stride = heads_per_unit * rec;
       float m = kNegInf;
-      for (int64_t sp = 0; sp < splits; ++sp) m = std::max(m, src[sp * g * rec]);
+      for (int64_t sp = 0; sp < splits; ++sp) m = std::max(m, src[sp * sp_stride]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       float l = 0.0f;
       if (m != kNegInf) {
         for (int64_t sp = 0; sp < splits; ++sp) {
-          const float* r = src + sp * g * rec;
+          const float* r = src + sp * sp_stride;
           if (r[0] == kNegInf) continue;
           const float f = std::exp(r[0] - m);
           l += r[1] * f;
           for (int64_t j = 0; j < kern.ldacc; ++j) acc[j] += r[2 + j] * f;
         }
       }
-      kern.finish(b, kvh * g + h, acc.data(), m, l);
+      kern.finish(b, n, acc.data(), m, l);
     }
   });
 }
