@@ -65,7 +65,7 @@ def native_prefill(q, k, v, lens):
 
 
 def prefill(seq, dtype, threads):
-    lens = [seq] * 4
+    lens = (seq,) * 4
     T = sum(lens)
     q = randn(T, HEADS, HEAD_DIM, dtype=dtype)
     k, v = randn(T, KV_HEADS, HEAD_DIM, dtype=dtype), randn(T, KV_HEADS, HEAD_DIM, dtype=dtype)

@@ -501,3 +501,37 @@ def test_wrappers_call_the_ops():
     assert kc[0, 2].eq(1).all()
     k, v = atb_wrappers.npu_paged_cache_load(kc, kc, torch.tensor([[0]]), torch.tensor([3]))
     assert k.shape == (3, 1, 2) and k[2].eq(1).all()
+
+
+def test_portable_compositions_match_the_cpu_kernels():
+    """The ATen compositions CUDA / XPU / MPS run (src/opennpu/ops/portable.py), forced on CPU."""
+    from opennpu.ops import portable
+
+    q, kc, vc, table, lens = paged_inputs(T=4, lens=[5, 0, 12, 1], dtype=torch.float32)
+    lens2 = torch.tensor([3, 2], dtype=torch.int32)
+    fa = (torch.randn(5, 2, 8), torch.randn(5, 1, 8), torch.randn(5, 1, 4),
+          torch.triu(torch.full((3, 3), -10000.0), 1).expand(2, 3, 3).clone(), lens2, 0.3, 2, 1)
+    positions, cache = torch.tensor([3, 1, 7]), cos_sin_cache(8, 8)
+
+    def run():
+        outs = []
+        kc2, vc2 = kc.clone(), vc.clone()
+        atb._npu_reshape_and_cache(torch.ones(2, 2, 16), torch.ones(2, 2, 8), kc2, vc2,
+                                   torch.tensor([1, -1]))
+        outs += [kc2, vc2]
+        out = torch.empty(4, 4, 8)
+        atb._npu_paged_attention(q, kc2, vc2, 2, 4, 0.25, table, lens, out)
+        fo = torch.empty(5, 2, 4)
+        atb._npu_flash_attention(*fa, fo)
+        for neox in (False, True):
+            x, y = torch.randn(3, 2 * 12, generator=torch.Generator().manual_seed(1)), torch.ones(3, 12)
+            atb._npu_rotary_embedding(positions, x, y, 12, cache, neox)
+            outs += [x, y]
+        outs += [out, fo, *atb.npu_paged_cache_load(kc2, vc2, table, lens, seq_starts=lens2.new_tensor([0, 4, 4, 0]))]
+        return outs
+
+    native = run()
+    with portable.force():
+        composed = run()
+    for a, b in zip(composed, native):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
