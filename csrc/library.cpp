@@ -450,6 +450,41 @@ TORCH_LIBRARY(npu, m) {
         "Generator? generator=None) -> (Tensor, Tensor)");
 }
 
+// torch_npu's ATB ops (op-plugin op_plugin/ops/atb/*.cpp, TORCH_LIBRARY_FRAGMENT(atb, m)), the
+// namespace vllm-ascend reaches through torch_npu._npu_* and torch_npu.atb.*. Kernels:
+// csrc/ops/atb/atb.cpp (on the kvcache, attention and rotary families' kernels).
+TORCH_LIBRARY(atb, m) {
+  // vLLM's reshape_and_cache: key[t] / value[t] ([T, kv_heads, D]) into slot slot_indices[t]
+  // (block slot // block_size, offset slot % block_size; negative: skip) of the paged caches.
+  m.def("_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_indices) -> ()");
+  // The same for a key cache alone.
+  m.def("_npu_reshape_and_cache_siso(Tensor key, Tensor(a!) key_cache, Tensor slot_indices) -> ()");
+  // Decode attention: query row t against the context_lens[t] keys / values its block_table row
+  // addresses in the paged caches (GQA), softmax(scale * q k^T) v into out [T, N, Dv].
+  m.def("_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
+        "int num_heads, float scale_value, Tensor block_table, Tensor context_lens, Tensor(a!) out, "
+        "*,Tensor? workspace=None) -> ()");
+  // The workspace _npu_paged_attention may take (empty here: the CPU kernel needs none).
+  m.def("_npu_paged_attention_get_workspace(Tensor query, Tensor key_cache, Tensor value_cache, "
+        "int num_kv_heads, int num_heads, float scale_value, Tensor block_table, Tensor context_lens, "
+        "Tensor(a!) out) -> Tensor");
+  // Prefill attention over sequences packed along tokens (seq_len), additive mask, GQA, into out.
+  m.def("_npu_flash_attention(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor seq_len, "
+        "float scale_value, int num_heads, int num_kv_heads, Tensor(a!) out) -> ()");
+  // vLLM's rotary_embedding in place on query / key (cos | sin cache rows at positions).
+  m.def("_npu_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
+        "Tensor cos_sin_cache, bool is_neox_style) -> ()");
+  // Paged cache read: each sequence's context_lens tokens (from block seq_starts // block_size)
+  // into consecutive rows of key / value.
+  m.def("npu_paged_cache_load.out(Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor context_lens, *, Tensor? seq_starts=None, bool cumsum=False, Tensor(a!) key, "
+        "Tensor(b!) value) -> (Tensor(a!), Tensor(b!))");
+  // The same into new [tokens, heads, D] tensors.
+  m.def("npu_paged_cache_load(Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor context_lens, *, Tensor? seq_starts=None, bool cumsum=False) -> (Tensor, Tensor)");
+}
+
 // opennpu's own helpers, outside the torch_npu namespace.
 TORCH_LIBRARY(opennpu, m) {
   // Fused optimizer steps (csrc/ops/optim), the engine of opennpu.optim / torch_npu.optim. Each

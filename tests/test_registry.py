@@ -98,3 +98,29 @@ def test_every_native_cuda_kernel_is_compared_with_the_cpu_kernel():
                     if "cuda" not in devices)
     source = (Path(__file__).parent / "ops" / "test_cuda_kernels.py").read_text()
     assert [name for name in native if name not in source] == []
+
+
+# torch.ops.atb (torch_npu's ATB ops, src/opennpu/ops/atb.py) meets the same bar.
+ATB_OPS = sorted(n for n in dir(torch.ops.atb)
+                 if isinstance(getattr(torch.ops.atb, n), torch._ops.OpOverloadPacket))
+
+
+def test_the_atb_ops_are_registered():
+    from opennpu.ops.atb import ATB_OPS as declared
+
+    assert set(ATB_OPS) == set(declared)
+
+
+@pytest.mark.parametrize("name", ATB_OPS)
+def test_atb_op_is_complete(name):
+    from opennpu.ops import atb
+
+    packet = getattr(torch.ops.atb, name)
+    for overload in packet.overloads():
+        qual = f"atb::{name}" if overload == "default" else f"atb::{name}.{overload}"
+        for key in ("CPU", "Autograd"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (qual, key)
+        assert torch._library.simple_registry.singleton.find(qual).fake_impl.kernel is not None
+    assert f"atb::{name}" in DIFFERENTIABILITY
+    assert callable(getattr(atb, name)) and getattr(atb, name).__doc__
+    assert f"{name}(" in TEST_SOURCES, f"{name}: no test calls it"

@@ -62,6 +62,11 @@ bool host_argument(const c10::FunctionSchema& schema, const c10::Argument& argum
     return arg == "actual_seq_qlen" || arg == "actual_seq_kvlen" || arg == "seed" ||
            arg == "offset";
   }
+  // ATB's lengths (torch_npu's tests pass them from the host)
+  if (op == "atb::_npu_paged_attention" || op == "atb::_npu_paged_attention_get_workspace") {
+    return arg == "context_lens";
+  }
+  if (op == "atb::_npu_flash_attention") return arg == "seq_len";
   return false;
 }
 

@@ -219,6 +219,19 @@ CacheGeometry check_cache_pair(const char* op, const at::Tensor& key_cache,
   return gk;
 }
 
+// slot_mapping's values, each below the cache's capacity (negative: skip the token).
+std::vector<int64_t> checked_slots(const char* op, const at::Tensor& slot_mapping,
+                                   const CacheGeometry& g) {
+  const std::vector<int64_t> slots = values_of(slot_mapping);
+  const int64_t capacity = g.num_blocks * g.block_size;
+  for (size_t t = 0; t < slots.size(); ++t) {
+    OPENNPU_CHECK_ARG(slots[t] < capacity, op, "slot_mapping",
+                      "must hold slots in [0, num_blocks * block_size) = [0, ", capacity,
+                      ") (negative: skip the token), but token ", t, " has ", slots[t]);
+  }
+  return slots;
+}
+
 // The layout of a cache's rows the plan needs: 'Norm' rows (dims 2, 3) contiguous, 'PA_NZ'
 // chunks (dim 3) contiguous.
 int64_t row_dims_from(CacheLayout layout) { return layout == CacheLayout::kNorm ? 2 : 3; }
@@ -280,13 +293,7 @@ void scatter_pa_kv_cache_into(const char* op, const at::Tensor& key, const at::T
                        "must have the dtype of 'key' (", key.scalar_type(), "), but got ",
                        value.scalar_type());
 
-  const std::vector<int64_t> slots = values_of(slot_mapping);
-  const int64_t capacity = gk.num_blocks * gk.block_size;
-  for (size_t t = 0; t < slots.size(); ++t) {
-    OPENNPU_CHECK_ARG(slots[t] < capacity, op, "slot_mapping",
-                      "must hold slots in [0, num_blocks * block_size) = [0, ", capacity,
-                      ") (negative: skip the token), but token ", t, " has ", slots[t]);
-  }
+  const std::vector<int64_t> slots = checked_slots(op, slot_mapping, gk);
   const bool ordered = has_duplicates(slots);  // repeated slots: the last token wins
   if (key.numel() > 0) scatter_cache(op, key, key_cache, slots, ordered, layout);
   if (value.numel() > 0) scatter_cache(op, value, value_cache, slots, ordered, layout);
@@ -437,6 +444,33 @@ std::tuple<at::Tensor, at::Tensor> npu_gather_pa_kv_cache_functional(
 }
 
 }  // namespace
+
+// ----------------------------------------------------------------------------------------------
+// Shared with the ATB ops (ops/atb/atb.cpp): the same plans under the caller's name.
+
+void scatter_tokens(const char* op, const char* tok_name, const at::Tensor& tok,
+                    const char* cache_name, at::Tensor& cache, const at::Tensor& slot_mapping) {
+  OPENNPU_CHECK_ARG(tok.dim() >= 2, op, tok_name, "must have at least 2 dims [tokens, ...], but got ",
+                    "shape ", shape_str(tok.sizes()));
+  check_index(op, "slot_mapping", slot_mapping);
+  check_same_device(op, "slot_mapping", slot_mapping, tok_name, tok);
+  OPENNPU_CHECK_ARG(slot_mapping.dim() == 1 && slot_mapping.size(0) == tok.size(0), op,
+                    "slot_mapping", "must be 1-D with one slot per token (", tok.size(0),
+                    "), but got shape ", shape_str(slot_mapping.sizes()));
+  const CacheLayout layout = gather_layout(op, cache, tok);  // 'Norm' where both fit
+  check_cache(op, cache_name, cache, tok_name, tok, layout);
+  const CacheGeometry g = geometry(cache, layout);
+  const std::vector<int64_t> slots = checked_slots(op, slot_mapping, g);
+  if (tok.numel() > 0) scatter_cache(op, tok, cache, slots, has_duplicates(slots), layout);
+}
+
+void gather_tokens(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& key,
+                   at::Tensor& value, const std::optional<at::Tensor>& seq_offset,
+                   bool is_seq_lens_cumsum) {
+  gather_pa_kv_cache_into(op, key_cache, value_cache, block_tables, seq_lens, key, value,
+                          seq_offset, is_seq_lens_cumsum);
+}
 
 TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("npu_scatter_nd_update", &npu_scatter_nd_update);

@@ -8,7 +8,10 @@
 // (every element size is copied as bytes), so int8 / fp8 caches work as fp16 ones do.
 #pragma once
 
+#include <ATen/core/Tensor.h>
+
 #include <cstdint>
+#include <optional>
 
 #include "common/kernel_slots.h"
 
@@ -36,5 +39,19 @@ struct RowPlan {
 using CopyRowsFn = void(const RowPlan& plan);
 
 extern KernelSlots<CopyRowsFn> row_copy;
+
+// Entry-point bodies shared with the ATB ops (ops/atb): errors name `op`. The cache layout
+// ('Norm' [blocks, block_size, a, b] or 'PA_NZ' [blocks, a, block_size, b], a * b = the elements
+// of a token row) follows from the cache's shape, 'Norm' where both fit.
+//
+// Row t of `tok` [T, ...] to slot slot_mapping[t] of `cache` (negative: skip the token; repeated
+// slots: the last token wins).
+void scatter_tokens(const char* op, const char* tok_name, const at::Tensor& tok,
+                    const char* cache_name, at::Tensor& cache, const at::Tensor& slot_mapping);
+// npu_gather_pa_kv_cache into `key` / `value`.
+void gather_tokens(const char* op, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                   const at::Tensor& block_tables, const at::Tensor& seq_lens, at::Tensor& key,
+                   at::Tensor& value, const std::optional<at::Tensor>& seq_offset,
+                   bool is_seq_lens_cumsum);
 
 }  // namespace opennpu::kvcache

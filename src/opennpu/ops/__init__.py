@@ -1,6 +1,7 @@
-"""Public wrappers, fake kernels and autograd of every torch.ops.npu op, one module per family."""
+"""Public wrappers, fake kernels and autograd of every torch.ops.npu op, one module per family
+(and of torch_npu's ATB ops, torch.ops.atb, in `atb`: their names stay in that module)."""
 
-from . import (activation, attention, ffn, infer_attention, kvcache, moe, norm, quant, rotary,
+from . import (activation, atb, attention, ffn, infer_attention, kvcache, moe, norm, quant, rotary,
                sampling, softmax, transpose)
 from .activation import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403

@@ -27,14 +27,16 @@ def _named_tensors(schema, args, kwargs):
                     yield f"{name}[{i}]", item
 
 
-def check_one_device(op: str, schema, args, kwargs) -> None:
+def check_one_device(op: str, schema, args, kwargs, host_args=()) -> None:
     """All tensors of a call share one device, 0-dim CPU tensors aside (as PyTorch's own ops
     allow). The dispatcher picks the kernel of the highest-priority device among the arguments
     (meta, then npu, then CPU), so a mixed call lands in a kernel that would otherwise allocate on
-    the first argument's device and read the others' bytes as if they were its own."""
+    the first argument's device and read the others' bytes as if they were its own. `host_args`
+    name arguments that may be CPU tensors beside device ones (lengths an op reads on the host,
+    as ATB's context_lens / seq_len)."""
     reference = None
     for name, t in _named_tensors(schema, args, kwargs):
-        if t.dim() == 0 and t.device.type == "cpu":
+        if t.device.type == "cpu" and (t.dim() == 0 or name in host_args):
             continue
         if reference is None:
             reference = (name, t.device)
@@ -44,7 +46,7 @@ def check_one_device(op: str, schema, args, kwargs) -> None:
                 f"({reference[1]}), but got {t.device}")
 
 
-def register_fake(qualname: str):
+def register_fake(qualname: str, host_args=()):
     """torch.library.register_fake, with the one-device check in front of the shape math: the
     fake kernel also serves meta tensors, where a device mix would otherwise give outputs on the
     first argument's device (and, with the other arguments real CPU tensors, garbage)."""
@@ -56,7 +58,7 @@ def register_fake(qualname: str):
     def decorator(fake):
         @functools.wraps(fake)
         def checked(*args, **kwargs):
-            check_one_device(name, schema, args, kwargs)
+            check_one_device(name, schema, args, kwargs, host_args)
             return fake(*args, **kwargs)
 
         torch.library.register_fake(qualname, checked)
@@ -136,10 +138,11 @@ def accepts_input_keyword(fn):
     return wrapper
 
 
-def mark_not_differentiable(name: str, reason: str) -> None:
+def mark_not_differentiable(name: str, reason: str, namespace: str = "npu") -> None:
     """`name` has no gradient (torch_npu registers none either): outputs computed from inputs
     that require grad carry a node whose backward raises a clear error, instead of silently
-    giving no gradient."""
+    giving no gradient. Ops outside torch.ops.npu (`namespace`, e.g. "atb") are recorded in
+    DIFFERENTIABILITY as "<namespace>::<name>"."""
     message = f"{name}: not differentiable ({reason})"
 
     def backward(ctx, *grads):
@@ -148,7 +151,7 @@ def mark_not_differentiable(name: str, reason: str) -> None:
     def setup_context(ctx, inputs, output):
         pass
 
-    packet = getattr(torch.ops.npu, name)
+    packet = getattr(getattr(torch.ops, namespace), name)
     for overload_name in packet.overloads():
         overload = getattr(packet, overload_name)
         qualname = overload._schema.name
@@ -160,7 +163,8 @@ def mark_not_differentiable(name: str, reason: str) -> None:
             _register_raising_overload_kernel(qualname, overload, message)
         else:
             torch.library.register_autograd(qualname, backward, setup_context=setup_context)
-    DIFFERENTIABILITY[name] = f"not differentiable: {reason}"
+    key = name if namespace == "npu" else f"{namespace}::{name}"
+    DIFFERENTIABILITY[key] = f"not differentiable: {reason}"
 
 
 def _register_raising_overload_kernel(qualname: str, overload, message: str) -> None:

@@ -2760,6 +2760,122 @@ def npu_gather_pa_kv_cache_functional(key_cache, value_cache, block_tables, seq_
 
 
 
+# ----------------------------------------------------------------------------- ATB (torch.ops.atb)
+# Host-side like the KV-cache ops: slots, lengths and block tables are read on the host.
+
+
+def _atb_layout_nz(tok, cache):
+    """Whether `cache` holds tok's rows in the NZ blocking ('Norm' where both layouts fit)."""
+    h = tok[0].numel() if tok.shape[0] else tok.shape[1:].numel()
+    return not cache.shape[2] * cache.shape[3] == h
+
+
+@_host_side("atb::_npu_reshape_and_cache", mutating=True)
+def _atb_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
+    _scatter_cache(key, key_cache, slot_indices, _atb_layout_nz(key, key_cache))
+    _scatter_cache(value, value_cache, slot_indices, _atb_layout_nz(value, value_cache))
+
+
+@_host_side("atb::_npu_reshape_and_cache_siso", mutating=True)
+def _atb_reshape_and_cache_siso(key, key_cache, slot_indices):
+    _scatter_cache(key, key_cache, slot_indices, _atb_layout_nz(key, key_cache))
+
+
+def _atb_heads(t, heads):
+    return t if t.dim() == 3 else t.reshape(t.shape[0], heads, -1)
+
+
+@_host_side("atb::_npu_paged_attention", mutating=True)
+def _atb_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
+                         block_table, context_lens, out, *, workspace=None):
+    q = _atb_heads(query, num_heads)
+    block_size = key_cache.shape[1]
+    table = block_table.long()
+    result = q.new_zeros(q.shape[0], num_heads, value_cache.shape[-1], dtype=_acc(q.dtype))
+    for b, n in enumerate(context_lens.tolist()):
+        if n == 0:
+            continue
+        ids = table[b, :(n + block_size - 1) // block_size]
+        k = key_cache[ids].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)  # [1, KVN, n, D]
+        v = value_cache[ids].flatten(0, 1)[:n].transpose(0, 1).unsqueeze(0)
+        o = _attention_core(_up(q[b]).unsqueeze(1).unsqueeze(0), _up(k), _up(v), None, None,
+                            scale_value, None)[0]
+        result[b] = o[0, :, 0]
+    out.copy_(result.reshape(out.shape))
+
+
+@_portable("atb::_npu_paged_attention_get_workspace")
+def _atb_paged_attention_get_workspace(query, key_cache, value_cache, num_kv_heads, num_heads,
+                                       scale_value, block_table, context_lens, out):
+    return query.new_empty((0,), dtype=torch.uint8)
+
+
+@_host_side("atb::_npu_flash_attention", mutating=True)
+def _atb_flash_attention(query, key, value, mask, seq_len, scale_value, num_heads, num_kv_heads,
+                         out):
+    q, k, v = (_atb_heads(query, num_heads), _atb_heads(key, num_kv_heads),
+               _atb_heads(value, num_kv_heads))
+    result = q.new_zeros(q.shape[0], num_heads, v.shape[-1], dtype=_acc(q.dtype))
+    m = mask.to(_acc(q.dtype))
+    masked = torch.isneginf(m)
+    pse = m.masked_fill(masked, 0) / scale_value  # (q k + pse) * scale = scale q k + mask
+    start = 0
+    for b, n in enumerate(seq_len.tolist()):
+        if n:
+            def rows(t):
+                return _up(t[start:start + n]).transpose(0, 1).unsqueeze(0)
+
+            def window(t):
+                t = t[..., :n, :n]
+                if t.dim() >= 3 and t.shape[0] > 1:
+                    t = t[b:b + 1]
+                return t if t.dim() == 4 else t.reshape(1, 1, n, n) if t.dim() == 2 else t.unsqueeze(1)
+
+            o = _attention_core(rows(q), rows(k), rows(v), window(pse), window(masked),
+                                scale_value, None)[0]
+            result[start:start + n] = o[0].transpose(0, 1)
+        start += n
+    out.copy_(result.reshape(out.shape))
+
+
+@_host_side("atb::_npu_rotary_embedding", mutating=True)
+def _atb_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
+    rot = cos_sin_cache.shape[-1]
+    cs = cos_sin_cache.index_select(0, positions.reshape(-1).long())
+    c, s_ = cs[:, :rot // 2], cs[:, rot // 2:]
+    if is_neox_style:
+        r1, r2, mode = torch.cat([c, c], -1), torch.cat([s_, s_], -1), "half"
+    else:
+        r1, r2, mode = c.repeat_interleave(2, -1), s_.repeat_interleave(2, -1), "interleave"
+    tokens = cs.shape[0]
+    for x in (query, key):
+        if x.numel() == 0:
+            continue
+        heads = x.reshape(tokens, -1, head_size)
+        part = heads[..., :rot]
+        new = npu_rotary_mul(part, r1.unsqueeze(1), r2.unsqueeze(1), mode)
+        x.copy_(torch.cat([new, heads[..., rot:]], -1).reshape(x.shape))
+
+
+@_host_side("atb::npu_paged_cache_load.out", mutating=True)
+def _atb_paged_cache_load_out(key_cache, value_cache, block_table, context_lens, *,
+                              seq_starts=None, cumsum=False, key, value):
+    npu_gather_pa_kv_cache(key_cache, value_cache, block_table, context_lens, key, value,
+                           seq_offset=seq_starts, is_seq_lens_cumsum=cumsum)
+    return key, value
+
+
+@_host_side("atb::npu_paged_cache_load")
+def _atb_paged_cache_load(key_cache, value_cache, block_table, context_lens, *, seq_starts=None,
+                          cumsum=False):
+    lens = context_lens.tolist()
+    tokens = (lens[-1] - lens[0]) if cumsum else sum(lens)
+    key = key_cache.new_zeros(tokens, *key_cache.shape[2:])
+    value = value_cache.new_zeros(tokens, *value_cache.shape[2:])
+    return _atb_paged_cache_load_out(key_cache, value_cache, block_table, context_lens,
+                                     seq_starts=seq_starts, cumsum=cumsum, key=key, value=value)
+
+
 # ----------------------------------------------------------------------------- fused optimizers
 
 # opennpu::_fused_* (opennpu.optim's steps, gradient norm and (un)scaling): torch._foreach_*
@@ -2978,10 +3094,10 @@ def is_forced() -> bool:
 
 
 def missing_portable_kernels(keys=PORTABLE_KEYS) -> list[str]:
-    """Every overload of torch.ops.npu without a kernel for one of `keys`."""
+    """Every overload of torch.ops.npu (and torch.ops.atb) without a kernel for one of `keys`."""
     missing = []
-    for name in dir(torch.ops.npu):
-        packet = getattr(torch.ops.npu, name)
+    packets = [getattr(ns, name) for ns in (torch.ops.npu, torch.ops.atb) for name in dir(ns)]
+    for packet in packets:
         if not isinstance(packet, torch._ops.OpOverloadPacket):
             continue
         for overload in packet.overloads():

@@ -174,12 +174,15 @@ def busy_warning(samples: int = 20, interval: float = 0.05) -> str | None:
 
 
 def has_cpu_kernel(op: str) -> bool:
-    """Whether `torch.ops.npu.<op>` is registered with a CPU kernel (schemas may land first)."""
+    """Whether `torch.ops.npu.<op>` (or `ns::op`, e.g. "atb::_npu_paged_attention") is
+    registered with a CPU kernel (schemas may land first)."""
+    ns, _, name = op.rpartition("::")
+    ns = ns or "npu"
     try:
-        getattr(torch.ops.npu, op)
+        getattr(getattr(torch.ops, ns), name)
     except (AttributeError, RuntimeError):
         return False
-    return torch._C._dispatch_has_kernel_for_dispatch_key(f"npu::{op}", "CPU")
+    return torch._C._dispatch_has_kernel_for_dispatch_key(f"{ns}::{name}", "CPU")
 
 
 def _as_list(tensors) -> list[torch.Tensor]:

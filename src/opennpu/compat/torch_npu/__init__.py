@@ -6,6 +6,8 @@ Every operator of `torch.ops.npu` is exposed under its torch_npu name (`torch_np
 
 from __future__ import annotations
 
+import torch
+
 import opennpu
 from opennpu import _device, distributed as _distributed
 from opennpu.compat import npu_op_names, op_alias
@@ -31,9 +33,18 @@ for _name in npu_op_names():
 __all__ = npu_op_names()
 del _name
 
+# The ATB ops op-plugin puts on torch_npu itself (its _atb_ops.API_LIST): the torch.ops.atb
+# packets, as torch_npu sets them; npu_paged_cache_load lives in torch_npu.atb.
+for _name in ("_npu_reshape_and_cache", "_npu_reshape_and_cache_siso", "_npu_paged_attention",
+              "_npu_paged_attention_get_workspace", "_npu_flash_attention",
+              "_npu_rotary_embedding"):
+    globals()[_name] = getattr(torch.ops.atb, _name)
+del _name
+
 from opennpu import npu  # noqa: E402  (torch_npu.npu is torch.npu; the import hook maps its submodules)
 
 from . import optim  # noqa: E402  (torch_npu.optim.*)
+from . import atb  # noqa: E402  (torch_npu.atb.*: ATB ops outside torch_npu's top level)
 from . import utils  # noqa: E402  (torch_npu.utils)
 from . import _C  # noqa: E402  (torch_npu._C: the runtime bindings with a meaning off Ascend)
 from . import distributed  # noqa: E402  (torch_npu.distributed: the hccl additions)

@@ -33,6 +33,7 @@ __all__ = ["TestCase", "run_tests"]
 _RTOL_DTYPES = (np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64, np.float16,
                 np.float32, np.float64)
 _TINY, _TINY16 = 1e-9, 6e-8
+_CHUNK = 1 << 22  # elements compared per float64 chunk
 
 
 def run_tests() -> None:
@@ -125,22 +126,32 @@ class TestCase(_Base):
                 self.fail(f"assertRtolEqual: boolean results differ{note}")
             return
         tol, tiny = (prec16, _TINY16) if xa.dtype == np.float16 else (prec, _TINY)
-        xf, yf = xa.astype(np.float64), ya.astype(np.float64)
-        nan = np.isnan(xf)
-        if not np.array_equal(nan, np.isnan(yf)):
-            self.fail(f"assertRtolEqual: NaNs at different places{note}")
-        same = nan | (xf == yf)  # also equal infinities, whose difference is NaN
-        with np.errstate(invalid="ignore"):
-            err = np.where(same, 0.0, np.abs(xf - yf))
-            rel = err / (np.maximum(np.abs(xf), np.abs(yf)) + tiny)
-        err, rel = np.nan_to_num(err, nan=np.inf), np.nan_to_num(rel, nan=np.inf)
+        xs, ys = xa.reshape(-1), ya.reshape(-1)
+        abs_bad = rel_bad = 0
+        worst, worst_rel = 0, -1.0
+        # in float64 chunks: a multi-GiB cache (op-plugin's reshape_and_cache int8 case) must not
+        # become one float64 copy of itself
+        for lo in range(0, max(xs.size, 1), _CHUNK):
+            xf, yf = xs[lo:lo + _CHUNK].astype(np.float64), ys[lo:lo + _CHUNK].astype(np.float64)
+            nan = np.isnan(xf)
+            if not np.array_equal(nan, np.isnan(yf)):
+                self.fail(f"assertRtolEqual: NaNs at different places{note}")
+            same = nan | (xf == yf)  # also equal infinities, whose difference is NaN
+            with np.errstate(invalid="ignore"):
+                err = np.where(same, 0.0, np.abs(xf - yf))
+                rel = err / (np.maximum(np.abs(xf), np.abs(yf)) + tiny)
+            err, rel = np.nan_to_num(err, nan=np.inf), np.nan_to_num(rel, nan=np.inf)
+            abs_bad += int((err > tol).sum())
+            rel_bad += int((rel > tol).sum())
+            if rel.size and rel.max() > worst_rel:
+                worst, worst_rel = lo + int(np.argmax(rel)), float(rel.max())
         allowed = xa.size * tol
-        abs_bad, rel_bad = int((err > tol).sum()), int((rel > tol).sum())
         if abs_bad > allowed and rel_bad > allowed:
-            worst = np.unravel_index(int(np.argmax(rel)), xa.shape) if xa.ndim else ()
+            at = np.unravel_index(worst, xa.shape) if xa.ndim else ()
             self.fail(f"assertRtolEqual: result error, {abs_bad} of {xa.size} elements beyond "
                       f"absolute tolerance {tol} and {rel_bad} beyond relative tolerance; worst at "
-                      f"{tuple(int(i) for i in worst)}: {xf[worst]} vs {yf[worst]}{note}")
+                      f"{tuple(int(i) for i in at)}: {float(xs[worst])} vs {float(ys[worst])}"
+                      f"{note}")
 
     # ---- assertEqual -----------------------------------------------------------------------
 
