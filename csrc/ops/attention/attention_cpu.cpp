@@ -85,10 +85,10 @@ inline Vectorized<T> softmax_exp(const Vectorized<T>& x) {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // exp(scale * s - m) of score lanes. Where the results are rounded to fp16/bf16 before the GEMM
-// that reads them (kReduced; their fp32 sum only normalises those), it is exp2_reduced of
-// (scale * s - m) * log2(e): the one-fma logit (exact but for one rounding, also for the huge
-// logits of additive masks near -FLT_MAX, where folding log2(e) into the fma's constants would
-// overflow), one more rounding (a relative 6e-8 in exp per unit of |t|, nothing against fp16's
+// that reads them (kReduced; the sum that normalises them adds the rounded values), it is
+// exp2_reduced of (scale * s - m) * log2(e): the one-fma logit (exact but for one rounding, also
+// for the huge logits of additive masks near -FLT_MAX, where folding log2(e) into the fma's
+// constants would overflow), one more rounding (a relative 6e-8 in exp per unit of |t|, nothing against fp16's
 // half ulp of 4.9e-4 in the range a softmax reaches). Otherwise softmax_exp of the logit.
 template <typename T, bool kReduced>
 struct ScaledExp {
@@ -142,13 +142,33 @@ bool any_nan(const T* s, int64_t n) {
 // entries become 0. scale > 0, or 1 when the scores are scaled already; one fma, so the scaled
 // logit is never rounded on its own. kNativeBf16: bf16 rounded by store_bf16_native (neither
 // exp returns subnormals: results below FLT_MIN, or 2^-125, are 0). kReduced: see ScaledExp.
+// Returns two sums: exact, of the exps as computed (the softmax statistic), and used, of the
+// values stored in out. They differ where out is fp16/bf16: the output is normalised by `used`,
+// so the rounded weights the P V GEMM reads sum to 1 (up to the fp32 sum's own rounding) and
+// their rounding errors cancel in the normalisation instead of adding to the output's (bf16
+// causal attention: the max error goes from 1.6-2.0x the rounding floor to ~1.0x).
+template <typename T>
+struct ExpSums {
+  T exact;
+  T used;
+};
+
 template <typename T, typename Out, bool kReduced, bool kNativeBf16 = false>
-T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
+ExpSums<T> exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
   using Vec = Vectorized<T>;
   using Pair = VecPair<Out>;
   static_assert(std::is_same_v<acc_t<Out>, T>);
+  constexpr bool kRoundsOut = !std::is_same_v<Out, T>;
+  // usum += the pair as stored at p (rounded to Out; lanes past k are 0).
+  const auto add_stored = [](Vec& usum, const Out* p, int64_t k) {
+    if constexpr (kRoundsOut) {
+      Vec r0, r1;
+      Pair::load(p, r0, r1, k);
+      usum = usum + r0 + r1;
+    }
+  };
   const ScaledExp<T, kReduced> exp_of(scale, m);
-  Vec vsum(0), vmax(static_cast<T>(kNegInf));
+  Vec vsum(0), usum(0), vmax(static_cast<T>(kNegInf));
   int64_t j = 0;
   for (; j + Pair::kStep <= n; j += Pair::kStep) {
     const Vec x0 = Vec::loadu(s + j), x1 = Vec::loadu(s + j + Vec::size());
@@ -156,6 +176,7 @@ T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
     const Vec e0 = exp_of(x0), e1 = exp_of(x1);
     vsum = vsum + e0 + e1;
     store_pair<kNativeBf16>(out + j, e0, e1);
+    add_stored(usum, out + j, Pair::kStep);
   }
   if (j < n) {  // the tail as one masked step (causal rows end anywhere; scalar exps cost ~15%)
     const int64_t rest = n - j, rest0 = std::min<int64_t>(rest, Vec::size());
@@ -168,9 +189,11 @@ T exp_sum_max(const T* s, int64_t n, T m, T scale, Out* out, T& raw_max) {
     const Vec e0 = exp_of(x0), e1 = exp_of(x1);
     vsum = vsum + e0 + e1;
     store_pair<kNativeBf16>(out + j, e0, e1, rest);
+    add_stored(usum, out + j, rest);
   }
   raw_max = at::vec::vec_reduce_all<T>([](auto& a, auto& b) { return at::vec::maximum(a, b); }, vmax);
-  return horizontal_sum(vsum);
+  const T exact = horizontal_sum(vsum);
+  return {exact, kRoundsOut ? horizontal_sum(usum) : exact};
 }
 
 template <typename T>
@@ -385,9 +408,11 @@ struct FwdScratch {
   blas::TileBuffer<T> factor{kKvBlock};
   blas::TileBuffer<uint8_t> keep{kKvBlock};
   // Per row: the reference the exps are taken against (see attention_fwd_tiles), the sum of
-  // exp(logit - m), and the true maximum so far (top >= m).
+  // exp(logit - m) (the statistic), the sum of P as the P V GEMM reads it (rounded where P is
+  // fp16/bf16; it normalises the output, see exp_sum_max), and the true maximum so far (top >= m).
   T m[kQBlock];
   T l[kQBlock];
+  T l_used[kQBlock];
   T top[kQBlock];
   blas::TileBuffer<T> row_out;  // one output row before rounding
   explicit FwdScratch(int64_t dv)
@@ -404,10 +429,11 @@ void start_rows(const AttentionProblem& p, const Task& task, int64_t rows, int64
   std::copy(w.m, w.m + rows, w.top);
   // exp(sink - sink) = 1, or nothing for a sink of -inf (every first-block l is then 0).
   std::fill(w.l, w.l + rows, m0 == static_cast<T>(kNegInf) ? T(0) : T(1));
+  std::copy(w.l, w.l + rows, w.l_used);
   std::fill(w.acc.data(), w.acc.data() + rows * dv, T(0));
 }
 
-// out = acc / l for the task's rows (rounded once to the output dtype In), and the 8-copy
+// out = acc / l_used for the task's rows (rounded once to the output dtype In), and the 8-copy
 // statistics: the true row max and the sum rebased to it. A row that saw no key (and has no
 // sink) has l = 0: its output is 0, not NaN.
 template <typename T, typename In, typename P>
@@ -416,7 +442,7 @@ void finish_rows(const AttentionProblem& p, const Task& task, int64_t rows, int6
   const int64_t b = task.b, n = task.n;
   In* o = out + b * p.out.stride_b + (p.q_start[b] + task.i0) * p.out.stride_s + n * p.out.stride_n;
   for (int64_t r = 0; r < rows; ++r) {
-    const T inv = w.l[r] == T(0) ? T(0) : T(1) / w.l[r];  // NaN stays NaN
+    const T inv = w.l_used[r] == T(0) ? T(0) : T(1) / w.l_used[r];  // NaN stays NaN
     const T* a = w.acc.data() + r * dv;
     In* dst = o + r * p.out.stride_s;
     if constexpr (kRoundsOperands<T, In>) {
@@ -761,10 +787,11 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             const bool first = w.m[r] == static_cast<T>(kNegInf);
             const T m_ref = first && r > 0 ? w.top[r - 1] : w.m[r];
             if (fuse_scale && !p.dropout && m_ref != static_cast<T>(kNegInf)) {
-              const T sum = exp_row(m_ref, scale, pr);
+              const ExpSums<T> sums = exp_row(m_ref, scale, pr);
               row_m = raw_max * scale;
               if (row_m <= m_ref + kStaleMaxSlack && (!first || row_m >= m_ref - kStaleMaxSlack)) {
-                w.l[r] += sum;  // l is 0 in a row's first block, unless NaN (see below)
+                w.l[r] += sums.exact;  // l is 0 in a row's first block, unless NaN (see below)
+                w.l_used[r] += sums.used;
                 w.m[r] = m_ref;
                 w.top[r] = std::max(w.top[r], row_m);
                 continue;
@@ -776,16 +803,21 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             if (m_new == static_cast<T>(kNegInf)) {  // nothing visible yet: contributes nothing
               // ... unless what it sees is NaN (a NaN in q, or in every key it sees): the
               // maxima skip NaN, so l carries it, and the output and statistics become NaN.
-              if (a < e && any_nan(sr + a, e - a)) w.l[r] = std::numeric_limits<T>::quiet_NaN();
+              if (a < e && any_nan(sr + a, e - a)) {
+                w.l[r] = w.l_used[r] = std::numeric_limits<T>::quiet_NaN();
+              }
               std::fill(pr, pr + width, P(0));
               continue;
             }
             const T alpha = std::exp(w.m[r] - m_new);  // 0 when the row had no max yet
             if (alpha != T(1)) scale_row(w.acc.data() + r * Dv, Dv, alpha);
-            if (!p.dropout) {
-              w.l[r] = w.l[r] * alpha + exp_row(m_new, exp_scale, pr);
-            } else {
-              w.l[r] = w.l[r] * alpha + exp_row(m_new, exp_scale, sr);
+            // With dropout the exps stay in T (sr) and are rounded after the keep factors, so
+            // both sums are the exact one there.
+            const ExpSums<T> sums = p.dropout ? exp_row(m_new, exp_scale, sr)
+                                              : exp_row(m_new, exp_scale, pr);
+            w.l[r] = w.l[r] * alpha + sums.exact;
+            w.l_used[r] = w.l_used[r] * alpha + sums.used;
+            if (p.dropout) {
               dropout_factors(p, hb.bit_row(r) + j0, len, w.keep.data(), w.factor.data(), threshold);
               multiply_rows(sr, w.factor.data(), len);
               at::vec::convert(sr, pr, width);
