@@ -63,6 +63,9 @@ class IpexCase:
 CASES = (
     IpexCase("rms_norm", {"T": 8192, "H": 4096}, ("fp32", "bf16")),
     IpexCase("add_rms_norm", {"T": 8192, "H": 4096}, ("fp32", "bf16")),
+    # graph mode's in-place variant (rule add_rms_norm_inplace): the sum into x2's buffer, as
+    # IPEX's add_back writes it into the residual
+    IpexCase("add_rms_norm_inplace", {"T": 8192, "H": 4096}, ("fp32", "bf16")),
     IpexCase("rotary_mul", {"S": 8192, "N": 32, "D": 128}, ("fp32", "bf16")),
     IpexCase("attention", {"S": 2048, "N": 32, "Nkv": 32, "D": 128}, ("fp32", "bf16")),
     IpexCase("attention", {"S": 2048, "N": 32, "Nkv": 8, "D": 128}, ("fp32", "bf16")),
@@ -171,6 +174,19 @@ def ours_case(op: str, inputs: list[torch.Tensor], shape: dict | None = None):
             s = x1.double() + x2.double()
             return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + EPS) * w.double(), s
         return fn, fn, reference
+    if op == "add_rms_norm_inplace":
+        x1, x2, w = inputs
+        residual = x2.clone()
+        fn = lambda: torch.ops.opennpu._add_rms_norm_inplace(x1, residual, w, EPS)  # noqa: E731
+
+        def outputs():
+            r = x2.clone()
+            return torch.ops.opennpu._add_rms_norm_inplace(x1, r, w, EPS)[0], r
+
+        def reference():
+            s = x1.double() + x2.double()
+            return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + EPS) * w.double(), s
+        return fn, outputs, reference
     if op == "rotary_mul":
         x, cos, sin = inputs
         fn = lambda: npu.npu_rotary_mul(x, cos, sin)  # noqa: E731
@@ -284,12 +300,12 @@ def run_case(worker: IpexWorker, case: IpexCase, dtype_name: str, threads: int, 
     return row
 
 
-HEADER = (f"{'op':<14}{'shape':<30}{'dtype':<6}{'thr':>3}{'ours ms':>10}{'IPEX ms':>10}"
+HEADER = (f"{'op':<21}{'shape':<36}{'dtype':<6}{'thr':>3}{'ours ms':>10}{'IPEX ms':>10}"
           f"{'x IPEX':>8}{'err ours':>10}{'/floor':>7}{'err IPEX':>10}{'/floor':>7}")
 
 
 def format_row(row: dict) -> str:
-    head = f"{row['op']:<14}{row['shape']:<30}{row['dtype']:<6}{row['threads']:>3}"
+    head = f"{row['op']:<21}{row['shape']:<36}{row['dtype']:<6}{row['threads']:>3}"
     if "skip" in row:
         return f"{head}  IPEX skipped: {row['skip']}"
     return (f"{head}{row['ours'] * 1e3:>10.4g}{row['ipex'] * 1e3:>10.4g}{row['ratio']:>7.2f}x"

@@ -50,7 +50,7 @@ def _randn(*shape, dtype):
 def make_inputs(case: str, shape: dict, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
     """The inputs of a case, identical in both processes (torch's CPU generator, fp32 draws)."""
     torch.manual_seed(seed)
-    if case in ("rms_norm", "add_rms_norm"):
+    if case in ("rms_norm", "add_rms_norm", "add_rms_norm_inplace"):
         t, h = shape["T"], shape["H"]
         x = [_randn(t, h, dtype=dtype) for _ in range(1 if case == "rms_norm" else 2)]
         return [*x, (1 + 0.1 * torch.randn(h)).to(dtype)]
@@ -115,7 +115,7 @@ def ipex_case(case: str, shape: dict, inputs: list[torch.Tensor]):
         x, w = inputs
         fn = lambda: ops.rmsnorm(x, w, EPS)  # noqa: E731
         return fn, fn
-    if case == "add_rms_norm":
+    if case in ("add_rms_norm", "add_rms_norm_inplace"):
         # ipex.llm.functional.add_rms_norm(residual, x, ..., add_back=True)'s kernel: the sum is
         # written into the residual in place (torch_npu's op returns it as a new tensor). Each
         # call adds x2 again: the values drift, the times do not.
