@@ -23,17 +23,17 @@
 //     NaN, so there is no negative zero).
 // The result depends on the sign, the float32 exponent and the top four mantissa bits only
 // (m + 1 <= 4 bits decide a ties-away rounding). This was checked against en_dtypes 0.0.4 on
-// all 2^32 float32 bit patterns (tests/ops/test_hifloat8_out.py keeps a sample of them and
-// every code boundary and tie).
+// all 2^32 float32 bit patterns, both forms below (scripts/hifloat8_exhaustive.py;
+// tests/ops/test_hifloat8_out.py keeps a sample of them and every code boundary and tie).
 #pragma once
 
 #include <cstdint>
 #include <cstring>
 
 #if defined(__CUDACC__)
-#define OPENNPU_HIF8_HD __host__ __device__ __forceinline__
+#define OPENNPU_HIF8_HD __host__ __device__ __forceinline__ constexpr
 #else
-#define OPENNPU_HIF8_HD inline
+#define OPENNPU_HIF8_HD inline constexpr
 #endif
 
 namespace opennpu::quant {
@@ -51,7 +51,7 @@ OPENNPU_HIF8_HD uint8_t hifloat8_from_bits(uint32_t bits) {
   if (mag >= 0x7F800000u) return sign | kHif8Inf;
   int e = static_cast<int>(mag >> 23) - 127;  // float32 subnormals: -127, they round to 0
   const uint32_t mant = mag & 0x7FFFFFu;
-  uint8_t code;
+  uint8_t code = 0;
   if (e < -23) {
     code = 0;
   } else if (e < -15) {  // subnormal codes 2^(M - 23): up to 2^(e+1) from 1.5 * 2^e
@@ -84,7 +84,12 @@ OPENNPU_HIF8_HD uint8_t hifloat8_from_bits(uint32_t bits) {
   return code == 0 ? code : static_cast<uint8_t>(sign | code);
 }
 
-OPENNPU_HIF8_HD uint8_t float_to_hifloat8(float v) {
+#if defined(__CUDACC__)
+__host__ __device__ __forceinline__
+#else
+inline
+#endif
+uint8_t float_to_hifloat8(float v) {
 #if defined(__CUDA_ARCH__)
   return hifloat8_from_bits(__float_as_uint(v));
 #else
@@ -93,6 +98,26 @@ OPENNPU_HIF8_HD uint8_t float_to_hifloat8(float v) {
   return hifloat8_from_bits(bits);
 #endif
 }
+
+#if !defined(__CUDACC__)
+// The CPU kernels' form: one load from a table of the 8192 (sign, float32 exponent, top four
+// mantissa bits) keys, which decide every non-NaN code (see above), built at compile time from
+// hifloat8_from_bits; NaNs (exponent 255 and a mantissa beyond the key's bits) are patched.
+struct Hifloat8Table {
+  uint8_t code[8192];
+  constexpr Hifloat8Table() : code() {
+    for (uint32_t k = 0; k < 8192; ++k) code[k] = hifloat8_from_bits(k << 19);
+  }
+};
+inline constexpr Hifloat8Table kHifloat8Table{};
+
+inline uint8_t float_to_hifloat8_table(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  const uint8_t code = kHifloat8Table.code[bits >> 19];
+  return (bits & 0x7FFFFFFFu) > 0x7F800000u ? kHif8Nan : code;
+}
+#endif
 
 }  // namespace opennpu::quant
 

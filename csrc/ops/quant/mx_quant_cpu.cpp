@@ -197,7 +197,7 @@ void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
               const float t = std::clamp(rounded(static_cast<float>(row[c]) * inv), -qmax, qmax);
               out[c] = fp8 == 1   ? c10::Float8_e4m3fn(t).x
                        : fp8 == 2 ? c10::Float8_e5m2(t).x
-                                  : float_to_hifloat8(t);
+                                  : float_to_hifloat8_table(t);
             }
             continue;
           }

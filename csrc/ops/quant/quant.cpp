@@ -420,7 +420,7 @@ at::Tensor to_hifloat8(const at::Tensor& x) {
   const float* px = c.const_data_ptr<float>();
   uint8_t* py = y.mutable_data_ptr<uint8_t>();
   at::parallel_for(0, c.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) py[i] = float_to_hifloat8(px[i]);
+    for (int64_t i = begin; i < end; ++i) py[i] = float_to_hifloat8_table(px[i]);
   });
   return y;
 }

@@ -204,7 +204,7 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
       (b / vscale).store(t + Vec::size());
       uint8_t* codes = static_cast<uint8_t*>(out) + i;
       if (spec.fp8 == kFp8Hif8) {  // ties away from zero (hifloat8.h)
-        for (int64_t k = 0; k < len; ++k) codes[k] = float_to_hifloat8(t[k]);
+        for (int64_t k = 0; k < len; ++k) codes[k] = float_to_hifloat8_table(t[k]);
       } else {  // rounded to nearest even by c10
         for (int64_t k = 0; k < len; ++k) {
           codes[k] = spec.fp8 == kFp8E4m3 ? c10::Float8_e4m3fn(t[k]).x : c10::Float8_e5m2(t[k]).x;
@@ -465,7 +465,7 @@ void quantize_span_hif8(const src_t* x, int64_t n, const float* f, const float* 
     float t[2 * Vec::size()];
     (div ? rounded(a / fa) + za : rounded(a * fa) + za).store(t);
     (div ? rounded(b / fb) + zb : rounded(b * fb) + zb).store(t + Vec::size());
-    for (int64_t k = 0; k < len; ++k) out[i + k] = float_to_hifloat8(t[k]);
+    for (int64_t k = 0; k < len; ++k) out[i + k] = float_to_hifloat8_table(t[k]);
   });
 }
 
