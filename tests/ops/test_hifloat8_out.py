@@ -389,6 +389,19 @@ def test_infer_attention_v2_out(dtype, per_channel):
     assert torch.equal(out, want)
 
 
+def test_infer_attention_v2_empty_and_non_contiguous():
+    q, k, v, kw = _fia_inputs(torch.float16, seed=7)
+    out, _ = npu.npu_fused_infer_attention_score_v2(q[:0], k[:0], v[:0], out_dtype=HIF8,
+                                                    quant_scale_out=torch.ones(1), **kw)
+    assert out.dtype == torch.uint8 and out.shape == (0, 4, 3, 8)
+    sc = (torch.rand(8, 4) * 500 + 1).t()  # per channel, non-contiguous [4, 8]
+    qt = q.transpose(2, 3).contiguous().transpose(2, 3)  # strided query
+    out, _ = npu.npu_fused_infer_attention_score_v2(qt, k, v, quant_scale_out=sc, out_dtype=HIF8,
+                                                    **kw)
+    o32, _ = npu.npu_fused_infer_attention_score_v2(q.float(), k.float(), v.float(), **kw)
+    assert torch.equal(out, oracle(o32 * sc.reshape(1, 4, 1, 8)))
+
+
 def test_infer_attention_v2_portable_out_overload_opcheck_compile_errors():
     q, k, v, kw = _fia_inputs(torch.bfloat16, seed=6)
     sc = torch.rand(4, 8) * 100 + 1
