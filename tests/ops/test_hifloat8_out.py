@@ -101,7 +101,8 @@ def encode(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("sample", ["boundaries", "specials", "random"])
 def test_encoder_matches_en_dtypes(sample):
-    x = {"boundaries": boundary_sample, "specials": special_sample, "random": random_sample}[sample]()
+    make = {"boundaries": boundary_sample, "specials": special_sample, "random": random_sample}
+    x = make[sample]()
     want = oracle(x)
     got = encode(x)
     assert got.dtype == torch.uint8 and got.shape == x.shape
