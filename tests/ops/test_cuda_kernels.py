@@ -216,7 +216,8 @@ def _codes_equal(got, want):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [37, 64, 4096, 20000])  # 20000: longer than the registers keep
-@pytest.mark.parametrize("dst_type", [None, torch.quint4x2, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("dst_type", [None, torch.quint4x2, torch.float8_e4m3fn, torch.float8_e5m2,
+                                      290])  # 290: torch_npu.hifloat8, uint8 codes
 @pytest.mark.parametrize("mode", ["pertoken", "pertensor"])
 def test_dynamic_quant_codes_match_the_cpu_bit_for_bit(dtype, n, dst_type, mode):
     if dst_type == torch.quint4x2 and n % 8:
@@ -224,6 +225,9 @@ def test_dynamic_quant_codes_match_the_cpu_bit_for_bit(dtype, n, dst_type, mode)
     x = torch.randn(5, 3, n, dtype=dtype) * 3
     x[0, 0, 1] = 0.5 * x[0, 0].abs().max()  # a tie (v / scale = 63.5 for int8)
     x[1, 1] = 0  # an all-zero row: scale 1
+    if dst_type == 290:  # hifloat8 ties (1.0625 -> 1.125) and every dot field's range
+        x[0, 0, 2] = x[0, 0].abs().max() * (1.0625 / 32768)
+        x[2, 2, : min(n, 31)] = torch.logspace(-8, 4, min(n, 31), base=2.0).to(dtype)
     kw = dict(dst_type=dst_type, quant_mode=mode)
     _codes_equal(*_both(lambda t: npu.npu_dynamic_quant(t, **kw), x))
     smooth = torch.rand(n, dtype=dtype) + 0.5

@@ -23,6 +23,8 @@
 
 #include "common/checks.h"
 #include "common/dtype.h"
+#include "ops/quant/hifloat8.h"
+#include "ops/quant/quant.h"
 
 namespace opennpu::attention {
 
@@ -859,10 +861,12 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
 // query's dtype), the product and the sum each rounded to float32, and the cast, as Ascend's
 // post-quant kernels do it: int8 through float16 (float32 -> float16 -> int8, both round half to
 // even; opennpu saturates to [-128, 127] and maps NaN to 0), float8 directly (round half to
-// even, torch's conversion: no saturation). Per tensor (one factor) or per channel (Q_N * D
+// even, torch's conversion: no saturation), hifloat8 (v2's out_dtype 290; uint8 codes) directly
+// through the quant family's encoder (half away from zero, as en_dtypes casts; |v| >= 40960 ->
+// inf, no saturation). Per tensor (one factor) or per channel (Q_N * D
 // factors in any shape, e.g. (Q_N, D), (1, Q_N, 1, D), (1, 1, Q_N, D), (H,), (1, 1, H)).
 struct OutQuant {
-  at::ScalarType dtype = at::kChar;  // int8, float8_e5m2 or float8_e4m3fn
+  at::ScalarType dtype = at::kChar;  // int8, float8_e5m2, float8_e4m3fn or Byte (hifloat8)
   at::Tensor scale, offset;          // float32 [1] or [Q_N, D]; offset undefined: 0
   bool per_channel = false;
 };
@@ -920,6 +924,7 @@ at::Tensor quantise_out(const OutQuant& q, at::Tensor out, L l, int64_t heads) {
   };
   c.mul_(fit(q.scale));
   if (q.offset.defined()) c.add_(fit(q.offset));
+  if (q.dtype == at::kByte) return quant::to_hifloat8(out);
   if (q.dtype != at::kChar) return out.to(q.dtype);
   // float32 -> float16 (round half to even; overflow gives +-inf) -> int8 (half to even).
   at::Tensor h = out.to(at::kHalf).to(at::kFloat);
@@ -1116,18 +1121,20 @@ std::tuple<at::Tensor, at::Tensor> fia_v1_infer_output(
                       softmax_lse_flag);
 }
 
-// v2's out_dtype: with quant_scale_out None (int8), int8, float8_e5m2 or float8_e4m3fn; without it
-// None or query's dtype (the output is never cast otherwise).
+// v2's out_dtype: with quant_scale_out None (int8), int8, float8_e5m2, float8_e4m3fn or
+// torch_npu.hifloat8 (290: uint8 codes, as torch_npu returns them); without it None or query's
+// dtype (the output is never cast otherwise).
 at::ScalarType v2_out_dtype(std::optional<int64_t> out_dtype, const at::Tensor& query,
                             const std::optional<at::Tensor>& quant_scale_out) {
   if (quant_scale_out.has_value()) {
     if (!out_dtype.has_value()) return at::kChar;
+    if (*out_dtype == quant::kHif8DtypeCode) return at::kByte;
     for (const at::ScalarType t : {at::kChar, at::kFloat8_e5m2, at::kFloat8_e4m3fn}) {
       if (*out_dtype == static_cast<int64_t>(t)) return t;
     }
     OPENNPU_CHECK_ARG(false, kOpV2, "out_dtype",
-                      "must be None, torch.int8, torch.float8_e5m2 or torch.float8_e4m3fn with "
-                      "quant_scale_out (hifloat8 is not supported by opennpu), but got ",
+                      "must be None, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn or "
+                      "torch_npu.hifloat8 (290) with quant_scale_out, but got ",
                       dtype_name(*out_dtype));
   }
   OPENNPU_CHECK_ARG(!out_dtype.has_value() ||

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common/checks.h"
+#include "ops/quant/hifloat8.h"
 
 namespace opennpu::quant {
 
@@ -224,8 +225,6 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_block_quant(
   OPENNPU_CHECK_ARG(x.dim() == 2 || x.dim() == 3, op, "x", "must be 2-D or 3-D, but got shape ",
                     shape_str(x.sizes()));
   OPENNPU_CHECK_ARG(min_scale >= 0.0, op, "min_scale", "must be >= 0, but got ", min_scale);
-  OPENNPU_CHECK_ARG(round_mode == "rint", op, "round_mode", "must be \"rint\", but got \"",
-                    round_mode, "\"");
   OPENNPU_CHECK_ARG(row_block_size >= 1 && col_block_size >= 1, op,
                     row_block_size < 1 ? "row_block_size" : "col_block_size",
                     "must be >= 1, but got ", row_block_size < 1 ? row_block_size : col_block_size);
@@ -236,11 +235,24 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_block_quant(
     fp8 = 1, qmax = 448.f, y_dtype = at::kFloat8_e4m3fn;
   } else if (dst_type == kE5m2 || dst_type == kNpuE5m2) {
     fp8 = 2, qmax = 57344.f, y_dtype = at::kFloat8_e5m2;
+  } else if (dst_type == kNpuHif8) {  // HiF8_MAX = 32768 (op-plugin's doc); uint8 codes
+    fp8 = 3, qmax = kHif8Max, y_dtype = at::kByte;
   } else {
     OPENNPU_CHECK_ARG(dst_type == static_cast<int64_t>(at::kChar), op, "dst_type",
-                      "must be 1 (torch.int8), torch.float8_e4m3fn (24 / 292) or "
-                      "torch.float8_e5m2 (23 / 291), but got ", dst_type,
-                      dst_type == kNpuHif8 ? " (hifloat8, not supported)" : "");
+                      "must be 1 (torch.int8), torch.float8_e4m3fn (24 / 292), "
+                      "torch.float8_e5m2 (23 / 291) or torch_npu.hifloat8 (290), but got ",
+                      dst_type);
+  }
+  // hifloat8 is cast with "round" (half away from zero; Ascend's "hybrid" mode is not
+  // implemented), int8 / float8 with "rint" (half to even).
+  if (fp8 == 3) {
+    OPENNPU_CHECK_ARG(round_mode == "round", op, "round_mode",
+                      "must be \"round\" for hifloat8 outputs (\"hybrid\" is not supported by "
+                      "opennpu), but got \"", round_mode, "\"");
+  } else {
+    OPENNPU_CHECK_ARG(round_mode == "rint", op, "round_mode",
+                      "must be \"rint\" for int8 / float8 outputs (\"round\" is hifloat8's), "
+                      "but got \"", round_mode, "\"");
   }
   OPENNPU_CHECK_ARG(dst_type_max == 0.0 || (dst_type_max > 0.0 && dst_type_max <= qmax), op,
                     "dst_type_max", "must be 0 (use ", qmax, ") or in (0, ", qmax, "], but got ",

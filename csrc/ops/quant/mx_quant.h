@@ -52,7 +52,9 @@ using PackFp4Fn = void(const uint8_t* codes, int64_t pairs, uint8_t* packed);
 // amax = max|x|, inv = min(qmax * (1 / amax), 1 / min_scale) (two roundings, as the golden's
 // torch expression 127.0 / amax), scale = max(amax / qmax, min_scale)
 // (an all-zero block: scale max(0, min_scale), codes 0); codes = x * inv rounded half to even
-// (int8, saturated to [-qmax, qmax]) or converted to fp8 (fp8 != 0: 1 = e4m3fn, 2 = e5m2).
+// (int8, saturated to [-qmax, qmax]) or clamped to [-qmax, qmax] and converted (fp8 != 0:
+// 1 = float8_e4m3fn, 2 = float8_e5m2, both half to even; 3 = hifloat8 bytes, half away from
+// zero, round_mode "round", hifloat8.h).
 using BlockQuantFn = void(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
                           float min_scale, int fp8, at::Tensor& y, at::Tensor& scale);
 

@@ -13,6 +13,7 @@
 
 #include "common/vec.h"
 #include "ops/quant/fp_barrier.h"
+#include "ops/quant/hifloat8.h"
 #include "ops/quant/mx_quant.h"
 
 namespace opennpu::quant {
@@ -191,10 +192,12 @@ void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
         for (int64_t r = r0; r < r1; ++r) {
           const scalar_t* row = px + (bt * rows + r) * cols + c0;
           uint8_t* out = py + (bt * rows + r) * cols + c0;
-          if (fp8 != 0) {  // c10's conversion (an add inside: products kept rounded)
+          if (fp8 != 0) {  // c10's conversion (an add inside: products kept rounded), or hifloat8's
             for (int64_t c = 0; c < c1 - c0; ++c) {
               const float t = std::clamp(rounded(static_cast<float>(row[c]) * inv), -qmax, qmax);
-              out[c] = fp8 == 1 ? c10::Float8_e4m3fn(t).x : c10::Float8_e5m2(t).x;
+              out[c] = fp8 == 1   ? c10::Float8_e4m3fn(t).x
+                       : fp8 == 2 ? c10::Float8_e5m2(t).x
+                                  : float_to_hifloat8_table(t);
             }
             continue;
           }

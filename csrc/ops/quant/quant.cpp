@@ -1,6 +1,7 @@
 // Entry points of the quantisation family: validation, output allocation, CPU registration.
 #include "ops/quant/quant.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
@@ -13,6 +14,7 @@
 #include <string_view>
 
 #include "common/checks.h"
+#include "ops/quant/hifloat8.h"
 
 namespace opennpu::quant {
 
@@ -34,19 +36,21 @@ bool parse_int4(const char* op, const char* arg, std::optional<int64_t> dtype) {
   const bool known = *dtype >= 0 && *dtype < static_cast<int64_t>(c10::ScalarType::NumOptions);
   OPENNPU_CHECK_ARG(false, op, arg,
                     "must be None, torch.int8, torch.quint4x2 (int4 packed eight per int32) or "
-                    "(npu_dynamic_quant) torch.float8_e4m3fn / torch.float8_e5m2; hifloat8 "
-                    "outputs are not supported by opennpu, but got ",
+                    "(npu_dynamic_quant) torch.float8_e4m3fn / torch.float8_e5m2 (or torch_npu's "
+                    "292 / 291) / torch_npu.hifloat8 (290), but got ",
                     known ? c10::toString(static_cast<c10::ScalarType>(*dtype)) : "dtype code ",
                     known ? "" : std::to_string(*dtype));
   return false;
 }
 
-// npu_dynamic_quant's float8 outputs: dst_type torch.float8_e4m3fn (24, or torch_npu's 292) ->
-// 1, torch.float8_e5m2 (23 / 291) -> 2, anything else 0.
+// npu_dynamic_quant's float outputs: dst_type torch.float8_e4m3fn (24, or torch_npu's 292) ->
+// kFp8E4m3, torch.float8_e5m2 (23 / 291) -> kFp8E5m2, torch_npu.hifloat8 (290) -> kFp8Hif8,
+// anything else 0.
 int parse_fp8(std::optional<int64_t> dtype) {
   if (!dtype.has_value()) return 0;
-  if (*dtype == static_cast<int64_t>(at::kFloat8_e4m3fn) || *dtype == 292) return 1;
-  if (*dtype == static_cast<int64_t>(at::kFloat8_e5m2) || *dtype == 291) return 2;
+  if (*dtype == static_cast<int64_t>(at::kFloat8_e4m3fn) || *dtype == 292) return kFp8E4m3;
+  if (*dtype == static_cast<int64_t>(at::kFloat8_e5m2) || *dtype == 291) return kFp8E5m2;
+  if (*dtype == kHif8DtypeCode) return kFp8Hif8;
   return 0;
 }
 
@@ -109,7 +113,13 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
                     "must be \"pertoken\" or \"pertensor\" (\"perchannel\" is not supported by "
                     "opennpu yet), but got \"", quant_mode, "\"");
   const bool per_tensor = quant_mode == "pertensor";
-  const float code_max = fp8 == 1 ? 448.f : fp8 == 2 ? 57344.f : int4 ? 7.f : 127.f;
+  // DTYPE_MAX: hifloat8's is 2^15 = 32768 (op-plugin's npu_dynamic_block_quant and
+  // npu_grouped_dynamic_block_quant docs; CANN accepts dst_type_max in [0, 32768] for it).
+  const float code_max = fp8 == kFp8E4m3   ? 448.f
+                         : fp8 == kFp8E5m2 ? 57344.f
+                         : fp8 == kFp8Hif8 ? kHif8Max
+                         : int4            ? 7.f
+                                           : 127.f;
   OPENNPU_CHECK_ARG(dst_type_max == 0.0 || (dst_type_max > 0.0 && dst_type_max <= code_max), op,
                     "dst_type_max", "must be 0 (use ", code_max, ", the output type's maximum) or in (0, ",
                     code_max, "], but got ", dst_type_max);
@@ -165,8 +175,12 @@ std::tuple<at::Tensor, at::Tensor> npu_dynamic_quant(
   }
 
   const at::Tensor x = as_kernel_input(input);
-  const auto y_dtype = fp8 == 1 ? at::kFloat8_e4m3fn : fp8 == 2 ? at::kFloat8_e5m2
-                       : int4   ? at::kInt : at::kChar;
+  // hifloat8 codes are uint8 bytes, as torch_npu returns them (torch has no hifloat8 dtype).
+  const auto y_dtype = fp8 == kFp8E4m3   ? at::kFloat8_e4m3fn
+                       : fp8 == kFp8E5m2 ? at::kFloat8_e5m2
+                       : fp8 == kFp8Hif8 ? at::kByte
+                       : int4            ? at::kInt
+                                         : at::kChar;
   at::Tensor y = at::empty(code_shape(input, int4), input.options().dtype(y_dtype));
   at::Tensor scale = per_tensor ? at::empty({1}, input.options().dtype(at::kFloat))
                                 : at::empty(leading_shape(input), input.options().dtype(at::kFloat));
@@ -272,9 +286,11 @@ namespace {
 
 // npu_quantize's `dtype` code -> the output. div_mode (aclnnQuantize): qint8 / quint8 / qint32 or
 // int8 / uint8 / int32 give codes of those widths; otherwise (AscendQuantV2): qint8 / int8, or
-// quint4x2 / torch.int4 for int4 packed eight per int32.
+// quint4x2 / torch.int4 for int4 packed eight per int32. Either mode: torch_npu.hifloat8 (290),
+// uint8 bytes.
 QuantizeOut parse_quantize_dtype(int64_t dtype, bool div_mode) {
   constexpr const char* op = "npu_quantize";
+  if (dtype == kHif8DtypeCode) return QuantizeOut::kHif8;
   const auto is = [&](c10::ScalarType t) { return dtype == static_cast<int64_t>(t); };
   if (is(at::kQInt8) || is(at::kChar)) return QuantizeOut::kInt8;
   if (div_mode && (is(at::kQUInt8) || is(at::kByte))) return QuantizeOut::kUInt8;
@@ -286,7 +302,8 @@ QuantizeOut parse_quantize_dtype(int64_t dtype, bool div_mode) {
                                "torch.uint8 / torch.int32) with div_mode=True"
                              : "must be torch.qint8 (or torch.int8) or torch.quint4x2 (int4 packed "
                                "eight per int32) with div_mode=False",
-                    "; float8 / hifloat8 outputs are not supported by opennpu, but got ",
+                    ", or torch_npu.hifloat8 (290); float8 outputs are not supported by opennpu, "
+                    "but got ",
                     known ? c10::toString(static_cast<c10::ScalarType>(dtype)) : "dtype code ",
                     known ? "" : std::to_string(dtype));
   return QuantizeOut::kInt8;
@@ -379,9 +396,9 @@ at::Tensor npu_quantize(const at::Tensor& self, const at::Tensor& scales,
                       shape_str(self.sizes()));
     shape.back() /= 8;
   }
-  const at::ScalarType y_dtype = out == QuantizeOut::kInt8    ? at::kChar
-                                 : out == QuantizeOut::kUInt8 ? at::kByte
-                                                              : at::kInt;
+  const at::ScalarType y_dtype = out == QuantizeOut::kInt8                                ? at::kChar
+                                 : out == QuantizeOut::kUInt8 || out == QuantizeOut::kHif8 ? at::kByte
+                                                                                          : at::kInt;
   at::Tensor y = at::empty(shape, self.options().dtype(y_dtype));
   if (self.numel() == 0) return y;
   const at::Tensor x = as_kernel_input(self);
@@ -393,6 +410,18 @@ at::Tensor npu_quantize(const at::Tensor& self, const at::Tensor& scales,
   const int64_t channels = one ? 1 : size;
   const int64_t inner = one ? self.size(-1) : c10::multiply_integers(self.sizes().slice(ax + 1));
   quantize.get(op, self)(x.view({outer, channels, inner}), s, z, div_mode, out, y);
+  return y;
+}
+
+at::Tensor to_hifloat8(const at::Tensor& x) {
+  TORCH_INTERNAL_ASSERT(x.scalar_type() == at::kFloat && !x.is_cuda());
+  const at::Tensor c = x.contiguous();
+  at::Tensor y = at::empty(c.sizes(), c.options().dtype(at::kByte));
+  const float* px = c.const_data_ptr<float>();
+  uint8_t* py = y.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, c.numel(), 1 << 14, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) py[i] = float_to_hifloat8_table(px[i]);
+  });
   return y;
 }
 

@@ -8,8 +8,8 @@
 // Kernels see row-major [rows, n] contiguous views. Floating inputs are float16, bfloat16 or
 // float32 (float64 is converted to float32 by the entry points); every auxiliary vector (smooth
 // scales, gamma, beta) arrives as contiguous float32. Outputs: codes as int8 [rows, n], or int32
-// [rows, n / 8] holding eight int4 codes each, lowest bits first, or float8 [rows, n] (fp8 != 0,
-// npu_dynamic_quant only); scales float32.
+// [rows, n / 8] holding eight int4 codes each, lowest bits first, or float8 / hifloat8 bytes
+// [rows, n] (fp8 != 0, npu_dynamic_quant only); scales float32.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -28,9 +28,12 @@ struct QuantSpec {
   float qmax;  // DTYPE_MAX: 127 (int8), 7 (int4), or dst_type_max
   float lo, hi;  // the code range: [-128, 127] or [-8, 7]
   bool int4;  // pack eight codes per int32
-  int fp8 = 0;  // float8 codes instead (1: e4m3fn, 2: e5m2): y = fp8(v / scale), RNE, with
-                // scale = rowmax * (1 / qmax) as CANN's golden forms it
+  int fp8 = 0;  // float codes instead (1: float8_e4m3fn, 2: float8_e5m2, 3: hifloat8 as uint8):
+                // y = fp8(v / scale) with scale = rowmax * (1 / qmax) as CANN's golden forms
+                // it; float8 rounds half to even (c10), hifloat8 half away from zero
+                // (hifloat8.h, en_dtypes' cast)
 };
+constexpr int kFp8E4m3 = 1, kFp8E5m2 = 2, kFp8Hif8 = 3;
 
 // npu_dynamic_quant. smooth: undefined, [n], or [groups, n] with group_ends (int64 [groups],
 // non-decreasing, last = rows: group g covers rows [group_ends[g-1], group_ends[g])).
@@ -58,9 +61,18 @@ using AddRmsNormDynamicQuantFn = void(const at::Tensor& x1, const at::Tensor& x2
 // y: int8 / uint8 / int32 codes of x's shape, or (int4) int32 [outer, channels, inner / 8]
 // words of eight int4 codes, lowest bits first; int4 needs inner % 8 == 0 or, with inner == 1,
 // channels % 8 == 0 (the packed axis is always x's last dim).
-enum class QuantizeOut { kInt8, kUInt8, kInt32, kInt4 };
+// hifloat8 (kHif8, uint8 codes of x's shape; no golden defines it, this follows the formulas):
+//   div:  t = fp32(x / scale) + zero_point   (the true quotient, aclnnQuantize's x / scales)
+//   mul:  t = fp32(x * scale) + zero_point
+// q = hifloat8(t) (hifloat8.h: ties away from zero, |t| >= 40960 -> inf, NaN -> NaN code).
+enum class QuantizeOut { kInt8, kUInt8, kInt32, kInt4, kHif8 };
 using QuantizeFn = void(const at::Tensor& x, const at::Tensor& scale, const at::Tensor& zero_point,
                         bool div, QuantizeOut out, at::Tensor& y);
+
+// hifloat8 codes (uint8, contiguous, x's shape) of a float32 tensor on the CPU (or npu) device:
+// y = hifloat8(x) element by element (hifloat8.h). Used by the ops whose outputs are cast to
+// hifloat8 after their own arithmetic (npu_fused_infer_attention_score_v2's output quant).
+at::Tensor to_hifloat8(const at::Tensor& x);
 
 extern KernelSlots<DynamicQuantFn> dynamic_quant;
 extern KernelSlots<AddRmsNormDynamicQuantFn> add_rms_norm_dynamic_quant;

@@ -21,6 +21,7 @@
 #include "common/vec.h"
 #include "ops/norm/norm_rows.h"
 #include "ops/quant/fp_barrier.h"
+#include "ops/quant/hifloat8.h"
 #include "ops/quant/quant.h"
 
 namespace opennpu::quant {
@@ -197,13 +198,17 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
     Vec a, b;
     load_smoothed(x, smooth, i, len, a, b);
     const int64_t len_a = std::min<int64_t>(len, Vec::size());
-    if (spec.fp8 != 0) {  // float8: the true quotient, rounded to nearest even by c10
+    if (spec.fp8 != 0) {  // float8 / hifloat8: the true quotient, converted
       float t[2 * Vec::size()];
       (a / vscale).store(t);
       (b / vscale).store(t + Vec::size());
       uint8_t* codes = static_cast<uint8_t*>(out) + i;
-      for (int64_t k = 0; k < len; ++k) {
-        codes[k] = spec.fp8 == 1 ? c10::Float8_e4m3fn(t[k]).x : c10::Float8_e5m2(t[k]).x;
+      if (spec.fp8 == kFp8Hif8) {  // ties away from zero (hifloat8.h)
+        for (int64_t k = 0; k < len; ++k) codes[k] = float_to_hifloat8_table(t[k]);
+      } else {  // rounded to nearest even by c10
+        for (int64_t k = 0; k < len; ++k) {
+          codes[k] = spec.fp8 == kFp8E4m3 ? c10::Float8_e4m3fn(t[k]).x : c10::Float8_e5m2(t[k]).x;
+        }
       }
       return;
     }
@@ -444,6 +449,26 @@ inline void store_quantized(void* out, int64_t index, const Vec& q, int64_t len)
   }
 }
 
+// hifloat8 codes of n consecutive elements x[0, n) at output element `index` (QuantizeFn):
+// t = fp32(x / scale) + zero (div; `factor` holds the scales) or fp32(x * scale) + zero (mul),
+// each step rounded to float32 (no FMA), then hifloat8(t). f / z per element or f0 / z0.
+template <typename src_t>
+void quantize_span_hif8(const src_t* x, int64_t n, const float* f, const float* z, float f0,
+                        float z0, bool div, uint8_t* out) {
+  for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
+    Vec a, b, fa(f0), fb(f0), za(z0), zb(z0);
+    VecPair<src_t>::load(x + i, a, b, len);
+    if (f != nullptr) {
+      FloatIO::load(f + i, fa, fb, len);
+      if (z != nullptr) FloatIO::load(z + i, za, zb, len);
+    }
+    float t[2 * Vec::size()];
+    (div ? rounded(a / fa) + za : rounded(a * fa) + za).store(t);
+    (div ? rounded(b / fb) + zb : rounded(b * fb) + zb).store(t + Vec::size());
+    for (int64_t k = 0; k < len; ++k) out[i + k] = float_to_hifloat8_table(t[k]);
+  });
+}
+
 // Codes of n consecutive elements x[0, n) starting at output element `index`. factor / zero:
 // per element (f, z not null: the channels run along x) or one value for the span (f0, z0).
 // factor is 1 / scale (div) or scale (mul); see QuantizeFn for the two formulas.
@@ -480,6 +505,17 @@ void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, fl
   });
 }
 
+// One span of QuantizeFn's output: the integer codes, or hifloat8's.
+template <typename src_t, QuantizeOut kOut>
+inline void quantize_any_span(const src_t* x, int64_t n, const float* f, const float* z, float f0,
+                              float z0, bool div, void* out, int64_t index) {
+  if constexpr (kOut == QuantizeOut::kHif8) {
+    quantize_span_hif8<src_t>(x, n, f, z, f0, z0, div, static_cast<uint8_t*>(out) + index);
+  } else {
+    quantize_span<src_t, kOut>(x, n, f, z, f0, z0, div, out, index);
+  }
+}
+
 template <QuantizeOut kOut>
 void quantize_typed(const at::Tensor& x, const std::vector<float>& factor, const float* zero,
                     bool div, at::Tensor& y) {
@@ -491,8 +527,8 @@ void quantize_typed(const at::Tensor& x, const std::vector<float>& factor, const
     if (inner == 1) {  // the channels run along each row: per-element factors
       at::parallel_for(0, outer, grain_rows(channels), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
-          quantize_span<scalar_t, kOut>(px + r * channels, channels, pf, zero, 0.f, 0.f, div, out,
-                                        r * channels);
+          quantize_any_span<scalar_t, kOut>(px + r * channels, channels, pf, zero, 0.f, 0.f, div,
+                                            out, r * channels);
         }
       });
       return;
@@ -501,8 +537,8 @@ void quantize_typed(const at::Tensor& x, const std::vector<float>& factor, const
     at::parallel_for(0, outer * channels, grain_rows(inner), [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t c = u % channels;
-        quantize_span<scalar_t, kOut>(px + u * inner, inner, nullptr, nullptr, pf[c],
-                                      zero != nullptr ? zero[c] : 0.f, div, out, u * inner);
+        quantize_any_span<scalar_t, kOut>(px + u * inner, inner, nullptr, nullptr, pf[c],
+                                          zero != nullptr ? zero[c] : 0.f, div, out, u * inner);
       }
     });
   });
@@ -512,9 +548,10 @@ void quantize_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Ten
                      bool div, QuantizeOut out, at::Tensor& y) {
   const int64_t channels = scale.numel();
   const float* ps = scale.const_data_ptr<float>();
-  // div multiplies by the float32 reciprocal of each scale, as torch.quantize_per_channel does.
+  // div multiplies by the float32 reciprocal of each scale, as torch.quantize_per_channel does
+  // (hifloat8 divides by the scale itself).
   std::vector<float> factor(ps, ps + channels);
-  if (div) {
+  if (div && out != QuantizeOut::kHif8) {
     for (float& f : factor) f = 1.f / f;
   }
   const float* pz = zero_point.defined() ? zero_point.const_data_ptr<float>() : nullptr;
@@ -523,6 +560,7 @@ void quantize_kernel(const at::Tensor& x, const at::Tensor& scale, const at::Ten
     case QuantizeOut::kUInt8: return quantize_typed<QuantizeOut::kUInt8>(x, factor, pz, div, y);
     case QuantizeOut::kInt32: return quantize_typed<QuantizeOut::kInt32>(x, factor, pz, div, y);
     case QuantizeOut::kInt4: return quantize_typed<QuantizeOut::kInt4>(x, factor, pz, div, y);
+    case QuantizeOut::kHif8: return quantize_typed<QuantizeOut::kHif8>(x, factor, pz, div, y);
   }
 }
 

@@ -7,7 +7,8 @@
 // scale = rowmax / qmax (fp8: rowmax * (1 / qmax), as CANN's golden forms it; 0 becomes 1), pass 2
 // writes clamp(round_half_even(v / scale), lo, hi) of the IEEE quotient (multiplied by 1 / scale,
 // divided only near ties, see code_of), NaN quotients as code 0;
-// float8 codes are the quotient rounded to nearest even by c10's conversion. int4 packs eight
+// float8 codes are the quotient rounded to nearest even by c10's conversion, hifloat8 codes
+// (uint8) the quotient through hifloat8.h's encoder, the CPU kernel's. int4 packs eight
 // codes per int32, lowest bits first. Per tensor: pass 1 per row into a row buffer, its max on
 // the device, then pass 2 with that one scale.
 #include <ATen/Dispatch.h>
@@ -20,6 +21,7 @@
 #include <torch/library.h>
 
 #include "common/cuda_rows.cuh"
+#include "ops/quant/hifloat8.h"
 #include "ops/quant/quant.h"
 
 namespace opennpu::quant {
@@ -120,8 +122,10 @@ __device__ __forceinline__ void store_codes(const QuantArgs<scalar_t>& a, int64_
     Pack<uint8_t, kVec> out;
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const float t = __fdiv_rn(v[j], d.scale);  // float8: the true quotient
-      out.v[j] = a.spec.fp8 == 1 ? c10::Float8_e4m3fn(t).x : c10::Float8_e5m2(t).x;
+      const float t = __fdiv_rn(v[j], d.scale);  // float8 / hifloat8: the true quotient
+      out.v[j] = a.spec.fp8 == kFp8E4m3   ? c10::Float8_e4m3fn(t).x
+                 : a.spec.fp8 == kFp8E5m2 ? c10::Float8_e5m2(t).x
+                                          : float_to_hifloat8(t);  // hifloat8.h, as the CPU
     }
     cuda::store_stream(reinterpret_cast<Pack<uint8_t, kVec>*>(static_cast<uint8_t*>(a.codes) + row * a.n + i), out);
   } else if (a.spec.int4) {

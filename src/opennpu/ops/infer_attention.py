@@ -114,8 +114,10 @@ def npu_fused_infer_attention_score_v2(query, key, value, **kwargs):
     ``key_quant_mode``/``value_quant_mode`` 0-5) as v1's antiquant factors. ``quant_scale_out`` (+
     ``quant_offset_out``) quantise the output as v1's ``quant_scale2``: to int8 (``out_dtype``
     None or torch.int8), or to torch.float8_e5m2 / torch.float8_e4m3fn (``o * scale + offset``
-    cast directly, round half to even, unsaturated as torch casts). Query dequantisation and
-    hifloat8 outputs raise. Not differentiable."""
+    cast directly, round half to even, unsaturated as torch casts), or to hifloat8
+    (``out_dtype=torch_npu.hifloat8`` = 290: uint8 codes, cast directly, ties away from zero as
+    en_dtypes.hifloat8, ``|v| >= 40960`` -> inf). Query dequantisation raises. Not
+    differentiable."""
     return _ops.npu_fused_infer_attention_score_v2(query, key, value, **kwargs)
 
 
@@ -140,11 +142,13 @@ def _npu_fused_infer_attention_score_v2_infer_output(query, value, **kwargs):
 # Output dtypes of a quantised output (v2's out_dtype codes: torch's ScalarType numbering).
 _OUT_DTYPES = {torch.int8: torch.int8, torch.float8_e5m2: torch.float8_e5m2,
                torch.float8_e4m3fn: torch.float8_e4m3fn}
-_OUT_DTYPE_CODES = {1: torch.int8, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn}
+# 290: torch_npu.hifloat8, returned as uint8 codes (torch has no hifloat8 dtype).
+_OUT_DTYPE_CODES = {1: torch.int8, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 290: torch.uint8}
 
 
 def v2_out_dtype(query, quant_scale_out, out_dtype):
-    """attention_out's dtype of a v2 call (int8 / float8 when quant_scale_out is given)."""
+    """attention_out's dtype of a v2 call (int8 / float8 / uint8 hifloat8 codes when
+    quant_scale_out is given)."""
     if quant_scale_out is None:
         return query.dtype
     if out_dtype is None:

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from . import flash_route
 from .portable_optim import KERNELS as _optim_kernels
 from .portable_optim import acc_dtype as _acc
-from .quant import _FP8_MAX, _code_shape, _fp8_of, _is_int4, _quantize_out
+from .quant import _FP8_MAX, HIF8, HIF8_MAX, _code_shape, _fp8_of, _is_int4, _quantize_out
 from .quant import _QMM_E8M0_CODES, _qmm_float_kind, _transposed, _type_code
 
 PORTABLE_KEYS = ("CUDA", "XPU", "MPS")
@@ -223,6 +223,43 @@ def _quantize(v, qmax, int4, per_tensor):
     return (_pack_int4(codes) if int4 else codes), scale
 
 
+def _quantize_code(dtype):
+    return dtype if isinstance(dtype, int) else -1
+
+
+def _hif8_encode(v):
+    """float32 -> hifloat8 codes (uint8), csrc/ops/quant/hifloat8.h's rules on the float32 bits:
+    a normal binade [2^e, 2^(e+1)), e in [-15, 15], keeps m = 3 / 3 / 3 / 2 / 1 mantissa bits
+    for |e| = 0 / 1 / 2-3 / 4-7 / 8-15, rounded half away from zero (a carry moves to 2^(e+1));
+    below 2^-15 the codes are 2^-22 .. 2^-16, reached from 1.5 * 2^e up ([2^-23, 2^-22) -> 2^-22,
+    smaller -> 0); 2^16 and up (after rounding), and inf, -> +-inf (0x6F / 0xEF); NaN -> 0x80;
+    anything that rounds to 0 -> 0x00."""
+    bits = v.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    mag = bits & 0x7FFFFFFF
+    e0 = (mag >> 23) - 127  # float32 subnormals: -127
+    mant = mag & 0x7FFFFF
+    a = e0.abs()
+    mbits = torch.where(a >= 8, 1, torch.where(a >= 4, 2, 3))
+    r = (mant + (1 << (22 - mbits))) >> (23 - mbits)  # half an ulp added, truncated
+    carry = r >> mbits
+    e = e0 + carry
+    r = r * (1 - carry)
+    b = e.abs()
+    s = (e < 0).to(torch.int64)  # the exponent's sign bit
+    normal = torch.where(b == 0, 0x08 | r, torch.where(
+        b == 1, 0x10 | (s << 3) | r, torch.where(
+            b <= 3, 0x20 | (s << 4) | ((b & 1) << 3) | r, torch.where(
+                b <= 7, 0x40 | (s << 4) | ((b & 3) << 2) | r,
+                0x60 | (s << 4) | ((b & 7) << 1) | r))))
+    normal = torch.where(e > 15, 0x6F, normal)
+    m = torch.where(e0 == -23, 1, e0 + 23 + (mant >> 22))  # subnormal code 2^(m - 23)
+    sub = torch.where(m == 8, 0x7E, m)  # 2^-15: the smallest normal
+    code = torch.where(e0 < -23, 0, torch.where(e0 < -15, sub, normal))
+    code = torch.where(mag >= 0x7F800000, 0x6F, code)
+    code = torch.where(code != 0, code | ((bits >> 31) << 7), code)
+    return torch.where(mag > 0x7F800000, 0x80, code).to(torch.uint8)
+
+
 def _pack_int4(codes):
     """int8 codes in [-8, 7] -> int32 words holding 8 each, code k in bits [4k, 4k + 4)."""
     nibbles = (codes.to(torch.int64) & 0xF).unflatten(-1, (-1, 8))
@@ -245,13 +282,16 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
         else:
             v = v * sm
     fp8 = _fp8_of(dst_type)
-    if fp8 is not None:  # scale = amax * (1 / qmax) (CANN's golden), y = fp8(v / scale)
+    hif8 = dst_type == HIF8
+    if fp8 is not None or hif8:  # scale = amax * (1 / qmax) (CANN's golden), y = fp8(v / scale)
         per_tensor = quant_mode == "pertensor"
         amax = (torch.cat([v.abs().reshape(-1), v.new_zeros(1)]).amax().reshape(1) if per_tensor
                 else v.abs().amax(dim=-1))
-        scale = amax * torch.full((), 1.0 / (dst_type_max or _FP8_MAX[fp8]), device=v.device)
+        qmax = dst_type_max or (HIF8_MAX if hif8 else _FP8_MAX[fp8])
+        scale = amax * torch.full((), 1.0 / qmax, device=v.device)
         scale = torch.where(scale == 0, torch.ones_like(scale), scale)
-        return (v / (scale if per_tensor else scale.unsqueeze(-1))).to(fp8), scale
+        t = v / (scale if per_tensor else scale.unsqueeze(-1))
+        return (_hif8_encode(t) if hif8 else t.to(fp8)), scale
     int4 = _is_int4(dst_type)
     qmax = dst_type_max or (7.0 if int4 else 127.0)
     return _quantize(v, qmax, int4, quant_mode == "pertensor")
@@ -617,8 +657,15 @@ def npu_grouped_dynamic_mx_quant(x, group_index, *, round_mode="rint", dst_type=
 def npu_dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type=1, row_block_size=1,
                             col_block_size=128, dst_type_max=0.0):
     fp8 = _MX_FORMAT[dst_type][4] if dst_type in (23, 24, 291, 292) else None
-    qmax = dst_type_max or {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}.get(fp8,
-                                                                                        127.0)
+    hif8 = dst_type == HIF8
+    want = "round" if hif8 else "rint"
+    if round_mode != want:
+        raise RuntimeError(
+            f'npu_dynamic_block_quant: argument \'round_mode\' must be "{want}" for '
+            + ('hifloat8 outputs ("hybrid" is not supported by opennpu)' if hif8 else
+               'int8 / float8 outputs ("round" is hifloat8\'s)') + f', but got "{round_mode}"')
+    qmax = dst_type_max or (HIF8_MAX if hif8 else {torch.float8_e4m3fn: 448.0,
+                                                   torch.float8_e5m2: 57344.0}.get(fp8, 127.0))
     v = (x if x.dim() == 3 else x.unsqueeze(0)).float()
     rows, cols = v.shape[1], v.shape[2]
     rp, cp = (-rows) % row_block_size, (-cols) % col_block_size
@@ -633,6 +680,7 @@ def npu_dynamic_block_quant(x, *, min_scale=0.0, round_mode="rint", dst_type=1, 
     t = v * inv.repeat_interleave(row_block_size, 1).repeat_interleave(col_block_size, 2)[
         :, :rows, :cols]
     y = (t.clamp(-qmax, qmax).to(fp8) if fp8 is not None else
+         _hif8_encode(t.clamp(-qmax, qmax)) if hif8 else
          torch.nan_to_num(torch.round(t), nan=0.0).clamp(-qmax, qmax).to(torch.int8))
     return (y, scale) if x.dim() == 3 else (y[0], scale[0])
 
@@ -649,6 +697,8 @@ def npu_quantize(self, scales, zero_points, dtype, axis=1, div_mode=True):
         return t.float().reshape(shape)
 
     z = per_axis(zero_points) if zero_points is not None else x.new_zeros(())
+    if _quantize_code(dtype) == HIF8:  # hifloat8: fp32(x / scale or x * scale) + zero, cast
+        return _hif8_encode((x / per_axis(scales) if div_mode else x * per_axis(scales)) + z)
     if div_mode:  # torch.quantize_per_channel: x * (float32 1 / scale), rounded, + zero point
         t = torch.round(x * (1.0 / per_axis(scales))) + z
     else:  # AscendQuantV2: the product rounded to float32, then + zero point
@@ -2322,6 +2372,8 @@ def _fia_quantised(op, names, scale, offset, out_dtype, call, query, key, value,
     c.mul_(fit(scale))
     if offset is not None:
         c.add_(fit(offset))
+    if out_dtype == torch.uint8:  # hifloat8 codes
+        return _hif8_encode(out), lse
     if out_dtype != torch.int8:
         return out.to(out_dtype), lse
     h = out.half().float().nan_to_num_(0.0, 127.0, -128.0).round_().clamp_(-128.0, 127.0)

@@ -28,6 +28,9 @@ _INT4_CODES = {16, 40}
 _FP8_OF_CODE = {24: torch.float8_e4m3fn, 292: torch.float8_e4m3fn, 23: torch.float8_e5m2,
                 291: torch.float8_e5m2}
 _FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# torch_npu.hifloat8: outputs are uint8 codes (csrc/ops/quant/hifloat8.h); DTYPE_MAX 2^15.
+HIF8 = 290
+HIF8_MAX = 32768.0
 
 
 def _fp8_of(dtype):
@@ -57,7 +60,9 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     ``dst_type_max`` (default 0: 127 / 7) replaces DTYPE_MAX when non-zero. An all-zero row gets
     scale 1. ``dst_type=torch.float8_e4m3fn`` / ``torch.float8_e5m2`` (or torch_npu's 292 / 291):
     y is float8, ``scale = rowmax * (1 / DTYPE_MAX)`` (448 / 57344; CANN's golden) and
-    ``y = fp8(v / scale)`` rounded to nearest even. Not differentiable.
+    ``y = fp8(v / scale)`` rounded to nearest even. ``dst_type=torch_npu.hifloat8`` (290): the
+    same with DTYPE_MAX 32768 (or ``dst_type_max`` in (0, 32768]) and ``y`` uint8 hifloat8 codes,
+    rounded half away from zero (en_dtypes.hifloat8's cast). Not differentiable.
     """
     # Float defaults stay out of the call (None = the schema's default): under torch.compile a
     # keyword-only float default is traced as a symbolic input and restarts the analysis.
@@ -98,6 +103,8 @@ _DTYPE_CODE = {torch.qint8: 12, torch.quint8: 13, torch.qint32: 14, torch.int8: 
 def _quantize_out(dtype, div_mode: bool):
     """(output dtype, int4 packed) of npu_quantize's ``dtype`` argument."""
     code = _DTYPE_CODE.get(dtype, -1) if isinstance(dtype, torch.dtype) else int(dtype)
+    if code == HIF8:
+        return torch.uint8, False
     if not div_mode and code in _INT4_CODES:
         return torch.int32, True
     if not div_mode and code not in (12, 1):
@@ -118,8 +125,11 @@ def npu_quantize(input, scales, zero_points, dtype, axis: int = 1, div_mode: boo
     1 in every other dim; ``dtype`` torch.qint8 (int8) or torch.quint4x2 (int4 in ``[-8, 7]``,
     eight per int32 along the last dim, lowest bits first; the last dim must divide by 8).
     ``round`` is half to even, codes saturate at the type's range, a NaN input gives the zero
-    point. x is float16 / bfloat16 / float32 (float64 is rounded to float32), computed in
-    float32. Not differentiable.
+    point. ``dtype=torch_npu.hifloat8`` (290, either mode): uint8 hifloat8 codes of
+    ``t = fp32(x / scale) + zero_point`` (div_mode; the true quotient) or
+    ``fp32(x * scale) + zero_point``, cast half away from zero, unsaturated (``|t| >= 40960``
+    -> inf; NaN -> the NaN code 0x80). x is float16 / bfloat16 / float32 (float64 is rounded to
+    float32), computed in float32. Not differentiable.
     """
     return _ops.npu_quantize(input, scales, zero_points, dtype, axis, div_mode)
 
@@ -138,6 +148,8 @@ def _code_shape(x, int4: bool) -> list:
 def _dynamic_quant_fake(input, *, smooth_scales=None, group_index=None, dst_type=None,
                         quant_mode="pertoken", dst_type_max=0.0):
     int4, fp8 = _is_int4(dst_type), _fp8_of(dst_type)
+    if dst_type == HIF8:
+        fp8 = torch.uint8
     y = input.new_empty(_code_shape(input, int4),
                         dtype=fp8 or (torch.int32 if int4 else torch.int8))
     scale_shape = [1] if quant_mode == "pertensor" else list(input.shape[:-1])
@@ -410,10 +422,11 @@ def npu_dynamic_block_quant(x, *, min_scale=None, round_mode="rint", dst_type=1,
                             row_block_size=1, col_block_size=128, dst_type_max=None):
     """Block quantisation of 2-D / 3-D ``x``: per ``row_block_size x col_block_size`` block,
     ``inv = min(QMAX / max|x|, 1 / min_scale)``, ``y = x * inv`` (int8: rounded half to even;
-    or torch.float8_e4m3fn / e5m2), ``scale = max(max|x| / QMAX, min_scale)`` float32 of shape
-    ``[..., ceil(rows / row_block_size), ceil(cols / col_block_size)]``; QMAX 127 / 448 / 57344
-    or ``dst_type_max``. An all-zero block gets codes 0. Returns ``(y, scale)``. Not
-    differentiable."""
+    or torch.float8_e4m3fn / e5m2; or torch_npu.hifloat8 = 290 with ``round_mode="round"``:
+    uint8 codes, half away from zero), ``scale = max(max|x| / QMAX, min_scale)`` float32 of
+    shape ``[..., ceil(rows / row_block_size), ceil(cols / col_block_size)]``; QMAX 127 / 448 /
+    57344 / 32768 or ``dst_type_max``. ``round_mode`` is "rint" for int8 / float8. An all-zero
+    block gets codes 0. Returns ``(y, scale)``. Not differentiable."""
     extra = {} if min_scale is None else {"min_scale": min_scale}
     if dst_type_max is not None:
         extra["dst_type_max"] = dst_type_max
@@ -457,7 +470,9 @@ def _grouped_dynamic_mx_quant_fake(x, group_index, *, round_mode="rint", dst_typ
 @register_fake("npu::npu_dynamic_block_quant")
 def _dynamic_block_quant_fake(x, *, min_scale=0.0, round_mode="rint", dst_type=1,
                               row_block_size=1, col_block_size=128, dst_type_max=0.0):
-    y = x.new_empty(x.shape, dtype=_MX_Y_DTYPE.get(_mx_code(dst_type), torch.int8))
+    code = _mx_code(dst_type)
+    y = x.new_empty(x.shape, dtype=torch.uint8 if code == HIF8 else
+                    _MX_Y_DTYPE.get(code, torch.int8))
     shape = list(x.shape)
     shape[-2] = (shape[-2] + row_block_size - 1) // row_block_size
     shape[-1] = (shape[-1] + col_block_size - 1) // col_block_size
