@@ -87,12 +87,16 @@ def test_fused_cells_gradcheck(kind):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_cells_are_as_accurate_as_cpu(dtype):
     """fp16 / bf16 cells compute in float32 and round once: no further from the float32 result
-    than CPU's cells, which round after every op."""
+    than ATen's CPU cells, which round after every op. (With oneDNN, as for bf16 on an
+    AVX512_BF16 CPU, CPU's LSTM keeps its state in float32 across steps and can be closer: it
+    is not the composition this replaces, so oneDNN is off for the comparison.)"""
+    torch.manual_seed(0)
     lstm = nn.LSTM(8, 8)
     x = torch.randn(6, 2, 8)
     ref = lstm(x)[0].double()
     low = copy.deepcopy(lstm).to(dtype)
-    cpu_err = (low(x.to(dtype))[0].double() - ref).abs().max()
+    with torch.backends.mkldnn.flags(enabled=False):
+        cpu_err = (low(x.to(dtype))[0].double() - ref).abs().max()
     npu_err = (low.npu()(x.to(dtype).npu())[0].cpu().double() - ref).abs().max()
     assert npu_err <= cpu_err * 1.05 + 1e-6, (npu_err, cpu_err)
 

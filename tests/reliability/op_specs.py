@@ -63,10 +63,21 @@ _ATTENTION_NON_FINITE = (
 )
 KNOWN_DEVIATIONS = {
     **{("npu_fusion_attention", label): _ATTENTION_NON_FINITE
-       for label in ("query:inf", "key:inf", "key:max_float32", "scale=inf", "scale=-inf")},
+       for label in ("query:inf", "key:inf", "key:max_float32", "value:max_float32", "scale=inf",
+                     "scale=-inf")},
     **{("npu_fusion_attention_grad", label): _ATTENTION_NON_FINITE
        for label in ("query:-inf", "query:max_float32", "key:inf", "key:-inf", "key:max_float32",
                      "value:max_float32", "dy:max_float32", "scale_value=inf")},
+}
+# Known deviations whose outcome depends on the CPU (they run as non-strict xfails): which
+# non-finite attention cases overflow or meet inf * 0 inside the tiled float32 products differs
+# between the BLAS / sgemm kernels of an AVX2 and an AVX-512 CPU (on a Zen 4, forward
+# value:max_float32 deviates while the backward's query:-inf, key:+-inf and scale_value=inf cases
+# match the reference; on a Zen 3 the other way round).
+CPU_DEPENDENT_DEVIATIONS = {
+    ("npu_fusion_attention", "value:max_float32"),
+    *{("npu_fusion_attention_grad", label)
+      for label in ("query:-inf", "key:inf", "key:-inf", "scale_value=inf")},
 }
 
 
