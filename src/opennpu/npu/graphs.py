@@ -37,7 +37,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import threading
+import time
 import warnings
 from typing import Any, Callable, Optional
 
@@ -52,6 +54,7 @@ __all__ = ["ExternalEvent", "NPUGraph", "graph", "graph_pool_handle", "graph_tas
 
 _aten = torch.ops.aten
 _CAPTURE_MODES = ("global", "thread_local", "relaxed")
+_log = logging.getLogger(__name__)
 _NOT_PERMITTED = "operation not permitted when stream is capturing"
 
 # Ops that read an npu tensor's values on the host (a device-to-host synchronisation) or whose
@@ -118,24 +121,31 @@ def _check_not_capturing(what: str, graph: Optional["NPUGraph"] = None) -> None:
 class _Record:
     """One recorded call: what replay does with it is decided once, at capture."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "fresh", "kind", "links")
+    __slots__ = ("func", "args", "kwargs", "outputs", "fresh", "kind", "links", "stream",
+                 "device", "dur_us")
 
     def __init__(self, func, args, kwargs, outputs, fresh, kind):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outputs, self.fresh, self.kind = outputs, fresh, kind
         # (argument name, index of the record whose int output it took, position of that output)
         self.links: list[tuple[str, int, int]] = []
+        # for debug_dump only: the stream current when the call was made, and how long the call
+        # took on the host at capture (set by the capture mode)
+        self.stream, self.device, self.dur_us = 0, 0, 0.0
 
-    def describe(self) -> dict:
+    def trace_event(self, index: int, ts: float) -> dict:
+        """This call as a Chrome trace event ("X": a span on its stream's track)."""
         def meta(x):
             if isinstance(x, torch.Tensor):
                 return {"shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", ""),
                         "device": str(x.device)}
             return repr(x) if not isinstance(x, (int, float, bool, str, type(None))) else x
 
-        return {"op": str(self.func), "kind": self.kind,
-                "inputs": [meta(x) for x in tree_leaves((self.args, self.kwargs))],
-                "outputs": [meta(x) for x in tree_leaves(self.outputs)]}
+        return {"name": str(self.func), "ph": "X", "pid": self.device,
+                "tid": f"stream{self.stream}", "ts": ts, "dur": self.dur_us,
+                "args": {"Task Id": index, "Stream Id": self.stream, "kind": self.kind,
+                         "inputs": [meta(x) for x in tree_leaves((self.args, self.kwargs))],
+                         "outputs": [meta(x) for x in tree_leaves(self.outputs)]}}
 
 
 def _classify(func, args, kwargs, out) -> tuple[str, list[bool]]:
@@ -176,7 +186,9 @@ class _CaptureMode(TorchDispatchMode):
             what = _SYNC_OPS.get(func)
             if what is not None:
                 _check_not_capturing(what, graph)
+        start = time.perf_counter_ns()
         out = func(*args, **kwargs)
+        dur_us = (time.perf_counter_ns() - start) / 1000.0
         outs = tree_leaves(out)
         if not (npu_in or any(_is_npu(o) for o in outs)):
             return out  # CPU work: not part of a device graph
@@ -184,6 +196,10 @@ class _CaptureMode(TorchDispatchMode):
             _check_not_capturing(f"a copy from npu to the host ({func}, e.g. Tensor.cpu())", graph)
         kind, fresh = _classify(func, args, kwargs, out)
         record = _Record(func, args, dict(kwargs), out, fresh, kind)
+        from .streams import current_stream
+
+        stream = current_stream()
+        record.stream, record.device, record.dur_us = stream.stream_id, stream.device_index, dur_us
         record.links = _dropout_links(graph._records, func, args, kwargs)
         graph._records.append(record)
         return out
@@ -279,6 +295,38 @@ class _TaskGroup:
         return f"<torch.npu graph task group: {self.stop - self.start} recorded call(s)>"
 
 
+class _GraphDispatchMode:
+    """`NPUGraph.graph_dispatch_mode` (torch_npu's auto-dispatch capture state): the stream that
+    `NPUGraph.update` issues its task updates on, one for all graphs of the process (created on
+    first use), and the graph's recorded calls that `update(cpu_update_input=...)` changes, in
+    capture order. (Capture itself is the graph's _CaptureMode, which records every call.)"""
+
+    _update_stream: Optional[torch.Stream] = None
+
+    def __init__(self, graph: "NPUGraph"):
+        self._graph = graph
+
+    @property
+    def update_stream(self) -> torch.Stream:
+        cls = _GraphDispatchMode
+        if cls._update_stream is None:
+            from .streams import Stream
+
+            with _lock:
+                if cls._update_stream is None:
+                    cls._update_stream = Stream()
+        return cls._update_stream
+
+    @property
+    def graph_dispatch_records(self) -> list[_Record]:
+        if not self._graph.auto_dispatch_capture:
+            return []
+        return [r for r in self._graph._records if r.func.overloadpacket.__name__ in _UPDATABLE]
+
+    def __repr__(self) -> str:
+        return f"<torch.npu graph dispatch mode: {len(self.graph_dispatch_records)} updatable call(s)>"
+
+
 class NPUGraph:
     """A captured sequence of npu work, replayed with `replay()` (torch_npu's NPUGraph)."""
 
@@ -299,6 +347,7 @@ class NPUGraph:
         self._update_group: Optional[_TaskGroup] = None
         self._debug = False
         self.auto_dispatch_capture = False
+        self.graph_dispatch_mode = _GraphDispatchMode(self)
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -400,14 +449,30 @@ class NPUGraph:
         self._debug = True
 
     def debug_dump(self, debug_path: str) -> None:
-        """Writes the captured calls as JSON to `debug_path`: one node per call with the op, what
-        replay does with it (compute / mutate / view / alloc) and its tensors' shapes and dtypes
-        (torch_npu writes the ACL model's JSON instead)."""
+        """Writes the captured graph to `debug_path` as a Chrome trace (a JSON list of events, for
+        chrome://tracing or Perfetto; torch_npu's ACL model dump has the same form): one "X"
+        event per recorded call, on the track of the stream it was called on ("stream<id>"),
+        laid out in capture order with the call's host duration at capture; `args` hold the
+        replay kind (compute / mutate / view / alloc) and the tensors' shapes and dtypes. Then,
+        as torch_npu does, writes `<name>.aligned.json` beside it with
+        `_npugraph_utils.align_trace_json`; if that fails the dump is kept and a warning logged.
+        Without a successful capture it warns and writes nothing."""
         if not self._has_graph:
             warnings.warn("Called NPUGraph::debug_dump without a preceding successful capture.")
             return
+        events, ts = [], 0.0
+        for index, record in enumerate(self._records):
+            events.append(record.trace_event(index, ts))
+            ts += record.dur_us
         with open(debug_path, "w", encoding="utf-8") as f:
-            json.dump({"nodes": [r.describe() for r in self._records]}, f, indent=1)
+            json.dump(events, f, indent=1)
+        from . import _npugraph_utils  # looked up per call: tests patch align_trace_json
+
+        try:
+            _npugraph_utils.align_trace_json(debug_path, None)
+        except Exception:  # the aligned copy is optional; the dump itself was written
+            _log.warning("NPUGraph.debug_dump: could not write the aligned trace of %s",
+                         debug_path, exc_info=True)
 
     def update(self, cpu_update_input) -> None:
         """torch_npu's update of a graph captured with `torch.npu.graph(..., auto_dispatch_capture
@@ -421,7 +486,7 @@ class NPUGraph:
                                "Try to capture by setting auto_dispatch_capture=True during capture")
         if not self._has_graph:
             raise RuntimeError("Called NPUGraph.update without a preceding successful capture.")
-        records = [r for r in self._records if r.func.overloadpacket.__name__ in _UPDATABLE]
+        records = self.graph_dispatch_mode.graph_dispatch_records
         if not isinstance(cpu_update_input, (list, tuple)) or not all(
                 isinstance(d, dict) for d in cpu_update_input):
             raise TypeError(f"NPUGraph.update: cpu_update_input must be a list of dicts, but got "
@@ -563,6 +628,41 @@ def graph_task_update_end(stream) -> None:
     for i, (func, args, kwargs) in enumerate(calls):
         record = graph._records[group.start + i]
         record.args, record.kwargs = args, kwargs
+
+
+def _cancel_update(graph: NPUGraph) -> None:
+    """Closes `graph`'s open task update without applying it (its calls failed)."""
+    mode, graph._mode = graph._mode, None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    graph._update = graph._update_group = None
+
+
+def _fused_infer_attention_score_out_graph(stream, handle, event, *args, **kwargs):
+    """torch_npu._C._npu_fused_infer_attention_score_out_graph(stream, handle, event, query, key,
+    value, *, ..., out=[attention_out, softmax_lse]): one call for a task-group update of a
+    captured `npu_fused_infer_attention_score.out`: graph_task_update_begin(stream, handle), the
+    op with the new arguments (it replaces the group's recorded call for later replays and does
+    not run now), graph_task_update_end(stream), then `event.record(stream)`. Returns the out
+    tensors."""
+    out = kwargs.pop("out", None)
+    if not isinstance(out, (list, tuple)) or len(out) != 2 or not all(
+            isinstance(t, torch.Tensor) for t in out):
+        raise RuntimeError(f"_npu_fused_infer_attention_score_out_graph: out must have 2 tensors "
+                           f"(attention_out, softmax_lse), but got {out!r}")
+    if not isinstance(event, ExternalEvent):
+        raise TypeError(f"_npu_fused_infer_attention_score_out_graph: event must be a "
+                        f"torch.npu.ExternalEvent, but got {event!r}")
+    graph_task_update_begin(stream, handle)
+    try:
+        result = torch.ops.npu.npu_fused_infer_attention_score.out(
+            *args, **kwargs, attention_out=out[0], softmax_lse=out[1])
+    except BaseException:
+        _cancel_update(handle.graph)
+        raise
+    graph_task_update_end(stream)
+    event.record(stream)
+    return result
 
 
 def _open_updates():
