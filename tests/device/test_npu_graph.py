@@ -621,3 +621,34 @@ def test_names_are_provided():
                  "ExternalEvent"):
         assert hasattr(torch.npu, name) and name in torch.npu.__all__
         assert getattr(torch_npu.npu, name) is getattr(torch.npu, name)
+
+
+def test_launch_host_func_runs_at_capture_and_each_replay():
+    calls = []
+    x = torch.randn(4, device="npu")
+    result = torch.zeros(4, device="npu")
+
+    def host(params):
+        calls.append(len(params))
+        a, out = params
+        out.add_(a)  # npu work of the host function: not recorded in the graph
+
+    s = torch.npu.Stream()
+    torch_npu.npu._subscribe_report(s)
+    torch_npu.npu._launch_host_func(s, host, [x, result])  # no capture: called at once
+    assert calls == [2] and torch.equal(result.cpu(), x.cpu())
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g, stream=s):
+        y = x * 2
+        torch_npu.npu._launch_host_func(torch.npu.current_stream(), host, [y, result])
+    torch.testing.assert_close(result, x * 3)
+    g.replay()
+    g.replay()
+    assert len(calls) == 4
+    torch.testing.assert_close(result, x * 7)
+    assert [r.kind for r in g._records] == ["compute", "host"]
+    torch_npu.npu._unsubscribe_report(s)
+    with pytest.raises(TypeError, match="stream must be an npu stream"):
+        torch_npu.npu._launch_host_func(None, host, [])
+    with pytest.raises(TypeError, match="fn must be callable"):
+        torch_npu._C._launch_host_func(s, 3, [])

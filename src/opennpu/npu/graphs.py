@@ -141,7 +141,9 @@ class _Record:
                         "device": str(x.device)}
             return repr(x) if not isinstance(x, (int, float, bool, str, type(None))) else x
 
-        return {"name": str(self.func), "ph": "X", "pid": self.device,
+        name = (f"HOST_FUNC {getattr(self.func, '__qualname__', self.func)}"
+                if self.kind == "host" else str(self.func))
+        return {"name": name, "ph": "X", "pid": self.device,
                 "tid": f"stream{self.stream}", "ts": ts, "dur": self.dur_us,
                 "args": {"Task Id": index, "Stream Id": self.stream, "kind": self.kind,
                          "inputs": [meta(x) for x in tree_leaves((self.args, self.kwargs))],
@@ -272,6 +274,9 @@ def _with_links(record: _Record, results: dict) -> tuple[tuple, dict]:
 def _run(record: _Record, index: int, results: dict) -> None:
     if record.kind in ("view", "alloc"):
         return
+    if record.kind == "host":  # a host function launched on the stream: called again
+        record.func(*record.args)
+        return
     args, kwargs = (_with_links(record, results) if record.links
                     else (record.args, record.kwargs))
     result = record.func(*args, **kwargs)
@@ -321,7 +326,8 @@ class _GraphDispatchMode:
     def graph_dispatch_records(self) -> list[_Record]:
         if not self._graph.auto_dispatch_capture:
             return []
-        return [r for r in self._graph._records if r.func.overloadpacket.__name__ in _UPDATABLE]
+        return [r for r in self._graph._records
+                if r.kind != "host" and r.func.overloadpacket.__name__ in _UPDATABLE]
 
     def __repr__(self) -> str:
         return f"<torch.npu graph dispatch mode: {len(self.graph_dispatch_records)} updatable call(s)>"
@@ -720,6 +726,50 @@ class graph:  # noqa: N801  (torch_npu's name)
         finally:
             self.stream_ctx.__exit__(exc_type, exc_value, traceback)
         return False
+
+
+def _launch_host_func(stream, fn: Callable, user_data) -> None:
+    """torch_npu.npu._launch_host_func(stream, fn, user_data): calls `fn(user_data)` on the host
+    when the work before it on `stream` is done. Work runs in program order on the host, so it
+    is called at once; while a graph captures, the call is also recorded as a node of the graph
+    and made again, at its place, at every replay (ACL: aclrtLaunchCallback, captured as a host
+    task). The npu work `fn` does belongs to the host function, not to the graph: it is not
+    recorded, so a replay runs it once, through the function."""
+    if not (isinstance(stream, torch.Stream) and stream.device.type == "npu"):
+        raise TypeError(f"_launch_host_func: stream must be an npu stream, but got {stream!r}")
+    if not callable(fn):
+        raise TypeError(f"_launch_host_func: fn must be callable, but got {fn!r}")
+    graph = _capturing
+    if graph is None or graph._thread != threading.get_ident() or graph._mode is None:
+        fn(user_data)
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    start = time.perf_counter_ns()
+    with _disable_current_modes():
+        fn(user_data)
+    record = _Record(fn, (user_data,), {}, None, [], "host")
+    record.stream, record.device = stream.stream_id, stream.device_index
+    record.dur_us = (time.perf_counter_ns() - start) / 1000.0
+    graph._records.append(record)
+
+
+def _checked_report_stream(stream, what: str) -> None:
+    if not (isinstance(stream, torch.Stream) and stream.device.type == "npu"):
+        raise TypeError(f"{what}: stream must be an npu stream, but got {stream!r}")
+
+
+def _subscribe_report(stream) -> None:
+    """torch_npu.npu._subscribe_report(stream): on Ascend, starts the thread that runs the host
+    functions launched on `stream`. Host functions run in the launching thread here (at once,
+    or at replay), so this checks the stream and has nothing to start."""
+    _checked_report_stream(stream, "_subscribe_report")
+
+
+def _unsubscribe_report(stream) -> None:
+    """torch_npu.npu._unsubscribe_report(stream): on Ascend, waits for `stream`'s host functions
+    and stops delivering them; every host function has already run here."""
+    _checked_report_stream(stream, "_unsubscribe_report")
 
 
 class ExternalEvent:

@@ -48,6 +48,9 @@ def _npu_reset_thread_affinity() -> None:
 from opennpu.npu.graphs import (  # noqa: E402
     _fused_infer_attention_score_out_graph as _npu_fused_infer_attention_score_out_graph)
 
+from opennpu.npu.graphs import (  # noqa: E402,F401  (host functions on a stream)
+    _launch_host_func, _subscribe_report, _unsubscribe_report)
+
 
 def __getattr__(name: str):
     raise AttributeError(f"torch_npu._C.{name} is not provided by opennpu (a binding of the "
