@@ -652,3 +652,44 @@ def test_launch_host_func_runs_at_capture_and_each_replay():
         torch_npu.npu._launch_host_func(None, host, [])
     with pytest.raises(TypeError, match="fn must be callable"):
         torch_npu._C._launch_host_func(s, 3, [])
+
+
+def test_rng_state_read_and_restored_inside_capture_rewinds_each_replay():
+    torch.npu.manual_seed(7)
+    pre = torch.rand(4, device="npu")
+    first = torch.rand(4, device="npu")
+    after = torch.rand(4, device="npu")
+
+    torch.npu.manual_seed(7)
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        a = torch.rand(4, device="npu")
+        state = torch.npu.get_rng_state()
+        b = torch.rand(4, device="npu")
+        torch.npu.set_rng_state(state)
+        c = torch.rand(4, device="npu")
+        torch.npu.manual_seed(7)  # the same seed: allowed
+    assert torch.equal(b.cpu(), c.cpu())
+    torch.npu.manual_seed(7)
+    g.replay()
+    assert torch.equal(a.cpu(), pre.cpu()) and torch.equal(b.cpu(), first.cpu())
+    assert torch.equal(c.cpu(), first.cpu())
+    assert torch.equal(torch.rand(4, device="npu").cpu(), after.cpu())
+    torch.npu.manual_seed(8)  # another replay start: the rewind is relative to it
+    g.replay()
+    assert torch.equal(b.cpu(), c.cpu()) and not torch.equal(b.cpu(), first.cpu())
+
+
+def test_seed_change_during_capture_raises():
+    torch.npu.manual_seed(1)
+    other = torch.npu.get_rng_state()
+    torch.npu.manual_seed(0)
+    for change in (lambda: torch.npu.manual_seed(1), lambda: torch.npu.set_rng_state(other)):
+        with pytest.raises(RuntimeError, match="only if new seed is the same"):
+            with torch.npu.graph(torch.npu.NPUGraph()):
+                change()
+    g = torch.npu.NPUGraph()
+    gen = torch.Generator(device="npu")
+    g.register_generator_state(gen)
+    with pytest.raises(TypeError, match="expected an npu torch.Generator"):
+        g.register_generator_state(torch.Generator())

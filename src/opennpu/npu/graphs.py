@@ -354,6 +354,7 @@ class NPUGraph:
         self._debug = False
         self.auto_dispatch_capture = False
         self.graph_dispatch_mode = _GraphDispatchMode(self)
+        self._rng_reads: list[dict] = []  # generator states read during capture (see _rng_state_read)
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -449,6 +450,15 @@ class NPUGraph:
         if not self._has_graph:
             raise RuntimeError("Called NPUGraph::pool() without a preceding successful capture.")
         return self._pool
+
+    def register_generator_state(self, generator) -> None:
+        """torch.cuda.CUDAGraph.register_generator_state: lets the graph's random ops draw from a
+        generator other than the default one at each replay. Every generator a recorded op was
+        given draws again at replay here, so this checks that `generator` is an npu
+        torch.Generator and has nothing else to do."""
+        if not isinstance(generator, torch.Generator) or generator.device.type != "npu":
+            raise TypeError(f"NPUGraph.register_generator_state: expected an npu "
+                            f"torch.Generator, but got {generator!r}")
 
     def enable_debug_mode(self) -> None:
         """Keeps what debug_dump writes (here every graph keeps it: this only sets the flag)."""
@@ -752,6 +762,90 @@ def _launch_host_func(stream, fn: Callable, user_data) -> None:
     record.stream, record.device = stream.stream_id, stream.device_index
     record.dur_us = (time.perf_counter_ns() - start) / 1000.0
     graph._records.append(record)
+
+
+# -- generator state inside a capture (torch.npu.get_rng_state / set_rng_state / manual_seed) ---
+#
+# As in CUDA graphs, a generator's state read and restored inside a capture is relative to the
+# run: `s = get_rng_state(); ...; set_rng_state(s)` rewinds, at every replay, to where that
+# replay's generator was when it reached the read (torch.utils.checkpoint(preserve_rng_state=True)
+# relies on it). Both calls are recorded as host nodes: the read stores the state the generator
+# has at that point of the replay, the restore sets it back. A state not read in this capture is
+# set as given, at capture and at each replay; changing the seed during a capture raises, as
+# torch_npu's generator does.
+
+_SEED_MISMATCH = ("NPUGeneratorImpl::set_current_seed can be called during stream capture only if "
+                  "new seed is the same as the original seed.")
+
+
+def _capturing_here() -> Optional["NPUGraph"]:
+    graph = _capturing
+    if graph is None or graph._thread != threading.get_ident() or graph._mode is None:
+        return None
+    return graph
+
+
+def _record_host_call(graph: "NPUGraph", fn: Callable, arg, name: str) -> None:
+    record = _Record(fn, (arg,), {}, None, [], "host")
+    stream = graph._stream
+    record.stream, record.device = stream.stream_id, stream.device_index
+    fn.__qualname__ = name
+    graph._records.append(record)
+
+
+def _state_seed(state: torch.Tensor) -> int:
+    engine = torch.Generator()  # the npu state is the CPU engine's, then an 8-byte offset
+    engine.set_state(state[:-8].clone())
+    return engine.initial_seed()
+
+
+def _rng_state_read(generator: torch.Generator, state: torch.Tensor) -> None:
+    """get_rng_state during a capture: a node that notes the generator's state at this point of
+    each replay."""
+    graph = _capturing_here()
+    if graph is None:
+        return
+    slot = {"capture": state.clone(), "replay": state.clone()}
+    graph._rng_reads.append(slot)
+
+    def read(_):
+        slot["replay"] = generator.get_state()
+
+    _record_host_call(graph, read, None, "get_rng_state")
+
+
+def _rng_state_write(generator: torch.Generator, state: torch.Tensor) -> None:
+    """set_rng_state during a capture: checked, then recorded (see above); the caller sets it."""
+    graph = _capturing_here()
+    if graph is None:
+        return
+    for slot in reversed(graph._rng_reads):
+        if torch.equal(slot["capture"], state):
+            def restore(_, slot=slot):
+                generator.set_state(slot["replay"])
+
+            _record_host_call(graph, restore, None, "set_rng_state")
+            return
+    if _state_seed(state) != generator.initial_seed():
+        err = RuntimeError(_SEED_MISMATCH)
+        graph._invalidate(err)
+        raise err
+    fixed = state.clone()
+
+    def write(_):
+        generator.set_state(fixed)
+
+    _record_host_call(graph, write, None, "set_rng_state")
+
+
+def _rng_seed_write(generator: torch.Generator, seed: int) -> None:
+    """manual_seed during a capture: the same seed is accepted (and does nothing to the graph: the
+    replay draws from the generator as it is then); another raises."""
+    graph = _capturing_here()
+    if graph is not None and int(seed) != generator.initial_seed():
+        err = RuntimeError(_SEED_MISMATCH)
+        graph._invalidate(err)
+        raise err
 
 
 def _checked_report_stream(stream, what: str) -> None:
