@@ -25,6 +25,10 @@ npu_fusion_attention returns as ints reach its gradient op at replay as that rep
 them; other values returned as Python numbers keep their capture-time values in the calls that
 took them.
 
+Host functions launched on the capturing stream (`_launch_host_func`) and generator states read
+and restored inside the capture (`get_rng_state` / `set_rng_state`) are recorded as host nodes,
+which replay calls again at their place (see those functions).
+
 During capture, what a capturing stream forbids raises "operation not permitted when stream is
 capturing", naming the operation: host reads of npu tensors (`.item()`, `.tolist()`, `.cpu()`, any
 copy to a CPU tensor), ops whose output size depends on values (`nonzero`, `masked_select`,
@@ -330,7 +334,8 @@ class _GraphDispatchMode:
                 if r.kind != "host" and r.func.overloadpacket.__name__ in _UPDATABLE]
 
     def __repr__(self) -> str:
-        return f"<torch.npu graph dispatch mode: {len(self.graph_dispatch_records)} updatable call(s)>"
+        n = len(self.graph_dispatch_records)
+        return f"<torch.npu graph dispatch mode: {n} updatable call(s)>"
 
 
 class NPUGraph:
@@ -354,7 +359,7 @@ class NPUGraph:
         self._debug = False
         self.auto_dispatch_capture = False
         self.graph_dispatch_mode = _GraphDispatchMode(self)
-        self._rng_reads: list[dict] = []  # generator states read during capture (see _rng_state_read)
+        self._rng_reads: list[dict] = []  # generator states read in capture (_rng_state_read)
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -381,7 +386,7 @@ class NPUGraph:
                 raise RuntimeError(f"{_NOT_PERMITTED}: NPUGraph.capture_begin while another "
                                    f"NPUGraph is capturing (one capture at a time)")
             _capturing = self
-        self._records, self._error = [], None
+        self._records, self._error, self._rng_reads = [], None, []
         self._stream, self._thread, self._capturing = stream, threading.get_ident(), True
         self._mode = _CaptureMode(self)
         self._mode.__enter__()
@@ -440,7 +445,7 @@ class NPUGraph:
         """Deletes the captured graph and releases the tensors it holds (its memory pool)."""
         if self._capturing:
             self._finish_capture()
-        self._records = []
+        self._records, self._rng_reads = [], []
         self._has_graph = False
         self._error = None
 
