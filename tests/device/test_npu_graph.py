@@ -647,6 +647,14 @@ def test_launch_host_func_runs_at_capture_and_each_replay():
     assert len(calls) == 4
     torch.testing.assert_close(result, x * 7)
     assert [r.kind for r in g._records] == ["compute", "host"]
+    w = torch.ones(2, device="npu", requires_grad=True)
+    tracked = []
+    g2 = torch.npu.NPUGraph()
+    with torch.npu.graph(g2, stream=s):
+        x + 1
+        torch_npu.npu._launch_host_func(s, lambda _: tracked.append((w * 2).requires_grad), None)
+    g2.replay()
+    assert tracked == [True, True]  # the host function runs with autograd as in eager code
     torch_npu.npu._unsubscribe_report(s)
     with pytest.raises(TypeError, match="stream must be an npu stream"):
         torch_npu.npu._launch_host_func(None, host, [])

@@ -278,7 +278,7 @@ def _with_links(record: _Record, results: dict) -> tuple[tuple, dict]:
 def _run(record: _Record, index: int, results: dict) -> None:
     if record.kind in ("view", "alloc"):
         return
-    if record.kind == "host":  # a host function launched on the stream: called again
+    if record.kind == "host":  # a host function or generator-state node: called again
         record.func(*record.args)
         return
     args, kwargs = (_with_links(record, results) if record.links
@@ -436,10 +436,17 @@ class NPUGraph:
         """Runs the captured work again on the captured tensors (static inputs and outputs)."""
         if not self._has_graph:
             raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
-        with _replaying():
-            results: dict = {}
-            for index, record in enumerate(self._records):
-                _run(record, index, results)
+        results: dict = {}
+        records, index, n = self._records, 0, len(self._records)
+        while index < n:
+            if records[index].kind == "host":  # user code: called as it was at capture, with
+                _run(records[index], index, results)  # autograd and autocast as they are now
+                index += 1
+                continue
+            with _replaying():  # a run of recorded ATen calls
+                while index < n and records[index].kind != "host":
+                    _run(records[index], index, results)
+                    index += 1
 
     def reset(self) -> None:
         """Deletes the captured graph and releases the tensors it holds (its memory pool)."""
