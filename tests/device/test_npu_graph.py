@@ -489,13 +489,130 @@ def test_debug_dump(tmp_path):
     g.enable_debug_mode()
     with pytest.warns(UserWarning, match="without a preceding successful capture"):
         g.debug_dump(str(tmp_path / "none.json"))
+    assert not (tmp_path / "none.json").exists()
     with torch.npu.graph(g):
+        stream = torch.npu.current_stream()
         (x.view(3, 1) * 2).sum()
     path = tmp_path / "graph.json"
     g.debug_dump(str(path))
-    nodes = json.loads(path.read_text())["nodes"]
-    assert [n["op"] for n in nodes] == ["aten.view.default", "aten.mul.Tensor", "aten.sum.default"]
-    assert nodes[0]["kind"] == "view" and nodes[1]["outputs"][0]["shape"] == [3, 1]
+    events = json.loads(path.read_text())  # a Chrome trace: one "X" span per recorded call
+    assert [e["name"] for e in events] == ["aten.view.default", "aten.mul.Tensor",
+                                           "aten.sum.default"]
+    assert {e["ph"] for e in events} == {"X"}
+    assert {e["tid"] for e in events} == {f"stream{stream.stream_id}"}
+    assert events[0]["args"]["kind"] == "view" and events[1]["args"]["kind"] == "compute"
+    assert events[1]["args"]["outputs"][0]["shape"] == [3, 1]
+    assert events[1]["ts"] == events[0]["ts"] + events[0]["dur"]  # capture order
+    aligned = json.loads((tmp_path / "graph.aligned.json").read_text())
+    assert [e["name"] for e in aligned] == [e["name"] for e in events]
+    assert aligned[0]["ts"] == 0.0
+    assert aligned[1]["ts"] == pytest.approx(aligned[0]["dur"] + 0.2)
+
+
+def test_debug_dump_keeps_the_dump_when_alignment_fails(tmp_path, monkeypatch, caplog):
+    from opennpu.npu import _npugraph_utils
+
+    def fail(path, output):
+        raise RuntimeError("alignment failed")
+
+    monkeypatch.setattr(_npugraph_utils, "align_trace_json", fail)
+    x = torch.randn(3, device="npu")
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        x + 1
+    assert g.debug_dump(str(tmp_path / "g.json")) is None
+    assert json.loads((tmp_path / "g.json").read_text())[0]["name"] == "aten.add.Tensor"
+    assert not (tmp_path / "g.aligned.json").exists()
+    assert "could not write the aligned trace" in caplog.text
+
+
+def test_align_trace_json_waits_and_flows(tmp_path):
+    from opennpu.npu._npugraph_utils import align_trace_json
+
+    def span(name, tid, ts, dur):
+        return {"name": name, "ph": "X", "pid": 0, "tid": tid, "ts": ts, "dur": dur}
+
+    # stream2's wait must last until stream1's record has ended
+    trace = [span("a", "stream1", 100.0, 5.0), span("EVENT_RECORD_7", "stream1", 400.0, 1.0),
+             span("EVENT_WAIT_7", "stream2", 50.0, 1.0), span("b", "stream2", 60.0, 2.0),
+             {"name": "meta", "ph": "M", "pid": 0}]
+    src = tmp_path / "t.json"
+    src.write_text(json.dumps(trace))
+    out = align_trace_json(str(src), None)
+    assert out == tmp_path / "t.aligned.json"
+    assert json.loads(src.read_text()) == trace  # the dump is left alone
+    ev = {e["name"]: e for e in json.loads(out.read_text()) if e["ph"] == "X"}
+    assert (ev["a"]["ts"], ev["EVENT_RECORD_7"]["ts"]) == (0.0, pytest.approx(5.2))
+    record_end = ev["EVENT_RECORD_7"]["ts"] + ev["EVENT_RECORD_7"]["dur"]
+    wait = ev["EVENT_WAIT_7"]
+    assert wait["ts"] == 0.0 and wait["ts"] + wait["dur"] == pytest.approx(record_end)
+    assert ev["b"]["ts"] == pytest.approx(record_end + 0.2)
+    flows = [e for e in json.loads(out.read_text()) if e["ph"] in "sf"]
+    assert [(f["ph"], f["tid"]) for f in flows] == [("s", "stream1"), ("f", "stream2")]
+
+    src.write_text(json.dumps([span("EVENT_WAIT_2", "stream1", 0, 1),
+                               span("EVENT_RECORD_1", "stream1", 1, 1),
+                               span("EVENT_WAIT_1", "stream2", 0, 1),
+                               span("EVENT_RECORD_2", "stream2", 1, 1)]))
+    with pytest.raises(RuntimeError, match="form a cycle"):
+        align_trace_json(str(src), str(tmp_path / "c.json"))
+    src.write_text(json.dumps({"nodes": []}))
+    with pytest.raises(ValueError, match="is not a Chrome trace"):
+        align_trace_json(str(src))
+
+
+def test_graph_dispatch_mode():
+    g1, g2 = torch.npu.NPUGraph(), torch.npu.NPUGraph()
+    stream = g1.graph_dispatch_mode.update_stream
+    assert stream is g2.graph_dispatch_mode.update_stream  # one for the process
+    assert stream.device.type == "npu" and stream.stream_id != 0
+    q = torch.randn(1, 4, 1, 8, device="npu", dtype=torch.float16)
+    k = torch.randn(1, 4, 16, 8, device="npu", dtype=torch.float16)
+    with torch.npu.graph(g1, auto_dispatch_capture=True):
+        _fia(q, k, k, [5])
+        q * 2
+    records = g1.graph_dispatch_mode.graph_dispatch_records
+    assert [r.func.overloadpacket.__name__ for r in records] == ["npu_fused_infer_attention_score"]
+    assert g2.graph_dispatch_mode.graph_dispatch_records == []
+
+
+def test_fused_infer_attention_score_out_graph():
+    """torch_npu._C._npu_fused_infer_attention_score_out_graph: a task-group update of a captured
+    FIA .out in one call."""
+    q = torch.randn(1, 4, 1, 8, device="npu", dtype=torch.float16)
+    k = torch.randn(1, 4, 16, 8, device="npu", dtype=torch.float16)
+    v = torch.randn(1, 4, 16, 8, device="npu", dtype=torch.float16)
+    want5, want12 = _fia(q, k, v, [5])[0], _fia(q, k, v, [12])[0]
+    out = torch.empty_like(want5)
+    lse = torch.empty(1, dtype=torch.float16, device="npu")
+    kw = dict(num_heads=4, input_layout="BNSD", scale=0.125)
+    g, event = torch.npu.NPUGraph(), torch.npu.ExternalEvent()
+    with torch.npu.graph(g):
+        stream = torch.npu.current_stream()
+        event.wait(stream)
+        torch.npu.graph_task_group_begin(stream)
+        torch_npu.npu_fused_infer_attention_score.out(q, k, v, actual_seq_lengths_kv=[5], **kw,
+                                                      out=[out, lse])
+        handle = torch.npu.graph_task_group_end(stream)
+    s = torch.npu.Stream()
+    with torch.npu.stream(s):
+        returned = torch_npu._C._npu_fused_infer_attention_score_out_graph(
+            s, handle, event, q, k, v, actual_seq_lengths_kv=[12], **kw, out=[out, lse])
+    assert returned[0] is out and returned[1] is lse
+    assert torch.equal(out.cpu(), want5.cpu())  # not run now
+    g.replay()
+    assert torch.equal(out.cpu(), want12.cpu())
+    with pytest.raises(RuntimeError, match="out must have 2 tensors"):
+        torch_npu._C._npu_fused_infer_attention_score_out_graph(s, handle, event, q, k, v,
+                                                                out=[out])
+    with pytest.raises((RuntimeError, TypeError), match="num_heads"):  # bad argument
+        torch_npu._C._npu_fused_infer_attention_score_out_graph(
+            s, handle, event, q, k, v, num_heads="four", out=[out, lse])
+    # the failed update was closed, the graph left as it was: a new update can begin
+    torch_npu._C._npu_fused_infer_attention_score_out_graph(
+        s, handle, event, q, k, v, actual_seq_lengths_kv=[5], **kw, out=[out, lse])
+    g.replay()
+    assert torch.equal(out.cpu(), want5.cpu())
 
 
 def test_names_are_provided():
@@ -504,3 +621,83 @@ def test_names_are_provided():
                  "ExternalEvent"):
         assert hasattr(torch.npu, name) and name in torch.npu.__all__
         assert getattr(torch_npu.npu, name) is getattr(torch.npu, name)
+
+
+def test_launch_host_func_runs_at_capture_and_each_replay():
+    calls = []
+    x = torch.randn(4, device="npu")
+    result = torch.zeros(4, device="npu")
+
+    def host(params):
+        calls.append(len(params))
+        a, out = params
+        out.add_(a)  # npu work of the host function: not recorded in the graph
+
+    s = torch.npu.Stream()
+    torch_npu.npu._subscribe_report(s)
+    torch_npu.npu._launch_host_func(s, host, [x, result])  # no capture: called at once
+    assert calls == [2] and torch.equal(result.cpu(), x.cpu())
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g, stream=s):
+        y = x * 2
+        torch_npu.npu._launch_host_func(torch.npu.current_stream(), host, [y, result])
+    torch.testing.assert_close(result, x * 3)
+    g.replay()
+    g.replay()
+    assert len(calls) == 4
+    torch.testing.assert_close(result, x * 7)
+    assert [r.kind for r in g._records] == ["compute", "host"]
+    w = torch.ones(2, device="npu", requires_grad=True)
+    tracked = []
+    g2 = torch.npu.NPUGraph()
+    with torch.npu.graph(g2, stream=s):
+        x + 1
+        torch_npu.npu._launch_host_func(s, lambda _: tracked.append((w * 2).requires_grad), None)
+    g2.replay()
+    assert tracked == [True, True]  # the host function runs with autograd as in eager code
+    torch_npu.npu._unsubscribe_report(s)
+    with pytest.raises(TypeError, match="stream must be an npu stream"):
+        torch_npu.npu._launch_host_func(None, host, [])
+    with pytest.raises(TypeError, match="fn must be callable"):
+        torch_npu._C._launch_host_func(s, 3, [])
+
+
+def test_rng_state_read_and_restored_inside_capture_rewinds_each_replay():
+    torch.npu.manual_seed(7)
+    pre = torch.rand(4, device="npu")
+    first = torch.rand(4, device="npu")
+    after = torch.rand(4, device="npu")
+
+    torch.npu.manual_seed(7)
+    g = torch.npu.NPUGraph()
+    with torch.npu.graph(g):
+        a = torch.rand(4, device="npu")
+        state = torch.npu.get_rng_state()
+        b = torch.rand(4, device="npu")
+        torch.npu.set_rng_state(state)
+        c = torch.rand(4, device="npu")
+        torch.npu.manual_seed(7)  # the same seed: allowed
+    assert torch.equal(b.cpu(), c.cpu())
+    torch.npu.manual_seed(7)
+    g.replay()
+    assert torch.equal(a.cpu(), pre.cpu()) and torch.equal(b.cpu(), first.cpu())
+    assert torch.equal(c.cpu(), first.cpu())
+    assert torch.equal(torch.rand(4, device="npu").cpu(), after.cpu())
+    torch.npu.manual_seed(8)  # another replay start: the rewind is relative to it
+    g.replay()
+    assert torch.equal(b.cpu(), c.cpu()) and not torch.equal(b.cpu(), first.cpu())
+
+
+def test_seed_change_during_capture_raises():
+    torch.npu.manual_seed(1)
+    other = torch.npu.get_rng_state()
+    torch.npu.manual_seed(0)
+    for change in (lambda: torch.npu.manual_seed(1), lambda: torch.npu.set_rng_state(other)):
+        with pytest.raises(RuntimeError, match="only if new seed is the same"):
+            with torch.npu.graph(torch.npu.NPUGraph()):
+                change()
+    g = torch.npu.NPUGraph()
+    gen = torch.Generator(device="npu")
+    g.register_generator_state(gen)
+    with pytest.raises(TypeError, match="expected an npu torch.Generator"):
+        g.register_generator_state(torch.Generator())

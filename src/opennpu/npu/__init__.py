@@ -17,6 +17,7 @@ from .device import __all__ as _device_all
 from .device import _get_device_index, _is_in_bad_fork, _lazy_init  # noqa: F401
 from .graphs import *  # noqa: F401,F403
 from .graphs import __all__ as _graphs_all
+from .graphs import _launch_host_func, _subscribe_report, _unsubscribe_report  # noqa: F401
 from .memory import *  # noqa: F401,F403
 from .memory import __all__ as _memory_all
 from .npu_config import *  # noqa: F401,F403  (Ascend-only switches: accepted, no effect here)

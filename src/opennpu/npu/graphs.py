@@ -25,6 +25,10 @@ npu_fusion_attention returns as ints reach its gradient op at replay as that rep
 them; other values returned as Python numbers keep their capture-time values in the calls that
 took them.
 
+Host functions launched on the capturing stream (`_launch_host_func`) and generator states read
+and restored inside the capture (`get_rng_state` / `set_rng_state`) are recorded as host nodes,
+which replay calls again at their place (see those functions).
+
 During capture, what a capturing stream forbids raises "operation not permitted when stream is
 capturing", naming the operation: host reads of npu tensors (`.item()`, `.tolist()`, `.cpu()`, any
 copy to a CPU tensor), ops whose output size depends on values (`nonzero`, `masked_select`,
@@ -37,7 +41,9 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import logging
 import threading
+import time
 import warnings
 from typing import Any, Callable, Optional
 
@@ -52,6 +58,7 @@ __all__ = ["ExternalEvent", "NPUGraph", "graph", "graph_pool_handle", "graph_tas
 
 _aten = torch.ops.aten
 _CAPTURE_MODES = ("global", "thread_local", "relaxed")
+_log = logging.getLogger(__name__)
 _NOT_PERMITTED = "operation not permitted when stream is capturing"
 
 # Ops that read an npu tensor's values on the host (a device-to-host synchronisation) or whose
@@ -118,24 +125,33 @@ def _check_not_capturing(what: str, graph: Optional["NPUGraph"] = None) -> None:
 class _Record:
     """One recorded call: what replay does with it is decided once, at capture."""
 
-    __slots__ = ("func", "args", "kwargs", "outputs", "fresh", "kind", "links")
+    __slots__ = ("func", "args", "kwargs", "outputs", "fresh", "kind", "links", "stream",
+                 "device", "dur_us")
 
     def __init__(self, func, args, kwargs, outputs, fresh, kind):
         self.func, self.args, self.kwargs = func, args, kwargs
         self.outputs, self.fresh, self.kind = outputs, fresh, kind
         # (argument name, index of the record whose int output it took, position of that output)
         self.links: list[tuple[str, int, int]] = []
+        # for debug_dump only: the stream current when the call was made, and how long the call
+        # took on the host at capture (set by the capture mode)
+        self.stream, self.device, self.dur_us = 0, 0, 0.0
 
-    def describe(self) -> dict:
+    def trace_event(self, index: int, ts: float) -> dict:
+        """This call as a Chrome trace event ("X": a span on its stream's track)."""
         def meta(x):
             if isinstance(x, torch.Tensor):
                 return {"shape": list(x.shape), "dtype": str(x.dtype).replace("torch.", ""),
                         "device": str(x.device)}
             return repr(x) if not isinstance(x, (int, float, bool, str, type(None))) else x
 
-        return {"op": str(self.func), "kind": self.kind,
-                "inputs": [meta(x) for x in tree_leaves((self.args, self.kwargs))],
-                "outputs": [meta(x) for x in tree_leaves(self.outputs)]}
+        name = (f"HOST_FUNC {getattr(self.func, '__qualname__', self.func)}"
+                if self.kind == "host" else str(self.func))
+        return {"name": name, "ph": "X", "pid": self.device,
+                "tid": f"stream{self.stream}", "ts": ts, "dur": self.dur_us,
+                "args": {"Task Id": index, "Stream Id": self.stream, "kind": self.kind,
+                         "inputs": [meta(x) for x in tree_leaves((self.args, self.kwargs))],
+                         "outputs": [meta(x) for x in tree_leaves(self.outputs)]}}
 
 
 def _classify(func, args, kwargs, out) -> tuple[str, list[bool]]:
@@ -176,7 +192,9 @@ class _CaptureMode(TorchDispatchMode):
             what = _SYNC_OPS.get(func)
             if what is not None:
                 _check_not_capturing(what, graph)
+        start = time.perf_counter_ns()
         out = func(*args, **kwargs)
+        dur_us = (time.perf_counter_ns() - start) / 1000.0
         outs = tree_leaves(out)
         if not (npu_in or any(_is_npu(o) for o in outs)):
             return out  # CPU work: not part of a device graph
@@ -184,6 +202,10 @@ class _CaptureMode(TorchDispatchMode):
             _check_not_capturing(f"a copy from npu to the host ({func}, e.g. Tensor.cpu())", graph)
         kind, fresh = _classify(func, args, kwargs, out)
         record = _Record(func, args, dict(kwargs), out, fresh, kind)
+        from .streams import current_stream
+
+        stream = current_stream()
+        record.stream, record.device, record.dur_us = stream.stream_id, stream.device_index, dur_us
         record.links = _dropout_links(graph._records, func, args, kwargs)
         graph._records.append(record)
         return out
@@ -256,6 +278,9 @@ def _with_links(record: _Record, results: dict) -> tuple[tuple, dict]:
 def _run(record: _Record, index: int, results: dict) -> None:
     if record.kind in ("view", "alloc"):
         return
+    if record.kind == "host":  # a host function or generator-state node: called again
+        record.func(*record.args)
+        return
     args, kwargs = (_with_links(record, results) if record.links
                     else (record.args, record.kwargs))
     result = record.func(*args, **kwargs)
@@ -279,6 +304,40 @@ class _TaskGroup:
         return f"<torch.npu graph task group: {self.stop - self.start} recorded call(s)>"
 
 
+class _GraphDispatchMode:
+    """`NPUGraph.graph_dispatch_mode` (torch_npu's auto-dispatch capture state): the stream that
+    `NPUGraph.update` issues its task updates on, one for all graphs of the process (created on
+    first use), and the graph's recorded calls that `update(cpu_update_input=...)` changes, in
+    capture order. (Capture itself is the graph's _CaptureMode, which records every call.)"""
+
+    _update_stream: Optional[torch.Stream] = None
+
+    def __init__(self, graph: "NPUGraph"):
+        self._graph = graph
+
+    @property
+    def update_stream(self) -> torch.Stream:
+        cls = _GraphDispatchMode
+        if cls._update_stream is None:
+            from .streams import Stream
+
+            with _lock:
+                if cls._update_stream is None:
+                    cls._update_stream = Stream()
+        return cls._update_stream
+
+    @property
+    def graph_dispatch_records(self) -> list[_Record]:
+        if not self._graph.auto_dispatch_capture:
+            return []
+        return [r for r in self._graph._records
+                if r.kind != "host" and r.func.overloadpacket.__name__ in _UPDATABLE]
+
+    def __repr__(self) -> str:
+        n = len(self.graph_dispatch_records)
+        return f"<torch.npu graph dispatch mode: {n} updatable call(s)>"
+
+
 class NPUGraph:
     """A captured sequence of npu work, replayed with `replay()` (torch_npu's NPUGraph)."""
 
@@ -299,6 +358,8 @@ class NPUGraph:
         self._update_group: Optional[_TaskGroup] = None
         self._debug = False
         self.auto_dispatch_capture = False
+        self.graph_dispatch_mode = _GraphDispatchMode(self)
+        self._rng_reads: list[dict] = []  # generator states read in capture (_rng_state_read)
 
     # -- capture --------------------------------------------------------------------------------
 
@@ -325,7 +386,7 @@ class NPUGraph:
                 raise RuntimeError(f"{_NOT_PERMITTED}: NPUGraph.capture_begin while another "
                                    f"NPUGraph is capturing (one capture at a time)")
             _capturing = self
-        self._records, self._error = [], None
+        self._records, self._error, self._rng_reads = [], None, []
         self._stream, self._thread, self._capturing = stream, threading.get_ident(), True
         self._mode = _CaptureMode(self)
         self._mode.__enter__()
@@ -375,16 +436,23 @@ class NPUGraph:
         """Runs the captured work again on the captured tensors (static inputs and outputs)."""
         if not self._has_graph:
             raise RuntimeError("Called NPUGraph::replay without a preceding successful capture.")
-        with _replaying():
-            results: dict = {}
-            for index, record in enumerate(self._records):
-                _run(record, index, results)
+        results: dict = {}
+        records, index, n = self._records, 0, len(self._records)
+        while index < n:
+            if records[index].kind == "host":  # user code: called as it was at capture, with
+                _run(records[index], index, results)  # autograd and autocast as they are now
+                index += 1
+                continue
+            with _replaying():  # a run of recorded ATen calls
+                while index < n and records[index].kind != "host":
+                    _run(records[index], index, results)
+                    index += 1
 
     def reset(self) -> None:
         """Deletes the captured graph and releases the tensors it holds (its memory pool)."""
         if self._capturing:
             self._finish_capture()
-        self._records = []
+        self._records, self._rng_reads = [], []
         self._has_graph = False
         self._error = None
 
@@ -395,19 +463,44 @@ class NPUGraph:
             raise RuntimeError("Called NPUGraph::pool() without a preceding successful capture.")
         return self._pool
 
+    def register_generator_state(self, generator) -> None:
+        """torch.cuda.CUDAGraph.register_generator_state: lets the graph's random ops draw from a
+        generator other than the default one at each replay. Every generator a recorded op was
+        given draws again at replay here, so this checks that `generator` is an npu
+        torch.Generator and has nothing else to do."""
+        if not isinstance(generator, torch.Generator) or generator.device.type != "npu":
+            raise TypeError(f"NPUGraph.register_generator_state: expected an npu "
+                            f"torch.Generator, but got {generator!r}")
+
     def enable_debug_mode(self) -> None:
         """Keeps what debug_dump writes (here every graph keeps it: this only sets the flag)."""
         self._debug = True
 
     def debug_dump(self, debug_path: str) -> None:
-        """Writes the captured calls as JSON to `debug_path`: one node per call with the op, what
-        replay does with it (compute / mutate / view / alloc) and its tensors' shapes and dtypes
-        (torch_npu writes the ACL model's JSON instead)."""
+        """Writes the captured graph to `debug_path` as a Chrome trace (a JSON list of events, for
+        chrome://tracing or Perfetto; torch_npu's ACL model dump has the same form): one "X"
+        event per recorded call, on the track of the stream it was called on ("stream<id>"),
+        laid out in capture order with the call's host duration at capture; `args` hold the
+        replay kind (compute / mutate / view / alloc) and the tensors' shapes and dtypes. Then,
+        as torch_npu does, writes `<name>.aligned.json` beside it with
+        `_npugraph_utils.align_trace_json`; if that fails the dump is kept and a warning logged.
+        Without a successful capture it warns and writes nothing."""
         if not self._has_graph:
             warnings.warn("Called NPUGraph::debug_dump without a preceding successful capture.")
             return
+        events, ts = [], 0.0
+        for index, record in enumerate(self._records):
+            events.append(record.trace_event(index, ts))
+            ts += record.dur_us
         with open(debug_path, "w", encoding="utf-8") as f:
-            json.dump({"nodes": [r.describe() for r in self._records]}, f, indent=1)
+            json.dump(events, f, indent=1)
+        from . import _npugraph_utils  # looked up per call: tests patch align_trace_json
+
+        try:
+            _npugraph_utils.align_trace_json(debug_path, None)
+        except Exception:  # the aligned copy is optional; the dump itself was written
+            _log.warning("NPUGraph.debug_dump: could not write the aligned trace of %s",
+                         debug_path, exc_info=True)
 
     def update(self, cpu_update_input) -> None:
         """torch_npu's update of a graph captured with `torch.npu.graph(..., auto_dispatch_capture
@@ -421,7 +514,7 @@ class NPUGraph:
                                "Try to capture by setting auto_dispatch_capture=True during capture")
         if not self._has_graph:
             raise RuntimeError("Called NPUGraph.update without a preceding successful capture.")
-        records = [r for r in self._records if r.func.overloadpacket.__name__ in _UPDATABLE]
+        records = self.graph_dispatch_mode.graph_dispatch_records
         if not isinstance(cpu_update_input, (list, tuple)) or not all(
                 isinstance(d, dict) for d in cpu_update_input):
             raise TypeError(f"NPUGraph.update: cpu_update_input must be a list of dicts, but got "
@@ -565,6 +658,41 @@ def graph_task_update_end(stream) -> None:
         record.args, record.kwargs = args, kwargs
 
 
+def _cancel_update(graph: NPUGraph) -> None:
+    """Closes `graph`'s open task update without applying it (its calls failed)."""
+    mode, graph._mode = graph._mode, None
+    if mode is not None:
+        mode.__exit__(None, None, None)
+    graph._update = graph._update_group = None
+
+
+def _fused_infer_attention_score_out_graph(stream, handle, event, *args, **kwargs):
+    """torch_npu._C._npu_fused_infer_attention_score_out_graph(stream, handle, event, query, key,
+    value, *, ..., out=[attention_out, softmax_lse]): one call for a task-group update of a
+    captured `npu_fused_infer_attention_score.out`: graph_task_update_begin(stream, handle), the
+    op with the new arguments (it replaces the group's recorded call for later replays and does
+    not run now), graph_task_update_end(stream), then `event.record(stream)`. Returns the out
+    tensors."""
+    out = kwargs.pop("out", None)
+    if not isinstance(out, (list, tuple)) or len(out) != 2 or not all(
+            isinstance(t, torch.Tensor) for t in out):
+        raise RuntimeError(f"_npu_fused_infer_attention_score_out_graph: out must have 2 tensors "
+                           f"(attention_out, softmax_lse), but got {out!r}")
+    if not isinstance(event, ExternalEvent):
+        raise TypeError(f"_npu_fused_infer_attention_score_out_graph: event must be a "
+                        f"torch.npu.ExternalEvent, but got {event!r}")
+    graph_task_update_begin(stream, handle)
+    try:
+        result = torch.ops.npu.npu_fused_infer_attention_score.out(
+            *args, **kwargs, attention_out=out[0], softmax_lse=out[1])
+    except BaseException:
+        _cancel_update(handle.graph)
+        raise
+    graph_task_update_end(stream)
+    event.record(stream)
+    return result
+
+
 def _open_updates():
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
@@ -620,6 +748,134 @@ class graph:  # noqa: N801  (torch_npu's name)
         finally:
             self.stream_ctx.__exit__(exc_type, exc_value, traceback)
         return False
+
+
+def _launch_host_func(stream, fn: Callable, user_data) -> None:
+    """torch_npu.npu._launch_host_func(stream, fn, user_data): calls `fn(user_data)` on the host
+    when the work before it on `stream` is done. Work runs in program order on the host, so it
+    is called at once; while a graph captures, the call is also recorded as a node of the graph
+    and made again, at its place, at every replay (ACL: aclrtLaunchCallback, captured as a host
+    task). The npu work `fn` does belongs to the host function, not to the graph: it is not
+    recorded, so a replay runs it once, through the function."""
+    if not (isinstance(stream, torch.Stream) and stream.device.type == "npu"):
+        raise TypeError(f"_launch_host_func: stream must be an npu stream, but got {stream!r}")
+    if not callable(fn):
+        raise TypeError(f"_launch_host_func: fn must be callable, but got {fn!r}")
+    graph = _capturing
+    if graph is None or graph._thread != threading.get_ident() or graph._mode is None:
+        fn(user_data)
+        return
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    start = time.perf_counter_ns()
+    with _disable_current_modes():
+        fn(user_data)
+    record = _Record(fn, (user_data,), {}, None, [], "host")
+    record.stream, record.device = stream.stream_id, stream.device_index
+    record.dur_us = (time.perf_counter_ns() - start) / 1000.0
+    graph._records.append(record)
+
+
+# -- generator state inside a capture (torch.npu.get_rng_state / set_rng_state / manual_seed) ---
+#
+# As in CUDA graphs, a generator's state read and restored inside a capture is relative to the
+# run: `s = get_rng_state(); ...; set_rng_state(s)` rewinds, at every replay, to where that
+# replay's generator was when it reached the read (torch.utils.checkpoint(preserve_rng_state=True)
+# relies on it). Both calls are recorded as host nodes: the read stores the state the generator
+# has at that point of the replay, the restore sets it back. A state not read in this capture is
+# set as given, at capture and at each replay; changing the seed during a capture raises, as
+# torch_npu's generator does.
+
+_SEED_MISMATCH = ("NPUGeneratorImpl::set_current_seed can be called during stream capture only if "
+                  "new seed is the same as the original seed.")
+
+
+def _capturing_here() -> Optional["NPUGraph"]:
+    graph = _capturing
+    if graph is None or graph._thread != threading.get_ident() or graph._mode is None:
+        return None
+    return graph
+
+
+def _record_host_call(graph: "NPUGraph", fn: Callable, arg, name: str) -> None:
+    record = _Record(fn, (arg,), {}, None, [], "host")
+    stream = graph._stream
+    record.stream, record.device = stream.stream_id, stream.device_index
+    fn.__qualname__ = name
+    graph._records.append(record)
+
+
+def _state_seed(state: torch.Tensor) -> int:
+    engine = torch.Generator()  # the npu state is the CPU engine's, then an 8-byte offset
+    engine.set_state(state[:-8].clone())
+    return engine.initial_seed()
+
+
+def _rng_state_read(generator: torch.Generator, state: torch.Tensor) -> None:
+    """get_rng_state during a capture: a node that notes the generator's state at this point of
+    each replay."""
+    graph = _capturing_here()
+    if graph is None:
+        return
+    slot = {"capture": state.clone(), "replay": state.clone()}
+    graph._rng_reads.append(slot)
+
+    def read(_):
+        slot["replay"] = generator.get_state()
+
+    _record_host_call(graph, read, None, "get_rng_state")
+
+
+def _rng_state_write(generator: torch.Generator, state: torch.Tensor) -> None:
+    """set_rng_state during a capture: checked, then recorded (see above); the caller sets it."""
+    graph = _capturing_here()
+    if graph is None:
+        return
+    for slot in reversed(graph._rng_reads):
+        if torch.equal(slot["capture"], state):
+            def restore(_, slot=slot):
+                generator.set_state(slot["replay"])
+
+            _record_host_call(graph, restore, None, "set_rng_state")
+            return
+    if _state_seed(state) != generator.initial_seed():
+        err = RuntimeError(_SEED_MISMATCH)
+        graph._invalidate(err)
+        raise err
+    fixed = state.clone()
+
+    def write(_):
+        generator.set_state(fixed)
+
+    _record_host_call(graph, write, None, "set_rng_state")
+
+
+def _rng_seed_write(generator: torch.Generator, seed: int) -> None:
+    """manual_seed during a capture: the same seed is accepted (and does nothing to the graph: the
+    replay draws from the generator as it is then); another raises."""
+    graph = _capturing_here()
+    if graph is not None and int(seed) != generator.initial_seed():
+        err = RuntimeError(_SEED_MISMATCH)
+        graph._invalidate(err)
+        raise err
+
+
+def _checked_report_stream(stream, what: str) -> None:
+    if not (isinstance(stream, torch.Stream) and stream.device.type == "npu"):
+        raise TypeError(f"{what}: stream must be an npu stream, but got {stream!r}")
+
+
+def _subscribe_report(stream) -> None:
+    """torch_npu.npu._subscribe_report(stream): on Ascend, starts the thread that runs the host
+    functions launched on `stream`. Host functions run in the launching thread here (at once,
+    or at replay), so this checks the stream and has nothing to start."""
+    _checked_report_stream(stream, "_subscribe_report")
+
+
+def _unsubscribe_report(stream) -> None:
+    """torch_npu.npu._unsubscribe_report(stream): on Ascend, waits for `stream`'s host functions
+    and stops delivering them; every host function has already run here."""
+    _checked_report_stream(stream, "_unsubscribe_report")
 
 
 class ExternalEvent:

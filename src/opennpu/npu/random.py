@@ -11,6 +11,7 @@ from typing import Any, Iterable
 
 import torch
 
+from . import graphs as _graphs
 from .device import _checked_index, device_count
 
 __all__ = ["default_generators", "get_rng_state", "get_rng_state_all", "initial_seed",
@@ -27,12 +28,16 @@ def _generator(device: Any = None) -> torch.Generator:
 
 
 def manual_seed(seed: int) -> None:
-    """Seeds the current device's default generator."""
-    _generator().manual_seed(int(seed))
+    """Seeds the current device's default generator (during a graph capture only with the seed
+    it has)."""
+    generator = _generator()
+    _graphs._rng_seed_write(generator, seed)
+    generator.manual_seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
     for generator in default_generators:
+        _graphs._rng_seed_write(generator, seed)
         generator.manual_seed(int(seed))
 
 
@@ -52,16 +57,23 @@ def initial_seed() -> int:
 
 
 def get_rng_state(device: Any = "npu") -> torch.Tensor:
-    """The generator state of `device` as a CPU ByteTensor."""
-    return _generator(device).get_state()
+    """The generator state of `device` as a CPU ByteTensor (inside a graph capture, restoring it
+    later in the capture rewinds each replay to this point: graphs.py)."""
+    generator = _generator(device)
+    state = generator.get_state()
+    _graphs._rng_state_read(generator, state)
+    return state
 
 
 def set_rng_state(new_state: torch.Tensor, device: Any = "npu") -> None:
-    _generator(device).set_state(new_state.clone() if new_state.device.type == "cpu" else new_state.cpu())
+    generator = _generator(device)
+    state = new_state.clone() if new_state.device.type == "cpu" else new_state.cpu()
+    _graphs._rng_state_write(generator, state)
+    generator.set_state(state)
 
 
 def get_rng_state_all() -> list[torch.Tensor]:
-    return [generator.get_state() for generator in default_generators]
+    return [get_rng_state(index) for index in range(len(default_generators))]
 
 
 def set_rng_state_all(new_states: Iterable[torch.Tensor]) -> None:

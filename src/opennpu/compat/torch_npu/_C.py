@@ -43,6 +43,15 @@ def _npu_reset_thread_affinity() -> None:
     _ops._npu_reset_thread_affinity()
 
 
+# A task-group update of a captured npu_fused_infer_attention_score.out in one call (begin, the
+# op with new arguments, end, event.record): opennpu.npu.graphs says what it does.
+from opennpu.npu.graphs import (  # noqa: E402
+    _fused_infer_attention_score_out_graph as _npu_fused_infer_attention_score_out_graph)
+
+from opennpu.npu.graphs import (  # noqa: E402,F401  (host functions on a stream)
+    _launch_host_func, _subscribe_report, _unsubscribe_report)
+
+
 def __getattr__(name: str):
     raise AttributeError(f"torch_npu._C.{name} is not provided by opennpu (a binding of the "
                          "Ascend runtime with no counterpart on the emulated device)")
