@@ -153,6 +153,12 @@ def _llama_case(shape: dict, inputs: list[torch.Tensor]):
     return fn, fn, reference
 
 
+def _add_rms_norm64(x1, x2, w):
+    """(y, x1 + x2) of add + RMSNorm in float64."""
+    s = x1.double() + x2.double()
+    return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + EPS) * w.double(), s
+
+
 def ours_case(op: str, inputs: list[torch.Tensor], shape: dict | None = None):
     """(fn, outputs, reference): fn() is timed; outputs() gives the tensors checked against
     reference() (float64), from fresh inputs."""
@@ -169,11 +175,7 @@ def ours_case(op: str, inputs: list[torch.Tensor], shape: dict | None = None):
     if op == "add_rms_norm":
         x1, x2, w = inputs
         fn = lambda: npu.npu_add_rms_norm(x1, x2, w, EPS)[::2]  # (y, x1 + x2)  # noqa: E731
-
-        def reference():
-            s = x1.double() + x2.double()
-            return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + EPS) * w.double(), s
-        return fn, fn, reference
+        return fn, fn, lambda: _add_rms_norm64(x1, x2, w)
     if op == "add_rms_norm_inplace":
         x1, x2, w = inputs
         residual = x2.clone()
@@ -182,11 +184,7 @@ def ours_case(op: str, inputs: list[torch.Tensor], shape: dict | None = None):
         def outputs():
             r = x2.clone()
             return torch.ops.opennpu._add_rms_norm_inplace(x1, r, w, EPS)[0], r
-
-        def reference():
-            s = x1.double() + x2.double()
-            return s * torch.rsqrt(s.square().mean(-1, keepdim=True) + EPS) * w.double(), s
-        return fn, outputs, reference
+        return fn, outputs, lambda: _add_rms_norm64(x1, x2, w)
     if op == "rotary_mul":
         x, cos, sin = inputs
         fn = lambda: npu.npu_rotary_mul(x, cos, sin)  # noqa: E731
