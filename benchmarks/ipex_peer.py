@@ -54,6 +54,11 @@ class IpexCase:
     op: str  # the family name benchmarks.run's --ops selects
     shape: dict
     dtypes: tuple[str, ...]
+    ipex_op: str = ""  # the worker's case, where it differs from op (ours compiled otherwise)
+
+    @property
+    def peer(self) -> str:
+        return self.ipex_op or self.op
 
     @property
     def label(self) -> str:
@@ -71,6 +76,11 @@ CASES = (
     IpexCase("attention", {"S": 2048, "N": 32, "Nkv": 8, "D": 128}, ("fp32", "bf16")),
     IpexCase("llama_layer", {"S": 512, "H": 1024, "N": 16, "Nkv": 4, "I": 2816}, ("fp32", "bf16")),
     IpexCase("llama_layer", {"S": 2048, "H": 1024, "N": 16, "Nkv": 4, "I": 2816}, ("fp32", "bf16")),
+    # the same layer with the opt-in rule linear_onednn (float32 linears through oneDNN)
+    IpexCase("llama_layer_onednn", {"S": 512, "H": 1024, "N": 16, "Nkv": 4, "I": 2816}, ("fp32",),
+             ipex_op="llama_layer"),
+    IpexCase("llama_layer_onednn", {"S": 2048, "H": 1024, "N": 16, "Nkv": 4, "I": 2816}, ("fp32",),
+             ipex_op="llama_layer"),
     IpexCase("adamw", {"params": "GPT-2 small 124M", "wd": 0}, ("fp32",)),
 )
 
@@ -130,18 +140,21 @@ class _LlamaCall(torch.nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
 
-def _llama_case(shape: dict, inputs: list[torch.Tensor]):
-    """The layer compiled with opennpu's backend (default CompilerConfig), against the float64
-    eager layer. cos / sin are computed once outside the timed call, as LlamaModel shares them
+def _llama_case(shape: dict, inputs: list[torch.Tensor], enabled_patterns=()):
+    """The layer compiled with opennpu's backend (default CompilerConfig, plus the opt-in rules
+    `enabled_patterns`), against the float64 eager layer. cos / sin are computed once outside the timed call, as LlamaModel shares them
     across layers (IPEX's layer computes its own from a cached table)."""
-    from opennpu.compile import get_npu_backend
+    from opennpu.compile import CompilerConfig, get_npu_backend
 
+    config = CompilerConfig()
+    config.experimental_config.enabled_patterns = enabled_patterns
     x, weights = inputs[0], inputs[1:]
     layer, rotary = _llama_layer(shape, weights, x.dtype)
     with torch.no_grad():
         cos, sin = rotary(x, torch.arange(x.shape[1])[None])
     module = _LlamaCall(layer)
-    compiled_fn = torch.compile(module, backend=get_npu_backend(), dynamic=False)
+    compiled_fn = torch.compile(module, backend=get_npu_backend(compiler_config=config),
+                                dynamic=False)
 
     def fn():  # the first call compiles, with Inductor's C++ kernels fixed to the thread count
         with torch.no_grad(), torch._inductor.config.patch({"cpp.threads": torch.get_num_threads()}):
@@ -164,6 +177,8 @@ def ours_case(op: str, inputs: list[torch.Tensor], shape: dict | None = None):
     reference() (float64), from fresh inputs."""
     if op == "llama_layer":
         return _llama_case(shape, inputs)
+    if op == "llama_layer_onednn":
+        return _llama_case(shape, inputs, enabled_patterns=("linear_onednn",))
     if op == "rms_norm":
         x, w = inputs
         fn = lambda: npu.npu_rms_norm(x, w, EPS)[0]  # noqa: E731
@@ -273,11 +288,11 @@ def run_case(worker: IpexWorker, case: IpexCase, dtype_name: str, threads: int, 
     row = {"op": case.op, "shape": case.label, "dtype": dtype_name, "threads": threads}
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "ipex_out.pt")
-        reply = worker.request(cmd="setup", case=case.op, shape=case.shape, dtype=dtype_name,
+        reply = worker.request(cmd="setup", case=case.peer, shape=case.shape, dtype=dtype_name,
                                seed=seed, threads=threads, out=out_path)
         if "skip" in reply:
             return {**row, "skip": reply["skip"]}
-        inputs = make_inputs(case.op, case.shape, dtype, seed)
+        inputs = make_inputs(case.peer, case.shape, dtype, seed)
         if not math.isclose(reply["checksum"], checksum(inputs), rel_tol=1e-12, abs_tol=1e-6):
             raise RuntimeError(f"the IPEX worker built other inputs (checksum {reply['checksum']}"
                                f" != {checksum(inputs)})")

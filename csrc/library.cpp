@@ -528,6 +528,9 @@ TORCH_LIBRARY(opennpu, m) {
   // compile backend's rewrite of npu_add_rms_norm where x2 is an intermediate nothing reads after.
   m.def("_add_rms_norm_inplace(Tensor x1, Tensor(a!) x2, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
   m.def("_silu_mul_backward(Tensor grad, Tensor gate, Tensor up) -> (Tensor, Tensor)");
+  // F.linear(input, weight, bias), for the compile backend's float32 linears on CPU: oneDNN where
+  // it beats MKL's sgemm (ops/linear), else aten::linear.
+  m.def("_linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor");
   // npu_rotary_mul_backward's dx alone, for the usual case of r1/r2 without gradients (autograd
   // calls it then): no dr1/dr2 reductions, and self is only checked, never read.
   m.def("_rotary_mul_backward_dx(Tensor grad, Tensor self, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor");

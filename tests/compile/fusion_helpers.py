@@ -24,10 +24,11 @@ class Compiled:
 
 
 def run_compiled(module, *args, fusion: bool = True, eager: bool = True, dynamic: bool = False,
-                 disabled=(), backward: bool = False) -> Compiled:
+                 disabled=(), backward: bool = False, enabled=()) -> Compiled:
     config = CompilerConfig()
     config.experimental_config.pattern_fusion_pass = fusion
     config.experimental_config.disabled_patterns = list(disabled)
+    config.experimental_config.enabled_patterns = list(enabled)
     config.debug.run_eagerly = eager
     backend = get_npu_backend(compiler_config=config)
     torch._dynamo.reset()

@@ -198,7 +198,8 @@ class NpuBackend:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         inactive = fusion.inactive_rules(config.experimental_config.disabled_patterns,
-                                         config.debug.run_eagerly)
+                                         config.debug.run_eagerly,
+                                         config.experimental_config.enabled_patterns)
         if not any(r.stage == "pre_autograd" and r.name not in inactive for r in fusion.rules()):
             return gm
         try:
@@ -316,7 +317,8 @@ class PostGradPasses(CustomGraphPass):
         counts: Counter = Counter()
         fusing = config.experimental_config.pattern_fusion_pass
         inactive = fusion.inactive_rules(config.experimental_config.disabled_patterns,
-                                         config.debug.run_eagerly)
+                                         config.debug.run_eagerly,
+                                         config.experimental_config.enabled_patterns)
         if fusing:
             counts = fusion.apply_rules("post_grad", gm, inactive)
         if config.post_grad_custom_post_pass is not None:

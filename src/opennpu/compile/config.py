@@ -85,15 +85,17 @@ def _dump_path(value: str) -> str:
     return os.path.realpath(value)
 
 
-def _rule_names(value) -> frozenset[str]:
-    names = frozenset([value] if isinstance(value, str) else value)
-    from .rules import rule_names  # the rule modules register their names on import
+def _rule_names(option: str):
+    def convert(value) -> frozenset[str]:
+        names = frozenset([value] if isinstance(value, str) else value)
+        from .rules import rule_names  # the rule modules register their names on import
 
-    unknown = sorted(names - set(rule_names()))
-    if unknown:
-        raise ValueError(f"CompilerConfig.experimental_config.disabled_patterns names unknown "
-                         f"rules {unknown}; the rules are {sorted(rule_names())}")
-    return names
+        unknown = sorted(names - set(rule_names()))
+        if unknown:
+            raise ValueError(f"CompilerConfig.experimental_config.{option} names unknown "
+                             f"rules {unknown}; the rules are {sorted(rule_names())}")
+        return names
+    return convert
 
 
 class _GraphDump(_Group):
@@ -224,8 +226,11 @@ class _Experimental(_Group):
         "pattern_fusion_pass": _Option(True, kind=bool,
                                        doc="replace op groups by fused ops (default and user rules)"),
         "disabled_patterns": _Option(frozenset(), kind=(set, frozenset, list, tuple, str),
-                                     convert=_rule_names,
+                                     convert=_rule_names("disabled_patterns"),
                                      doc="names of fusion rules to leave out"),
+        "enabled_patterns": _Option(frozenset(), kind=(set, frozenset, list, tuple, str),
+                                    convert=_rule_names("enabled_patterns"),
+                                    doc="names of opt-in fusion rules to apply (off by default)"),
         "keep_inference_input_mutations": _Option(True, kind=bool),
         "frozen_parameter": _Option(False, kind=bool,
                                     doc="inference graphs take the parameters as constants"),
@@ -260,6 +265,9 @@ class CompilerConfig(_Group):
     - ``experimental_config.pattern_fusion_pass`` (True): the fusion rules; user rules from
       `register_replacement` share this switch, as in TorchAir.
     - ``experimental_config.disabled_patterns``: rule names to leave out (`opennpu.compile.rule_names()`).
+    - ``experimental_config.enabled_patterns``: opt-in rules to apply, off by default because they
+      trade something: "linear_onednn" runs float32 linears on CPU / npu through oneDNN, faster
+      than MKL on some CPUs but with a larger rounding error (docs/graph_mode.md).
     - ``experimental_config.frozen_parameter`` (False): graphs compiled with grad mode off take the
       model's parameters as constants (Inductor's freezing: weights pre-packed for oneDNN / MKL,
       constant subgraphs folded). The values at compile time are kept: after changing weights,
@@ -316,6 +324,7 @@ class CompilerConfig(_Group):
         "mode": "mode",
         "pattern_fusion_pass": "experimental_config.pattern_fusion_pass",
         "disabled_patterns": "experimental_config.disabled_patterns",
+        "enabled_patterns": "experimental_config.enabled_patterns",
         "frozen_parameter": "experimental_config.frozen_parameter",
         "force_eager": "debug.run_eagerly",
         "run_eagerly": "debug.run_eagerly",

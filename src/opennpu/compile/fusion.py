@@ -301,10 +301,13 @@ def register_user_rule(name: str, search_fn, replace_fn, example_inputs, *, trac
 # --- application ------------------------------------------------------------------------------
 
 
-def inactive_rules(disabled: Iterable[str], run_eagerly: bool) -> frozenset[str]:
-    """The rules a compile leaves out: those disabled by name, and the eager-only rules when
-    Inductor compiles the graphs."""
+def inactive_rules(disabled: Iterable[str], run_eagerly: bool,
+                   enabled: Iterable[str] = ()) -> frozenset[str]:
+    """The rules a compile leaves out: those disabled by name, the opt-in rules not enabled by
+    name, and the eager-only rules when Inductor compiles the graphs."""
+    enabled = set(enabled)
     off = set(disabled)
+    off.update(r.name for r in rules() if r.opt_in and r.name not in enabled)
     if not run_eagerly:
         off.update(r.name for r in rules() if r.eager_only)
     return frozenset(off)

@@ -28,6 +28,9 @@ class Rule:
     # Only where the graph runs op by op (debug.run_eagerly): for a fused op that beats ATen's
     # composition but not the code Inductor generates for it (see rules/transpose.py).
     eager_only: bool = False
+    # Off unless named in experimental_config.enabled_patterns: a rewrite that trades something
+    # (rules/linear.py: speed for a float32 product's summation order) is the user's choice.
+    opt_in: bool = False
     # A rule that rewrites the graph itself instead of matching patterns: graph_pass(gm) makes
     # its rewrites and returns how many (see graph_rule).
     graph_pass: Callable | None = None
@@ -50,7 +53,7 @@ def fusion_rule(name: str, *, stage: str, doc: str, order: int = 0, eager_only: 
     return wrap
 
 
-def graph_rule(name: str, *, stage: str, doc: str, order: int = 0):
+def graph_rule(name: str, *, stage: str, doc: str, order: int = 0, opt_in: bool = False):
     """Decorator for a rule that is a function over the whole graph, `fn(gm) -> int` (the number
     of rewrites), for decisions a pattern cannot make alone (which buffers are read later).
     Graph rules run after every pattern rule of their stage and after the user's
@@ -61,7 +64,8 @@ def graph_rule(name: str, *, stage: str, doc: str, order: int = 0):
     def wrap(graph_pass: Callable):
         if name in _RULES:
             raise ValueError(f"fusion rule {name!r} is registered twice")
-        _RULES[name] = Rule(name, stage, doc, lambda r: None, order, graph_pass=graph_pass)
+        _RULES[name] = Rule(name, stage, doc, lambda r: None, order, graph_pass=graph_pass,
+                            opt_in=opt_in)
         return graph_pass
 
     return wrap

@@ -1,8 +1,8 @@
 """Public wrappers, fake kernels and autograd of every torch.ops.npu op, one module per family
 (and of torch_npu's ATB ops, torch.ops.atb, in `atb`: their names stay in that module)."""
 
-from . import (activation, atb, attention, ffn, infer_attention, kvcache, moe, norm, quant, rotary,
-               sampling, softmax, transpose)
+from . import (activation, atb, attention, ffn, infer_attention, kvcache, linear, moe, norm, quant,
+               rotary, sampling, softmax, transpose)
 from .activation import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .ffn import *  # noqa: F401,F403

@@ -798,6 +798,10 @@ def _silu_mul(gate, up):
     return (F.silu(_up(gate)) * _up(up)).to(gate.dtype)
 
 
+# F.linear itself (the CPU kernel's oneDNN choice is a CPU matter).
+_portable("opennpu::_linear")(F.linear)
+
+
 @_portable("opennpu::_silu_mul_backward")
 def _silu_mul_backward(grad, gate, up):
     a, b, g = _up(gate), _up(up), _up(grad)

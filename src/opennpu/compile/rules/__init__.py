@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import attention, norm, rotary, softmax, swiglu, torchair, transpose  # noqa: F401,E402
+from . import attention, linear, norm, rotary, softmax, swiglu, torchair, transpose  # noqa: F401,E402
 
 
 def rule_names() -> list[str]:

@@ -71,7 +71,8 @@ def _apply_passes(ep: torch.export.ExportedProgram, config: CompilerConfig) -> t
 
     experimental = config.experimental_config
     # The exported program runs op by op, so the eager-only rules apply (run_eagerly=True).
-    inactive = fusion.inactive_rules(experimental.disabled_patterns, True)
+    inactive = fusion.inactive_rules(experimental.disabled_patterns, True,
+                                     experimental.enabled_patterns)
     if experimental.pattern_fusion_pass:
         gm = ep.graph_module
         # torch.export checks each dtype conversion's input with an _assert_tensor_metadata node
