@@ -17,7 +17,7 @@ RULE = "linear_onednn"
 class MLP(nn.Module):
     """Two linears (with and without bias) around a SiLU, as a transformer's MLP."""
 
-    def __init__(self, k=24, n=40, dtype=torch.float32):
+    def __init__(self, k=24, n=520, dtype=torch.float32):
         super().__init__()
         torch.manual_seed(0)
         self.up = nn.Linear(k, n, dtype=dtype)

@@ -44,17 +44,20 @@ def _uses_onednn(fn) -> bool:
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no_bias"])
 @pytest.mark.parametrize("x_shape", [(3, 17), (63, 40), (64, 40), (2, 70, 33), (1, 130, 8)],
                          ids=str)
-def test_float32_within_the_rounding_bound_of_the_product(x_shape, bias):
-    x, w, b = _operands(*x_shape, bias=bias)
+@pytest.mark.parametrize("n", [24, 520], ids=["n24", "n520"])
+def test_float32_within_the_rounding_bound_of_the_product(x_shape, bias, n):
+    x, w, b = _operands(*x_shape, n=n, bias=bias)
     y = _linear(x, w, b)
-    assert y.dtype == F32 and y.shape == (*x_shape[:-1], 24) and y.is_contiguous()
+    assert y.dtype == F32 and y.shape == (*x_shape[:-1], n) and y.is_contiguous()
     assert ((y.double() - _ref(x, w, b)).abs() <= _float32_gemm_bound(x, w, b)).all()
 
 
-@pytest.mark.parametrize("rows,onednn", [(16, False), (63, False), (64, True), (200, True)])
-def test_oneDNN_from_64_rows_only(rows, onednn):
-    x, w, b = _operands(rows, 32)
+@pytest.mark.parametrize("rows,n,onednn", [(16, 512, False), (63, 512, False), (64, 512, True),
+                                            (200, 600, True), (200, 511, False)])
+def test_oneDNN_from_64_rows_and_512_outputs_only(rows, n, onednn):
+    x, w, b = _operands(rows, 32, n=n)
     assert _uses_onednn(lambda: _linear(x, w, b)) == (onednn and torch.backends.mkldnn.is_available())
+    assert ((_linear(x, w, b).double() - _ref(x, w, b)).abs() <= _float32_gemm_bound(x, w, b)).all()
 
 
 def test_below_the_threshold_equals_aten_bit_for_bit():
@@ -64,13 +67,13 @@ def test_below_the_threshold_equals_aten_bit_for_bit():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, F64], ids=str)
 def test_other_dtypes_are_aten_linear(dtype):
-    x, w, b = _operands(80, 16, dtype=dtype)
+    x, w, b = _operands(80, 16, n=512, dtype=dtype)
     assert not _uses_onednn(lambda: _linear(x, w, b))
     torch.testing.assert_close(_linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
 
 
 def test_mkldnn_switched_off_is_respected():
-    x, w, b = _operands(100, 16)
+    x, w, b = _operands(100, 16, n=512)
     with torch.backends.mkldnn.flags(enabled=False):
         assert not _uses_onednn(lambda: _linear(x, w, b))
         torch.testing.assert_close(_linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
@@ -94,7 +97,7 @@ def test_empty(x_shape, n):
 
 
 def test_on_the_npu_device():
-    x, w, b = _operands(100, 32)
+    x, w, b = _operands(100, 32, n=512)
     y = _linear(x.to("npu"), w.to("npu"), b.to("npu"))
     assert y.device.type == "npu"
     torch.testing.assert_close(y.cpu(), _linear(x, w, b), rtol=0, atol=0)
@@ -118,7 +121,7 @@ def test_gradcheck_float64():
 
 
 def test_opcheck():
-    x, w, b = _operands(70, 16)
+    x, w, b = _operands(70, 16, n=512)
     opcheck(_linear.default, [((x, w, b), {}), ((x, w), {}), ((x[:5], w, None), {}),
                               ((x.requires_grad_(), w.requires_grad_(), b), {})])
 

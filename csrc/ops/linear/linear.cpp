@@ -1,16 +1,19 @@
 // opennpu::_linear: F.linear (y = input @ weight^T + bias) for the compile backend's float32
 // linears on CPU, run by oneDNN where it beats MKL's sgemm, which ATen's aten::mm uses for float32.
 //
-// Why: on the CPUs measured (AMD Zen 4, 2 threads) oneDNN's float32 inner product with a plain
-// [N, K] weight ran 1.03-1.9x MKL's sgemm for M >= 64 rows at every transformer shape tried
-// (K, N in 256..11008), and up to 0.55x for M = 16 with small weights, where reordering the
-// weight on each call costs more than the product; at M = 1 the two were level. So the choice is
-// made per call, on the row count: kOneDnnMinRows or more rows go to oneDNN.
+// Why: on an AMD Zen 4 (2 threads; MKL runs its generic x86 code paths on AMD CPUs) oneDNN's
+// float32 inner product with a plain [N, K] weight ran 1.1-2.0x MKL's sgemm for M >= 64 rows at
+// transformer shapes (K 1024-11008, N 1024-11008), but 0.8-0.9x for N = 256 from M = 128, and
+// 0.2-0.6x for M = 16-32 with weights up to 1024 x 2816, where reordering the weight on each call
+// costs more than the product. So the choice is made per call, on the shape: kOneDnnMinRows rows
+// or more and kOneDnnMinOutFeatures outputs or more go to oneDNN.
 //
 // Numerics: both libraries multiply and accumulate in float32 (oneDNN's fp32 math mode is left at
 // its default, strict fp32: no bf16 / tf32 down-conversion), so the results differ only in
-// summation order, as two sgemm blockings do. Other dtypes, the empty cases and layouts oneDNN
-// would copy first go to at::linear unchanged.
+// summation order. That order is not as good: measured against float64 with unit-variance data,
+// oneDNN's mean error was 1.6-2.1x MKL's (max 2-3x; K = 1024-4096), both far inside the float32
+// product's bound. This is why the graph rule that calls this op is opt-in. Other dtypes, the
+// empty cases and layouts oneDNN would copy first go to at::linear unchanged.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Context.h>
 #include <ATen/ops/linear.h>
@@ -22,6 +25,7 @@ namespace opennpu::linear {
 namespace {
 
 constexpr int64_t kOneDnnMinRows = 64;
+constexpr int64_t kOneDnnMinOutFeatures = 512;
 
 // mkldnn::_linear_pointwise(Tensor X, Tensor W, Tensor? B, str attr, Scalar?[] scalars,
 // str? algorithm) -> Tensor, ATen's oneDNN linear (the op Inductor's weight prepacking targets);
@@ -39,7 +43,7 @@ bool onednn_wins(const at::Tensor& input, const at::Tensor& weight,
   const int64_t rows = k == 0 ? 0 : input.numel() / k;
   return input.device().is_cpu() && input.scalar_type() == at::kFloat &&
          weight.scalar_type() == at::kFloat && (!bias || bias->scalar_type() == at::kFloat) &&
-         rows >= kOneDnnMinRows && n > 0 && input.is_contiguous() && weight.is_contiguous() &&
+         rows >= kOneDnnMinRows && n >= kOneDnnMinOutFeatures && input.is_contiguous() && weight.is_contiguous() &&
          (!bias || bias->is_contiguous()) && at::globalContext().userEnabledMkldnn() &&
          onednn_linear_op() != nullptr;
 }

@@ -2,7 +2,7 @@
 
 Not a torch_npu API: the `linear_onednn` graph rule (compile/rules/linear.py) puts it in place of
 a linear's aten.mm / aten.addmm, and its C++ kernel (csrc/ops/linear) sends the product to oneDNN
-where that beats MKL's sgemm (float32, 64 rows or more) and to aten::linear otherwise. Its
+where that beats MKL's sgemm (float32, 64 rows and 512 outputs or more) and to aten::linear otherwise. Its
 gradients are those of F.linear, so a training graph's forward may hold it too.
 """
 
