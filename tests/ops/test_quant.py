@@ -112,6 +112,41 @@ def test_dynamic_quant_near_ties_match_the_true_division():
 
 
 @pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
+def test_dynamic_quant_streamed_codes_match(stream_threshold, dtype, smooth):
+    """int8 codes at or above the streaming threshold go out with non-temporal stores (rows of
+    whole cache lines, aligned): the same codes and scales as the ordinary stores, with a row
+    count that splits unevenly over the threads; rows off the line size keep ordinary stores."""
+    for cols in (256, 200):
+        x = randn(37, cols, dtype=dtype) * 3
+        kwargs = {"smooth_scales": (torch.rand(cols) + 0.5).to(dtype)} if smooth else {}
+        stream_threshold(1)
+        streamed = opennpu.npu_dynamic_quant(x, **kwargs)
+        stream_threshold(1 << 40)
+        plain = opennpu.npu_dynamic_quant(x, **kwargs)
+        assert torch.equal(streamed[0], plain[0]) and torch.equal(streamed[1], plain[1])
+        check_dynamic_quant(x, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
+@pytest.mark.parametrize("dst_type", [None, INT4], ids=["int8", "int4"])
+def test_dynamic_quant_nan_and_inf_rows(dtype, dst_type):
+    """A NaN makes its row's max and scale NaN and every code of the row 0; an inf makes the
+    scale inf, the finite values' codes 0 and the inf's own code 0 (inf / inf is NaN). Rows of
+    odd lengths put the special values in the tails too."""
+    for cols in (48, 40, 72):
+        x = randn(4, cols, dtype=dtype)
+        x[0, 3] = float("nan")
+        x[1, -1] = float("nan")
+        x[2, 5] = float("inf")
+        x[3, -2] = -float("inf")
+        y, scale = opennpu.npu_dynamic_quant(x, dst_type=dst_type)
+        codes = codes_of(y, dst_type)
+        assert torch.isnan(scale[:2]).all() and torch.isinf(scale[2:]).all()
+        assert (codes == 0).all()
+
+
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
 @pytest.mark.parametrize("dst_type", [torch.float8_e4m3fn, torch.float8_e5m2, 292, 291],
                          ids=["e4m3fn", "e5m2", "npu292", "npu291"])
 @pytest.mark.parametrize("mode", ["pertoken", "pertensor"])
