@@ -32,13 +32,6 @@ namespace {
 using Vec = at::vec::Vectorized<float>;
 using FloatIO = VecPair<float>;
 
-// Whether int8 codes may be written with streaming stores (only the AVX-512 row kernels do).
-#if defined(CPU_CAPABILITY_AVX512)
-constexpr bool kStreamCodes = true;
-#else
-constexpr bool kStreamCodes = false;
-#endif
-
 // fp16, bf16 and fp32 (the entry points convert fp64 to fp32).
 #define OPENNPU_QUANT_DISPATCH(TYPE, NAME, ...)                 \
   AT_DISPATCH_SWITCH(TYPE, NAME,                                \
@@ -435,9 +428,8 @@ void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
   OPENNPU_QUANT_DISPATCH(x.scalar_type(), "npu_dynamic_quant", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     const int64_t grain = grain_rows(n);
-    // Large int8 outputs (AVX-512) go out with streaming stores, rows of whole cache lines.
-    const bool stream = kStreamCodes && spec.fp8 == 0 && !spec.int4 && n % kLineBytes == 0 &&
-                        stream_aligned(sink.row(0)) && stream_output(sink.row(0), rows * n);
+    // The codes use ordinary stores: streaming them (outputs beyond the LLC, AVX-512) measured
+    // no gain on the Zen 4 of issue 23 at T = H = 8192, within that run's noise.
     if (per_tensor) {
       const float absmax = at::parallel_reduce(
           0, rows, grain, 0.f,
@@ -466,9 +458,8 @@ void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
         pscale[r] = s;
         quantize_row<scalar_t>(px + r * n, sm, n, s, spec, sink.row(r),
                                r + 1 < end ? px + (r + 1) * n : nullptr, nullptr,
-                               sizeof(scalar_t), stream);
+                               sizeof(scalar_t));
       }
-      if (stream) stream_fence();
     });
   });
 }
@@ -659,12 +650,10 @@ void quantize_span_hif8(const src_t* x, int64_t n, const float* f, const float* 
 // NaN, as in quantize_span's `code`, and converts to INT_MIN, -128), rounding half to even and
 // the conversion by one vcvtps2dq (no overflow: t <= 127), the clamp from below by vpmovsdb's
 // saturation (t < -128.5, -inf and NaN convert to at most -129 or INT_MIN: -128). kF / kZ: per
-// element factors / zero points (f, z), else f0 / z0. `stream`: full steps go out with streaming
-// stores (out + index 16-byte aligned).
+// element factors / zero points (f, z), else f0 / z0. `next`: the row to prefetch (or null).
 template <typename src_t, bool kF, bool kZ>
 void quantize_span_int8(const src_t* x, int64_t n, const float* f, const float* z, float f0,
-                        float z0, bool div, void* out, int64_t index, bool stream,
-                        const src_t* next) {
+                        float z0, bool div, void* out, int64_t index, const src_t* next) {
   const __m512 vhi = _mm512_set1_ps(127.f), vf0 = _mm512_set1_ps(f0), vz0 = _mm512_set1_ps(z0);
   int8_t* out8 = static_cast<int8_t*>(out) + index;
   auto code = [&](int64_t i, __m512 v, __mmask16 mask) __attribute__((always_inline)) {
@@ -680,15 +669,9 @@ void quantize_span_int8(const src_t* x, int64_t n, const float* f, const float* 
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     if (next != nullptr) prefetch_step(next, nullptr, sizeof(src_t), i);
-    const __m128i qa = code(i, load16(x + i), all);
-    const __m128i qb = code(i + 16, load16(x + i + 16), all);
-    if (stream) {
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out8 + i), qa);
-      _mm_stream_si128(reinterpret_cast<__m128i*>(out8 + i + 16), qb);
-    } else {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i), qa);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i + 16), qb);
-    }
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i), code(i, load16(x + i), all));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i + 16),
+                     code(i + 16, load16(x + i + 16), all));
   }
   for (; i < n; i += 16) {  // the tail: lanes past n load as 0 and are not stored
     const __mmask16 mask = _cvtu32_mask16((1u << std::min<int64_t>(16, n - i)) - 1);
@@ -702,7 +685,7 @@ void quantize_span_int8(const src_t* x, int64_t n, const float* f, const float* 
 // factor is 1 / scale (div) or scale (mul); see QuantizeFn for the two formulas.
 template <typename src_t, QuantizeOut kOut>
 void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, float f0, float z0,
-                   bool div, void* out, int64_t index, bool stream, const src_t* next) {
+                   bool div, void* out, int64_t index, const src_t* next) {
   constexpr float kLo = kOut == QuantizeOut::kInt8    ? -128.f
                         : kOut == QuantizeOut::kUInt8 ? 0.f
                         : kOut == QuantizeOut::kInt4  ? -8.f
@@ -722,15 +705,13 @@ void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, fl
   if constexpr (kOut == QuantizeOut::kInt8) {
     if (f != nullptr) {
       return z != nullptr ? quantize_span_int8<src_t, true, true>(x, n, f, z, f0, z0, div, out,
-                                                                  index, stream, next)
+                                                                  index, next)
                           : quantize_span_int8<src_t, true, false>(x, n, f, z, f0, z0, div, out,
-                                                                   index, stream, next);
+                                                                   index, next);
     }
-    return quantize_span_int8<src_t, false, false>(x, n, f, z, f0, z0, div, out, index, stream,
-                                                   next);
+    return quantize_span_int8<src_t, false, false>(x, n, f, z, f0, z0, div, out, index, next);
   }
 #endif
-  (void)stream;
   (void)next;
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     Vec a, b, fa = vf0, fb = vf0, za = vz0, zb = vz0;
@@ -750,12 +731,12 @@ void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, fl
 // One span of QuantizeFn's output: the integer codes, or hifloat8's.
 template <typename src_t, QuantizeOut kOut>
 inline void quantize_any_span(const src_t* x, int64_t n, const float* f, const float* z, float f0,
-                              float z0, bool div, void* out, int64_t index, bool stream = false,
+                              float z0, bool div, void* out, int64_t index,
                               const src_t* next = nullptr) {
   if constexpr (kOut == QuantizeOut::kHif8) {
     quantize_span_hif8<src_t>(x, n, f, z, f0, z0, div, static_cast<uint8_t*>(out) + index);
   } else {
-    quantize_span<src_t, kOut>(x, n, f, z, f0, z0, div, out, index, stream, next);
+    quantize_span<src_t, kOut>(x, n, f, z, f0, z0, div, out, index, next);
   }
 }
 
@@ -768,17 +749,13 @@ void quantize_typed(const at::Tensor& x, const std::vector<float>& factor, const
   OPENNPU_QUANT_DISPATCH(x.scalar_type(), "npu_quantize", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     if (inner == 1) {  // the channels run along each row: per-element factors
-      // Large int8 outputs (AVX-512) go out with streaming stores, rows of whole cache lines.
-      const bool stream = kOut == QuantizeOut::kInt8 && kStreamCodes && channels % kLineBytes == 0 &&
-                          stream_aligned(out) && stream_output(out, outer * channels);
       at::parallel_for(0, outer, grain_rows(channels), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           // The next row is prefetched while this one computes (the int8 kernel's steps).
           quantize_any_span<scalar_t, kOut>(px + r * channels, channels, pf, zero, 0.f, 0.f, div,
-                                            out, r * channels, stream,
+                                            out, r * channels,
                                             r + 1 < end ? px + (r + 1) * channels : nullptr);
         }
-        if (stream) stream_fence();
       });
       return;
     }
