@@ -112,6 +112,35 @@ def test_dynamic_quant_near_ties_match_the_true_division():
 
 
 @pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
+def test_dynamic_quant_full_steps_and_tails(dtype, smooth):
+    """Rows of whole 32-element steps, and rows ending in one or two part vectors: the same
+    codes and scales as the reference, rows spread unevenly over the threads."""
+    for cols in (256, 200, 47, 16, 9):
+        x = randn(37, cols, dtype=dtype) * 3
+        kwargs = {"smooth_scales": (torch.rand(cols) + 0.5).to(dtype)} if smooth else {}
+        check_dynamic_quant(x, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
+@pytest.mark.parametrize("dst_type", [None, INT4], ids=["int8", "int4"])
+def test_dynamic_quant_nan_and_inf_rows(dtype, dst_type):
+    """A NaN makes its row's max and scale NaN and every code of the row 0; an inf makes the
+    scale inf, the finite values' codes 0 and the inf's own code 0 (inf / inf is NaN). Rows of
+    odd lengths put the special values in the tails too."""
+    for cols in (48, 40, 72):
+        x = randn(4, cols, dtype=dtype)
+        x[0, 3] = float("nan")
+        x[1, -1] = float("nan")
+        x[2, 5] = float("inf")
+        x[3, -2] = -float("inf")
+        y, scale = opennpu.npu_dynamic_quant(x, dst_type=dst_type)
+        codes = codes_of(y, dst_type)
+        assert torch.isnan(scale[:2]).all() and torch.isinf(scale[2:]).all()
+        assert (codes == 0).all()
+
+
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
 @pytest.mark.parametrize("dst_type", [torch.float8_e4m3fn, torch.float8_e5m2, 292, 291],
                          ids=["e4m3fn", "e5m2", "npu292", "npu291"])
 @pytest.mark.parametrize("mode", ["pertoken", "pertensor"])

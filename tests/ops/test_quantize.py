@@ -118,6 +118,25 @@ def test_div_mode_saturates():
                        per_channel_ref(x[:, :4], s[:4], None, 1, torch.qint32))
 
 
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=str)
+@pytest.mark.parametrize("div_mode", (True, False))
+def test_int8_special_values_full_steps_and_tails(dtype, div_mode):
+    """int8 codes of rows of whole 32-element steps and rows ending in part vectors, with NaN
+    (the zero point), +-inf and out-of-range values (saturated) among them: torch's formula."""
+    for cols in (192, 136, 23):
+        x = (torch.randn(29, cols) * 300).to(dtype)
+        x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30])
+        x[1, -4:] = torch.tensor([-1e30, float("nan"), float("-inf"), float("inf")])
+        scale = torch.rand(cols) + 0.1
+        zero = torch.randint(-4, 4, (cols,))
+        zp = zero.to(torch.int32) if div_mode else zero.float()
+        v = x.float()
+        t = torch.round(v * (1.0 / scale)) + zp if div_mode else torch.round(v * scale + zp)
+        t = torch.where(torch.isnan(t), zp.float(), t)
+        assert torch.equal(Q(x, scale, zp, torch.qint8, -1, div_mode),
+                           t.clamp(-128, 127).to(torch.int8))
+
+
 def test_nan_gives_the_zero_point():
     x = torch.tensor([[float("nan"), 1.0]])
     assert Q(x, torch.ones(2), torch.tensor([3, 3], dtype=torch.int32), torch.qint8, 1).tolist() \

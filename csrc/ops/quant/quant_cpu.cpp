@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "common/stream_store.h"
@@ -55,17 +56,71 @@ inline void load_smoothed(const src_t* x, const float* smooth, int64_t i, int64_
   }
 }
 
+// Running max of |v| kept as the bit patterns of |v| (sign cleared), compared as integers: for
+// non-negative floats the integer order is the float order, and every NaN's pattern is above
+// +inf's, so a NaN anywhere makes the max a NaN (at::vec::maximum's propagation) in one integer
+// max instead of ATen's four-instruction NaN-propagating maximum.
+OPENNPU_VEC_INLINE Vec absmax_bits(const Vec& acc, const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_castsi512_ps(_mm512_max_epu32(
+      _mm512_castps_si512(acc),
+      _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return _mm256_castsi256_ps(_mm256_max_epu32(
+      _mm256_castps_si256(acc),
+      _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7fffffff))));
+#else
+  return at::vec::maximum(acc, v.abs());
+#endif
+}
+
+// The float whose bits are the largest lane of absmax_bits' accumulator.
+inline float reduce_absmax_bits(const Vec& acc) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  uint32_t lanes[Vec::size()];
+  std::memcpy(lanes, &acc, sizeof(lanes));
+  const uint32_t m = *std::max_element(lanes, lanes + Vec::size());
+  float f;
+  std::memcpy(&f, &m, sizeof(f));
+  return f;
+#else
+  return reduce_max(acc);
+#endif
+}
+
 // rowmax(|x * smooth|) (smooth may be null) over n elements.
 template <typename src_t>
 float row_absmax(const src_t* x, const float* smooth, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<src_t, at::BFloat16>) {
+    if (smooth == nullptr) {  // |x| of bf16 is exact: the max of the 16-bit patterns, 32 a vector
+      const __m512i sign_off = _mm512_set1_epi16(0x7fff);
+      __m512i m = _mm512_setzero_si512();
+      int64_t i = 0;
+      for (; i + 32 <= n; i += 32) {
+        m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_loadu_si512(x + i), sign_off));
+      }
+      if (i < n) {
+        const __mmask32 tail = _cvtu32_mask32((1u << (n - i)) - 1);
+        m = _mm512_max_epu16(m, _mm512_and_si512(_mm512_maskz_loadu_epi16(tail, x + i), sign_off));
+      }
+      const __m512i wide = _mm512_max_epu32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(m)),
+                                            _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(m, 1)));
+      const uint32_t bits = static_cast<uint32_t>(_mm512_reduce_max_epu32(wide)) << 16;
+      float f;
+      std::memcpy(&f, &bits, sizeof(f));
+      return f;
+    }
+  }
+#endif
   Vec m0(0), m1(0);
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     Vec a, b;
     load_smoothed(x, smooth, i, len, a, b);
-    m0 = at::vec::maximum(m0, a.abs());
-    m1 = at::vec::maximum(m1, b.abs());
+    m0 = absmax_bits(m0, a);  // lanes past len are 0: the max is unaffected
+    m1 = absmax_bits(m1, b);
   });
-  return reduce_max(at::vec::maximum(m0, m1));
+  return reduce_absmax_bits(absmax_bits(m0, m1));
 }
 
 // scale = rowmax / DTYPE_MAX; an all-zero row gets scale 1 (its codes are 0 either way), as the
@@ -116,16 +171,22 @@ inline void store_codes(int8_t* out, const Vec& q, int64_t len, bool stream = fa
 // Packs the first len (a multiple of 8) lanes of q (integral floats within [-8, 7]) as int4,
 // eight per int32, lane k of each eight in bits [4k, 4k + 4): lowest bits first, as torch_npu's
 // quint4x2 outputs. Each lane's nibble is shifted into place and the eight are OR-ed together.
-inline void store_int4(int32_t* out, const Vec& q, int64_t len) {
 #if defined(CPU_CAPABILITY_AVX512)
+// store_int4 of int32 lanes (integers within [-8, 7]).
+inline void store_int4_ints(int32_t* out, __m512i codes, int64_t len) {
   const __m512i shifts = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-  __m512i v = _mm512_sllv_epi32(
-      _mm512_and_si512(_mm512_cvttps_epi32(q), _mm512_set1_epi32(0xF)), shifts);
+  __m512i v = _mm512_sllv_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0xF)), shifts);
   v = _mm512_or_si512(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));  // pairs
   v = _mm512_or_si512(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));  // fours
   v = _mm512_or_si512(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // eights
   out[0] = _mm_cvtsi128_si32(_mm512_castsi512_si128(v));
   if (len > 8) out[1] = _mm_cvtsi128_si32(_mm512_extracti32x4_epi32(v, 2));
+}
+#endif
+
+inline void store_int4(int32_t* out, const Vec& q, int64_t len) {
+#if defined(CPU_CAPABILITY_AVX512)
+  store_int4_ints(out, _mm512_cvttps_epi32(q), len);
 #elif defined(CPU_CAPABILITY_AVX2)
   (void)len;  // always 8: one word
   const __m256i shifts = _mm256_set_epi32(28, 24, 20, 16, 12, 8, 4, 0);
@@ -158,6 +219,102 @@ inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, 
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// 16 elements of src_t as fp32 (exact: bf16 is shifted, fp16 widened by vcvtph2ps), all or the
+// lanes of `mask` (the others 0). Plain intrinsics, always inlined: the row kernels below keep
+// every constant in a register (built from ATen's Vectorized and lambdas, GCC left a call in the
+// loop, which spilled every vector and reloaded the constants each step).
+template <typename src_t>
+OPENNPU_VEC_INLINE __m512 load16(const src_t* p) {
+  if constexpr (std::is_same_v<src_t, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<src_t, at::BFloat16>) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+template <typename src_t>
+OPENNPU_VEC_INLINE __m512 load16(const src_t* p, __mmask16 mask) {
+  if constexpr (std::is_same_v<src_t, float>) {
+    return _mm512_maskz_loadu_ps(mask, p);
+  } else if constexpr (std::is_same_v<src_t, at::BFloat16>) {
+    const __m256i h = _mm256_maskz_loadu_epi16(mask, p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  }
+}
+
+constexpr int kRint = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+
+// int32 codes round_half_even(v / scale) of 16 lanes (0 for NaN), as quantize_row's `code`
+// computes them before its clamp, for a finite inverse = 1 / scale and |v / scale| < 2^31:
+// - the near-tie test takes t - rint(t) from one vreduceps: a lane is near a tie when
+//   |t - rint(t)| > 1/2 - 2^-15, the same lanes as |t - floor(t) - 1/2| < 2^-15;
+// - one vcvtps2dq rounds half to even and converts (t.round(), then a truncating cast before);
+// - NaN lanes are masked off in that conversion instead of blended afterwards.
+OPENNPU_VEC_INLINE __m512i codes16(__m512 v, __m512 vinverse, __m512 vscale, __m512 near_tie) {
+  __m512 t = _mm512_mul_ps(v, vinverse);
+  const __m512 frac = _mm512_reduce_ps(t, kRint);  // t - rint(t), in [-1/2, 1/2]
+  const __mmask16 near = _mm512_cmp_ps_mask(_mm512_abs_ps(frac), near_tie, _CMP_GT_OQ);
+  if (__builtin_expect(near != 0, 0)) t = _mm512_mask_div_ps(t, near, v, vscale);  // the golden's
+  return _mm512_maskz_cvt_roundps_epi32(_mm512_cmp_ps_mask(t, t, _CMP_ORD_Q), t, kRint);
+}
+
+// quantize_row's integer codes on AVX-512 (same arguments; quantize_row checks the conditions:
+// a finite 1 / scale, |qmax| <= 2^24 so every |t| is far below 2^31, int8's range exactly
+// [-128, 127]). The clamp: int8's is the saturation of vpmovsdb itself, int4's an integer
+// max / min (the generic path's ATen float maximum / minimum propagate NaN: four instructions
+// each). The generic path measured ~2 cycles an element on a Zen 4.
+template <typename src_t, bool kSmooth, bool kInt4>
+void quantize_row_avx512(const src_t* x, const float* smooth, int64_t n, float scale,
+                         const QuantSpec& spec, void* out, const void* next, const void* next2,
+                         int64_t next_elem_size, bool stream) {
+  const __m512 vscale = _mm512_set1_ps(scale), vinverse = _mm512_set1_ps(1.f / scale);
+  const __m512 near_tie = _mm512_set1_ps(0.5f - 1.f / 32768);
+  const __m512i lo = _mm512_set1_epi32(static_cast<int32_t>(spec.lo));
+  const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(spec.hi));
+  int8_t* out8 = static_cast<int8_t*>(out);
+  int32_t* words = static_cast<int32_t*>(out);
+  auto code = [&](int64_t i, __m512 v) __attribute__((always_inline)) {
+    if constexpr (kSmooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(smooth + i));
+    const __m512i q = codes16(v, vinverse, vscale, near_tie);
+    if constexpr (kInt4) return _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+    return q;
+  };
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    if (next != nullptr) prefetch_step(next, next2, next_elem_size, i);
+    const __m512i qa = code(i, load16(x + i));
+    const __m512i qb = code(i + 16, load16(x + i + 16));
+    if constexpr (kInt4) {
+      store_int4_ints(words + i / 8, qa, 16);
+      store_int4_ints(words + i / 8 + 2, qb, 16);
+    } else if (stream) {
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out8 + i), _mm512_cvtsepi32_epi8(qa));
+      _mm_stream_si128(reinterpret_cast<__m128i*>(out8 + i + 16), _mm512_cvtsepi32_epi8(qb));
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i), _mm512_cvtsepi32_epi8(qa));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i + 16), _mm512_cvtsepi32_epi8(qb));
+    }
+  }
+  for (; i < n; i += 16) {  // the tail: lanes past n load as 0 and are not stored
+    const int64_t len = std::min<int64_t>(16, n - i);
+    const __mmask16 mask = _cvtu32_mask16((1u << len) - 1);
+    __m512 v = load16(x + i, mask);
+    if constexpr (kSmooth) v = _mm512_mul_ps(v, _mm512_maskz_loadu_ps(mask, smooth + i));
+    const __m512i q = codes16(v, vinverse, vscale, near_tie);
+    if constexpr (kInt4) {  // len is a multiple of 8 (n is)
+      store_int4_ints(words + i / 8, _mm512_min_epi32(_mm512_max_epi32(q, lo), hi), len);
+    } else {
+      _mm_mask_storeu_epi8(out8 + i, mask, _mm512_cvtsepi32_epi8(q));
+    }
+  }
+}
+#endif
+
 // Codes clamp(round_half_even(v_i / scale), lo, hi), v = x (* smooth), into `out`: int8 codes,
 // or int32 words of eight int4 codes (spec.int4).
 //
@@ -177,6 +334,22 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
   const Vec vscale(scale), lo(spec.lo), hi(spec.hi);
   const float inverse = 1.f / scale;
   const bool by_inverse = std::isfinite(inverse);  // a subnormal scale has no finite inverse
+#if defined(CPU_CAPABILITY_AVX512)
+  // int8 codes must span exactly vpmovsdb's saturation range.
+  if (spec.fp8 == 0 && by_inverse && std::abs(spec.qmax) <= 16777216.f &&
+      (spec.int4 || (spec.lo == -128.f && spec.hi == 127.f))) {
+    auto run = [&](auto smoothed, auto int4) {
+      quantize_row_avx512<src_t, decltype(smoothed)::value, decltype(int4)::value>(
+          x, smooth, n, scale, spec, out, next, next2, next_elem_size, stream);
+    };
+    if (smooth != nullptr) {
+      return spec.int4 ? run(std::true_type{}, std::true_type{})
+                       : run(std::true_type{}, std::false_type{});
+    }
+    return spec.int4 ? run(std::false_type{}, std::true_type{})
+                     : run(std::false_type{}, std::false_type{});
+  }
+#endif
   const Vec vinverse(inverse), half(0.5f), near_tie(1.f / 32768);
   constexpr int kNoLane = (1 << Vec::size()) - 1;  // zero_mask() when no lane is set
   auto code = [&](const Vec& v) {
@@ -255,6 +428,8 @@ void dynamic_quant_kernel(const at::Tensor& x, const at::Tensor& smooth,
   OPENNPU_QUANT_DISPATCH(x.scalar_type(), "npu_dynamic_quant", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     const int64_t grain = grain_rows(n);
+    // The codes use ordinary stores: streaming them (outputs beyond the LLC, AVX-512) measured
+    // no gain on the Zen 4 of issue 23 at T = H = 8192, within that run's noise.
     if (per_tensor) {
       const float absmax = at::parallel_reduce(
           0, rows, grain, 0.f,
@@ -469,12 +644,48 @@ void quantize_span_hif8(const src_t* x, int64_t n, const float* f, const float* 
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// quantize_span's int8 codes on AVX-512, the same codes in fewer instructions: NaN -> the zero
+// point by one masked move, the clamp from above by one vminps (127 first: a NaN zero point stays
+// NaN, as in quantize_span's `code`, and converts to INT_MIN, -128), rounding half to even and
+// the conversion by one vcvtps2dq (no overflow: t <= 127), the clamp from below by vpmovsdb's
+// saturation (t < -128.5, -inf and NaN convert to at most -129 or INT_MIN: -128). kF / kZ: per
+// element factors / zero points (f, z), else f0 / z0. `next`: the row to prefetch (or null).
+template <typename src_t, bool kF, bool kZ>
+void quantize_span_int8(const src_t* x, int64_t n, const float* f, const float* z, float f0,
+                        float z0, bool div, void* out, int64_t index, const src_t* next) {
+  const __m512 vhi = _mm512_set1_ps(127.f), vf0 = _mm512_set1_ps(f0), vz0 = _mm512_set1_ps(z0);
+  int8_t* out8 = static_cast<int8_t*>(out) + index;
+  auto code = [&](int64_t i, __m512 v, __mmask16 mask) __attribute__((always_inline)) {
+    const __m512 fv = kF ? _mm512_maskz_loadu_ps(mask, f + i) : vf0;
+    const __m512 zv = kZ ? _mm512_maskz_loadu_ps(mask, z + i) : vz0;
+    // the product rounded to fp32 before the add, as the golden (no FMA contraction)
+    const __m512 p = rounded(at::vec::Vectorized<float>(_mm512_mul_ps(v, fv)));
+    __m512 t = _mm512_add_ps(div ? _mm512_roundscale_ps(p, kRint) : p, zv);
+    t = _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), zv);
+    return _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_min_ps(vhi, t), kRint));
+  };
+  const __mmask16 all = 0xFFFF;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    if (next != nullptr) prefetch_step(next, nullptr, sizeof(src_t), i);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i), code(i, load16(x + i), all));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i + 16),
+                     code(i + 16, load16(x + i + 16), all));
+  }
+  for (; i < n; i += 16) {  // the tail: lanes past n load as 0 and are not stored
+    const __mmask16 mask = _cvtu32_mask16((1u << std::min<int64_t>(16, n - i)) - 1);
+    _mm_mask_storeu_epi8(out8 + i, mask, code(i, load16(x + i, mask), mask));
+  }
+}
+#endif
+
 // Codes of n consecutive elements x[0, n) starting at output element `index`. factor / zero:
 // per element (f, z not null: the channels run along x) or one value for the span (f0, z0).
 // factor is 1 / scale (div) or scale (mul); see QuantizeFn for the two formulas.
 template <typename src_t, QuantizeOut kOut>
 void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, float f0, float z0,
-                   bool div, void* out, int64_t index) {
+                   bool div, void* out, int64_t index, const src_t* next) {
   constexpr float kLo = kOut == QuantizeOut::kInt8    ? -128.f
                         : kOut == QuantizeOut::kUInt8 ? 0.f
                         : kOut == QuantizeOut::kInt4  ? -8.f
@@ -490,6 +701,18 @@ void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, fl
     t = Vec::blendv(t, zv, t.isnan());  // NaN: the zero point, not the cast's INT_MIN
     return at::vec::minimum(at::vec::maximum(t.round(), lo), hi);
   };
+#if defined(CPU_CAPABILITY_AVX512)
+  if constexpr (kOut == QuantizeOut::kInt8) {
+    if (f != nullptr) {
+      return z != nullptr ? quantize_span_int8<src_t, true, true>(x, n, f, z, f0, z0, div, out,
+                                                                  index, next)
+                          : quantize_span_int8<src_t, true, false>(x, n, f, z, f0, z0, div, out,
+                                                                   index, next);
+    }
+    return quantize_span_int8<src_t, false, false>(x, n, f, z, f0, z0, div, out, index, next);
+  }
+#endif
+  (void)next;
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     Vec a, b, fa = vf0, fb = vf0, za = vz0, zb = vz0;
     VecPair<src_t>::load(x + i, a, b, len);
@@ -508,11 +731,12 @@ void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, fl
 // One span of QuantizeFn's output: the integer codes, or hifloat8's.
 template <typename src_t, QuantizeOut kOut>
 inline void quantize_any_span(const src_t* x, int64_t n, const float* f, const float* z, float f0,
-                              float z0, bool div, void* out, int64_t index) {
+                              float z0, bool div, void* out, int64_t index,
+                              const src_t* next = nullptr) {
   if constexpr (kOut == QuantizeOut::kHif8) {
     quantize_span_hif8<src_t>(x, n, f, z, f0, z0, div, static_cast<uint8_t*>(out) + index);
   } else {
-    quantize_span<src_t, kOut>(x, n, f, z, f0, z0, div, out, index);
+    quantize_span<src_t, kOut>(x, n, f, z, f0, z0, div, out, index, next);
   }
 }
 
@@ -527,8 +751,10 @@ void quantize_typed(const at::Tensor& x, const std::vector<float>& factor, const
     if (inner == 1) {  // the channels run along each row: per-element factors
       at::parallel_for(0, outer, grain_rows(channels), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
+          // The next row is prefetched while this one computes (the int8 kernel's steps).
           quantize_any_span<scalar_t, kOut>(px + r * channels, channels, pf, zero, 0.f, 0.f, div,
-                                            out, r * channels);
+                                            out, r * channels,
+                                            r + 1 < end ? px + (r + 1) * channels : nullptr);
         }
       });
       return;
