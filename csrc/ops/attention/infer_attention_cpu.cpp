@@ -10,7 +10,8 @@
 // token-major) rows that never cross a cache block (paged caches are read in place through the
 // block table), asks for the rows it needs next (software prefetch: rows kv heads apart start in
 // different pages, where the hardware prefetchers stop; spread over the compute loops, a few
-// lines per key, not in bursts), and per chunk computes: scores of the g heads (a register of
+// lines per key, not in bursts; fp16/bf16 token-major walks ask for the next chunk's whole-token
+// spans in address order), and per chunk computes: scores of the g heads (a register of
 // partial dot products per (head, key) for 4 heads x 4 keys at a time on AVX-512, fp32
 // accumulation, K converted from fp16/bf16 in registers, the 16 horizontal sums done together
 // by one transpose-and-add), the user mask, one online-softmax step per head (fp32 running max
@@ -438,9 +439,10 @@ struct DecodeKernel {
     const KvT* k_raw = row_ptr(K, d, b, kvh, c0);
     const KvT* v_raw = row_ptr(V, d, b, kvh, c0);
     // Prefetches: an fp16/bf16/fp32 cache asks for this chunk's values while it scores and for
-    // the next chunk's keys while it sums P V (asking a whole chunk ahead for both measured
-    // slower on the token-major walk: two chunks of every head overflow L2); an int8 cache,
-    // dequantised as soon as it is read, for the next chunk's keys, then values.
+    // the next chunk's keys while it sums P V (for an fp32 cache, asking a whole chunk ahead for
+    // both measured slower on the token-major walk; fp16/bf16 token-major walks over gapless
+    // rows ask for whole-token spans a chunk ahead, see whole_rows_); an int8 cache, dequantised
+    // as soon as it is read, for the next chunk's keys, then values.
     const int64_t c1 = c0 + len;
     const int64_t next_len = c1 < t1 ? chunk_len(c1, t1) : 0;
     const char* next_k = next_len > 0 ? reinterpret_cast<const char*>(row_ptr(K, d, b, kvh, c1)) : nullptr;
@@ -470,8 +472,8 @@ struct DecodeKernel {
         };
         share(V, V.stride_s * e, pf_s, pf_s_pitch, pf_s_bytes, pf_s_len);
         share(K, K.stride_s * e, pf_pv, pf_pv_pitch, pf_pv_bytes, pf_pv_len);
-        // (the last kv head's last piece may reach up to 63 bytes past the span: a prefetch
-        // never faults)
+        // (a share's last piece may reach less than one piece past it, past the span for the
+        // last kv head: a prefetch never faults)
       }
     }
     const KRow* k;
