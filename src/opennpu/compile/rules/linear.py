@@ -21,13 +21,9 @@ from __future__ import annotations
 import torch
 
 from ..rule_registry import graph_rule
-from ._util import has_kernels, known_contiguous
+from ._util import arg, has_kernels, known_contiguous
 
 aten = torch.ops.aten
-
-
-def _value(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _is_float32_on_host(t) -> bool:
@@ -35,36 +31,26 @@ def _is_float32_on_host(t) -> bool:
             and t.device.type in ("cpu", "npu"))
 
 
-def _transposed_weight(node) -> torch.fx.Node | None:
-    """w where `node` is permute(w, [1, 0]) of a 2-D contiguous float32 w, else None."""
-    if not (isinstance(node, torch.fx.Node) and node.op == "call_function"
-            and node.target is aten.permute.default and list(node.args[1]) == [1, 0]):
-        return None
-    weight = node.args[0]
-    w = _value(weight)
-    return weight if _is_float32_on_host(w) and w.dim() == 2 and known_contiguous(w) else None
-
-
 def _linear_operands(node: torch.fx.Node):
-    """(input, weight, bias) of an mm / addmm that is a float32 linear, else None."""
-    if node.target is aten.mm.default:
-        bias, (mat1, mat2) = None, node.args[:2]
-    else:
-        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
-            return None
-        bias, mat1, mat2 = node.args[:3]
-    weight = _transposed_weight(mat2)
-    x = _value(mat1)
-    if weight is None or not _is_float32_on_host(x) or x.dim() != 2:
+    """(input, weight, bias) nodes of an mm / addmm that is a float32 linear, else None."""
+    first = 0 if node.target is aten.mm.default else 1  # addmm(bias, mat1, mat2)
+    if first and (node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1):
         return None
-    if bias is not None:
-        b = _value(bias)
-        if not (_is_float32_on_host(b) and b.dim() == 1 and b.device == x.device
-                and b.shape[0] == _value(weight).shape[0]):
-            return None
-    if _value(weight).device != x.device or not has_kernels(("opennpu::_linear",), x):
+    mat1, transpose = node.args[first:first + 2]
+    # mat2 must be permute(w, [1, 0]) of a 2-D contiguous float32 w
+    if not (isinstance(transpose, torch.fx.Node) and transpose.op == "call_function"
+            and transpose.target is aten.permute.default and list(transpose.args[1]) == [1, 0]):
         return None
-    return mat1, weight, bias
+    x, w, b = arg(node, first), arg(transpose, 0), arg(node, 0) if first else None
+    if not (_is_float32_on_host(x) and x.dim() == 2 and _is_float32_on_host(w) and w.dim() == 2
+            and known_contiguous(w) and w.device == x.device):
+        return None
+    if first and not (_is_float32_on_host(b) and b.dim() == 1 and b.device == x.device
+                      and b.shape[0] == w.shape[0]):
+        return None
+    if not has_kernels(("opennpu::_linear",), x):
+        return None
+    return mat1, transpose.args[0], node.args[0] if first else None
 
 
 @graph_rule("linear_onednn", stage="post_grad", opt_in=True,
