@@ -467,7 +467,8 @@ struct DecodeKernel {
           const int64_t lo = kvh * span / kvn / 64 * 64;
           const int64_t hi = kvh + 1 == kvn ? span : (kvh + 1) * span / kvn / 64 * 64;
           pf = reinterpret_cast<const char*>(row_ptr(r, d, b, 0, c1)) + lo;
-          bytes = pitch = round_up((hi - lo + len - 1) / len, 64);
+          // A share can be empty (a short chunk cut among many kv heads): no prefetch then.
+          bytes = pitch = std::max<int64_t>(64, round_up((hi - lo + len - 1) / len, 64));
           n = (hi - lo + pitch - 1) / pitch;
         };
         share(V, V.stride_s * e, pf_s, pf_s_pitch, pf_s_bytes, pf_s_len);
