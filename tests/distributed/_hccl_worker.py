@@ -322,6 +322,37 @@ def case_reduce_ops(rank: int, world: int) -> dict:
     return res
 
 
+def case_futures(rank: int, world: int) -> dict:
+    """An async collective's future holds the npu tensors, with the check deferred (default), in
+    the caller ("sync") and off; and a DDP comm hook built on those futures (torch's
+    allreduce_hook: get_future().then(...)) averages the npu gradients."""
+    import opennpu.distributed as hccl
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    _init(rank, world)
+    d = torch.device("npu", rank)
+    res = {}
+    for mode, (check, deferred) in {"1": (True, True), "sync": (True, False), "0": (False, False)}.items():
+        hccl._CHECK, hccl._DEFERRED = check, deferred
+        t = torch.full((3,), rank + 1.0, device=d)
+        work = dist.all_reduce(t, async_op=True)
+        doubled = work.get_future().then(lambda f: f.value()[0] * 2)
+        value = work.get_future().wait()
+        res[f"value_{mode}"] = [(str(v.device), v.data_ptr() == t.data_ptr()) for v in value]
+        res[f"then_{mode}"] = (str(doubled.wait().device), doubled.wait().cpu())
+        b = torch.full((2,), rank + 1.0, device=d)
+        dist.broadcast(b, src=1, async_op=True).wait()
+        res[f"broadcast_{mode}"] = b.cpu()
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Linear(4, 2).to(d))
+        model.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+        model(torch.full((3, 4), rank + 1.0, device=d)).sum().backward()
+        res[f"ddp_hook_{mode}"] = (str(model.module.weight.grad.device), model.module.weight.grad.cpu())
+    dist.destroy_process_group()
+    return res
+
+
 def case_hccl_env(rank: int, world: int) -> dict:
     """Run with HCCL_EXEC_TIMEOUT=2, HCCL_CONNECT_TIMEOUT and HCCL_SOCKET_IFNAME=lo and no
     timeout= given: the collectives go over lo, and rank 1 staying away makes rank 0's collective

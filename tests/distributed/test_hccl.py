@@ -103,6 +103,20 @@ def test_reduce_ops_and_uneven(tmp_path):
         torch.testing.assert_close(res["all_gather_shapes"], [torch.ones(2, 3), torch.full((4,), 2.0)])
 
 
+def test_futures_hold_npu_tensors(tmp_path):
+    for rank, res in enumerate(_spawn("futures", tmp_path)):
+        for mode in ("1", "sync", "0"):
+            assert res[f"value_{mode}"] == [(f"npu:{rank}", True)], mode
+            device, doubled = res[f"then_{mode}"]
+            assert device == f"npu:{rank}", mode
+            torch.testing.assert_close(doubled, torch.full((3,), 6.0))
+            torch.testing.assert_close(res[f"broadcast_{mode}"], torch.full((2,), 2.0))
+            # Linear(4, 2) on rows of (rank + 1): d(sum)/dW = 3 * (rank + 1) per entry, averaged.
+            device, grad = res[f"ddp_hook_{mode}"]
+            assert device == f"npu:{rank}", mode
+            torch.testing.assert_close(grad, torch.full((2, 4), 4.5))
+
+
 def test_default_backend_and_device_map(tmp_path):
     for res in _spawn("default_backend", tmp_path):
         for spec in ("None", "cpu:gloo,npu:hccl"):

@@ -214,29 +214,33 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         every rank's is already there (it is the last to arrive), starts the collective at once;
         else the launcher only waits for the others'.
         """
+        # The result of a Work whose gloo Work has no future: the collective's output, as gloo's.
+        result = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
         if not _CHECK or self.size() == 1 or name not in _CHECKED:
-            return start()
+            return _npu_work(name, start(), result)
         if not _DEFERRED:
             self._check(name, args)
-            return start()
+            return _npu_work(name, start(), result)
         mine = _fingerprint(name, args)
-        originals = {id(c): t for c, t in zip(_tensors(cpu_args), _tensors(args)) if c is not t}
-        fut = torch.futures.Future()
         if self._launcher is None:
             self._launcher = _Launcher(self.size())
             weakref.finalize(self, self._launcher.stop)
-        # The result of a Work whose gloo Work has no future: the collective's output, as gloo's.
-        result = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
         if self._rendezvous is not None and self._launcher.idle():
             number = torch.ops.opennpu._hccl_rendezvous_publish(self._rendezvous, mine)
             every = torch.ops.opennpu._hccl_rendezvous_collect(self._rendezvous, number, 0.0)
             if every:
-                _launch(every, self.size(), start, fut, originals, result)
+                error = _mismatch(every, self.size())
+                if error is None:
+                    return _npu_work(name, start(), result)
+                fut = torch.futures.Future()
+                fut.set_exception(error)
                 return _CheckedWork(fut)
             fingerprints = functools.partial(torch.ops.opennpu._hccl_rendezvous_collect, self._rendezvous,
                                              number, self._timeout.total_seconds())
         else:
             fingerprints = functools.partial(self._fingerprints, mine)
+        originals = {id(c): t for c, t in zip(_tensors(cpu_args), _tensors(args)) if c is not t}
+        fut = torch.futures.Future()
         self._launcher.submit((fingerprints, start, fut, originals, result))
         return _CheckedWork(fut)
 
@@ -551,6 +555,19 @@ def _restore(x, originals):
     if isinstance(x, (list, tuple)):
         return type(x)(_restore(e, originals) for e in x)
     return x
+
+
+# Collectives whose gloo future's value is the list of their first argument's tensors.
+_FLAT_RESULT = frozenset({"allreduce", "allreduce_coalesced", "broadcast", "reduce"})
+
+
+def _npu_work(name: str, work, npu_tensors: list):
+    """gloo's Work of collective NAME, seen as the npu collective's: its future's value and
+    result() are the npu tensors rather than gloo's CPU aliases of them (the continuation runs in
+    C++ on gloo's thread, without the GIL)."""
+    if name not in _FLAT_RESULT or not any(t.device.type == "npu" for t in npu_tensors):
+        return work
+    return dist.Work.unbox(torch.ops.opennpu._hccl_npu_work(work.boxed(), npu_tensors))
 
 
 def _forward(name):
