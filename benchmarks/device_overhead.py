@@ -12,6 +12,10 @@
    interleaved, median of each; the losses must be bit-identical. Then the peak tensor memory of
    one step on each device (default settings: glibc malloc on CPU, opennpu's caching allocator
    on npu, whose reserved peak is shown too).
+4. Where the npu backward runs: the MLP step of benchmarks.hccl_ddp (4 x Linear 512 + GELU,
+   batch 64, AdamW) without DDP, forward, backward and optimizer timed apart, npu against CPU, with
+   the backward in the caller's thread (the default) and on autograd's npu thread
+   (multithreaded backward turned back on for the step), steps interleaved, medians.
 Run it on a quiet machine: OpenMP threads that wait for busy cores make timings meaningless.
 """
 
@@ -140,6 +144,36 @@ def peak_step_memory(kind: str) -> dict[str, float]:
             "npu_reserved": (torch.npu.memory_reserved() - reserved) / mib}
 
 
+def backward_thread(steps: int) -> dict[str, dict[str, float]]:
+    """Per phase (fwd, bwd, opt): median ms on CPU, on npu with the backward in the caller's
+    thread, and on npu with it on the autograd engine's npu thread."""
+
+    def make(device):
+        torch.manual_seed(0)
+        layers = [m for _ in range(4) for m in (torch.nn.Linear(512, 512), torch.nn.GELU())]
+        model = torch.nn.Sequential(*layers).to(device)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3), torch.randn(64, 512).to(device), \
+            torch.randn(64, 512).to(device)
+
+    runs = {"cpu": (make("cpu"), False), "npu caller": (make("npu"), False), "npu engine": (make("npu"), True)}
+    times = {name: {"fwd": [], "bwd": [], "opt": []} for name in runs}
+    for i in range(steps + 5):
+        for name, ((model, opt, x, y), engine_thread) in runs.items():
+            with torch.autograd.set_multithreading_enabled(engine_thread):  # False: as by default on npu
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss = torch.nn.functional.mse_loss(model(x), y)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                opt.step()
+                t3 = time.perf_counter()
+            if i >= 5:
+                for phase, dt in (("fwd", t1 - t0), ("bwd", t2 - t1), ("opt", t3 - t2)):
+                    times[name][phase].append(dt * 1e3)
+    return {name: {p: statistics.median(v) for p, v in phases.items()} for name, phases in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -158,6 +192,14 @@ def main() -> None:
               f"npu speed {r['ratio']:.3f}x cpu's, losses bit-identical: {r['identical_losses']}; "
               f"step's peak tensor memory cpu {m['cpu']:.1f} MiB, npu {m['npu']:.1f} MiB "
               f"({(m['npu'] / m['cpu'] - 1) * 100:+.1f}%), npu cache grew {m['npu_reserved']:.1f} MiB")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    b = backward_thread(max(100, args.steps * 20))
+    torch.set_num_threads(threads)
+    cpu = b["cpu"]
+    for name in ("npu caller", "npu engine"):
+        print(f"MLP step, 1 thread, {name.replace('npu ', 'npu backward in ')}'s thread: npu/cpu time "
+              + ", ".join(f"{p} {b[name][p]:.2f}/{cpu[p]:.2f} ms = {b[name][p] / cpu[p]:.3f}" for p in ("fwd", "bwd", "opt")))
 
 
 if __name__ == "__main__":

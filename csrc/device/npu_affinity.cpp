@@ -24,13 +24,20 @@
 // `force:1`, which binds to the usable part. `npu_affine` (NUMA affinity of a real card) has no
 // meaning on the emulated devices and is accepted without effect.
 //
-// Without CPU_AFFINITY_CONF (mode 0), one policy still applies, because the emulated device's
-// backward runs on the autograd engine's thread: that thread follows its caller. Each kernel an
-// ordinary thread runs on device d notes the CPU it ran on; when the engine's npu:d thread next
-// runs a kernel and that CPU has changed, it moves itself there (sched_setaffinity to that one
-// CPU). The caller is blocked in backward() meanwhile, so the backward runs on the caller's core,
-// beside the forward's activations in its caches, instead of wherever the OS woke the thread.
-// OPENNPU_BACKWARD_FOLLOWS_CALLER=0 turns this off.
+// Without CPU_AFFINITY_CONF (mode 0), one policy still applies: the backward runs where the
+// forward ran, as a CPU backward does, beside the forward's activations in the core's caches.
+// PyTorch's autograd engine would run an accelerator's backward nodes on its own per-device
+// thread (the caller blocked in backward() meanwhile), which the OS often wakes on another core,
+// and each handoff costs a wake-up. So an ordinary thread, at its first kernel on an npu device,
+// turns off multithreaded backward for itself (autograd's thread-local
+// set_multithreading_enabled(False), which a user's later setting overrides): a backward it calls
+// runs every node in the calling thread. The emulated device has no streams for the engine's
+// device thread to keep apart. Where the engine's thread still runs npu kernels (a backward
+// called from a thread that ran none, or multithreading turned back on), it follows its caller:
+// each kernel an ordinary thread runs on device d notes the CPU it ran on; when the engine's npu:d
+// thread next runs a kernel and that CPU has changed, it moves itself there (sched_setaffinity to
+// that one CPU). OPENNPU_BACKWARD_FOLLOWS_CALLER=0 turns both off.
+#include <c10/core/AutogradState.h>
 #include <c10/util/Exception.h>
 #include <ATen/Parallel.h>
 
@@ -191,7 +198,10 @@ Role find_role() {
 }
 
 void follow_caller(c10::DeviceIndex index) {
-  if (tls_role == Role::kUnknown) tls_role = find_role();
+  if (tls_role == Role::kUnknown) {
+    tls_role = find_role();
+    if (tls_role == Role::kCaller) c10::AutogradState::get_tls_state().set_multithreading_enabled(false);
+  }
   std::atomic<int>& noted = caller_cpu_plus_one[static_cast<size_t>(index)];
   if (tls_role == Role::kCaller) {
     const int cpu = sched_getcpu();

@@ -14,15 +14,23 @@ import torch_npu
 CPUS = sorted(os.sched_getaffinity(0))
 two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs this process may use")
 
-# Prints, as JSON, each named thread's allowed CPUs after a forward/backward on `device`.
+# Prints, as JSON, each named thread's allowed CPUs after a forward/backward on `device`, the
+# name of the thread that ran the backward ("main": the caller), and whether multithreaded
+# backward was on for the caller (after its forward; {multithreading}: what the script sets then).
 PROBE = textwrap.dedent("""
-    import json, os, sys, torch, torch_npu
+    import json, os, sys, threading, torch, torch_npu
     torch.set_num_threads(1)
     if {set_device} is not None:
         torch.npu.set_device({set_device})
     device = torch.device("npu", {device})
     model = torch.nn.Linear(8, 8).to(device)
-    model(torch.randn(4, 8, device=device)).sum().backward()
+    out = model(torch.randn(4, 8, device=device))
+    if {multithreading} is not None:
+        torch._C._set_multithreading_enabled({multithreading})
+    multithreading = torch.autograd.is_multithreading_enabled()
+    ran = []
+    out.register_hook(lambda g: ran.append(threading.get_native_id()))
+    out.sum().backward()
     threads = {{}}
     for tid in os.listdir("/proc/self/task"):
         try:
@@ -30,7 +38,8 @@ PROBE = textwrap.dedent("""
         except FileNotFoundError:  # a thread that ended meanwhile
             continue
         threads[name if int(tid) != os.getpid() else "main"] = sorted(os.sched_getaffinity(int(tid)))
-    print(json.dumps(threads))
+    backward = "main" if ran[0] == os.getpid() else open(f"/proc/self/task/{{ran[0]}}/comm").read().strip()
+    print(json.dumps({{"threads": threads, "backward": backward, "multithreading": multithreading}}))
 """)
 
 
@@ -43,14 +52,28 @@ def _run(script: str, conf: str | None, **fmt) -> subprocess.CompletedProcess:
                           env=env, timeout=120)
 
 
-def _threads(conf: str | None, set_device, device) -> dict:
-    result = _run(PROBE, conf, set_device=set_device, device=device)
+def _probe(conf: str | None, set_device, device, multithreading=None) -> dict:
+    result = _run(PROBE, conf, set_device=set_device, device=device, multithreading=multithreading)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_without_conf_only_the_backward_thread_moves_to_its_callers_cpu():
-    threads = _threads(None, 1, 1)
+def _threads(conf: str | None, set_device, device) -> dict:
+    return _probe(conf, set_device, device)["threads"]
+
+
+def test_without_conf_the_backward_runs_in_the_callers_thread():
+    probe = _probe(None, 1, 1)
+    assert probe["backward"] == "main" and probe["multithreading"] is False
+    threads = probe["threads"]
+    assert threads["main"] == CPUS
+    assert threads["pt_autograd_1"] == CPUS and threads["pt_autograd_0"] == CPUS  # never ran a kernel
+
+
+def test_with_multithreading_turned_back_on_the_engine_thread_moves_to_its_callers_cpu():
+    probe = _probe(None, 1, 1, multithreading=True)
+    assert probe["backward"] == "pt_autograd_1" and probe["multithreading"] is True
+    threads = probe["threads"]
     assert threads["main"] == CPUS
     # The engine's npu:1 thread ran the backward on the CPU the forward's thread last ran on.
     assert len(threads["pt_autograd_1"]) == 1 and threads["pt_autograd_1"][0] in CPUS
@@ -59,8 +82,9 @@ def test_without_conf_only_the_backward_thread_moves_to_its_callers_cpu():
 
 def test_backward_follows_caller_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("OPENNPU_BACKWARD_FOLLOWS_CALLER", "0")
-    threads = _threads(None, 1, 1)
-    assert threads["main"] == CPUS and threads["pt_autograd_1"] == CPUS
+    probe = _probe(None, 1, 1)
+    assert probe["backward"] == "pt_autograd_1" and probe["multithreading"] is True
+    assert probe["threads"]["main"] == CPUS and probe["threads"]["pt_autograd_1"] == CPUS
 
 
 @two_cpus
@@ -91,18 +115,18 @@ def test_mode2_pins_a_single_threaded_worker_to_the_first_core_of_its_range():
 
 def test_range_outside_the_process_cpus_is_skipped_with_a_warning():
     outside = max(CPUS) + 1
-    result = _run(PROBE, f"1,npu1:{outside}-{outside}", set_device=1, device=1)
+    result = _run(PROBE, f"1,npu1:{outside}-{outside}", set_device=1, device=1, multithreading=None)
     assert result.returncode == 0, result.stderr
     assert "may not run on" in result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1])["main"] == CPUS
+    assert json.loads(result.stdout.strip().splitlines()[-1])["threads"]["main"] == CPUS
 
 
 @pytest.mark.parametrize("conf", ["3", "1,npu0:5-2"])
 def test_malformed_config_warns_and_binds_nothing(conf):
-    result = _run(PROBE, conf, set_device=1, device=1)
+    result = _run(PROBE, conf, set_device=1, device=1, multithreading=None)
     assert result.returncode == 0, result.stderr
     assert "CPU_AFFINITY_CONF=" in result.stderr and "no core binding" in result.stderr
-    assert json.loads(result.stdout.strip().splitlines()[-1])["main"] == CPUS
+    assert json.loads(result.stdout.strip().splitlines()[-1])["threads"]["main"] == CPUS
 
 
 @two_cpus
