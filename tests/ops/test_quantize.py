@@ -211,6 +211,26 @@ def test_quint4x2_packs_eight_codes_per_int32(axis):
                        ascend_quant_ref(x, s2, None, ax, int4=True))
 
 
+@pytest.mark.parametrize("dtype", (F32, BF16, F16))
+@pytest.mark.parametrize("cols", (8, 24, 40, 64, 136))
+@pytest.mark.parametrize("zero", (False, True))
+def test_quint4x2_special_values_tails_and_dtypes(dtype, cols, zero):
+    """int4 codes (AVX-512 fast path and generic tails alike) against the golden, with NaN (the
+    zero point), +-inf and out-of-range values (clamped to [-8, 7]) among them."""
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(5, cols, generator=gen) * 9).to(dtype)
+    x[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 6e4]).to(dtype)
+    x[3, -4:] = torch.tensor([-6e4, float("nan"), 7.5, -8.5]).to(dtype)
+    for s in (torch.rand(cols, generator=gen) + 0.3, torch.tensor([0.7])):
+        z = torch.randint(-3, 4, s.shape, generator=gen).float() if zero else None
+        t = x.float() * s.float()
+        if z is not None:
+            t = t + z
+        t = torch.where(torch.isnan(t), z if z is not None else torch.zeros(()), t)
+        expected = pack_int4(torch.from_numpy(np.clip(np.round(t.numpy()), -8, 7).astype(np.int8)))
+        assert torch.equal(Q(x, s, z, torch.quint4x2, -1, False), expected)
+
+
 def test_int4_words_feed_npu_quant_matmul():
     """op-plugin's A4W4 tests build their operands with npu_quantize(..., quint4x2)."""
     x1 = torch.randint(-5, 5, (7, 64))

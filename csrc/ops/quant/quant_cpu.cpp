@@ -645,17 +645,21 @@ void quantize_span_hif8(const src_t* x, int64_t n, const float* f, const float* 
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// quantize_span's int8 codes on AVX-512, the same codes in fewer instructions: NaN -> the zero
-// point by one masked move, the clamp from above by one vminps (127 first: a NaN zero point stays
-// NaN, as in quantize_span's `code`, and converts to INT_MIN, -128), rounding half to even and
-// the conversion by one vcvtps2dq (no overflow: t <= 127), the clamp from below by vpmovsdb's
-// saturation (t < -128.5, -inf and NaN convert to at most -129 or INT_MIN: -128). kF / kZ: per
-// element factors / zero points (f, z), else f0 / z0. `next`: the row to prefetch (or null).
-template <typename src_t, bool kF, bool kZ>
-void quantize_span_int8(const src_t* x, int64_t n, const float* f, const float* z, float f0,
+// quantize_span's int8 or int4 codes on AVX-512, the same codes in fewer instructions: NaN -> the
+// zero point by one masked move, the clamp from above by one vminps (7 or 127 first: a NaN zero
+// point stays NaN, as in quantize_span's `code`), rounding half to even and the conversion by one
+// vcvtps2dq (no overflow: t <= 127). The clamp from below: int8's is vpmovsdb's saturation
+// (t < -128.5, -inf and NaN convert to at most -129 or INT_MIN: -128); int4's a vmaxps with -8
+// before the conversion (NaN kept, converting to INT_MIN, whose low nibble 0 is what
+// quantize_span's store_int4 packs for it). kF / kZ: per element factors / zero points (f, z),
+// else f0 / z0. `next`: the row to prefetch (or null). int4: index and n are multiples of 8.
+template <typename src_t, bool kF, bool kZ, bool kInt4>
+void quantize_span_fast(const src_t* x, int64_t n, const float* f, const float* z, float f0,
                         float z0, bool div, void* out, int64_t index, const src_t* next) {
-  const __m512 vhi = _mm512_set1_ps(127.f), vf0 = _mm512_set1_ps(f0), vz0 = _mm512_set1_ps(z0);
+  const __m512 vhi = _mm512_set1_ps(kInt4 ? 7.f : 127.f), vlo = _mm512_set1_ps(-8.f);
+  const __m512 vf0 = _mm512_set1_ps(f0), vz0 = _mm512_set1_ps(z0);
   int8_t* out8 = static_cast<int8_t*>(out) + index;
+  int32_t* words = static_cast<int32_t*>(out) + index / 8;
   auto code = [&](int64_t i, __m512 v, __mmask16 mask) __attribute__((always_inline)) {
     const __m512 fv = kF ? _mm512_maskz_loadu_ps(mask, f + i) : vf0;
     const __m512 zv = kZ ? _mm512_maskz_loadu_ps(mask, z + i) : vz0;
@@ -663,19 +667,30 @@ void quantize_span_int8(const src_t* x, int64_t n, const float* f, const float* 
     const __m512 p = rounded(at::vec::Vectorized<float>(_mm512_mul_ps(v, fv)));
     __m512 t = _mm512_add_ps(div ? _mm512_roundscale_ps(p, kRint) : p, zv);
     t = _mm512_mask_mov_ps(t, _mm512_cmp_ps_mask(t, t, _CMP_UNORD_Q), zv);
-    return _mm512_cvtsepi32_epi8(_mm512_cvt_roundps_epi32(_mm512_min_ps(vhi, t), kRint));
+    t = _mm512_min_ps(vhi, t);
+    if constexpr (kInt4) t = _mm512_max_ps(vlo, t);
+    return _mm512_cvt_roundps_epi32(t, kRint);
+  };
+  auto store = [&](int64_t i, __m512i q, int64_t len) __attribute__((always_inline)) {
+    if constexpr (kInt4) {
+      store_int4_ints(words + i / 8, q, len);
+    } else if (len == 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i), _mm512_cvtsepi32_epi8(q));
+    } else {
+      _mm_mask_storeu_epi8(out8 + i, _cvtu32_mask16((1u << len) - 1), _mm512_cvtsepi32_epi8(q));
+    }
   };
   const __mmask16 all = 0xFFFF;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
     if (next != nullptr) prefetch_step(next, nullptr, sizeof(src_t), i);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i), code(i, load16(x + i), all));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out8 + i + 16),
-                     code(i + 16, load16(x + i + 16), all));
+    store(i, code(i, load16(x + i), all), 16);
+    store(i + 16, code(i + 16, load16(x + i + 16), all), 16);
   }
   for (; i < n; i += 16) {  // the tail: lanes past n load as 0 and are not stored
-    const __mmask16 mask = _cvtu32_mask16((1u << std::min<int64_t>(16, n - i)) - 1);
-    _mm_mask_storeu_epi8(out8 + i, mask, code(i, load16(x + i, mask), mask));
+    const int64_t len = std::min<int64_t>(16, n - i);
+    const __mmask16 mask = _cvtu32_mask16((1u << len) - 1);
+    store(i, code(i, load16(x + i, mask), mask), len);
   }
 }
 #endif
@@ -702,14 +717,16 @@ void quantize_span(const src_t* x, int64_t n, const float* f, const float* z, fl
     return at::vec::minimum(at::vec::maximum(t.round(), lo), hi);
   };
 #if defined(CPU_CAPABILITY_AVX512)
-  if constexpr (kOut == QuantizeOut::kInt8) {
+  if constexpr (kOut == QuantizeOut::kInt8 || kOut == QuantizeOut::kInt4) {
+    constexpr bool kInt4 = kOut == QuantizeOut::kInt4;
     if (f != nullptr) {
-      return z != nullptr ? quantize_span_int8<src_t, true, true>(x, n, f, z, f0, z0, div, out,
-                                                                  index, next)
-                          : quantize_span_int8<src_t, true, false>(x, n, f, z, f0, z0, div, out,
-                                                                   index, next);
+      return z != nullptr ? quantize_span_fast<src_t, true, true, kInt4>(x, n, f, z, f0, z0, div,
+                                                                         out, index, next)
+                          : quantize_span_fast<src_t, true, false, kInt4>(x, n, f, z, f0, z0, div,
+                                                                          out, index, next);
     }
-    return quantize_span_int8<src_t, false, false>(x, n, f, z, f0, z0, div, out, index, next);
+    return quantize_span_fast<src_t, false, false, kInt4>(x, n, f, z, f0, z0, div, out, index,
+                                                           next);
   }
 #endif
   (void)next;
