@@ -391,6 +391,42 @@ def test_prefill_paged_with_pse(dtype):
                               block_table=table, pse=pse), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("layout,sq", [("BNSD", 7), ("BSH", 1), ("BSND", 5), ("BNSD_BSND", 1)])
+@pytest.mark.parametrize("prefix_len", [None, 3])
+def test_shared_prefix(layout, sq, prefix_len, dtype):
+    """Every batch attends to [prefix[:P], key[b]]: the reference on the concatenated K/V, with
+    actual_seq_lengths_kv shifted by P, a mask over the concatenated sequence (prefill) and GQA."""
+    torch.manual_seed(8)
+    B, N, KVN, Skv, Sp, D = 2, 4, 2, 9, 6, 16
+    q, k, v = make(layout, B, N, KVN, sq, Skv, D, dtype)
+    kp, vp = (t[:1] for t in make(layout, 1, KVN, KVN, Sp, Sp, D, dtype)[1:])
+    P = Sp if prefix_len is None else prefix_len
+    seq_dim = 2 if layout.startswith("BNSD") else 1
+    heads = [p.narrow(seq_dim, 0, P) for p in (kp, vp)]
+    kc, vc = (torch.cat([h.expand(B, *h.shape[1:]), c], seq_dim) for h, c in zip(heads, (k, v)))
+    seq_kv = [Skv, 4]
+    mask = torch.rand(B, 1, sq, P + Skv) < 0.2 if sq > 1 else None
+    kw = dict(num_heads=N, num_key_value_heads=KVN, input_layout=layout, scale=0.35,
+              actual_seq_lengths_kv=seq_kv, atten_mask=mask, softmax_lse_flag=True)
+    extra = {} if prefix_len is None else dict(actual_shared_prefix_len=[prefix_len])
+    out, lse = npu.npu_fused_infer_attention_score(q, k, v, key_shared_prefix=kp, value_shared_prefix=vp,
+                                                   **kw, **extra)
+    check(out, lse, reference(q, kc, vc, n=N, kvn=KVN, scale=0.35, layout=layout,
+                              seq_kv=[P + s for s in seq_kv], atten_mask=mask), dtype)
+
+
+def test_shared_prefix_rejects_the_paged_cache():
+    q, k, v = make("BSH", 2, 4, 2, 1, 16, 8, torch.float32)
+    cache = torch.zeros(4, 8, 16)
+    with pytest.raises(RuntimeError, match="'key_shared_prefix' is not supported with a paged cache"):
+        npu.npu_fused_infer_attention_score(
+            q, cache, cache, num_heads=4, num_key_value_heads=2, input_layout="BSH",
+            block_table=torch.zeros(2, 2, dtype=torch.int32), block_size=8,
+            actual_seq_lengths_kv=[8, 8], key_shared_prefix=torch.zeros(1, 3, 16),
+            value_shared_prefix=torch.zeros(1, 3, 16))
+
+
 def test_non_contiguous_inputs_and_no_lse():
     torch.manual_seed(10)
     q = rnd(2, 9, 4, 16).transpose(1, 2)  # BNSD view of BSND storage
@@ -533,7 +569,18 @@ def _call(**over):
     (dict(key_antiquant_scale=torch.ones(1)), "'value_antiquant_scale' must be given together"),
     (dict(key_antiquant_scale=torch.ones(1), value_antiquant_scale=torch.ones(1)),
      "'key_antiquant_scale' applies to an int8 key/value cache, but 'key' is Float"),
-    (dict(key_shared_prefix=torch.ones(1)), "argument 'key_shared_prefix' is not supported"),
+    (dict(key_shared_prefix=torch.ones(1)), "'value_shared_prefix' must be given together"),
+    (dict(key_shared_prefix=torch.zeros(2, 2, 5, 8), value_shared_prefix=torch.zeros(2, 2, 5, 8)),
+     "'key_shared_prefix' must have 4 dims with batch 1"),
+    (dict(key_shared_prefix=torch.zeros(1, 2, 5, 4), value_shared_prefix=torch.zeros(1, 2, 5, 8)),
+     "must match the cache's shape"),
+    (dict(key_shared_prefix=torch.zeros(1, 2, 5, 8), value_shared_prefix=torch.zeros(1, 2, 4, 8)),
+     "'value_shared_prefix' must have key_shared_prefix's sequence length 5"),
+    (dict(key_shared_prefix=torch.zeros(1, 2, 5, 8), value_shared_prefix=torch.zeros(1, 2, 5, 8),
+          actual_shared_prefix_len=[6]), r"'actual_shared_prefix_len' must be in \[0, 5\]"),
+    (dict(key_shared_prefix=torch.zeros(1, 2, 5, 8, dtype=torch.float16),
+          value_shared_prefix=torch.zeros(1, 2, 5, 8)), "must have the key's / value's dtype"),
+    (dict(actual_shared_prefix_len=[2]), "'actual_shared_prefix_len' needs key_shared_prefix"),
     (dict(query_rope=torch.ones(2, 4, 1, 4)), "argument 'key_rope' must be given together"),
     (dict(input_layout="TND", query=torch.zeros(3, 4, 8), key=torch.zeros(3, 2, 8),
           value=torch.zeros(3, 2, 8)), "argument 'actual_seq_lengths' is required"),

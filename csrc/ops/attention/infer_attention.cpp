@@ -983,19 +983,99 @@ void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
                const std::optional<at::Tensor>& quant_scale1,
                const std::optional<at::Tensor>& dequant_scale2,
                const std::optional<at::Tensor>& query_padding_size,
-               const std::optional<at::Tensor>& kv_padding_size,
-               const std::optional<at::Tensor>& key_shared_prefix,
-               const std::optional<at::Tensor>& value_shared_prefix,
-               at::OptionalSymIntArrayRef actual_shared_prefix_len) {
+               const std::optional<at::Tensor>& kv_padding_size) {
   reject(kOp, "dequant_scale1", dequant_scale1, "int8 full quantisation");
   reject(kOp, "quant_scale1", quant_scale1, "int8 full quantisation");
   reject(kOp, "dequant_scale2", dequant_scale2, "int8 full quantisation");
   reject(kOp, "query_padding_size", query_padding_size, "left padding");
   reject(kOp, "kv_padding_size", kv_padding_size, "left padding");
-  reject(kOp, "key_shared_prefix", key_shared_prefix, "shared prefix");
-  reject(kOp, "value_shared_prefix", value_shared_prefix, "shared prefix");
-  OPENNPU_CHECK_ARG(!actual_shared_prefix_len.has_value(), kOp, "actual_shared_prefix_len",
-                    "is not supported by opennpu (shared prefix); pass None");
+}
+
+// The shared prefix (key_shared_prefix / value_shared_prefix, batch 1, e.g. a system prompt's
+// K/V): every batch b attends to [prefix[:P], key[b]], P = actual_shared_prefix_len (default the
+// prefix's whole S). Built by concatenating along the sequence axis (one copy of K/V per call),
+// so atten_mask, pse_shift, the sparse modes and actual_seq_lengths_kv (each + P) all see the
+// concatenated sequence, as the docs' rule S2 >= P + key's S says. Not with a paged cache, the
+// MLA rope inputs or per-token antiquant factors (torch_npu excludes the paged cache too).
+struct SharedPrefix {
+  at::Tensor key, value;  // undefined: no prefix
+  std::vector<int64_t> lens_kv;
+};
+
+SharedPrefix with_shared_prefix(const at::Tensor& key, const at::Tensor& value,
+                                const std::optional<at::Tensor>& key_prefix,
+                                const std::optional<at::Tensor>& value_prefix,
+                                at::OptionalSymIntArrayRef prefix_len,
+                                at::OptionalSymIntArrayRef actual_seq_lengths_kv,
+                                c10::string_view input_layout,
+                                const std::optional<at::Tensor>& block_table,
+                                const std::optional<at::Tensor>& key_rope,
+                                const std::vector<int64_t>& antiquant_modes, bool antiquant) {
+  SharedPrefix r;
+  if (!key_prefix.has_value() && !value_prefix.has_value()) {
+    OPENNPU_CHECK_ARG(!prefix_len.has_value(), kOp, "actual_shared_prefix_len",
+                      "needs key_shared_prefix and value_shared_prefix");
+    return r;
+  }
+  OPENNPU_CHECK_ARG(key_prefix.has_value() && value_prefix.has_value(), kOp,
+                    key_prefix.has_value() ? "value_shared_prefix" : "key_shared_prefix",
+                    "must be given together with ",
+                    key_prefix.has_value() ? "key_shared_prefix" : "value_shared_prefix");
+  OPENNPU_CHECK_ARG(!block_table.has_value(), kOp, "key_shared_prefix",
+                    "is not supported with a paged cache (block_table), as on Ascend");
+  OPENNPU_CHECK_ARG(!key_rope.has_value(), kOp, "key_shared_prefix",
+                    "is not supported with query_rope / key_rope by opennpu");
+  if (antiquant) {
+    for (int64_t mode : antiquant_modes) {
+      OPENNPU_CHECK_ARG(mode == 0, kOp, "key_shared_prefix",
+                        "takes only per-channel antiquant factors (mode 0), but got mode ", mode);
+    }
+  }
+  const L in = parse_layout(kOp, input_layout).in;
+  OPENNPU_CHECK_ARG(in == L::BSH || in == L::BSND || in == L::BNSD, kOp, "key_shared_prefix",
+                    "needs input_layout BSH, BSND or BNSD (or their _BNSD / _BSND / _NBSD "
+                    "forms), but got '", std::string(input_layout), "'");
+  const int64_t seq = in == L::BNSD ? 2 : 1;
+  for (const auto& [name, prefix, cache] :
+       {std::tuple<const char*, const at::Tensor&, const at::Tensor&>{"key_shared_prefix", *key_prefix, key},
+        {"value_shared_prefix", *value_prefix, value}}) {
+    OPENNPU_CHECK_ARG(prefix.dim() == cache.dim() && prefix.size(0) == 1, kOp, name,
+                      "must have ", cache.dim(), " dims with batch 1 (the key's layout), but got "
+                      "shape ", prefix.sizes());
+    OPENNPU_CHECK_ARG(prefix.scalar_type() == cache.scalar_type(), kOp, name,
+                      "must have the key's / value's dtype ", cache.scalar_type(), ", but got ",
+                      prefix.scalar_type());
+    for (int64_t d = 1; d < cache.dim(); ++d) {
+      OPENNPU_CHECK_ARG(d == seq || prefix.size(d) == cache.size(d), kOp, name,
+                        "must match the cache's shape ", cache.sizes(), " except in batch (1) "
+                        "and sequence, but got ", prefix.sizes());
+    }
+  }
+  const int64_t prefix_s = key_prefix->size(seq);
+  OPENNPU_CHECK_ARG(value_prefix->size(seq) == prefix_s, kOp, "value_shared_prefix",
+                    "must have key_shared_prefix's sequence length ", prefix_s, ", but got ",
+                    value_prefix->size(seq));
+  int64_t p = prefix_s;
+  if (prefix_len.has_value()) {
+    OPENNPU_CHECK_ARG(prefix_len->size() == 1, kOp, "actual_shared_prefix_len",
+                      "must hold one length, but got ", prefix_len->size());
+    p = (*prefix_len)[0].guard_int(__FILE__, __LINE__);
+    OPENNPU_CHECK_ARG(p >= 0 && p <= prefix_s, kOp, "actual_shared_prefix_len",
+                      "must be in [0, ", prefix_s, "] (the prefix's sequence length), but got ", p);
+  }
+  const int64_t batch = key.size(0);
+  auto joined = [&](const at::Tensor& prefix, const at::Tensor& cache) {
+    std::vector<int64_t> shape(prefix.sizes().begin(), prefix.sizes().end());
+    shape[0] = batch;
+    shape[seq] = p;
+    return at::cat({prefix.narrow(seq, 0, p).expand(shape), cache}, seq);
+  };
+  r.key = joined(*key_prefix, key);
+  r.value = joined(*value_prefix, value);
+  if (actual_seq_lengths_kv.has_value()) {
+    for (const c10::SymInt& n : *actual_seq_lengths_kv) r.lens_kv.push_back(p + n.guard_int(__FILE__, __LINE__));
+  }
+  return r;
 }
 
 #define FIA_V1_PARAMS                                                                             \
@@ -1028,18 +1108,27 @@ void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
       int64_t value_antiquant_mode, bool softmax_lse_flag
 
 std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
-  reject_v1(dequant_scale1, quant_scale1, dequant_scale2, query_padding_size, kv_padding_size,
-            key_shared_prefix, value_shared_prefix, actual_shared_prefix_len);
+  reject_v1(dequant_scale1, quant_scale1, dequant_scale2, query_padding_size, kv_padding_size);
   (void)key_rope_antiquant_scale;  // reserved by torch_npu
   for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"antiquant_mode", antiquant_mode},
                                    {"key_antiquant_mode", key_antiquant_mode},
                                    {"value_antiquant_mode", value_antiquant_mode}}) {
     OPENNPU_CHECK_ARG(mode >= 0 && mode <= 5, kOp, name, "must be in [0, 5], but got ", mode);
   }
+  const bool antiquant = antiquant_scale.has_value() || key_antiquant_scale.has_value() ||
+                         value_antiquant_scale.has_value();
+  const SharedPrefix prefixed = with_shared_prefix(
+      key, value, key_shared_prefix, value_shared_prefix, actual_shared_prefix_len,
+      actual_seq_lengths_kv, input_layout, block_table, key_rope,
+      {antiquant_mode, key_antiquant_mode, value_antiquant_mode}, antiquant);
+  const bool prefix = prefixed.key.defined();
   const std::optional<at::Tensor> no_sink;
-  Args a{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_lengths),
-         to_ints(actual_seq_lengths_kv), actual_seq_lengths.has_value(),
-         actual_seq_lengths_kv.has_value(), block_table, query_rope, key_rope,
+  Args a{query, prefix ? prefixed.key : key, prefix ? prefixed.value : value, pse_shift,
+         atten_mask, to_ints(actual_seq_lengths),
+         prefix && actual_seq_lengths_kv.has_value() ? prefixed.lens_kv
+                                                     : to_ints(actual_seq_lengths_kv),
+         actual_seq_lengths.has_value(), actual_seq_lengths_kv.has_value(), block_table,
+         query_rope, key_rope,
          no_sink, num_heads, scale, pre_tokens, next_tokens, input_layout,
          num_key_value_heads, sparse_mode, inner_precise, block_size,
          softmax_lse_flag};
