@@ -416,6 +416,75 @@ def test_shared_prefix(layout, sq, prefix_len, dtype):
                               seq_kv=[P + s for s in seq_kv], atten_mask=mask), dtype)
 
 
+def _right_aligned(t, starts, seq_dim):
+    """Batch b's left-aligned rows moved to start at starts[b] (left padding's layout)."""
+    return torch.stack([t[b].roll(s, seq_dim - 1) for b, s in enumerate(starts)])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("layout,sq,masked", [("BSH", 7, False), ("BNSD", 6, True), ("BSND", 1, False),
+                                              ("BNSD_BSND", 5, False)])
+def test_left_padding(layout, sq, masked, dtype):
+    """query_padding_size / kv_padding_size: batch b's rows sit at [S - pad - len_b, S - pad).
+    The reference runs on the same rows left-aligned; the output comes back right-aligned."""
+    torch.manual_seed(9)
+    B, N, KVN, Skv, D = 2, 4, 2, 12, 16
+    qa, ka, va = make(layout, B, N, KVN, sq, Skv, D, dtype)
+    seq_in = 2 if layout.startswith("BNSD") else 1
+    seq_out = 2 if layout in ("BNSD",) else 1
+    qpad, kvpad = 1, 3
+    lens = [sq - 1, max(sq - 3, 1)] if sq > 1 else [1, 1]
+    lens_kv = [Skv - kvpad, 5]
+    q_starts = [sq - qpad - n for n in lens] if sq > 1 else [0, 0]
+    kv_starts = [Skv - kvpad - n for n in lens_kv]
+    mask = torch.rand(B, 1, sq, Skv) < 0.25 if masked else None
+    ro, rl = reference(qa, ka, va, n=N, kvn=KVN, scale=0.3, layout=layout, seq=lens if sq > 1 else None,
+                       seq_kv=lens_kv, atten_mask=mask)
+    q = _right_aligned(qa, q_starts, seq_in)
+    k, v = _right_aligned(ka, kv_starts, seq_in), _right_aligned(va, kv_starts, seq_in)
+    m = None if mask is None else torch.stack([mask[b].roll((q_starts[b], kv_starts[b]), (-2, -1))
+                                               for b in range(B)])
+    out, lse = npu.npu_fused_infer_attention_score(
+        q, k, v, num_heads=N, num_key_value_heads=KVN, input_layout=layout, scale=0.3,
+        actual_seq_lengths=lens if sq > 1 else None, actual_seq_lengths_kv=lens_kv, atten_mask=m,
+        query_padding_size=torch.tensor([qpad]) if sq > 1 else None,
+        kv_padding_size=torch.tensor([kvpad]), softmax_lse_flag=True)
+    check(out, lse, (_right_aligned(ro, q_starts, seq_out), _right_aligned(rl, q_starts, 2)), dtype)
+
+
+def test_left_padding_decode_window_before_row_0_gives_zeros():
+    q, k, v = make("BSH", 2, 4, 2, 1, 10, 8, torch.float32)
+    out, _ = npu.npu_fused_infer_attention_score(
+        q, k, v, num_heads=4, num_key_value_heads=2, input_layout="BSH",
+        actual_seq_lengths_kv=[6, 9], kv_padding_size=torch.tensor([3]))
+    ref, _ = npu.npu_fused_infer_attention_score(
+        q[:1], k[:1, 1:7], v[:1, 1:7], num_heads=4, num_key_value_heads=2, input_layout="BSH")
+    assert_close(out[:1], ref, dtype=torch.float32)
+    assert torch.equal(out[1], torch.zeros_like(out[1]))  # 10 - 3 - 9 < 0: sees no key
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(query_padding_size=torch.tensor([1])), "'query_padding_size' needs actual_seq_lengths"),
+    (dict(kv_padding_size=torch.tensor([1])), "'kv_padding_size' needs actual_seq_lengths_kv"),
+    (dict(query_padding_size=torch.tensor([1.0]), actual_seq_lengths=[2, 2]),
+     "'query_padding_size' must hold one integer"),
+    (dict(query_padding_size=torch.tensor([3]), actual_seq_lengths=[4, 2]),
+     "'query_padding_size' leaves no room for actual_seq_lengths"),
+    (dict(kv_padding_size=torch.tensor([5]), actual_seq_lengths_kv=[16, 2]),
+     "'kv_padding_size' leaves no room for actual_seq_lengths_kv"),
+    (dict(kv_padding_size=torch.tensor([1]), actual_seq_lengths_kv=[2, 2], input_layout="TND"),
+     "'kv_padding_size' needs input_layout BSH"),
+    (dict(kv_padding_size=torch.tensor([1]), actual_seq_lengths_kv=[2, 2],
+          pse_shift=torch.zeros(2, 4, 5, 20)), "'kv_padding_size' is not supported with pse_shift"),
+])
+def test_left_padding_bad_inputs(over, match):
+    q, k, v = make("BNSD", 2, 4, 2, 5, 20, 8, torch.float32)
+    kw = dict(num_heads=4, num_key_value_heads=2, input_layout="BNSD")
+    kw.update(over)
+    with pytest.raises(RuntimeError, match=match):
+        npu.npu_fused_infer_attention_score(q, k, v, **kw)
+
+
 def test_shared_prefix_rejects_the_paged_cache():
     q, k, v = make("BSH", 2, 4, 2, 1, 16, 8, torch.float32)
     cache = torch.zeros(4, 8, 16)

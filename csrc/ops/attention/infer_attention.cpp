@@ -8,6 +8,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 #include <ATen/ops/log.h>
+#include <ATen/ops/roll.h>
+#include <ATen/ops/stack.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/SymIntArrayRef.h>
 #include <torch/library.h>
@@ -981,14 +983,10 @@ void copy_lse(at::Tensor& dst, const at::Tensor& lse, const char* op, bool flag)
 // torch_npu's out-of-scope arguments of v1, rejected with a clear message.
 void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
                const std::optional<at::Tensor>& quant_scale1,
-               const std::optional<at::Tensor>& dequant_scale2,
-               const std::optional<at::Tensor>& query_padding_size,
-               const std::optional<at::Tensor>& kv_padding_size) {
+               const std::optional<at::Tensor>& dequant_scale2) {
   reject(kOp, "dequant_scale1", dequant_scale1, "int8 full quantisation");
   reject(kOp, "quant_scale1", quant_scale1, "int8 full quantisation");
   reject(kOp, "dequant_scale2", dequant_scale2, "int8 full quantisation");
-  reject(kOp, "query_padding_size", query_padding_size, "left padding");
-  reject(kOp, "kv_padding_size", kv_padding_size, "left padding");
 }
 
 // The shared prefix (key_shared_prefix / value_shared_prefix, batch 1, e.g. a system prompt's
@@ -1078,6 +1076,113 @@ SharedPrefix with_shared_prefix(const at::Tensor& key, const at::Tensor& value,
   return r;
 }
 
+// Left padding (query_padding_size / kv_padding_size, one count each, with actual_seq_lengths /
+// actual_seq_lengths_kv): batch b's rows sit right-aligned before `padding` trailing rows,
+// [S - padding - len_b, S - padding), where Ascend's kernel starts copying them. Here each batch
+// is rotated along the sequence so that its rows start at 0, the attention runs on those
+// left-aligned rows with the same lengths (an explicit atten_mask rotated alike on both axes;
+// the sparse modes' own masks already follow the lengths), and the output rows are rotated back
+// (rows outside the window: the kernel's rows past a length). A negative count is taken as 0.
+// Query padding applies only where Q_S > 1; with Q_S = 1 a kv window that would start before row
+// 0 gives that batch an all-zero output (it sees no key), as on Ascend; with Q_S > 1 it is an
+// error. Not with a paged cache or a shared prefix (as on Ascend), pse_shift, the MLA rope
+// inputs or per-token antiquant factors.
+struct LeftPadding {
+  std::vector<int64_t> q_start, kv_start;  // per batch; empty: that side is not padded
+  std::vector<int64_t> lens_kv;            // actual_seq_lengths_kv after the Q_S = 1 rule
+  int64_t in_seq = 1, out_seq = 1;         // the sequence axis of the inputs / the output
+};
+
+int64_t padding_count(const char* name, const at::Tensor& t) {
+  OPENNPU_CHECK_ARG(t.numel() == 1 && !t.is_floating_point() && !t.is_complex(), kOp, name,
+                    "must hold one integer (the padding rows after every batch's rows), but got "
+                    "a ", t.scalar_type(), " tensor of shape ", t.sizes());
+  return std::max<int64_t>(0, t.item<int64_t>());
+}
+
+LeftPadding left_padding(const Args& a, const std::optional<at::Tensor>& query_padding_size,
+                         const std::optional<at::Tensor>& kv_padding_size, bool prefix,
+                         bool antiquant, const std::vector<int64_t>& antiquant_modes) {
+  LeftPadding r;
+  if (!query_padding_size.has_value() && !kv_padding_size.has_value()) return r;
+  const char* name = query_padding_size.has_value() ? "query_padding_size" : "kv_padding_size";
+  const Layouts l = parse_layout(kOp, a.input_layout);
+  OPENNPU_CHECK_ARG((l.in == L::BSH || l.in == L::BSND || l.in == L::BNSD) &&
+                        (l.out == L::BSH || l.out == L::BSND || l.out == L::BNSD),
+                    kOp, name, "needs input_layout BSH, BSND, BNSD, BNSD_BSND, BSH_BNSD or "
+                    "BSND_BNSD, but got '", std::string(a.input_layout), "'");
+  OPENNPU_CHECK_ARG(!a.block_table.has_value(), kOp, name,
+                    "is not supported with a paged cache (block_table), as on Ascend");
+  OPENNPU_CHECK_ARG(!prefix, kOp, name, "is not supported with a shared prefix, as on Ascend");
+  OPENNPU_CHECK_ARG(!a.pse_shift.has_value(), kOp, name, "is not supported with pse_shift by opennpu");
+  OPENNPU_CHECK_ARG(!a.key_rope.has_value(), kOp, name,
+                    "is not supported with query_rope / key_rope by opennpu");
+  r.in_seq = l.in == L::BNSD ? 2 : 1;
+  r.out_seq = l.out == L::BNSD ? 2 : 1;
+  const int64_t batch = a.query.size(0), q_s = a.query.size(r.in_seq), kv_s = a.key.size(r.in_seq);
+  auto lengths = [&](const char* pad, const char* lens_name, bool has, const std::vector<int64_t>& lens) {
+    OPENNPU_CHECK_ARG(has, kOp, pad, "needs ", lens_name, " (the rows of each batch)");
+    OPENNPU_CHECK_ARG(lens.size() == 1 || static_cast<int64_t>(lens.size()) == batch, kOp, lens_name,
+                      "must hold 1 or ", batch, " lengths, but got ", lens.size());
+    std::vector<int64_t> per_batch(batch);
+    for (int64_t b = 0; b < batch; ++b) per_batch[b] = lens[lens.size() == 1 ? 0 : b];
+    return per_batch;
+  };
+  if (query_padding_size.has_value() && q_s > 1) {
+    const int64_t pad = padding_count("query_padding_size", *query_padding_size);
+    for (int64_t len : lengths("query_padding_size", "actual_seq_lengths", a.has_seq, a.actual_seq_lengths)) {
+      const int64_t start = q_s - pad - len;
+      OPENNPU_CHECK_ARG(start >= 0, kOp, "query_padding_size",
+                        "leaves no room for actual_seq_lengths: Q_S (", q_s, ") - padding (", pad,
+                        ") - length (", len, ") must be >= 0");
+      r.q_start.push_back(start);
+    }
+  }
+  if (kv_padding_size.has_value()) {
+    if (antiquant) {
+      for (int64_t mode : antiquant_modes) {
+        OPENNPU_CHECK_ARG(mode == 0, kOp, "kv_padding_size",
+                          "takes only per-channel antiquant factors (mode 0), but got mode ", mode);
+      }
+    }
+    const int64_t pad = padding_count("kv_padding_size", *kv_padding_size);
+    for (int64_t len : lengths("kv_padding_size", "actual_seq_lengths_kv", a.has_seq_kv, a.actual_seq_lengths_kv)) {
+      int64_t start = kv_s - pad - len;
+      OPENNPU_CHECK_ARG(start >= 0 || q_s == 1, kOp, "kv_padding_size",
+                        "leaves no room for actual_seq_lengths_kv: KV_S (", kv_s, ") - padding (",
+                        pad, ") - length (", len, ") must be >= 0");
+      if (start < 0) start = len = 0;  // Q_S = 1: the batch sees no key, its output is 0
+      r.kv_start.push_back(start);
+      r.lens_kv.push_back(len);
+    }
+  }
+  return r;
+}
+
+// t with batch b rotated by -shift[b] along `dim` (row shift[b] first), or back with sign +1.
+at::Tensor rotate_batches(const at::Tensor& t, const std::vector<int64_t>& shift, int64_t dim,
+                          int64_t sign) {
+  if (shift.empty() || std::all_of(shift.begin(), shift.end(), [](int64_t v) { return v == 0; })) return t;
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < t.size(0); ++b) rows.push_back(at::roll(t.select(0, b), {-sign * shift[b]}, {dim - 1}));
+  return at::stack(rows);
+}
+
+// An explicit mask ([Q_S, KV_S], [B or 1, Q_S, KV_S] or [B or 1, 1, Q_S, KV_S]) rotated per batch
+// on both axes as the query and key rows are.
+at::Tensor rotate_mask(const at::Tensor& mask, const LeftPadding& p, int64_t batch) {
+  at::Tensor m = mask.dim() == 2 ? mask.unsqueeze(0) : mask;
+  std::vector<int64_t> shape(m.sizes().begin(), m.sizes().end());
+  shape[0] = batch;
+  m = m.expand(shape);
+  std::vector<at::Tensor> rows;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t qs = p.q_start.empty() ? 0 : p.q_start[b], ks = p.kv_start.empty() ? 0 : p.kv_start[b];
+    rows.push_back(at::roll(m.select(0, b), {-qs, -ks}, {-2, -1}));
+  }
+  return at::stack(rows);
+}
+
 #define FIA_V1_PARAMS                                                                             \
   const at::Tensor &query, const at::Tensor &key, const at::Tensor &value,                        \
       const std::optional<at::Tensor>&pse_shift, const std::optional<at::Tensor>&atten_mask,      \
@@ -1108,7 +1213,7 @@ SharedPrefix with_shared_prefix(const at::Tensor& key, const at::Tensor& value,
       int64_t value_antiquant_mode, bool softmax_lse_flag
 
 std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
-  reject_v1(dequant_scale1, quant_scale1, dequant_scale2, query_padding_size, kv_padding_size);
+  reject_v1(dequant_scale1, quant_scale1, dequant_scale2);
   (void)key_rope_antiquant_scale;  // reserved by torch_npu
   for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"antiquant_mode", antiquant_mode},
                                    {"key_antiquant_mode", key_antiquant_mode},
@@ -1149,8 +1254,33 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
             "antiquant_offset", "antiquant_mode"};
   }
   check_antiquant(kOp, a);
-  return run_quantised(kOp, a, out_quant(kOp, "quant_scale2", "quant_offset2", quant_scale2,
-                                         quant_offset2, a, at::kChar));
+  const LeftPadding pad = left_padding(a, query_padding_size, kv_padding_size, prefix, antiquant,
+                                       {antiquant_mode, key_antiquant_mode, value_antiquant_mode});
+  const bool padded = !pad.q_start.empty() || !pad.kv_start.empty();
+  if (!padded) {
+    return run_quantised(kOp, a, out_quant(kOp, "quant_scale2", "quant_offset2", quant_scale2,
+                                           quant_offset2, a, at::kChar));
+  }
+  const at::Tensor q = rotate_batches(query, pad.q_start, pad.in_seq, 1);
+  const at::Tensor k = rotate_batches(a.key, pad.kv_start, pad.in_seq, 1);
+  const at::Tensor v = rotate_batches(a.value, pad.kv_start, pad.in_seq, 1);
+  const std::optional<at::Tensor> mask =
+      atten_mask.has_value() && (sparse_mode == 0 || sparse_mode == 1)
+          ? std::optional<at::Tensor>(rotate_mask(*atten_mask, pad, query.size(0)))
+          : atten_mask;
+  Args shifted{q, k, v, pse_shift, mask, a.actual_seq_lengths,
+               pad.kv_start.empty() ? a.actual_seq_lengths_kv : pad.lens_kv, a.has_seq,
+               a.has_seq_kv, block_table, query_rope, key_rope, no_sink, num_heads, scale,
+               pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode,
+               inner_precise, block_size, softmax_lse_flag};
+  shifted.kq = a.kq;
+  shifted.vq = a.vq;
+  auto [out, lse] = run_quantised(kOp, shifted, out_quant(kOp, "quant_scale2", "quant_offset2",
+                                                          quant_scale2, quant_offset2, shifted,
+                                                          at::kChar));
+  out = rotate_batches(out, pad.q_start, pad.out_seq, -1);
+  if (softmax_lse_flag) lse = rotate_batches(lse, pad.q_start, 2, -1);
+  return {out, lse};
 }
 
 std::tuple<at::Tensor&, at::Tensor&> fia_v1_out(FIA_V1_PARAMS,
