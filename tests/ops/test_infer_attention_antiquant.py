@@ -479,3 +479,54 @@ def test_opcheck_and_compile():
     eager = f(*args)
     compiled = torch.compile(f, fullgraph=True, dynamic=True)(*args)
     assert torch.equal(eager[0], compiled[0]) and torch.equal(eager[1], compiled[1])
+
+
+# ----------------------------------------------------------------------------- int4 caches
+
+
+def i4_words(codes8):
+    """int8 codes in [-8, 7] [..., 8 w] -> int32 words [..., w], eight codes each, lowest bits first."""
+    flat = codes8.to(torch.int32).reshape(-1, codes8.shape[-1])
+    return npu.npu_convert_weight_to_int4pack(flat).reshape(*codes8.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=dtype_id)
+@pytest.mark.parametrize("layout,sq", [("BSH", 1), ("BNSD", 1), ("BSND", 5)])
+@pytest.mark.parametrize("mode", [0, 1])
+def test_int4_cache_equals_the_int8_path(layout, sq, mode, dtype, decode_path):
+    """An int4 key/value (int32 words, the last dim an eighth of the real one) gives what the
+    same codes as int8 give, bit for bit, and matches the float64 reference."""
+    torch.manual_seed(mode + sq)
+    B, N, KVN, S, D = 2, 4, 2, 19, 16
+    qc = torch.randn(B, N, sq, D).to(dtype)
+    k8, v8 = (torch.randint(-8, 8, (B, KVN, S, D), dtype=torch.int8) for _ in range(2))
+    ks, ko, kdeq = factors(mode, "bs" if mode == 1 else "1nd", B, KVN, S, D, True, dtype)
+    vs, vo, vdeq = factors(mode, "bs" if mode == 1 else "1nd", B, KVN, S, D, True, dtype)
+    kw = dict(key_antiquant_scale=ks, key_antiquant_offset=ko, value_antiquant_scale=vs,
+              value_antiquant_offset=vo, key_antiquant_mode=mode, value_antiquant_mode=mode,
+              num_heads=N, num_key_value_heads=KVN, input_layout=layout, scale=0.25,
+              actual_seq_lengths_kv=[S, 11], softmax_lse_flag=True)
+    q, k, v = (to_layout(t, layout) for t in (qc, k8, v8))
+    out8, lse8 = npu.npu_fused_infer_attention_score(q, k, v, **kw)
+    out4, lse4 = npu.npu_fused_infer_attention_score(q, i4_words(k), i4_words(v), **kw)
+    assert torch.equal(out4, out8) and torch.equal(lse4, lse8)
+    ref = reference(q, to_layout(kdeq(k8), layout), to_layout(vdeq(v8), layout), n=N, kvn=KVN,
+                    scale=0.25, layout=layout, seq_kv=[S, 11])
+    check(out4, lse4, ref, dtype)
+
+
+def test_int4_paged_cache_equals_the_int8_path():
+    torch.manual_seed(3)
+    q, k8, v8, _, _, kw, quant = paged_case("BnBsH", 0, True, torch.float16)
+    k8, v8 = (t.clamp(-8, 7) for t in (k8, v8))
+    out8, _ = npu.npu_fused_infer_attention_score(q, k8, v8, input_layout="BSH", **kw, **quant)
+    out4, _ = npu.npu_fused_infer_attention_score(q, i4_words(k8), i4_words(v8), input_layout="BSH",
+                                                  **kw, **quant)
+    assert torch.equal(out4, out8)
+
+
+def test_int4_cache_without_factors_is_refused():
+    q = torch.randn(1, 1, 32, dtype=torch.float16)
+    k = torch.zeros(1, 4, 4, dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="int4 key/value packed in int32 needs antiquant factors"):
+        npu.npu_fused_infer_attention_score(q, k, k, num_heads=1, input_layout="BSH")

@@ -27,6 +27,7 @@
 #include "common/dtype.h"
 #include "ops/quant/hifloat8.h"
 #include "ops/quant/quant.h"
+#include "ops/quant/quant_matmul.h"
 
 namespace opennpu::attention {
 
@@ -412,7 +413,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
                            : "must have the dtype of 'query' (",
                       want, "), but got ", t->scalar_type(),
                       t->scalar_type() == at::kInt
-                          ? " (int4 key/value packed in int32 is not supported by opennpu)"
+                          ? " (an int4 key/value packed in int32 needs antiquant factors)"
                           : "");
     check_same_device(op, name, *t, "query", query);
   }
@@ -934,10 +935,31 @@ at::Tensor quantise_out(const OutQuant& q, at::Tensor out, L l, int64_t heads) {
   return h.to(at::kChar);
 }
 
+// a with other key / value tensors (every other field the same).
+Args with_kv(const Args& a, const at::Tensor& key, const at::Tensor& value) {
+  Args b{a.query, key, value, a.pse_shift, a.atten_mask, a.actual_seq_lengths,
+         a.actual_seq_lengths_kv, a.has_seq, a.has_seq_kv, a.block_table, a.query_rope,
+         a.key_rope, a.sink, a.num_heads, a.scale, a.pre_tokens, a.next_tokens, a.input_layout,
+         a.num_key_value_heads, a.sparse_mode, a.inner_precise, a.block_size,
+         a.softmax_lse_flag};
+  b.kq = a.kq;
+  b.vq = a.vq;
+  b.float_out = a.float_out;
+  return b;
+}
+
 // run() with the output quantised: the attention writes its float32 output (decode straight
 // from the cache in its own dtype; prefill computes in float32), which is then quantised.
+// An int4 key/value cache (int32 words of eight codes, with antiquant factors) is unpacked to
+// int8 codes first, one copy of the cache per call, and then takes the int8 antiquant path:
+// the codes' values are the same, so is the arithmetic.
 std::tuple<at::Tensor, at::Tensor> run_quantised(const char* op, const Args& a,
                                                  const std::optional<OutQuant>& q) {
+  if (a.key.scalar_type() == at::kInt && a.value.scalar_type() == at::kInt && a.kq.scale.has_value()) {
+    const at::Tensor key = quant::int4_words_to_codes(op, a.key);
+    const at::Tensor value = quant::int4_words_to_codes(op, a.value);
+    return run_quantised(op, with_kv(a, key, value), q);
+  }
   if (!q.has_value()) return run(op, a);
   Args b = a;
   b.float_out = true;

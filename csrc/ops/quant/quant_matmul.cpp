@@ -25,6 +25,7 @@ namespace opennpu::quant {
 
 KernelSlots<QuantMatmulFn> quant_matmul;
 KernelSlots<PackInt4Fn> pack_int4;
+KernelSlots<UnpackInt4Fn> unpack_int4;
 KernelSlots<A8W4MatmulFn> a8w4_matmul;
 KernelSlots<FloatQuantMatmulFn> float_quant_matmul;
 
@@ -873,6 +874,18 @@ at::Tensor npu_convert_weight_to_int4pack(const at::Tensor& weight, int64_t inne
                     high, "]");
   pack_int4.get(op, weight)(weight.contiguous(), packed);
   return packed;
+}
+
+at::Tensor int4_words_to_codes(const char* op, const at::Tensor& words) {
+  std::vector<int64_t> shape(words.sizes().begin(), words.sizes().end());
+  const int64_t w = shape.empty() ? 1 : shape.back();
+  if (!shape.empty()) shape.back() *= 8;
+  at::Tensor codes = at::empty(shape, words.options().dtype(at::kChar));
+  if (words.numel() == 0) return codes;
+  const at::Tensor src = words.contiguous().reshape({-1, w});
+  at::Tensor dst = codes.view({-1, 8 * w});
+  unpack_int4.get(op, words)(src, dst);
+  return codes;
 }
 
 TORCH_LIBRARY_IMPL(npu, CPU, m) {

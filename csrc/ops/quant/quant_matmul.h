@@ -182,4 +182,13 @@ extern KernelSlots<QuantMatmulFn> quant_matmul;
 std::pair<at::Tensor, at::Tensor> decode_int64_scale(const at::Tensor& packed);
 extern KernelSlots<PackInt4Fn> pack_int4;
 
+// int32 words [rows, w] (contiguous) -> int8 codes [rows, 8 w], each word's eight int4 codes
+// lowest bits first, sign-extended.
+using UnpackInt4Fn = void(const at::Tensor& words, at::Tensor& codes);
+extern KernelSlots<UnpackInt4Fn> unpack_int4;
+
+// int4 words [..., w] (int32, eight codes each) -> int8 codes [..., 8 w] (for the ops that take
+// int4 data as int32 and compute on int8 codes, e.g. an int4 key/value cache).
+at::Tensor int4_words_to_codes(const char* op, const at::Tensor& words);
+
 }  // namespace opennpu::quant

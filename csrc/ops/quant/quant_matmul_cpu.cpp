@@ -803,6 +803,7 @@ void a8w4_matmul_kernel(const A8W4Args& p, at::Tensor& out) {
 
 OPENNPU_REGISTER_CPU_SLOT(quant_matmul, &quant_matmul_kernel);
 OPENNPU_REGISTER_CPU_SLOT(pack_int4, &pack_int4_kernel);
+OPENNPU_REGISTER_CPU_SLOT(unpack_int4, &unpack_int4_kernel);
 OPENNPU_REGISTER_CPU_SLOT(a8w4_matmul, &a8w4_matmul_kernel);
 OPENNPU_REGISTER_CPU_SLOT(float_quant_matmul, &float_quant_matmul_kernel);
 
