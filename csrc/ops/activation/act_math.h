@@ -6,6 +6,9 @@
 // derivative share one exp:  act(z) = z * s,  act'(z) = s + z * s * (1 - s) * u'(z),  s = sigmoid(u).
 #pragma once
 
+#include <type_traits>
+
+#include "common/fp_barrier.h"
 #include "common/vec.h"
 #include "ops/activation/activation.h"
 
@@ -76,6 +79,34 @@ OPENNPU_VEC_INLINE void act_value_grad(const AccVec<scalar_t>& z, AccVec<scalar_
     const Vec zc = at::vec::clamp(z, Vec(T(-kGradClampZ)), Vec(T(kGradClampZ)));
     grad = at::vec::fmadd(zc * s * (Vec(T(1)) - s), gate_arg_grad<kAct>(zc), s);
   }
+}
+
+// SiLU as torch_npu's swiglu goldens compose it (op-plugin's test_npu_swi_glu*.py, float32, one
+// rounding to the output dtype at the end), for float32 accumulation: the forward is F.silu,
+// whose ATen kernel computes z / (1 + exp(-z)) with its vectorised exp (Sleef's, the same as
+// Vectorized<float>::exp here); the backward is sigmoid(z) = 1 / (1 + exp(0 - z)) (ATen's
+// sigmoid), swish(z) = z * s and swish'(z) = s + (z * (1 - s)) * s, each operation rounded to
+// float32 in that order (the product is kept from fusing with the add). So a bf16 / fp16 output
+// rounds the very float32 value the golden rounds. z is clamped to +-kGradClampZ in the
+// derivative only, where the formula would give inf * 0 = NaN at z = -inf (the limits 1 and 0
+// instead; for |z| <= kGradClampZ it is the golden's value, beyond it the same limit).
+template <typename scalar_t>
+inline constexpr bool kGoldenSilu = std::is_same_v<acc_t<scalar_t>, float>;
+
+template <typename scalar_t>
+OPENNPU_VEC_INLINE AccVec<scalar_t> silu_golden(const AccVec<scalar_t>& z) {
+  using Vec = AccVec<scalar_t>;
+  return z / (Vec(1.f) + z.neg().exp());
+}
+
+template <typename scalar_t>
+OPENNPU_VEC_INLINE void silu_golden_grad(const AccVec<scalar_t>& z, AccVec<scalar_t>& swish,
+                                         AccVec<scalar_t>& dswish) {
+  using Vec = AccVec<scalar_t>;
+  const Vec s = Vec(1.f) / (Vec(1.f) + (Vec(0.f) - z).exp());
+  swish = z * s;
+  const Vec zc = at::vec::clamp(z, Vec(float(-kGradClampZ)), Vec(float(kGradClampZ)));
+  dswish = s + rounded((zc * (Vec(1.f) - s)) * s);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -2,8 +2,9 @@
 //
 // Every gated activation here except exact GELU has the form z * sigmoid(u(z)), so value and
 // derivative share one exp:  act(z) = z * s,  act'(z) = s + z * s * (1 - s) * u'(z),  s = sigmoid(u).
-// fp16/bf16 use the cheap exp (see exp_for): their outputs keep 8-11 bits, far above its error.
-// bf16 outputs are rounded by the AVX512_BF16 instruction where the CPU has it (with_bf16_stores).
+// fp16/bf16 use the cheap exp (see exp_for): their outputs keep 8-11 bits, far above its error;
+// except swiglu's SiLU, which computes torch_npu's golden float32 value exactly (silu_golden in
+// act_math.h) so that the one rounding to bf16 / fp16 gives the golden's bits. bf16 outputs are rounded by the AVX512_BF16 instruction where the CPU has it (with_bf16_stores).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -60,8 +61,14 @@ void glu_fwd_impl(const GluHalves& x, int64_t outer, int64_t m, at::Tensor& out,
           Vec h0, h1, b0, b1;
           IO::load(h + k, h0, h1, l);
           IO::load(other + k, b0, b1, l);
-          const Vec a0 = act_value<kAct, scalar_t>(h0);
-          const Vec a1 = act_value<kAct, scalar_t>(h1);
+          Vec a0, a1;
+          if constexpr (kAct == Act::kSilu && kGoldenSilu<scalar_t>) {
+            a0 = silu_golden<scalar_t>(h0);
+            a1 = silu_golden<scalar_t>(h1);
+          } else {
+            a0 = act_value<kAct, scalar_t>(h0);
+            a1 = act_value<kAct, scalar_t>(h1);
+          }
           store_output<kNative>(y + k, a0 * b0, a1 * b1, l, streamed);
           if (g) store_output<kNative>(g + k, a0, a1, l, streamed && stream_g);
         });
@@ -92,9 +99,16 @@ void glu_bwd_impl(const at::Tensor& grad, const GluHalves& x, int64_t outer, int
           IO::load(gy + k, g0, g1, l);
           IO::load(ph + row + k, h0, h1, l);
           IO::load(po + row + k, b0, b1, l);
-          act_value_grad<kAct, scalar_t>(h0, a0, d0);
-          act_value_grad<kAct, scalar_t>(h1, a1, d1);
-          store_pair<kNative>(pdh + drow + k, g0 * b0 * d0, g1 * b1 * d1, l);
+          if constexpr (kAct == Act::kSilu && kGoldenSilu<scalar_t>) {
+            // the golden's order: (other * swish') * grad and grad * swish
+            silu_golden_grad<scalar_t>(h0, a0, d0);
+            silu_golden_grad<scalar_t>(h1, a1, d1);
+            store_pair<kNative>(pdh + drow + k, b0 * d0 * g0, b1 * d1 * g1, l);
+          } else {
+            act_value_grad<kAct, scalar_t>(h0, a0, d0);
+            act_value_grad<kAct, scalar_t>(h1, a1, d1);
+            store_pair<kNative>(pdh + drow + k, g0 * b0 * d0, g1 * b1 * d1, l);
+          }
           store_pair<kNative>(pdo + drow + k, g0 * a0, g1 * a1, l);
         });
       });

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "common/vec.h"
-#include "ops/quant/fp_barrier.h"
+#include "common/fp_barrier.h"
 #include "ops/quant/hifloat8.h"
 #include "ops/quant/mx_quant.h"
 

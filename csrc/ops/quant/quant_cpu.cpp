@@ -21,7 +21,7 @@
 #include "common/stream_store.h"
 #include "common/vec.h"
 #include "ops/norm/norm_rows.h"
-#include "ops/quant/fp_barrier.h"
+#include "common/fp_barrier.h"
 #include "ops/quant/hifloat8.h"
 #include "ops/quant/quant.h"
 

@@ -33,7 +33,7 @@
 
 #include "common/blas.h"
 #include "common/vec.h"
-#include "ops/quant/fp_barrier.h"
+#include "common/fp_barrier.h"
 #include "ops/quant/int_codes.h"
 #include "ops/quant/quant_matmul.h"
 

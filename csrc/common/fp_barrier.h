@@ -1,13 +1,14 @@
 // An optimisation barrier on a float value: the compiler must materialise it as computed, so a
 // multiply is not contracted with a later add into one fused multiply-add (GCC contracts by
-// default, -ffp-contract=fast, wherever FMA is enabled). The quantisers round at the golden's
-// rounding points (each product rounded to fp32, then added); a fused operation rounds once and
-// moves ties (an fp8 subnormal code, a requantised int8) to the other side.
+// default, -ffp-contract=fast, wherever FMA is enabled). Kernels that round at a golden's
+// rounding points (the quantisers: each product rounded to fp32, then added; swiglu's SiLU
+// gradient) use it: a fused operation rounds once and moves ties (an fp8 subnormal code, a
+// requantised int8, a bf16 output) to the other side.
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
 
-namespace opennpu::quant {
+namespace opennpu {
 inline namespace CPU_CAPABILITY {
 
 inline float rounded(float v) {
@@ -35,4 +36,4 @@ inline at::vec::Vectorized<float> rounded(const at::vec::Vectorized<float>& v) {
 }
 
 }  // namespace CPU_CAPABILITY
-}  // namespace opennpu::quant
+}  // namespace opennpu
