@@ -273,6 +273,38 @@ def test_decode_long_context_splits_all_heads(paged, dtype):
                               block_table=table), dtype)
 
 
+# Decode tails: head sizes in partial 32- and 64-column pieces of the P V tiles (40, 200) and whole
+# ones (64, 96, 192), query groups not a multiple of the 4-head tile (g = 3), context lengths that
+# are not a multiple of the chunk, paged and BSH / BNSD caches, and the context splits, whose
+# partial accumulators are merged before the store.
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("D", [40, 64, 96, 192, 200])
+@pytest.mark.parametrize("case", ["BSH", "BNSD", "paged", "split"])
+def test_decode_head_dims_and_groups(case, D, dtype):
+    torch.manual_seed(7)
+    N, KVN = 6, 2
+    kw = dict(num_heads=N, num_key_value_heads=KVN, scale=0.1, softmax_lse_flag=True)
+    table = None
+    if case == "paged":
+        bs, nb, B = 16, 24, 3
+        q = rnd(B, 1, N * D, dtype=dtype)
+        k, v = rnd(nb, bs, KVN * D, dtype=dtype), rnd(nb, bs, KVN * D, dtype=dtype)
+        table = torch.randperm(nb, dtype=torch.int32)[:B * 8].view(B, 8)
+        lens = [128, 19, 1]
+        kw.update(input_layout="BSH", block_table=table, block_size=bs)
+        layout = "BSH"
+    else:
+        layout = "BNSD" if case != "BSH" else "BSH"
+        B, S = (1, 1500) if case == "split" else (3, 77)
+        q, k, v = make(layout, B, N, KVN, 1, S, D, dtype)
+        lens = [S - 3] if case == "split" else [77, 33, 5]
+        kw.update(input_layout=layout)
+    kw["actual_seq_lengths_kv"] = lens
+    out, lse = npu.npu_fused_infer_attention_score(q, k, v, **kw)
+    check(out, lse, reference(q, k, v, n=N, kvn=KVN, scale=0.1, layout=layout, seq_kv=lens,
+                              block_table=table), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_decode_tnd_paged_vllm_style(dtype, decode_path):
     # vllm-ascend: TND query, cumulative query ends, per-sequence cached lengths
