@@ -114,6 +114,41 @@ OPENNPU_VEC_INLINE void store_output(scalar_t* p, const AccVec<scalar_t>& a,
   }
 }
 
+// Copies one step of a row (len <= kStep elements) from src to dst bit for bit: streamed where
+// `streamed` (then len == kStep and dst is aligned to the vector width, as for store_output),
+// else ordinary stores.
+template <typename scalar_t>
+OPENNPU_VEC_INLINE void copy_output(scalar_t* dst, const scalar_t* src, int64_t len,
+                                    bool streamed) {
+  constexpr int64_t kBytes = VecPair<scalar_t>::kStep * static_cast<int64_t>(sizeof(scalar_t));
+  if (!streamed) {
+    std::memcpy(dst, src, len * sizeof(scalar_t));
+    return;
+  }
+  char* d = reinterpret_cast<char*>(dst);
+  const char* s = reinterpret_cast<const char*>(src);
+#if defined(CPU_CAPABILITY_AVX512)
+  static_assert(kBytes % 64 == 0);
+  for (int64_t b = 0; b < kBytes; b += 64) {
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + b), _mm512_loadu_si512(s + b));
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  static_assert(kBytes % 32 == 0);
+  for (int64_t b = 0; b < kBytes; b += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + b),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + b)));
+  }
+#else
+  std::memcpy(d, s, kBytes);
+#endif
+}
+
+// Whether a and b sit at the same offset within a cache line (one for_each_output_step split
+// then serves both).
+inline bool same_line_offset(const void* a, const void* b) {
+  return reinterpret_cast<uintptr_t>(a) % kLineBytes == reinterpret_cast<uintptr_t>(b) % kLineBytes;
+}
+
 // Orders this thread's streaming stores before whatever follows the kernel.
 inline void stream_fence() {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)

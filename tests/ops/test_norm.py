@@ -123,6 +123,34 @@ def test_add_rms_norm_sum_rounded_to_input_dtype(dtype):
     torch.testing.assert_close(x, x1 + x2, rtol=0, atol=0)
 
 
+
+@pytest.mark.parametrize("dtype", [F32, torch.float16, torch.bfloat16, torch.float64],
+                         ids=dtype_id)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (4, 31), (2, 33), (3, 64), (5, 83), (2, 1000),
+                                   (2, 4097), (0, 16)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("streamed", [False, True], ids=["plain", "streamed"])
+def test_add_rms_norm_is_rms_norm_of_its_sum_bit_for_bit(dtype, shape, streamed,
+                                                         stream_threshold):
+    # The kernel sums the squares of x while it adds x1 + x2 (one pass over the inputs) and, where
+    # x streams, copies x out of an L1 row in the pass that writes y. Both must give what the two
+    # steps give: the sum x, then npu_rms_norm of x (the same rounded values, summed in the same
+    # order), in and out of place, at every row length (vector tails, rows of partial lines).
+    x1, x2, gamma = ADD.make(shape, dtype=dtype)
+    stream_threshold(0 if streamed else NEVER)
+    y, rstd, x = opennpu.npu_add_rms_norm(x1, x2, gamma)
+    assert_same_bits([x], [x1 + x2])
+    assert_same_bits([y, rstd], opennpu.npu_rms_norm(x, gamma))
+    b = x2.clone()
+    assert_same_bits(_inplace(x1, b, gamma), [y, rstd])
+    assert_same_bits([b], [x])
+    # a non-contiguous x1 (read through a copy) and x1 == x2
+    wide = torch.cat([x1, x1], dim=-1)[..., : shape[-1]]
+    assert_same_bits(opennpu.npu_add_rms_norm(wide, x2, gamma), [y, rstd, x])
+    y2, rstd2, x2x = opennpu.npu_add_rms_norm(x1, x1, gamma)
+    assert_same_bits([y2, rstd2], opennpu.npu_rms_norm(x2x, gamma))
+
+
 # ----------------------------------------------------------------------------- sizes & layouts
 
 

@@ -2,7 +2,8 @@
 //
 // One row is n contiguous elements. Forward: pass 1 accumulates sum(x^2) in acc_t over the row,
 // pass 2 writes y; the second read hits L1/L2 (a row is at most a few tens of KiB), so memory sees
-// one read of x and one write of y. Backward: pass 1 accumulates sum(dy * gamma * x), pass 2
+// one read of x and one write of y. Pass 2 prefetches the next row of the thread's chunk into L2
+// (rms_norm_write_row), so that the core reads memory while it writes y. Backward: pass 1 accumulates sum(dy * gamma * x), pass 2
 // writes dx and adds dy * x * rstd into a per-thread dgamma row, reduced across threads at the end.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -38,7 +39,8 @@ void rms_norm_fwd_kernel(const at::Tensor& x, const at::Tensor& gamma, double ep
       at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
         for (int64_t r = begin; r < end; ++r) {
           pr[r] = rms_norm_row<scalar_t, kNative>(px + r * n, pg, py + r * n, n,
-                                                  static_cast<T>(eps), stream);
+                                                  static_cast<T>(eps), stream,
+                                                  r + 1 < end ? px + (r + 1) * n : nullptr);
         }
         if (stream) stream_fence();
       });
@@ -59,10 +61,12 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
         scalar_t* py = y.mutable_data_ptr<scalar_t>();
         scalar_t* px = x.mutable_data_ptr<scalar_t>();
         T* pr = rstd.mutable_data_ptr<T>();
-        // Large outputs are streamed (common/stream_store.h). y is written once; the sum x is read
-        // back to normalise it, which a streamed line would have to come back from memory for:
-        // when x streams, each row's sum goes to an L1 scratch row first (the same rounded
-        // values, normalised from there) and is streamed from it to x.
+        // Two passes per row, as in rms_norm: pass 1 reads x1 and x2 from memory, stores their
+        // rounded sum and accumulates its squares (add_row_sum_of_squares); pass 2 reads the sum
+        // back from L1 / L2 and writes y. Large outputs are streamed (common/stream_store.h): y is
+        // written once. The sum x is read back by pass 2, which a streamed line would have to
+        // come back from memory for: when x streams, pass 1 stores the row's sum to an L1
+        // scratch row (the same rounded values) and pass 2 streams it to x along with y.
         const bool stream_y = stream_output(py, y.nbytes());
         // In place (x is x1's or x2's buffer: the compile backend's _add_rms_norm_inplace), each
         // line of x was just read and is in cache: ordinary stores only dirty it.
@@ -70,15 +74,30 @@ void add_rms_norm_fwd_kernel(const at::Tensor& x1, const at::Tensor& x2, const a
         with_bf16_stores<scalar_t>([&](auto native) {
           constexpr bool kNative = decltype(native)::value;
           at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
-            std::vector<scalar_t> scratch(stream_x ? n : 0);
+            // The scratch row is line-aligned, so that its loads do not straddle lines.
+            std::vector<char> scratch_bytes(stream_x ? n * sizeof(scalar_t) + kLineBytes : 0);
+            scalar_t* scratch = reinterpret_cast<scalar_t*>(
+                (reinterpret_cast<uintptr_t>(scratch_bytes.data()) + kLineBytes - 1) /
+                kLineBytes * kLineBytes);
             for (int64_t r = begin; r < end; ++r) {
-              scalar_t* xr = stream_x ? scratch.data() : px + r * n;
-              add_row<scalar_t, kNative>(pa + r * n, pb + r * n, xr, n);
-              pr[r] = rms_norm_row<scalar_t, kNative>(xr, pg, py + r * n, n, static_cast<T>(eps),
-                                                      stream_y);
-              if (stream_x) {
-                stream_bytes(reinterpret_cast<char*>(px + r * n),
-                             reinterpret_cast<const char*>(xr), n * sizeof(scalar_t));
+              scalar_t* xr = px + r * n;
+              scalar_t* yr = py + r * n;
+              scalar_t* sum = stream_x ? scratch : xr;
+              const T rstd = rstd_of<T>(
+                  add_row_sum_of_squares<scalar_t, kNative>(pa + r * n, pb + r * n, sum, n), n,
+                  static_cast<T>(eps));
+              pr[r] = rstd;
+              // x's lines stream with y's where both stream and share the line offset (rows of
+              // whole lines in aligned tensors); otherwise y, then x on its own.
+              const bool together = stream_x && stream_y && same_line_offset(xr, yr);
+              const bool next = r + 1 < end;
+              rms_norm_write_row<scalar_t, kNative>(sum, pg, yr, n, rstd, stream_y,
+                                                    together ? xr : nullptr,
+                                                    next ? pa + (r + 1) * n : nullptr,
+                                                    next ? pb + (r + 1) * n : nullptr);
+              if (stream_x && !together) {
+                stream_bytes(reinterpret_cast<char*>(xr), reinterpret_cast<const char*>(sum),
+                             n * sizeof(scalar_t));
               }
             }
             if (stream_x || stream_y) stream_fence();
