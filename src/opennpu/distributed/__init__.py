@@ -214,7 +214,8 @@ class ProcessGroupHCCL(dist.ProcessGroup):
         every rank's is already there (it is the last to arrive), starts the collective at once;
         else the launcher only waits for the others'.
         """
-        # The result of a Work whose gloo Work has no future: the collective's output, as gloo's.
+        # The collective's npu tensors, as its Work's result: the value _npu_work's future gives, and
+        # the launcher's where gloo's Work has no future.
         result = list(args[0]) if isinstance(args[0], (list, tuple)) else [args[0]]
         if not _CHECK or self.size() == 1 or name not in _CHECKED:
             return _npu_work(name, start(), result)
