@@ -143,6 +143,17 @@ OPENNPU_VEC_INLINE void copy_output(scalar_t* dst, const scalar_t* src, int64_t 
 #endif
 }
 
+// Prefetches the cache lines of one step (VecPair<scalar_t>::kStep elements) at p, into L1
+// (kLocality 3) or L2 (2), __builtin_prefetch's locality. A prefetch never faults, so the step
+// may run past the end of a row.
+template <int kLocality, typename scalar_t>
+OPENNPU_VEC_INLINE void prefetch_step(const scalar_t* p) {
+  constexpr int64_t kBytes = VecPair<scalar_t>::kStep * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t b = 0; b < kBytes; b += kLineBytes) {
+    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, kLocality);
+  }
+}
+
 // Whether a and b sit at the same offset within a cache line (one for_each_output_step split
 // then serves both).
 inline bool same_line_offset(const void* a, const void* b) {

@@ -46,9 +46,7 @@ void glu_fwd_impl(const GluHalves& x, int64_t outer, int64_t m, at::Tensor& out,
   // Outputs larger than the last-level cache are streamed (common/stream_store.h); gelu_out too
   // where its lines fall at the same offsets as out's.
   const bool stream = stream_output(py, out.nbytes());
-  const bool stream_g = stream && pg != nullptr &&
-                        reinterpret_cast<uintptr_t>(pg) % kLineBytes ==
-                            reinterpret_cast<uintptr_t>(py) % kLineBytes;
+  const bool stream_g = stream && pg != nullptr && same_line_offset(pg, py);
   with_bf16_stores<scalar_t>([&](auto native) {
     constexpr bool kNative = decltype(native)::value;
     at::parallel_for(0, outer * m, kGrain, [&](int64_t begin, int64_t end) {

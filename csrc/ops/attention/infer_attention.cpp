@@ -935,13 +935,14 @@ at::Tensor quantise_out(const OutQuant& q, at::Tensor out, L l, int64_t heads) {
   return h.to(at::kChar);
 }
 
-// a with other key / value tensors (every other field the same).
-Args with_kv(const Args& a, const at::Tensor& key, const at::Tensor& value) {
-  Args b{a.query, key, value, a.pse_shift, a.atten_mask, a.actual_seq_lengths,
-         a.actual_seq_lengths_kv, a.has_seq, a.has_seq_kv, a.block_table, a.query_rope,
-         a.key_rope, a.sink, a.num_heads, a.scale, a.pre_tokens, a.next_tokens, a.input_layout,
-         a.num_key_value_heads, a.sparse_mode, a.inner_precise, a.block_size,
-         a.softmax_lse_flag};
+// a with other query / key / value tensors, mask and kv lengths (every other field the same).
+Args with_inputs(const Args& a, const at::Tensor& query, const at::Tensor& key,
+                 const at::Tensor& value, const std::optional<at::Tensor>& atten_mask,
+                 std::vector<int64_t> lens_kv) {
+  Args b{query, key, value, a.pse_shift, atten_mask, a.actual_seq_lengths, std::move(lens_kv),
+         a.has_seq, a.has_seq_kv, a.block_table, a.query_rope, a.key_rope, a.sink, a.num_heads,
+         a.scale, a.pre_tokens, a.next_tokens, a.input_layout, a.num_key_value_heads,
+         a.sparse_mode, a.inner_precise, a.block_size, a.softmax_lse_flag};
   b.kq = a.kq;
   b.vq = a.vq;
   b.float_out = a.float_out;
@@ -958,7 +959,7 @@ std::tuple<at::Tensor, at::Tensor> run_quantised(const char* op, const Args& a,
   if (a.key.scalar_type() == at::kInt && a.value.scalar_type() == at::kInt && a.kq.scale.has_value()) {
     const at::Tensor key = quant::int4_words_to_codes(op, a.key);
     const at::Tensor value = quant::int4_words_to_codes(op, a.value);
-    return run_quantised(op, with_kv(a, key, value), q);
+    return run_quantised(op, with_inputs(a, a.query, key, value, a.atten_mask, a.actual_seq_lengths_kv), q);
   }
   if (!q.has_value()) return run(op, a);
   Args b = a;
@@ -1017,6 +1018,17 @@ void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
 // so atten_mask, pse_shift, the sparse modes and actual_seq_lengths_kv (each + P) all see the
 // concatenated sequence, as the docs' rule S2 >= P + key's S says. Not with a paged cache, the
 // MLA rope inputs or per-token antiquant factors (torch_npu excludes the paged cache too).
+// The shared prefix and left padding move or join K/V rows; per-token antiquant factors would
+// have to move with them, so only per-channel ones (mode 0) are taken there.
+void require_per_channel_antiquant(const char* arg, bool antiquant,
+                                   const std::vector<int64_t>& modes) {
+  if (!antiquant) return;
+  for (int64_t mode : modes) {
+    OPENNPU_CHECK_ARG(mode == 0, kOp, arg,
+                      "takes only per-channel antiquant factors (mode 0), but got mode ", mode);
+  }
+}
+
 struct SharedPrefix {
   at::Tensor key, value;  // undefined: no prefix
   std::vector<int64_t> lens_kv;
@@ -1045,12 +1057,7 @@ SharedPrefix with_shared_prefix(const at::Tensor& key, const at::Tensor& value,
                     "is not supported with a paged cache (block_table), as on Ascend");
   OPENNPU_CHECK_ARG(!key_rope.has_value(), kOp, "key_shared_prefix",
                     "is not supported with query_rope / key_rope by opennpu");
-  if (antiquant) {
-    for (int64_t mode : antiquant_modes) {
-      OPENNPU_CHECK_ARG(mode == 0, kOp, "key_shared_prefix",
-                        "takes only per-channel antiquant factors (mode 0), but got mode ", mode);
-    }
-  }
+  require_per_channel_antiquant("key_shared_prefix", antiquant, antiquant_modes);
   const L in = parse_layout(kOp, input_layout).in;
   OPENNPU_CHECK_ARG(in == L::BSH || in == L::BSND || in == L::BNSD, kOp, "key_shared_prefix",
                     "needs input_layout BSH, BSND or BNSD (or their _BNSD / _BSND / _NBSD "
@@ -1161,12 +1168,7 @@ LeftPadding left_padding(const Args& a, const std::optional<at::Tensor>& query_p
     }
   }
   if (kv_padding_size.has_value()) {
-    if (antiquant) {
-      for (int64_t mode : antiquant_modes) {
-        OPENNPU_CHECK_ARG(mode == 0, kOp, "kv_padding_size",
-                          "takes only per-channel antiquant factors (mode 0), but got mode ", mode);
-      }
-    }
+    require_per_channel_antiquant("kv_padding_size", antiquant, antiquant_modes);
     const int64_t pad = padding_count("kv_padding_size", *kv_padding_size);
     for (int64_t len : lengths("kv_padding_size", "actual_seq_lengths_kv", a.has_seq_kv, a.actual_seq_lengths_kv)) {
       int64_t start = kv_s - pad - len;
@@ -1290,13 +1292,8 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
       atten_mask.has_value() && (sparse_mode == 0 || sparse_mode == 1)
           ? std::optional<at::Tensor>(rotate_mask(*atten_mask, pad, query.size(0)))
           : atten_mask;
-  Args shifted{q, k, v, pse_shift, mask, a.actual_seq_lengths,
-               pad.kv_start.empty() ? a.actual_seq_lengths_kv : pad.lens_kv, a.has_seq,
-               a.has_seq_kv, block_table, query_rope, key_rope, no_sink, num_heads, scale,
-               pre_tokens, next_tokens, input_layout, num_key_value_heads, sparse_mode,
-               inner_precise, block_size, softmax_lse_flag};
-  shifted.kq = a.kq;
-  shifted.vq = a.vq;
+  const Args shifted =
+      with_inputs(a, q, k, v, mask, pad.kv_start.empty() ? a.actual_seq_lengths_kv : pad.lens_kv);
   auto [out, lse] = run_quantised(kOp, shifted, out_quant(kOp, "quant_scale2", "quant_offset2",
                                                           quant_scale2, quant_offset2, shifted,
                                                           at::kChar));

@@ -102,15 +102,6 @@ acc_t<scalar_t> rms_norm_row_to(const scalar_t* x, const acc_t<scalar_t>* gamma,
   return rstd;
 }
 
-// Prefetches one step's bytes (kStep elements) at p into L2 (locality 2: prefetcht1).
-template <typename scalar_t>
-OPENNPU_VEC_INLINE void prefetch_step(const scalar_t* p) {
-  constexpr int64_t kBytes = VecPair<scalar_t>::kStep * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t b = 0; b < kBytes; b += kLineBytes) {
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 2);
-  }
-}
-
 // y = x * rstd * gamma in x's dtype, for a given rstd. kNative: bf16 rounded by the AVX512_BF16
 // instruction (see with_bf16_stores in common/vec.h). stream: y's whole lines are written with
 // streaming stores (common/stream_store.h; the values are the same either way, as y is
@@ -120,9 +111,8 @@ OPENNPU_VEC_INLINE void prefetch_step(const scalar_t* p) {
 // next_a / next_b, when given, are the next row's inputs (n elements each), which this pass
 // prefetches into L2 a step at a time: the pass reads only L1 / L2 itself, so without them the
 // core's memory reads would pause while it writes y; with them the next row's reads overlap y's
-// writes, and the next row's first pass finds its lines in L2. (8192 x 4096, 2 threads of a
-// Zen 4 VM: 0.75-0.95x the time without, fp32 and bf16, rms_norm and add_rms_norm alike;
-// prefetcht0 instead: no better, and worse in place.)
+// writes, and the next row's first pass finds its lines in L2 (docs/performance.md has the
+// measurements, and why not L1).
 template <typename scalar_t, bool kNative = false>
 void rms_norm_write_row(const scalar_t* x, const acc_t<scalar_t>* gamma, scalar_t* y, int64_t n,
                         acc_t<scalar_t> rstd, bool stream, scalar_t* copy = nullptr,
@@ -132,8 +122,8 @@ void rms_norm_write_row(const scalar_t* x, const acc_t<scalar_t>* gamma, scalar_
   const Vec vrstd(rstd);
   for_each_output_step<scalar_t>(y, n, stream, [&](int64_t i, int64_t len, bool streamed) {
     if (next_a != nullptr) {  // a prefetch never faults: a step's last line may pass row n
-      prefetch_step(next_a + i);
-      if (next_b != nullptr) prefetch_step(next_b + i);
+      prefetch_step<2>(next_a + i);
+      if (next_b != nullptr) prefetch_step<2>(next_b + i);
     }
     Vec a, b, ga, gb;
     VecPair<scalar_t>::load(x + i, a, b, len);

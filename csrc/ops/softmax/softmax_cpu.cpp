@@ -102,16 +102,6 @@ inline void fill_tail(int64_t len, Vectorized<T>& a, Vectorized<T>& b, const Vec
   b = Vec::blendv(fill, b, (idx + Vec(static_cast<T>(Vec::size()))) < Vec(static_cast<T>(len)));
 }
 
-// Prefetches the cache lines of one step (kStep elements) starting at p into L1, so the next row
-// streams in while this one computes.
-template <typename scalar_t>
-inline void prefetch_step(const scalar_t* p) {
-  constexpr int64_t kBytes = VecPair<scalar_t>::kStep * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t b = 0; b < kBytes; b += 64) {
-    __builtin_prefetch(reinterpret_cast<const char*>(p) + b, 0, 3);
-  }
-}
-
 // One row's mask: columns [0, bound) are masked where bytes[j] != 0 (none when bytes is null),
 // columns [bound, W) are all masked.
 struct RowMask {
@@ -277,7 +267,7 @@ void softmax_fwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
   Vec s0(0), s1(0);
   const int64_t padded = (p + kStep - 1) / kStep * kStep;
   for (int64_t i = 0; i < padded; i += kStep) {
-    prefetch_step(x + io.ahead + i);
+    prefetch_step<3>(x + io.ahead + i);  // into L1: the next row streams in while this one computes
     const Vec e0 = exp_for<scalar_t>(Vec::loadu(buf + i) - vmx);
     const Vec e1 = exp_for<scalar_t>(Vec::loadu(buf + i + Vec::size()) - vmx);
     e0.store(buf + i);
@@ -327,8 +317,8 @@ void softmax_bwd_row(const RowIO<scalar_t>& io, RowMask rm, int64_t w, acc_t<sca
     // Pass 2 (from cache): dx = scale * y * (dy - dot), 0 where masked.
     const Vec vdot(horizontal_sum(s0 + s1)), vscale(scale), zero(0);
     for_each_step<scalar_t>(p, [&](int64_t i, int64_t len) {
-      prefetch_step(dy + io.ahead + i);
-      prefetch_step(y + io.ahead + i);
+      prefetch_step<3>(dy + io.ahead + i);
+      prefetch_step<3>(y + io.ahead + i);
       Vec d0, d1, y0, y1;
       IO::load(dy + i, d0, d1, len);
       IO::load(y + i, y0, y1, len);
