@@ -209,13 +209,19 @@ inline void store_int4(int32_t* out, const Vec& q, int64_t len) {
 #endif
 }
 
-// Prefetches the cache lines of elements [i, i + VecPair::kStep) of one or two rows.
+// Prefetches the cache lines of elements [i, i + VecPair::kStep) of one or two rows into L2 (as
+// the norms' rows, common/stream_store.h): a whole next row (up to 32 KiB in fp32) prefetched into
+// L1 evicts the lines of the row being read. quantize (one pass per row), alternated in one
+// process with L1 prefetches on the Zen 4: 1.10-1.34x faster; dynamic_quant unchanged.
 inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, int64_t i) {
   constexpr int64_t kLine = 64;
+  constexpr int kL2 = 2;  // __builtin_prefetch's locality: prefetcht1
   const int64_t bytes = VecPair<float>::kStep * elem_size;
   for (int64_t off = 0; off < bytes; off += kLine) {
-    __builtin_prefetch(static_cast<const char*>(row) + i * elem_size + off);
-    if (row2 != nullptr) __builtin_prefetch(static_cast<const char*>(row2) + i * elem_size + off);
+    __builtin_prefetch(static_cast<const char*>(row) + i * elem_size + off, 0, kL2);
+    if (row2 != nullptr) {
+      __builtin_prefetch(static_cast<const char*>(row2) + i * elem_size + off, 0, kL2);
+    }
   }
 }
 
