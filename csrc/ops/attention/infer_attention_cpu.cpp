@@ -458,17 +458,20 @@ struct DecodeKernel {
     const char* pf_pv = kInt8 ? next_v : next_k;
     int64_t pf_pv_pitch = kInt8 ? v_pitch : k_pitch, pf_pv_bytes = kInt8 ? v_bytes : k_bytes;
     int64_t pf_pv_len = next_len;
-    if (!kInt8 && v_ahead_) {
-      // Token-major fp32: while scoring kv head kvh, ask for the values of kv head kvh + 1 (of
-      // the next chunk's head 0 after the last head), a whole step ahead: asked for in their own
-      // step, the values of a chunk (32 KiB per head) were still arriving when P V read them.
-      // The keys are asked for a chunk ahead, as above.
-      if (kvh + 1 < p.heads_kv) {
-        pf_s = reinterpret_cast<const char*>(row_ptr(V, d, b, kvh + 1, c0));
-        pf_s_len = len;
-      } else {
-        pf_s = next_len > 0 ? reinterpret_cast<const char*>(row_ptr(V, d, b, 0, c1)) : nullptr;
-        pf_s_len = next_len;
+    // (compiled for fp32 caches only: the 16-bit and int8 steps keep their code as it was)
+    if constexpr (sizeof(KvT) == 4) {
+      if (v_ahead_) {
+        // Token-major fp32: while scoring kv head kvh, ask for the values of kv head kvh + 1 (of
+        // the next chunk's head 0 after the last head), a whole step ahead: asked for in their own
+        // step, the values of a chunk (32 KiB per head) were still arriving when P V read them.
+        // The keys are asked for a chunk ahead, as above.
+        if (kvh + 1 < p.heads_kv) {
+          pf_s = reinterpret_cast<const char*>(row_ptr(V, d, b, kvh + 1, c0));
+          pf_s_len = len;
+        } else {
+          pf_s = next_len > 0 ? reinterpret_cast<const char*>(row_ptr(V, d, b, 0, c1)) : nullptr;
+          pf_s_len = next_len;
+        }
       }
     }
     if (!kInt8 && whole_rows_) {
