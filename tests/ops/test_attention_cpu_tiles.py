@@ -169,6 +169,18 @@ def test_bf16_error_is_the_rounding_floor_with_fp32_p(monkeypatch, nkv):
     assert ratios["half"][1] >= 1.3, ratios  # the trade-off is real at this shape, on average
 
 
+def _causal_bf16_on_default_tiles(nkv, seed):
+    """q, k, v (bf16, BNSD, 8 query heads, 2 * nkv kv heads, S=768, D=128), the float64 causal
+    reference and our output on the tiles the environment selects."""
+    torch.manual_seed(seed)
+    n, s, d = 8, 768, 128
+    q, k, v = make_qkv(1, n, nkv * 2, s, s, d, d, "BNSD", BF16)
+    ref = R.attention_reference(q.double(), k.double(), v.double(), n, "BNSD", scale=0.125,
+                                mask_full=R.full_visibility_mask(2, s, s))[0]
+    out = fa(q, k, v, n, "BNSD", scale=0.125, atten_mask=CAUSAL_2048, sparse_mode=2)[0]
+    return q, k, v, ref, out
+
+
 @pytest.mark.parametrize("nkv", [4, 2], ids=["MHA", "GQA"])
 def test_bf16_max_error_is_the_rounding_floor_on_the_default_tiles(monkeypatch, nkv):
     # The tiles this CPU takes by default (AVX512_BF16 / brgemm, where P is rounded to bf16 under
@@ -176,12 +188,7 @@ def test_bf16_max_error_is_the_rounding_floor_on_the_default_tiles(monkeypatch, 
     # the rounded P is normalised by its own sum.
     monkeypatch.delenv("OPENNPU_ATTENTION_PV", raising=False)
     monkeypatch.delenv("OPENNPU_ATTENTION_TILES", raising=False)
-    torch.manual_seed(1)
-    n, s, d = 8, 768, 128
-    q, k, v = make_qkv(1, n, nkv * 2, s, s, d, d, "BNSD", BF16)
-    ref = R.attention_reference(q.double(), k.double(), v.double(), n, "BNSD", scale=0.125,
-                                mask_full=R.full_visibility_mask(2, s, s))[0]
-    out = fa(q, k, v, n, "BNSD", scale=0.125, atten_mask=CAUSAL_2048, sparse_mode=2)[0]
+    q, k, v, ref, out = _causal_bf16_on_default_tiles(nkv, seed=1)
     floor = (ref.to(BF16).double() - ref).abs().max()
     assert (out.double() - ref).abs().max() <= 1.25 * floor
 
@@ -195,14 +202,9 @@ def test_bf16_rounded_p_is_as_accurate_as_sdpa_on_average(monkeypatch, nkv):
     # S=1024, 32 heads, against SDPA's 1.48x). On a CPU that computes bf16 in fp32, P is fp32.
     monkeypatch.setenv("OPENNPU_ATTENTION_PV", "half")
     monkeypatch.delenv("OPENNPU_ATTENTION_TILES", raising=False)
-    torch.manual_seed(2)
-    n, s, d = 8, 768, 128
-    q, k, v = make_qkv(1, n, nkv * 2, s, s, d, d, "BNSD", BF16)
-    ref = R.attention_reference(q.double(), k.double(), v.double(), n, "BNSD", scale=0.125,
-                                mask_full=R.full_visibility_mask(2, s, s))[0]
-    out = fa(q, k, v, n, "BNSD", scale=0.125, atten_mask=CAUSAL_2048, sparse_mode=2)[0]
+    q, k, v, ref, out = _causal_bf16_on_default_tiles(nkv, seed=2)
     sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=True, scale=0.125, enable_gqa=nkv * 2 != n)
+        q, k, v, is_causal=True, scale=0.125, enable_gqa=nkv * 2 != q.shape[1])
     ours, native = ((t.double() - ref).abs().mean().item() for t in (out, sdpa))
     assert ours <= 1.02 * native, (ours, native)
 

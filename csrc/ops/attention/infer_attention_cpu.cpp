@@ -635,10 +635,9 @@ void decode_impl(const DecodeProblem& d, void* out) {
     // 10-40% (B=8, ctx 4096-32768, paged and BSH, 2 threads on the Zen 4).
     kern.whole_rows_ = sizeof(KvT) == 2 && kern.K.stride_s == KVN * kern.D &&
                        kern.V.stride_s == KVN * kern.Dv;
-    // fp32 caches: chunks of 64 keys and the values asked for one kv head ahead (see step).
-    // Against 32 keys with the values asked for in their own step, 2 threads on the Zen 4,
-    // in-process A/B: B=8 ctx 32768 and B=32 ctx 4096 paged and BSH 1.05-1.25x, B=8 ctx 4096
-    // 1.0-1.05x.
+    // fp32 caches: chunks of 64 keys and the values asked for one kv head ahead (see step;
+    // measured against 32 keys with the values asked for in their own step in
+    // docs/performance.md).
     kern.v_ahead_ = sizeof(KvT) == 4 && !kern.whole_rows_;
     kern.chunk_ = kern.v_ahead_ ? kChunk : kChunkTokenMajor;
   }
