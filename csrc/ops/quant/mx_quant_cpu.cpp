@@ -81,6 +81,37 @@ inline float round_element(float t, const MxFormat& f, MxRound mode) {
   return std::clamp(r, -f.max_norm, f.max_norm);
 }
 
+// The float8 code of c (finite, |c| <= the format's max_norm), rounded to nearest even as c10's
+// conversion rounds such values, from the float's bits with no branch, the format's constants
+// worked out once (so that the element loop vectorises): in the normal range, half an ulp of the
+// format less one plus the lowest kept mantissa bit is added to the magnitude's bits (a carry
+// moves the exponent up), which are then shifted and rebiased; below the smallest normal
+// 2^min_exp, the magnitude in units of the subnormal spacing 2^(min_exp - mbits) (an exact
+// power-of-two product) plus 2^23 leaves rint(units) in the low mantissa bits, by the float
+// addition's own rounding, 2^mbits (the smallest normal's code) included.
+struct Fp8Encoder {
+  static constexpr float kTwo23 = 8388608.f;
+  uint32_t shift, half_less_one, rebias, min_normal_bits;
+  float units;
+
+  explicit Fp8Encoder(const MxFormat& f)
+      : shift(static_cast<uint32_t>(23 - f.mbits)),
+        half_less_one((1u << (22 - f.mbits)) - 1),
+        rebias(static_cast<uint32_t>(126 + f.min_exp) << f.mbits),
+        min_normal_bits(static_cast<uint32_t>(127 + f.min_exp) << 23),
+        units(pow2(f.mbits - f.min_exp)) {}
+
+  uint8_t operator()(float c) const {
+    const uint32_t bits = std::bit_cast<uint32_t>(c);
+    const uint32_t mag = bits & 0x7FFFFFFFu;
+    const uint32_t normal = ((mag + half_less_one + ((mag >> shift) & 1u)) >> shift) - rebias;
+    const uint32_t subnormal =
+        std::bit_cast<uint32_t>(std::bit_cast<float>(mag) * units + kTwo23) -
+        std::bit_cast<uint32_t>(kTwo23);
+    return static_cast<uint8_t>(((bits >> 24) & 0x80u) | (mag < min_normal_bits ? subnormal : normal));
+  }
+};
+
 // The code of an element value r (exactly representable in the format).
 inline uint8_t encode(float r, const MxFormat& f) {
   if (!f.fp4) {
@@ -106,15 +137,29 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
     at::parallel_for(0, pre * blocks, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> amax(post);
       std::vector<int> exps(post);
-      for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t p = unit / blocks, b = unit % blocks;
+      const Fp8Encoder fp8(fmt);
+      // unit = p * blocks + b, stepped without a division per block
+      for (int64_t unit = begin, p = begin / blocks, b = begin % blocks; unit < end;
+           ++unit, b = b + 1 == blocks ? 0 : b + 1, p += b == 0) {
         const int64_t i0 = b * bs, i1 = std::min(d, i0 + bs);
-        std::fill(amax.begin(), amax.end(), 0.f);
-        for (int64_t i = i0; i < i1; ++i) {
-          const scalar_t* row = px + (p * d + i) * post;
-          for (int64_t q = 0; q < post; ++q) {
-            const float v = static_cast<float>(row[q]);
-            amax[q] = std::isnan(v) ? v : std::max(amax[q], std::fabs(v));
+        if (post == 1) {
+          // A contiguous block: the max of the magnitudes' bit patterns, which order as the
+          // magnitudes do, with NaN's above inf's (so a NaN still makes the block's amax NaN);
+          // a reduction in a register that vectorises, not a read-modify-write of amax[0].
+          uint32_t top = 0;
+          const scalar_t* row = px + p * d;
+          for (int64_t i = i0; i < i1; ++i) {
+            top = std::max(top, std::bit_cast<uint32_t>(static_cast<float>(row[i])) & 0x7FFFFFFFu);
+          }
+          amax[0] = std::bit_cast<float>(top);
+        } else {
+          std::fill(amax.begin(), amax.end(), 0.f);
+          for (int64_t i = i0; i < i1; ++i) {
+            const scalar_t* row = px + (p * d + i) * post;
+            for (int64_t q = 0; q < post; ++q) {
+              const float v = static_cast<float>(row[q]);
+              amax[q] = std::isnan(v) ? v : std::max(amax[q], std::fabs(v));
+            }
           }
         }
         uint8_t* s = scales + ((p * pairs + b / 2) * post) * 2 + (b & 1);
@@ -126,6 +171,20 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
         // even at the format's precision, subnormals included, which is round_element's result
         // once saturated; so the clamped quotient converts directly.
         const bool direct = !fmt.fp4 && round == MxRound::kRint;
+        if (direct && post == 1) {  // a contiguous block: one scale, a loop that vectorises
+          const scalar_t* row = px + p * d;
+          uint8_t* out = codes + p * d;
+          if (exps[0] == kNanExp) {
+            std::fill(out + i0, out + i1, uint8_t{0});
+            continue;
+          }
+          const float inv = pow2(-exps[0]), lim = fmt.max_norm;
+          for (int64_t i = i0; i < i1; ++i) {  // one product, nothing to contract it with
+            const float t = static_cast<float>(row[i]) * inv;
+            out[i] = fp8(std::clamp(t, -lim, lim));
+          }
+          continue;
+        }
         for (int64_t i = i0; i < i1; ++i) {
           const scalar_t* row = px + (p * d + i) * post;
           uint8_t* out = codes + (p * d + i) * post;
