@@ -305,3 +305,31 @@ def test_dynamic_block_quant_bad_inputs_and_opcheck():
     xn = x.to("npu")
     y, s = bq(xn)
     assert y.device.type == "npu" and torch.equal(y.cpu(), bq(x)[0])
+
+
+@pytest.mark.parametrize("dst", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_float8_codes_equal_c10s_conversion_bit_for_bit(dst):
+    # Each block's first element is the format's largest value, so the shared exponent is 0 and
+    # the other 31 elements are converted as they are: random float32 bit patterns of every
+    # magnitude up to the largest (subnormal range included), every value of the format, each
+    # midpoint between neighbours (ties to even) and the floats on either side of it, both signs.
+    # The kernel's branch-free encoder must give torch's own float8 conversion's codes.
+    fp8 = FP8_Y[dst]
+    top = torch.finfo(fp8).max
+    codes = torch.arange(128, dtype=torch.uint8).view(fp8).float()
+    vals = codes[torch.isfinite(codes)].unique().sort().values
+    vals = vals[vals <= top]
+    mids = ((vals[:-1].double() + vals[1:].double()) / 2).float()
+    toward0 = torch.nextafter(mids, torch.zeros(()))
+    away = torch.nextafter(mids, torch.full((), float("inf")))
+    gen = torch.Generator().manual_seed(0)
+    bits = torch.randint(0, 2**31 - 1, (1 << 15,), generator=gen, dtype=torch.int64)
+    rand = bits.to(torch.int32).view(torch.float32)
+    rand = rand[torch.isfinite(rand) & (rand <= top)]
+    v = torch.cat([vals, mids, toward0, away, rand])
+    v = torch.cat([v, -v])
+    v = torch.cat([v, torch.zeros((-v.numel()) % 31)]).view(-1, 31)
+    x = torch.cat([torch.full((v.shape[0], 1), top), v], 1).contiguous()
+    y, s = opennpu.npu_dynamic_mx_quant(x, dst_type=dst)
+    assert (s.view(torch.uint8)[..., 0] == 127).all()  # shared exponent 0 (e8m0 code 127)
+    assert torch.equal(y.view(torch.uint8), x.to(fp8).view(torch.uint8))
