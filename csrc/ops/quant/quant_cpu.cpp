@@ -209,20 +209,21 @@ inline void store_int4(int32_t* out, const Vec& q, int64_t len) {
 #endif
 }
 
-// Prefetches the cache lines of elements [i, i + VecPair::kStep) of one or two rows into L2 (as
-// the norms' rows, common/stream_store.h): a whole next row (up to 32 KiB in fp32) prefetched into
-// L1 evicts the lines of the row being read. quantize (one pass per row), alternated in one
-// process with L1 prefetches on the Zen 4: 1.10-1.34x faster; dynamic_quant unchanged.
-inline void prefetch_step(const void* row, const void* row2, int64_t elem_size, int64_t i) {
-  constexpr int64_t kLine = 64;
-  constexpr int kL2 = 2;  // __builtin_prefetch's locality: prefetcht1
-  const int64_t bytes = VecPair<float>::kStep * elem_size;
-  for (int64_t off = 0; off < bytes; off += kLine) {
-    __builtin_prefetch(static_cast<const char*>(row) + i * elem_size + off, 0, kL2);
-    if (row2 != nullptr) {
-      __builtin_prefetch(static_cast<const char*>(row2) + i * elem_size + off, 0, kL2);
+// Prefetches into L2 the lines of elements [i, i + VecPair::kStep) of one or two rows of 4- or
+// 2-byte elements: the shared prefetch_step<2> (common/stream_store.h; L2 as for the norms' rows:
+// a whole next row, up to 32 KiB in fp32, prefetched into L1 evicts the lines being read) on
+// untyped rows, since add_rms_norm_dynamic_quant quantises fp32 rows whose next rows are in x1's
+// dtype (measured against L1 prefetches in docs/performance.md).
+inline void prefetch_rows_step(const void* row, const void* row2, int64_t elem_size, int64_t i) {
+  const auto one = [&](const void* r) {
+    if (elem_size == 4) {
+      prefetch_step<2>(static_cast<const float*>(r) + i);
+    } else {  // fp16 / bf16: a step spans the same bytes in either
+      prefetch_step<2>(static_cast<const at::BFloat16*>(r) + i);
     }
-  }
+  };
+  one(row);
+  if (row2 != nullptr) one(row2);
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
@@ -292,7 +293,7 @@ void quantize_row_avx512(const src_t* x, const float* smooth, int64_t n, float s
   };
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    if (next != nullptr) prefetch_step(next, next2, next_elem_size, i);
+    if (next != nullptr) prefetch_rows_step(next, next2, next_elem_size, i);
     const __m512i qa = code(i, load16(x + i));
     const __m512i qb = code(i + 16, load16(x + i + 16));
     if constexpr (kInt4) {
@@ -373,7 +374,7 @@ void quantize_row(const src_t* x, const float* smooth, int64_t n, float scale,
     return Vec::blendv(clamped, Vec(0), clamped.isnan());
   };
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
-    if (next != nullptr) prefetch_step(next, next2, next_elem_size, i);
+    if (next != nullptr) prefetch_rows_step(next, next2, next_elem_size, i);
     Vec a, b;
     load_smoothed(x, smooth, i, len, a, b);
     const int64_t len_a = std::min<int64_t>(len, Vec::size());
@@ -689,7 +690,7 @@ void quantize_span_fast(const src_t* x, int64_t n, const float* f, const float* 
   const __mmask16 all = 0xFFFF;
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
-    if (next != nullptr) prefetch_step(next, nullptr, sizeof(src_t), i);
+    if (next != nullptr) prefetch_rows_step(next, nullptr, sizeof(src_t), i);
     store(i, code(i, load16(x + i), all), 16);
     store(i + 16, code(i + 16, load16(x + i + 16), all), 16);
   }
