@@ -666,7 +666,7 @@ def _call(**over):
     (dict(actual_seq_lengths_kv=[7]), None),
     (dict(atten_mask=torch.zeros(2, 10, dtype=torch.bool)), "argument 'atten_mask' must be"),
     (dict(atten_mask=torch.zeros(2, 20)), "argument 'atten_mask' must be bool, int8 or uint8"),
-    (dict(dequant_scale1=torch.ones(1)), "argument 'dequant_scale1' is not supported"),
+    (dict(dequant_scale1=torch.ones(1)), "argument 'dequant_scale1' needs an int8 query"),
     (dict(key_antiquant_scale=torch.ones(1)), "'value_antiquant_scale' must be given together"),
     (dict(key_antiquant_scale=torch.ones(1), value_antiquant_scale=torch.ones(1)),
      "'key_antiquant_scale' applies to an int8 key/value cache, but 'key' is Float"),

@@ -217,7 +217,7 @@ def test_non_contiguous_factors_and_inputs():
     (dict(quant_scale2=torch.ones(1), key=torch.zeros(2, 2, 20, 8, dtype=torch.bfloat16)),
      "argument 'key' must have the dtype of 'query'"),
     (dict(quant_scale2=torch.ones(1), dequant_scale1=torch.ones(1)),
-     "argument 'dequant_scale1' is not supported by opennpu \\(int8 full quantisation\\)"),
+     "argument 'dequant_scale1' needs an int8 query, key and value \\(full quantisation\\)"),
 ])
 def test_bad_inputs(over, match):
     q, k, v = make("BNSD", 2, 4, 2, 1, 20, 8, torch.float16)

@@ -88,6 +88,14 @@ struct AttentionProblem {
   // sink: float32 [heads_q], one extra logit per head in every softmax row (no value row).
   const float* sink = nullptr;
 
+  // Full int8 quantisation of P (fused infer attention's quant_scale1; 0: off, forward only,
+  // fp32 inputs): before P V, every exp e = exp(s - m) becomes the int8 code of e * p_quant
+  // (rounded to float16, then half to even, saturated to 127), as Ascend quantises softmax's
+  // output before its int8 P V matmul; the row sums stay the exps' own. m is never below the
+  // max of the block being quantised, so e <= 1; as on Ascend's flash tiles, codes of earlier
+  // key blocks are rescaled when a later block raises the row's max.
+  float p_quant = 0.0f;
+
   // Dropout: keep_prob < 1 keeps element k of the flattened (b, n, i, j) score space iff its
   // Philox draw is below the threshold (or its bit in dropout_mask is set).
   bool dropout = false;

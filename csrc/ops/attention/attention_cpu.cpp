@@ -204,6 +204,21 @@ void scale_row(T* x, int64_t n, T factor) {
   for (; j < n; ++j) x[j] *= factor;
 }
 
+// Full quantisation's P codes (AttentionProblem::p_quant): e -> int8 code of e * factor, the
+// product rounded to float16 and then half to even (Ascend's float16 softmax output cast to
+// int8), saturated at 127 (e >= 0); NaN stays NaN. Only for float P (fp32 inputs).
+template <typename P>
+void quantise_probs(P* probs, int64_t n, float factor) {
+  if constexpr (std::is_same_v<P, float>) {
+    for (int64_t j = 0; j < n; ++j) {
+      const float h = static_cast<float>(c10::Half(probs[j] * factor));
+      probs[j] = std::min(std::nearbyint(h), 127.0f);
+    }
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "quantised P needs float32 probabilities");
+  }
+}
+
 template <typename T>
 T dot(const T* a, const T* b, int64_t n) {
   using Vec = Vectorized<T>;
@@ -748,6 +763,8 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
         // P is rounded to In (kRoundsOperands) unless kept in T: with or without dropout, every
         // exp is.
         constexpr bool kReducedExp = kRoundsOperands<T, P>;
+        const bool quant_p = p.p_quant > 0.0f;
+        const T slack_above = quant_p ? T(0) : static_cast<T>(kStaleMaxSlack);
         start_rows(p, task, rows, Dv, w);
 
         const int64_t blk_hi = hb.key_lo <= hb.key_hi ? hb.key_hi / kKvBlock : -1;
@@ -788,12 +805,14 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             // its largest weight is then exactly 1 and carries no rounding error, where against
             // the row above's max every weight is rounded (bf16 causal attention: mean error
             // 1.56x the rounding floor instead of about 1.5x, SDPA's).
+            // Quantised P (p.p_quant) takes no stale reference either, and no slack above the
+            // reference: its exps must stay <= 1.
             const bool first = w.m[r] == static_cast<T>(kNegInf);
-            const T m_ref = first && r > 0 && !kReducedExp ? w.top[r - 1] : w.m[r];
+            const T m_ref = first && r > 0 && !kReducedExp && !quant_p ? w.top[r - 1] : w.m[r];
             if (fuse_scale && !p.dropout && m_ref != static_cast<T>(kNegInf)) {
               const ExpSums<T> sums = exp_row(m_ref, scale, pr);
               row_m = raw_max * scale;
-              if (row_m <= m_ref + kStaleMaxSlack && (!first || row_m >= m_ref - kStaleMaxSlack)) {
+              if (row_m <= m_ref + slack_above && (!first || row_m >= m_ref - kStaleMaxSlack)) {
                 w.l[r] += sums.exact;  // l is 0 in a row's first block, unless NaN (see below)
                 w.l_used[r] += sums.used;
                 w.m[r] = m_ref;
@@ -828,6 +847,7 @@ void attention_fwd_tiles(const AttentionProblem& p, const In* q, const In* k, co
             }
             w.m[r] = w.top[r] = m_new;
           }
+          if (quant_p) quantise_probs(w.probs.data(), rows * width, p.p_quant);
           tiles.add_pv(hb, blk, j0, len, w.probs.data(), w.acc.data());
         }
 

@@ -149,6 +149,10 @@ struct Args {
   bool softmax_lse_flag;
   Antiquant kq{}, vq{};  // no scale: float key/value
   bool float_out = false;  // attention_out in float32 whatever query's dtype (to be quantised)
+  // Full int8 quantisation (see full_quant()): P's quantisation factor (quant_scale1; 0: off)
+  // and dequant_scale2; query / key / value here are the int8 codes as float32.
+  float p_quant = 0.0f;
+  double dequant2 = 1.0;
 };
 
 // The factors of one side in the form the kernels read (KvQuant): fp32, contiguous,
@@ -478,6 +482,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   p.heads_q = N;
   p.heads_kv = KVN;
   p.scale = a.scale;
+  p.p_quant = a.p_quant;
   p.tnd = tnd;
   p.stats_token_major = tnd;
 
@@ -692,7 +697,8 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   }
 
   const bool fast_dtype = query.scalar_type() != at::kDouble;
-  if (decode && !a.pse_shift.has_value() && fast_dtype && decode_kernel_enabled()) {
+  if (decode && !a.pse_shift.has_value() && fast_dtype && a.p_quant == 0.0f &&
+      decode_kernel_enabled()) {
     const auto last_contig = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
     const at::Tensor qv = last_contig(q), kv = last_contig(kc), vv = last_contig(vc);
     const at::Tensor qrv = rope ? last_contig(qr) : at::Tensor(), krv = rope ? last_contig(kr) : at::Tensor();
@@ -946,6 +952,8 @@ Args with_inputs(const Args& a, const at::Tensor& query, const at::Tensor& key,
   b.kq = a.kq;
   b.vq = a.vq;
   b.float_out = a.float_out;
+  b.p_quant = a.p_quant;
+  b.dequant2 = a.dequant2;
   return b;
 }
 
@@ -961,10 +969,14 @@ std::tuple<at::Tensor, at::Tensor> run_quantised(const char* op, const Args& a,
     const at::Tensor value = quant::int4_words_to_codes(op, a.value);
     return run_quantised(op, with_inputs(a, a.query, key, value, a.atten_mask, a.actual_seq_lengths_kv), q);
   }
-  if (!q.has_value()) return run(op, a);
+  if (!q.has_value() && a.p_quant == 0.0f) return run(op, a);
   Args b = a;
   b.float_out = true;
   auto [out, lse] = run(op, b);
+  if (a.p_quant != 0.0f) {
+    out.mul_(a.dequant2);  // full quantisation: float16 unless quantised again below
+    if (!q.has_value()) return {out.to(at::kHalf), lse};
+  }
   const Layouts l = parse_layout(op, a.input_layout);
   return {quantise_out(*q, out, l.out, a.num_heads), lse};
 }
@@ -1003,13 +1015,78 @@ void copy_lse(at::Tensor& dst, const at::Tensor& lse, const char* op, bool flag)
   dst.copy_(lse);
 }
 
-// torch_npu's out-of-scope arguments of v1, rejected with a clear message.
-void reject_v1(const std::optional<at::Tensor>& dequant_scale1,
-               const std::optional<at::Tensor>& quant_scale1,
-               const std::optional<at::Tensor>& dequant_scale2) {
-  reject(kOp, "dequant_scale1", dequant_scale1, "int8 full quantisation");
-  reject(kOp, "quant_scale1", quant_scale1, "int8 full quantisation");
-  reject(kOp, "dequant_scale2", dequant_scale2, "int8 full quantisation");
+// v1's full int8 quantisation: query, key and value int8 with dequant_scale1, quant_scale1 and
+// dequant_scale2 (one factor each). Scores are (q . k) * dequant_scale1 * scale; softmax's exps
+// become int8 codes of e * quant_scale1 before P V (AttentionProblem::p_quant); the output is
+// (P codes . v) * dequant_scale2 / the row's sum of exps, float16 (or int8 through quant_scale2 /
+// quant_offset2). The int8 codes are exact in float32 and so are their dot products (|sum| <
+// 2^24 up to D = 1024), so the codes' products are computed as float32 attention. The dequant
+// factors are float32, or int64 in npu_trans_quant_param's encoding (the float32's bits in the
+// low 32 bits). As on Ascend: layouts BSH, BNSD, BSND and BNSD_BSND, and no antiquant factors;
+// int8 MLA (query_rope) is not supported by opennpu.
+struct FullQuant {
+  bool on = false;
+  double dequant1 = 1.0, dequant2 = 1.0;
+  float quant1 = 0.0f;
+};
+
+double dequant_factor(const char* name, const at::Tensor& t, const at::Tensor& query) {
+  check_same_device(kOp, name, t, "query", query);
+  const at::ScalarType st = t.scalar_type();
+  OPENNPU_CHECK_ARG(t.numel() == 1 && (st == at::kFloat || st == at::kLong || st == at::kUInt64),
+                    kOp, name, "must hold one factor (per tensor), float32 or int64 / uint64 "
+                    "(npu_trans_quant_param's encoding), but got a ", st, " tensor of shape ",
+                    shape_str(t.sizes()));
+  if (st == at::kFloat) return t.item<float>();
+  const at::Tensor bits = t.reshape({1}).to(at::kCPU);
+  const uint64_t word = st == at::kLong ? static_cast<uint64_t>(bits.item<int64_t>())
+                                        : bits.const_data_ptr<uint64_t>()[0];
+  return std::bit_cast<float>(static_cast<uint32_t>(word));
+}
+
+FullQuant full_quant(const Args& a, const std::optional<at::Tensor>& dequant_scale1,
+                     const std::optional<at::Tensor>& quant_scale1,
+                     const std::optional<at::Tensor>& dequant_scale2, bool antiquant) {
+  FullQuant f;
+  const bool int8_query = a.query.scalar_type() == at::kChar;
+  const bool any = dequant_scale1.has_value() || quant_scale1.has_value() || dequant_scale2.has_value();
+  if (!int8_query && !any) return f;
+  const char* given = dequant_scale1.has_value() ? "dequant_scale1"
+                      : quant_scale1.has_value() ? "quant_scale1" : "dequant_scale2";
+  OPENNPU_CHECK_ARG(int8_query, kOp, given, "needs an int8 query, key and value (full "
+                    "quantisation), but got a ", a.query.scalar_type(), " query");
+  for (const auto& [name, t] : {std::pair<const char*, const std::optional<at::Tensor>*>{
+                                    "dequant_scale1", &dequant_scale1},
+                                {"quant_scale1", &quant_scale1}, {"dequant_scale2", &dequant_scale2}}) {
+    OPENNPU_CHECK_ARG(t->has_value(), kOp, name, "is needed with an int8 query (full "
+                      "quantisation: dequant_scale1, quant_scale1 and dequant_scale2)");
+  }
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"key", &a.key},
+                                {"value", &a.value}}) {
+    OPENNPU_CHECK_ARG(t->scalar_type() == at::kChar, kOp, name, "must be int8 with an int8 query "
+                      "(full quantisation), but got ", t->scalar_type());
+  }
+  OPENNPU_CHECK_ARG(!antiquant, kOp, "antiquant_scale", "does not apply with an int8 query (full "
+                    "quantisation: key and value are dequantised by dequant_scale1 / "
+                    "dequant_scale2)");
+  OPENNPU_CHECK_ARG(!a.query_rope.has_value(), kOp, "query_rope",
+                    "is not supported with an int8 query (int8 MLA) by opennpu");
+  const std::string layout(a.input_layout);
+  OPENNPU_CHECK_ARG(layout == "BSH" || layout == "BNSD" || layout == "BSND" || layout == "BNSD_BSND",
+                    kOp, "input_layout", "must be BSH, BNSD, BSND or BNSD_BSND with an int8 query "
+                    "(full quantisation, as on Ascend), but got '", layout, "'");
+  const at::Tensor& q1 = *quant_scale1;
+  check_same_device(kOp, "quant_scale1", q1, "query", a.query);
+  OPENNPU_CHECK_ARG(q1.numel() == 1 && q1.scalar_type() == at::kFloat, kOp, "quant_scale1",
+                    "must hold one float32 factor (per tensor), but got a ", q1.scalar_type(),
+                    " tensor of shape ", shape_str(q1.sizes()));
+  f.quant1 = q1.item<float>();
+  OPENNPU_CHECK_ARG(f.quant1 > 0.0f && std::isfinite(f.quant1), kOp, "quant_scale1",
+                    "must be a positive finite factor, but got ", f.quant1);
+  f.dequant1 = dequant_factor("dequant_scale1", *dequant_scale1, a.query);
+  f.dequant2 = dequant_factor("dequant_scale2", *dequant_scale2, a.query);
+  f.on = true;
+  return f;
 }
 
 // The shared prefix (key_shared_prefix / value_shared_prefix, batch 1, e.g. a system prompt's
@@ -1237,7 +1314,6 @@ at::Tensor rotate_mask(const at::Tensor& mask, const LeftPadding& p, int64_t bat
       int64_t value_antiquant_mode, bool softmax_lse_flag
 
 std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
-  reject_v1(dequant_scale1, quant_scale1, dequant_scale2);
   (void)key_rope_antiquant_scale;  // reserved by torch_npu
   for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"antiquant_mode", antiquant_mode},
                                    {"key_antiquant_mode", key_antiquant_mode},
@@ -1252,7 +1328,7 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
       {antiquant_mode, key_antiquant_mode, value_antiquant_mode}, antiquant);
   const bool prefix = prefixed.key.defined();
   const std::optional<at::Tensor> no_sink;
-  Args a{query, prefix ? prefixed.key : key, prefix ? prefixed.value : value, pse_shift,
+  Args given{query, prefix ? prefixed.key : key, prefix ? prefixed.value : value, pse_shift,
          atten_mask, to_ints(actual_seq_lengths),
          prefix && actual_seq_lengths_kv.has_value() ? prefixed.lens_kv
                                                      : to_ints(actual_seq_lengths_kv),
@@ -1264,20 +1340,33 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
   // The separate key/value factors win over the combined antiquant_scale (torch_npu's rule).
   if (key_antiquant_scale.has_value() || value_antiquant_scale.has_value() ||
       key_antiquant_offset.has_value() || value_antiquant_offset.has_value()) {
-    a.kq = {key_antiquant_scale, key_antiquant_offset, key_antiquant_mode, -1,
+    given.kq = {key_antiquant_scale, key_antiquant_offset, key_antiquant_mode, -1,
             "key_antiquant_scale", "key_antiquant_offset", "key_antiquant_mode"};
-    a.vq = {value_antiquant_scale, value_antiquant_offset, value_antiquant_mode, -1,
+    given.vq = {value_antiquant_scale, value_antiquant_offset, value_antiquant_mode, -1,
             "value_antiquant_scale", "value_antiquant_offset", "value_antiquant_mode"};
   } else if (antiquant_scale.has_value() || antiquant_offset.has_value()) {
     OPENNPU_CHECK_ARG(antiquant_mode == 0 || antiquant_mode == 1, kOp, "antiquant_mode",
                       "must be 0 (per channel / tensor) or 1 (per token) with antiquant_scale, "
                       "but got ", antiquant_mode);
-    a.kq = {antiquant_scale, antiquant_offset, antiquant_mode, 0, "antiquant_scale",
-            "antiquant_offset", "antiquant_mode"};
-    a.vq = {antiquant_scale, antiquant_offset, antiquant_mode, 1, "antiquant_scale",
-            "antiquant_offset", "antiquant_mode"};
+    given.kq = {antiquant_scale, antiquant_offset, antiquant_mode, 0, "antiquant_scale",
+                "antiquant_offset", "antiquant_mode"};
+    given.vq = {antiquant_scale, antiquant_offset, antiquant_mode, 1, "antiquant_scale",
+                "antiquant_offset", "antiquant_mode"};
   }
-  check_antiquant(kOp, a);
+  check_antiquant(kOp, given);
+  // Full quantisation: the int8 codes as float32 (kept alive here: Args holds references).
+  const FullQuant fq = full_quant(given, dequant_scale1, quant_scale1, dequant_scale2, antiquant);
+  const at::Tensor qf = fq.on ? query.to(at::kFloat) : at::Tensor();
+  const at::Tensor kf = fq.on ? given.key.to(at::kFloat) : at::Tensor();
+  const at::Tensor vf = fq.on ? given.value.to(at::kFloat) : at::Tensor();
+  std::optional<Args> dequantised;
+  if (fq.on) {
+    dequantised.emplace(with_inputs(given, qf, kf, vf, atten_mask, given.actual_seq_lengths_kv));
+    dequantised->scale = given.scale * fq.dequant1;
+    dequantised->p_quant = fq.quant1;
+    dequantised->dequant2 = fq.dequant2;
+  }
+  const Args& a = fq.on ? *dequantised : given;
   const LeftPadding pad = left_padding(a, query_padding_size, kv_padding_size, prefix, antiquant,
                                        {antiquant_mode, key_antiquant_mode, value_antiquant_mode});
   const bool padded = !pad.q_start.empty() || !pad.kv_start.empty();
@@ -1285,7 +1374,7 @@ std::tuple<at::Tensor, at::Tensor> fia_v1(FIA_V1_PARAMS) {
     return run_quantised(kOp, a, out_quant(kOp, "quant_scale2", "quant_offset2", quant_scale2,
                                            quant_offset2, a, at::kChar));
   }
-  const at::Tensor q = rotate_batches(query, pad.q_start, pad.in_seq, 1);
+  const at::Tensor q = rotate_batches(a.query, pad.q_start, pad.in_seq, 1);
   const at::Tensor k = rotate_batches(a.key, pad.kv_start, pad.in_seq, 1);
   const at::Tensor v = rotate_batches(a.value, pad.kv_start, pad.in_seq, 1);
   const std::optional<at::Tensor> mask =
@@ -1336,15 +1425,23 @@ at::Tensor fia_v1_workspace(FIA_V1_PARAMS) {
   return at::empty({0}, query.options().dtype(at::kByte));
 }
 
+// attention_out's dtype: int8 with output quantisation, float16 from an int8 query (full
+// quantisation; torch_npu gives int8 MLA query_rope's dtype), else query's.
 std::tuple<at::Tensor, at::Tensor> infer_output(const char* op, const at::Tensor& query,
                                                 const at::Tensor& value, c10::string_view layout,
                                                 const std::optional<at::Tensor>& quant_scale,
                                                 const std::optional<at::Tensor>& block_table,
                                                 int64_t num_heads, int64_t num_key_value_heads,
-                                                bool lse_flag) {
+                                                bool lse_flag,
+                                                const std::optional<at::Tensor>& query_rope) {
   const Shapes sh = output_shapes(op, query, value, layout, block_table.has_value(), num_heads,
                                   num_key_value_heads, lse_flag);
-  const at::ScalarType dt = quant_scale.has_value() ? at::kChar : query.scalar_type();
+  at::ScalarType dt = query.scalar_type();
+  if (quant_scale.has_value()) {
+    dt = at::kChar;
+  } else if (dt == at::kChar) {
+    dt = query_rope.has_value() ? query_rope->scalar_type() : at::kHalf;
+  }
   return {at::zeros(sh.out, query.options().dtype(dt)),
           at::zeros(sh.lse, query.options().dtype(at::kFloat))};
 }
@@ -1353,10 +1450,10 @@ std::tuple<at::Tensor, at::Tensor> fia_v1_infer_output(
     const at::Tensor& query, const at::Tensor& value, c10::string_view input_layout,
     const std::optional<at::Tensor>& quant_scale2, const std::optional<at::Tensor>& block_table,
     int64_t num_heads, int64_t num_key_value_heads, bool softmax_lse_flag,
-    const std::optional<at::Tensor>& /*query_rope*/) {
+    const std::optional<at::Tensor>& query_rope) {
   return infer_output("_npu_fused_infer_attention_score_infer_output", query, value,
                       input_layout, quant_scale2, block_table, num_heads, num_key_value_heads,
-                      softmax_lse_flag);
+                      softmax_lse_flag, query_rope);
 }
 
 // v2's out_dtype: with quant_scale_out None (int8), int8, float8_e5m2, float8_e4m3fn or

@@ -73,9 +73,12 @@ def npu_fused_infer_attention_score(query, key, value, **kwargs):
     quantise the output to int8 ("int8后量化"): ``o * scale + offset`` on the float32 attention
     output, cast float32 -> float16 -> int8 (round half to even, saturated; NaN -> 0), per tensor
     (one factor) or per channel (Q_N * D factors, e.g. (Q_N, D), (1, Q_N, 1, D), (H,)); float32
-    factors, or bfloat16 with a bfloat16 query. int4 K/V, full quantisation (int8 query,
-    dequant_scale1 / quant_scale1 / dequant_scale2) and shared-prefix / left-padding arguments
-    raise. Not differentiable.
+    factors, or bfloat16 with a bfloat16 query. int4 K/V caches (int32 words with antiquant
+    factors), a shared prefix and left padding are taken. Full quantisation: an int8 query, key
+    and value with ``dequant_scale1`` / ``quant_scale1`` / ``dequant_scale2`` give
+    ``(codes(exp(s - m) * quant_scale1) . v) * dequant_scale2 / sum(exp(s - m))`` with
+    ``s = (q . k) * dequant_scale1 * scale``, float16 (int8 with ``quant_scale2``); see
+    docs/ops.md. Not differentiable.
     """
     return _ops.npu_fused_infer_attention_score(query, key, value, **kwargs)
 
@@ -163,11 +166,22 @@ def _fake_outputs(query, value, input_layout, block_table, num_heads, num_key_va
     return query.new_empty(out, dtype=dtype or query.dtype), query.new_empty(lse, dtype=torch.float32)
 
 
+def v1_out_dtype(query, quant_scale2, query_rope):
+    """attention_out's dtype of a v1 call: int8 with quant_scale2; float16 from an int8 query
+    (full quantisation; int8 MLA: query_rope's dtype); else query's."""
+    if quant_scale2 is not None:
+        return torch.int8
+    if query.dtype == torch.int8:
+        return query_rope.dtype if query_rope is not None else torch.float16
+    return query.dtype
+
+
 @register_fake("npu::npu_fused_infer_attention_score")
 def _fia_fake(query, key, value, *, block_table=None, num_heads=1, input_layout="BSH",
-              num_key_value_heads=0, softmax_lse_flag=False, quant_scale2=None, **_):
+              num_key_value_heads=0, softmax_lse_flag=False, quant_scale2=None, query_rope=None,
+              **_):
     return _fake_outputs(query, value, input_layout, block_table, num_heads, num_key_value_heads,
-                         softmax_lse_flag, torch.int8 if quant_scale2 is not None else None)
+                         softmax_lse_flag, v1_out_dtype(query, quant_scale2, query_rope))
 
 
 @register_fake("npu::npu_fused_infer_attention_score.out")
@@ -186,8 +200,8 @@ def _fia_infer_output_fake(query, value, *, input_layout="BSH", quant_scale2=Non
                            softmax_lse_flag=False, query_rope=None):
     out, lse = output_shapes(query, value, input_layout, block_table is not None, num_heads,
                              num_key_value_heads, softmax_lse_flag)
-    dtype = torch.int8 if quant_scale2 is not None else query.dtype
-    return query.new_empty(out, dtype=dtype), query.new_empty(lse, dtype=torch.float32)
+    return (query.new_empty(out, dtype=v1_out_dtype(query, quant_scale2, query_rope)),
+            query.new_empty(lse, dtype=torch.float32))
 
 
 @register_fake("npu::npu_fused_infer_attention_score_v2")

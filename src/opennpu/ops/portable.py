@@ -2181,7 +2181,9 @@ def _fia_dequant(x, side, b, ids):
 
 def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, query_rope,
          key_rope, sink, num_heads, scale, pre_tokens, next_tokens, input_layout,
-         num_key_value_heads, sparse_mode, block_size, lse_flag, op, antiquant=None):
+         num_key_value_heads, sparse_mode, block_size, lse_flag, op, antiquant=None, p_quant=0.0):
+    """p_quant > 0: full quantisation's exps become int8 codes of e * p_quant (float16 product,
+    half to even, saturated at 127) before P V; the row sums stay the exps' own."""
     from .infer_attention import LAYOUTS, output_shapes
 
     lin, lout = LAYOUTS[input_layout.upper()]
@@ -2190,7 +2192,7 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
         lout=lout, scale=scale, atten_mask=atten_mask, sparse_mode=sparse_mode,
         pre_tokens=pre_tokens, next_tokens=next_tokens, seq_q=seq, seq_kv=seq_kv,
         lse_flag=lse_flag, unrouted=any(t is not None for t in (pse_shift, block_table, query_rope,
-                                                                 key_rope, sink, antiquant)))
+                                                                 key_rope, sink, antiquant)) or p_quant > 0)
     if routed is not None:  # CUDA: the flash / cuDNN kernels
         return routed
     n, kvn = num_heads, num_key_value_heads or num_heads
@@ -2304,7 +2306,8 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
         mx_safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
         e = torch.exp(s - mx_safe)
         tot = e.sum(-1, keepdim=True)
-        ob = torch.where(tot > 0, (e @ vb) / torch.where(tot > 0, tot, torch.ones_like(tot)), 0.0)
+        p = (e * p_quant).half().to(acc).round_().clamp_(max=127.0) if p_quant > 0 else e
+        ob = torch.where(tot > 0, (p @ vb) / torch.where(tot > 0, tot, torch.ones_like(tot)), 0.0)
         lb = (torch.log(tot) + mx_safe).float()
         if varlen:
             out_c[q_starts[b]:q_starts[b] + sq] = ob.transpose(0, 1)
@@ -2338,17 +2341,19 @@ def _fia_antiquant_pair(op, k, v):
 
 
 def _fia_quantised(op, names, scale, offset, out_dtype, call, query, key, value, query_rope,
-                   key_rope, num_heads, input_layout):
+                   key_rope, num_heads, input_layout, dequant=None):
     """call(query, key, value, query_rope, key_rope) -> (out, lse), with the output quantised when
     `scale` is given: float32 inputs, o * scale + offset in float32, then int8 through float16
-    (half to even, saturated, NaN -> 0) or float8 directly."""
+    (half to even, saturated, NaN -> 0) or float8 directly. `dequant` (full quantisation's
+    dequant_scale2) multiplies the float32 output first; unquantised, it is then float16."""
     from .infer_attention import LAYOUTS
 
     if scale is None:
         if offset is not None:
             raise RuntimeError(f"{op}: argument '{names[1]}' needs '{names[0]}' (an output "
                                f"quantisation offset without a scale)")
-        return call(query, key, value, query_rope, key_rope)
+        out, lse = call(query, key, value, query_rope, key_rope)
+        return (out.mul_(dequant).half(), lse) if dequant is not None else (out, lse)
     bf16 = query.dtype == torch.bfloat16
     if scale.dtype != torch.float32 and not (bf16 and scale.dtype == torch.bfloat16):
         raise RuntimeError(f"{op}: argument '{names[0]}' must be float32 (or bfloat16 with a "
@@ -2361,6 +2366,8 @@ def _fia_quantised(op, names, scale, offset, out_dtype, call, query, key, value,
         return t.float() if t is not None and t.is_floating_point() else t
 
     out, lse = call(f32(query), f32(key), f32(value), f32(query_rope), f32(key_rope))
+    if dequant is not None:
+        out.mul_(dequant)
     lout = LAYOUTS[input_layout.upper()][1]
     c = out.transpose(0, 1) if lout == "NBSD" else _fia_bnsd(out, lout, num_heads)  # views
     n, dv = c.shape[1], c.shape[-1]  # [B, N, S, D] or [T, N, D]
@@ -2404,9 +2411,7 @@ def npu_fused_infer_attention_score(
         inner_precise=0, block_size=0, antiquant_mode=0, key_antiquant_mode=0,
         value_antiquant_mode=0, softmax_lse_flag=False):
     op = "npu_fused_infer_attention_score"
-    _fia_reject(op, dequant_scale1=dequant_scale1, quant_scale1=quant_scale1,
-                dequant_scale2=dequant_scale2,
-                query_padding_size=query_padding_size, kv_padding_size=kv_padding_size,
+    _fia_reject(op, query_padding_size=query_padding_size, kv_padding_size=kv_padding_size,
                 key_shared_prefix=key_shared_prefix, value_shared_prefix=value_shared_prefix,
                 actual_shared_prefix_len=actual_shared_prefix_len)
     if any(t is not None for t in (key_antiquant_scale, value_antiquant_scale,
@@ -2425,13 +2430,71 @@ def npu_fused_infer_attention_score(
                                  (antiquant_scale, antiquant_offset, antiquant_mode, 1, names))
     else:
         aq = None
-    return _fia_quantised(
+    fq = _fia_full_quant(op, query, key, value, dequant_scale1, quant_scale1, dequant_scale2,
+                         aq is not None, query_rope, input_layout)
+    if fq is not None:  # the int8 codes as float32, the output dequantised below
+        query, key, value = query.float(), key.float(), value.float()
+        scale = float(torch.tensor(scale * fq[0], dtype=torch.float32))
+    out, lse = _fia_quantised(
         op, ("quant_scale2", "quant_offset2"), quant_scale2, quant_offset2, torch.int8,
         lambda q, k, v, qr, kr: _fia(
             q, k, v, pse_shift, atten_mask, actual_seq_lengths, actual_seq_lengths_kv,
             block_table, qr, kr, None, num_heads, scale, pre_tokens, next_tokens, input_layout,
-            num_key_value_heads, sparse_mode, block_size, softmax_lse_flag, op, aq),
-        query, key, value, query_rope, key_rope, num_heads, input_layout)
+            num_key_value_heads, sparse_mode, block_size, softmax_lse_flag, op, aq,
+            fq[1] if fq is not None else 0.0),
+        query, key, value, query_rope, key_rope, num_heads, input_layout,
+        dequant=fq[2] if fq is not None else None)
+    return out, lse
+
+
+def _fia_full_quant(op, query, key, value, deq1, quant1, deq2, antiquant, query_rope, layout):
+    """(dequant_scale1, quant_scale1, dequant_scale2) as floats for an int8 query (full
+    quantisation; the native kernel's rules and messages), None otherwise."""
+    int8 = query.dtype == torch.int8
+    given = next((n for n, t in (("dequant_scale1", deq1), ("quant_scale1", quant1),
+                                 ("dequant_scale2", deq2)) if t is not None), None)
+    if not int8 and given is None:
+        return None
+    if not int8:
+        raise RuntimeError(f"{op}: argument '{given}' needs an int8 query, key and value (full "
+                           f"quantisation), but got a {query.dtype} query")
+    for name, t in (("dequant_scale1", deq1), ("quant_scale1", quant1), ("dequant_scale2", deq2)):
+        if t is None:
+            raise RuntimeError(f"{op}: argument '{name}' is needed with an int8 query (full "
+                               "quantisation: dequant_scale1, quant_scale1 and dequant_scale2)")
+    for name, t in (("key", key), ("value", value)):
+        if t.dtype != torch.int8:
+            raise RuntimeError(f"{op}: argument '{name}' must be int8 with an int8 query (full "
+                               f"quantisation), but got {t.dtype}")
+    if antiquant:
+        raise RuntimeError(f"{op}: argument 'antiquant_scale' does not apply with an int8 query")
+    if query_rope is not None:
+        raise RuntimeError(f"{op}: argument 'query_rope' is not supported with an int8 query "
+                           "(int8 MLA) by opennpu")
+    if layout not in ("BSH", "BNSD", "BSND", "BNSD_BSND"):
+        raise RuntimeError(f"{op}: argument 'input_layout' must be BSH, BNSD, BSND or BNSD_BSND "
+                           f"with an int8 query (full quantisation, as on Ascend), but got "
+                           f"'{layout}'")
+
+    def dequant(name, t):
+        if t.numel() != 1 or t.dtype not in (torch.float32, torch.int64, torch.uint64):
+            raise RuntimeError(f"{op}: argument '{name}' must hold one factor (per tensor), "
+                               f"float32 or int64 / uint64 (npu_trans_quant_param's encoding), "
+                               f"but got a {t.dtype} tensor of shape {tuple(t.shape)}")
+        if t.dtype == torch.float32:
+            return float(t)
+        low = int(t.reshape(1).cpu().view(torch.int64)) & 0xFFFFFFFF
+        return float(torch.tensor([low], dtype=torch.int64).to(torch.int32).view(torch.float32))
+
+    if quant1.numel() != 1 or quant1.dtype != torch.float32:
+        raise RuntimeError(f"{op}: argument 'quant_scale1' must hold one float32 factor (per "
+                           f"tensor), but got a {quant1.dtype} tensor of shape "
+                           f"{tuple(quant1.shape)}")
+    q1 = float(quant1)
+    if not (q1 > 0 and math.isfinite(q1)):
+        raise RuntimeError(f"{op}: argument 'quant_scale1' must be a positive finite factor, "
+                           f"but got {q1}")
+    return dequant("dequant_scale1", deq1), q1, dequant("dequant_scale2", deq2)
 
 
 def _fia_out(functional):
