@@ -14,7 +14,8 @@
 // chunk's whole-token spans in address order, fp32 token-major walks for the values a kv head
 // ahead), and per chunk computes: scores of the g heads (a register of partial dot products per
 // (head, key) for 4 heads x 4 keys at a time on AVX-512, fp32 accumulation, K converted from
-// fp16/bf16 in registers, the 16 horizontal sums done together
+// fp16/bf16 in registers (bf16 K on AVX512_BF16: straight into vdpbf16ps with a bf16 copy of q,
+// chunk_scores_bf16), the 16 horizontal sums done together
 // by one transpose-and-add), the user mask, one online-softmax step per head (fp32 running max
 // and sum, vectorised exp), then acc += P V with the V chunk read once per tile of heads (the
 // accumulators of 4 heads x kPvVecs vectors stay in registers). When the tasks are too few for
@@ -33,6 +34,7 @@
 #include <vector>
 
 #include "common/vec.h"
+#include "common/vnni_gemm.h"
 #include "ops/attention/infer_attention.h"
 
 namespace opennpu::attention {
@@ -214,6 +216,74 @@ void chunk_scores(const float* q, const float* qr, int64_t ldq, int64_t ldqr, co
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// chunk_scores for a bf16 cache on CPUs with AVX512_BF16: q (unscaled bf16, rows zero-padded to
+// ldq / ldqr, multiples of 32) and each key row go into vdpbf16ps pair by pair, which multiplies
+// bf16 pairs exactly and adds both products to the fp32 partial sums: one instruction per head
+// and 32 elements, where converting K to fp32 took two per 16 and then two FMAs per head. The
+// sums are scaled after the reduction (q is not rounded a second time). Same fp32 accumulation
+// as the converting loop but for the order of the additions and subnormals (read and flushed as
+// 0 by the instruction, see vnni_gemm.h).
+// acc[h * NK + i] += q_h . k_i over n elements (k's lanes past n read as 0), NK =
+// Vec::size() / NH; pf / pf_bytes as in dots_block.
+template <int NH>
+OPENNPU_AVX512_BF16_TARGET inline void dots_bf16(const at::BFloat16* q, int64_t ldq,
+                                                 const at::BFloat16* const* k, int64_t n,
+                                                 __m512* acc, const char* const* pf,
+                                                 int64_t pf_bytes) {
+  constexpr int NK = Vec::size() / NH;
+  constexpr int64_t kStep = 32;
+  for (int64_t j = 0; j < n; j += kStep) {
+    const int64_t cnt = std::min<int64_t>(kStep, n - j);
+    if (pf != nullptr) {
+      const int64_t lo = j * pf_bytes / n / 64 * 64;
+      const int64_t hi = j + cnt >= n ? pf_bytes : (j + cnt) * pf_bytes / n;
+      for (int i = 0; i < NK; ++i) {
+        if (pf[i] != nullptr) prefetch_bytes(pf[i], lo, hi - lo);
+      }
+    }
+    __m512bh qv[NH];
+    for (int h = 0; h < NH; ++h) qv[h] = (__m512bh)_mm512_loadu_si512(q + h * ldq + j);
+    const __mmask32 m = cnt == kStep ? ~__mmask32{0} : _cvtu32_mask32((1u << cnt) - 1);
+    for (int i = 0; i < NK; ++i) {
+      const __m512bh kv = (__m512bh)_mm512_maskz_loadu_epi16(m, k[i] + j);
+      for (int h = 0; h < NH; ++h) acc[h * NK + i] = _mm512_dpbf16_ps(acc[h * NK + i], qv[h], kv);
+    }
+  }
+}
+
+template <int NH>
+OPENNPU_AVX512_BF16_TARGET void chunk_scores_bf16(
+    const at::BFloat16* q, const at::BFloat16* qr, int64_t ldq, int64_t ldqr, const at::BFloat16* k,
+    int64_t k_stride, const at::BFloat16* kr, int64_t kr_stride, int64_t D, int64_t Dr,
+    int64_t len, float scale, float* s, const char* pf, int64_t pf_stride, int64_t pf_bytes,
+    int64_t pf_len) {
+  constexpr int NK = Vec::size() / NH;
+  if (pf == nullptr) pf_len = 0;
+  for (int64_t t = len; t < pf_len; ++t) prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
+  for (int64_t t = 0; t < len; t += NK) {
+    const int64_t cnt = std::min<int64_t>(NK, len - t);
+    const at::BFloat16* kp[NK];
+    const at::BFloat16* krp[NK];
+    const char* pfp[NK];
+    for (int i = 0; i < NK; ++i) {
+      const int64_t row = t + std::min<int64_t>(i, cnt - 1);
+      kp[i] = k + row * k_stride;
+      krp[i] = Dr > 0 ? kr + row * kr_stride : nullptr;
+      pfp[i] = i < cnt && t + i < pf_len ? pf + (t + i) * pf_stride : nullptr;
+    }
+    __m512 acc[Vec::size()];
+    for (int i = 0; i < Vec::size(); ++i) acc[i] = _mm512_setzero_ps();
+    dots_bf16<NH>(q, ldq, kp, D, acc, t < pf_len ? pfp : nullptr, pf_bytes);
+    if (Dr > 0) dots_bf16<NH>(qr, ldqr, krp, Dr, acc, nullptr, 0);
+    Vec sums[Vec::size()];
+    for (int i = 0; i < Vec::size(); ++i) sums[i] = acc[i];
+    const Vec scaled = transpose_sum(sums) * Vec(scale);
+    for (int h = 0; h < NH; ++h) store_lanes<NK>(s + h * kChunk + t, scaled, h, cnt);
+  }
+}
+#endif
+
 // Accumulator vectors per head in the P V loop: 4 on AVX-512 (4 heads x 4 = 16 of its 32
 // registers; each broadcast probability feeds 4 FMAs), 2 where there are 16 registers.
 constexpr int kPvVecs = Vec::size() >= 16 ? 4 : 2;
@@ -290,6 +360,7 @@ void for_head_tiles(int64_t g, const F& f) {
 // dequantised K / V rows of a chunk (int8 caches).
 struct Scratch {
   std::vector<float> q, qr, s, acc, m, l, kd, vd;
+  std::vector<at::BFloat16> qb, qrb;  // unscaled bf16 q of the group (chunk_scores_bf16)
 };
 
 // Offset of the token factor of row t0 of (b, h) in a KvQuant::Kind::kToken table.
@@ -378,6 +449,10 @@ struct DecodeKernel {
       w.kd.resize(kChunk * ldq);
       w.vd.resize(kChunk * ldacc);
     }
+    if (native_bf16_) {
+      w.qb.assign(nkv * g * ldq, at::BFloat16(0.0f));
+      w.qrb.assign(nkv * g * ldqr, at::BFloat16(0.0f));
+    }
   }
 
   // Loads the query rows of kv head kvh's group, times scale, as fp32 into state `slot`.
@@ -388,10 +463,16 @@ struct DecodeKernel {
       const int64_t n = kvh * g + h;
       const In* src = q_base_ + b * p.q.stride_b + p.q_start[b] * p.q.stride_s + n * p.q.stride_n;
       for (int64_t j = 0; j < D; ++j) q[h * ldq + j] = static_cast<float>(src[j]) * scale_;
+      if constexpr (std::is_same_v<In, at::BFloat16>) {
+        if (native_bf16_) std::copy(src, src + D, w.qb.data() + (slot * g + h) * ldq);
+      }
       if (Dr > 0) {
         const In* r = qr_base_ + b * d.q_rope_view.stride_b + p.q_start[b] * d.q_rope_view.stride_s +
                       n * d.q_rope_view.stride_n;
         for (int64_t j = 0; j < Dr; ++j) qr[h * ldqr + j] = static_cast<float>(r[j]) * scale_;
+        if constexpr (std::is_same_v<In, at::BFloat16>) {
+          if (native_bf16_) std::copy(r, r + Dr, w.qrb.data() + (slot * g + h) * ldqr);
+        }
       }
     }
   }
@@ -516,6 +597,19 @@ struct DecodeKernel {
     }
     const In* kr = Dr > 0 ? row_ptr(KR, d, b, kvh, c0) : nullptr;
     for_head_tiles(g, [&](auto nh, int64_t h0) {
+#if defined(CPU_CAPABILITY_AVX512)
+      if constexpr (std::is_same_v<KRow, at::BFloat16>) {
+        if (native_bf16_) {
+          const at::BFloat16* qb = w.qb.data() + slot * g * ldq;
+          const at::BFloat16* qrb = w.qrb.data() + slot * g * ldqr;
+          chunk_scores_bf16<decltype(nh)::value>(
+              qb + h0 * ldq, qrb + h0 * ldqr, ldq, ldqr, k, k_stride, kr, KR.stride_s, D, Dr, len,
+              scale_, w.s.data() + h0 * kChunk, h0 == 0 ? pf_s : nullptr, pf_s_pitch, pf_s_bytes,
+              pf_s_len);
+          return;
+        }
+      }
+#endif
       chunk_scores<decltype(nh)::value, KRow, In>(qs + h0 * ldq, qrs + h0 * ldqr, ldq, ldqr, k,
                                                   k_stride, kr, KR.stride_s, D, Dr, len,
                                                   w.s.data() + h0 * kChunk,
@@ -611,6 +705,7 @@ struct DecodeKernel {
   In* out_ = nullptr;
   void* out_raw_ = nullptr;  // out_, or float32 rows when d.out_float
   float scale_ = 1.0f;
+  bool native_bf16_ = false;  // bf16 K read by chunk_scores_bf16 (AVX512_BF16)
   int64_t chunk_ = kChunk;  // keys per step, <= kChunk
   bool whole_rows_ = false;  // token-major over gapless token rows (see step)
   bool v_ahead_ = false;  // token-major, fp32: the values are asked for a kv head ahead (see step)
@@ -625,6 +720,8 @@ void decode_impl(const DecodeProblem& d, void* out) {
   kern.out_ = static_cast<In*>(out);
   kern.out_raw_ = out;
   kern.scale_ = static_cast<float>(p.scale);
+  kern.native_bf16_ = std::is_same_v<In, at::BFloat16> && std::is_same_v<KvT, In> &&
+                      has_avx512_bf16();
   const int64_t g = kern.g;
   const int64_t KVN = p.heads_kv;
   // A task unit: one (batch, kv head) pair, or (token-major) one batch with all its kv heads.
