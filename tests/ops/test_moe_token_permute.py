@@ -68,6 +68,32 @@ def test_permute_matches_reference(dtype, t, k, experts, h):
     assert torch.equal(sorted_indices, want_idx)
 
 
+@pytest.mark.parametrize("h", [5, 64, 83, 1000])
+def test_permute_streamed_rows(h):
+    """Outputs over the streaming threshold are written with streaming stores (whole lines;
+    the partial lines at each row's ends stored normally): the same rows, bit for bit, for rows
+    of any length and alignment, and dropped rows (num_out_tokens past the pairs) still zero."""
+    old = torch.ops.opennpu._set_stream_min_bytes(256)
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            tokens, indices = routing(37, 3, 8, h, dtype)
+            permuted, sorted_indices = opennpu.npu_moe_token_permute(tokens, indices)
+            want, want_idx = ref_permute(tokens, indices)
+            assert torch.equal(permuted, want) and torch.equal(sorted_indices, want_idx)
+            x = randn(37, h, dtype=dtype)
+            expert = torch.randint(0, 8, (37, 3), dtype=I32)
+            row_idx = torch.arange(37 * 3, dtype=I32).view(3, 37).t().contiguous()
+            expanded, _, _ = opennpu.npu_moe_init_routing(x, row_idx, expert, 37)
+            old_off = torch.ops.opennpu._set_stream_min_bytes(1 << 40)
+            try:
+                plain, _, _ = opennpu.npu_moe_init_routing(x, row_idx, expert, 37)
+            finally:
+                torch.ops.opennpu._set_stream_min_bytes(old_off)
+            assert torch.equal(expanded, plain)
+    finally:
+        torch.ops.opennpu._set_stream_min_bytes(old)
+
+
 @pytest.mark.parametrize("num_out_tokens", [None, 0, 5, 13, 100, -3, -13])
 def test_permute_num_out_tokens(num_out_tokens):
     tokens, indices = routing(13, 1, 4, 8)

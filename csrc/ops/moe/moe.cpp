@@ -6,12 +6,10 @@
 // Both are integer work with no SIMD in it, so they live here rather than in moe_cpu.cpp.
 #include "ops/moe/moe.h"
 
-#include <ATen/Parallel.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <numeric>
 #include <optional>
@@ -25,6 +23,7 @@ namespace opennpu::moe {
 KernelSlots<GatingFn> gating;
 KernelSlots<GatingV2Fn> gating_v2;
 KernelSlots<FinalizeFn> finalize;
+KernelSlots<GatherRowsFn> gather_rows_slots;
 
 namespace {
 
@@ -159,21 +158,10 @@ std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert) {
   return order;
 }
 
-void gather_rows(const at::Tensor& x, const int64_t* src_row, int64_t rows, at::Tensor& out) {
-  const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
-  if (rows == 0 || row_bytes == 0) return;
-  const char* in = static_cast<const char*>(x.const_data_ptr());
-  char* o = static_cast<char*>(out.mutable_data_ptr());
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_bytes);
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      if (src_row[r] >= 0) {
-        std::memcpy(o + r * row_bytes, in + src_row[r] * row_bytes, row_bytes);
-      } else {
-        std::memset(o + r * row_bytes, 0, row_bytes);
-      }
-    }
-  });
+void gather_rows(const char* op, const at::Tensor& x, const int64_t* src_row, int64_t rows,
+                 at::Tensor& out) {
+  if (rows == 0 || x.size(1) == 0) return;
+  gather_rows_slots.get(op, x)(x, src_row, rows, out);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing(const at::Tensor& x,
@@ -228,19 +216,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing(const at::Te
 
   const int64_t out_rows = std::min(active_num, n) * k;
   at::Tensor expanded_x = at::empty({out_rows, h}, x.options());
-  if (out_rows > 0 && h > 0) {
-    const at::Tensor xc = x.contiguous();
-    const int64_t row_bytes = h * static_cast<int64_t>(x.element_size());
-    const char* src = static_cast<const char*>(xc.const_data_ptr());
-    char* dst = static_cast<char*>(expanded_x.mutable_data_ptr());
-    const int64_t grain =
-        std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(row_bytes, 1));
-    at::parallel_for(0, out_rows, grain, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p) {
-        std::memcpy(dst + p * row_bytes, src + gather_row[p] * row_bytes, row_bytes);
-      }
-    });
-  }
+  gather_rows(op, x.contiguous(), gather_row.data(), out_rows, expanded_x);
   return {expanded_x, expanded_row_idx, expanded_expert_idx};
 }
 

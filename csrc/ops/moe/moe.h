@@ -57,11 +57,19 @@ std::vector<int64_t> index_values(const at::Tensor& t);
 // order). Counting sort when the key range is small next to the count, else std::stable_sort.
 std::vector<int64_t> sort_by_expert(const std::vector<int64_t>& expert);
 // out[r] = x[src_row[r]] for r < rows (row bytes, in parallel), a zero row where src_row[r] < 0.
-// x, out: contiguous [*, H] of one dtype.
-void gather_rows(const at::Tensor& x, const int64_t* src_row, int64_t rows, at::Tensor& out);
+// x, out: contiguous [*, H] of one dtype. op names the caller in errors.
+void gather_rows(const char* op, const at::Tensor& x, const int64_t* src_row, int64_t rows,
+                 at::Tensor& out);
+
+// gather_rows' kernel: an output larger than the last-level cache (the permuted tokens are K
+// times the input) is written with streaming stores (common/stream_store.h), which skip reading
+// each destination line before writing it.
+using GatherRowsFn = void(const at::Tensor& x, const int64_t* src_row, int64_t rows,
+                          at::Tensor& out);
 
 extern KernelSlots<GatingFn> gating;
 extern KernelSlots<GatingV2Fn> gating_v2;
 extern KernelSlots<FinalizeFn> finalize;
+extern KernelSlots<GatherRowsFn> gather_rows_slots;
 
 }  // namespace opennpu::moe

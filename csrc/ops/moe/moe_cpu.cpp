@@ -15,10 +15,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <numeric>
 #include <vector>
 
+#include "common/stream_store.h"
 #include "common/vec.h"
 #include "ops/moe/moe.h"
 
@@ -251,8 +253,31 @@ void finalize_kernel(const at::Tensor& rows, const at::Tensor& skip1, const at::
   });
 }
 
+void gather_rows_kernel(const at::Tensor& x, const int64_t* src_row, int64_t rows,
+                        at::Tensor& out) {
+  const int64_t row_bytes = x.size(1) * static_cast<int64_t>(x.element_size());
+  const char* in = static_cast<const char*>(x.const_data_ptr());
+  char* o = static_cast<char*>(out.mutable_data_ptr());
+  const bool stream = stream_output(o, rows * row_bytes);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / row_bytes);
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      char* dst = o + r * row_bytes;
+      if (src_row[r] < 0) {
+        std::memset(dst, 0, row_bytes);
+      } else if (stream) {
+        stream_bytes(dst, in + src_row[r] * row_bytes, row_bytes);
+      } else {
+        std::memcpy(dst, in + src_row[r] * row_bytes, row_bytes);
+      }
+    }
+    if (stream) stream_fence();
+  });
+}
+
 }  // namespace
 
+OPENNPU_REGISTER_CPU_SLOT(gather_rows_slots, &gather_rows_kernel);
 OPENNPU_REGISTER_CPU_SLOT(gating, &gating_kernel);
 OPENNPU_REGISTER_CPU_SLOT(gating_v2, &gating_v2_kernel);
 OPENNPU_REGISTER_CPU_SLOT(finalize, &finalize_kernel);

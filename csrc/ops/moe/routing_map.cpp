@@ -205,7 +205,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> npu_moe_token_permute_with_routin
     }
   }
   at::Tensor permuted = at::empty({rows, h}, tokens.options());
-  gather_rows(tokens.contiguous(), src_row.data(), rows, permuted);
+  gather_rows(op, tokens.contiguous(), src_row.data(), rows, permuted);
   at::Tensor permuted_probs = at::empty({0}, tokens.options());
   if (given(probs)) {
     const at::Tensor flat = probs->contiguous().view({-1});

@@ -262,7 +262,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing_
   const at::Tensor xc = x.contiguous();
   if (quant_mode == -1) {
     at::Tensor flat = expanded_x.view({rows_out, h});
-    gather_rows(xc, src_row.data(), rows_out, flat);
+    gather_rows(op, xc, src_row.data(), rows_out, flat);
     if (scale.defined()) {
       const at::Tensor s = scale.to(at::kFloat).contiguous();
       const float* ps = s.const_data_ptr<float>();
@@ -273,7 +273,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> npu_moe_init_routing_
   }
 
   at::Tensor routed = at::empty({rows_out, h}, xc.options());
-  gather_rows(xc, src_row.data(), rows_out, routed);
+  gather_rows(op, xc, src_row.data(), rows_out, routed);
   if (quant_mode == 0) {
     expanded_x.view({rows_out, h}).copy_(static_quant(routed, src_row, scale.item<float>(),
                                                       offset.item<float>()));

@@ -219,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor> npu_moe_token_permute(const at::Tensor& token
   at::Tensor permuted = at::empty({out_rows, tokens.size(1)}, tokens.options());
   std::vector<int64_t> src_row(order.begin(), order.begin() + out_rows);
   for (int64_t& r : src_row) r /= k;
-  gather_rows(tokens.contiguous(), src_row.data(), out_rows, permuted);
+  gather_rows(op, tokens.contiguous(), src_row.data(), out_rows, permuted);
   return {permuted, sorted_indices};
 }
 
