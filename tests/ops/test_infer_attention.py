@@ -723,3 +723,66 @@ def test_v2_bad_inputs():
     with pytest.raises(RuntimeError, match="argument 'learnable_sink' must be"):
         npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2,
                                                learnable_sink=torch.ones(3))
+
+
+# ----------------------------------------------------------------------------- NZ caches
+
+
+def to_nz(cache, kvn):
+    """A paged cache [nb, bs, KVN * D] (or [nb, bs, D] for one head) in Ascend's NZ layout
+    [nb, KVN, D / c, bs, c], c the elements of 32 bytes (what PA_NZ's scatter writes)."""
+    nb, bs, h = cache.shape
+    c = 32 // cache.element_size()
+    return cache.view(nb, bs, kvn, h // kvn // c, c).permute(0, 2, 3, 1, 4).contiguous()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("sq", [1, 3])
+def test_nz_paged_cache_is_read_as_its_rows(sq, dtype, decode_path):
+    """An NZ cache gives exactly the result of the same rows in the ND paged layout (prefill and
+    decode, GQA, the output's head size taken from the NZ value)."""
+    torch.manual_seed(11)
+    B, N, KVN, D, bs, nb = 3, 8, 2, 64, 16, 12
+    q = rnd(B, sq, N * D, dtype=dtype)
+    k, v = rnd(nb, bs, KVN * D, dtype=dtype), rnd(nb, bs, KVN * D, dtype=dtype)
+    kw = dict(num_heads=N, num_key_value_heads=KVN, input_layout="BSH", scale=0.125,
+              block_table=torch.randperm(nb, dtype=torch.int32)[:B * 4].view(B, 4),
+              block_size=bs, actual_seq_lengths_kv=[64, 5, 33], softmax_lse_flag=True)
+    want = npu.npu_fused_infer_attention_score(q, k, v, **kw)
+    got = npu.npu_fused_infer_attention_score(q, to_nz(k, KVN), to_nz(v, KVN), **kw)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    shape, _ = npu._npu_fused_infer_attention_score_infer_output(
+        q, to_nz(v, KVN), num_heads=N, num_key_value_heads=KVN, block_table=kw["block_table"])
+    assert shape.shape == want[0].shape
+    from opennpu.ops import portable
+
+    ported = portable.npu_fused_infer_attention_score(q, to_nz(k, KVN), to_nz(v, KVN), **kw)
+    torch.testing.assert_close(ported[0], want[0], rtol=2e-2 if dtype != torch.float32 else 1e-5,
+                               atol=1e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_nz_paged_cache_int8_antiquant_and_mla_rope():
+    torch.manual_seed(12)
+    B, N, D, Dr, bs, nb = 2, 4, 64, 32, 16, 6
+    table = torch.tensor([[3, 0, 5], [1, 4, 2]], dtype=torch.int32)
+    kw = dict(num_heads=N, num_key_value_heads=1, input_layout="BSH", scale=0.1,
+              block_table=table, block_size=bs, actual_seq_lengths_kv=[40, 17])
+    # int8 cache (c = 32) with per-channel factors
+    q = rnd(B, 1, N * D, dtype=torch.bfloat16)
+    k8 = torch.randint(-128, 128, (nb, bs, D), dtype=torch.int8)
+    v8 = torch.randint(-128, 128, (nb, bs, D), dtype=torch.int8)
+    quant = dict(key_antiquant_scale=torch.rand(1, D, dtype=torch.bfloat16) / 50,
+                 value_antiquant_scale=torch.rand(1, D, dtype=torch.bfloat16) / 50)
+    want = npu.npu_fused_infer_attention_score(q, k8, v8, **kw, **quant)[0]
+    got = npu.npu_fused_infer_attention_score(q, to_nz(k8, 1), to_nz(v8, 1), **kw, **quant)[0]
+    assert torch.equal(got, want)
+    # MLA: key, value and key_rope NZ
+    q, qr = rnd(B, 1, N * D), rnd(B, 1, N * Dr)
+    k, kr = rnd(nb, bs, D), rnd(nb, bs, Dr)
+    want = npu.npu_fused_infer_attention_score(q, k, k, query_rope=qr, key_rope=kr, **kw)[0]
+    got = npu.npu_fused_infer_attention_score(q, to_nz(k, 1), to_nz(k, 1), query_rope=qr,
+                                              key_rope=to_nz(kr, 1), **kw)[0]
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match=r"'key' in the NZ layout must be \[num_blocks, 1 "
+                                           r"\(num_key_value_heads\), D / 8, block_size, 8\]"):
+        npu.npu_fused_infer_attention_score(q, k.view(nb, 1, D // 16, bs, 16), to_nz(k, 1), **kw)

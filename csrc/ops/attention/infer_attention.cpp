@@ -325,6 +325,8 @@ Shapes output_shapes(const char* op, const at::Tensor& query, const at::Tensor& 
                       "must have a hidden size divisible by the key/value head count ",
                       s.kv_heads, ", but got shape ", shape_str(value.sizes()));
     s.dim_v = value.size(-1) / s.kv_heads;
+  } else if (paged && value.dim() == 5) {  // NZ: [num_blocks, KVN, D / c, block_size, c]
+    s.dim_v = value.size(2) * value.size(4);
   } else {
     OPENNPU_CHECK_ARG(value.dim() >= 1, op, "value", "must have a head dim, but got a scalar");
     s.dim_v = value.size(-1);
@@ -376,6 +378,20 @@ void cumulative(const char* op, const char* arg, const std::vector<int64_t>& v, 
 bool decode_kernel_enabled() {
   const char* env = std::getenv("OPENNPU_FIA_DECODE");
   return env == nullptr || std::string(env) != "0";
+}
+
+// A paged cache in Ascend's NZ layout, [num_blocks, KVN, D / c, block_size, c] with c the
+// elements of 32 bytes (16 for fp16 / bf16, 32 for int8, 8 for fp32; npu_scatter_pa_kv_cache's
+// PA_NZ writes it): element (block, n, d / c, t, d % c) is channel d of row t of kv head n. The
+// kernels read rows with a contiguous last dim, so the cache is copied into the
+// [num_blocks, block_size, KVN, D] form once per call.
+at::Tensor nz_cache_rows(const char* op, const char* name, const at::Tensor& t, int64_t kv_heads) {
+  const int64_t c = 32 / static_cast<int64_t>(t.element_size());
+  OPENNPU_CHECK_ARG(t.size(1) == kv_heads && t.size(4) == c, op, name,
+                    "in the NZ layout must be [num_blocks, ", kv_heads, " (num_key_value_heads), "
+                    "D / ", c, ", block_size, ", c, "] for ", t.scalar_type(), ", but got shape ",
+                    shape_str(t.sizes()));
+  return t.permute({0, 3, 1, 2, 4}).reshape({t.size(0), t.size(3), kv_heads, t.size(2) * c});
 }
 
 std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
@@ -439,10 +455,12 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   // [blocks, block_size, KVN, D].
   const auto kv_view = [&](const at::Tensor& t, const char* name) -> at::Tensor {
     if (paged) {
-      OPENNPU_CHECK_ARG(t.dim() == 3 || t.dim() == 4, op, name,
+      OPENNPU_CHECK_ARG(t.dim() == 3 || t.dim() == 4 || t.dim() == 5, op, name,
                         "must be a paged cache [num_blocks, block_size, H] or [num_blocks, "
-                        "num_key_value_heads, block_size, D] with block_table, but got shape ",
-                        shape_str(t.sizes()));
+                        "num_key_value_heads, block_size, D] (or NZ [num_blocks, "
+                        "num_key_value_heads, D / c, block_size, c]) with block_table, but got "
+                        "shape ", shape_str(t.sizes()));
+      if (t.dim() == 5) return nz_cache_rows(op, name, t, KVN);
       if (t.dim() == 3) {
         OPENNPU_CHECK_ARG(t.size(2) % KVN == 0, op, name, "must have a hidden size divisible by ",
                           KVN, " key/value heads, but got shape ", shape_str(t.sizes()));

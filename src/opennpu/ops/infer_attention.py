@@ -42,6 +42,8 @@ def output_shapes(query, value, input_layout, paged, num_heads, num_key_value_he
             "TND": (1, query.shape[0]), "NTD": (1, query.shape[1])}[lin]
     hidden = value.dim() == 3 if paged else lin == "BSH"
     dv = value.shape[-1] // kvn if hidden else value.shape[-1]
+    if paged and value.dim() == 5:  # NZ: [num_blocks, KVN, D / c, block_size, c]
+        dv = value.shape[2] * value.shape[4]
     out = {"BSH": [b, s, n * dv], "BSND": [b, s, n, dv], "BNSD": [b, n, s, dv],
            "NBSD": [n, b, s, dv], "NSD": [n, s, dv], "TND": [s, n, dv], "NTD": [n, s, dv]}[lout]
     if not lse_flag:
@@ -58,7 +60,9 @@ def npu_fused_infer_attention_score(query, key, value, **kwargs):
     ``actual_seq_lengths`` / ``actual_seq_lengths_kv``: per-batch lengths (one value for all
     batches), cumulative ends for TND/NTD; with ``block_table`` (int32 [B, max_blocks]) and
     ``block_size`` the key/value are a paged cache [num_blocks, block_size, H] or
-    [num_blocks, N, block_size, D] and ``actual_seq_lengths_kv`` the cached length per sequence.
+    [num_blocks, N, block_size, D] (or NZ [num_blocks, N, D / c, block_size, c], c the elements of
+    32 bytes, copied to rows once per call) and ``actual_seq_lengths_kv`` the cached length per
+    sequence.
     ``atten_mask`` (bool/int8/uint8, nonzero = masked) with ``sparse_mode`` 0/1 (mask, with the
     ``pre_tokens``/``next_tokens`` band in mode 0), 2/3 (causal top-left / bottom-right) and 4
     (band from the bottom-right); with one query row and no rope the sparse arguments are ignored,

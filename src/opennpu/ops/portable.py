@@ -2206,6 +2206,8 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
     qr = _fia_bnsd(query_rope, lin, n) if query_rope is not None else None
 
     def cache(t):  # [blocks, block_size, KVN, D]
+        if t.dim() == 5:  # NZ [blocks, KVN, D / c, block_size, c]
+            return t.permute(0, 3, 1, 2, 4).flatten(3)
         return t.unflatten(2, (kvn, t.shape[2] // kvn)) if t.dim() == 3 else t.transpose(1, 2)
 
     if paged:
