@@ -774,6 +774,24 @@ def test_fp8_quant_matmul_batches_non_contiguous_and_empty():
     assert torch.equal(out, torch.ones(3, 4, dtype=F16))
 
 
+@pytest.mark.parametrize("dt", (E4, E5), ids=["e4m3", "e5m2"])
+def test_fp8_every_code_decodes_to_torchs_value(dt):
+    """Every byte (finite, subnormal, NaN, e5m2's infinities) at every lane position of the
+    vectorised decode and in its scalar tail: x1 row r holds code r at all 37 positions; against
+    the identity, out[r, j] is code r's value exactly (NaN for NaN codes), and against ones 37
+    times it (exact: few significant bits), which keeps the infinities (inf * 0 would not)."""
+    codes = torch.arange(256, dtype=torch.int32).to(U8)
+    x1 = codes.view(256, 1).expand(256, 37).contiguous().view(dt)
+    want = codes.view(dt).float()
+    finite = want.isfinite()
+    out = opennpu.npu_quant_matmul(x1, torch.eye(37).to(dt), torch.ones(1), output_dtype=F32)
+    for j in (0, 15, 16, 31, 36):
+        assert torch.equal(out[:, j][finite], want[finite]), j
+        assert bool(out[:, j][want.isnan()].isnan().all())
+    out = opennpu.npu_quant_matmul(x1, torch.ones(37, 3).to(dt), torch.ones(1), output_dtype=F32)
+    assert torch.equal(out[:, 1][~want.isnan()], 37 * want[~want.isnan()])
+
+
 def test_fp8_reinterpreted_bytes_and_nan_codes():
     gen = torch.Generator().manual_seed(17)
     x1, x2 = fp8(4, 32, gen=gen), fp8(32, 5, dtype=E5, gen=gen)

@@ -480,6 +480,68 @@ const CodeTables& code_tables() {
   return tables;
 }
 
+// n float8 codes (e4m3fn / e5m2) at s to their fp32 values at d, equal to `table`'s (c10's
+// conversions), 16 (8 on AVX2) at a time through float16: e5m2 is the top byte of a float16; an
+// e4m3 magnitude shifted into a float16's exponent and mantissa fields reads as 2^-8 times its
+// value, subnormals included (float16's subnormals are e4m3's, scaled), so one vcvtph2ps and a
+// power-of-two product give it exactly; its NaN codes (0x7F, 0xFF) are taken from the table.
+void decode_float8(bool e4m3, const uint8_t* s, float* d, int64_t n, const float* table) {
+  int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX512)
+  constexpr int kLanes = 16;
+  using F = __m512;
+  const auto load = [](const uint8_t* p) {
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  };
+  const auto to_float = [](__m256i h) { return _mm512_cvtph_ps(h); };
+  const auto mul = [](F a, float b) { return _mm512_mul_ps(a, _mm512_set1_ps(b)); };
+  const auto store = [](float* p, F v) { _mm512_storeu_ps(p, v); };
+  using I = __m256i;
+  const auto and16 = [](I a, int v) { return _mm256_and_si256(a, _mm256_set1_epi16(static_cast<short>(v))); };
+  const auto or16 = [](I a, I b) { return _mm256_or_si256(a, b); };
+  const auto shl16 = [](I a, int bits) { return _mm256_sll_epi16(a, _mm_cvtsi32_si128(bits)); };
+  constexpr int kNanShift = 0;  // bit i of nan_lanes is lane i
+  const auto nan_lanes = [](I mag) {
+    return static_cast<uint32_t>(_mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F)));
+  };
+#else
+  constexpr int kLanes = 8;
+  using F = __m256;
+  const auto load = [](const uint8_t* p) {
+    return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  };
+  const auto to_float = [](__m128i h) { return _mm256_cvtph_ps(h); };
+  const auto mul = [](F a, float b) { return _mm256_mul_ps(a, _mm256_set1_ps(b)); };
+  const auto store = [](float* p, F v) { _mm256_storeu_ps(p, v); };
+  using I = __m128i;
+  const auto and16 = [](I a, int v) { return _mm_and_si128(a, _mm_set1_epi16(static_cast<short>(v))); };
+  const auto or16 = [](I a, I b) { return _mm_or_si128(a, b); };
+  const auto shl16 = [](I a, int bits) { return _mm_sll_epi16(a, _mm_cvtsi32_si128(bits)); };
+  constexpr int kNanShift = 1;  // bit 2i of nan_lanes is lane i (a byte mask of 16-bit lanes)
+  const auto nan_lanes = [](I mag) {
+    const auto m = static_cast<uint32_t>(_mm_movemask_epi8(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F))));
+    return m & 0x5555u;
+  };
+#endif
+  for (; c + kLanes <= n; c += kLanes) {
+    const I x = load(s + c);
+    if (e4m3) {
+      const I mag = and16(x, 0x7F);
+      const F f = to_float(or16(shl16(mag, 7), shl16(and16(x, 0x80), 8)));
+      store(d + c, mul(f, 256.0f));
+      for (uint32_t nan = nan_lanes(mag); nan != 0; nan &= nan - 1) {
+        const int64_t i = c + (__builtin_ctz(nan) >> kNanShift);
+        d[i] = table[s[i]];
+      }
+    } else {
+      store(d + c, to_float(shl16(x, 8)));
+    }
+  }
+#endif
+  for (; c < n; ++c) d[c] = table[s[c]];
+}
+
 // Rows [r0, r1) x columns [c0, c1) of batch b of an operand (FloatOperand), decoded to fp32 dst
 // (row stride ld) and multiplied by their block scales; `k_cols`: K runs along the columns
 // (x1 [m, k], x2 [n, k]). float4: c0 and c1 even (whole bytes).
@@ -511,6 +573,8 @@ void decode_rect(const FloatOperand& op, int64_t b, bool k_cols, int64_t r0, int
         d[2 * c - c0] = table[s[c] & 15];
         d[2 * c + 1 - c0] = table[s[c] >> 4];
       }
+    } else if (op.code == FloatCode::kE4m3 || op.code == FloatCode::kE5m2) {
+      decode_float8(op.code == FloatCode::kE4m3, s + c0, d, w, table);
     } else {
       for (int64_t c = c0; c < c1; ++c) d[c - c0] = table[s[c]];
     }
@@ -572,7 +636,9 @@ void tiled_float_gemm(const float* a, bool a_trans, int64_t lda, const FloatOper
 // to fp32 before the add (no fused multiply-add), as the golden's float32 tensors compute it.
 void block_scaled_float_gemm(const FloatQuantMatmulArgs& p, const float* af, const float* wf,
                              float* acc_all) {
-  constexpr int64_t kBlockTileM = 64, kBlockTileN = 128;
+  // Output tiles of 256 x 256: each K block's product is one sgemm of depth gk per tile, and
+  // larger tiles run those at a better rate (the panel, 256 KiB, stays in L2).
+  constexpr int64_t kBlockTileM = 256, kBlockTileN = 256;
   const FloatBlockScales& bs = p.block;
   const int64_t m = p.m, k = p.k, n = p.n, gm = bs.gm, gn = bs.gn, gk = bs.gk;
   const int64_t ms = (m + gm - 1) / gm, ks = (k + gk - 1) / gk, ns = (n + gn - 1) / gn;
