@@ -435,4 +435,4 @@ def test_infer_attention_v2_portable_out_overload_opcheck_compile_errors():
             "argument 'out_dtype' must be None, torch.int8, torch.float8_e5m2, "
             "torch.float8_e4m3fn or torch_npu.hifloat8 (290) with quant_scale_out")
     _raises(lambda: npu.npu_fused_infer_attention_score_v2(q, k, v, out_dtype=HIF8, **kw),
-            "argument 'out_dtype' must be None or query's dtype")
+            "argument 'out_dtype' must be None or the output's dtype")

@@ -715,7 +715,7 @@ def test_bad_paged_inputs():
 
 def test_v2_bad_inputs():
     q, k, v = make("BSH", 1, 2, 2, 1, 4, 8, torch.float32)
-    with pytest.raises(RuntimeError, match="argument 'out_dtype' must be None or query's dtype"):
+    with pytest.raises(RuntimeError, match="argument 'out_dtype' must be None or the output's dtype"):
         npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2, out_dtype=1)
     with pytest.raises(RuntimeError, match="argument 'dequant_scale_value' must be given together"):
         npu.npu_fused_infer_attention_score_v2(q, k, v, num_query_heads=2,

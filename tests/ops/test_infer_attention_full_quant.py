@@ -257,3 +257,86 @@ def test_portable_composition():
     assert out8.dtype == torch.int8 and (out8.int() - native8.int()).abs().max() <= 1
     with pytest.raises(RuntimeError, match="'dequant_scale1' is needed with an int8 query"):
         portable.npu_fused_infer_attention_score(q, k, v, **kw)
+
+
+# ----------------------------------------------------------------------------- v2: int8 MLA
+
+
+@pytest.mark.parametrize("layout", ["TND", "BSND"])
+def test_v2_int8_mla_query_per_token_and_head(layout):
+    """query_quant_mode 3: an int8 query with one factor per token and head, an int8 latent
+    cache with per-tensor factors, bf16 rope parts; the output in bf16 is the attention of the
+    dequantised values (float64 reference)."""
+    from test_infer_attention import check, reference, rnd
+
+    torch.manual_seed(13)
+    N, D, Dr, bs, nb = 8, 64, 16, 16, 7
+    bf16 = torch.bfloat16
+    table = torch.tensor([[5, 0, 3], [1, 6, 2]], dtype=torch.int32)
+    lens_kv = [40, 17]
+    if layout == "TND":
+        q8, qr = int8(3, N, D), rnd(3, N, Dr, dtype=bf16)
+        seq = dict(actual_seq_qlen=[1, 3])
+    else:
+        q8, qr = int8(2, 2, N, D), rnd(2, 2, N, Dr, dtype=bf16)
+        seq = {}
+    sq = torch.rand(q8.shape[:-1]) / 500 + 1e-4
+    c8, kr = int8(nb, bs, D), rnd(nb, bs, Dr, dtype=bf16)
+    sk = torch.tensor([0.02])
+    scale = 1 / math.sqrt(D + Dr)
+    out, lse = npu.npu_fused_infer_attention_score_v2(
+        q8, c8, c8, query_rope=qr, key_rope=kr, dequant_scale_query=sq, dequant_scale_key=sk,
+        dequant_scale_value=sk, query_quant_mode=3, num_query_heads=N, num_key_value_heads=1,
+        input_layout=layout, softmax_scale=scale, block_table=table, block_size=bs,
+        actual_seq_kvlen=lens_kv, return_softmax_lse=True, **seq)
+    qd = q8.double() * sq.double().unsqueeze(-1)
+    cd = c8.double() * 0.02
+    ref = reference(qd, cd, cd, n=N, kvn=1, scale=scale, layout=layout,
+                    seq=seq.get("actual_seq_qlen"), seq_kv=lens_kv, block_table=table,
+                    q_rope=qr, k_rope=kr)
+    check(out, lse, ref, bf16)
+    # a trailing 1 on the factors' shape, and the ATen composition, agree
+    again, _ = npu.npu_fused_infer_attention_score_v2(
+        q8, c8, c8, query_rope=qr, key_rope=kr, dequant_scale_query=sq.unsqueeze(-1),
+        dequant_scale_key=sk, dequant_scale_value=sk, query_quant_mode=3, num_query_heads=N,
+        num_key_value_heads=1, input_layout=layout, softmax_scale=scale, block_table=table,
+        block_size=bs, actual_seq_kvlen=lens_kv, **seq)
+    assert torch.equal(again, out)
+    from opennpu.ops import portable
+
+    ported, _ = portable.npu_fused_infer_attention_score_v2(
+        q8, c8, c8, query_rope=qr, key_rope=kr, dequant_scale_query=sq, dequant_scale_key=sk,
+        dequant_scale_value=sk, query_quant_mode=3, num_query_heads=N, num_key_value_heads=1,
+        input_layout=layout, softmax_scale=scale, block_table=table, block_size=bs,
+        actual_seq_kvlen=lens_kv, **seq)
+    assert ported.dtype == bf16
+    torch.testing.assert_close(ported.float(), out.float(), rtol=2e-2, atol=2e-2)
+    shape, _ = npu._npu_fused_infer_attention_score_v2_infer_output(
+        q8, c8, query_rope=qr, num_query_heads=N, num_key_value_heads=1, input_layout=layout,
+        block_table=table)
+    assert shape.dtype == bf16 and shape.shape == out.shape
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(query_quant_mode=0), "'query_quant_mode' must be 3 \\(per token and head\\)"),
+    (dict(dequant_scale_query=None), "'dequant_scale_query' is needed with an int8 query"),
+    (dict(query_rope=None, key_rope=None), "'query_rope' is needed with an int8 query"),
+    (dict(dequant_scale_query=torch.ones(2, 4)),
+     "'dequant_scale_query' must be float32 with query's shape but its head size \\(\\[2, 8\\]"),
+    (dict(quant_scale_out=torch.ones(1)), "'quant_scale_out' is not supported by opennpu"),
+    (dict(dequant_scale_key=None, dequant_scale_value=None),
+     "'key' must be int8 with dequant_scale_key / dequant_scale_value"),
+])
+def test_v2_int8_mla_bad_inputs(over, match):
+    from test_infer_attention import rnd
+
+    q8, c8 = int8(2, 8, 32), int8(4, 16, 32)
+    kw = dict(query_rope=rnd(2, 8, 16, dtype=torch.bfloat16),
+              key_rope=rnd(4, 16, 16, dtype=torch.bfloat16), dequant_scale_query=torch.ones(2, 8),
+              dequant_scale_key=torch.ones(1), dequant_scale_value=torch.ones(1),
+              query_quant_mode=3, num_query_heads=8, num_key_value_heads=1, input_layout="TND",
+              block_table=torch.tensor([[0, 1], [2, 3]], dtype=torch.int32), block_size=16,
+              actual_seq_qlen=[1, 2], actual_seq_kvlen=[20, 9])
+    kw.update(over)
+    with pytest.raises(RuntimeError, match=match):
+        npu.npu_fused_infer_attention_score_v2(q8, c8, c8, **kw)

@@ -242,7 +242,7 @@ def test_bad_inputs(over, match):
     (dict(out_dtype=torch.float16, quant_scale_out=torch.ones(1)),
      "'out_dtype' must be None, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn or "
      r"torch_npu.hifloat8 \(290\) with quant_scale_out"),
-    (dict(out_dtype=torch.int8), "'out_dtype' must be None or query's dtype"),
+    (dict(out_dtype=torch.int8), "'out_dtype' must be None or the output's dtype"),
     (dict(quant_offset_out=torch.ones(1)), "'quant_offset_out' needs 'quant_scale_out'"),
     (dict(quant_scale_p=torch.ones(1)), "'quant_scale_p' is not supported"),
 ])

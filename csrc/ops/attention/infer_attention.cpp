@@ -153,6 +153,8 @@ struct Args {
   // and dequant_scale2; query / key / value here are the int8 codes as float32.
   float p_quant = 0.0f;
   double dequant2 = 1.0;
+  // v2's int8 MLA (query_quant_mode 3): the int8 latent cache with rope parts (prefill kernel)
+  bool int8_mla = false;
 };
 
 // The factors of one side in the form the kernels read (KvQuant): fp32, contiguous,
@@ -418,8 +420,9 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
                           query.scalar_type() == at::kFloat,
                       op, "query", "must be float16, bfloat16 or float32 with an int8 key/value "
                       "cache, but got ", query.scalar_type());
-    OPENNPU_CHECK_ARG(!a.query_rope.has_value(), op, "key_rope",
-                      "is not supported with an int8 key/value cache (MLA has no antiquant)");
+    OPENNPU_CHECK_ARG(!a.query_rope.has_value() || a.int8_mla, op, "key_rope",
+                      "is not supported with an int8 key/value cache (MLA has no antiquant; "
+                      "v2's int8 MLA takes an int8 query, query_quant_mode 3)");
   } else {
     OPENNPU_CHECK_ARG(!quant_given, op, a.kq.scale_name,
                       "applies to an int8 key/value cache, but 'key' is ", a.key.scalar_type(),
@@ -716,7 +719,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
 
   const bool fast_dtype = query.scalar_type() != at::kDouble;
   if (decode && !a.pse_shift.has_value() && fast_dtype && a.p_quant == 0.0f &&
-      decode_kernel_enabled()) {
+      !(int8 && rope) && decode_kernel_enabled()) {
     const auto last_contig = [](const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); };
     const at::Tensor qv = last_contig(q), kv = last_contig(kc), vv = last_contig(vc);
     const at::Tensor qrv = rope ? last_contig(qr) : at::Tensor(), krv = rope ? last_contig(kr) : at::Tensor();
@@ -834,7 +837,11 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   } else {
     kx = conv(rows(kc));
     vx = conv(rows(vc));
-    if (rope) kr = conv(rows(kr));
+  }
+  if (rope) {  // int8 MLA: the rows of the int8 cache's narrowing
+    kr = rows(kr);
+    if (int8 && (!tnd || paged)) kr = kr.narrow(2, 0, max_kv);
+    kr = conv(kr);
   }
   if (rope) {
     qx = at::cat({qx, conv(qr)}, -1);
@@ -972,6 +979,7 @@ Args with_inputs(const Args& a, const at::Tensor& query, const at::Tensor& key,
   b.float_out = a.float_out;
   b.p_quant = a.p_quant;
   b.dequant2 = a.dequant2;
+  b.int8_mla = a.int8_mla;
   return b;
 }
 
@@ -1478,7 +1486,8 @@ std::tuple<at::Tensor, at::Tensor> fia_v1_infer_output(
 // torch_npu.hifloat8 (290: uint8 codes, as torch_npu returns them); without it None or query's
 // dtype (the output is never cast otherwise).
 at::ScalarType v2_out_dtype(std::optional<int64_t> out_dtype, const at::Tensor& query,
-                            const std::optional<at::Tensor>& quant_scale_out) {
+                            const std::optional<at::Tensor>& quant_scale_out,
+                            const std::optional<at::Tensor>& query_rope) {
   if (quant_scale_out.has_value()) {
     if (!out_dtype.has_value()) return at::kChar;
     if (*out_dtype == quant::kHif8DtypeCode) return at::kByte;
@@ -1490,12 +1499,67 @@ at::ScalarType v2_out_dtype(std::optional<int64_t> out_dtype, const at::Tensor& 
                       "torch_npu.hifloat8 (290) with quant_scale_out, but got ",
                       dtype_name(*out_dtype));
   }
-  OPENNPU_CHECK_ARG(!out_dtype.has_value() ||
-                        *out_dtype == static_cast<int64_t>(query.scalar_type()),
-                    kOpV2, "out_dtype", "must be None or query's dtype (", query.scalar_type(),
+  // an int8 query (int8 MLA, query_quant_mode 3): query_rope's dtype
+  const at::ScalarType dt = query.scalar_type() == at::kChar && query_rope.has_value()
+                                ? query_rope->scalar_type()
+                                : query.scalar_type();
+  OPENNPU_CHECK_ARG(!out_dtype.has_value() || *out_dtype == static_cast<int64_t>(dt), kOpV2,
+                    "out_dtype", "must be None or the output's dtype (", dt,
                     ") without quant_scale_out (a quantised output needs its factors), but got ",
                     out_dtype.has_value() ? dtype_name(*out_dtype) : "None");
-  return query.scalar_type();
+  return dt;
+}
+
+// v2's int8 MLA (query_quant_mode 3, Ascend's "全量化" MLA scenario): an int8 query with
+// dequant_scale_query, one float32 factor per token and head (query's shape without D, or with
+// a trailing 1), int8 key / value with their dequant_scale_key / dequant_scale_value (the
+// antiquant factors of any int8 cache), query_rope / key_rope in bfloat16 / float16 and the
+// output in query_rope's dtype. The scores are (q . k) * s_q[token, head] * s_k (+ rope part):
+// the query's codes times their factor in float32 (one product per element, as the factor
+// multiplies the int32 dot product on Ascend up to that rounding), the attention in float32,
+// the output rounded once. No output quantisation or key / value offsets, as on Ascend.
+struct QueryDequant {
+  at::Tensor query, query_rope, key_rope;  // float32; undefined: not an int8 query
+};
+
+QueryDequant query_dequant(const at::Tensor& query, const std::optional<at::Tensor>& scale,
+                           int64_t mode, const std::optional<at::Tensor>& query_rope,
+                           const std::optional<at::Tensor>& key_rope,
+                           const std::optional<at::Tensor>& quant_scale_out,
+                           const std::optional<at::Tensor>& dequant_offset_key,
+                           const std::optional<at::Tensor>& dequant_offset_value) {
+  QueryDequant r;
+  const bool int8 = query.scalar_type() == at::kChar;
+  if (!int8 && !scale.has_value() && mode == 0) return r;
+  OPENNPU_CHECK_ARG(int8, kOpV2, scale.has_value() ? "dequant_scale_query" : "query_quant_mode",
+                    "needs an int8 query (int8 MLA), but got a ", query.scalar_type(), " query");
+  OPENNPU_CHECK_ARG(mode == 3, kOpV2, "query_quant_mode",
+                    "must be 3 (per token and head) with an int8 query, but got ", mode);
+  OPENNPU_CHECK_ARG(scale.has_value(), kOpV2, "dequant_scale_query",
+                    "is needed with an int8 query (its per-token, per-head factors)");
+  OPENNPU_CHECK_ARG(query_rope.has_value() && key_rope.has_value(), kOpV2, "query_rope",
+                    "is needed with an int8 query (int8 MLA: query_rope and key_rope in bfloat16 "
+                    "or float16, the output in their dtype)");
+  OPENNPU_CHECK_ARG(query_rope->scalar_type() == at::kBFloat16 ||
+                        query_rope->scalar_type() == at::kHalf,
+                    kOpV2, "query_rope", "must be bfloat16 or float16 with an int8 query, but got ",
+                    query_rope->scalar_type());
+  reject(kOpV2, "quant_scale_out", quant_scale_out, "output quantisation with an int8 query");
+  reject(kOpV2, "dequant_offset_key", dequant_offset_key, "key offsets with an int8 query");
+  reject(kOpV2, "dequant_offset_value", dequant_offset_value, "value offsets with an int8 query");
+  const at::Tensor& s = *scale;
+  check_same_device(kOpV2, "dequant_scale_query", s, "query", query);
+  const auto rows = query.sizes().slice(0, query.dim() - 1);
+  std::vector<int64_t> with_one(rows.begin(), rows.end());
+  with_one.push_back(1);
+  OPENNPU_CHECK_ARG(s.scalar_type() == at::kFloat && (s.sizes() == rows || s.sizes() == with_one),
+                    kOpV2, "dequant_scale_query", "must be float32 with query's shape but its "
+                    "head size (", shape_str(rows), ", one factor per token and head), but got ",
+                    s.scalar_type(), " ", shape_str(s.sizes()));
+  r.query = query.to(at::kFloat).mul_(s.reshape(with_one).to(at::kFloat));
+  r.query_rope = query_rope->to(at::kFloat);
+  r.key_rope = key_rope->to(at::kFloat);
+  return r;
 }
 
 #define FIA_V2_PARAMS                                                                             \
@@ -1544,18 +1608,21 @@ std::tuple<at::Tensor, at::Tensor> fia_v2(FIA_V2_PARAMS) {
   (void)query_rope_dtype; (void)key_rope_dtype; (void)key_shared_prefix_dtype;
   (void)value_shared_prefix_dtype; (void)dequant_scale_query_dtype; (void)dequant_scale_key_dtype;
   (void)dequant_scale_value_dtype; (void)dequant_scale_key_rope_dtype;
-  reject(kOpV2, "dequant_scale_query", dequant_scale_query, "query dequantisation");
   reject(kOpV2, "quant_scale_p", quant_scale_p, "quantised probabilities");
-  OPENNPU_CHECK_ARG(query_quant_mode == 0, kOpV2, "query_quant_mode",
-                    "must be 0 (query dequantisation is not supported by opennpu), but got ",
-                    query_quant_mode);
+  const QueryDequant dq = query_dequant(query, dequant_scale_query, query_quant_mode, query_rope,
+                                        key_rope, quant_scale_out, dequant_offset_key,
+                                        dequant_offset_value);
+  const bool int8_query = dq.query.defined();
+  const std::optional<at::Tensor> qr_f = int8_query ? std::optional<at::Tensor>(dq.query_rope) : query_rope;
+  const std::optional<at::Tensor> kr_f = int8_query ? std::optional<at::Tensor>(dq.key_rope) : key_rope;
   for (const auto& [name, mode] : {std::pair<const char*, int64_t>{"key_quant_mode", key_quant_mode},
                                    {"value_quant_mode", value_quant_mode}}) {
     OPENNPU_CHECK_ARG(mode >= 0 && mode <= 5, kOpV2, name, "must be in [0, 5], but got ", mode);
   }
-  Args a{query, key, value, pse_shift, atten_mask, to_ints(actual_seq_qlen),
+  const at::ScalarType out_type = v2_out_dtype(out_dtype, query, quant_scale_out, query_rope);
+  Args a{int8_query ? dq.query : query, key, value, pse_shift, atten_mask, to_ints(actual_seq_qlen),
          to_ints(actual_seq_kvlen), actual_seq_qlen.has_value(),
-         actual_seq_kvlen.has_value(), block_table, query_rope, key_rope,
+         actual_seq_kvlen.has_value(), block_table, qr_f, kr_f,
          learnable_sink, num_query_heads, softmax_scale, pre_tokens, next_tokens,
          input_layout, num_key_value_heads, sparse_mode, inner_precise,
          block_size, return_softmax_lse};
@@ -1563,10 +1630,19 @@ std::tuple<at::Tensor, at::Tensor> fia_v2(FIA_V2_PARAMS) {
           "dequant_offset_key", "key_quant_mode"};
   a.vq = {dequant_scale_value, dequant_offset_value, value_quant_mode, -1, "dequant_scale_value",
           "dequant_offset_value", "value_quant_mode"};
+  a.int8_mla = int8_query;
   check_antiquant(kOpV2, a);
+  if (int8_query) {
+    OPENNPU_CHECK_ARG(key.scalar_type() == at::kChar && value.scalar_type() == at::kChar &&
+                          dequant_scale_key.has_value() && dequant_scale_value.has_value(),
+                      kOpV2, "key", "must be int8 with dequant_scale_key / dequant_scale_value "
+                      "when the query is int8, but got ", key.scalar_type(), " key and ",
+                      value.scalar_type(), " value");
+    auto [out, lse] = run(kOpV2, a);  // float32 query: a float32 output
+    return {out.to(out_type), lse};
+  }
   return run_quantised(kOpV2, a, out_quant(kOpV2, "quant_scale_out", "quant_offset_out",
-                                           quant_scale_out, quant_offset_out, a,
-                                           v2_out_dtype(out_dtype, query, quant_scale_out)));
+                                           quant_scale_out, quant_offset_out, a, out_type));
 }
 
 std::tuple<at::Tensor&, at::Tensor&> fia_v2_out(FIA_V2_PARAMS,
@@ -1601,11 +1677,11 @@ std::tuple<at::Tensor, at::Tensor> fia_v2_infer_output(
     std::optional<int64_t> /*value_dtype*/, c10::string_view input_layout,
     const std::optional<at::Tensor>& quant_scale_out, const std::optional<at::Tensor>& block_table,
     int64_t num_query_heads, int64_t num_key_value_heads, bool return_softmax_lse,
-    const std::optional<at::Tensor>& /*query_rope*/, std::optional<int64_t> out_dtype) {
+    const std::optional<at::Tensor>& query_rope, std::optional<int64_t> out_dtype) {
   const char* op = "_npu_fused_infer_attention_score_v2_infer_output";
   const Shapes sh = output_shapes(op, query, value, input_layout, block_table.has_value(),
                                   num_query_heads, num_key_value_heads, return_softmax_lse);
-  const at::ScalarType dt = v2_out_dtype(out_dtype, query, quant_scale_out);
+  const at::ScalarType dt = v2_out_dtype(out_dtype, query, quant_scale_out, query_rope);
   return {at::zeros(sh.out, query.options().dtype(dt)),
           at::zeros(sh.lse, query.options().dtype(at::kFloat))};
 }

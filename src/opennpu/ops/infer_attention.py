@@ -153,10 +153,12 @@ _OUT_DTYPES = {torch.int8: torch.int8, torch.float8_e5m2: torch.float8_e5m2,
 _OUT_DTYPE_CODES = {1: torch.int8, 23: torch.float8_e5m2, 24: torch.float8_e4m3fn, 290: torch.uint8}
 
 
-def v2_out_dtype(query, quant_scale_out, out_dtype):
+def v2_out_dtype(query, quant_scale_out, out_dtype, query_rope=None):
     """attention_out's dtype of a v2 call (int8 / float8 / uint8 hifloat8 codes when
-    quant_scale_out is given)."""
+    quant_scale_out is given; query_rope's from an int8 query, int8 MLA)."""
     if quant_scale_out is None:
+        if query.dtype == torch.int8 and query_rope is not None:
+            return query_rope.dtype
         return query.dtype
     if out_dtype is None:
         return torch.int8
@@ -211,10 +213,10 @@ def _fia_infer_output_fake(query, value, *, input_layout="BSH", quant_scale2=Non
 @register_fake("npu::npu_fused_infer_attention_score_v2")
 def _fia_v2_fake(query, key, value, *, block_table=None, num_query_heads=1, input_layout="BSH",
                  num_key_value_heads=0, return_softmax_lse=False, quant_scale_out=None,
-                 out_dtype=None, **_):
+                 out_dtype=None, query_rope=None, **_):
     return _fake_outputs(query, value, input_layout, block_table, num_query_heads,
                          num_key_value_heads, return_softmax_lse,
-                         v2_out_dtype(query, quant_scale_out, out_dtype))
+                         v2_out_dtype(query, quant_scale_out, out_dtype, query_rope))
 
 
 @register_fake("npu::npu_fused_infer_attention_score_v2.out")
@@ -234,7 +236,7 @@ def _fia_v2_infer_output_fake(query, value, *, query_dtype=None, value_dtype=Non
                               query_rope=None, out_dtype=None):
     return _fake_outputs(query, value, input_layout, block_table, num_query_heads,
                          num_key_value_heads, return_softmax_lse,
-                         v2_out_dtype(query, quant_scale_out, out_dtype))
+                         v2_out_dtype(query, quant_scale_out, out_dtype, query_rope))
 
 
 _INFERENCE = "an inference op; torch_npu registers no gradient"

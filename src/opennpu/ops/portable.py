@@ -2549,7 +2549,7 @@ def _npu_fused_infer_attention_score_v2_infer_output(
 
     return _fia_zero_outputs(query, value, input_layout, block_table, num_query_heads,
                              num_key_value_heads, return_softmax_lse,
-                             v2_out_dtype(query, quant_scale_out, out_dtype))
+                             v2_out_dtype(query, quant_scale_out, out_dtype, query_rope))
 
 
 @_portable("npu::npu_fused_infer_attention_score_v2")
@@ -2566,14 +2566,24 @@ def npu_fused_infer_attention_score_v2(
     op = "npu_fused_infer_attention_score_v2"
     from .infer_attention import v2_out_dtype
 
-    _fia_reject(op, dequant_scale_query=dequant_scale_query, quant_scale_p=quant_scale_p)
-    out_dtype = v2_out_dtype(query, quant_scale_out, _dtypes.get("out_dtype"))
+    _fia_reject(op, quant_scale_p=quant_scale_p)
+    out_dtype = v2_out_dtype(query, quant_scale_out, _dtypes.get("out_dtype"), query_rope)
+    int8_query = query.dtype == torch.int8 or dequant_scale_query is not None or query_quant_mode
+    if int8_query:  # int8 MLA: the native kernel's rules, in short
+        if (query.dtype != torch.int8 or query_quant_mode != 3 or dequant_scale_query is None
+                or query_rope is None or key_rope is None or quant_scale_out is not None
+                or dequant_offset_key is not None or dequant_offset_value is not None):
+            raise RuntimeError(f"{op}: an int8 query needs query_quant_mode 3, "
+                               "dequant_scale_query, query_rope and key_rope, and takes no "
+                               "quant_scale_out or key / value offsets")
+        s = dequant_scale_query.float().reshape(*query.shape[:-1], 1)
+        query, query_rope, key_rope = query.float() * s, query_rope.float(), key_rope.float()
     aq = _fia_antiquant_pair(
         op, (dequant_scale_key, dequant_offset_key, key_quant_mode, None,
              ("dequant_scale_key", "dequant_offset_key", "key_quant_mode")),
         (dequant_scale_value, dequant_offset_value, value_quant_mode, None,
          ("dequant_scale_value", "dequant_offset_value", "value_quant_mode")))
-    return _fia_quantised(
+    out, lse = _fia_quantised(
         op, ("quant_scale_out", "quant_offset_out"), quant_scale_out, quant_offset_out, out_dtype,
         lambda q, k, v, qr, kr: _fia(
             q, k, v, pse_shift, atten_mask, actual_seq_qlen, actual_seq_kvlen, block_table, qr,
@@ -2581,6 +2591,7 @@ def npu_fused_infer_attention_score_v2(
             input_layout, num_key_value_heads, sparse_mode, block_size, return_softmax_lse, op,
             aq),
         query, key, value, query_rope, key_rope, num_query_heads, input_layout)
+    return (out.to(out_dtype), lse) if int8_query else (out, lse)
 
 
 # ----------------------------------------------------------------------------- sampling
