@@ -21,14 +21,17 @@
 // accumulators of 4 heads x kPvVecs vectors stay in registers). When the tasks are too few for
 // the threads, the context is split (flash-decoding) and the partial (max, sum, acc) of the
 // splits are merged by log-sum-exp in a second pass. The output is rounded once.
-// An int8 cache (antiquant) is dequantised chunk by chunk into fp32 rows of the task's scratch,
-// (x + offset) * scale with per-channel or per-token factors, and those rows go through the same
-// score and P V loops: no fp32 copy of the cache is made.
+// An int8 cache (antiquant) with per-channel factors is read as codes, converted in registers
+// (the factors folded into q and applied to the P V sums once, see fused_int8_); with per-token
+// factors it is dequantised chunk by chunk into fp32 rows of the task's scratch,
+// (x + offset) * scale, and those rows go through the same score and P V loops: no fp32 copy of
+// the cache is made either way.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -124,6 +127,45 @@ OPENNPU_VEC_INLINE Vec transpose_sum(const Vec* a) {
 #endif
 }
 
+// int8 codes as fp32 lanes behind VecPair's interface (kStep = two vectors): the rows of an int8
+// cache with per-channel factors, which the score and P V loops read as codes (see
+// DecodeKernel::fused_int8_).
+struct Int8Pair {
+  static constexpr int64_t kStep = 2 * Vec::size();
+  OPENNPU_VEC_INLINE static void load(const int8_t* p, Vec& a, Vec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(x)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(x, 1)));
+#elif defined(CPU_CAPABILITY_AVX2)
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(x, 8)));
+#else
+    float t[kStep];
+    for (int64_t i = 0; i < kStep; ++i) t[i] = static_cast<float>(p[i]);
+    a = Vec::loadu(t);
+    b = Vec::loadu(t + Vec::size());
+#endif
+  }
+  // n < kStep codes; lanes past n are 0
+  OPENNPU_VEC_INLINE static void load(const int8_t* p, Vec& a, Vec& b, int64_t n) {
+    if (n == kStep) return load(p, a, b);
+    int8_t t[kStep] = {};
+    std::memcpy(t, p, n);
+    load(t, a, b);
+  }
+};
+
+template <typename In>
+struct RowPair {
+  using type = VecPair<In>;
+};
+template <>
+struct RowPair<int8_t> {
+  using type = Int8Pair;
+};
+
 // acc[h * NK + i] += q_h * k_i lane by lane (summed later by transpose_sum) for NH heads and
 // NK = Vec::size() / NH keys, over n elements: one register of partial dot products per (head,
 // key), each key row converted once for the NH heads and each q vector loaded once for the NK
@@ -137,7 +179,7 @@ template <int NH, typename In>
 OPENNPU_VEC_INLINE void dots_block(const float* q, int64_t ldq, const In* const* k, int64_t n,
                                    Vec* acc, const char* const* pf = nullptr,
                                    int64_t pf_bytes = 0) {
-  using Pair = VecPair<In>;
+  using Pair = typename RowPair<In>::type;
   constexpr int NK = Vec::size() / NH;
   const auto step = [&](int64_t j, int64_t cnt) OPENNPU_VEC_INLINE_LAMBDA {
     if (pf != nullptr) {
@@ -293,7 +335,7 @@ constexpr int64_t kPvWidth = kPvVecs * Vec::size();  // accumulator rows are pad
 template <int NH, typename In>
 void chunk_pv(const float* p, const In* v, int64_t v_stride, int64_t len, int64_t Dv, float* acc,
               int64_t ld_acc, const char* pf, int64_t pf_stride, int64_t pf_bytes, int64_t pf_len) {
-  using Pair = VecPair<In>;
+  using Pair = typename RowPair<In>::type;
   static_assert(kPvWidth % Pair::kStep == 0);
   constexpr int kPairs = kPvWidth / Pair::kStep;
   const int64_t tiles = (Dv + kPvWidth - 1) / kPvWidth;
@@ -361,6 +403,7 @@ void for_head_tiles(int64_t g, const F& f) {
 struct Scratch {
   std::vector<float> q, qr, s, acc, m, l, kd, vd;
   std::vector<at::BFloat16> qb, qrb;  // unscaled bf16 q of the group (chunk_scores_bf16)
+  std::vector<float> qoff;  // per head: sum_d q'_d * key offset_d (fused int8, see fused_int8_)
 };
 
 // Offset of the token factor of row t0 of (b, h) in a KvQuant::Kind::kToken table.
@@ -448,6 +491,7 @@ struct DecodeKernel {
     if constexpr (kInt8) {
       w.kd.resize(kChunk * ldq);
       w.vd.resize(kChunk * ldacc);
+      w.qoff.assign(nkv * g, 0.0f);
     }
     if (native_bf16_) {
       w.qb.assign(nkv * g * ldq, at::BFloat16(0.0f));
@@ -463,6 +507,16 @@ struct DecodeKernel {
       const int64_t n = kvh * g + h;
       const In* src = q_base_ + b * p.q.stride_b + p.q_start[b] * p.q.stride_s + n * p.q.stride_n;
       for (int64_t j = 0; j < D; ++j) q[h * ldq + j] = static_cast<float>(src[j]) * scale_;
+      if (fused_int8_) {  // q'_d = scale q_d s_d, and the offsets' share of every score
+        const float* ks = d.cache.kq.scale + kvh * D;
+        const float* ko = d.cache.kq.offset == nullptr ? nullptr : d.cache.kq.offset + kvh * D;
+        float off = 0.0f;
+        for (int64_t j = 0; j < D; ++j) {
+          q[h * ldq + j] *= ks[j];
+          if (ko != nullptr) off += q[h * ldq + j] * ko[j];
+        }
+        w.qoff[slot * g + h] = off;
+      }
       if constexpr (std::is_same_v<In, at::BFloat16>) {
         if (native_bf16_) std::copy(src, src + D, w.qb.data() + (slot * g + h) * ldq);
       }
@@ -579,10 +633,29 @@ struct DecodeKernel {
         // last kv head: a prefetch never faults)
       }
     }
-    const KRow* k;
-    const KRow* v;
-    int64_t k_stride, v_stride;
+    const KRow* k = nullptr;
+    const KRow* v = nullptr;
+    int64_t k_stride = 0, v_stride = 0;
     if constexpr (kInt8) {
+      if (fused_int8_) {  // scores from the codes: q' . k + the offsets' share
+        for_head_tiles(g, [&](auto nh, int64_t h0) {
+          chunk_scores<decltype(nh)::value, int8_t, In>(
+              qs + h0 * ldq, qrs + h0 * ldqr, ldq, ldqr, k_raw, K.stride_s, nullptr, 0, D, 0,
+              len, w.s.data() + h0 * kChunk, h0 == 0 ? pf_s : nullptr, pf_s_pitch, pf_s_bytes,
+              pf_s_len);
+        });
+        if (d.cache.kq.offset != nullptr) {
+          for (int64_t h = 0; h < g; ++h) {
+            float* sh = w.s.data() + h * kChunk;
+            const float off = w.qoff[slot * g + h];
+            for (int64_t t = 0; t < len; ++t) sh[t] += off;
+          }
+        }
+      }
+    }
+    if (fused_int8_) {
+      // scores taken above
+    } else if constexpr (kInt8) {
       dequant_rows(d.cache.kq, d, b, kvh, c0, len, k_raw, K.stride_s, D, w.kd.data(), ldq);
       dequant_rows(d.cache.vq, d, b, kvh, c0, len, v_raw, V.stride_s, Dv, w.vd.data(), ldacc);
       k = w.kd.data();
@@ -596,7 +669,7 @@ struct DecodeKernel {
       v_stride = V.stride_s;
     }
     const In* kr = Dr > 0 ? row_ptr(KR, d, b, kvh, c0) : nullptr;
-    for_head_tiles(g, [&](auto nh, int64_t h0) {
+    if (!fused_int8_) for_head_tiles(g, [&](auto nh, int64_t h0) {
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<KRow, at::BFloat16>) {
         if (native_bf16_) {
@@ -654,6 +727,15 @@ struct DecodeKernel {
       ms[h] = m_new;
     }
     for_head_tiles(g, [&](auto nh, int64_t h0) {
+      if constexpr (kInt8) {
+        if (fused_int8_) {  // acc += P codes; the factors are applied once, by finish_int8
+          chunk_pv<decltype(nh)::value, int8_t>(w.s.data() + h0 * kChunk, v_raw, V.stride_s, len,
+                                                Dv, accs + h0 * ldacc, ldacc,
+                                                h0 == 0 ? pf_pv : nullptr, pf_pv_pitch,
+                                                pf_pv_bytes, pf_pv_len);
+          return;
+        }
+      }
       chunk_pv<decltype(nh)::value, KRow>(w.s.data() + h0 * kChunk, v, v_stride, len, Dv,
                                           accs + h0 * ldacc, ldacc, h0 == 0 ? pf_pv : nullptr,
                                           pf_pv_pitch, pf_pv_bytes, pf_pv_len);
@@ -674,6 +756,22 @@ struct DecodeKernel {
       const int64_t len = chunk_len(c0, t1);
       for (int64_t s = 0; s < nkv; ++s) step(w, s, b, kvh0 + s, c0, len, t1);
       c0 += len;
+    }
+    if (fused_int8_) {
+      for (int64_t s = 0; s < nkv; ++s) finish_int8(w, kvh0 + s, s);
+    }
+  }
+
+  // Fused int8: acc = sum_t p_t v_t over the codes becomes sum_t p_t (v_t + o) s = s (acc + o l)
+  // with the value factors of kv head kvh, l = sum_t p_t (linear in acc and l, as the merge of
+  // context splits is).
+  void finish_int8(Scratch& w, int64_t kvh, int64_t slot) const {
+    const float* vs = d.cache.vq.scale + kvh * Dv;
+    const float* vo = d.cache.vq.offset == nullptr ? nullptr : d.cache.vq.offset + kvh * Dv;
+    for (int64_t h = 0; h < g; ++h) {
+      float* a = w.acc.data() + (slot * g + h) * ldacc;
+      const float l = w.l[slot * g + h];
+      for (int64_t j = 0; j < Dv; ++j) a[j] = (a[j] + (vo != nullptr ? vo[j] * l : 0.0f)) * vs[j];
     }
   }
 
@@ -706,6 +804,12 @@ struct DecodeKernel {
   void* out_raw_ = nullptr;  // out_, or float32 rows when d.out_float
   float scale_ = 1.0f;
   bool native_bf16_ = false;  // bf16 K read by chunk_scores_bf16 (AVX512_BF16)
+  // An int8 cache with per-channel factors: the score and P V loops read the codes (converted
+  // in registers) instead of dequantised rows. score = sum_d q_d (k_d + o_d) s_d scale
+  // = q' . k + q' . o with q' = scale q s (load_q); the P V sums take the codes and finish_int8
+  // applies the value factors once. The same values as dequantising first, summed in another
+  // order (one fp32 rounding of q' per element instead of one of each dequantised element).
+  bool fused_int8_ = false;
   int64_t chunk_ = kChunk;  // keys per step, <= kChunk
   bool whole_rows_ = false;  // token-major over gapless token rows (see step)
   bool v_ahead_ = false;  // token-major, fp32: the values are asked for a kv head ahead (see step)
@@ -722,6 +826,8 @@ void decode_impl(const DecodeProblem& d, void* out) {
   kern.scale_ = static_cast<float>(p.scale);
   kern.native_bf16_ = std::is_same_v<In, at::BFloat16> && std::is_same_v<KvT, In> &&
                       has_avx512_bf16();
+  kern.fused_int8_ = std::is_same_v<KvT, int8_t> && d.cache.kq.kind == KvQuant::Kind::kChannel &&
+                     d.cache.vq.kind == KvQuant::Kind::kChannel && kern.Dr == 0;
   const int64_t g = kern.g;
   const int64_t KVN = p.heads_kv;
   // A task unit: one (batch, kv head) pair, or (token-major) one batch with all its kv heads.
