@@ -271,6 +271,23 @@ def test_dynamic_block_quant_matches_reference(dtype, dst_type):
         assert torch.equal(s, rs)
 
 
+@pytest.mark.parametrize("dtype", (F16, BF16, F32), ids=str)
+def test_dynamic_block_quant_int8_non_finite_and_tiny_blocks(dtype):
+    """Blocks holding a NaN (codes 0, scale NaN), an inf (scale inf, codes 0) or only values so
+    small that 1 / amax overflows (multiplier inf: the codes saturate), in full blocks and tails."""
+    for shape, rb, cb in [((4, 300), 1, 128), ((3, 9, 70), 2, 32), ((5, 33), 1, 16)]:
+        x = spread(*shape, dtype=dtype, seed=3)
+        flat = x.view(-1, shape[-1])
+        flat[0, 1] = float("nan")
+        flat[1, -1] = float("inf")
+        flat[2, :] = 0.0
+        flat[2, -3] = -1e-40 if dtype == F32 else 0.0
+        y, s = opennpu.npu_dynamic_block_quant(x, row_block_size=rb, col_block_size=cb)
+        ry, rs = R.dynamic_block_quant(x, row_block_size=rb, col_block_size=cb)
+        assert torch.equal(y, ry)
+        assert torch.equal(s.isnan(), rs.isnan()) and torch.equal(s.nan_to_num(), rs.nan_to_num())
+
+
 def test_dynamic_block_quant_op_plugin_golden():
     # op-plugin's golden: y = round(x * 127 / amax) clamped to [-127, 127], scale = amax / 127
     x = spread(4, 3, dtype=F16, seed=9)

@@ -15,6 +15,7 @@
 #include "common/fp_barrier.h"
 #include "ops/quant/hifloat8.h"
 #include "ops/quant/mx_quant.h"
+#include "ops/quant/simd16.h"
 
 namespace opennpu::quant {
 inline namespace CPU_CAPABILITY {
@@ -215,6 +216,58 @@ void pack_fp4_kernel(const uint8_t* codes, int64_t pairs, uint8_t* packed) {
   });
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// block_quant_kernel's int8 codes of one block (`rows` rows of w elements, `stride` elements
+// apart; inverse_of(amax) is the block's multiplier), the portable path's values from fewer
+// instructions; returns the block's amax as the portable path finds it.
+// - amax: the largest bit pattern of |x| (an unsigned max: for non-negative floats the integer
+//   order is the float order, and a NaN's pattern is above inf's); a NaN block gets the NaN that
+//   at::vec::maximum's propagation leaves (all bits set), so its scale is the same NaN.
+// - codes: x * inv rounded half to even (vrndscaleps, as Vectorized::round), clamped to
+//   [-qmax, qmax] and truncated to an integer (the portable path's float -> int8 cast: qmax may be
+//   fractional), NaN lanes masked to 0 in that conversion; |code| <= 127, so vpmovsdb's
+//   saturation changes nothing.
+template <typename scalar_t, typename Inverse>
+OPENNPU_VEC_INLINE float block_quant_int8_avx512(const scalar_t* x, int64_t rows, int64_t w,
+                                                 int64_t stride, float qmax,
+                                                 const Inverse& inverse_of, uint8_t* y) {
+  const __mmask16 tail = _cvtu32_mask16((1u << (w % 16)) - 1);
+  const int64_t full = w - w % 16;
+  const __m512i sign_off = _mm512_set1_epi32(0x7fffffff);
+  __m512i m = _mm512_setzero_si512();
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* row = x + r * stride;
+    for (int64_t c = 0; c < full; c += 16) {
+      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(load16(row + c)), sign_off));
+    }
+    if (tail != 0) {
+      const __m512 v = load16(row + full, tail);  // lanes past w are 0
+      m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(v), sign_off));
+    }
+  }
+  const uint32_t top = static_cast<uint32_t>(_mm512_reduce_max_epu32(m));
+  const float amax = std::bit_cast<float>(top > 0x7f800000u ? 0xffffffffu : top);
+  const __m512 vinv = _mm512_set1_ps(inverse_of(amax));
+  const __m512 lo = _mm512_set1_ps(-qmax), hi = _mm512_set1_ps(qmax);
+  auto code = [&](__m512 v) __attribute__((always_inline)) {
+    const __m512 t = _mm512_roundscale_ps(_mm512_mul_ps(v, vinv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __mmask16 number = _mm512_cmp_ps_mask(t, t, _CMP_ORD_Q);
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(t, lo), hi);
+    return _mm512_cvtsepi32_epi8(_mm512_maskz_cvttps_epi32(number, c));
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const scalar_t* row = x + r * stride;
+    uint8_t* out = y + r * stride;
+    for (int64_t c = 0; c < full; c += 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + c), code(load16(row + c)));
+    }
+    if (tail != 0) _mm_mask_storeu_epi8(out + full, tail, code(load16(row + full, tail)));
+  }
+  return amax;
+}
+#endif
+
 void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax, float min_scale,
                         int fp8, at::Tensor& y, at::Tensor& scale) {
   const int64_t batch = x.size(0), rows = x.size(1), cols = x.size(2);
@@ -222,13 +275,35 @@ void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
   float* ps = scale.mutable_data_ptr<float>();
   auto* py = static_cast<uint8_t*>(y.mutable_data_ptr());
   const float inv_min = min_scale > 0.f ? 1.f / min_scale : INFINITY;
+  // op-plugin's golden multiplies by 127.0 / amax, which torch evaluates as amax.reciprocal()
+  // * 127: two roundings, reproduced here.
+  const auto inverse_of = [&](float amax) {
+    return amax == 0.f ? 0.f : std::min(rounded(qmax * rounded(1.f / amax)), inv_min);
+  };
+  const auto scale_of = [&](float amax) {
+    return amax == 0.f ? std::max(0.f, min_scale) : std::max(amax / qmax, min_scale);
+  };
   OPENNPU_MX_DISPATCH(x.scalar_type(), "npu_dynamic_block_quant", [&] {
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     at::parallel_for(0, batch * srows * scols, 1, [&](int64_t begin, int64_t end) {
+      // unit = (bt * srows + sr) * scols + sc, stepped without a division per block
+      int64_t sc = begin % scols, sr = begin / scols % srows, next_bt = begin / (srows * scols);
       for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t bt = unit / (srows * scols);
-        const int64_t r0 = (unit / scols) % srows * rb, c0 = unit % scols * cb;
+        const int64_t bt = next_bt, r0 = sr * rb, c0 = sc * cb;
         const int64_t r1 = std::min(rows, r0 + rb), c1 = std::min(cols, c0 + cb);
+        if (++sc == scols) {
+          sc = 0;
+          if (++sr == srows) sr = 0, ++next_bt;
+        }
+#if defined(CPU_CAPABILITY_AVX512)
+        if (fp8 == 0) {
+          const int64_t first = (bt * rows + r0) * cols + c0;
+          ps[unit] = scale_of(block_quant_int8_avx512<scalar_t>(px + first, r1 - r0, c1 - c0,
+                                                                cols, qmax, inverse_of,
+                                                                py + first));
+          continue;
+        }
+#endif
         using Vec = at::vec::Vectorized<float>;
         using IO = VecPair<scalar_t>;
         Vec m0(0.f), m1(0.f);  // at::vec::maximum propagates NaN
@@ -243,10 +318,8 @@ void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
         }
         const float amax = at::vec::vec_reduce_all<float>(
             [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, at::vec::maximum(m0, m1));
-        // op-plugin's golden multiplies by 127.0 / amax, which torch evaluates as amax.reciprocal()
-        // * 127: two roundings, reproduced here.
-        const float inv = amax == 0.f ? 0.f : std::min(rounded(qmax * rounded(1.f / amax)), inv_min);
-        ps[unit] = amax == 0.f ? std::max(0.f, min_scale) : std::max(amax / qmax, min_scale);
+        const float inv = inverse_of(amax);
+        ps[unit] = scale_of(amax);
         const Vec vinv(inv), lo(-qmax), hi(qmax);
         for (int64_t r = r0; r < r1; ++r) {
           const scalar_t* row = px + (bt * rows + r) * cols + c0;
