@@ -211,6 +211,23 @@ def test_dynamic_quant_accepts_torch_int4_and_dtype_codes():
                        opennpu.npu_dynamic_quant(x)[0])
 
 
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
+@pytest.mark.parametrize("smooth", [False, True], ids=["plain", "smooth"])
+def test_dynamic_quant_int4_words_pack_the_int8_codes(dtype, smooth):
+    """int4 output = the int8 path's codes at dst_type_max=7 (the same scale, every code within
+    [-7, 7]), packed: every nibble position, widths whose last 32-element step is 8, 16, 24 or 32
+    wide, and rows with NaN / inf."""
+    for cols in (8, 16, 24, 32, 40, 56, 96, 104):
+        x = randn(6, cols, dtype=dtype) * 5
+        x[1, cols // 2] = float("nan")
+        x[2, -1] = float("inf")
+        kwargs = {"smooth_scales": (torch.rand(cols) + 0.5).to(dtype)} if smooth else {}
+        y4, s4 = opennpu.npu_dynamic_quant(x, dst_type=INT4, **kwargs)
+        y8, s8 = opennpu.npu_dynamic_quant(x, dst_type_max=7.0, **kwargs)
+        assert torch.equal(s4, s8) or torch.equal(s4.nan_to_num(), s8.nan_to_num())
+        assert torch.equal(R.unpack_int4(y4), y8)
+
+
 # ----------------------------------------------------------------------------- int4 packing
 
 

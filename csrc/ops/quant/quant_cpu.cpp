@@ -12,6 +12,7 @@
 #include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -113,7 +114,34 @@ float row_absmax(const src_t* x, const float* smooth, int64_t n) {
       return f;
     }
   }
-#endif
+  // The generic loop's values from plain intrinsics (ATen's bf16 load spends three instructions
+  // where load16 spends two): the same products, the same integer max of their |v| patterns.
+  const __m512i sign_off = _mm512_set1_epi32(0x7fffffff);
+  auto run = [&](auto smoothed) __attribute__((always_inline)) {
+    constexpr bool kSmooth = decltype(smoothed)::value;
+    __m512i m0 = _mm512_setzero_si512(), m1 = _mm512_setzero_si512();
+    auto absbits = [&](__m512 v) { return _mm512_and_si512(_mm512_castps_si512(v), sign_off); };
+    int64_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+      __m512 a = load16(x + i), b = load16(x + i + 16);
+      if constexpr (kSmooth) {
+        a = _mm512_mul_ps(a, _mm512_loadu_ps(smooth + i));
+        b = _mm512_mul_ps(b, _mm512_loadu_ps(smooth + i + 16));
+      }
+      m0 = _mm512_max_epu32(m0, absbits(a));
+      m1 = _mm512_max_epu32(m1, absbits(b));
+    }
+    for (; i < n; i += 16) {  // lanes past n load as 0
+      const __mmask16 mask = _cvtu32_mask16((1u << std::min<int64_t>(16, n - i)) - 1);
+      __m512 a = load16(x + i, mask);
+      if constexpr (kSmooth) a = _mm512_mul_ps(a, _mm512_maskz_loadu_ps(mask, smooth + i));
+      m0 = _mm512_max_epu32(m0, absbits(a));
+    }
+    const uint32_t top = static_cast<uint32_t>(_mm512_reduce_max_epu32(_mm512_max_epu32(m0, m1)));
+    return std::bit_cast<float>(top);
+  };
+  return smooth != nullptr ? run(std::true_type{}) : run(std::false_type{});
+#else
   Vec m0(0), m1(0);
   for_each_step<src_t>(n, [&](int64_t i, int64_t len) {
     Vec a, b;
@@ -122,6 +150,7 @@ float row_absmax(const src_t* x, const float* smooth, int64_t n) {
     m1 = absmax_bits(m1, b);
   });
   return reduce_absmax_bits(absmax_bits(m0, m1));
+#endif
 }
 
 // scale = rowmax / DTYPE_MAX; an all-zero row gets scale 1 (its codes are 0 either way), as the
@@ -173,15 +202,37 @@ inline void store_codes(int8_t* out, const Vec& q, int64_t len, bool stream = fa
 // eight per int32, lane k of each eight in bits [4k, 4k + 4): lowest bits first, as torch_npu's
 // quint4x2 outputs. Each lane's nibble is shifted into place and the eight are OR-ed together.
 #if defined(CPU_CAPABILITY_AVX512)
-// store_int4 of int32 lanes (integers within [-8, 7]).
-inline void store_int4_ints(int32_t* out, __m512i codes, int64_t len) {
-  const __m512i shifts = _mm512_set_epi32(28, 24, 20, 16, 12, 8, 4, 0, 28, 24, 20, 16, 12, 8, 4, 0);
-  __m512i v = _mm512_sllv_epi32(_mm512_and_si512(codes, _mm512_set1_epi32(0xF)), shifts);
-  v = _mm512_or_si512(v, _mm512_shuffle_epi32(v, _MM_PERM_CDAB));  // pairs
-  v = _mm512_or_si512(v, _mm512_shuffle_epi32(v, _MM_PERM_BADC));  // fours
-  v = _mm512_or_si512(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));  // eights
-  out[0] = _mm_cvtsi128_si32(_mm512_castsi512_si128(v));
-  if (len > 8) out[1] = _mm_cvtsi128_si32(_mm512_extracti32x4_epi32(v, 2));
+// The int4 bytes of 16 int32 lanes (integers within [-8, 7]), in the low 8 bytes. Each 64-bit
+// lane holds the codes of two consecutive elements (the first in its low half): their low
+// nibbles, the second moved up to bits [4, 8), make the lane's low byte, which vpmovqb gathers:
+// byte j is element 2j | element 2j + 1 << 4, the little-endian bytes of store_int4's words.
+OPENNPU_VEC_INLINE __m128i int4_bytes(__m512i codes) {
+  const __m512i t = _mm512_and_si512(codes, _mm512_set1_epi64(0x0000000F0000000FLL));
+  return _mm512_cvtepi64_epi8(_mm512_or_si512(t, _mm512_srli_epi64(t, 28)));
+}
+
+// The 16 int4 bytes of 32 codes (qa elements 0-15, qb 16-31; int32 lanes, clamped here to
+// [lo, hi] within [-8, 7]), as store_int4 lays them out: vpackssdw narrows both to int16 (its
+// saturation leaves every clamp result as it was), interleaving them four at a time per 128-bit
+// lane; each 32-bit lane then holds two consecutive codes, whose nibbles make its low byte
+// (vpmovdb), and one byte shuffle restores the element order.
+OPENNPU_VEC_INLINE __m128i int4_bytes32(__m512i qa, __m512i qb, __m512i lo16, __m512i hi16) {
+  __m512i w = _mm512_packs_epi32(qa, qb);
+  w = _mm512_min_epi16(_mm512_max_epi16(w, lo16), hi16);
+  const __m512i t = _mm512_and_si512(w, _mm512_set1_epi32(0x000F000F));
+  const __m128i b = _mm512_cvtepi32_epi8(_mm512_or_si512(t, _mm512_srli_epi32(t, 12)));
+  // byte 4k + h: the pair h of qa's lane k (h < 2) or of qb's (h >= 2, pair h - 2)
+  return _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+}
+
+// store_int4 of int32 lanes (integers within [-8, 7]; len 8 or 16).
+OPENNPU_VEC_INLINE void store_int4_ints(int32_t* out, __m512i codes, int64_t len) {
+  const __m128i bytes = int4_bytes(codes);
+  if (len > 8) {
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(out), bytes);
+  } else {
+    out[0] = _mm_cvtsi128_si32(bytes);
+  }
 }
 #endif
 
@@ -257,13 +308,13 @@ void quantize_row_avx512(const src_t* x, const float* smooth, int64_t n, float s
   const __m512 near_tie = _mm512_set1_ps(0.5f - 1.f / 32768);
   const __m512i lo = _mm512_set1_epi32(static_cast<int32_t>(spec.lo));
   const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(spec.hi));
+  const __m512i lo16 = _mm512_set1_epi16(static_cast<int16_t>(spec.lo));
+  const __m512i hi16 = _mm512_set1_epi16(static_cast<int16_t>(spec.hi));
   int8_t* out8 = static_cast<int8_t*>(out);
   int32_t* words = static_cast<int32_t*>(out);
   auto code = [&](int64_t i, __m512 v) __attribute__((always_inline)) {
     if constexpr (kSmooth) v = _mm512_mul_ps(v, _mm512_loadu_ps(smooth + i));
-    const __m512i q = codes16(v, vinverse, vscale, near_tie);
-    if constexpr (kInt4) return _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
-    return q;
+    return codes16(v, vinverse, vscale, near_tie);  // int4: clamped by int4_bytes32
   };
   int64_t i = 0;
   for (; i + 32 <= n; i += 32) {
@@ -271,8 +322,9 @@ void quantize_row_avx512(const src_t* x, const float* smooth, int64_t n, float s
     const __m512i qa = code(i, load16(x + i));
     const __m512i qb = code(i + 16, load16(x + i + 16));
     if constexpr (kInt4) {
-      store_int4_ints(words + i / 8, qa, 16);
-      store_int4_ints(words + i / 8 + 2, qb, 16);
+      // 32 codes (clamped there): four words, one store
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(words + i / 8),
+                       int4_bytes32(qa, qb, lo16, hi16));
     } else if (stream) {
       _mm_stream_si128(reinterpret_cast<__m128i*>(out8 + i), _mm512_cvtsepi32_epi8(qa));
       _mm_stream_si128(reinterpret_cast<__m128i*>(out8 + i + 16), _mm512_cvtsepi32_epi8(qb));
