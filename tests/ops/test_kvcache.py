@@ -191,6 +191,21 @@ def test_scatter_pa_kv_cache_matches_reference(dtype, mode, tokens, heads, dk, d
     assert torch.equal(kc, ek) and torch.equal(vc, ev)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
+@pytest.mark.parametrize("tokens", [40, 1100], ids=["tiled", "row_by_row"])
+def test_scatter_pa_kv_cache_nz_repeated_slots(dtype, tokens):
+    """PA_NZ with repeated slots (the last token wins) and padding: small plans are copied chunk
+    column by chunk column, plans over 2 MiB row by row; both give the reference's cache."""
+    torch.manual_seed(2)
+    key, value, kc, vc, slots = make_scatter_inputs(tokens, 8, 128, 128, tokens // 16 + 2, 16,
+                                                    dtype, True)
+    slots[5::7] = slots[3::7][: len(slots[5::7])]  # later tokens overwrite earlier ones
+    slots[::11] = -1
+    ek, ev = ref_scatter_cache(key, kc, slots, True), ref_scatter_cache(value, vc, slots, True)
+    npu.npu_scatter_pa_kv_cache(key, value, kc, vc, slots, cache_mode="PA_NZ")
+    assert torch.equal(kc, ek) and torch.equal(vc, ev)
+
+
 def test_scatter_pa_kv_cache_default_mode_is_pa_nz():
     key, value, kc, vc, slots = make_scatter_inputs(16, 4, 32, 32, 2, 32, torch.float16, True)
     ek, ev = ref_scatter_cache(key, kc, slots, True), ref_scatter_cache(value, vc, slots, True)
