@@ -262,20 +262,21 @@ inline void store_int4(int32_t* out, const Vec& q, int64_t len) {
 }
 
 // Prefetches into L2 the lines of elements [i, i + VecPair::kStep) of one or two rows of 4- or
-// 2-byte elements: the shared prefetch_step<2> (common/stream_store.h; L2 as for the norms' rows:
-// a whole next row, up to 32 KiB in fp32, prefetched into L1 evicts the lines being read) on
-// untyped rows, since add_rms_norm_dynamic_quant quantises fp32 rows whose next rows are in x1's
-// dtype (measured against L1 prefetches in docs/performance.md).
+// 2-byte elements (L2 as for the norms' rows, common/stream_store.h: a whole next row, up to
+// 32 KiB in fp32, prefetched into L1 evicts the lines being read; measured against L1 prefetches
+// in docs/performance.md). Untyped, since add_rms_norm_dynamic_quant quantises fp32 rows whose
+// next rows are in x1's dtype. The loop is spelled out on purpose: written as a lambda calling
+// prefetch_step<2> per row, GCC 12 emitted no prefetch instruction at all (none in this file's
+// objects), and every row's first pass waited for memory.
 inline void prefetch_rows_step(const void* row, const void* row2, int64_t elem_size, int64_t i) {
-  const auto one = [&](const void* r) {
-    if (elem_size == 4) {
-      prefetch_step<2>(static_cast<const float*>(r) + i);
-    } else {  // fp16 / bf16: a step spans the same bytes in either
-      prefetch_step<2>(static_cast<const at::BFloat16*>(r) + i);
+  constexpr int kL2 = 2;  // __builtin_prefetch's locality: prefetcht1
+  const int64_t bytes = VecPair<float>::kStep * elem_size;
+  for (int64_t off = 0; off < bytes; off += kLineBytes) {
+    __builtin_prefetch(static_cast<const char*>(row) + i * elem_size + off, 0, kL2);
+    if (row2 != nullptr) {
+      __builtin_prefetch(static_cast<const char*>(row2) + i * elem_size + off, 0, kL2);
     }
-  };
-  one(row);
-  if (row2 != nullptr) one(row2);
+  }
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
