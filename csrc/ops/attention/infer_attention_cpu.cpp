@@ -637,31 +637,14 @@ struct DecodeKernel {
     const KRow* v = nullptr;
     int64_t k_stride = 0, v_stride = 0;
     if constexpr (kInt8) {
-      if (fused_int8_) {  // scores from the codes: q' . k + the offsets' share
-        for_head_tiles(g, [&](auto nh, int64_t h0) {
-          chunk_scores<decltype(nh)::value, int8_t, In>(
-              qs + h0 * ldq, qrs + h0 * ldqr, ldq, ldqr, k_raw, K.stride_s, nullptr, 0, D, 0,
-              len, w.s.data() + h0 * kChunk, h0 == 0 ? pf_s : nullptr, pf_s_pitch, pf_s_bytes,
-              pf_s_len);
-        });
-        if (d.cache.kq.offset != nullptr) {
-          for (int64_t h = 0; h < g; ++h) {
-            float* sh = w.s.data() + h * kChunk;
-            const float off = w.qoff[slot * g + h];
-            for (int64_t t = 0; t < len; ++t) sh[t] += off;
-          }
-        }
+      if (!fused_int8_) {  // per-token factors: the chunk's rows dequantised into scratch
+        dequant_rows(d.cache.kq, d, b, kvh, c0, len, k_raw, K.stride_s, D, w.kd.data(), ldq);
+        dequant_rows(d.cache.vq, d, b, kvh, c0, len, v_raw, V.stride_s, Dv, w.vd.data(), ldacc);
+        k = w.kd.data();
+        v = w.vd.data();
+        k_stride = ldq;
+        v_stride = ldacc;
       }
-    }
-    if (fused_int8_) {
-      // scores taken above
-    } else if constexpr (kInt8) {
-      dequant_rows(d.cache.kq, d, b, kvh, c0, len, k_raw, K.stride_s, D, w.kd.data(), ldq);
-      dequant_rows(d.cache.vq, d, b, kvh, c0, len, v_raw, V.stride_s, Dv, w.vd.data(), ldacc);
-      k = w.kd.data();
-      v = w.vd.data();
-      k_stride = ldq;
-      v_stride = ldacc;
     } else {
       k = k_raw;
       v = v_raw;
@@ -669,7 +652,16 @@ struct DecodeKernel {
       v_stride = V.stride_s;
     }
     const In* kr = Dr > 0 ? row_ptr(KR, d, b, kvh, c0) : nullptr;
-    if (!fused_int8_) for_head_tiles(g, [&](auto nh, int64_t h0) {
+    for_head_tiles(g, [&](auto nh, int64_t h0) {
+      if constexpr (kInt8) {
+        if (fused_int8_) {  // scores from the codes: q' . k (the offsets' share added below)
+          chunk_scores<decltype(nh)::value, int8_t, In>(
+              qs + h0 * ldq, qrs + h0 * ldqr, ldq, ldqr, k_raw, K.stride_s, nullptr, 0, D, 0,
+              len, w.s.data() + h0 * kChunk, h0 == 0 ? pf_s : nullptr, pf_s_pitch, pf_s_bytes,
+              pf_s_len);
+          return;
+        }
+      }
 #if defined(CPU_CAPABILITY_AVX512)
       if constexpr (std::is_same_v<KRow, at::BFloat16>) {
         if (native_bf16_) {
@@ -689,6 +681,13 @@ struct DecodeKernel {
                                                   h0 == 0 ? pf_s : nullptr, pf_s_pitch,
                                                   pf_s_bytes, pf_s_len);
     });
+    if (fused_int8_ && d.cache.kq.offset != nullptr) {
+      for (int64_t h = 0; h < g; ++h) {
+        float* sh = w.s.data() + h * kChunk;
+        const float off = w.qoff[slot * g + h];
+        for (int64_t t = 0; t < len; ++t) sh[t] += off;
+      }
+    }
     for (int64_t h = 0; h < g; ++h) {
       float* s = w.s.data() + h * kChunk;
       if (mask != nullptr) {
