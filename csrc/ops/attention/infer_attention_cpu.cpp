@@ -227,6 +227,25 @@ OPENNPU_VEC_INLINE void store_lanes(float* dst, const Vec& r, int h, int64_t cnt
 #endif
 }
 
+// The rows of keys [t, t + NK) of a chunk (a short last group, cnt < NK, repeats its last key),
+// their rope rows, and the rows to prefetch beside them (null past cnt or pf_len).
+template <int NK, typename In, typename RopeIn>
+struct KeyGroup {
+  const In* k[NK];
+  const RopeIn* kr[NK];
+  const char* pf[NK];
+  OPENNPU_VEC_INLINE KeyGroup(int64_t t, int64_t cnt, const In* keys, int64_t k_stride,
+                              const RopeIn* rope, int64_t kr_stride, int64_t Dr, const char* pf_base,
+                              int64_t pf_stride, int64_t pf_len) {
+    for (int i = 0; i < NK; ++i) {
+      const int64_t row = t + std::min<int64_t>(i, cnt - 1);
+      k[i] = keys + row * k_stride;
+      kr[i] = Dr > 0 ? rope + row * kr_stride : nullptr;
+      pf[i] = i < cnt && t + i < pf_len ? pf_base + (t + i) * pf_stride : nullptr;
+    }
+  }
+};
+
 // s[h * kChunk + t] = scaled q_h . k_t (+ q_rope_h . k_rope_t) for NH heads, len keys, NK =
 // Vec::size() / NH keys at a time (a short last block repeats its last key). Prefetches pf_bytes
 // of rows [0, pf_len) of pf (pf_stride bytes apart), row t with key t, when pf is set.
@@ -240,19 +259,11 @@ void chunk_scores(const float* q, const float* qr, int64_t ldq, int64_t ldqr, co
   for (int64_t t = len; t < pf_len; ++t) prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
   for (int64_t t = 0; t < len; t += NK) {
     const int64_t cnt = std::min<int64_t>(NK, len - t);
-    const In* kp[NK];
-    const RopeIn* krp[NK];
-    const char* pfp[NK];
-    for (int i = 0; i < NK; ++i) {
-      const int64_t row = t + std::min<int64_t>(i, cnt - 1);
-      kp[i] = k + row * k_stride;
-      krp[i] = Dr > 0 ? kr + row * kr_stride : nullptr;
-      pfp[i] = i < cnt && t + i < pf_len ? pf + (t + i) * pf_stride : nullptr;
-    }
+    const KeyGroup<NK, In, RopeIn> g(t, cnt, k, k_stride, kr, kr_stride, Dr, pf, pf_stride, pf_len);
     Vec acc[Vec::size()];
     for (int i = 0; i < Vec::size(); ++i) acc[i] = Vec(0.0f);
-    dots_block<NH>(q, ldq, kp, D, acc, t < pf_len ? pfp : nullptr, pf_bytes);
-    if (Dr > 0) dots_block<NH>(qr, ldqr, krp, Dr, acc);
+    dots_block<NH>(q, ldq, g.k, D, acc, t < pf_len ? g.pf : nullptr, pf_bytes);
+    if (Dr > 0) dots_block<NH>(qr, ldqr, g.kr, Dr, acc);
     const Vec sums = transpose_sum(acc);
     for (int h = 0; h < NH; ++h) store_lanes<NK>(s + h * kChunk + t, sums, h, cnt);
   }
@@ -305,19 +316,12 @@ OPENNPU_AVX512_BF16_TARGET void chunk_scores_bf16(
   for (int64_t t = len; t < pf_len; ++t) prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
   for (int64_t t = 0; t < len; t += NK) {
     const int64_t cnt = std::min<int64_t>(NK, len - t);
-    const at::BFloat16* kp[NK];
-    const at::BFloat16* krp[NK];
-    const char* pfp[NK];
-    for (int i = 0; i < NK; ++i) {
-      const int64_t row = t + std::min<int64_t>(i, cnt - 1);
-      kp[i] = k + row * k_stride;
-      krp[i] = Dr > 0 ? kr + row * kr_stride : nullptr;
-      pfp[i] = i < cnt && t + i < pf_len ? pf + (t + i) * pf_stride : nullptr;
-    }
+    const KeyGroup<NK, at::BFloat16, at::BFloat16> g(t, cnt, k, k_stride, kr, kr_stride, Dr, pf,
+                                                     pf_stride, pf_len);
     __m512 acc[Vec::size()];
     for (int i = 0; i < Vec::size(); ++i) acc[i] = _mm512_setzero_ps();
-    dots_bf16<NH>(q, ldq, kp, D, acc, t < pf_len ? pfp : nullptr, pf_bytes);
-    if (Dr > 0) dots_bf16<NH>(qr, ldqr, krp, Dr, acc, nullptr, 0);
+    dots_bf16<NH>(q, ldq, g.k, D, acc, t < pf_len ? g.pf : nullptr, pf_bytes);
+    if (Dr > 0) dots_bf16<NH>(qr, ldqr, g.kr, Dr, acc, nullptr, 0);
     Vec sums[Vec::size()];
     for (int i = 0; i < Vec::size(); ++i) sums[i] = acc[i];
     const Vec scaled = transpose_sum(sums) * Vec(scale);
