@@ -80,6 +80,28 @@ SCRIPT = textwrap.dedent(
             out = opennpu.npu_confusion_transpose(x, perm, [shape[p] for p in perm], True)
             assert torch.equal(out, x.permute(perm).contiguous()), (dtype, shape, perm)
 
+    # MX quantisation: codes and scales bit-exact for every element format and fp4 rounding
+    # mode, blocks along the last axis (32, longer, a partial last block) and along another axis
+    # (full and partial groups of 16 columns)
+    gen = torch.Generator().manual_seed(1)
+    xm = torch.randn(6, 70, generator=gen) * torch.exp2(
+        torch.randint(-12, 12, (6, 70), generator=gen).float())
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for dst, mode in ((24, "rint"), (23, "rint"), (296, "rint"), (296, "round"), (296, "floor"),
+                          (297, "rint")):
+            for shape, axis, bs in (((6, 70), -1, 32), ((6, 70), -1, 64), ((70, 6), 0, 32),
+                                    ((3, 70, 2), 1, 32), ((2, 35, 6), 1, 32), ((14, 30), 0, 32)):
+                xd = xm.flatten()[:shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)]
+                xd = xd.reshape(shape).to(dtype)
+                if dst in (296, 297) and shape[-1] % 2:
+                    continue
+                y, s = opennpu.npu_dynamic_mx_quant(xd, axis=axis, dst_type=dst, round_mode=mode,
+                                                    block_size=bs)
+                c, sr = R.dynamic_mx_quant(xd, axis, dst, bs, mode)
+                assert torch.equal(s, sr), (dtype, dst, mode, shape, axis)
+                want = c if dst in (23, 24) else R.pack_fp4(c)
+                assert torch.equal(y.view(torch.uint8), want), (dtype, dst, mode, shape, axis)
+
     # gradient norms of the fused optimizers: the unrolled loop (bf16 widened by shift / mask),
     # its tail, and pieces cut between threads, against float64 sums of the same values
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):

@@ -350,3 +350,69 @@ def test_float8_codes_equal_c10s_conversion_bit_for_bit(dst):
     y, s = opennpu.npu_dynamic_mx_quant(x, dst_type=dst)
     assert (s.view(torch.uint8)[..., 0] == 127).all()  # shared exponent 0 (e8m0 code 127)
     assert torch.equal(y.view(torch.uint8), x.to(fp8).view(torch.uint8))
+    wide = x.flatten()[:x.numel() // (32 * 21) * 32 * 21].view(-1, 32 * 21)  # rows of 21 blocks
+    y, s = opennpu.npu_dynamic_mx_quant(wide, dst_type=dst)
+    assert (s.view(torch.uint8).flatten(1)[:, :21] == 127).all()
+    assert torch.equal(y.view(torch.uint8), wide.to(fp8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dst", [FP4, E1M2], ids=["e2m1", "e1m2"])
+@pytest.mark.parametrize("mode", ("rint", "round", "floor"))
+def test_fp4_codes_equal_the_scalar_rounding_bit_for_bit(dst, mode):
+    # Each block's first element is the format's largest value, so the shared exponent is 0 and
+    # the other 31 elements are rounded as they are: random float32 bit patterns of every
+    # magnitude below 2^(emax + 1) (fp32 subnormals, and values above the largest that saturate,
+    # included), every value of the format, each midpoint between neighbours (the ties of all
+    # three modes) and the floats on either side of it, both signs. The same blocks scaled by 2^k
+    # (random k per block, subnormal fp32 inputs included) exercise the product's rounding; bf16
+    # and fp16 inputs the conversions. Codes must equal the reference's torch rounding.
+    top, unit, limit = (6.0, 0.5, 8.0) if dst == FP4 else (1.75, 0.25, 2.0)
+    # the format's values and 2^(emax + 1), the next value of a wider exponent range
+    vals = (torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6, 8]) if dst == FP4
+            else torch.arange(0, limit + unit, unit))
+    mids = ((vals[:-1].double() + vals[1:].double()) / 2).float()
+    toward0 = torch.nextafter(mids, torch.zeros(()))
+    away = torch.nextafter(mids, torch.full((), float("inf")))
+    gen = torch.Generator().manual_seed(0)
+    limit_bits = torch.tensor(limit).view(torch.int32).item()
+    rand = torch.randint(0, limit_bits, (1 << 14,), generator=gen, dtype=torch.int32)
+    v = torch.cat([vals[vals < limit], mids, toward0, away, rand.view(torch.float32)])
+    v = torch.cat([v, -v])
+    v = torch.cat([v, torch.zeros((-v.numel()) % 31)]).view(-1, 31)
+    x = torch.cat([torch.full((v.shape[0], 1), top), v], 1).contiguous()
+    y, s = check_mx(x, dst_type=dst, round_mode=mode)
+    assert (s[..., 0] == 127).all()  # shared exponent 0 (e8m0 code 127)
+    k = torch.randint(-150, 120, (x.shape[0], 1), generator=gen).double()
+    scaled = (x.double() * torch.exp2(k)).float()
+    check_mx(scaled, dst_type=dst, round_mode=mode)
+    check_mx(scaled.to(BF16), dst_type=dst, round_mode=mode)
+    check_mx(x.to(F16), dst_type=dst, round_mode=mode)
+    # blocks of 64 and 96 along rows whose last block is partial (tails of 16-lane vectors)
+    flat = scaled.flatten()
+    for d, bs in ((90, 64), (130, 96), (32 * 19, 32), (64 * 17 + 32, 64)):
+        check_mx(flat[:flat.numel() // d * d].view(-1, d), dst_type=dst, round_mode=mode,
+                 block_size=bs)
+
+
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=str)
+def test_dynamic_mx_quant_wide_rows_special_blocks(dtype):
+    # Rows of many blocks (the kernel takes sixteen at a time, then single blocks up to the
+    # row's end), each block of a different binade, with NaN, inf, all-zero, subnormal-maximum and
+    # huge blocks among them; along the last axis and along the first (columns in lanes).
+    gen = torch.Generator().manual_seed(7)
+    x = spread(3, 32 * 37, seed=7)
+    x = (x.view(3, 37, 32) * torch.exp2(torch.randint(-60, 60, (3, 37, 1), generator=gen).float()))
+    x[0, 3], x[1, 20] = 0.0, 1e-40 * torch.randn(32, generator=gen)  # zero, subnormal maximum
+    x[0, 5, 7], x[1, 17, 0], x[2, 30, 31] = float("nan"), float("inf"), -float("inf")
+    x[2, 9] = 3e38 * torch.rand(32, generator=gen)
+    x = x.reshape(3, 32 * 37).to(dtype)
+    for dst in (E4M3, E5M2, FP4, E1M2):
+        modes = ("rint",) if dst in FP8_Y else ("rint", "round", "floor")
+        for mode in modes:
+            for bs in (32, 64):
+                check_mx(x, dst_type=dst, round_mode=mode, block_size=bs)
+            check_mx(x.flatten()[:32 * 6 * 18].view(32 * 6, 18), dst_type=dst, round_mode=mode,
+                     axis=0)
+        if dst in FP8_Y:
+            check_mx(x, dst_type=dst, scale_alg=1)
+            check_mx(x, dst_type=dst, scale_alg=1, max_low_bound=1e-3, block_size=64)

@@ -18,7 +18,6 @@
 namespace opennpu::quant {
 
 KernelSlots<MxQuantFn> mx_quant;
-KernelSlots<PackFp4Fn> pack_fp4;
 KernelSlots<BlockQuantFn> block_quant;
 
 namespace {
@@ -109,14 +108,8 @@ std::tuple<at::Tensor, at::Tensor> mx_quantize(const char* op, const at::Tensor&
   at::Tensor y = at::empty(y_shape, input.options().dtype(t.dtype));
   if (input.numel() == 0) return {y, mxscale};
   const at::Tensor x = input.contiguous();
-  at::Tensor codes = t.fmt.fp4 ? at::empty({input.numel()}, input.options().dtype(at::kByte)) : y;
   mx_quant.get(op, x)(x, pre, d, post, bs, t.fmt, round, scale_alg, low_bound,
-                       static_cast<uint8_t*>(codes.data_ptr()),
-                       mxscale.mutable_data_ptr<uint8_t>());
-  if (t.fmt.fp4) {
-    pack_fp4.get(op, y)(codes.const_data_ptr<uint8_t>(), y.numel(),
-                         y.mutable_data_ptr<uint8_t>());
-  }
+                       static_cast<uint8_t*>(y.data_ptr()), mxscale.mutable_data_ptr<uint8_t>());
   return {y, mxscale};
 }
 

@@ -39,14 +39,13 @@ struct MxFormat {
 enum class MxRound { kRint, kRound, kFloor };
 
 // x [pre, d, post] (contiguous; fp32, fp16 or bf16): blocks of bs along d. codes: one uint8 per
-// element of x (fp8 bytes, or fp4 codes in the low nibble, packed by the caller). scales: uint8
+// element of x (fp8 bytes), or for fp4 two codes a byte, element 2j in the low nibble (x's last
+// dim is then even). scales: uint8
 // [pre, pairs, post, 2] starting at `scales`, pairs = ceil(ceil(d / bs) / 2); padding blocks are
 // written as 0.
 using MxQuantFn = void(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, int64_t bs,
                        const MxFormat& fmt, MxRound round, int64_t scale_alg, float max_low_bound,
                        uint8_t* codes, uint8_t* scales);
-// packed[i] = codes[2i] | codes[2i + 1] << 4.
-using PackFp4Fn = void(const uint8_t* codes, int64_t pairs, uint8_t* packed);
 
 // npu_dynamic_block_quant: x [batch, rows, cols] (contiguous); per block of rb x cb elements
 // amax = max|x|, inv = min(qmax * (1 / amax), 1 / min_scale) (two roundings, as the golden's
@@ -59,7 +58,6 @@ using BlockQuantFn = void(const at::Tensor& x, int64_t rb, int64_t cb, float qma
                           float min_scale, int fp8, at::Tensor& y, at::Tensor& scale);
 
 extern KernelSlots<MxQuantFn> mx_quant;
-extern KernelSlots<PackFp4Fn> pack_fp4;
 extern KernelSlots<BlockQuantFn> block_quant;
 
 }  // namespace opennpu::quant

@@ -1,6 +1,9 @@
 // CPU kernels of the MX and block quantisers (compiled once per ISA; see mx_quant.h for the
 // numerics). Work is split into (line group, block) units; within a unit the block maxima of
-// all `post` columns are found first, then every element is scaled and rounded in fp32.
+// all `post` columns are found first, then every element is scaled and rounded in fp32. The
+// AVX-512 build does the MX units in registers (quantise_units: sixteen contiguous blocks at a
+// time, or sixteen columns at a time for blocks along another axis) with lane forms of the same
+// numerics; other ISAs run the scalar loops of mx_quant_kernel. Both give the same codes.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -9,6 +12,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "common/vec.h"
@@ -127,6 +131,346 @@ inline uint8_t encode(float r, const MxFormat& f) {
   return sign | static_cast<uint8_t>(a * 4.f);  // e1m2: 0, 0.25, ..., 1.75
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The contiguous-block path (blocks along the last axis) in AVX-512 registers: a block's
+// elements are loaded once as fp32 lanes (16 a register, a block of 32 in two), its abs-max,
+// shared exponent, products, codes and stores done from them. The lane functions below repeat
+// the scalar numerics operation for operation (same IEEE products, roundings and comparisons), so
+// the codes are the scalar path's bit for bit.
+
+// p[0, n) for n <= 16 as fp32 lanes, lanes past n 0 (load16 of ops/quant/simd16.h).
+template <typename scalar_t>
+OPENNPU_VEC_INLINE __m512 load16_n(const scalar_t* p, int64_t n) {
+  return load16(p, static_cast<__mmask16>((1u << n) - 1));
+}
+
+// The magnitudes' bits: ordered as the magnitudes, a NaN above inf (as the scalar reduction).
+OPENNPU_VEC_INLINE __m512i magnitude_bits(__m512 v) {
+  return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
+}
+
+// Fp8Encoder on 16 lanes of clamped quotients.
+struct Fp8Lanes {
+  __m128i shift;
+  __m512i half_less_one, rebias, min_normal_bits;
+  __m512 units, two23;
+
+  explicit Fp8Lanes(const Fp8Encoder& e)
+      : shift(_mm_cvtsi32_si128(static_cast<int>(e.shift))),
+        half_less_one(_mm512_set1_epi32(static_cast<int>(e.half_less_one))),
+        rebias(_mm512_set1_epi32(static_cast<int>(e.rebias))),
+        min_normal_bits(_mm512_set1_epi32(static_cast<int>(e.min_normal_bits))),
+        units(_mm512_set1_ps(e.units)),
+        two23(_mm512_set1_ps(Fp8Encoder::kTwo23)) {}
+
+  OPENNPU_VEC_INLINE __m512i operator()(__m512 c) const {
+    const __m512i bits = _mm512_castps_si512(c);
+    const __m512i mag = magnitude_bits(c);
+    const __m512i lsb = _mm512_and_si512(_mm512_srl_epi32(mag, shift), _mm512_set1_epi32(1));
+    const __m512i normal = _mm512_sub_epi32(
+        _mm512_srl_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, half_less_one), lsb), shift),
+        rebias);
+    const __m512i subnormal = _mm512_sub_epi32(
+        _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), units), two23)),
+        _mm512_castps_si512(two23));
+    const __m512i code =
+        _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, min_normal_bits), normal, subnormal);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
+    return _mm512_or_si512(sign, code);
+  }
+};
+
+// round_element followed by encode (fp4 formats) on 16 lanes of quotients t, with no branch:
+// e = max(floor(log2|t|), min_exp) from the exponent bits (a zero or subnormal t gives min_exp),
+// capped at emax + 2, the lanes that saturate (|t| >= 2^(emax + 2), inf included); m = t * 2^-(e -
+// mbits) and r = round(m) * 2^(e - mbits) are exact power-of-two scalings, as in the scalar
+// path; r clamped to +-max_norm. The code's sign is t's: round(m) keeps m's sign (rint and "round"
+// give -0 for small negative m, floor at most -1), so r's sign is t's. |r| * 2^(mbits - min_exp)
+// is an integer (the value in units of the subnormal spacing), looked up in the code table (e2m1:
+// 0, .5, 1, 1.5, 2, 3, 4, 6 are units 0, 1, 2, 3, 4, 6, 8, 12; e1m2: units are codes). NaN: +0.
+template <MxRound kMode>
+struct Fp4Lanes {
+  __m512i min_exp, cap, mbits, table;
+  __m512 max_norm, to_units;
+
+  explicit Fp4Lanes(const MxFormat& f)
+      : min_exp(_mm512_set1_epi32(f.min_exp)),
+        cap(_mm512_set1_epi32(f.emax + 2)),
+        mbits(_mm512_set1_epi32(f.mbits)),
+        table(f.emax == 2 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7, 0, 0, 0)
+                          : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+        max_norm(_mm512_set1_ps(f.max_norm)),
+        to_units(_mm512_set1_ps(pow2(f.mbits - f.min_exp))) {}
+
+  OPENNPU_VEC_INLINE __m512i operator()(__m512 t) const {
+    const __m512i bits = _mm512_castps_si512(t);
+    const __m512i bias = _mm512_set1_epi32(127);
+    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(magnitude_bits(t), 23), bias);
+    e = _mm512_min_epi32(_mm512_max_epi32(e, min_exp), cap);
+    const __mmask16 saturate = _mm512_cmpeq_epi32_mask(e, cap);
+    const __m512i shift = _mm512_sub_epi32(e, mbits);
+    const __m512 down = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(bias, shift), 23));
+    const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(bias, shift), 23));
+    __m512 m = _mm512_mul_ps(t, down);
+    if constexpr (kMode == MxRound::kRint) {
+      m = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else if constexpr (kMode == MxRound::kFloor) {
+      m = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    } else {  // copysign(floor(|m| + 0.5), m)
+      const __m512 half = _mm512_add_ps(_mm512_abs_ps(m), _mm512_set1_ps(0.5f));
+      const __m512i sign = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN));
+      m = _mm512_castsi512_ps(_mm512_or_si512(
+          _mm512_castps_si512(_mm512_roundscale_ps(half, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)),
+          sign));
+    }
+    const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(m, up), -max_norm), max_norm);
+    const __m512 a = _mm512_mask_blend_ps(saturate, _mm512_abs_ps(r), max_norm);
+    const __m512i code = _mm512_permutexvar_epi32(_mm512_cvttps_epi32(_mm512_mul_ps(a, to_units)), table);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 28), _mm512_set1_epi32(0x8));
+    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(t, t, _CMP_ORD_Q), _mm512_or_si512(code, sign));
+  }
+};
+
+// Stores the codes of elements [i, i + n) (n <= 16, i a multiple of 16) of a block whose output
+// starts at out: fp8 one byte each; fp4 two codes a byte, element 2j in the low nibble (i and n
+// even).
+template <bool kFp4>
+OPENNPU_VEC_INLINE void store16(uint8_t* out, int64_t i, __m512i codes, int64_t n = 16) {
+  if constexpr (kFp4) {
+    // 64-bit lane j holds codes 2j (low half) and 2j + 1: its low byte becomes 2j | (2j + 1) << 4
+    const __m512i pairs = _mm512_or_si512(codes, _mm512_srli_epi64(codes, 28));
+    const __m128i bytes = _mm512_cvtepi64_epi8(pairs);
+    if (n == 16) {
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out + i / 2), bytes);
+    } else {
+      _mm_mask_storeu_epi8(out + i / 2, static_cast<__mmask16>((1u << (n / 2)) - 1), bytes);
+    }
+  } else {
+    const __m128i bytes = _mm512_cvtepi32_epi8(codes);
+    if (n == 16) {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), bytes);
+    } else {
+      _mm_mask_storeu_epi8(out + i, static_cast<__mmask16>((1u << n) - 1), bytes);
+    }
+  }
+}
+
+// One block of n contiguous elements (n <= bs; x and out at its start): its e8m0 scale and codes.
+// quotient(v, inv) is the value encode takes (fp8: the product clamped to +-max_norm; fp4: the
+// product).
+template <bool kFp4, typename scalar_t, typename Quotient, typename Encode>
+OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* out, uint8_t* scale,
+                                       const MxFormat& fmt, int64_t scale_alg, float low_bound,
+                                       const Quotient& quotient, const Encode& encode) {
+  const auto exponent = [&](__m512i top) {
+    const int e = shared_exponent(std::bit_cast<float>(_mm512_reduce_max_epu32(top)), fmt,
+                                  scale_alg, low_bound);
+    *scale = e == kNanExp ? uint8_t{0xFF} : static_cast<uint8_t>(e + 127);
+    if (e == kNanExp) std::fill(out, out + (kFp4 ? n / 2 : n), uint8_t{0});
+    return e;
+  };
+  if (n == 32) {  // the common block: two registers, loaded once
+    const __m512 a = load16(x), b = load16(x + 16);
+    const int e = exponent(_mm512_max_epu32(magnitude_bits(a), magnitude_bits(b)));
+    if (e == kNanExp) return;
+    const __m512 inv = _mm512_set1_ps(pow2(-e));
+    store16<kFp4>(out, 0, encode(quotient(a, inv)));
+    store16<kFp4>(out, 16, encode(quotient(b, inv)));
+    return;
+  }
+  __m512i top = _mm512_setzero_si512();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) top = _mm512_max_epu32(top, magnitude_bits(load16(x + i)));
+  if (i < n) top = _mm512_max_epu32(top, magnitude_bits(load16_n(x + i, n - i)));
+  const int e = exponent(top);
+  if (e == kNanExp) return;
+  const __m512 inv = _mm512_set1_ps(pow2(-e));
+  for (i = 0; i + 16 <= n; i += 16) store16<kFp4>(out, i, encode(quotient(load16(x + i), inv)));
+  if (i < n) store16<kFp4>(out, i, encode(quotient(load16_n(x + i, n - i), inv)), n - i);
+}
+
+// Lane j: the maximum of m[j]'s 16 lanes (unsigned), for 16 vectors at once: a transposing tree
+// of pairwise maxima (halves, quarters, pairs of lanes, lanes), 45 operations where 16
+// horizontal reductions take about 130. Level by level, each vector holds the partial maxima of
+// twice as many blocks in half as many lanes each; the last level leaves block c + 4i in lane
+// 4c + i, put in order by one permutation.
+OPENNPU_VEC_INLINE __m512i block_maxima(__m512i m[16]) {
+  __m512i t[8], u[4], s[2];
+  for (int k = 0; k < 8; ++k) {  // lanes 0-7: block 2k, 8-15: block 2k + 1
+    t[k] = _mm512_max_epu32(_mm512_shuffle_i64x2(m[2 * k], m[2 * k + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                            _mm512_shuffle_i64x2(m[2 * k], m[2 * k + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  for (int k = 0; k < 4; ++k) {  // 128-bit chunk c: block 4k + c
+    u[k] = _mm512_max_epu32(_mm512_shuffle_i32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                            _mm512_shuffle_i32x4(t[2 * k], t[2 * k + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  for (int k = 0; k < 2; ++k) {  // chunk c: 64-bit half 0 block 8k + c, half 1 block 8k + 4 + c
+    s[k] = _mm512_max_epu32(_mm512_unpacklo_epi64(u[2 * k], u[2 * k + 1]),
+                            _mm512_unpackhi_epi64(u[2 * k], u[2 * k + 1]));
+  }
+  const auto pick = [&](int imm_even) {  // dwords 0, 2 (or 1, 3) of each chunk of s0, then s1
+    return imm_even ? _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(s[0]),
+                                                            _mm512_castsi512_ps(s[1]),
+                                                            _MM_SHUFFLE(2, 0, 2, 0)))
+                    : _mm512_castps_si512(_mm512_shuffle_ps(_mm512_castsi512_ps(s[0]),
+                                                            _mm512_castsi512_ps(s[1]),
+                                                            _MM_SHUFFLE(3, 1, 3, 1)));
+  };
+  const __m512i r = _mm512_max_epu32(pick(1), pick(0));  // lane 4c + i: block c + 4i
+  return _mm512_permutexvar_epi32(
+      _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+}
+
+// Sixteen full blocks of bs contiguous elements (x, out and scale at the first): the shared
+// exponents of all sixteen from one vector of block maxima (scale_alg 0 in lanes, the same
+// integer arithmetic as shared_exponent: a subnormal or zero maximum gives -127 like any value
+// below 2^(emax - 127); scale_alg 1 per lane through shared_exponent), the sixteen e8m0 codes in
+// one store, then each block's codes as quantise_block makes them.
+template <bool kFp4, typename scalar_t, typename Quotient, typename Encode>
+OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_t* out,
+                                           uint8_t* scale, const MxFormat& fmt, int64_t scale_alg,
+                                           float low_bound, const Quotient& quotient,
+                                           const Encode& encode) {
+  __m512i m[16];
+  for (int j = 0; j < 16; ++j) {
+    const scalar_t* blk = x + j * bs;
+    m[j] = _mm512_max_epu32(magnitude_bits(load16(blk)), magnitude_bits(load16(blk + 16)));
+    for (int64_t i = 32; i < bs; i += 16) m[j] = _mm512_max_epu32(m[j], magnitude_bits(load16(blk + i)));
+  }
+  const __m512i top = block_maxima(m);
+  __m512i e;
+  __mmask16 nan;
+  if (scale_alg == 0) {
+    e = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(top, 23), _mm512_set1_epi32(127 + fmt.emax)),
+                         _mm512_set1_epi32(-127));
+    nan = static_cast<__mmask16>(_mm512_cmpge_epu32_mask(top, _mm512_set1_epi32(0x7F800000)) |
+                                 _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(127)));
+  } else {
+    alignas(64) uint32_t tops[16];
+    alignas(64) int32_t exps[16];
+    _mm512_store_si512(tops, top);
+    for (int j = 0; j < 16; ++j) {
+      exps[j] = shared_exponent(std::bit_cast<float>(tops[j]), fmt, scale_alg, low_bound);
+    }
+    e = _mm512_load_si512(exps);
+    nan = _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(kNanExp));
+  }
+  const __m512i codes = _mm512_mask_blend_epi32(nan, _mm512_add_epi32(e, _mm512_set1_epi32(127)),
+                                                _mm512_set1_epi32(0xFF));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(scale), _mm512_cvtepi32_epi8(codes));
+  // 2^-e as pow2 makes it: normal down to 2^-126, 2^-127 the subnormal 0x00400000
+  const __m512i inv_bits = _mm512_mask_blend_epi32(
+      _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(127)),
+      _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), e), 23),
+      _mm512_set1_epi32(0x00400000));
+  alignas(64) float invs[16];
+  _mm512_store_si512(invs, inv_bits);
+  const int64_t out_block = kFp4 ? bs / 2 : bs;
+  for (int j = 0; j < 16; ++j) {
+    const scalar_t* blk = x + j * bs;
+    uint8_t* o = out + j * out_block;
+    if ((nan >> j) & 1) {
+      std::fill(o, o + out_block, uint8_t{0});
+      continue;
+    }
+    const __m512 inv = _mm512_set1_ps(invs[j]);
+    for (int64_t i = 0; i < bs; i += 16) store16<kFp4>(o, i, encode(quotient(load16(blk + i), inv)));
+  }
+}
+
+// Blocks along another axis (post > 1): rows [i0, i0 + rows) of line p, x and out at its
+// column 0 (row stride post), its scales at column 0 (stride 2). Sixteen columns at a time, lane
+// j for column q + j: the block maxima are lane-wise maxima over the rows (no horizontal
+// reduction), the shared exponents found per lane, then each row scaled and encoded in the same
+// lanes (a NaN block's lanes written as code 0).
+template <bool kFp4, typename scalar_t, typename Quotient, typename Encode>
+void quantise_columns(const scalar_t* x, int64_t rows, int64_t post, uint8_t* out,
+                      uint8_t* scale, const MxFormat& fmt, int64_t scale_alg, float low_bound,
+                      const Quotient& quotient, const Encode& encode) {
+  const int64_t out_row = kFp4 ? post / 2 : post;  // fp4: post is even (it holds the last dim)
+  for (int64_t q = 0; q < post; q += 16) {
+    const int64_t n = std::min<int64_t>(16, post - q);
+    const auto load = [&](int64_t r) {
+      return n == 16 ? load16(x + r * post + q) : load16_n(x + r * post + q, n);
+    };
+    __m512i top = _mm512_setzero_si512();
+    for (int64_t r = 0; r < rows; ++r) top = _mm512_max_epu32(top, magnitude_bits(load(r)));
+    alignas(64) uint32_t tops[16];
+    alignas(64) float invs[16];
+    _mm512_store_si512(tops, top);
+    __mmask16 finite = 0;
+    for (int64_t j = 0; j < n; ++j) {
+      const int e = shared_exponent(std::bit_cast<float>(tops[j]), fmt, scale_alg, low_bound);
+      scale[2 * (q + j)] = e == kNanExp ? uint8_t{0xFF} : static_cast<uint8_t>(e + 127);
+      invs[j] = e == kNanExp ? 0.f : pow2(-e);
+      finite |= static_cast<__mmask16>((e == kNanExp ? 0u : 1u) << j);
+    }
+    const __m512 inv = _mm512_maskz_load_ps(static_cast<__mmask16>((1u << n) - 1), invs);
+    for (int64_t r = 0; r < rows; ++r) {
+      store16<kFp4>(out + r * out_row, q, _mm512_maskz_mov_epi32(finite, encode(quotient(load(r), inv))),
+                    n);
+    }
+  }
+}
+
+// Every block of units [begin, end) (unit = line p * blocks + block b), float8 with "rint" or
+// fp4 in any mode.
+template <typename scalar_t>
+void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, int64_t post,
+                    int64_t bs, const MxFormat& fmt, MxRound round, int64_t scale_alg,
+                    float low_bound, uint8_t* codes, uint8_t* scales) {
+  const int64_t blocks = (d + bs - 1) / bs, pairs = (blocks + 1) / 2;
+  const auto run = [&](auto fp4, const auto& quotient, const auto& encode) {
+    constexpr bool kFp4 = decltype(fp4)::value;
+    if (post == 1) {
+      const int64_t full = d / bs;  // blocks of a row with bs elements
+      for (int64_t unit = begin; unit < end;) {
+        const int64_t p = unit / blocks, b = unit % blocks, i0 = b * bs;
+        uint8_t* out = codes + (kFp4 ? (p * d + i0) / 2 : p * d + i0);
+        if (b + 16 <= full && unit + 16 <= end) {
+          quantise_16_blocks<kFp4>(px + p * d + i0, bs, out, scales + p * pairs * 2 + b, fmt,
+                                   scale_alg, low_bound, quotient, encode);
+          unit += 16;
+        } else {
+          quantise_block<kFp4>(px + p * d + i0, std::min(bs, d - i0), out,
+                               scales + p * pairs * 2 + b, fmt, scale_alg, low_bound, quotient,
+                               encode);
+          unit += 1;
+        }
+      }
+      return;
+    }
+    for (int64_t unit = begin, p = begin / blocks, b = begin % blocks; unit < end;
+         ++unit, b = b + 1 == blocks ? 0 : b + 1, p += b == 0) {
+      const int64_t i0 = b * bs, k0 = (p * d + i0) * post;  // the block's first element
+      uint8_t* out = codes + (kFp4 ? k0 / 2 : k0);
+      uint8_t* scale = scales + ((p * pairs + b / 2) * post) * 2 + (b & 1);
+      if (post == 1) {
+        quantise_block<kFp4>(px + k0, std::min(bs, d - i0), out, scale, fmt, scale_alg,
+                             low_bound, quotient, encode);
+      } else {
+        quantise_columns<kFp4>(px + k0, std::min(bs, d - i0), post, out, scale, fmt, scale_alg,
+                               low_bound, quotient, encode);
+      }
+    }
+  };
+  const auto product = [](__m512 v, __m512 inv) { return _mm512_mul_ps(v, inv); };
+  if (!fmt.fp4) {
+    const __m512 lim = _mm512_set1_ps(fmt.max_norm);
+    const auto clamped = [lim](__m512 v, __m512 inv) {  // std::clamp of a finite product
+      return _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, inv), -lim), lim);
+    };
+    run(std::false_type{}, clamped, Fp8Lanes(Fp8Encoder(fmt)));
+  } else if (round == MxRound::kRint) {
+    run(std::true_type{}, product, Fp4Lanes<MxRound::kRint>(fmt));
+  } else if (round == MxRound::kRound) {
+    run(std::true_type{}, product, Fp4Lanes<MxRound::kRound>(fmt));
+  } else {
+    run(std::true_type{}, product, Fp4Lanes<MxRound::kFloor>(fmt));
+  }
+}
+#endif
+
 void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, int64_t bs,
                      const MxFormat& fmt, MxRound round, int64_t scale_alg, float max_low_bound,
                      uint8_t* codes, uint8_t* scales) {
@@ -136,9 +480,27 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
     const scalar_t* px = x.const_data_ptr<scalar_t>();
     const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(bs * post, 1));
     at::parallel_for(0, pre * blocks, grain, [&](int64_t begin, int64_t end) {
+#if defined(CPU_CAPABILITY_AVX512)
+      // float8 takes "rint" only, so every block goes here; other ISAs take the loops below
+      quantise_units(px, begin, end, d, post, bs, fmt, round, scale_alg, max_low_bound, codes,
+                     scales);
+      return;
+#endif
       std::vector<float> amax(post);
       std::vector<int> exps(post);
       const Fp8Encoder fp8(fmt);
+      // The code of flat element k: fp4 codes two a byte, element 2j in the low nibble. A unit's
+      // elements are visited in order and each byte's pair lies in one unit (the last dim is even
+      // for fp4, block starts are multiples of 32), so a byte's low nibble is written first.
+      const auto put = [&](int64_t k, uint8_t c) {
+        if (!fmt.fp4) {
+          codes[k] = c;
+        } else if ((k & 1) == 0) {
+          codes[k / 2] = c;
+        } else {
+          codes[k / 2] |= static_cast<uint8_t>(c << 4);
+        }
+      };
       // unit = p * blocks + b, stepped without a division per block
       for (int64_t unit = begin, p = begin / blocks, b = begin % blocks; unit < end;
            ++unit, b = b + 1 == blocks ? 0 : b + 1, p += b == 0) {
@@ -188,31 +550,23 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
         }
         for (int64_t i = i0; i < i1; ++i) {
           const scalar_t* row = px + (p * d + i) * post;
-          uint8_t* out = codes + (p * d + i) * post;
+          const int64_t k0 = (p * d + i) * post;
           for (int64_t q = 0; q < post; ++q) {
             if (exps[q] == kNanExp) {
-              out[q] = 0;
+              put(k0 + q, 0);
               continue;
             }
             const float t = rounded(static_cast<float>(row[q]) * pow2(-exps[q]));
             if (direct) {
               const float c = std::clamp(t, -fmt.max_norm, fmt.max_norm);
-              out[q] = fmt.e4m3 ? c10::Float8_e4m3fn(c).x : c10::Float8_e5m2(c).x;
+              put(k0 + q, fmt.e4m3 ? c10::Float8_e4m3fn(c).x : c10::Float8_e5m2(c).x);
             } else {
-              out[q] = encode(round_element(t, fmt, round), fmt);
+              put(k0 + q, encode(round_element(t, fmt, round), fmt));
             }
           }
         }
       }
     });
-  });
-}
-
-void pack_fp4_kernel(const uint8_t* codes, int64_t pairs, uint8_t* packed) {
-  at::parallel_for(0, pairs, int64_t{1} << 16, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      packed[i] = static_cast<uint8_t>((codes[2 * i] & 0xF) | ((codes[2 * i + 1] & 0xF) << 4));
-    }
   });
 }
 
@@ -355,7 +709,6 @@ void block_quant_kernel(const at::Tensor& x, int64_t rb, int64_t cb, float qmax,
 }  // namespace
 
 OPENNPU_REGISTER_CPU_SLOT(mx_quant, &mx_quant_kernel);
-OPENNPU_REGISTER_CPU_SLOT(pack_fp4, &pack_fp4_kernel);
 OPENNPU_REGISTER_CPU_SLOT(block_quant, &block_quant_kernel);
 
 }  // namespace CPU_CAPABILITY
