@@ -149,69 +149,69 @@ OPENNPU_VEC_INLINE __m512i magnitude_bits(__m512 v) {
   return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
 }
 
-// Fp8Encoder on 16 lanes of clamped quotients.
+// The float8 codes of 16 lanes of quotients t (finite): Fp8Encoder's arithmetic on the bits of
+// clamp(t, -max_norm, max_norm), whose magnitude is min(|t|, max_norm), an unsigned minimum of
+// the magnitudes' bits (their order is the values'), and whose sign is t's. The rebias is
+// subtracted before the shift (rebias << shift, a multiple of 2^shift, leaves the quotient of
+// every normal magnitude unchanged; subnormal lanes take the other result).
 struct Fp8Lanes {
   __m128i shift;
-  __m512i half_less_one, rebias, min_normal_bits;
+  __m512i max_bits, round_less_rebias, min_normal_bits;
   __m512 units, two23;
 
-  explicit Fp8Lanes(const Fp8Encoder& e)
+  Fp8Lanes(const Fp8Encoder& e, float max_norm)
       : shift(_mm_cvtsi32_si128(static_cast<int>(e.shift))),
-        half_less_one(_mm512_set1_epi32(static_cast<int>(e.half_less_one))),
-        rebias(_mm512_set1_epi32(static_cast<int>(e.rebias))),
+        max_bits(_mm512_set1_epi32(static_cast<int>(std::bit_cast<uint32_t>(max_norm)))),
+        round_less_rebias(
+            _mm512_set1_epi32(static_cast<int>(e.half_less_one - (e.rebias << e.shift)))),
         min_normal_bits(_mm512_set1_epi32(static_cast<int>(e.min_normal_bits))),
         units(_mm512_set1_ps(e.units)),
         two23(_mm512_set1_ps(Fp8Encoder::kTwo23)) {}
 
-  OPENNPU_VEC_INLINE __m512i operator()(__m512 c) const {
-    const __m512i bits = _mm512_castps_si512(c);
-    const __m512i mag = magnitude_bits(c);
+  OPENNPU_VEC_INLINE __m512i operator()(__m512 t) const {
+    const __m512i bits = _mm512_castps_si512(t);
+    const __m512i mag = _mm512_min_epu32(magnitude_bits(t), max_bits);
     const __m512i lsb = _mm512_and_si512(_mm512_srl_epi32(mag, shift), _mm512_set1_epi32(1));
-    const __m512i normal = _mm512_sub_epi32(
-        _mm512_srl_epi32(_mm512_add_epi32(_mm512_add_epi32(mag, half_less_one), lsb), shift),
-        rebias);
+    const __m512i normal = _mm512_srl_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(mag, round_less_rebias), lsb), shift);
     const __m512i subnormal = _mm512_sub_epi32(
         _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), units), two23)),
         _mm512_castps_si512(two23));
     const __m512i code =
         _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, min_normal_bits), normal, subnormal);
-    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80));
-    return _mm512_or_si512(sign, code);
+    // sign | code: bit 7 of (bits >> 24) is t's sign, code < 0x80
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), code,
+                                     0xEA);
   }
 };
 
 // round_element followed by encode (fp4 formats) on 16 lanes of quotients t, with no branch:
-// e = max(floor(log2|t|), min_exp) from the exponent bits (a zero or subnormal t gives min_exp),
-// capped at emax + 2, the lanes that saturate (|t| >= 2^(emax + 2), inf included); m = t * 2^-(e -
-// mbits) and r = round(m) * 2^(e - mbits) are exact power-of-two scalings, as in the scalar
-// path; r clamped to +-max_norm. The code's sign is t's: round(m) keeps m's sign (rint and "round"
-// give -0 for small negative m, floor at most -1), so r's sign is t's. |r| * 2^(mbits - min_exp)
-// is an integer (the value in units of the subnormal spacing), looked up in the code table (e2m1:
-// 0, .5, 1, 1.5, 2, 3, 4, 6 are units 0, 1, 2, 3, 4, 6, 8, 12; e1m2: units are codes). NaN: +0.
+// e = max(floor(log2|t|), min_exp) (vgetexpps: exact, subnormals included, -inf for a zero),
+// capped at emax + 2; m = t * 2^-(e - mbits) and r = round(m) * 2^(e - mbits) are exact
+// power-of-two scalings (vscalefps), as in the scalar path, and |r| is clamped to max_norm: the
+// lanes the scalar path saturates, |t| >= 2^(emax + 2) (inf included), have |r| >= 2^(emax + 2)
+// with the capped e, so the clamp saturates them too. The code's sign is t's: round(m) keeps m's
+// sign (rint and "round" give -0 for small negative m, floor at most -1), so r's sign is t's.
+// |r| * 2^(mbits - min_exp) is an integer (the value in units of the subnormal spacing), looked
+// up in the code table (e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6 are units 0, 1, 2, 3, 4, 6, 8, 12; e1m2:
+// units are codes). NaN: +0.
 template <MxRound kMode>
 struct Fp4Lanes {
-  __m512i min_exp, cap, mbits, table;
-  __m512 max_norm, to_units;
+  __m512 min_exp, cap, mbits, max_norm, to_units;
+  __m512i table;
 
   explicit Fp4Lanes(const MxFormat& f)
-      : min_exp(_mm512_set1_epi32(f.min_exp)),
-        cap(_mm512_set1_epi32(f.emax + 2)),
-        mbits(_mm512_set1_epi32(f.mbits)),
-        table(f.emax == 2 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7, 0, 0, 0)
-                          : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)),
+      : min_exp(_mm512_set1_ps(static_cast<float>(f.min_exp))),
+        cap(_mm512_set1_ps(static_cast<float>(f.emax + 2))),
+        mbits(_mm512_set1_ps(static_cast<float>(f.mbits))),
         max_norm(_mm512_set1_ps(f.max_norm)),
-        to_units(_mm512_set1_ps(pow2(f.mbits - f.min_exp))) {}
+        to_units(_mm512_set1_ps(pow2(f.mbits - f.min_exp))),
+        table(f.emax == 2 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7, 0, 0, 0)
+                          : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)) {}
 
   OPENNPU_VEC_INLINE __m512i operator()(__m512 t) const {
-    const __m512i bits = _mm512_castps_si512(t);
-    const __m512i bias = _mm512_set1_epi32(127);
-    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(magnitude_bits(t), 23), bias);
-    e = _mm512_min_epi32(_mm512_max_epi32(e, min_exp), cap);
-    const __mmask16 saturate = _mm512_cmpeq_epi32_mask(e, cap);
-    const __m512i shift = _mm512_sub_epi32(e, mbits);
-    const __m512 down = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_sub_epi32(bias, shift), 23));
-    const __m512 up = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(bias, shift), 23));
-    __m512 m = _mm512_mul_ps(t, down);
+    const __m512 e = _mm512_min_ps(_mm512_max_ps(_mm512_getexp_ps(t), min_exp), cap);
+    __m512 m = _mm512_scalef_ps(t, _mm512_sub_ps(mbits, e));
     if constexpr (kMode == MxRound::kRint) {
       m = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     } else if constexpr (kMode == MxRound::kFloor) {
@@ -223,11 +223,13 @@ struct Fp4Lanes {
           _mm512_castps_si512(_mm512_roundscale_ps(half, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)),
           sign));
     }
-    const __m512 r = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(m, up), -max_norm), max_norm);
-    const __m512 a = _mm512_mask_blend_ps(saturate, _mm512_abs_ps(r), max_norm);
+    const __m512 a =
+        _mm512_min_ps(_mm512_abs_ps(_mm512_scalef_ps(m, _mm512_sub_ps(e, mbits))), max_norm);
     const __m512i code = _mm512_permutexvar_epi32(_mm512_cvttps_epi32(_mm512_mul_ps(a, to_units)), table);
-    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 28), _mm512_set1_epi32(0x8));
-    return _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(t, t, _CMP_ORD_Q), _mm512_or_si512(code, sign));
+    // (t's sign bit >> 28) | code, lanes of NaN 0
+    return _mm512_maskz_ternarylogic_epi32(_mm512_cmp_ps_mask(t, t, _CMP_ORD_Q),
+                                           _mm512_srli_epi32(_mm512_castps_si512(t), 28),
+                                           _mm512_set1_epi32(0x8), code, 0xEA);
   }
 };
 
@@ -256,12 +258,10 @@ OPENNPU_VEC_INLINE void store16(uint8_t* out, int64_t i, __m512i codes, int64_t 
 }
 
 // One block of n contiguous elements (n <= bs; x and out at its start): its e8m0 scale and codes.
-// quotient(v, inv) is the value encode takes (fp8: the product clamped to +-max_norm; fp4: the
-// product).
-template <bool kFp4, typename scalar_t, typename Quotient, typename Encode>
+template <bool kFp4, typename scalar_t, typename Encode>
 OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* out, uint8_t* scale,
                                        const MxFormat& fmt, int64_t scale_alg, float low_bound,
-                                       const Quotient& quotient, const Encode& encode) {
+                                       const Encode& encode) {
   const auto exponent = [&](__m512i top) {
     const int e = shared_exponent(std::bit_cast<float>(_mm512_reduce_max_epu32(top)), fmt,
                                   scale_alg, low_bound);
@@ -274,8 +274,8 @@ OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* ou
     const int e = exponent(_mm512_max_epu32(magnitude_bits(a), magnitude_bits(b)));
     if (e == kNanExp) return;
     const __m512 inv = _mm512_set1_ps(pow2(-e));
-    store16<kFp4>(out, 0, encode(quotient(a, inv)));
-    store16<kFp4>(out, 16, encode(quotient(b, inv)));
+    store16<kFp4>(out, 0, encode(_mm512_mul_ps(a, inv)));
+    store16<kFp4>(out, 16, encode(_mm512_mul_ps(b, inv)));
     return;
   }
   __m512i top = _mm512_setzero_si512();
@@ -285,8 +285,8 @@ OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* ou
   const int e = exponent(top);
   if (e == kNanExp) return;
   const __m512 inv = _mm512_set1_ps(pow2(-e));
-  for (i = 0; i + 16 <= n; i += 16) store16<kFp4>(out, i, encode(quotient(load16(x + i), inv)));
-  if (i < n) store16<kFp4>(out, i, encode(quotient(load16_n(x + i, n - i), inv)), n - i);
+  for (i = 0; i + 16 <= n; i += 16) store16<kFp4>(out, i, encode(_mm512_mul_ps(load16(x + i), inv)));
+  if (i < n) store16<kFp4>(out, i, encode(_mm512_mul_ps(load16_n(x + i, n - i), inv)), n - i);
 }
 
 // Lane j: the maximum of m[j]'s 16 lanes (unsigned), for 16 vectors at once: a transposing tree
@@ -326,11 +326,10 @@ OPENNPU_VEC_INLINE __m512i block_maxima(__m512i m[16]) {
 // integer arithmetic as shared_exponent: a subnormal or zero maximum gives -127 like any value
 // below 2^(emax - 127); scale_alg 1 per lane through shared_exponent), the sixteen e8m0 codes in
 // one store, then each block's codes as quantise_block makes them.
-template <bool kFp4, typename scalar_t, typename Quotient, typename Encode>
+template <bool kFp4, typename scalar_t, typename Encode>
 OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_t* out,
                                            uint8_t* scale, const MxFormat& fmt, int64_t scale_alg,
-                                           float low_bound, const Quotient& quotient,
-                                           const Encode& encode) {
+                                           float low_bound, const Encode& encode) {
   __m512i m[16];
   for (int j = 0; j < 16; ++j) {
     const scalar_t* blk = x + j * bs;
@@ -374,7 +373,7 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
       continue;
     }
     const __m512 inv = _mm512_set1_ps(invs[j]);
-    for (int64_t i = 0; i < bs; i += 16) store16<kFp4>(o, i, encode(quotient(load16(blk + i), inv)));
+    for (int64_t i = 0; i < bs; i += 16) store16<kFp4>(o, i, encode(_mm512_mul_ps(load16(blk + i), inv)));
   }
 }
 
@@ -383,10 +382,10 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
 // j for column q + j: the block maxima are lane-wise maxima over the rows (no horizontal
 // reduction), the shared exponents found per lane, then each row scaled and encoded in the same
 // lanes (a NaN block's lanes written as code 0).
-template <bool kFp4, typename scalar_t, typename Quotient, typename Encode>
+template <bool kFp4, typename scalar_t, typename Encode>
 void quantise_columns(const scalar_t* x, int64_t rows, int64_t post, uint8_t* out,
                       uint8_t* scale, const MxFormat& fmt, int64_t scale_alg, float low_bound,
-                      const Quotient& quotient, const Encode& encode) {
+                      const Encode& encode) {
   const int64_t out_row = kFp4 ? post / 2 : post;  // fp4: post is even (it holds the last dim)
   for (int64_t q = 0; q < post; q += 16) {
     const int64_t n = std::min<int64_t>(16, post - q);
@@ -407,7 +406,7 @@ void quantise_columns(const scalar_t* x, int64_t rows, int64_t post, uint8_t* ou
     }
     const __m512 inv = _mm512_maskz_load_ps(static_cast<__mmask16>((1u << n) - 1), invs);
     for (int64_t r = 0; r < rows; ++r) {
-      store16<kFp4>(out + r * out_row, q, _mm512_maskz_mov_epi32(finite, encode(quotient(load(r), inv))),
+      store16<kFp4>(out + r * out_row, q, _mm512_maskz_mov_epi32(finite, encode(_mm512_mul_ps(load(r), inv))),
                     n);
     }
   }
@@ -420,7 +419,7 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
                     int64_t bs, const MxFormat& fmt, MxRound round, int64_t scale_alg,
                     float low_bound, uint8_t* codes, uint8_t* scales) {
   const int64_t blocks = (d + bs - 1) / bs, pairs = (blocks + 1) / 2;
-  const auto run = [&](auto fp4, const auto& quotient, const auto& encode) {
+  const auto run = [&](auto fp4, const auto& encode) {
     constexpr bool kFp4 = decltype(fp4)::value;
     if (post == 1) {
       const int64_t full = d / bs;  // blocks of a row with bs elements
@@ -429,12 +428,11 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
         uint8_t* out = codes + (kFp4 ? (p * d + i0) / 2 : p * d + i0);
         if (b + 16 <= full && unit + 16 <= end) {
           quantise_16_blocks<kFp4>(px + p * d + i0, bs, out, scales + p * pairs * 2 + b, fmt,
-                                   scale_alg, low_bound, quotient, encode);
+                                   scale_alg, low_bound, encode);
           unit += 16;
         } else {
           quantise_block<kFp4>(px + p * d + i0, std::min(bs, d - i0), out,
-                               scales + p * pairs * 2 + b, fmt, scale_alg, low_bound, quotient,
-                               encode);
+                               scales + p * pairs * 2 + b, fmt, scale_alg, low_bound, encode);
           unit += 1;
         }
       }
@@ -445,28 +443,18 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
       const int64_t i0 = b * bs, k0 = (p * d + i0) * post;  // the block's first element
       uint8_t* out = codes + (kFp4 ? k0 / 2 : k0);
       uint8_t* scale = scales + ((p * pairs + b / 2) * post) * 2 + (b & 1);
-      if (post == 1) {
-        quantise_block<kFp4>(px + k0, std::min(bs, d - i0), out, scale, fmt, scale_alg,
-                             low_bound, quotient, encode);
-      } else {
-        quantise_columns<kFp4>(px + k0, std::min(bs, d - i0), post, out, scale, fmt, scale_alg,
-                               low_bound, quotient, encode);
-      }
+      quantise_columns<kFp4>(px + k0, std::min(bs, d - i0), post, out, scale, fmt, scale_alg,
+                             low_bound, encode);
     }
   };
-  const auto product = [](__m512 v, __m512 inv) { return _mm512_mul_ps(v, inv); };
   if (!fmt.fp4) {
-    const __m512 lim = _mm512_set1_ps(fmt.max_norm);
-    const auto clamped = [lim](__m512 v, __m512 inv) {  // std::clamp of a finite product
-      return _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(v, inv), -lim), lim);
-    };
-    run(std::false_type{}, clamped, Fp8Lanes(Fp8Encoder(fmt)));
+    run(std::false_type{}, Fp8Lanes(Fp8Encoder(fmt), fmt.max_norm));
   } else if (round == MxRound::kRint) {
-    run(std::true_type{}, product, Fp4Lanes<MxRound::kRint>(fmt));
+    run(std::true_type{}, Fp4Lanes<MxRound::kRint>(fmt));
   } else if (round == MxRound::kRound) {
-    run(std::true_type{}, product, Fp4Lanes<MxRound::kRound>(fmt));
+    run(std::true_type{}, Fp4Lanes<MxRound::kRound>(fmt));
   } else {
-    run(std::true_type{}, product, Fp4Lanes<MxRound::kFloor>(fmt));
+    run(std::true_type{}, Fp4Lanes<MxRound::kFloor>(fmt));
   }
 }
 #endif
