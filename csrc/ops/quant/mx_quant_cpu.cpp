@@ -331,12 +331,36 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
                                            uint8_t* scale, const MxFormat& fmt, int64_t scale_alg,
                                            float low_bound, const Encode& encode) {
   __m512i m[16];
-  for (int j = 0; j < 16; ++j) {
-    const scalar_t* blk = x + j * bs;
-    m[j] = _mm512_max_epu32(magnitude_bits(load16(blk)), magnitude_bits(load16(blk + 16)));
-    for (int64_t i = 32; i < bs; i += 16) m[j] = _mm512_max_epu32(m[j], magnitude_bits(load16(blk + i)));
+  __m512i top;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (int j = 0; j < 16; ++j) {
+      const scalar_t* blk = x + j * bs;
+      m[j] = _mm512_max_epu32(magnitude_bits(load16(blk)), magnitude_bits(load16(blk + 16)));
+      for (int64_t i = 32; i < bs; i += 16) {
+        m[j] = _mm512_max_epu32(m[j], magnitude_bits(load16(blk + i)));
+      }
+    }
+    top = block_maxima(m);
+  } else {
+    // bf16 / fp16: the maxima of the 16-bit magnitudes' bits (ordered as the values, NaN above
+    // inf, as the fp32 bits they convert to), 32 elements a register; the block's maximum is
+    // then converted once.
+    const __m512i mask = _mm512_set1_epi16(0x7FFF);
+    for (int j = 0; j < 16; ++j) {
+      const scalar_t* blk = x + j * bs;
+      __m512i h = _mm512_and_si512(_mm512_loadu_si512(blk), mask);
+      for (int64_t i = 32; i < bs; i += 32) {
+        h = _mm512_max_epu16(h, _mm512_and_si512(_mm512_loadu_si512(blk + i), mask));
+      }
+      m[j] = _mm512_max_epu32(_mm512_and_si512(h, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(h, 16));
+    }
+    const __m512i top16 = block_maxima(m);
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      top = _mm512_slli_epi32(top16, 16);
+    } else {
+      top = _mm512_castps_si512(_mm512_cvtph_ps(_mm512_cvtepi32_epi16(top16)));
+    }
   }
-  const __m512i top = block_maxima(m);
   __m512i e;
   __mmask16 nan;
   if (scale_alg == 0) {
