@@ -132,11 +132,11 @@ inline uint8_t encode(float r, const MxFormat& f) {
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// The contiguous-block path (blocks along the last axis) in AVX-512 registers: a block's
-// elements are loaded once as fp32 lanes (16 a register, a block of 32 in two), its abs-max,
-// shared exponent, products, codes and stores done from them. The lane functions below repeat
-// the scalar numerics operation for operation (same IEEE products, roundings and comparisons), so
-// the codes are the scalar path's bit for bit.
+// The MX units in AVX-512 registers (quantise_units): fp32 lanes, 16 a register. The lane
+// functions below compute the scalar path's values exactly (the same IEEE products and
+// roundings, exact power-of-two scalings and exponent reads in place of the scalar bit
+// arithmetic, comparisons on the same bit patterns), so the codes and scales are the scalar
+// path's bit for bit.
 
 // p[0, n) for n <= 16 as fp32 lanes, lanes past n 0 (load16 of ops/quant/simd16.h).
 template <typename scalar_t>
@@ -149,9 +149,10 @@ OPENNPU_VEC_INLINE __m512i magnitude_bits(__m512 v) {
   return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
 }
 
-// The float8 codes of 16 lanes of quotients t (finite): Fp8Encoder's arithmetic on the bits of
-// clamp(t, -max_norm, max_norm), whose magnitude is min(|t|, max_norm), an unsigned minimum of
-// the magnitudes' bits (their order is the values'), and whose sign is t's. The rebias is
+// The float8 codes of 16 lanes of quotients t (finite; other lanes give a code the caller
+// discards): Fp8Encoder's arithmetic on the bits of clamp(t, -max_norm, max_norm), whose
+// magnitude is min(|t|, max_norm), an unsigned minimum of the magnitudes' bits (their order is
+// the values'), and whose sign is t's. The rebias is
 // subtracted before the shift (rebias << shift, a multiple of 2^shift, leaves the quotient of
 // every normal magnitude unchanged; subnormal lanes take the other result).
 struct Fp8Lanes {
@@ -207,7 +208,8 @@ struct Fp4Lanes {
         max_norm(_mm512_set1_ps(f.max_norm)),
         to_units(_mm512_set1_ps(pow2(f.mbits - f.min_exp))),
         table(f.emax == 2 ? _mm512_setr_epi32(0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7, 0, 0, 0)
-                          : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)) {}
+                          : _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14,
+                                              15)) {}
 
   OPENNPU_VEC_INLINE __m512i operator()(__m512 t) const {
     const __m512 e = _mm512_min_ps(_mm512_max_ps(_mm512_getexp_ps(t), min_exp), cap);
@@ -219,13 +221,13 @@ struct Fp4Lanes {
     } else {  // copysign(floor(|m| + 0.5), m)
       const __m512 half = _mm512_add_ps(_mm512_abs_ps(m), _mm512_set1_ps(0.5f));
       const __m512i sign = _mm512_and_si512(_mm512_castps_si512(m), _mm512_set1_epi32(INT32_MIN));
-      m = _mm512_castsi512_ps(_mm512_or_si512(
-          _mm512_castps_si512(_mm512_roundscale_ps(half, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)),
-          sign));
+      const __m512 lower = _mm512_roundscale_ps(half, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+      m = _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(lower), sign));
     }
     const __m512 a =
         _mm512_min_ps(_mm512_abs_ps(_mm512_scalef_ps(m, _mm512_sub_ps(e, mbits))), max_norm);
-    const __m512i code = _mm512_permutexvar_epi32(_mm512_cvttps_epi32(_mm512_mul_ps(a, to_units)), table);
+    const __m512i units = _mm512_cvttps_epi32(_mm512_mul_ps(a, to_units));
+    const __m512i code = _mm512_permutexvar_epi32(units, table);
     // (t's sign bit >> 28) | code, lanes of NaN 0
     return _mm512_maskz_ternarylogic_epi32(_mm512_cmp_ps_mask(t, t, _CMP_ORD_Q),
                                            _mm512_srli_epi32(_mm512_castps_si512(t), 28),
@@ -285,7 +287,9 @@ OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* ou
   const int e = exponent(top);
   if (e == kNanExp) return;
   const __m512 inv = _mm512_set1_ps(pow2(-e));
-  for (i = 0; i + 16 <= n; i += 16) store16<kFp4>(out, i, encode(_mm512_mul_ps(load16(x + i), inv)));
+  for (i = 0; i + 16 <= n; i += 16) {
+    store16<kFp4>(out, i, encode(_mm512_mul_ps(load16(x + i), inv)));
+  }
   if (i < n) store16<kFp4>(out, i, encode(_mm512_mul_ps(load16_n(x + i, n - i), inv)), n - i);
 }
 
@@ -352,7 +356,8 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
       for (int64_t i = 32; i < bs; i += 32) {
         h = _mm512_max_epu16(h, _mm512_and_si512(_mm512_loadu_si512(blk + i), mask));
       }
-      m[j] = _mm512_max_epu32(_mm512_and_si512(h, _mm512_set1_epi32(0xFFFF)), _mm512_srli_epi32(h, 16));
+      m[j] = _mm512_max_epu32(_mm512_and_si512(h, _mm512_set1_epi32(0xFFFF)),
+                              _mm512_srli_epi32(h, 16));
     }
     const __m512i top16 = block_maxima(m);
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
@@ -364,7 +369,8 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
   __m512i e;
   __mmask16 nan;
   if (scale_alg == 0) {
-    e = _mm512_max_epi32(_mm512_sub_epi32(_mm512_srli_epi32(top, 23), _mm512_set1_epi32(127 + fmt.emax)),
+    const __m512i biased = _mm512_srli_epi32(top, 23);
+    e = _mm512_max_epi32(_mm512_sub_epi32(biased, _mm512_set1_epi32(127 + fmt.emax)),
                          _mm512_set1_epi32(-127));
     nan = static_cast<__mmask16>(_mm512_cmpge_epu32_mask(top, _mm512_set1_epi32(0x7F800000)) |
                                  _mm512_cmpgt_epi32_mask(e, _mm512_set1_epi32(127)));
@@ -397,7 +403,9 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
       continue;
     }
     const __m512 inv = _mm512_set1_ps(invs[j]);
-    for (int64_t i = 0; i < bs; i += 16) store16<kFp4>(o, i, encode(_mm512_mul_ps(load16(blk + i), inv)));
+    for (int64_t i = 0; i < bs; i += 16) {
+      store16<kFp4>(o, i, encode(_mm512_mul_ps(load16(blk + i), inv)));
+    }
   }
 }
 
@@ -430,8 +438,8 @@ void quantise_columns(const scalar_t* x, int64_t rows, int64_t post, uint8_t* ou
     }
     const __m512 inv = _mm512_maskz_load_ps(static_cast<__mmask16>((1u << n) - 1), invs);
     for (int64_t r = 0; r < rows; ++r) {
-      store16<kFp4>(out + r * out_row, q, _mm512_maskz_mov_epi32(finite, encode(_mm512_mul_ps(load(r), inv))),
-                    n);
+      const __m512i c = encode(_mm512_mul_ps(load(r), inv));
+      store16<kFp4>(out + r * out_row, q, _mm512_maskz_mov_epi32(finite, c), n);
     }
   }
 }
