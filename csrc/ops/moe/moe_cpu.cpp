@@ -10,6 +10,9 @@
 // Finalize, per output row: the row's K terms (scale, source row, bias row) are gathered once,
 // then one pass over H accumulates skip1 + skip2 + sum_k scale * (row + bias) in acc_t vectors
 // and stores the result rounded once.
+//
+// Row gather (permute / init_routing): whole rows copied by bytes, with streaming stores when the
+// output is larger than the last-level cache (common/stream_store.h).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
