@@ -18,7 +18,7 @@ two_cpus = pytest.mark.skipif(len(CPUS) < 2, reason="needs 2 CPUs this process m
 # name of the thread that ran the backward ("main": the caller), and whether multithreaded
 # backward was on for the caller (after its forward; {multithreading}: what the script sets then).
 PROBE = textwrap.dedent("""
-    import json, os, sys, threading, torch, torch_npu
+    import json, os, sys, threading, time, torch, torch_npu
     torch.set_num_threads(1)
     if {set_device} is not None:
         torch.npu.set_device({set_device})
@@ -31,13 +31,24 @@ PROBE = textwrap.dedent("""
     ran = []
     out.register_hook(lambda g: ran.append(threading.get_native_id()))
     out.sum().backward()
-    threads = {{}}
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            name = open(f"/proc/self/task/{{tid}}/comm").read().strip()
-        except FileNotFoundError:  # a thread that ended meanwhile
-            continue
-        threads[name if int(tid) != os.getpid() else "main"] = sorted(os.sched_getaffinity(int(tid)))
+
+    def named_threads():
+        threads = {{}}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                name = open(f"/proc/self/task/{{tid}}/comm").read().strip()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            threads[name if int(tid) != os.getpid() else "main"] = sorted(os.sched_getaffinity(int(tid)))
+        return threads
+
+    # The engine starts its device threads with the first backward; each names itself once
+    # running, which may come after the backward returned: wait (bounded) for both names.
+    deadline = time.monotonic() + 10
+    threads = named_threads()
+    while not {{"pt_autograd_0", "pt_autograd_1"}} <= threads.keys() and time.monotonic() < deadline:
+        time.sleep(0.01)
+        threads = named_threads()
     backward = "main" if ran[0] == os.getpid() else open(f"/proc/self/task/{{ran[0]}}/comm").read().strip()
     print(json.dumps({{"threads": threads, "backward": backward, "multithreading": multithreading}}))
 """)
