@@ -210,25 +210,18 @@ void scale_row(T* x, int64_t n, T factor) {
 template <typename P>
 void quantise_probs(P* probs, int64_t n, float factor) {
   if constexpr (std::is_same_v<P, float>) {
+    // ATen's fp16 conversions round half to even (vcvtps2ph), as c10::Half does; minimum
+    // propagates NaN.
+    using Vec = Vectorized<float>;
+    const Vec f(factor), top(127.0f);
     int64_t j = 0;
-#if defined(CPU_CAPABILITY_AVX512)
-    // vcvtps2ph rounds half to even, as c10::Half does; min(127, x) keeps a NaN x
-    const __m512 f = _mm512_set1_ps(factor), top = _mm512_set1_ps(127.0f);
-    for (; j + 16 <= n; j += 16) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(probs + j), f);
-      const __m512 h = _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      const __m512 r = _mm512_roundscale_ps(h, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm512_storeu_ps(probs + j, _mm512_min_ps(top, r));
+    for (; j + 2 * Vec::size() <= n; j += 2 * Vec::size()) {
+      const auto h = at::vec::convert_from_float<at::Half>(Vec::loadu(probs + j) * f,
+                                                           Vec::loadu(probs + j + Vec::size()) * f);
+      const auto [a, b] = at::vec::convert_to_float<at::Half>(h);
+      at::vec::minimum(a.round(), top).store(probs + j);
+      at::vec::minimum(b.round(), top).store(probs + j + Vec::size());
     }
-#elif defined(CPU_CAPABILITY_AVX2)
-    const __m256 f = _mm256_set1_ps(factor), top = _mm256_set1_ps(127.0f);
-    for (; j + 8 <= n; j += 8) {
-      const __m256 x = _mm256_mul_ps(_mm256_loadu_ps(probs + j), f);
-      const __m256 h = _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      const __m256 r = _mm256_round_ps(h, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      _mm256_storeu_ps(probs + j, _mm256_min_ps(top, r));
-    }
-#endif
     for (; j < n; ++j) {
       const float h = static_cast<float>(c10::Half(probs[j] * factor));
       probs[j] = std::min(std::nearbyint(h), 127.0f);

@@ -1048,8 +1048,9 @@ void copy_lse(at::Tensor& dst, const at::Tensor& lse, const char* op, bool flag)
 // quant_offset2). The int8 codes are exact in float32 and so are their dot products (|sum| <
 // 2^24 up to D = 1024), so the codes' products are computed as float32 attention. The dequant
 // factors are float32, or int64 in npu_trans_quant_param's encoding (the float32's bits in the
-// low 32 bits). As on Ascend: layouts BSH, BNSD, BSND and BNSD_BSND, and no antiquant factors;
-// int8 MLA (query_rope) is not supported by opennpu.
+// low 32 bits, quant::decode_int64_scale). As on Ascend: layouts BSH, BNSD, BSND and BNSD_BSND,
+// and no antiquant factors; query_rope with an int8 query is v2's int8 MLA (query_dequant), not
+// taken here.
 struct FullQuant {
   bool on = false;
   double dequant1 = 1.0, dequant2 = 1.0;
@@ -1064,10 +1065,7 @@ double dequant_factor(const char* name, const at::Tensor& t, const at::Tensor& q
                     "(npu_trans_quant_param's encoding), but got a ", st, " tensor of shape ",
                     shape_str(t.sizes()));
   if (st == at::kFloat) return t.item<float>();
-  const at::Tensor bits = t.reshape({1}).to(at::kCPU);
-  const uint64_t word = st == at::kLong ? static_cast<uint64_t>(bits.item<int64_t>())
-                                        : bits.const_data_ptr<uint64_t>()[0];
-  return std::bit_cast<float>(static_cast<uint32_t>(word));
+  return quant::decode_int64_scale(t.to(at::kCPU).view(at::kLong)).first.item<float>();
 }
 
 FullQuant full_quant(const Args& a, const std::optional<at::Tensor>& dequant_scale1,

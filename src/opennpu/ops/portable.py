@@ -2483,10 +2483,7 @@ def _fia_full_quant(op, query, key, value, deq1, quant1, deq2, antiquant, query_
             raise RuntimeError(f"{op}: argument '{name}' must hold one factor (per tensor), "
                                f"float32 or int64 / uint64 (npu_trans_quant_param's encoding), "
                                f"but got a {t.dtype} tensor of shape {tuple(t.shape)}")
-        if t.dtype == torch.float32:
-            return float(t)
-        low = int(t.reshape(1).cpu().view(torch.int64)) & 0xFFFFFFFF
-        return float(torch.tensor([low], dtype=torch.int64).to(torch.int32).view(torch.float32))
+        return float(_deq_scale(t.reshape(1)))
 
     if quant1.numel() != 1 or quant1.dtype != torch.float32:
         raise RuntimeError(f"{op}: argument 'quant_scale1' must hold one float32 factor (per "
