@@ -251,6 +251,22 @@ def test_decode_long_context_splits(dtype):
           dtype)
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16), ids=dtype_id)
+@pytest.mark.parametrize("S", [50, 3001], ids=["one_split", "context_splits"])
+def test_decode_nan_query_head_gives_nan(S, dtype, decode_path):
+    """A NaN in one query head's row: that head's output is NaN, as the composition's (once
+    read as a fully masked row, output 0), and the other heads of its group are unchanged."""
+    torch.manual_seed(3)
+    q, k, v = make("BNSD", 1, 4, 1, 1, S, 32, dtype)
+    q[0, 1, 0, 3] = float("nan")
+    kw = dict(num_heads=4, num_key_value_heads=1, input_layout="BNSD", scale=0.2)
+    out, _ = npu.npu_fused_infer_attention_score(q, k, v, **kw)
+    assert out[0, 1].isnan().all()
+    keep = [0, 2, 3]
+    ref, _ = reference(q[:, keep], k, v, n=3, kvn=1, scale=0.2, layout="BNSD")
+    assert_close(out[:, keep], ref, dtype=dtype, scale=2)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=dtype_id)
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_long_context_splits_all_heads(paged, dtype):

@@ -269,6 +269,82 @@ def test_decode_long_context_splits(mode):
     check(out, lse, ref, torch.bfloat16)
 
 
+# Per-channel key and value factors: the decode kernel reads the codes themselves (on AVX-512
+# with VNNI, q' and P as 16-bit integer codes for fp16 / bf16 queries; fp32 loops elsewhere).
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=dtype_id)
+@pytest.mark.parametrize("D", [16, 40, 128])
+@pytest.mark.parametrize("group", [1, 3, 4, 6])
+def test_decode_per_channel_codes(dtype, D, group):
+    """Head dims below, across and at the 32-element steps, every head-tile size (4, 2, 1),
+    context lengths that leave odd key pairs and short key groups, one empty sequence."""
+    torch.manual_seed(D * 7 + group)
+    KVN = 2
+    N = KVN * group
+    lens = [1, 67, 0, 130]
+    B, S = len(lens), max(lens)
+    q = torch.randn(B, N, 1, D).to(dtype)
+    k8, v8 = i8(B, KVN, S, D), i8(B, KVN, S, D)
+    ks, ko, kdeq = factors(0, "nd", B, KVN, S, D, True, dtype)
+    vs, vo, vdeq = factors(0, "nd", B, KVN, S, D, True, dtype)
+    out, lse = npu.npu_fused_infer_attention_score(
+        q, k8, v8, key_antiquant_scale=ks, key_antiquant_offset=ko, value_antiquant_scale=vs,
+        value_antiquant_offset=vo, num_heads=N, num_key_value_heads=KVN, input_layout="BNSD",
+        scale=D ** -0.5, actual_seq_lengths_kv=lens, softmax_lse_flag=True)
+    ref = reference(q, kdeq(k8), vdeq(v8), n=N, kvn=KVN, scale=D ** -0.5, layout="BNSD",
+                    seq_kv=lens)
+    check(out, lse, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", LOW, ids=dtype_id)
+def test_decode_per_channel_codes_not_less_accurate_than_the_composition(dtype):
+    """A query with an outlier channel (64x the others) and a long context with a few keys far
+    above the rest: the output's error against float64 is at most that of the composition a
+    user writes in the query's dtype (dequantise, then softmax(q k^T) v)."""
+    torch.manual_seed(5)
+    B, N, KVN, S, D = 2, 8, 2, 2100, 128
+    q = torch.randn(B, N, 1, D)
+    q[..., 7] *= 64
+    q = q.to(dtype)
+    k8, v8 = i8(B, KVN, S, D), i8(B, KVN, S, D)
+    k8[:, :, ::300] = 127  # keys with large scores among many small ones
+    ks, ko, kdeq = factors(0, "nd", B, KVN, S, D, True, dtype)
+    vs, vo, vdeq = factors(0, "nd", B, KVN, S, D, True, dtype)
+    out, _ = npu.npu_fused_infer_attention_score(
+        q, k8, v8, key_antiquant_scale=ks, key_antiquant_offset=ko, value_antiquant_scale=vs,
+        value_antiquant_offset=vo, num_heads=N, num_key_value_heads=KVN, input_layout="BNSD",
+        scale=0.01)
+    ref, _ = reference(q, kdeq(k8), vdeq(v8), n=N, kvn=KVN, scale=0.01, layout="BNSD")
+    kd = kdeq(k8).to(dtype).repeat_interleave(N // KVN, 1)
+    vd = vdeq(v8).to(dtype).repeat_interleave(N // KVN, 1)
+    comp = torch.softmax((q @ kd.transpose(-1, -2)) * 0.01, -1) @ vd
+    ours_err = (out.double() - ref).abs().max().item()
+    comp_err = (comp.double() - ref).abs().max().item()
+    assert ours_err <= comp_err, (ours_err, comp_err)
+
+
+@pytest.mark.parametrize("S", [50, 3000], ids=["one_split", "context_splits"])
+def test_decode_per_channel_codes_nan_query_head(S):
+    """A NaN in one query head's row makes that head's output NaN (as the composition gives),
+    and leaves the other heads of its group exact."""
+    torch.manual_seed(6)
+    B, N, KVN, D = 1, 4, 1, 32
+    q = torch.randn(B, N, 1, D).bfloat16()
+    q[0, 2, 0, 5] = float("nan")
+    k8, v8 = i8(B, KVN, S, D), i8(B, KVN, S, D)
+    ks, ko, kdeq = factors(0, "nd", B, KVN, S, D, True, torch.bfloat16)
+    vs, vo, vdeq = factors(0, "nd", B, KVN, S, D, True, torch.bfloat16)
+    out, _ = npu.npu_fused_infer_attention_score(
+        q, k8, v8, key_antiquant_scale=ks, key_antiquant_offset=ko, value_antiquant_scale=vs,
+        value_antiquant_offset=vo, num_heads=N, num_key_value_heads=KVN, input_layout="BNSD",
+        scale=0.2)
+    assert out[0, 2].isnan().all()
+    keep = [0, 1, 3]
+    ref, _ = reference(q[:, keep], kdeq(k8), vdeq(v8), n=3, kvn=1, scale=0.2, layout="BNSD")
+    assert_close(out[:, keep], ref, dtype=torch.bfloat16, scale=2)
+
+
 # ----------------------------------------------------------------------------- prefill
 
 

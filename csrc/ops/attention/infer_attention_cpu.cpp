@@ -21,12 +21,15 @@
 // accumulators of 4 heads x kPvVecs vectors stay in registers). When the tasks are too few for
 // the threads, the context is split (flash-decoding) and the partial (max, sum, acc) of the
 // splits are merged by log-sum-exp in a second pass. The output is rounded once.
-// An int8 cache (antiquant) with per-channel factors is read as codes, converted in registers
-// (the factors folded into q and applied to the P V sums once, see fused_int8_); with per-token
+// An int8 cache (antiquant) with per-channel factors is read as codes (the factors folded into
+// q and applied to the P V sums once, see fused_int8_), multiplied by 16-bit integer codes of q
+// and P with vpdpwssd on AVX512_VNNI for fp16 / bf16 queries (chunk_scores_int8_vnni), converted
+// to fp32 in registers elsewhere; with per-token
 // factors it is dequantised chunk by chunk into fp32 rows of the task's scratch,
 // (x + offset) * scale, and those rows go through the same score and P V loops: no fp32 copy of
 // the cache is made either way.
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -335,6 +338,20 @@ OPENNPU_AVX512_BF16_TARGET void chunk_scores_bf16(
 constexpr int kPvVecs = Vec::size() >= 16 ? 4 : 2;
 constexpr int64_t kPvWidth = kPvVecs * Vec::size();  // accumulator rows are padded to this
 
+// The lines that column tile i (of `tiles`) of a P V loop asks for: bytes [off, off + cnt) of
+// rows [0, rows) of the next chunk, row t's beside key t (rows past the chunk's length after
+// its loop): spread, not in one burst (see dots_block). Nothing when pf is null.
+struct PvPrefetch {
+  int64_t off = 0, cnt = 0, rows = 0;
+  PvPrefetch(const char* pf, int64_t pf_bytes, int64_t pf_len, int64_t tiles, int64_t i) {
+    if (pf == nullptr) return;
+    const int64_t share = round_up((pf_bytes + tiles - 1) / tiles, 64);
+    off = i * share;
+    cnt = std::max<int64_t>(std::min<int64_t>(share, pf_bytes - off), 0);
+    rows = cnt > 0 ? pf_len : 0;
+  }
+};
+
 // acc_h[0, Dv) += sum_t p[h * kChunk + t] * v_t for NH heads, in column tiles of kPvWidth.
 template <int NH, typename In>
 void chunk_pv(const float* p, const In* v, int64_t v_stride, int64_t len, int64_t Dv, float* acc,
@@ -343,15 +360,10 @@ void chunk_pv(const float* p, const In* v, int64_t v_stride, int64_t len, int64_
   static_assert(kPvWidth % Pair::kStep == 0);
   constexpr int kPairs = kPvWidth / Pair::kStep;
   const int64_t tiles = (Dv + kPvWidth - 1) / kPvWidth;
-  // tile i asks for its share of the lines of the next chunk's rows
-  const int64_t pf_share = round_up((pf_bytes + tiles - 1) / tiles, 64);
   for (int64_t j = 0, i = 0; j < Dv; j += kPvWidth, ++i) {
     const int64_t n = std::min<int64_t>(kPvWidth, Dv - j);
-    // row t's share is asked for beside key t (rows past len after the loop): spread, not in
-    // one burst (see dots_block)
-    const int64_t pf_off = i * pf_share;
-    const int64_t pf_cnt = pf == nullptr ? 0 : std::max<int64_t>(std::min<int64_t>(pf_share, pf_bytes - pf_off), 0);
-    const int64_t pf_t = pf_cnt > 0 ? pf_len : 0;
+    const PvPrefetch pft(pf, pf_bytes, pf_len, tiles, i);
+    const int64_t pf_off = pft.off, pf_cnt = pft.cnt, pf_t = pft.rows;
     Vec a[NH][kPvVecs];
     for (int h = 0; h < NH; ++h) {  // acc rows are padded to a multiple of kPvWidth
       for (int u = 0; u < kPvVecs; ++u) a[h][u] = Vec::loadu(acc + h * ld_acc + j + u * Vec::size());
@@ -390,6 +402,163 @@ void chunk_pv(const float* p, const In* v, int64_t v_stride, int64_t len, int64_
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// Fused int8 on AVX512_VNNI (16-bit q and 16-bit fp16 / bf16 decode only): both loops of a chunk
+// multiply the int8 codes by 16-bit integer codes with vpdpwssd (32 products summed in pairs
+// into 16 int32 lanes per instruction), where the fp32 loops spend two conversions per 16 codes
+// and then one FMA per 16 codes and head. The 16-bit sides:
+//  - scores: q' (scale q s, fp32, see fused_int8_) of each head as int16 codes
+//    rint(q' * 32767 / max|q'|), one scale per head and call (load_q). A code's error is at most
+//    2^-16 of the head's largest |q'_d|; the bf16 / fp16 composition rounds every dequantised
+//    key element and every score to 8 / 11 bits (2^-9 / 2^-12 relative).
+//  - P V: each chunk's probabilities of a head as int16 codes rint(p * 32767 / max_t p_t), one
+//    scale per head and chunk (block floating point), applied when the int32 sums are folded
+//    into the fp32 accumulators. A probability's error is at most 2^-16 of its chunk's largest,
+//    so the weights' summed error stays below about 2^-16 of l (every chunk's largest p is part
+//    of l), where the composition rounds each p to 8 / 11 bits.
+// Integer sums are exact: |code| <= 32767 and |x| <= 128 give < 2^23 per pair, < 2^29 per lane
+// over 64 keys or 512 elements of a head. fp32 q (an fp32 composition is exact to 2^-24) keeps
+// the fp32 loops.
+// The instruction is written as inline asm (no target flag for the file, and the accumulator
+// tied to its register: GCC 12's intrinsic copied every accumulator to another register and
+// back around each product).
+OPENNPU_VEC_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
+  asm("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));
+  return acc;
+}
+
+constexpr int64_t kVnniStep = 32;  // int16 lanes of a register: q16 rows are padded to this
+
+// s[h * kChunk + t] = qscale[h] * (q16_h . k_t) for NH heads over len keys of D int8 codes;
+// q16 rows (stride ldq, zero-padded to kVnniStep) hold q' as codes (see above). Keys NK =
+// 16 / NH at a time as in chunk_scores (a short last group repeats its last key); pf as there.
+template <int NH>
+void chunk_scores_int8_vnni(
+    const int16_t* q, int64_t ldq, const float* qscale, const int8_t* k, int64_t k_stride,
+    int64_t D, int64_t len, float* s, const char* pf, int64_t pf_stride, int64_t pf_bytes,
+    int64_t pf_len) {
+  constexpr int NK = Vec::size() / NH;
+  if (pf == nullptr) pf_len = 0;
+  for (int64_t t = len; t < pf_len; ++t) prefetch_bytes(pf + t * pf_stride, 0, pf_bytes);
+  float lane_scale[Vec::size()];  // lane h * NK + i of the sums is head h's
+  for (int h = 0; h < NH; ++h) std::fill(lane_scale + h * NK, lane_scale + (h + 1) * NK, qscale[h]);
+  const Vec lane_scales = Vec::loadu(lane_scale);
+  for (int64_t t = 0; t < len; t += NK) {
+    const int64_t cnt = std::min<int64_t>(NK, len - t);
+    const KeyGroup<NK, int8_t, int8_t> g(t, cnt, k, k_stride, nullptr, 0, 0, pf, pf_stride,
+                                         pf_len);
+    // the group's rows to prefetch, asked for before its loop: a few lines per key (spread
+    // over the steps, their index arithmetic cost more than the loop's products)
+    if (t < pf_len) {
+      for (int i = 0; i < NK; ++i) {
+        if (g.pf[i] != nullptr) prefetch_bytes(g.pf[i], 0, pf_bytes);
+      }
+    }
+    __m512i acc[Vec::size()];
+    for (int i = 0; i < Vec::size(); ++i) acc[i] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < D; j += kVnniStep) {
+      const int64_t n = std::min<int64_t>(kVnniStep, D - j);
+      __m512i qv[NH];
+      for (int h = 0; h < NH; ++h) qv[h] = _mm512_loadu_si512(q + h * ldq + j);
+      const __mmask32 m = n == kVnniStep ? ~__mmask32{0} : _cvtu32_mask32((1u << n) - 1);
+      for (int i = 0; i < NK; ++i) {
+        const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, g.k[i] + j));
+        for (int h = 0; h < NH; ++h) acc[h * NK + i] = dpwssd(acc[h * NK + i], qv[h], kv);
+      }
+    }
+    Vec sums[Vec::size()];
+    for (int i = 0; i < Vec::size(); ++i) sums[i] = _mm512_cvtepi32_ps(acc[i]);
+    const Vec r = transpose_sum(sums) * lane_scales;
+    for (int h = 0; h < NH; ++h) store_lanes<NK>(s + h * kChunk + t, r, h, cnt);
+  }
+}
+
+// acc_h[0, Dv) += sum_t p[h * kChunk + t] * v_t over int8 codes v (len <= kChunk keys) for NH
+// heads: p as int16 codes per head and chunk (see above), two keys per vpdpwssd (their rows'
+// elements interleaved in 16-bit pairs), column tiles of kPvWidth = 64 codes; pf as chunk_pv.
+template <int NH>
+void chunk_pv_int8_vnni(const float* p, const int8_t* v, int64_t v_stride, int64_t len,
+                        int64_t Dv, float* acc, int64_t ld_acc, const char* pf, int64_t pf_stride,
+                        int64_t pf_bytes, int64_t pf_len) {
+  static_assert(kPvWidth == 64 && kChunk % 2 == 0);
+  // codes[h][t]: the pair (t, t + 1) is one 32-bit word; an odd len's last pair ends in 0
+  alignas(64) int16_t codes[NH][kChunk];
+  float pscale[NH];
+  for (int h = 0; h < NH; ++h) {
+    const float* ph = p + h * kChunk;
+    // p >= 0, so the masked lanes' zeros leave the max alone; a NaN propagates to pscale (and
+    // so to the output, as the fp32 loop's would)
+    Vec vmax(0.0f);
+    for (int64_t t = 0; t < len; t += Vec::size()) {
+      const __mmask16 m = _cvtu32_mask16((1u << std::min<int64_t>(Vec::size(), len - t)) - 1);
+      vmax = at::vec::maximum(vmax, Vec(_mm512_maskz_loadu_ps(m, ph + t)));
+    }
+    const float pmax = at::vec::vec_reduce_all<float>(
+        [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
+    pscale[h] = pmax / 32767.0f;
+    const __m512 inv = _mm512_set1_ps(pmax > 0.0f ? 32767.0f / pmax : 0.0f);
+    for (int64_t t = 0; t < len; t += Vec::size()) {  // round to nearest even, saturated
+      const int64_t n = std::min<int64_t>(Vec::size(), len - t);
+      const __mmask16 m = _cvtu32_mask16((1u << n) - 1);
+      const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ph + t), inv);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes[h] + t),
+                          _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
+    }
+  }
+  // dword lane 4L + r of unpack{lo,hi}_epi16 of two 32-element rows holds element 8L + r
+  // (+ 4 for hi): these indices put lanes back in element order (qwords of lo, then of hi)
+  const __m512i first16 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second16 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const int64_t tiles = (Dv + kPvWidth - 1) / kPvWidth;
+  for (int64_t j = 0, i = 0; j < Dv; j += kPvWidth, ++i) {
+    const int64_t n = std::min<int64_t>(kPvWidth, Dv - j);
+    const __mmask64 m = n == kPvWidth ? ~__mmask64{0} : _cvtu64_mask64((uint64_t{1} << n) - 1);
+    const PvPrefetch pft(pf, pf_bytes, pf_len, tiles, i);
+    __m512i a[NH][4];
+    for (int h = 0; h < NH; ++h) {
+      for (int u = 0; u < 4; ++u) a[h][u] = _mm512_setzero_si512();
+    }
+    for (int64_t t = 0; t < len; t += 2) {
+      const bool pair = t + 1 < len;
+      if (t < pft.rows) prefetch_bytes(pf + t * pf_stride, pft.off, pft.cnt);
+      if (pair && t + 1 < pft.rows) prefetch_bytes(pf + (t + 1) * pf_stride, pft.off, pft.cnt);
+      const int8_t* r0 = v + t * v_stride + j;
+      const __m512i x = _mm512_maskz_loadu_epi8(m, r0);
+      const __m512i y = pair ? _mm512_maskz_loadu_epi8(m, r0 + v_stride) : x;  // weight 0
+      const __m512i x0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(x));
+      const __m512i x1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(x, 1));
+      const __m512i y0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(y));
+      const __m512i y1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(y, 1));
+      const __m512i b[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
+                            _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
+      for (int h = 0; h < NH; ++h) {
+        int32_t w2;
+        if (pair) {
+          std::memcpy(&w2, codes[h] + t, 4);
+        } else {
+          w2 = static_cast<uint16_t>(codes[h][t]);
+        }
+        const __m512i w = _mm512_set1_epi32(w2);
+        for (int u = 0; u < 4; ++u) a[h][u] = dpwssd(a[h][u], b[u], w);
+      }
+    }
+    for (int64_t t = len; t < pft.rows; ++t) prefetch_bytes(pf + t * pf_stride, pft.off, pft.cnt);
+    for (int h = 0; h < NH; ++h) {
+      const __m512 sc = _mm512_set1_ps(pscale[h]);
+      float* o = acc + h * ld_acc + j;
+      for (int u = 0; u < 2; ++u) {
+        const __m512i lo = a[h][2 * u], hi = a[h][2 * u + 1];
+        const __m512i e0 = _mm512_permutex2var_epi64(lo, first16, hi);
+        const __m512i e1 = _mm512_permutex2var_epi64(lo, second16, hi);
+        float* o0 = o + 32 * u;
+        _mm512_storeu_ps(o0, _mm512_fmadd_ps(_mm512_cvtepi32_ps(e0), sc, _mm512_loadu_ps(o0)));
+        _mm512_storeu_ps(o0 + 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(e1), sc, _mm512_loadu_ps(o0 + 16)));
+      }
+    }
+  }
+}
+#endif
+
 // Calls f(std::integral_constant<int, NH>, h0) over head tiles of 4, 2, 1 covering [0, g).
 template <typename F>
 void for_head_tiles(int64_t g, const F& f) {
@@ -408,6 +577,8 @@ struct Scratch {
   std::vector<float> q, qr, s, acc, m, l, kd, vd;
   std::vector<at::BFloat16> qb, qrb;  // unscaled bf16 q of the group (chunk_scores_bf16)
   std::vector<float> qoff;  // per head: sum_d q'_d * key offset_d (fused int8, see fused_int8_)
+  std::vector<int16_t> q16;  // q' of the group as int16 codes (vnni_int8_)
+  std::vector<float> qscale;  // per head: the value of one q16 code
 };
 
 // Offset of the token factor of row t0 of (b, h) in a KvQuant::Kind::kToken table.
@@ -496,6 +667,10 @@ struct DecodeKernel {
       w.kd.resize(kChunk * ldq);
       w.vd.resize(kChunk * ldacc);
       w.qoff.assign(nkv * g, 0.0f);
+      if (vnni_int8_) {
+        w.q16.assign(nkv * g * ldq16, 0);
+        w.qscale.assign(nkv * g, 0.0f);
+      }
     }
     if (native_bf16_) {
       w.qb.assign(nkv * g * ldq, at::BFloat16(0.0f));
@@ -520,6 +695,7 @@ struct DecodeKernel {
           if (ko != nullptr) off += q[h * ldq + j] * ko[j];
         }
         w.qoff[slot * g + h] = off;
+        if (vnni_int8_) quantise_q(w, slot * g + h, q + h * ldq);
       }
       if constexpr (std::is_same_v<In, at::BFloat16>) {
         if (native_bf16_) std::copy(src, src + D, w.qb.data() + (slot * g + h) * ldq);
@@ -533,6 +709,22 @@ struct DecodeKernel {
         }
       }
     }
+  }
+
+  // q' (D fp32 values) of group head i as int16 codes rint(q' * 32767 / max|q'|) and the value
+  // of one code (NaN when q' is not finite, so that the scores and the output are NaN, as the
+  // fp32 loops would give).
+  void quantise_q(Scratch& w, int64_t i, const float* q) const {
+    float amax = 0.0f;
+    bool finite = true;
+    for (int64_t j = 0; j < D; ++j) {
+      finite = finite && std::isfinite(q[j]);
+      amax = std::max(amax, std::abs(q[j]));
+    }
+    const float inv = finite && amax > 0.0f ? 32767.0f / amax : 0.0f;
+    w.qscale[i] = finite ? amax / 32767.0f : std::numeric_limits<float>::quiet_NaN();
+    int16_t* c = w.q16.data() + i * ldq16;
+    for (int64_t j = 0; j < D; ++j) c[j] = static_cast<int16_t>(std::nearbyint(q[j] * inv));
   }
 
   // A fresh online-softmax state (sink or nothing) for kv head kvh in `slot`.
@@ -554,7 +746,7 @@ struct DecodeKernel {
 
   // Asks for the keys of the first chunk of kv head kvh (later ones are asked for by step).
   void prefetch_first(int64_t b, int64_t kvh, int64_t t0, int64_t t1) const {
-    if (kInt8 || t0 >= t1) return;
+    if ((kInt8 && !whole_rows_) || t0 >= t1) return;
     const char* k = reinterpret_cast<const char*>(row_ptr(K, d, b, kvh, t0));
     const int64_t n = chunk_len(t0, t1);
     for (int64_t t = 0; t < n; ++t) {
@@ -584,9 +776,9 @@ struct DecodeKernel {
     const KvT* v_raw = row_ptr(V, d, b, kvh, c0);
     // Prefetches: an fp16/bf16/fp32 cache asks for this chunk's values while it scores and for
     // the next chunk's keys while it sums P V (for an fp32 cache, asking a whole chunk ahead for
-    // both measured slower on the token-major walk; fp16/bf16 token-major walks over gapless
-    // rows ask for whole-token spans a chunk ahead, see whole_rows_); an int8 cache, dequantised
-    // as soon as it is read, for the next chunk's keys, then values.
+    // both measured slower on the token-major walk; fp16/bf16 and int8-code token-major walks
+    // over gapless rows ask for whole-token spans a chunk ahead, see whole_rows_); an int8
+    // cache otherwise for the next chunk's keys, then values.
     const int64_t c1 = c0 + len;
     const int64_t next_len = c1 < t1 ? chunk_len(c1, t1) : 0;
     const char* next_k = next_len > 0 ? reinterpret_cast<const char*>(row_ptr(K, d, b, kvh, c1)) : nullptr;
@@ -613,7 +805,7 @@ struct DecodeKernel {
         }
       }
     }
-    if (!kInt8 && whole_rows_) {
+    if (whole_rows_) {
       // Token-major over rows of whole tokens (no gaps): the step of kv head kvh asks for its
       // 1 / KVN share of the next chunk's V (while it scores) and K (while it sums P V) as
       // one contiguous span, in address order, a chunk ahead; cut into len pieces so that the
@@ -658,6 +850,15 @@ struct DecodeKernel {
     const In* kr = Dr > 0 ? row_ptr(KR, d, b, kvh, c0) : nullptr;
     for_head_tiles(g, [&](auto nh, int64_t h0) {
       if constexpr (kInt8) {
+#if defined(CPU_CAPABILITY_AVX512)
+        if (vnni_int8_) {
+          chunk_scores_int8_vnni<decltype(nh)::value>(
+              w.q16.data() + (slot * g + h0) * ldq16, ldq16, w.qscale.data() + slot * g + h0,
+              k_raw, K.stride_s, D, len, w.s.data() + h0 * kChunk, h0 == 0 ? pf_s : nullptr,
+              pf_s_pitch, pf_s_bytes, pf_s_len);
+          return;
+        }
+#endif
         if (fused_int8_) {  // scores from the codes: q' . k (the offsets' share added below)
           chunk_scores<decltype(nh)::value, int8_t, In>(
               qs + h0 * ldq, qrs + h0 * ldqr, ldq, ldqr, k_raw, K.stride_s, nullptr, 0, D, 0,
@@ -701,9 +902,13 @@ struct DecodeKernel {
           if (mrow[t] != 0) s[t] = kNegInf;
         }
       }
+      // a NaN score (a NaN or infinite query) makes the running max NaN, and so the head's
+      // output NaN, as the composition gives: std::max would drop it and the row would read
+      // as fully masked (output 0)
       float cmax = kNegInf;
-      for (int64_t t = 0; t < len; ++t) cmax = std::max(cmax, s[t]);
-      const float m_new = std::max(ms[h], cmax);
+      for (int64_t t = 0; t < len; ++t) cmax = s[t] > cmax || std::isnan(s[t]) ? s[t] : cmax;
+      const float m_new = std::isnan(cmax) || std::isnan(ms[h]) ? std::numeric_limits<float>::quiet_NaN()
+                                                                : std::max(ms[h], cmax);
       if (m_new == kNegInf) {  // nothing visible yet: p = 0
         std::fill(s, s + len, 0.0f);
         continue;
@@ -731,6 +936,15 @@ struct DecodeKernel {
     }
     for_head_tiles(g, [&](auto nh, int64_t h0) {
       if constexpr (kInt8) {
+#if defined(CPU_CAPABILITY_AVX512)
+        if (vnni_int8_) {
+          chunk_pv_int8_vnni<decltype(nh)::value>(w.s.data() + h0 * kChunk, v_raw, V.stride_s,
+                                                  len, Dv, accs + h0 * ldacc, ldacc,
+                                                  h0 == 0 ? pf_pv : nullptr, pf_pv_pitch,
+                                                  pf_pv_bytes, pf_pv_len);
+          return;
+        }
+#endif
         if (fused_int8_) {  // acc += P codes; the factors are applied once, by finish_int8
           chunk_pv<decltype(nh)::value, int8_t>(w.s.data() + h0 * kChunk, v_raw, V.stride_s, len,
                                                 Dv, accs + h0 * ldacc, ldacc,
@@ -813,6 +1027,10 @@ struct DecodeKernel {
   // applies the value factors once. The same values as dequantising first, summed in another
   // order (one fp32 rounding of q' per element instead of one of each dequantised element).
   bool fused_int8_ = false;
+  // fused_int8_ with 16-bit q on AVX512_VNNI: q' and P as int16 codes, see
+  // chunk_scores_int8_vnni (ldq16: the q16 row stride)
+  bool vnni_int8_ = false;
+  int64_t ldq16 = 0;
   int64_t chunk_ = kChunk;  // keys per step, <= kChunk
   bool whole_rows_ = false;  // token-major over gapless token rows (see step)
   bool v_ahead_ = false;  // token-major, fp32: the values are asked for a kv head ahead (see step)
@@ -831,15 +1049,21 @@ void decode_impl(const DecodeProblem& d, void* out) {
                       has_avx512_bf16();
   kern.fused_int8_ = std::is_same_v<KvT, int8_t> && d.cache.kq.kind == KvQuant::Kind::kChannel &&
                      d.cache.vq.kind == KvQuant::Kind::kChannel && kern.Dr == 0;
+#if defined(CPU_CAPABILITY_AVX512)
+  kern.vnni_int8_ = kern.fused_int8_ && !std::is_same_v<In, float> &&
+                    at::cpu::is_avx512_vnni_supported();
+  kern.ldq16 = round_up(std::max<int64_t>(kern.D, 1), kVnniStep);
+#endif
   const int64_t g = kern.g;
   const int64_t KVN = p.heads_kv;
   // A task unit: one (batch, kv head) pair, or (token-major) one batch with all its kv heads.
   const int64_t nkv = kern.token_major() ? KVN : 1;
   if (nkv > 1) {
-    // fp16 / bf16 caches only: a chunk ahead, the spans of an fp32 cache (256 KiB per chunk)
-    // measured no faster than the per-head prefetches, sometimes slower; 16-bit caches gained
-    // 10-40% (B=8, ctx 4096-32768, paged and BSH, 2 threads on the Zen 4).
-    kern.whole_rows_ = sizeof(KvT) == 2 && kern.K.stride_s == KVN * kern.D &&
+    // fp16 / bf16 caches and int8 caches read as codes: a chunk ahead, the spans of an fp32
+    // cache (256 KiB per chunk) measured no faster than the per-head prefetches, sometimes
+    // slower; 16-bit caches gained 10-40% (B=8, ctx 4096-32768, paged and BSH, 2 threads on the
+    // Zen 4), int8 codes 1-5%.
+    kern.whole_rows_ = (sizeof(KvT) == 2 || kern.fused_int8_) && kern.K.stride_s == KVN * kern.D &&
                        kern.V.stride_s == KVN * kern.Dv;
     // fp32 caches: chunks of 64 keys and the values asked for one kv head ahead (see step;
     // measured against 32 keys with the values asked for in their own step in
@@ -919,7 +1143,10 @@ void decode_impl(const DecodeProblem& d, void* out) {
       const float* src = part.data() + u * splits * heads_per_unit * rec + i * rec;
       const int64_t sp_stride = heads_per_unit * rec;
       float m = kNegInf;
-      for (int64_t sp = 0; sp < splits; ++sp) m = std::max(m, src[sp * sp_stride]);
+      for (int64_t sp = 0; sp < splits; ++sp) {  // NaN-propagating, as the steps' max
+        const float x = src[sp * sp_stride];
+        m = x > m || std::isnan(x) ? x : m;
+      }
       std::fill(acc.begin(), acc.end(), 0.0f);
       float l = 0.0f;
       if (m != kNegInf) {
