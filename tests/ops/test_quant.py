@@ -77,6 +77,19 @@ def test_dynamic_quant_matches_reference(dtype, dst_type, smooth):
     check_dynamic_quant(x, **kwargs)
 
 
+@pytest.mark.parametrize("dtype", (F32, F16, BF16), ids=dtype_id)
+def test_dynamic_quant_int4_codes_in_place(dtype):
+    """Integer rows whose largest |x| is 7 have scale 1 and codes equal to x: every nibble lands
+    at its element's place, in the 64-, 32- and 16-element steps and the tails."""
+    torch.manual_seed(4)
+    for cols in (64, 96, 136, 200, 8):
+        x = torch.randint(-7, 8, (5, cols)).float()
+        x[:, 0] = 7
+        y, scale = opennpu.npu_dynamic_quant(x.to(dtype), dst_type=INT4)
+        assert scale.tolist() == [1.0] * 5
+        assert torch.equal(R.unpack_int4(y).float(), x), cols
+
+
 def test_dynamic_quant_rounds_ties_half_to_even():
     # scale = 254 / 127 = 2 exactly, so v / scale hits the .5 ties exactly: torch.round (and
     # torch_npu's golden) rounds them to the even neighbour, not away from zero.

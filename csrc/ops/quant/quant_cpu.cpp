@@ -225,6 +225,23 @@ OPENNPU_VEC_INLINE __m128i int4_bytes32(__m512i qa, __m512i qb, __m512i lo16, __
   return _mm_shuffle_epi8(b, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
 }
 
+// The 32 int4 bytes of 64 codes (q[0] elements 0-15, ..., q[3] 48-63; int32 lanes, clamped
+// here to [lo, hi] within [-8, 7]): two vpackssdw and one vpacksswb narrow them to bytes (the
+// saturations keep every clamp result), 128-bit lane L then holding elements 4L + {0..3} of
+// each group of 16 in turn; vpmaddubsw makes each adjacent pair one nibble byte (lo | hi << 4,
+// as a word), and one vpermw puts pair k at word k before vpmovwb narrows the words to bytes.
+OPENNPU_VEC_INLINE __m256i int4_bytes64(const __m512i* q, __m512i lo8, __m512i hi8) {
+  __m512i b = _mm512_packs_epi16(_mm512_packs_epi32(q[0], q[1]), _mm512_packs_epi32(q[2], q[3]));
+  b = _mm512_and_si512(_mm512_min_epi8(_mm512_max_epi8(b, lo8), hi8), _mm512_set1_epi8(0x0F));
+  const __m512i pairs = _mm512_maddubs_epi16(b, _mm512_set1_epi16(0x1001));
+  // byte 16L + 4G + r is element 16G + 4L + r, so word 8L + 2G + j is pair 8G + 2L + j
+  alignas(64) static constexpr int16_t kOrder[32] = {
+      0, 1, 8, 9, 16, 17, 24, 25, 2, 3, 10, 11, 18, 19, 26, 27,
+      4, 5, 12, 13, 20, 21, 28, 29, 6, 7, 14, 15, 22, 23, 30, 31};
+  const __m512i ordered = _mm512_permutexvar_epi16(_mm512_load_si512(kOrder), pairs);
+  return _mm512_cvtepi16_epi8(ordered);
+}
+
 // store_int4 of int32 lanes (integers within [-8, 7]; len 8 or 16).
 OPENNPU_VEC_INLINE void store_int4_ints(int32_t* out, __m512i codes, int64_t len) {
   const __m128i bytes = int4_bytes(codes);
@@ -318,6 +335,19 @@ void quantize_row_avx512(const src_t* x, const float* smooth, int64_t n, float s
     return codes16(v, vinverse, vscale, near_tie);  // int4: clamped by int4_bytes32
   };
   int64_t i = 0;
+  if constexpr (kInt4) {
+    const __m512i lo8 = _mm512_set1_epi8(static_cast<int8_t>(spec.lo));
+    const __m512i hi8 = _mm512_set1_epi8(static_cast<int8_t>(spec.hi));
+    for (; i + 64 <= n; i += 64) {  // 64 codes: eight words, one store
+      if (next != nullptr) {
+        prefetch_rows_step(next, next2, next_elem_size, i);
+        prefetch_rows_step(next, next2, next_elem_size, i + 32);
+      }
+      __m512i q[4];
+      for (int u = 0; u < 4; ++u) q[u] = code(i + 16 * u, load16(x + i + 16 * u));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(words + i / 8), int4_bytes64(q, lo8, hi8));
+    }
+  }
   for (; i + 32 <= n; i += 32) {
     if (next != nullptr) prefetch_rows_step(next, next2, next_elem_size, i);
     const __m512i qa = code(i, load16(x + i));
