@@ -33,9 +33,11 @@
 
 #include "common/blas.h"
 #include "common/vec.h"
+#include "common/vnni_gemm.h"
 #include "common/fp_barrier.h"
 #include "ops/quant/int_codes.h"
 #include "ops/quant/quant_matmul.h"
+#include "ops/transpose/transpose.h"
 
 namespace opennpu::quant {
 inline namespace CPU_CAPABILITY {
@@ -629,13 +631,68 @@ void tiled_float_gemm(const float* a, bool a_trans, int64_t lda, const FloatOper
   });
 }
 
+// Batch b of W (FloatOperand, [k, n] or stored [n, k] when trans) decoded, unscaled, into bf16
+// pairs along K, blas::vnni_gemm_bf16's B layout with ldb = n: the 32-bit word (kk / 2) * n + j
+// holds W[kk, j] (low half) and W[kk + 1, j]; an odd k's last pair ends in 0. Exact: every code
+// of the block-scaled paths (e4m3, e5m2, hifloat8, e2m1, e1m2) decodes to a value of at most 4
+// significant bits within bf16's exponent range, so its bf16 bits are its fp32 bits' high half.
+// Decoded tile by tile into an fp32 panel that stays in cache (W is never written whole in
+// fp32); a stored [n, k] tile becomes bf16 rows whose 32-bit pairs one 4-byte transpose
+// (the confusion-transpose kernel) turns into pair rows.
+void decode_w_pairs(const FloatOperand& w, int64_t b, int64_t k, int64_t n, uint32_t* out) {
+  constexpr int64_t kTileN = 64, kTileK = 256;
+  const int64_t tiles_n = (n + kTileN - 1) / kTileN, tiles_k = (k + kTileK - 1) / kTileK;
+  transpose::PermuteCopyFn* transpose = transpose::permute_copy.cpu.get("npu_quant_matmul");
+  at::parallel_for(0, tiles_n * tiles_k, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> panel(kTileK * kTileN);
+    std::vector<uint32_t> staged(kTileK / 2 * kTileN), pairs(kTileK / 2 * kTileN);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t j0 = (t % tiles_n) * kTileN, k0 = (t / tiles_n) * kTileK;
+      const int64_t tn = std::min(kTileN, n - j0), kc = std::min(kTileK, k - k0);
+      const int64_t kc_pairs = (kc + 1) / 2;
+      const auto bits = [](float v) {
+        uint32_t u;
+        std::memcpy(&u, &v, sizeof(u));
+        return u;
+      };
+      if (!w.trans) {  // panel [kc, tn]: rows kk and kk + 1 interleaved
+        decode_rect(w, b, false, k0, k0 + kc, j0, j0 + tn, panel.data(), tn);
+        if (kc % 2 != 0) std::fill_n(panel.data() + kc * tn, tn, 0.f);
+        for (int64_t q = 0; q < kc_pairs; ++q) {
+          const float* lo = panel.data() + 2 * q * tn;
+          const float* hi = lo + tn;
+          uint32_t* o = out + (k0 / 2 + q) * n + j0;
+          for (int64_t j = 0; j < tn; ++j) o[j] = bits(lo[j]) >> 16 | (bits(hi[j]) & 0xFFFF0000u);
+        }
+        continue;
+      }
+      // panel [tn, kc]: each row's adjacent pairs are already the words; [tn, kc_pairs] of them
+      // transposed to [kc_pairs, tn]
+      decode_rect(w, b, true, j0, j0 + tn, k0, k0 + kc, panel.data(), kc);
+      for (int64_t j = 0; j < tn; ++j) {
+        const float* row = panel.data() + j * kc;
+        uint32_t* o = staged.data() + j * kc_pairs;
+        for (int64_t q = 0; q < kc / 2; ++q) {
+          o[q] = bits(row[2 * q]) >> 16 | (bits(row[2 * q + 1]) & 0xFFFF0000u);
+        }
+        if (kc % 2 != 0) o[kc / 2] = bits(row[kc - 1]) >> 16;
+      }
+      transpose(reinterpret_cast<const char*>(staged.data()), reinterpret_cast<char*>(pairs.data()),
+                {4, 1, {kc_pairs, tn}, {1, kc_pairs}});
+      for (int64_t q = 0; q < kc_pairs; ++q) {
+        std::copy_n(pairs.data() + q * tn, tn, out + (k0 / 2 + q) * n + j0);
+      }
+    }
+  });
+}
+
 // Per-block float32 scales (FloatBlockScales, quant_matmul.h): A [m, k] and W [k, n] decoded
 // whole (exact, unscaled) and, per output tile of kBlockTileM x kBlockTileN over the threads and
 // per K block in order, the block's fp32 product P (MKL sgemm of depth gk, beta 0) folded into
 // the tile as acc = acc + fp32(fp32(P * s1[i / gm, kb]) * s2[kb, j / gn]), each product rounded
 // to fp32 before the add (no fused multiply-add), as the golden's float32 tensors compute it.
 void block_scaled_float_gemm(const FloatQuantMatmulArgs& p, const float* af, const float* wf,
-                             float* acc_all) {
+                             const c10::BFloat16* a16, const uint32_t* w_pairs, float* acc_all) {
   // Output tiles of 256 x 256: each K block's product is one sgemm of depth gk per tile, and
   // larger tiles run those at a better rate (the panel, 256 KiB, stays in L2).
   constexpr int64_t kBlockTileM = 256, kBlockTileN = 256;
@@ -657,8 +714,8 @@ void block_scaled_float_gemm(const FloatQuantMatmulArgs& p, const float* af, con
       const int64_t tm = std::min(kBlockTileM, m - i0), tn = std::min(kBlockTileN, n - j0);
       const int64_t ab = batch_index(p.out_batch, p.a_batch, b);
       const int64_t wb = batch_index(p.out_batch, p.w_batch, b);
-      const float* a = af + ab * m * k;
-      const float* w = wf + wb * k * n;
+      const float* a = a16 == nullptr ? af + ab * m * k : nullptr;
+      const float* w = w_pairs == nullptr ? wf + wb * k * n : nullptr;
       const float* s1 = s1_all + (s1_batched ? ab : 0) * ms * ks;
       const float* s2 = s2_all + (s2_batched ? wb : 0) * ks * ns;
       float* acc = acc_all + b * m * n;
@@ -666,10 +723,18 @@ void block_scaled_float_gemm(const FloatQuantMatmulArgs& p, const float* af, con
       for (int64_t kb = 0; kb < ks; ++kb) {
         const int64_t k0 = kb * gk, kc = std::min(gk, k - k0);
         // In memory orientation: A [m, k] (lda k) or, transposed, [k, m] (lda m); W alike.
-        const float* ak = p.a.trans ? a + k0 * m + i0 : a + i0 * k + k0;
-        const float* wk = p.w.trans ? w + j0 * k + k0 : w + k0 * n + j0;
-        blas::gemm<float, float>(p.a.trans, p.w.trans, tm, tn, kc, 1.f, ak, p.a.cols, wk,
-                                 p.w.cols, 0.f, panel.data(), tn);
+        if (w_pairs != nullptr) {  // bf16 operands (exact), kc rounded up to a pair
+          const int64_t kp = k + k % 2;
+          blas::vnni_gemm_bf16(tm, tn, kc + kc % 2, kp, n, tn, false, a16 + (ab * m + i0) * kp + k0,
+                               reinterpret_cast<const c10::BFloat16*>(
+                                   w_pairs + (wb * (kp / 2) + k0 / 2) * n + j0),
+                               panel.data());
+        } else {
+          const float* ak = p.a.trans ? a + k0 * m + i0 : a + i0 * k + k0;
+          const float* wk = p.w.trans ? w + j0 * k + k0 : w + k0 * n + j0;
+          blas::gemm<float, float>(p.a.trans, p.w.trans, tm, tn, kc, 1.f, ak, p.a.cols, wk,
+                                   p.w.cols, 0.f, panel.data(), tn);
+        }
         for (int64_t j = 0; j < tn; ++j) s2row[j] = s2[kb * ns + (j0 + j) / gn];
         for (int64_t i = 0; i < tm; ++i) {
           const float f1 = s1[((i0 + i) / gm) * ks + kb];
@@ -712,9 +777,32 @@ void float_quant_matmul_kernel(const FloatQuantMatmulArgs& p, at::Tensor& out) {
     acc.zero_();
   } else if (p.block.x1_block.defined()) {
     const at::Tensor af = decoded(p.a, !p.a.trans);
+    if (has_avx512_bf16() && p.block.gk % 2 == 0) {
+      // bf16 operands (the decoded codes exactly) into vdpbf16ps, whose products are exact in
+      // fp32 and summed in fp32 as sgemm's are (the order aside; no product or partial sum of
+      // these codes is an fp32 subnormal, which the instruction would flush): twice sgemm's
+      // rate on a Zen 4. A as bf16 rows of kp = k rounded up to even elements.
+      const int64_t kp = k + k % 2;
+      std::vector<c10::BFloat16> a16(p.a.batches * m * kp, c10::BFloat16(0.f));
+      const float* a = af.const_data_ptr<float>();
+      for (int64_t b = 0; b < p.a.batches; ++b) {
+        for (int64_t i = 0; i < m; ++i) {
+          for (int64_t kk = 0; kk < k; ++kk) {
+            a16[(b * m + i) * kp + kk] =
+                p.a.trans ? a[(b * k + kk) * m + i] : a[(b * m + i) * k + kk];
+          }
+        }
+      }
+      // every word is written by decode_w_pairs (no zero fill)
+      at::Tensor w_pairs = at::empty({p.w.batches * (kp / 2) * n}, opts.dtype(at::kInt));
+      uint32_t* wp = reinterpret_cast<uint32_t*>(w_pairs.mutable_data_ptr<int32_t>());
+      for (int64_t b = 0; b < p.w.batches; ++b) decode_w_pairs(p.w, b, k, n, wp + b * (kp / 2) * n);
+      block_scaled_float_gemm(p, nullptr, nullptr, a16.data(), wp, acc.mutable_data_ptr<float>());
+      return quant_matmul_epilogue_kernel(acc, p.epilogue, out);
+    }
     const at::Tensor wf = decoded(p.w, p.w.trans);
-    block_scaled_float_gemm(p, af.const_data_ptr<float>(), wf.const_data_ptr<float>(),
-                            acc.mutable_data_ptr<float>());
+    block_scaled_float_gemm(p, af.const_data_ptr<float>(), wf.const_data_ptr<float>(), nullptr,
+                            nullptr, acc.mutable_data_ptr<float>());
   } else {
     const at::Tensor af = decoded(p.a, !p.a.trans);
     if (m <= kTiledFloatRows) {
