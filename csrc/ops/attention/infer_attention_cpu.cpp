@@ -403,7 +403,7 @@ void chunk_pv(const float* p, const In* v, int64_t v_stride, int64_t len, int64_
 }
 
 #if defined(CPU_CAPABILITY_AVX512)
-// Fused int8 on AVX512_VNNI (16-bit q and 16-bit fp16 / bf16 decode only): both loops of a chunk
+// Fused int8 on AVX512_VNNI (fp16 / bf16 queries only): both loops of a chunk
 // multiply the int8 codes by 16-bit integer codes with vpdpwssd (32 products summed in pairs
 // into 16 int32 lanes per instruction), where the fp32 loops spend two conversions per 16 codes
 // and then one FMA per 16 codes and head. The 16-bit sides:
