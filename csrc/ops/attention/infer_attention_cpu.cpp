@@ -59,6 +59,11 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
+// max(a, b) that keeps a NaN from either side (std::max drops a NaN b): a NaN score, from a NaN
+// or infinite query, must make its head's output NaN, as the composition's softmax does, not
+// read as a fully masked row (output 0).
+inline float max_nan(float a, float b) { return b > a || std::isnan(b) ? b : a; }
+
 // Cache-line prefetch of bytes [off, off + n) of row p (n may be 0). K/V rows of one kv head are
 // KVN * D elements apart in a BSH or paged cache, so every row starts in another 4 KiB page where
 // the hardware prefetchers stop: the kernel asks for the rows of the next chunk itself.
@@ -902,19 +907,14 @@ struct DecodeKernel {
           if (mrow[t] != 0) s[t] = kNegInf;
         }
       }
-      // a NaN score (a NaN or infinite query) makes the running max NaN, and so the head's
-      // output NaN, as the composition gives: std::max would drop it and the row would read
-      // as fully masked (output 0)
-      // (at::vec::maximum propagates NaN)
+      // the chunk's max, NaN-propagating (max_nan; at::vec::maximum propagates NaN too)
       Vec vmax(kNegInf);
       int64_t i = 0;
       for (; i + Vec::size() <= len; i += Vec::size()) vmax = at::vec::maximum(vmax, Vec::loadu(s + i));
       float cmax = at::vec::vec_reduce_all<float>(
           [](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, vmax);
-      for (; i < len; ++i) cmax = s[i] > cmax || std::isnan(s[i]) ? s[i] : cmax;
-      const float m_new = std::isnan(cmax) || std::isnan(ms[h])
-                              ? std::numeric_limits<float>::quiet_NaN()
-                              : std::max(ms[h], cmax);
+      for (; i < len; ++i) cmax = max_nan(cmax, s[i]);
+      const float m_new = max_nan(ms[h], cmax);
       if (m_new == kNegInf) {  // nothing visible yet: p = 0
         std::fill(s, s + len, 0.0f);
         continue;
@@ -1151,10 +1151,7 @@ void decode_impl(const DecodeProblem& d, void* out) {
       const float* src = part.data() + u * splits * heads_per_unit * rec + i * rec;
       const int64_t sp_stride = heads_per_unit * rec;
       float m = kNegInf;
-      for (int64_t sp = 0; sp < splits; ++sp) {  // NaN-propagating, as the steps' max
-        const float x = src[sp * sp_stride];
-        m = x > m || std::isnan(x) ? x : m;
-      }
+      for (int64_t sp = 0; sp < splits; ++sp) m = max_nan(m, src[sp * sp_stride]);
       std::fill(acc.begin(), acc.end(), 0.0f);
       float l = 0.0f;
       if (m != kNegInf) {
