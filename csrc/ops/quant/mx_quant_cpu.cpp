@@ -86,34 +86,40 @@ inline float round_element(float t, const MxFormat& f, MxRound mode) {
   return std::clamp(r, -f.max_norm, f.max_norm);
 }
 
-// The float8 code of c (finite, |c| <= the format's max_norm), rounded to nearest even as c10's
-// conversion rounds such values, from the float's bits with no branch, the format's constants
-// worked out once (so that the element loop vectorises): in the normal range, half an ulp of the
-// format less one plus the lowest kept mantissa bit is added to the magnitude's bits (a carry
-// moves the exponent up), which are then shifted and rebiased; below the smallest normal
-// 2^min_exp, the magnitude in units of the subnormal spacing 2^(min_exp - mbits) (an exact
-// power-of-two product) plus 2^23 leaves rint(units) in the low mantissa bits, by the float
-// addition's own rounding, 2^mbits (the smallest normal's code) included.
-struct Fp8Encoder {
+// The code of c (finite, |c| <= the format's max_norm) in a float8 or fp4 element format with
+// the sign in its top bit, rounded to nearest even as c10's float8 conversions round such values
+// (for fp4, as round_element's rint then encode), from the float's bits with no branch, the
+// format's constants worked out once (so that the element loop vectorises): in the normal range,
+// half an ulp of the format less one plus the lowest kept mantissa bit is added to the
+// magnitude's bits (a carry moves the exponent up), which are then shifted and rebiased; below
+// the smallest normal 2^min_exp, the magnitude in units of the subnormal spacing
+// 2^(min_exp - mbits) (an exact power-of-two product) plus 2^23 leaves rint(units) in the low
+// mantissa bits, by the float addition's own rounding, 2^mbits (the smallest normal's code)
+// included.
+struct RintEncoder {
   static constexpr float kTwo23 = 8388608.f;
   uint32_t shift, half_less_one, rebias, min_normal_bits;
   float units;
 
-  explicit Fp8Encoder(const MxFormat& f)
+  explicit RintEncoder(const MxFormat& f)
       : shift(static_cast<uint32_t>(23 - f.mbits)),
         half_less_one((1u << (22 - f.mbits)) - 1),
         rebias(static_cast<uint32_t>(126 + f.min_exp) << f.mbits),
         min_normal_bits(static_cast<uint32_t>(127 + f.min_exp) << 23),
         units(pow2(f.mbits - f.min_exp)) {}
 
-  uint8_t operator()(float c) const {
-    const uint32_t bits = std::bit_cast<uint32_t>(c);
-    const uint32_t mag = bits & 0x7FFFFFFFu;
+  // The magnitude's code (the sign bit is the caller's).
+  uint32_t magnitude_code(uint32_t mag) const {
     const uint32_t normal = ((mag + half_less_one + ((mag >> shift) & 1u)) >> shift) - rebias;
     const uint32_t subnormal =
         std::bit_cast<uint32_t>(std::bit_cast<float>(mag) * units + kTwo23) -
         std::bit_cast<uint32_t>(kTwo23);
-    return static_cast<uint8_t>(((bits >> 24) & 0x80u) | (mag < min_normal_bits ? subnormal : normal));
+    return mag < min_normal_bits ? subnormal : normal;
+  }
+
+  uint8_t float8_code(float c) const {
+    const uint32_t bits = std::bit_cast<uint32_t>(c);
+    return static_cast<uint8_t>(((bits >> 24) & 0x80u) | magnitude_code(bits & 0x7FFFFFFFu));
   }
 };
 
@@ -149,25 +155,32 @@ OPENNPU_VEC_INLINE __m512i magnitude_bits(__m512 v) {
   return _mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7FFFFFFF));
 }
 
-// The float8 codes of 16 lanes of quotients t (finite; other lanes give a code the caller
-// discards): Fp8Encoder's arithmetic on the bits of clamp(t, -max_norm, max_norm), whose
-// magnitude is min(|t|, max_norm), an unsigned minimum of the magnitudes' bits (their order is
-// the values'), and whose sign is t's. The rebias is
-// subtracted before the shift (rebias << shift, a multiple of 2^shift, leaves the quotient of
-// every normal magnitude unchanged; subnormal lanes take the other result).
-struct Fp8Lanes {
+// The float8 or fp4 codes of 16 lanes of quotients t (finite; other lanes give a code the
+// caller discards) rounded to nearest even: RintEncoder's arithmetic on the bits of
+// clamp(t, -max_norm, max_norm), whose magnitude is min(|t|, max_norm), an unsigned minimum of
+// the magnitudes' bits (their order is the values'), and whose sign is t's (rounding is monotonic
+// and max_norm a code, so clamping before rounding saturates as round_element's rounding then
+// clamp). The rebias is subtracted before the shift (rebias << shift, a multiple of 2^shift,
+// leaves the quotient of every normal magnitude unchanged; subnormal lanes take the other
+// result), and the subnormal product and 2^23 are one fused multiply-add (the product is exact).
+// The sign goes to bit 7 (float8) or bit 3 (fp4).
+struct RintLanes {
   __m128i shift;
-  __m512i max_bits, round_less_rebias, min_normal_bits;
+  __m512i max_bits, round_less_rebias, min_normal_bits, sign_bit;
   __m512 units, two23;
+  int sign_shift;
 
-  Fp8Lanes(const Fp8Encoder& e, float max_norm)
+  explicit RintLanes(const MxFormat& f) : RintLanes(RintEncoder(f), f.max_norm, f.fp4 ? 28 : 24) {}
+  RintLanes(const RintEncoder& e, float max_norm, int sign_shift_)
       : shift(_mm_cvtsi32_si128(static_cast<int>(e.shift))),
         max_bits(_mm512_set1_epi32(static_cast<int>(std::bit_cast<uint32_t>(max_norm)))),
         round_less_rebias(
             _mm512_set1_epi32(static_cast<int>(e.half_less_one - (e.rebias << e.shift)))),
         min_normal_bits(_mm512_set1_epi32(static_cast<int>(e.min_normal_bits))),
+        sign_bit(_mm512_set1_epi32(static_cast<int>(0x80000000u >> sign_shift_))),
         units(_mm512_set1_ps(e.units)),
-        two23(_mm512_set1_ps(Fp8Encoder::kTwo23)) {}
+        two23(_mm512_set1_ps(RintEncoder::kTwo23)),
+        sign_shift(sign_shift_) {}
 
   OPENNPU_VEC_INLINE __m512i operator()(__m512 t) const {
     const __m512i bits = _mm512_castps_si512(t);
@@ -176,23 +189,23 @@ struct Fp8Lanes {
     const __m512i normal = _mm512_srl_epi32(
         _mm512_add_epi32(_mm512_add_epi32(mag, round_less_rebias), lsb), shift);
     const __m512i subnormal = _mm512_sub_epi32(
-        _mm512_castps_si512(_mm512_add_ps(_mm512_mul_ps(_mm512_castsi512_ps(mag), units), two23)),
+        _mm512_castps_si512(_mm512_fmadd_ps(_mm512_castsi512_ps(mag), units, two23)),
         _mm512_castps_si512(two23));
     const __m512i code =
         _mm512_mask_blend_epi32(_mm512_cmplt_epu32_mask(mag, min_normal_bits), normal, subnormal);
-    // sign | code: bit 7 of (bits >> 24) is t's sign, code < 0x80
-    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(bits, 24), _mm512_set1_epi32(0x80), code,
-                                     0xEA);
+    // sign | code: sign_bit of (bits >> sign_shift) is t's sign, code < sign_bit
+    return _mm512_ternarylogic_epi32(_mm512_srli_epi32(bits, sign_shift), sign_bit, code, 0xEA);
   }
 };
 
-// round_element followed by encode (fp4 formats) on 16 lanes of quotients t, with no branch:
+// round_element followed by encode (fp4 formats, modes "round" and "floor") on 16 lanes of
+// quotients t, with no branch:
 // e = max(floor(log2|t|), min_exp) (vgetexpps: exact, subnormals included, -inf for a zero),
 // capped at emax + 2; m = t * 2^-(e - mbits) and r = round(m) * 2^(e - mbits) are exact
 // power-of-two scalings (vscalefps), as in the scalar path, and |r| is clamped to max_norm: the
 // lanes the scalar path saturates, |t| >= 2^(emax + 2) (inf included), have |r| >= 2^(emax + 2)
 // with the capped e, so the clamp saturates them too. The code's sign is t's: round(m) keeps m's
-// sign (rint and "round" give -0 for small negative m, floor at most -1), so r's sign is t's.
+// sign ("round" gives -0 for small negative m, floor at most -1), so r's sign is t's.
 // |r| * 2^(mbits - min_exp) is an integer (the value in units of the subnormal spacing), looked
 // up in the code table (e2m1: 0, .5, 1, 1.5, 2, 3, 4, 6 are units 0, 1, 2, 3, 4, 6, 8, 12; e1m2:
 // units are codes). NaN: +0.
@@ -214,9 +227,8 @@ struct Fp4Lanes {
   OPENNPU_VEC_INLINE __m512i operator()(__m512 t) const {
     const __m512 e = _mm512_min_ps(_mm512_max_ps(_mm512_getexp_ps(t), min_exp), cap);
     __m512 m = _mm512_scalef_ps(t, _mm512_sub_ps(mbits, e));
-    if constexpr (kMode == MxRound::kRint) {
-      m = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    } else if constexpr (kMode == MxRound::kFloor) {
+    static_assert(kMode != MxRound::kRint, "rint takes RintLanes");
+    if constexpr (kMode == MxRound::kFloor) {
       m = _mm512_roundscale_ps(m, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
     } else {  // copysign(floor(|m| + 0.5), m)
       const __m512 half = _mm512_add_ps(_mm512_abs_ps(m), _mm512_set1_ps(0.5f));
@@ -259,6 +271,41 @@ OPENNPU_VEC_INLINE void store16(uint8_t* out, int64_t i, __m512i codes, int64_t 
   }
 }
 
+// x[0, 32) as fp32 lanes split by parity: even holds elements 0, 2, ..., 30, odd 1, 3, ..., 31.
+// bf16 from one load (a bf16's fp32 bits are its 16 bits shifted up: the even element of each
+// 32-bit word by a shift, the odd one by a mask); fp32 / fp16 from two, gathered by vpermt2ps.
+template <typename scalar_t>
+OPENNPU_VEC_INLINE void load32_by_parity(const scalar_t* x, __m512& even, __m512& odd) {
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const __m512i v = _mm512_loadu_si512(x);
+    even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)));
+  } else {
+    const __m512 a = load16(x), b = load16(x + 16);
+    const __m512i idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    even = _mm512_permutex2var_ps(a, idx, b);
+    odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(idx, _mm512_set1_epi32(1)), b);
+  }
+}
+
+// The codes of 32 contiguous elements x[0, 32) scaled by inv, stored from out (where element 0's
+// code goes). fp4: the codes of elements 2j and 2j + 1 are computed in lane j of two registers
+// (load32_by_parity) and pair into byte j with a shift and an or.
+template <bool kFp4, typename scalar_t, typename Encode>
+OPENNPU_VEC_INLINE void encode32(const scalar_t* x, __m512 inv, uint8_t* out,
+                                 const Encode& encode) {
+  if constexpr (kFp4) {
+    __m512 even, odd;
+    load32_by_parity(x, even, odd);
+    const __m512i low = encode(_mm512_mul_ps(even, inv)), high = encode(_mm512_mul_ps(odd, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                     _mm512_cvtepi32_epi8(_mm512_or_si512(low, _mm512_slli_epi32(high, 4))));
+  } else {
+    store16<false>(out, 0, encode(_mm512_mul_ps(load16(x), inv)));
+    store16<false>(out, 16, encode(_mm512_mul_ps(load16(x + 16), inv)));
+  }
+}
+
 // One block of n contiguous elements (n <= bs; x and out at its start): its e8m0 scale and codes.
 template <bool kFp4, typename scalar_t, typename Encode>
 OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* out, uint8_t* scale,
@@ -275,9 +322,7 @@ OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* ou
     const __m512 a = load16(x), b = load16(x + 16);
     const int e = exponent(_mm512_max_epu32(magnitude_bits(a), magnitude_bits(b)));
     if (e == kNanExp) return;
-    const __m512 inv = _mm512_set1_ps(pow2(-e));
-    store16<kFp4>(out, 0, encode(_mm512_mul_ps(a, inv)));
-    store16<kFp4>(out, 16, encode(_mm512_mul_ps(b, inv)));
+    encode32<kFp4>(x, _mm512_set1_ps(pow2(-e)), out, encode);
     return;
   }
   __m512i top = _mm512_setzero_si512();
@@ -403,8 +448,8 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
       continue;
     }
     const __m512 inv = _mm512_set1_ps(invs[j]);
-    for (int64_t i = 0; i < bs; i += 16) {
-      store16<kFp4>(o, i, encode(_mm512_mul_ps(load16(blk + i), inv)));
+    for (int64_t i = 0; i < bs; i += 32) {
+      encode32<kFp4>(blk + i, inv, o + (kFp4 ? i / 2 : i), encode);
     }
   }
 }
@@ -480,9 +525,9 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
     }
   };
   if (!fmt.fp4) {
-    run(std::false_type{}, Fp8Lanes(Fp8Encoder(fmt), fmt.max_norm));
+    run(std::false_type{}, RintLanes(fmt));
   } else if (round == MxRound::kRint) {
-    run(std::true_type{}, Fp4Lanes<MxRound::kRint>(fmt));
+    run(std::true_type{}, RintLanes(fmt));
   } else if (round == MxRound::kRound) {
     run(std::true_type{}, Fp4Lanes<MxRound::kRound>(fmt));
   } else {
@@ -508,7 +553,7 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
 #endif
       std::vector<float> amax(post);
       std::vector<int> exps(post);
-      const Fp8Encoder fp8(fmt);
+      const RintEncoder rint_encoder(fmt);
       // The code of flat element k: fp4 codes two a byte, element 2j in the low nibble. A unit's
       // elements are visited in order and each byte's pair lies in one unit (the last dim is even
       // for fp4, block starts are multiples of 32), so a byte's low nibble is written first.
@@ -564,7 +609,7 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
           const float inv = pow2(-exps[0]), lim = fmt.max_norm;
           for (int64_t i = i0; i < i1; ++i) {  // one product, nothing to contract it with
             const float t = static_cast<float>(row[i]) * inv;
-            out[i] = fp8(std::clamp(t, -lim, lim));
+            out[i] = rint_encoder.float8_code(std::clamp(t, -lim, lim));
           }
           continue;
         }
