@@ -417,3 +417,29 @@ def test_dynamic_mx_quant_wide_rows_special_blocks(dtype):
         if dst in FP8_Y:
             check_mx(x, dst_type=dst, scale_alg=1)
             check_mx(x, dst_type=dst, scale_alg=1, max_low_bound=1e-3, block_size=64)
+
+
+@pytest.mark.parametrize("dst", [FP4, E1M2], ids=["e2m1", "e1m2"])
+def test_fp4_bf16_tiny_blocks_around_the_16_bit_lanes_limit(dst):
+    # bf16 to fp4 "rint" takes blocks of shared exponent >= -120 in 16-bit lanes (the exponent
+    # taken off the elements' exponent fields) and smaller ones in fp32 lanes. Blocks of every
+    # exponent from -127 to -110, each with its largest value, bf16 subnormals, zeros of both
+    # signs and values at the rounding thresholds, in rows of sixteen blocks and more (every block
+    # through the 16-bit loop, or a mixed group) and as single blocks.
+    gen = torch.Generator().manual_seed(3)
+    exps = torch.arange(-127, -99)
+    blocks = []
+    for e in exps.tolist():
+        top, mids = (6.0, [0.25, 0.75, 1.25, 2.5, 5.0]) if dst == FP4 else \
+            (1.75, [0.125, 0.375, 0.625, 1.125, 1.625])
+        fracs = torch.tensor([top, *mids, 0.0, -0.0, -0.3, 1.0])
+        rest = (torch.rand(22, generator=gen) * 2 - 1) * top
+        v = torch.cat([fracs, rest]) * 2.0 ** e  # shared exponent e
+        v[-4:] = torch.tensor([1e-39, -2e-40, 9e-41, -1e-45])  # bf16 subnormals
+        blocks.append(v)
+    x = torch.stack(blocks).to(BF16)  # [28, 32]
+    y, s = check_mx(x, dst_type=dst)                    # single blocks
+    assert torch.equal(s[:, 0, 0].long(), exps + 127)
+    check_mx(x.reshape(1, -1), dst_type=dst)            # a mixed group, then single blocks
+    check_mx(x[-16:].reshape(1, -1), dst_type=dst)      # sixteen blocks of exponent >= -115
+    check_mx(x[3:].reshape(1, -1).repeat(2, 1), dst_type=dst)

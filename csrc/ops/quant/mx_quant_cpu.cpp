@@ -247,6 +247,53 @@ struct Fp4Lanes {
   }
 };
 
+// fp4 "rint" codes of bf16 elements in their own 16-bit lanes, 32 a register, for blocks of
+// shared exponent e >= kMinExp (RintLanes' fp32 lanes, inherited, take the others and every
+// other layout). t = x * 2^-e is x with e taken off its exponent field: exact, as the fp32
+// product is, and a magnitude whose field would fall to 0 or below (t below 2^-126, code 0 in
+// the fp32 path too) saturates to a negative or tiny bit pattern (vpsubsw). The code's magnitude
+// is the number of the format's rounding thresholds below |t| (bf16 bit patterns order as the
+// magnitudes; signed compares, so a negative pattern is below them all): the midpoints between
+// neighbouring values, a midpoint itself rounding to the even code (ties to even, as rint). No
+// value rounds past max_norm: the last threshold saturates everything above it. Below kMinExp,
+// a subnormal bf16 element would be scaled through its exponent field wrongly (2^120 times a
+// subnormal can reach the first threshold; an all-zero block has e = -127).
+struct Bf16Fp4Rint : RintLanes {
+  static constexpr int kMinExp = -120;
+  __m512i above[7];  // |t|'s code is at least k + 1 iff its bits > above[k] (signed 16-bit)
+
+  explicit Bf16Fp4Rint(const MxFormat& f) : RintLanes(f) {
+    const auto value = [&](int c) {  // the format's value of magnitude code c
+      const int m = 1 << f.mbits;
+      return c < m ? std::ldexp(static_cast<float>(c), f.min_exp - f.mbits)
+                   : std::ldexp(1.f + static_cast<float>(c % m) / static_cast<float>(m),
+                                c / m - 1 + f.min_exp);
+    };
+    for (int k = 0; k < 7; ++k) {
+      // the midpoint is exact in bf16 (at most mbits + 2 significant bits)
+      const float mid = (value(k) + value(k + 1)) / 2.f;
+      const int bits = static_cast<int>(std::bit_cast<uint32_t>(mid) >> 16);
+      above[k] = _mm512_set1_epi16(static_cast<int16_t>((k + 1) % 2 == 0 ? bits - 1 : bits));
+    }
+  }
+
+  // The codes of x[0, 32), element 2j's in the low nibble of out[j].
+  OPENNPU_VEC_INLINE void store32(const at::BFloat16* x, int e, uint8_t* out) const {
+    const __m512i w = _mm512_loadu_si512(x);
+    const __m512i t = _mm512_subs_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7FFF)),
+                                        _mm512_set1_epi16(static_cast<int16_t>(e * 128)));
+    __m512i code = _mm512_setzero_si512();
+    for (int k = 0; k < 7; ++k) {
+      code = _mm512_mask_sub_epi16(code, _mm512_cmpgt_epi16_mask(t, above[k]), code,
+                                   _mm512_set1_epi16(-1));
+    }
+    // the sign (bit 15 of x) to bit 3; then each 32-bit lane's two codes into its low byte
+    code = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 12), _mm512_set1_epi16(0x8), code, 0xEA);
+    const __m512i pairs = _mm512_or_si512(code, _mm512_srli_epi32(code, 12));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(pairs));
+  }
+};
+
 // Stores the codes of elements [i, i + n) (n <= 16, i a multiple of 16) of a block whose output
 // starts at out: fp8 one byte each; fp4 two codes a byte, element 2j in the low nibble (i and n
 // even).
@@ -288,12 +335,19 @@ OPENNPU_VEC_INLINE void load32_by_parity(const scalar_t* x, __m512& even, __m512
   }
 }
 
-// The codes of 32 contiguous elements x[0, 32) scaled by inv, stored from out (where element 0's
-// code goes). fp4: the codes of elements 2j and 2j + 1 are computed in lane j of two registers
-// (load32_by_parity) and pair into byte j with a shift and an or.
+// The codes of 32 contiguous elements x[0, 32) of a block of shared exponent e (inv = 2^-e),
+// stored from out (where element 0's code goes). fp4: the codes of elements 2j and 2j + 1 are
+// computed in lane j of two registers (load32_by_parity) and pair into byte j with a shift and an
+// or; bf16 to fp4 "rint" in 16-bit lanes where the exponent allows (Bf16Fp4Rint).
 template <bool kFp4, typename scalar_t, typename Encode>
-OPENNPU_VEC_INLINE void encode32(const scalar_t* x, __m512 inv, uint8_t* out,
+OPENNPU_VEC_INLINE void encode32(const scalar_t* x, int e, __m512 inv, uint8_t* out,
                                  const Encode& encode) {
+  if constexpr (std::is_same_v<Encode, Bf16Fp4Rint> && std::is_same_v<scalar_t, at::BFloat16>) {
+    if (e >= Bf16Fp4Rint::kMinExp) {
+      encode.store32(x, e, out);
+      return;
+    }
+  }
   if constexpr (kFp4) {
     __m512 even, odd;
     load32_by_parity(x, even, odd);
@@ -322,7 +376,7 @@ OPENNPU_VEC_INLINE void quantise_block(const scalar_t* x, int64_t n, uint8_t* ou
     const __m512 a = load16(x), b = load16(x + 16);
     const int e = exponent(_mm512_max_epu32(magnitude_bits(a), magnitude_bits(b)));
     if (e == kNanExp) return;
-    encode32<kFp4>(x, _mm512_set1_ps(pow2(-e)), out, encode);
+    encode32<kFp4>(x, e, _mm512_set1_ps(pow2(-e)), out, encode);
     return;
   }
   __m512i top = _mm512_setzero_si512();
@@ -438,8 +492,23 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
       _mm512_slli_epi32(_mm512_sub_epi32(_mm512_set1_epi32(127), e), 23),
       _mm512_set1_epi32(0x00400000));
   alignas(64) float invs[16];
+  alignas(64) int32_t exps[16];
   _mm512_store_si512(invs, inv_bits);
+  _mm512_store_si512(exps, e);
   const int64_t out_block = kFp4 ? bs / 2 : bs;
+  if constexpr (std::is_same_v<Encode, Bf16Fp4Rint>) {
+    // the common case in one loop (its constants in registers): every block finite, of an
+    // exponent the 16-bit lanes take
+    if (nan == 0 &&
+        _mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(Bf16Fp4Rint::kMinExp)) == 0xFFFF) {
+      for (int j = 0; j < 16; ++j) {
+        for (int64_t i = 0; i < bs; i += 32) {
+          encode.store32(x + j * bs + i, exps[j], out + j * out_block + i / 2);
+        }
+      }
+      return;
+    }
+  }
   for (int j = 0; j < 16; ++j) {
     const scalar_t* blk = x + j * bs;
     uint8_t* o = out + j * out_block;
@@ -449,7 +518,7 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
     }
     const __m512 inv = _mm512_set1_ps(invs[j]);
     for (int64_t i = 0; i < bs; i += 32) {
-      encode32<kFp4>(blk + i, inv, o + (kFp4 ? i / 2 : i), encode);
+      encode32<kFp4>(blk + i, exps[j], inv, o + (kFp4 ? i / 2 : i), encode);
     }
   }
 }
@@ -527,7 +596,11 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
   if (!fmt.fp4) {
     run(std::false_type{}, RintLanes(fmt));
   } else if (round == MxRound::kRint) {
-    run(std::true_type{}, RintLanes(fmt));
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      run(std::true_type{}, Bf16Fp4Rint(fmt));
+    } else {
+      run(std::true_type{}, RintLanes(fmt));
+    }
   } else if (round == MxRound::kRound) {
     run(std::true_type{}, Fp4Lanes<MxRound::kRound>(fmt));
   } else {
