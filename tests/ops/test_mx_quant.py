@@ -419,27 +419,39 @@ def test_dynamic_mx_quant_wide_rows_special_blocks(dtype):
             check_mx(x, dst_type=dst, scale_alg=1, max_low_bound=1e-3, block_size=64)
 
 
-@pytest.mark.parametrize("dst", [FP4, E1M2], ids=["e2m1", "e1m2"])
-def test_fp4_bf16_tiny_blocks_around_the_16_bit_lanes_limit(dst):
-    # bf16 to fp4 "rint" takes blocks of shared exponent >= -120 in 16-bit lanes (the exponent
-    # taken off the elements' exponent fields) and smaller ones in fp32 lanes. Blocks of every
-    # exponent from -127 to -110, each with its largest value, bf16 subnormals, zeros of both
-    # signs and values at the rounding thresholds, in rows of sixteen blocks and more (every block
-    # through the 16-bit loop, or a mixed group) and as single blocks.
+@pytest.mark.parametrize("dst", [FP4, E1M2, E4M3, E5M2], ids=["e2m1", "e1m2", "e4m3", "e5m2"])
+def test_bf16_blocks_around_the_16_bit_lanes_limits(dst):
+    # bf16 to fp4 / float8 "rint" takes blocks of shared exponent >= -120 (fp4), -120 (e4m3),
+    # -112 (e5m2) in 16-bit lanes (the exponent taken off the elements' exponent fields) and
+    # smaller ones in fp32 lanes; float8 passes 32 elements with a magnitude between half the
+    # subnormal spacing and the smallest normal to the fp32 lanes too. Blocks of every exponent
+    # from -127 to -96, each with its largest value, the format's rounding thresholds (fp4) or
+    # values around its subnormal range (float8), bf16 subnormals and zeros of both signs, in rows
+    # of sixteen blocks and more (every block through the 16-bit loop, or a mixed group) and as
+    # single blocks.
     gen = torch.Generator().manual_seed(3)
-    exps = torch.arange(-127, -99)
+    exps = torch.arange(-127, -95)
+    if dst in (FP4, E1M2):
+        top, special = (6.0, [0.25, 0.75, 1.25, 2.5, 5.0]) if dst == FP4 else \
+            (1.75, [0.125, 0.375, 0.625, 1.125, 1.625])
+    else:
+        top, min_exp, mbits = (448.0, -6, 3) if dst == E4M3 else (57344.0, -14, 2)
+        half = 2.0 ** (min_exp - mbits - 1)  # half the subnormal spacing: a tie, rounds to 0
+        special = [2.0 ** min_exp, half, 3 * half, 2.0 ** min_exp * (1 - 2 ** -5)]
     blocks = []
     for e in exps.tolist():
-        top, mids = (6.0, [0.25, 0.75, 1.25, 2.5, 5.0]) if dst == FP4 else \
-            (1.75, [0.125, 0.375, 0.625, 1.125, 1.625])
-        fracs = torch.tensor([top, *mids, 0.0, -0.0, -0.3, 1.0])
-        rest = (torch.rand(22, generator=gen) * 2 - 1) * top
-        v = torch.cat([fracs, rest]) * 2.0 ** e  # shared exponent e
-        v[-4:] = torch.tensor([1e-39, -2e-40, 9e-41, -1e-45])  # bf16 subnormals
+        fracs = torch.tensor([top, *special, 0.0, -0.0, -0.3, 1.0])
+        rest = (torch.rand(32 - 4 - fracs.numel(), generator=gen) * 2 - 1) * top
+        v = torch.cat([fracs, rest, torch.tensor([1e-39, -2e-40, 9e-41, -1e-45])])
+        v[:-4] *= 2.0 ** e  # shared exponent e; the last four stay bf16 subnormals
         blocks.append(v)
-    x = torch.stack(blocks).to(BF16)  # [28, 32]
-    y, s = check_mx(x, dst_type=dst)                    # single blocks
-    assert torch.equal(s[:, 0, 0].long(), exps + 127)
-    check_mx(x.reshape(1, -1), dst_type=dst)            # a mixed group, then single blocks
-    check_mx(x[-16:].reshape(1, -1), dst_type=dst)      # sixteen blocks of exponent >= -115
-    check_mx(x[3:].reshape(1, -1).repeat(2, 1), dst_type=dst)
+    x = torch.stack(blocks).to(BF16)  # [32, 32]
+    # without the subnormal-range values: float8 rows all in 16-bit lanes
+    plain = x.clone()
+    plain[:, 1:1 + len(special)] = plain[:, :1]
+    for xx in (x, plain):
+        y, s = check_mx(xx, dst_type=dst)                # single blocks
+        assert torch.equal(s[:, 0, 0].long(), exps + 127)
+        check_mx(xx.reshape(1, -1), dst_type=dst)        # 16-block groups, mixed and not
+        check_mx(xx[-16:].reshape(1, -1), dst_type=dst)  # sixteen blocks of exponent >= -111
+        check_mx(xx[3:].reshape(1, -1).repeat(2, 1), dst_type=dst)

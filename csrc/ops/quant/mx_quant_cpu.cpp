@@ -3,7 +3,8 @@
 // all `post` columns are found first, then every element is scaled and rounded in fp32. The
 // AVX-512 build does the MX units in registers (quantise_units: sixteen contiguous blocks at a
 // time, or sixteen columns at a time for blocks along another axis) with lane forms of the same
-// numerics; other ISAs run the scalar loops of mx_quant_kernel. Both give the same codes.
+// numerics (fp32 lanes; bf16 to float8 / fp4 "rint" in the elements' own 16-bit lanes); other
+// ISAs run the scalar loops of mx_quant_kernel. All give the same codes.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -247,22 +248,35 @@ struct Fp4Lanes {
   }
 };
 
-// fp4 "rint" codes of bf16 elements in their own 16-bit lanes, 32 a register, for blocks of
-// shared exponent e >= kMinExp (RintLanes' fp32 lanes, inherited, take the others and every
-// other layout). t = x * 2^-e is x with e taken off its exponent field: exact, as the fp32
-// product is, and a magnitude whose field would fall to 0 or below (t below 2^-126, code 0 in
-// the fp32 path too) saturates to a negative or tiny bit pattern (vpsubsw). The code's magnitude
-// is the number of the format's rounding thresholds below |t| (bf16 bit patterns order as the
-// magnitudes; signed compares, so a negative pattern is below them all): the midpoints between
-// neighbouring values, a midpoint itself rounding to the even code (ties to even, as rint). No
-// value rounds past max_norm: the last threshold saturates everything above it. Below kMinExp,
-// a subnormal bf16 element would be scaled through its exponent field wrongly (2^120 times a
-// subnormal can reach the first threshold; an all-zero block has e = -127).
-struct Bf16Fp4Rint : RintLanes {
-  static constexpr int kMinExp = -120;
+// bf16 to float8 / fp4 "rint" in the elements' own 16-bit lanes, 32 a register (Bf16Fp4Rint,
+// Bf16Fp8Rint), for blocks of shared exponent e >= min_exp_16; RintLanes' fp32 lanes (inherited)
+// take the other blocks and every other layout. t = x * 2^-e is x with e taken off its exponent
+// field (vpsubsw): exact, as the fp32 product is, and a magnitude whose field would fall to 0 or
+// below (t < 2^-126, code 0 in the fp32 path too) saturates to a negative or tiny bit pattern,
+// which the signed comparisons below read as smaller than every threshold. A bf16 subnormal
+// element is scaled through its exponent field wrongly, but to a bit pattern at most twice its
+// value (sizes below, both read as code 0 or passed to the fp32 lanes) as long as e >=
+// min_exp_16: -(126 + min_exp) for float8 (the pattern stays below the smallest normal), -120
+// for fp4 (below the first rounding threshold; an all-zero block has e = -127).
+struct Bf16Rint16 : RintLanes {
+  int min_exp_16;
+  Bf16Rint16(const MxFormat& f, int min_exp) : RintLanes(f), min_exp_16(min_exp) {}
+
+  // |x| * 2^-e as bf16 bits in 16-bit lanes (signed; see above), x's bits in w
+  OPENNPU_VEC_INLINE static __m512i scaled_magnitude(__m512i w, int e) {
+    return _mm512_subs_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7FFF)),
+                             _mm512_set1_epi16(static_cast<int16_t>(e * 128)));
+  }
+};
+
+// fp4: the code's magnitude is the number of the format's rounding thresholds below |t| (bf16
+// bit patterns order as the magnitudes): the midpoints between neighbouring values, a midpoint
+// itself rounding to the even code (ties to even, as rint). The last threshold saturates
+// everything above it (nothing rounds past max_norm).
+struct Bf16Fp4Rint : Bf16Rint16 {
   __m512i above[7];  // |t|'s code is at least k + 1 iff its bits > above[k] (signed 16-bit)
 
-  explicit Bf16Fp4Rint(const MxFormat& f) : RintLanes(f) {
+  explicit Bf16Fp4Rint(const MxFormat& f) : Bf16Rint16(f, -120) {
     const auto value = [&](int c) {  // the format's value of magnitude code c
       const int m = 1 << f.mbits;
       return c < m ? std::ldexp(static_cast<float>(c), f.min_exp - f.mbits)
@@ -277,11 +291,10 @@ struct Bf16Fp4Rint : RintLanes {
     }
   }
 
-  // The codes of x[0, 32), element 2j's in the low nibble of out[j].
-  OPENNPU_VEC_INLINE void store32(const at::BFloat16* x, int e, uint8_t* out) const {
+  // The codes of x[0, 32), element 2j's in the low nibble of out[j]. Always done (true).
+  OPENNPU_VEC_INLINE bool store32(const at::BFloat16* x, int e, uint8_t* out) const {
     const __m512i w = _mm512_loadu_si512(x);
-    const __m512i t = _mm512_subs_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7FFF)),
-                                        _mm512_set1_epi16(static_cast<int16_t>(e * 128)));
+    const __m512i t = scaled_magnitude(w, e);
     __m512i code = _mm512_setzero_si512();
     for (int k = 0; k < 7; ++k) {
       code = _mm512_mask_sub_epi16(code, _mm512_cmpgt_epi16_mask(t, above[k]), code,
@@ -291,6 +304,48 @@ struct Bf16Fp4Rint : RintLanes {
     code = _mm512_ternarylogic_epi32(_mm512_srli_epi16(w, 12), _mm512_set1_epi16(0x8), code, 0xEA);
     const __m512i pairs = _mm512_or_si512(code, _mm512_srli_epi32(code, 12));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(pairs));
+    return true;
+  }
+};
+
+// float8: RintEncoder's normal-range arithmetic on the bf16 bits of min(|t|, max_norm) (the
+// fp32 bits' low 16 are zero, so shifting 16 fewer gives the same code); |t| below the smallest
+// normal is code 0 up to half the subnormal spacing (ties to even: 0), and 32 elements with any
+// magnitude in [half the spacing, smallest normal) are left to the fp32 lanes (false: nothing
+// stored), which round subnormals (rare in a block scaled to its largest element).
+struct Bf16Fp8Rint : Bf16Rint16 {
+  __m512i max_bits, round_less_rebias, min_normal_bits, half_spacing_bits;
+  int shift;
+
+  explicit Bf16Fp8Rint(const MxFormat& f)
+      : Bf16Rint16(f, -(126 + f.min_exp)),
+        max_bits(_mm512_set1_epi16(bf16_bits(f.max_norm))),
+        round_less_rebias(_mm512_set1_epi16(static_cast<int16_t>(
+            ((1 << (6 - f.mbits)) - 1) - ((126 + f.min_exp) << 7)))),
+        min_normal_bits(_mm512_set1_epi16(bf16_bits(std::ldexp(1.f, f.min_exp)))),
+        half_spacing_bits(_mm512_set1_epi16(bf16_bits(std::ldexp(1.f, f.min_exp - f.mbits - 1)))),
+        shift(7 - f.mbits) {}
+
+  static int16_t bf16_bits(float v) {  // v exact in bf16
+    return static_cast<int16_t>(std::bit_cast<uint32_t>(v) >> 16);
+  }
+
+  // The codes of x[0, 32), one byte each, or false (nothing stored) for the fp32 lanes.
+  OPENNPU_VEC_INLINE bool store32(const at::BFloat16* x, int e, uint8_t* out) const {
+    const __m512i w = _mm512_loadu_si512(x);
+    const __m512i t = _mm512_min_epi16(scaled_magnitude(w, e), max_bits);
+    const __mmask32 small = _mm512_cmpgt_epi16_mask(min_normal_bits, t);
+    if (_mm512_mask_cmpgt_epi16_mask(small, t, half_spacing_bits) != 0) return false;
+    // the rebias is subtracted before the shift (see RintLanes): normal lanes stay positive
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi16(t, shift), _mm512_set1_epi16(1));
+    const __m512i normal = _mm512_srli_epi16(
+        _mm512_add_epi16(_mm512_add_epi16(t, round_less_rebias), lsb), shift);
+    // sign (bit 15 of x, to bit 7) | code, small lanes 0
+    const __m512i code = _mm512_ternarylogic_epi32(
+        _mm512_srli_epi16(w, 8), _mm512_set1_epi16(0x80),
+        _mm512_maskz_mov_epi16(static_cast<__mmask32>(~small), normal), 0xEA);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi16_epi8(code));
+    return true;
   }
 };
 
@@ -329,7 +384,8 @@ OPENNPU_VEC_INLINE void load32_by_parity(const scalar_t* x, __m512& even, __m512
     odd = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(-65536)));
   } else {
     const __m512 a = load16(x), b = load16(x + 16);
-    const __m512i idx = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i idx =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
     even = _mm512_permutex2var_ps(a, idx, b);
     odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(idx, _mm512_set1_epi32(1)), b);
   }
@@ -342,11 +398,8 @@ OPENNPU_VEC_INLINE void load32_by_parity(const scalar_t* x, __m512& even, __m512
 template <bool kFp4, typename scalar_t, typename Encode>
 OPENNPU_VEC_INLINE void encode32(const scalar_t* x, int e, __m512 inv, uint8_t* out,
                                  const Encode& encode) {
-  if constexpr (std::is_same_v<Encode, Bf16Fp4Rint> && std::is_same_v<scalar_t, at::BFloat16>) {
-    if (e >= Bf16Fp4Rint::kMinExp) {
-      encode.store32(x, e, out);
-      return;
-    }
+  if constexpr (std::is_base_of_v<Bf16Rint16, Encode> && std::is_same_v<scalar_t, at::BFloat16>) {
+    if (e >= encode.min_exp_16 && encode.store32(x, e, out)) return;
   }
   if constexpr (kFp4) {
     __m512 even, odd;
@@ -496,14 +549,18 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
   _mm512_store_si512(invs, inv_bits);
   _mm512_store_si512(exps, e);
   const int64_t out_block = kFp4 ? bs / 2 : bs;
-  if constexpr (std::is_same_v<Encode, Bf16Fp4Rint>) {
+  if constexpr (std::is_base_of_v<Bf16Rint16, Encode>) {
     // the common case in one loop (its constants in registers): every block finite, of an
     // exponent the 16-bit lanes take
     if (nan == 0 &&
-        _mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(Bf16Fp4Rint::kMinExp)) == 0xFFFF) {
+        _mm512_cmpge_epi32_mask(e, _mm512_set1_epi32(encode.min_exp_16)) == 0xFFFF) {
       for (int j = 0; j < 16; ++j) {
+        const __m512 inv = _mm512_set1_ps(invs[j]);
         for (int64_t i = 0; i < bs; i += 32) {
-          encode.store32(x + j * bs + i, exps[j], out + j * out_block + i / 2);
+          uint8_t* o = out + j * out_block + (kFp4 ? i / 2 : i);
+          if (!encode.store32(x + j * bs + i, exps[j], o)) {
+            encode32<kFp4>(x + j * bs + i, exps[j], inv, o, static_cast<const RintLanes&>(encode));
+          }
         }
       }
       return;
@@ -594,7 +651,11 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
     }
   };
   if (!fmt.fp4) {
-    run(std::false_type{}, RintLanes(fmt));
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      run(std::false_type{}, Bf16Fp8Rint(fmt));
+    } else {
+      run(std::false_type{}, RintLanes(fmt));
+    }
   } else if (round == MxRound::kRint) {
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       run(std::true_type{}, Bf16Fp4Rint(fmt));
