@@ -639,9 +639,10 @@ def test_fp8_quant_matmul_exact_small_codes(out_dtype, dt1, dt2, scales):
 
 @pytest.mark.parametrize("out_dtype", (F16, BF16, F32), ids=str)
 @pytest.mark.parametrize("dt1,dt2", [(E4, E4), (E5, E5), (E5, E4)], ids=["e4m3", "e5m2", "mixed"])
-def test_fp8_quant_matmul_full_range_codes(out_dtype, dt1, dt2):
+@pytest.mark.parametrize("m", (9, 130))  # from 128 rows: bf16 operands on AVX512_BF16 CPUs
+def test_fp8_quant_matmul_full_range_codes(out_dtype, dt1, dt2, m):
     gen = torch.Generator().manual_seed(12)
-    m, k, n = 9, 130, 21
+    k, n = 130, 21
     x1, x2 = fp8(m, k, dtype=dt1, gen=gen), fp8(k, n, dtype=dt2, gen=gen)
     scale, pt = torch.rand(n, generator=gen) * 1e-3, torch.rand(m, generator=gen)
     bias = torch.randn(n, generator=gen).to(BF16)
@@ -718,7 +719,8 @@ def test_mx_quant_matmul_exact_many_rows(trans1, trans2):
 
 @pytest.mark.parametrize("kinds", MX_KINDS, ids=MX_IDS)
 @pytest.mark.parametrize("m,k,n", [(1, 32, 1), (5, 96, 7), (3, 100, 4), (0, 64, 3), (2, 64, 0),
-                                   (2, 1100, 130), (520, 100, 6)])  # K panels of 512; > 512 rows
+                                   (2, 1100, 130), (520, 100, 6),  # K panels of 512; > 512 rows
+                                   (130, 98, 40)])  # bf16 operands from 128 rows (AVX512_BF16)
 def test_mx_quant_matmul_odd_sizes_and_partial_blocks(kinds, m, k, n):
     gen = torch.Generator().manual_seed(14)
     if "fp4" in kinds and (m % 2 or n % 2):  # float4 packs x1 [m, k / 2], x2 [k, n / 2]
@@ -729,6 +731,23 @@ def test_mx_quant_matmul_odd_sizes_and_partial_blocks(kinds, m, k, n):
     assert out.shape == (m, n)
     sa64, sw64 = mx_scales(sa, sw, k)
     assert_close_fp32_acc(out, ref, a * sa64, w * sw64)
+
+
+@pytest.mark.parametrize("kinds", [(E4, E4), ("fp4", E5)], ids=["mxfp8", "fp4_x_e5m2"])
+def test_mx_quant_matmul_tiny_scales_keep_subnormal_sums(kinds):
+    """Scales that put every product below fp32's smallest normal: the results are fp32
+    subnormals, which a bf16 dot-product instruction would flush to 0; the kernel must keep them
+    (it takes the bf16 path only where no product or sum can be subnormal)."""
+    gen = torch.Generator().manual_seed(15)
+    m, k, n = 130, 64, 16
+    x1, x2, a, w, sa, sw = mx_operands(m, k, n, *kinds, gen, small=True)
+    sa = mx_scale_codes(*sa.shape, gen=gen, lo=58, hi=60)    # 2^-69 .. 2^-68
+    sw = mx_scale_codes(*sw.shape, gen=gen, lo=58, hi=60)
+    out = opennpu.npu_quant_matmul(x1, x2, sw, pertoken_scale=sa, **mx_kw(*kinds, F32))
+    ref = ref_float_qmm(a, w, out_dtype=torch.float64, sa=sa, sw=sw)
+    assert bool((ref.abs() < 2.0 ** -126).all()) and bool((ref != 0).any())
+    # integer codes times exact powers of two: fp32 holds every sum exactly down to 2^-149
+    assert torch.equal(out, ref.float())
 
 
 def test_mx_quant_matmul_torch_dtypes_batch_and_3d_bias():

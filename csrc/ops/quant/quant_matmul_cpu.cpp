@@ -482,6 +482,16 @@ const CodeTables& code_tables() {
   return tables;
 }
 
+// The values of a format's codes (256 entries, or 16 for float4).
+const float* code_table(FloatCode code) {
+  const CodeTables& t = code_tables();
+  return code == FloatCode::kE4m3   ? t.e4m3
+         : code == FloatCode::kE5m2 ? t.e5m2
+         : code == FloatCode::kHif8 ? t.hif8
+         : code == FloatCode::kE2m1 ? t.e2m1
+                                    : t.e1m2;
+}
+
 // n float8 codes (e4m3fn / e5m2) at s to their fp32 values at d, equal to `table`'s (c10's
 // conversions), 16 (8 on AVX2) at a time through float16: e5m2 is the top byte of a float16; an
 // e4m3 magnitude shifted into a float16's exponent and mantissa fields reads as 2^-8 times its
@@ -554,12 +564,7 @@ void decode_rect(const FloatOperand& op, int64_t b, bool k_cols, int64_t r0, int
   const bool fp4 = is_fp4(op.code);
   const int64_t row_bytes = fp4 ? cols / 2 : cols;
   const uint8_t* src = op.codes.const_data_ptr<uint8_t>() + b * rows * row_bytes;
-  const CodeTables& t = code_tables();
-  const float* table = op.code == FloatCode::kE4m3  ? t.e4m3
-                       : op.code == FloatCode::kE5m2 ? t.e5m2
-                       : op.code == FloatCode::kHif8 ? t.hif8
-                       : op.code == FloatCode::kE2m1 ? t.e2m1
-                                                     : t.e1m2;
+  const float* table = code_table(op.code);
   const float* scale = nullptr;
   if (op.block_scale.defined()) {
     scale = op.block_scale.const_data_ptr<float>() +
@@ -753,9 +758,74 @@ void block_scaled_float_gemm(const FloatQuantMatmulArgs& p, const float* af, con
   });
 }
 
+// A (decoded, fp32 [batches, m, k], or [batches, k, m] when a.trans) as bf16 rows of
+// kp = k rounded up to even elements (zero-padded), blas::vnni_gemm_bf16's A layout. Exact for
+// the decoded codes (see decode_w_pairs).
+std::vector<c10::BFloat16> bf16_rows(const FloatQuantMatmulArgs& p, const float* a, int64_t kp) {
+  const int64_t m = p.m, k = p.k;
+  std::vector<c10::BFloat16> a16(p.a.batches * m * kp, c10::BFloat16(0.f));
+  at::parallel_for(0, p.a.batches * m, grain_rows(k), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = r / m, i = r % m;
+      for (int64_t kk = 0; kk < k; ++kk) {
+        a16[r * kp + kk] = p.a.trans ? a[(b * k + kk) * m + i] : a[r * k + kk];
+      }
+    }
+  });
+  return a16;
+}
+
+// Every batch of W as bf16 pairs (decode_w_pairs), [w.batches, kp / 2, n] words.
+at::Tensor w_bf16_pairs(const FloatQuantMatmulArgs& p, int64_t kp) {
+  const int64_t n = p.n;
+  // every word is written by decode_w_pairs (no zero fill)
+  at::Tensor pairs = at::empty({p.w.batches * (kp / 2) * n}, p.w.codes.options().dtype(at::kInt));
+  uint32_t* wp = reinterpret_cast<uint32_t*>(pairs.mutable_data_ptr<int32_t>());
+  for (int64_t b = 0; b < p.w.batches; ++b) decode_w_pairs(p.w, b, p.k, n, wp + b * (kp / 2) * n);
+  return pairs;
+}
+
+// Whether A @ W (decoded, MX block scales applied) computed on bf16 operands by vdpbf16ps, which
+// reads subnormal inputs as 0 and flushes subnormal results, is the same fp32-accumulated GEMM
+// as sgemm's. Every decoded value is a multiple of 2^lsb (the code format's smallest nonzero
+// magnitude times the smallest block scale), so every product and partial sum is a multiple of
+// 2^(lsb_a + lsb_w): with lsb_a + lsb_w >= -126 none is subnormal. And no sum may overflow where
+// the other order might not: |a|, |w| < 2^top, k products.
+bool bf16_gemm_exact(const FloatQuantMatmulArgs& p) {
+  const auto range = [&](const FloatOperand& op, int& lsb, int& top) {
+    const float* table = code_table(op.code);
+    float lo = std::numeric_limits<float>::infinity(), hi = 0.f;
+    for (int c = 0; c < (is_fp4(op.code) ? 16 : 256); ++c) {
+      const float v = std::fabs(table[c]);
+      if (std::isfinite(v) && v > 0.f) lo = std::min(lo, v), hi = std::max(hi, v);
+    }
+    lsb = std::ilogb(lo);  // a power of two: every value is a multiple of it
+    top = std::ilogb(hi) + 1;
+    if (!op.block_scale.defined() || op.block_scale.numel() == 0) return true;
+    // the scales (powers of two, contiguous fp32): a NaN or zero one keeps sgemm's path
+    const float* sc = op.block_scale.const_data_ptr<float>();
+    float smin = std::numeric_limits<float>::infinity(), smax = 0.f;
+    for (int64_t i = 0; i < op.block_scale.numel(); ++i) {
+      if (!(sc[i] > 0.f && std::isfinite(sc[i]))) return false;
+      smin = std::min(smin, sc[i]);
+      smax = std::max(smax, sc[i]);
+    }
+    lsb += std::ilogb(smin);
+    top += std::ilogb(smax);
+    return true;
+  };
+  int lsb_a, top_a, lsb_w, top_w;
+  if (!range(p.a, lsb_a, top_a) || !range(p.w, lsb_w, top_w)) return false;
+  const int log2_k = std::ilogb(static_cast<float>(std::max<int64_t>(p.k, 1))) + 1;
+  return lsb_a + lsb_w >= -126 && top_a + top_w + log2_k < 127;
+}
+
 // Up to this many rows of x1 per batch W is decoded panel by panel (tiled_float_gemm); above,
 // whole, and MKL's threads run one large GEMM per batch.
 constexpr int64_t kTiledFloatRows = 512;
+// From this many rows of x1 the product runs on bf16 operands where the CPU has AVX512_BF16 (and
+// bf16_gemm_exact holds); below, decoding W (whole, as bf16 pairs) costs more than it saves.
+constexpr int64_t kBf16FloatRows = 128;
 
 // See FloatQuantMatmulArgs (quant_matmul.h): x1 decoded and block-scaled in fp32 (each of its
 // batches once); for few rows W decoded panel by panel in cache (tiled_float_gemm), else whole,
@@ -783,21 +853,12 @@ void float_quant_matmul_kernel(const FloatQuantMatmulArgs& p, at::Tensor& out) {
       // these codes is an fp32 subnormal, which the instruction would flush): twice sgemm's
       // rate on a Zen 4. A as bf16 rows of kp = k rounded up to even elements.
       const int64_t kp = k + k % 2;
-      std::vector<c10::BFloat16> a16(p.a.batches * m * kp, c10::BFloat16(0.f));
-      const float* a = af.const_data_ptr<float>();
-      for (int64_t b = 0; b < p.a.batches; ++b) {
-        for (int64_t i = 0; i < m; ++i) {
-          for (int64_t kk = 0; kk < k; ++kk) {
-            a16[(b * m + i) * kp + kk] =
-                p.a.trans ? a[(b * k + kk) * m + i] : a[(b * m + i) * k + kk];
-          }
-        }
-      }
-      // every word is written by decode_w_pairs (no zero fill)
-      at::Tensor w_pairs = at::empty({p.w.batches * (kp / 2) * n}, opts.dtype(at::kInt));
-      uint32_t* wp = reinterpret_cast<uint32_t*>(w_pairs.mutable_data_ptr<int32_t>());
-      for (int64_t b = 0; b < p.w.batches; ++b) decode_w_pairs(p.w, b, k, n, wp + b * (kp / 2) * n);
-      block_scaled_float_gemm(p, nullptr, nullptr, a16.data(), wp, acc.mutable_data_ptr<float>());
+      const std::vector<c10::BFloat16> a16 = bf16_rows(p, af.const_data_ptr<float>(), kp);
+      const at::Tensor w_pairs = w_bf16_pairs(p, kp);
+      block_scaled_float_gemm(
+          p, nullptr, nullptr, a16.data(),
+          reinterpret_cast<const uint32_t*>(w_pairs.const_data_ptr<int32_t>()),
+          acc.mutable_data_ptr<float>());
       return quant_matmul_epilogue_kernel(acc, p.epilogue, out);
     }
     const at::Tensor wf = decoded(p.w, p.w.trans);
@@ -805,6 +866,28 @@ void float_quant_matmul_kernel(const FloatQuantMatmulArgs& p, at::Tensor& out) {
                             nullptr, acc.mutable_data_ptr<float>());
   } else {
     const at::Tensor af = decoded(p.a, !p.a.trans);
+    if (m >= kBf16FloatRows && has_avx512_bf16() && bf16_gemm_exact(p)) {
+      // bf16 operands into vdpbf16ps (as the per-block path above), output tiles over the threads
+      constexpr int64_t kTileM = 128, kTileN = 256;
+      const int64_t kp = k + k % 2;
+      const std::vector<c10::BFloat16> a16 = bf16_rows(p, af.const_data_ptr<float>(), kp);
+      const at::Tensor w_pairs = w_bf16_pairs(p, kp);
+      const auto* w16 = reinterpret_cast<const c10::BFloat16*>(w_pairs.const_data_ptr<int32_t>());
+      const int64_t tiles_m = (m + kTileM - 1) / kTileM, tiles_n = (n + kTileN - 1) / kTileN;
+      float* c = acc.mutable_data_ptr<float>();
+      at::parallel_for(0, batches * tiles_m * tiles_n, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t t = begin; t < end; ++t) {
+          const int64_t b = t / (tiles_m * tiles_n), r = t % (tiles_m * tiles_n);
+          const int64_t i0 = (r / tiles_n) * kTileM, j0 = (r % tiles_n) * kTileN;
+          const int64_t ab = batch_index(p.out_batch, p.a_batch, b);
+          const int64_t wb = batch_index(p.out_batch, p.w_batch, b);
+          blas::vnni_gemm_bf16(std::min(kTileM, m - i0), std::min(kTileN, n - j0), kp, kp, n, n,
+                               false, a16.data() + (ab * m + i0) * kp,
+                               w16 + 2 * (wb * (kp / 2) * n + j0), c + (b * m + i0) * n + j0);
+        }
+      });
+      return quant_matmul_epilogue_kernel(acc, p.epilogue, out);
+    }
     if (m <= kTiledFloatRows) {
       for (int64_t b = 0; b < batches; ++b) {
         tiled_float_gemm(
