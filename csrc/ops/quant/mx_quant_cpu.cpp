@@ -254,10 +254,11 @@ struct Fp4Lanes {
 // field (vpsubsw): exact, as the fp32 product is, and a magnitude whose field would fall to 0 or
 // below (t < 2^-126, code 0 in the fp32 path too) saturates to a negative or tiny bit pattern,
 // which the signed comparisons below read as smaller than every threshold. A bf16 subnormal
-// element is scaled through its exponent field wrongly, but to a bit pattern at most twice its
-// value (sizes below, both read as code 0 or passed to the fp32 lanes) as long as e >=
-// min_exp_16: -(126 + min_exp) for float8 (the pattern stays below the smallest normal), -120
-// for fp4 (below the first rounding threshold; an all-zero block has e = -127).
+// element (exponent field 0) is scaled wrongly, to a pattern whose value is below 2^(-e - 126)
+// (as is its true |t|): for e >= min_exp_16 that is below the float8 format's smallest normal
+// (min_exp_16 = -(126 + min_exp); such lanes are code 0 or go to the fp32 lanes, see
+// Bf16Fp8Rint) or below fp4's first rounding threshold (min_exp_16 = -120: code 0, as its true
+// |t| gives). An all-zero block has e = -127 and takes the fp32 lanes.
 struct Bf16Rint16 : RintLanes {
   int min_exp_16;
   Bf16Rint16(const MxFormat& f, int min_exp) : RintLanes(f), min_exp_16(min_exp) {}
@@ -394,7 +395,8 @@ OPENNPU_VEC_INLINE void load32_by_parity(const scalar_t* x, __m512& even, __m512
 // The codes of 32 contiguous elements x[0, 32) of a block of shared exponent e (inv = 2^-e),
 // stored from out (where element 0's code goes). fp4: the codes of elements 2j and 2j + 1 are
 // computed in lane j of two registers (load32_by_parity) and pair into byte j with a shift and an
-// or; bf16 to fp4 "rint" in 16-bit lanes where the exponent allows (Bf16Fp4Rint).
+// or; bf16 to float8 / fp4 "rint" in 16-bit lanes where the exponent and the values allow
+// (Bf16Rint16's encoders).
 template <bool kFp4, typename scalar_t, typename Encode>
 OPENNPU_VEC_INLINE void encode32(const scalar_t* x, int e, __m512 inv, uint8_t* out,
                                  const Encode& encode) {
