@@ -419,18 +419,21 @@ def test_dynamic_mx_quant_wide_rows_special_blocks(dtype):
             check_mx(x, dst_type=dst, scale_alg=1, max_low_bound=1e-3, block_size=64)
 
 
-@pytest.mark.parametrize("dst", [FP4, E1M2, E4M3, E5M2], ids=["e2m1", "e1m2", "e4m3", "e5m2"])
-def test_bf16_blocks_around_the_16_bit_lanes_limits(dst):
-    # bf16 to fp4 / float8 "rint" takes blocks of shared exponent >= -120 (fp4), -120 (e4m3),
-    # -112 (e5m2) in 16-bit lanes (the exponent taken off the elements' exponent fields) and
-    # smaller ones in fp32 lanes; float8 passes 32 elements with a magnitude between half the
-    # subnormal spacing and the smallest normal to the fp32 lanes too. Blocks of every exponent
-    # from -127 to -96, each with its largest value, the format's rounding thresholds (fp4) or
-    # values around its subnormal range (float8), bf16 subnormals and zeros of both signs, in rows
-    # of sixteen blocks and more (every block through the 16-bit loop, or a mixed group) and as
-    # single blocks.
+@pytest.mark.parametrize("dst,dtype", [(FP4, BF16), (E1M2, BF16), (E4M3, BF16), (E5M2, BF16),
+                                       (FP4, F16), (E1M2, F16)],
+                         ids=["e2m1", "e1m2", "e4m3", "e5m2", "e2m1-fp16", "e1m2-fp16"])
+def test_16_bit_blocks_around_the_16_bit_lanes_limits(dst, dtype):
+    # bf16 to fp4 / float8 and fp16 to fp4, "rint", take blocks of shared exponent >= -120
+    # (bf16 fp4), -120 (e4m3), -112 (e5m2), -11 (fp16 fp4) in 16-bit lanes (the exponent taken
+    # off the elements' exponent fields) and smaller ones in fp32 lanes; float8 passes 32 elements
+    # with a magnitude between half the subnormal spacing and the smallest normal to the fp32
+    # lanes too. Blocks of every exponent from -127 to -96 (fp16: -16 to 12), each with its
+    # largest value, the format's rounding thresholds (fp4) or values around its subnormal range
+    # (float8), subnormals of the input type and zeros of both signs, in rows of sixteen blocks
+    # and more (every block through the 16-bit loop, or a mixed group) and as single blocks.
     gen = torch.Generator().manual_seed(3)
-    exps = torch.arange(-127, -95)
+    exps = torch.arange(-127, -95) if dtype == BF16 else torch.arange(-16, 13)
+    tiny = [1e-39, -2e-40, 9e-41, -1e-45] if dtype == BF16 else [3e-5, -1e-6, 6e-8, -6e-8]
     if dst in (FP4, E1M2):
         top, special = (6.0, [0.25, 0.75, 1.25, 2.5, 5.0]) if dst == FP4 else \
             (1.75, [0.125, 0.375, 0.625, 1.125, 1.625])
@@ -442,10 +445,10 @@ def test_bf16_blocks_around_the_16_bit_lanes_limits(dst):
     for e in exps.tolist():
         fracs = torch.tensor([top, *special, 0.0, -0.0, -0.3, 1.0])
         rest = (torch.rand(32 - 4 - fracs.numel(), generator=gen) * 2 - 1) * top
-        v = torch.cat([fracs, rest, torch.tensor([1e-39, -2e-40, 9e-41, -1e-45])])
-        v[:-4] *= 2.0 ** e  # shared exponent e; the last four stay bf16 subnormals
+        v = torch.cat([fracs, rest, torch.tensor(tiny)])
+        v[:-4] *= 2.0 ** e  # shared exponent e; the last four stay subnormals of dtype
         blocks.append(v)
-    x = torch.stack(blocks).to(BF16)  # [32, 32]
+    x = torch.stack(blocks).to(dtype)  # [32 or 29, 32]
     # without the subnormal-range values: float8 rows all in 16-bit lanes
     plain = x.clone()
     plain[:, 1:1 + len(special)] = plain[:, :1]
@@ -453,5 +456,5 @@ def test_bf16_blocks_around_the_16_bit_lanes_limits(dst):
         y, s = check_mx(xx, dst_type=dst)                # single blocks
         assert torch.equal(s[:, 0, 0].long(), exps + 127)
         check_mx(xx.reshape(1, -1), dst_type=dst)        # 16-block groups, mixed and not
-        check_mx(xx[-16:].reshape(1, -1), dst_type=dst)  # sixteen blocks of exponent >= -111
+        check_mx(xx[-16:].reshape(1, -1), dst_type=dst)  # sixteen blocks of the largest exponents
         check_mx(xx[3:].reshape(1, -1).repeat(2, 1), dst_type=dst)

@@ -3,7 +3,7 @@
 // all `post` columns are found first, then every element is scaled and rounded in fp32. The
 // AVX-512 build does the MX units in registers (quantise_units: sixteen contiguous blocks at a
 // time, or sixteen columns at a time for blocks along another axis) with lane forms of the same
-// numerics (fp32 lanes; bf16 to float8 / fp4 "rint" in the elements' own 16-bit lanes); other
+// numerics (fp32 lanes; bf16 / fp16 "rint" in the elements' own 16-bit lanes); other
 // ISAs run the scalar loops of mx_quant_kernel. All give the same codes.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -248,36 +248,52 @@ struct Fp4Lanes {
   }
 };
 
-// bf16 to float8 / fp4 "rint" in the elements' own 16-bit lanes, 32 a register (Bf16Fp4Rint,
-// Bf16Fp8Rint), for blocks of shared exponent e >= min_exp_16; RintLanes' fp32 lanes (inherited)
-// take the other blocks and every other layout. t = x * 2^-e is x with e taken off its exponent
-// field (vpsubsw): exact, as the fp32 product is, and a magnitude whose field would fall to 0 or
-// below (t < 2^-126, code 0 in the fp32 path too) saturates to a negative or tiny bit pattern,
-// which the signed comparisons below read as smaller than every threshold. A bf16 subnormal
-// element (exponent field 0) is scaled wrongly, to a pattern whose value is below 2^(-e - 126)
-// (as is its true |t|): for e >= min_exp_16 that is below the float8 format's smallest normal
-// (min_exp_16 = -(126 + min_exp); such lanes are code 0 or go to the fp32 lanes, see
-// Bf16Fp8Rint) or below fp4's first rounding threshold (min_exp_16 = -120: code 0, as its true
-// |t| gives). An all-zero block has e = -127 and takes the fp32 lanes.
-struct Bf16Rint16 : RintLanes {
+// bf16 / fp16 to fp4 and bf16 to float8, "rint", in the elements' own 16-bit lanes, 32 a register
+// (Fp4Rint16, Bf16Fp8Rint), for blocks of shared exponent e >= min_exp_16; RintLanes' fp32
+// lanes (inherited) take the other blocks and every other layout. t = x * 2^-e is x with e taken
+// off its exponent field (vpsubsw): exact, as the fp32 product is (t stays within the 16-bit
+// format's range: |t| < 2^(emax + 1)), and a magnitude whose field would fall to 0 or below
+// (t below the format's smallest normal; code 0 in the fp32 path too, as below) saturates to a
+// negative or tiny bit pattern, which the signed comparisons below read as smaller than every
+// threshold. A subnormal element (exponent field 0) is scaled wrongly, to a pattern whose value
+// is below 2^(-e - 126) for bf16, 2^(-e - 14) for fp16 (as is its true |t|): for e >= min_exp_16
+// that is below the float8 format's smallest normal (bf16: min_exp_16 = -(126 + min_exp); such
+// lanes are code 0 or go to the fp32 lanes, see Bf16Fp8Rint) or below fp4's first rounding
+// threshold, 2^-3 or more (min_exp_16 = -120 for bf16, -11 for fp16: code 0, as the true |t|
+// gives). An all-zero block has e = -127 and takes the fp32 lanes.
+template <typename half_t>
+struct Rint16 : RintLanes {
+  using half_type = half_t;
+  static constexpr int kMantissaBits = std::is_same_v<half_t, at::BFloat16> ? 7 : 10;
   int min_exp_16;
-  Bf16Rint16(const MxFormat& f, int min_exp) : RintLanes(f), min_exp_16(min_exp) {}
+  Rint16(const MxFormat& f, int min_exp) : RintLanes(f), min_exp_16(min_exp) {}
 
-  // |x| * 2^-e as bf16 bits in 16-bit lanes (signed; see above), x's bits in w
+  // The 16-bit pattern of v (exact in half_t).
+  static int16_t bits16(float v) {
+    if constexpr (std::is_same_v<half_t, at::BFloat16>) {
+      return static_cast<int16_t>(std::bit_cast<uint32_t>(v) >> 16);
+    } else {
+      return static_cast<int16_t>(c10::Half(v).x);
+    }
+  }
+
+  // |x| * 2^-e as 16-bit patterns (signed; see above), x's bits in w
   OPENNPU_VEC_INLINE static __m512i scaled_magnitude(__m512i w, int e) {
     return _mm512_subs_epi16(_mm512_and_si512(w, _mm512_set1_epi16(0x7FFF)),
-                             _mm512_set1_epi16(static_cast<int16_t>(e * 128)));
+                             _mm512_set1_epi16(static_cast<int16_t>(e * (1 << kMantissaBits))));
   }
 };
 
-// fp4: the code's magnitude is the number of the format's rounding thresholds below |t| (bf16
-// bit patterns order as the magnitudes): the midpoints between neighbouring values, a midpoint
+// fp4: the code's magnitude is the number of the format's rounding thresholds below |t| (bit
+// patterns order as the magnitudes): the midpoints between neighbouring values, a midpoint
 // itself rounding to the even code (ties to even, as rint). The last threshold saturates
 // everything above it (nothing rounds past max_norm).
-struct Bf16Fp4Rint : Bf16Rint16 {
+template <typename half_t>
+struct Fp4Rint16 : Rint16<half_t> {
   __m512i above[7];  // |t|'s code is at least k + 1 iff its bits > above[k] (signed 16-bit)
 
-  explicit Bf16Fp4Rint(const MxFormat& f) : Bf16Rint16(f, -120) {
+  explicit Fp4Rint16(const MxFormat& f)
+      : Rint16<half_t>(f, std::is_same_v<half_t, at::BFloat16> ? -120 : -11) {
     const auto value = [&](int c) {  // the format's value of magnitude code c
       const int m = 1 << f.mbits;
       return c < m ? std::ldexp(static_cast<float>(c), f.min_exp - f.mbits)
@@ -285,17 +301,16 @@ struct Bf16Fp4Rint : Bf16Rint16 {
                                 c / m - 1 + f.min_exp);
     };
     for (int k = 0; k < 7; ++k) {
-      // the midpoint is exact in bf16 (at most mbits + 2 significant bits)
-      const float mid = (value(k) + value(k + 1)) / 2.f;
-      const int bits = static_cast<int>(std::bit_cast<uint32_t>(mid) >> 16);
+      // the midpoint is exact in bf16 and fp16 (at most mbits + 2 significant bits)
+      const int bits = Rint16<half_t>::bits16((value(k) + value(k + 1)) / 2.f);
       above[k] = _mm512_set1_epi16(static_cast<int16_t>((k + 1) % 2 == 0 ? bits - 1 : bits));
     }
   }
 
   // The codes of x[0, 32), element 2j's in the low nibble of out[j]. Always done (true).
-  OPENNPU_VEC_INLINE bool store32(const at::BFloat16* x, int e, uint8_t* out) const {
+  OPENNPU_VEC_INLINE bool store32(const half_t* x, int e, uint8_t* out) const {
     const __m512i w = _mm512_loadu_si512(x);
-    const __m512i t = scaled_magnitude(w, e);
+    const __m512i t = Rint16<half_t>::scaled_magnitude(w, e);
     __m512i code = _mm512_setzero_si512();
     for (int k = 0; k < 7; ++k) {
       code = _mm512_mask_sub_epi16(code, _mm512_cmpgt_epi16_mask(t, above[k]), code,
@@ -314,22 +329,18 @@ struct Bf16Fp4Rint : Bf16Rint16 {
 // normal is code 0 up to half the subnormal spacing (ties to even: 0), and 32 elements with any
 // magnitude in [half the spacing, smallest normal) are left to the fp32 lanes (false: nothing
 // stored), which round subnormals (rare in a block scaled to its largest element).
-struct Bf16Fp8Rint : Bf16Rint16 {
+struct Bf16Fp8Rint : Rint16<at::BFloat16> {
   __m512i max_bits, round_less_rebias, min_normal_bits, half_spacing_bits;
   int shift;
 
   explicit Bf16Fp8Rint(const MxFormat& f)
-      : Bf16Rint16(f, -(126 + f.min_exp)),
-        max_bits(_mm512_set1_epi16(bf16_bits(f.max_norm))),
+      : Rint16<at::BFloat16>(f, -(126 + f.min_exp)),
+        max_bits(_mm512_set1_epi16(bits16(f.max_norm))),
         round_less_rebias(_mm512_set1_epi16(static_cast<int16_t>(
             ((1 << (6 - f.mbits)) - 1) - ((126 + f.min_exp) << 7)))),
-        min_normal_bits(_mm512_set1_epi16(bf16_bits(std::ldexp(1.f, f.min_exp)))),
-        half_spacing_bits(_mm512_set1_epi16(bf16_bits(std::ldexp(1.f, f.min_exp - f.mbits - 1)))),
+        min_normal_bits(_mm512_set1_epi16(bits16(std::ldexp(1.f, f.min_exp)))),
+        half_spacing_bits(_mm512_set1_epi16(bits16(std::ldexp(1.f, f.min_exp - f.mbits - 1)))),
         shift(7 - f.mbits) {}
-
-  static int16_t bf16_bits(float v) {  // v exact in bf16
-    return static_cast<int16_t>(std::bit_cast<uint32_t>(v) >> 16);
-  }
 
   // The codes of x[0, 32), one byte each, or false (nothing stored) for the fp32 lanes.
   OPENNPU_VEC_INLINE bool store32(const at::BFloat16* x, int e, uint8_t* out) const {
@@ -395,12 +406,13 @@ OPENNPU_VEC_INLINE void load32_by_parity(const scalar_t* x, __m512& even, __m512
 // The codes of 32 contiguous elements x[0, 32) of a block of shared exponent e (inv = 2^-e),
 // stored from out (where element 0's code goes). fp4: the codes of elements 2j and 2j + 1 are
 // computed in lane j of two registers (load32_by_parity) and pair into byte j with a shift and an
-// or; bf16 to float8 / fp4 "rint" in 16-bit lanes where the exponent and the values allow
-// (Bf16Rint16's encoders).
+// or; bf16 / fp16 "rint" in 16-bit lanes where the format, the exponent and the values allow
+// (the encoders of Rint16).
 template <bool kFp4, typename scalar_t, typename Encode>
 OPENNPU_VEC_INLINE void encode32(const scalar_t* x, int e, __m512 inv, uint8_t* out,
                                  const Encode& encode) {
-  if constexpr (std::is_base_of_v<Bf16Rint16, Encode> && std::is_same_v<scalar_t, at::BFloat16>) {
+  if constexpr (requires { typename Encode::half_type; }) {
+    static_assert(std::is_same_v<typename Encode::half_type, scalar_t>);
     if (e >= encode.min_exp_16 && encode.store32(x, e, out)) return;
   }
   if constexpr (kFp4) {
@@ -551,7 +563,7 @@ OPENNPU_VEC_INLINE void quantise_16_blocks(const scalar_t* x, int64_t bs, uint8_
   _mm512_store_si512(invs, inv_bits);
   _mm512_store_si512(exps, e);
   const int64_t out_block = kFp4 ? bs / 2 : bs;
-  if constexpr (std::is_base_of_v<Bf16Rint16, Encode>) {
+  if constexpr (requires { typename Encode::half_type; }) {
     // the common case in one loop (its constants in registers): every block finite, of an
     // exponent the 16-bit lanes take
     if (nan == 0 &&
@@ -659,8 +671,8 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
       run(std::false_type{}, RintLanes(fmt));
     }
   } else if (round == MxRound::kRint) {
-    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-      run(std::true_type{}, Bf16Fp4Rint(fmt));
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      run(std::true_type{}, Fp4Rint16<scalar_t>(fmt));
     } else {
       run(std::true_type{}, RintLanes(fmt));
     }
