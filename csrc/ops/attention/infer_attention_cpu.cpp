@@ -98,30 +98,41 @@ const In* row_ptr(const Rows<In>& r, const DecodeProblem& d, int64_t b, int64_t 
   return r.base + b * r.stride_blk + (d.p->kv_start[b] + t0) * r.stride_s + h * r.stride_n;
 }
 
-// Lane i of the result: the sum of the lanes of a[i], for Vec::size() vectors (the horizontal
-// sums of a whole register file of dot products at once: per 16 sums 45 shuffles and adds on
-// AVX-512, where one horizontal_sum each costs 8, 128 in all).
-OPENNPU_VEC_INLINE Vec transpose_sum(const Vec* a) {
 #if defined(CPU_CAPABILITY_AVX512)
+// Lane i of the result: the sum of the lanes of a[i], for 16 registers, `add` adding two
+// registers lane by lane (fp32 or int32 lanes, the shuffles move bits alike): per 16 sums 45
+// shuffles and adds, where one horizontal sum each costs 8, 128 in all.
+template <typename Add>
+OPENNPU_VEC_INLINE __m512 transpose_sum16(const __m512* a, const Add& add) {
   // 32-bit interleave: b[j] holds, per 128-bit lane, the pairwise sums of a[2j] (lanes 0, 2)
   // and a[2j + 1] (lanes 1, 3).
   __m512 b[8];
   for (int j = 0; j < 8; ++j) {
     const __m512 x = a[2 * j], y = a[2 * j + 1];
-    b[j] = _mm512_add_ps(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
+    b[j] = add(_mm512_unpacklo_ps(x, y), _mm512_unpackhi_ps(x, y));
   }
   // 64-bit: c[j] holds, per 128-bit lane L, the sums over L of a[4j + p] in lane p.
   __m512 c[4];
   for (int j = 0; j < 4; ++j) {
     const __m512 x = b[2 * j], y = b[2 * j + 1];
-    c[j] = _mm512_add_ps(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
+    c[j] = add(_mm512_shuffle_ps(x, y, 0x44), _mm512_shuffle_ps(x, y, 0xEE));
   }
   // 128-bit: block j of the result is the sum of the four blocks of c[j].
-  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
-                                  _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
-  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
-                                  _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+  const __m512 e0 = add(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                        _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = add(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                        _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return add(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+#endif
+
+// Lane i of the result: the sum of the lanes of a[i], for Vec::size() vectors (the horizontal
+// sums of a whole register file of dot products at once).
+OPENNPU_VEC_INLINE Vec transpose_sum(const Vec* a) {
+#if defined(CPU_CAPABILITY_AVX512)
+  __m512 v[16];
+  for (int i = 0; i < 16; ++i) v[i] = a[i];
+  return transpose_sum16(v, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
 #elif defined(CPU_CAPABILITY_AVX2)
   // hadd sums adjacent pairs per 128-bit lane; the two lanes hold the halves of each sum.
   const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
@@ -422,8 +433,9 @@ void chunk_pv(const float* p, const In* v, int64_t v_stride, int64_t len, int64_
 //    so the weights' summed error stays below about 2^-16 of l (every chunk's largest p is part
 //    of l), where the composition rounds each p to 8 / 11 bits.
 // Integer sums are exact: |code| <= 32767 and |x| <= 128 give < 2^23 per pair, < 2^29 per lane
-// over 64 keys or 512 elements of a head. fp32 q (an fp32 composition is exact to 2^-24) keeps
-// the fp32 loops.
+// over 64 keys, and a whole score's dot product over D <= 512 elements is at most
+// 512 * 32767 * 128 < 2^31 (so the scores' lanes are summed in int32; larger D keeps the fp32
+// loops, as does an fp32 q: an fp32 composition is exact to 2^-24).
 // The instruction is written as inline asm (no target flag for the file, and the accumulator
 // tied to its register: GCC 12's intrinsic copied every accumulator to another register and
 // back around each product).
@@ -471,9 +483,14 @@ void chunk_scores_int8_vnni(
         for (int h = 0; h < NH; ++h) acc[h * NK + i] = dpwssd(acc[h * NK + i], qv[h], kv);
       }
     }
-    Vec sums[Vec::size()];
-    for (int i = 0; i < Vec::size(); ++i) sums[i] = _mm512_cvtepi32_ps(acc[i]);
-    const Vec r = transpose_sum(sums) * lane_scales;
+    // the 16 sums in int32 (exact: each whole dot product is below 2^31, see above), then one
+    // conversion
+    __m512 bits[Vec::size()];
+    for (int i = 0; i < Vec::size(); ++i) bits[i] = _mm512_castsi512_ps(acc[i]);
+    const __m512 dots = transpose_sum16(bits, [](__m512 x, __m512 y) {
+      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+    });
+    const Vec r = Vec(_mm512_cvtepi32_ps(_mm512_castps_si512(dots))) * lane_scales;
     for (int h = 0; h < NH; ++h) store_lanes<NK>(s + h * kChunk + t, r, h, cnt);
   }
 }
@@ -1056,7 +1073,7 @@ void decode_impl(const DecodeProblem& d, void* out) {
   kern.fused_int8_ = std::is_same_v<KvT, int8_t> && d.cache.kq.kind == KvQuant::Kind::kChannel &&
                      d.cache.vq.kind == KvQuant::Kind::kChannel && kern.Dr == 0;
 #if defined(CPU_CAPABILITY_AVX512)
-  kern.vnni_int8_ = kern.fused_int8_ && !std::is_same_v<In, float> &&
+  kern.vnni_int8_ = kern.fused_int8_ && !std::is_same_v<In, float> && kern.D <= 512 &&
                     at::cpu::is_avx512_vnni_supported();
   kern.ldq16 = round_up(std::max<int64_t>(kern.D, 1), kVnniStep);
 #endif
