@@ -282,8 +282,10 @@ def test_bad_inputs():
            group_list=torch.tensor([2, 1, 9]), split_item=3, group_type=0)
     raises("must hold non-negative group sizes", [x], [w], group_list=torch.tensor([2, -1, 8]),
            group_list_type=1, split_item=3, group_type=0)
-    raises("'group_list_type' must be 0 .* or 1", [x], [w], group_list=gl, group_list_type=2,
-           split_item=3, group_type=0)
+    raises(r"'group_list' must be \[E, 2\] \(group index, group size\) pairs", [x], [w],
+           group_list=gl, group_list_type=2, split_item=3, group_type=0)
+    raises("'group_list_type' must be 0 .* or 1 .*, or 2 with a group_list tensor", [x], [w],
+           group_list=[2, 3, 4], group_list_type=2, split_item=3, group_type=0)
     raises(r"argument 'x\[0\]' must have K = 8 columns", [randn(9, 7)], [w], group_list=gl,
            split_item=3, group_type=0)
     raises(r"argument 'x' must hold one tensor per group \(3\).*1 tensors and no group_list", [x],
@@ -397,3 +399,41 @@ def test_hypothesis_single_x(sizes, k, n, tail, split_item, list_type, with_bias
         w = [w]
         bias = [randn(e, n, dtype=dtype)] if with_bias else None
     check([x], w, bias, group_list, split_item, list_type, group_type=0)
+
+
+@pytest.mark.parametrize("pairs", [[(0, 2), (1, 0), (2, 5)], [(2, 3), (0, 2), (2, 1), (1, 1)]],
+                         ids=["in_group_order", "sparse_unsorted_repeated"])
+def test_group_list_type_2_pairs(pairs):
+    """group_list_type 2: [E, 2] (group, rows) pairs, x's rows taken in the list's order."""
+    e, k, n = 3, 8, 5
+    m = sum(rows for _, rows in pairs)
+    x, w, bias = randn(m, k), randn(e, k, n), randn(e, n)
+    out = gmm([x], [w], bias=[bias], group_list=torch.tensor(pairs), group_list_type=2,
+              split_item=3, group_type=0)[0]
+    refs, r = [], 0
+    for g, rows in pairs:
+        refs.append(x[r:r + rows].double() @ w[g].double() + bias[g].double())
+        r += rows
+    assert out.shape == (m, n)
+    torch.testing.assert_close(out.double(), torch.cat(refs), rtol=1e-5, atol=1e-5)
+
+
+def test_group_list_type_2_from_routing_v2():
+    """npu_moe_init_routing_v2's expert_tokens_num_type 2 ((expert, count) rows of the experts
+    with tokens, then (0, 0)) drives npu_grouped_matmul's group_list_type 2 as the counts of type
+    1 do."""
+    gen = torch.Generator().manual_seed(5)
+    tokens, topk, experts, h, n = 6, 2, 5, 8, 4
+    x = torch.randn(tokens, h, generator=gen)
+    idx = torch.tensor([[4, 1], [1, 4], [4, 1], [1, 1], [4, 4], [1, 4]], dtype=torch.int32)
+    w = torch.randn(experts, h, n, generator=gen)
+    outs = {}
+    for t in (1, 2):
+        ex, _, counts, _ = opennpu.npu_moe_init_routing_v2(
+            x, idx, expert_num=experts, expert_tokens_num_type=t, expert_tokens_num_flag=True,
+            active_num=tokens * topk)
+        outs[t] = gmm([ex], [w], group_list=counts, group_list_type=t, split_item=3,
+                      group_type=0)[0]
+        if t == 2:
+            assert counts.shape == (experts, 2) and counts[2:].eq(0).all()
+    assert torch.equal(outs[2], outs[1])

@@ -158,6 +158,40 @@ def test_a8w8_single_x_3d_weight(scale_dtype, out_dtype, form):
     assert_ulp(out, ref)
 
 
+@pytest.mark.parametrize("pairs", [[(0, 4), (1, 0), (3, 6)], [(3, 2), (0, 5), (3, 1), (1, 3)]],
+                         ids=["in_group_order", "sparse_unsorted_repeated"])
+def test_a8w8_group_list_type_2_pairs(pairs):
+    """group_list_type 2: [E, 2] (expert, rows) pairs, x's rows in the list's order, the output
+    in x's row order; per-token scales follow their rows."""
+    e, k, n = 4, 29, 11
+    m = sum(rows for _, rows in pairs)
+    x, w = codes(m, k), codes(e, k, n)
+    scale = torch.rand(e, n) * 0.02 + 0.001
+    token = torch.rand(m) + 0.5
+    bias = torch.randint(-500, 500, (e, n), dtype=I32)
+    out = gmm([x], [w], bias=[bias], scale=[scale], per_token_scale=[token],
+              group_list=torch.tensor(pairs), group_list_type=2, split_item=3, group_type=0,
+              output_dtype=BF16)[0]
+    refs, r = [], 0
+    for g, rows in pairs:
+        refs.append(ref_a8w8(x[r:r + rows], w[g], scale[g], token[r:r + rows], bias[g], BF16))
+        r += rows
+    assert out.shape == (m, n)
+    assert_ulp(out, torch.cat(refs))
+    bad = dict(scale=[scale], per_token_scale=[token], split_item=3, group_type=0,
+               group_list_type=2, output_dtype=BF16)
+    with pytest.raises(RuntimeError, match=r"group indices in \[0, 4\).* entry 1 has 4"):
+        gmm([x], [w], group_list=torch.tensor([[0, 1], [4, m - 1]]), **bad)
+    with pytest.raises(RuntimeError, match=f"sum to x's {m} rows, but they sum to {m - 1}"):
+        gmm([x], [w], group_list=torch.tensor([[0, 1], [2, m - 2]]), **bad)
+    with pytest.raises(RuntimeError, match="non-negative group sizes .* entry 0 has -1"):
+        gmm([x], [w], group_list=torch.tensor([[0, -1], [2, m + 1]]), **bad)
+    with pytest.raises(RuntimeError, match=r"must be \[E, 2\] .* pairs"):
+        gmm([x], [w], group_list=torch.tensor([m]), **bad)
+    with pytest.raises(RuntimeError, match="'split_item' must be 2 or 3"):
+        gmm([x], [w], group_list=torch.tensor(pairs), **{**bad, "split_item": 0})
+
+
 def test_a8w8_float_bias_weight_list_and_transposed():
     # single x, a list of transposed weights [K, N] (views of [N, K]), float bias, list output
     sizes, k, n = [3, 7, 0], 21, 13

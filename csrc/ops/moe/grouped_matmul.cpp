@@ -20,11 +20,14 @@
 #include "ops/moe/grouped_matmul.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <numeric>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -172,9 +175,8 @@ std::pair<int64_t, int64_t> weight_kn(const at::Tensor& w, bool fp4 = false) {
 // Group sizes from group_list values: cumulative ends (type 0) or sizes (type 1).
 std::vector<int64_t> group_sizes(const std::vector<int64_t>& values, int64_t type) {
   OPENNPU_CHECK_ARG(type == 0 || type == 1, kOp, "group_list_type",
-                    "must be 0 (group_list holds cumulative row ends) or 1 (group sizes); 2 "
-                    "([group, size] pairs) is an Ascend quantised-path format opennpu does not "
-                    "implement, but got ", type);
+                    "must be 0 (group_list holds cumulative row ends) or 1 (group sizes), or 2 "
+                    "with a group_list tensor of [group, size] pairs, but got ", type);
   std::vector<int64_t> sizes(values.size());
   int64_t previous = 0;
   for (size_t g = 0; g < values.size(); ++g) {
@@ -1196,6 +1198,89 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
   return outputs;
 }
 
+// group_list_type 2: group_list [E, 2] holds (group index, group size) pairs, x's rows taken in
+// the list's order (a sparse expert list: only the experts with rows, in any order, an index
+// possibly repeated), one output ([M, N], split_item 2 or 3) in x's row order. Read as the
+// per-group sizes of group_list_type 1; where the list is not in group order, x's rows (and the
+// per-row scales) are gathered into group order first and the output's rows put back.
+std::vector<at::Tensor> grouped_matmul_paired(at::TensorList x, at::TensorList weight,
+                                              const std::optional<at::TensorList>& bias,
+                                              const QuantLists& q, const FloatTypes& ft,
+                                              const at::Tensor& group_list,
+                                              std::optional<int64_t> split_item,
+                                              std::optional<int64_t> group_type,
+                                              std::optional<int64_t> act_type,
+                                              std::optional<at::ScalarType> output_dtype) {
+  OPENNPU_CHECK_ARG(group_list.dim() == 2 && group_list.size(1) == 2, kOp, "group_list",
+                    "must be [E, 2] (group index, group size) pairs with group_list_type 2, but "
+                    "got shape ", shape_str(group_list.sizes()));
+  check_strict_dtype(kOp, "group_list", group_list, {at::kLong});
+  OPENNPU_CHECK_ARG(group_type.value_or(-1) == 0, kOp, "group_type",
+                    "must be 0 (x's rows grouped) with group_list_type 2, but got ",
+                    group_type.value_or(-1));
+  OPENNPU_CHECK_ARG(split_item.value_or(0) >= 2, kOp, "split_item",
+                    "must be 2 or 3 (one output) with group_list_type 2, but got ",
+                    split_item.value_or(0));
+  OPENNPU_CHECK_ARG(x.size() == 1 && x[0].defined() && x[0].dim() == 2, kOp, "x",
+                    "must be one 2-D tensor [M, K] with group_list_type 2");
+  OPENNPU_CHECK_ARG(!weight.empty() && weight[0].defined(), kOp, "weight",
+                    "must hold at least one tensor");
+  const int64_t groups = weight.size() == 1 && weight[0].dim() == 3
+                             ? weight[0].size(0) : static_cast<int64_t>(weight.size());
+  const at::Tensor pairs = group_list.to(at::kLong).contiguous();
+  const int64_t* pv = pairs.const_data_ptr<int64_t>();
+  const int64_t entries = pairs.size(0), m = x[0].size(0);
+  std::vector<int64_t> sizes(groups, 0);
+  bool in_order = true;
+  int64_t total = 0, last = 0;
+  for (int64_t i = 0; i < entries; ++i) {
+    const int64_t g = pv[2 * i], n = pv[2 * i + 1];
+    OPENNPU_CHECK_ARG(g >= 0 && g < groups, kOp, "group_list",
+                      "must hold group indices in [0, ", groups, ") in its first column, but "
+                      "entry ", i, " has ", g);
+    OPENNPU_CHECK_ARG(n >= 0 && n <= m - total, kOp, "group_list",
+                      "must hold non-negative group sizes in its second column that sum to x's ",
+                      m, " rows, but entry ", i, " has ", n, " after ", total);
+    sizes[g] += n;
+    total += n;
+    if (n > 0) {  // entries of no rows (npu_moe_init_routing_v2 pads with (0, 0)) place nothing
+      in_order = in_order && g >= last;
+      last = g;
+    }
+  }
+  OPENNPU_CHECK_ARG(total == m, kOp, "group_list", "must hold group sizes that sum to x's ", m,
+                    " rows, but they sum to ", total);
+  if (in_order) {  // x's rows are already in group order
+    return grouped_matmul(x, weight, bias, q, ft, sizes, split_item, group_type, 1, act_type,
+                          output_dtype);
+  }
+  // perm[j]: the x row that goes j-th in group order (entries stably sorted by group index)
+  std::vector<int64_t> order(entries), start(entries);
+  for (int64_t i = 0, r = 0; i < entries; r += pv[2 * i + 1], ++i) start[i] = r;
+  std::iota(order.begin(), order.end(), int64_t{0});
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return pv[2 * a] < pv[2 * b]; });
+  at::Tensor perm = at::empty({m}, at::kLong);
+  int64_t* pp = perm.mutable_data_ptr<int64_t>();
+  for (int64_t i : order) {
+    for (int64_t r = 0; r < pv[2 * i + 1]; ++r) *pp++ = start[i] + r;
+  }
+  perm = perm.to(x[0].device());
+  const std::vector<at::Tensor> xs{x[0].index_select(0, perm)};
+  std::vector<at::Tensor> row_scales;  // per_token_scale: one row per row of x
+  QuantLists qs = q;
+  for (const at::Tensor& t : q.per_token_scale) {
+    row_scales.push_back(t.defined() && t.dim() >= 1 && t.size(0) == m ? t.index_select(0, perm)
+                                                                        : t);
+  }
+  qs.per_token_scale = row_scales;
+  std::vector<at::Tensor> out = grouped_matmul(xs, weight, bias, qs, ft, sizes, split_item,
+                                               group_type, 1, act_type, output_dtype);
+  at::Tensor y = at::empty_like(out[0]);
+  y.index_copy_(0, perm, out[0]);  // row perm[j] of the result is row j of the grouped product
+  return {y};
+}
+
 }  // namespace
 
 std::vector<at::Tensor> npu_grouped_matmul(
@@ -1239,10 +1324,13 @@ std::vector<at::Tensor> npu_grouped_matmul(
     const at::Tensor& gl = *group_list;
     OPENNPU_CHECK_ARG(gl.scalar_type() == at::kLong || gl.scalar_type() == at::kInt, kOp,
                       "group_list", "must be int64 (or int32), but got ", gl.scalar_type());
+    if (group_list_type.value_or(0) == 2) {
+      return grouped_matmul_paired(x, weight, bias, q, ft, gl, split_item, group_type, act_type,
+                                   dtype_from_code("output_dtype", output_dtype));
+    }
     OPENNPU_CHECK_ARG(gl.dim() == 1, kOp, "group_list", "must be 1-D (one entry per group), but "
                       "got shape ", shape_str(gl.sizes()),
-                      gl.dim() == 2 ? " ([group, size] pairs, group_list_type 2, are not "
-                                      "implemented by opennpu)" : "");
+                      gl.dim() == 2 ? " ([group, size] pairs need group_list_type 2)" : "");
     check_strict_dtype(kOp, "group_list", gl, {at::kLong});
     const at::Tensor c = gl.to(at::kLong).contiguous();
     values.emplace(c.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>() + c.numel());

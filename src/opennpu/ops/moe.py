@@ -360,7 +360,9 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
       the g-th row range of x. ``group_list`` (an int64 Tensor, or a list of ints: the ``.List``
       overload) holds cumulative row ends (``group_list_type=0``, what
       npu_moe_compute_expert_tokens returns) or group sizes (``group_list_type=1``); groups may
-      be empty.
+      be empty. ``group_list_type=2``: an ``[E, 2]`` Tensor of (group index, rows) pairs (a
+      sparse expert list, npu_moe_init_routing_v2's ``expert_tokens_num_type=2``), x's rows in
+      the list's order, ``split_item`` 2 / 3; the output keeps x's row order.
 
     - ``group_type=2`` (grouping on K): one x ``[M, K]`` (may be a transposed view), one weight
       ``[K, N]``; group g is ``x[:, K_g] @ weight[K_g, :]`` over the g-th range of K that
