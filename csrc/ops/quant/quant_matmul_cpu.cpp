@@ -636,11 +636,13 @@ void tiled_float_gemm(const float* a, bool a_trans, int64_t lda, const FloatOper
   });
 }
 
-// Batch b of W (FloatOperand, [k, n] or stored [n, k] when trans) decoded, unscaled, into bf16
-// pairs along K, blas::vnni_gemm_bf16's B layout with ldb = n: the 32-bit word (kk / 2) * n + j
-// holds W[kk, j] (low half) and W[kk + 1, j]; an odd k's last pair ends in 0. Exact: every code
-// of the block-scaled paths (e4m3, e5m2, hifloat8, e2m1, e1m2) decodes to a value of at most 4
-// significant bits within bf16's exponent range, so its bf16 bits are its fp32 bits' high half.
+// Batch b of W (FloatOperand, [k, n] or stored [n, k] when trans) decoded (decode_rect: MX
+// block scales applied where W has them) into bf16 pairs along K, blas::vnni_gemm_bf16's B
+// layout with ldb = n: the 32-bit word (kk / 2) * n + j holds W[kk, j] (low half) and
+// W[kk + 1, j]; an odd k's last pair ends in 0. Exact: every code (e4m3, e5m2, hifloat8, e2m1,
+// e1m2) decodes to a value of at most 4 significant bits, so its bf16 bits are its fp32 bits'
+// high half, and a power-of-two block scale keeps that (what vdpbf16ps then does with values
+// or products below fp32's normal range is bf16_gemm_exact's question).
 // Decoded tile by tile into an fp32 panel that stays in cache (W is never written whole in
 // fp32); a stored [n, k] tile becomes bf16 rows whose 32-bit pairs one 4-byte transpose
 // (the confusion-transpose kernel) turns into pair rows.
@@ -828,9 +830,10 @@ constexpr int64_t kTiledFloatRows = 512;
 constexpr int64_t kBf16FloatRows = 128;
 
 // See FloatQuantMatmulArgs (quant_matmul.h): x1 decoded and block-scaled in fp32 (each of its
-// batches once); for few rows W decoded panel by panel in cache (tiled_float_gemm), else whole,
-// and one MKL sgemm per output batch (with the operands' transposes) into an fp32 accumulator;
-// then the epilogue.
+// batches once); from kBf16FloatRows rows on AVX512_BF16 CPUs (where bf16_gemm_exact holds), both
+// operands as bf16 into vdpbf16ps tiles; otherwise for few rows W decoded panel by panel in cache
+// (tiled_float_gemm), else whole, and one MKL sgemm per output batch (with the operands'
+// transposes) into an fp32 accumulator; then the epilogue.
 void float_quant_matmul_kernel(const FloatQuantMatmulArgs& p, at::Tensor& out) {
   const int64_t batches = c10::multiply_integers(p.out_batch);
   const int64_t m = p.m, k = p.k, n = p.n;
