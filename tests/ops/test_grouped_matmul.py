@@ -247,8 +247,8 @@ def test_bad_inputs():
            group_list=gl, split_item=3, group_type=0)
     raises("argument 'per_token_scale' must be None", [x], [w], per_token_scale=[torch.ones(9)],
            group_list=gl, split_item=3, group_type=0)
-    raises("argument 'act_type' must be 0", [x], [w], group_list=gl, split_item=3, group_type=0,
-           act_type=1)
+    raises("argument 'act_type' applies only to int8 x and weights with per_token_scale", [x], [w],
+           group_list=gl, split_item=3, group_type=0, act_type=1)
     raises(r"argument 'weight' must hold one 2-D tensor \[K, N\] with group_type 2", [x], [w],
            group_list=gl, split_item=3, group_type=2)
     raises(r"argument 'split_item' must be 2 or 3 .* with group_type 2", [x], [randn(8, 4)],

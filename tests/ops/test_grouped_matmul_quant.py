@@ -192,6 +192,39 @@ def test_a8w8_group_list_type_2_pairs(pairs):
         gmm([x], [w], group_list=torch.tensor(pairs), **{**bad, "split_item": 0})
 
 
+# act_type -> its activation (fast_gelu as torch_npu's npu_fast_gelu: x * sigmoid(1.702 x))
+ACTIVATIONS = {1: torch.relu, 2: lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
+               4: lambda y: y * torch.sigmoid(1.702 * y), 5: torch.nn.functional.silu}
+
+
+@pytest.mark.parametrize("act", sorted(ACTIVATIONS))
+@pytest.mark.parametrize("out_dtype", [BF16, F16, F32])
+def test_a8w8_per_token_fused_activation(act, out_dtype):
+    """act_type on the per-token path: the epilogue's values (float bias included) activated,
+    then rounded once into the output; an empty group and a repeated weight list form too."""
+    sizes = [3, 0, 6, 4]
+    x, w = codes(13, 32), codes(4, 32, 16)
+    scale, token, bias = torch.rand(4, 16) * 1e-3, torch.rand(13), torch.randn(4, 16)
+    kw = dict(scale=[scale], per_token_scale=[token], bias=[bias], group_list=cumsum(sizes),
+              split_item=3, group_type=0, act_type=act, output_dtype=out_dtype)
+    out = gmm([x], [w], **kw)[0]
+    values = torch.cat([ref_a8w8(xg, w[g], scale[g], tg, bias[g], torch.float64)
+                        for g, (xg, tg) in enumerate(zip(row_groups(x, sizes),
+                                                         row_groups(token, sizes)))])
+    assert values.min() < -3 and values.max() > 3  # both sides of each activation's bend
+    ref = ACTIVATIONS[act](values)
+    assert out.dtype == out_dtype and out.shape == (13, 16)
+    # one rounding of a float32 computation: the output dtype's epsilon, plus float32's error
+    # where the activation cancels (gelu / silu of large negative values)
+    torch.testing.assert_close(out.double(), ref, rtol=torch.finfo(out_dtype).eps,
+                               atol=1e-6 * ref.abs().max().item())
+    # the same on the npu device
+    npu_out = gmm([x.to("npu")], [w.to("npu")], **{
+        k: ([t.to("npu") for t in v] if isinstance(v, list) else
+            v.to("npu") if isinstance(v, torch.Tensor) else v) for k, v in kw.items()})[0]
+    torch.testing.assert_close(npu_out.cpu(), out, rtol=0, atol=0)
+
+
 def test_a8w8_float_bias_weight_list_and_transposed():
     # single x, a list of transposed weights [K, N] (views of [N, K]), float bias, list output
     sizes, k, n = [3, 7, 0], 21, 13
@@ -431,6 +464,22 @@ def test_bad_quantised_inputs():
         with pytest.raises(RuntimeError, match=pattern):
             gmm(*args, **kwargs)
 
+    raises(r"argument 'act_type' must be 0 \(none\), 1 \(relu\).*but got 3", [x], [w],
+           scale=[s], per_token_scale=[torch.rand(9)], act_type=3, output_dtype=BF16)
+    raises(r"argument 'act_type' must be 0 \(none\).*but got 6", [x], [w], scale=[s],
+           per_token_scale=[torch.rand(9)], act_type=6, output_dtype=BF16)
+    raises(r"argument 'act_type' applies only to int8 x and weights with per_token_scale", [x],
+           [w], scale=[s], act_type=1, output_dtype=BF16)
+    raises(r"argument 'act_type' applies only to int8 x and weights with per_token_scale", [xh],
+           [w], antiquant_scale=[s.to(BF16)], act_type=5)
+    raises(r"argument 'output_dtype' must be torch.float16, torch.bfloat16 or torch.float32 with "
+           r"act_type 2, but got Char", [x], [w], scale=[s], per_token_scale=[torch.rand(9)],
+           act_type=2)
+    with pytest.raises(RuntimeError, match=r"argument 'act_type' must be 0 or None with an int\[\] "
+                       r"group_list .* but got 1"):
+        npu.npu_grouped_matmul.List([x], [w], scale=[s], per_token_scale=[torch.rand(9)],
+                                    group_list=[2, 5, 9], split_item=3, group_type=0, act_type=1,
+                                    output_dtype=BF16)
     raises(r"npu_grouped_matmul: argument 'scale\[0\]' must be \[E, N\] = \[3, 4\]", [x], [w],
            scale=[torch.rand(3, 5)])
     raises(r"argument 'scale\[0\]' must be \[E, N\].*per-group \[E, G, N\] scales belong to the "

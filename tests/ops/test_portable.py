@@ -646,6 +646,18 @@ CASES = [
     Case("grouped_matmul_tensor_group_list", npu.npu_grouped_matmul,
          lambda d: ([_gmm(d)[0][0], _gmm(d)[0][1]],
                     dict(group_list=torch.tensor([5, 5, 20]), split_item=2, group_type=0)), scale=4),
+    # the per-token A8W8 path with a fused activation (float32 values, one rounding), and
+    # group_list_type 2's (group, rows) pairs out of group order, a group repeated
+    Case("grouped_matmul_a8w8_act", npu.npu_grouped_matmul,
+         lambda d: ([[torch.randint(-128, 128, (12, 32), dtype=torch.int8)],
+                     [torch.randint(-128, 128, (3, 32, 16), dtype=torch.int8)]],
+                    dict(scale=[torch.rand(3, 16) * 1e-3], per_token_scale=[torch.rand(12)],
+                         group_list=torch.tensor([[2, 5], [0, 4], [2, 3]]), split_item=3,
+                         group_type=0, group_list_type=2, act_type=2, output_dtype=d))),
+    Case("grouped_matmul_pairs", npu.npu_grouped_matmul,
+         lambda d: ([_gmm(d)[0][0], _gmm(d)[0][1]],
+                    dict(group_list=torch.tensor([[1, 6], [0, 0], [2, 9], [1, 8]]), split_item=2,
+                         group_type=0, group_list_type=2)), scale=4),
     Case("grouped_matmul_fp8", npu.npu_grouped_matmul.List,
          lambda d: ([[randn(5, 40).to(torch.float8_e4m3fn)],
                      [randn(2, 24, 40).to(torch.float8_e5m2).mT]],

@@ -21,6 +21,10 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
@@ -406,6 +410,18 @@ void set_dims(QuantArgs& p, int64_t m, int64_t k, int64_t n) {
 struct ChannelScales {
   std::vector<at::Tensor> scale, offset;
 };
+
+// act_type's activation of float32 values y (in place): 1 relu, 2 gelu with the tanh
+// approximation, 4 fast_gelu (x * sigmoid(1.702 x), torch_npu's npu_fast_gelu), 5 silu.
+at::Tensor activation(at::Tensor y, int64_t act) {
+  switch (act) {
+    case 1: return y.relu_();
+    case 2: return at::gelu_(y, "tanh");
+    case 4: return y.mul_(at::sigmoid(y.mul(1.702)));
+    case 5: return at::silu_(y);
+    default: return y;
+  }
+}
 
 ChannelScales channel_scales(at::TensorList x, at::TensorList weight, const QuantLists& q,
                              bool single_weight, const std::vector<int64_t>& n_of,
@@ -852,9 +868,9 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
                     split);
   const bool single_out = split >= 2;
   const int64_t act = act_type.value_or(0);
-  OPENNPU_CHECK_ARG(act == 0, kOp, "act_type",
-                    "must be 0: fused activations (op-plugin: per-token A8W8 only) are not "
-                    "implemented by opennpu (apply the activation to the output), but got ", act);
+  OPENNPU_CHECK_ARG(act >= 0 && act <= 5 && act != 3, kOp, "act_type",
+                    "must be 0 (none), 1 (relu), 2 (gelu, tanh approximation), 4 (fast_gelu) or "
+                    "5 (silu); 3 is unsupported, as on Ascend; but got ", act);
   if (group_type.has_value()) {
     const int64_t gt = *group_type;
     // op-plugin's words ("The group type must be -1, 0 or 2"), which its tests match.
@@ -962,6 +978,14 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
       out_dtype = a8w8_output_dtype(output_dtype);
     }
   }
+  // Ascend computes the fused activation only on the per-token quantised path.
+  OPENNPU_CHECK_ARG(act == 0 || (path == Path::kA8W8 && !q.per_token_scale.empty()), kOp,
+                    "act_type", "applies only to int8 x and weights with per_token_scale (the "
+                    "per-token quantised path, as on Ascend), but got ", act, " without them");
+  OPENNPU_CHECK_ARG(act == 0 || out_dtype == at::kHalf || out_dtype == at::kBFloat16 ||
+                        out_dtype == at::kFloat,
+                    kOp, "output_dtype", "must be torch.float16, torch.bfloat16 or torch.float32 "
+                    "with act_type ", act, ", but got ", out_dtype);
   const bool single_weight = weight.size() == 1 && weight[0].dim() == 3;
   const int64_t groups = single_weight ? weight[0].size(0) : static_cast<int64_t>(weight.size());
   for (size_t i = 0; i < weight.size(); ++i) {
@@ -1142,6 +1166,19 @@ std::vector<at::Tensor> grouped_matmul(at::TensorList x, at::TensorList weight,
     }
   }
 
+  if (path == Path::kA8W8 && act != 0) {
+    // The epilogue's float32 values, the activation in float32, one rounding into the output.
+    std::vector<at::Tensor> value_of(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      value_of[g] = at::empty({rows[g], n_of[g]}, x[0].options().dtype(at::kFloat));
+    }
+    run_a8w8(x, weight, q, bias_of, single_weight, split_x, rows, k_of, n_of, value_of,
+             at::kFloat);
+    for (int64_t g = 0; g < groups; ++g) {
+      if (value_of[g].numel() > 0) out_of[g].copy_(activation(value_of[g], act));
+    }
+    return outputs;
+  }
   if (path == Path::kA8W8) {
     run_a8w8(x, weight, q, bias_of, single_weight, split_x, rows, k_of, n_of, out_of, out_dtype);
     return outputs;
@@ -1354,6 +1391,9 @@ std::vector<at::Tensor> npu_grouped_matmul_list(
   const QuantLists q = quant_lists(scale, offset, antiquant_scale, antiquant_offset,
                                    per_token_scale, activation_input, activation_quant_scale,
                                    activation_quant_offset);
+  OPENNPU_CHECK_ARG(act_type.value_or(0) == 0, kOp, "act_type",
+                    "must be 0 or None with an int[] group_list (npu_grouped_matmul.List; as on "
+                    "Ascend, activations need a Tensor group_list), but got ", *act_type);
   std::optional<std::vector<int64_t>> values;
   if (group_list.has_value()) values.emplace(group_list->begin(), group_list->end());
   return grouped_matmul(x, weight, bias, q, float_types(x, weight, std::nullopt, std::nullopt),

@@ -419,11 +419,13 @@ def npu_grouped_matmul(x: Sequence[torch.Tensor], weight: Sequence[torch.Tensor]
     float4_e2m1.
 
     Not implemented (a clear error says so): A4W4 (int4 x), A8W4's ``offset``, hifloat8
-    operands, npu_quant_matmul's per-block float32 scales, ``act_type`` != 0,
-    ``group_list_type=2``, the ``activation_*`` inputs; ``tuning_config`` is accepted and
-    ignored. Off the float8 / MX path ``x_dtype`` / ``weight_dtype`` / ``scale_dtype`` /
-    ``per_token_scale_dtype`` must be None or name the tensors' own dtype (``torch.quint4x2`` /
-    ``torch.int4`` for int32 int4 weights, ``torch.uint64`` for an int64 scale).
+    operands, npu_quant_matmul's per-block float32 scales, the ``activation_*`` inputs;
+    ``act_type`` (1 relu, 2 gelu tanh, 4 fast_gelu, 5 silu) applies, as on Ascend, to the
+    per-token A8W8 path only (float32 values activated, rounded once); ``tuning_config`` is
+    accepted and ignored. Off the float8 / MX path ``x_dtype`` / ``weight_dtype`` /
+    ``scale_dtype`` / ``per_token_scale_dtype`` must be None or name the tensors' own dtype
+    (``torch.quint4x2`` / ``torch.int4`` for int32 int4 weights, ``torch.uint64`` for an int64
+    scale).
 
     ``group_type`` None: this wrapper picks 0 when ``group_list`` splits one x, else -1
     (torch_npu, like ``torch.ops.npu.npu_grouped_matmul`` with a Tensor or no ``group_list``,

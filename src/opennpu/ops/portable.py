@@ -1379,19 +1379,39 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
     od = kw.get("output_dtype")
     if od is not None:
         out_dtype = od if isinstance(od, torch.dtype) else _SCALAR_TYPES[od]
+    act = kw.get("act_type") or 0
+    if act not in _GMM_ACTIVATIONS:
+        raise RuntimeError("npu_grouped_matmul: argument 'act_type' must be 0 (none), 1 (relu), 2 "
+                           "(gelu, tanh approximation), 4 (fast_gelu) or 5 (silu); 3 is "
+                           f"unsupported, as on Ascend; but got {act}")
+    if act and not (a8w8 and not a8w4 and tokens):
+        raise RuntimeError("npu_grouped_matmul: argument 'act_type' applies only to int8 x and "
+                           "weights with per_token_scale (the per-token quantised path, as on "
+                           f"Ascend), but got {act} without them")
+    if act and out_dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise RuntimeError("npu_grouped_matmul: argument 'output_dtype' must be torch.float16, "
+                           f"torch.bfloat16 or torch.float32 with act_type {act}, but got "
+                           f"{out_dtype}")
     tail = 0
+    groups = list(range(len(ws)))  # the weight of each row range below
     if group_list is not None and len(x) == 1:
-        values = group_list.tolist() if isinstance(group_list, torch.Tensor) else list(group_list)
-        values = [int(v) for v in values]
-        sizes = values if group_list_type == 1 else [b - a for a, b in zip([0, *values[:-1]], values)]
+        if group_list_type == 2:
+            groups, sizes = _gmm_pairs(group_list, len(ws), x[0].shape[0], split_item)
+        else:
+            values = group_list.tolist() if isinstance(group_list, torch.Tensor) \
+                else list(group_list)
+            values = [int(v) for v in values]
+            sizes = values if group_list_type == 1 else \
+                [b - a for a, b in zip([0, *values[:-1]], values)]
         xs = list(x[0][:sum(sizes)].split(sizes))
         tail = x[0].shape[0] - sum(sizes)
-        ts = list(flat(tokens[0])[:sum(sizes)].split(sizes)) if tokens else [None] * len(ws)
+        ts = list(flat(tokens[0])[:sum(sizes)].split(sizes)) if tokens else [None] * len(sizes)
     else:
         xs = list(x)
         ts = [flat(t) for t in tokens] if tokens else [None] * len(ws)
     ys = []
-    for xg, w, b, s, t, aqs, aqo in zip(xs, ws, bs, scales, ts, aq_scales, aq_offsets):
+    for xg, gi, t in zip(xs, groups, ts):
+        w, b, s, aqs, aqo = ws[gi], bs[gi], scales[gi], aq_scales[gi], aq_offsets[gi]
         if float_codes:  # float8 / MX: npu_quant_matmul's float path per group
             if s.dtype == torch.int64:  # npu_trans_quant_param's encoding: the float32 bits
                 s = (s & 0xFFFFFFFF).to(torch.int32).view(torch.float32)
@@ -1407,7 +1427,11 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
                 raise RuntimeError("npu_grouped_matmul: argument 'scale' must be given with int8 "
                                    "x and weights unless output_dtype is torch.int32")
             acc = xg.reshape(-1, xg.shape[-1]).double() @ w.double()  # exact: |sums| < 2^53
-            y = _dequantise(acc, s, None, t, b, out_dtype)
+            if act:  # the epilogue's float32 values, activated, rounded once
+                y = _GMM_ACTIVATIONS[act](_dequantise(acc, s, None, t, b, torch.float32))
+                y = y.to(out_dtype)
+            else:
+                y = _dequantise(acc, s, None, t, b, out_dtype)
             ys.append(y.reshape(*xg.shape[:-1], y.shape[-1]))
         else:
             acc = _acc(xg.dtype)
@@ -1419,6 +1443,34 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
             x[0].new_zeros(0, n, dtype=out_dtype)
         return [torch.cat([out, out.new_zeros(tail, out.shape[-1])])]
     return ys
+
+
+# act_type -> the activation npu_grouped_matmul applies to the per-token path's float32 values
+_GMM_ACTIVATIONS = {0: None, 1: torch.relu,
+                    2: lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
+                    4: lambda y: y * torch.sigmoid(1.702 * y), 5: torch.nn.functional.silu}
+
+
+def _gmm_pairs(group_list, groups, m, split_item):
+    """group_list_type 2: the [E, 2] (group index, rows) pairs as the weight index and row count
+    of each consecutive range of x's rows, with the C++ entry's checks."""
+    if not isinstance(group_list, torch.Tensor) or group_list.dim() != 2 or \
+            group_list.shape[-1] != 2:
+        shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else "an int list"
+        raise RuntimeError("npu_grouped_matmul: argument 'group_list' must be an [E, 2] tensor "
+                           f"of (group index, rows) pairs with group_list_type 2, but got {shape}")
+    if (split_item or 0) < 2:
+        raise RuntimeError("npu_grouped_matmul: argument 'split_item' must be 2 or 3 (one output "
+                           f"in x's row order) with group_list_type 2, but got {split_item}")
+    pairs = [(int(g), int(n)) for g, n in group_list.tolist()]
+    for g, n in pairs:
+        if not 0 <= g < groups or n < 0:
+            raise RuntimeError("npu_grouped_matmul: argument 'group_list' must hold (group index "
+                               f"in [0, {groups}), rows >= 0) pairs, but got ({g}, {n})")
+    if sum(n for _, n in pairs) > m:
+        raise RuntimeError(f"npu_grouped_matmul: argument 'group_list' must cover at most the {m} "
+                           f"rows of x[0], but its pairs hold {sum(n for _, n in pairs)}")
+    return [g for g, _ in pairs], [n for _, n in pairs]
 
 
 def _grouped_matmul_over_k(x, weight, group_list, group_list_type):
