@@ -460,6 +460,27 @@ void chunk_scores_int8_vnni(
   float lane_scale[Vec::size()];  // lane h * NK + i of the sums is head h's
   for (int h = 0; h < NH; ++h) std::fill(lane_scale + h * NK, lane_scale + (h + 1) * NK, qscale[h]);
   const Vec lane_scales = Vec::loadu(lane_scale);
+  // NH = 4: the q operand of rotation r holds in its 128-bit quarter c (8 elements of the step)
+  // head (c + r) % 4's codes, so that accumulator (r, key) holds in quarter c head (c + r) % 4's
+  // partial sums over quarter c's elements; moving quarter c to c + r lines every head's four
+  // partials up in quarter `head` (3 shuffles and 3 adds a key), and a 4 x 4 transpose sum
+  // (9 instructions a group) finishes: 33 instructions per 16 sums where transpose_sum16 takes
+  // 45. Built once per call (D / 32 steps of 4 registers).
+  constexpr int64_t kMaxSteps = 512 / kVnniStep;  // vnni_int8_ holds D <= 512
+  __m512i qrot[NH == 4 ? 4 * kMaxSteps : 1];
+  if constexpr (NH == 4) {
+    for (int64_t j = 0, st = 0; j < D; j += kVnniStep, ++st) {
+      __m512i qv[4];
+      for (int h = 0; h < 4; ++h) qv[h] = _mm512_loadu_si512(q + h * ldq + j);
+      for (int r = 0; r < 4; ++r) {
+        __m512i x = qv[r];
+        for (int c = 1; c < 4; ++c) {
+          x = _mm512_mask_mov_epi32(x, _cvtu32_mask16(0xFu << (4 * c)), qv[(c + r) % 4]);
+        }
+        qrot[4 * st + r] = x;
+      }
+    }
+  }
   for (int64_t t = 0; t < len; t += NK) {
     const int64_t cnt = std::min<int64_t>(NK, len - t);
     const KeyGroup<NK, int8_t, int8_t> g(t, cnt, k, k_stride, nullptr, 0, 0, pf, pf_stride,
@@ -473,39 +494,59 @@ void chunk_scores_int8_vnni(
     }
     __m512i acc[Vec::size()];
     for (int i = 0; i < Vec::size(); ++i) acc[i] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < D; j += kVnniStep) {
-      const int64_t n = std::min<int64_t>(kVnniStep, D - j);
-      __m512i qv[NH];
-      for (int h = 0; h < NH; ++h) qv[h] = _mm512_loadu_si512(q + h * ldq + j);
-      const __mmask32 m = n == kVnniStep ? ~__mmask32{0} : _cvtu32_mask32((1u << n) - 1);
-      for (int i = 0; i < NK; ++i) {
-        const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, g.k[i] + j));
-        for (int h = 0; h < NH; ++h) acc[h * NK + i] = dpwssd(acc[h * NK + i], qv[h], kv);
-      }
-    }
     // the 16 sums in int32 (exact: each whole dot product is below 2^31, see above), then one
     // conversion
-    __m512 bits[Vec::size()];
-    for (int i = 0; i < Vec::size(); ++i) bits[i] = _mm512_castsi512_ps(acc[i]);
-    const __m512 dots = transpose_sum16(bits, [](__m512 x, __m512 y) {
-      return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
-    });
-    const Vec r = Vec(_mm512_cvtepi32_ps(_mm512_castps_si512(dots))) * lane_scales;
+    __m512i dots;
+    if constexpr (NH == 4) {
+      for (int64_t j = 0, st = 0; j < D; j += kVnniStep, ++st) {
+        const int64_t n = std::min<int64_t>(kVnniStep, D - j);
+        const __mmask32 m = n == kVnniStep ? ~__mmask32{0} : _cvtu32_mask32((1u << n) - 1);
+        for (int i = 0; i < 4; ++i) {
+          const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, g.k[i] + j));
+          for (int r = 0; r < 4; ++r) acc[4 * r + i] = dpwssd(acc[4 * r + i], qrot[4 * st + r], kv);
+        }
+      }
+      __m512i v[4];  // quarter h: head h's four partial sums of key i
+      for (int i = 0; i < 4; ++i) {
+        // shuffle_i32x4 quarter selectors: result quarter c = quarter (c - r) % 4
+        const __m512i a1 = _mm512_shuffle_i32x4(acc[4 + i], acc[4 + i], 0x93);
+        const __m512i a2 = _mm512_shuffle_i32x4(acc[8 + i], acc[8 + i], 0x4E);
+        const __m512i a3 = _mm512_shuffle_i32x4(acc[12 + i], acc[12 + i], 0x39);
+        v[i] = _mm512_add_epi32(_mm512_add_epi32(acc[i], a1), _mm512_add_epi32(a2, a3));
+      }
+      // per quarter: lane i = the sum of v[i]'s four lanes
+      const __m512i s01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]),
+                                           _mm512_unpackhi_epi32(v[0], v[1]));
+      const __m512i s23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]),
+                                           _mm512_unpackhi_epi32(v[2], v[3]));
+      dots = _mm512_add_epi32(_mm512_unpacklo_epi64(s01, s23), _mm512_unpackhi_epi64(s01, s23));
+    } else {
+      for (int64_t j = 0; j < D; j += kVnniStep) {
+        const int64_t n = std::min<int64_t>(kVnniStep, D - j);
+        __m512i qv[NH];
+        for (int h = 0; h < NH; ++h) qv[h] = _mm512_loadu_si512(q + h * ldq + j);
+        const __mmask32 m = n == kVnniStep ? ~__mmask32{0} : _cvtu32_mask32((1u << n) - 1);
+        for (int i = 0; i < NK; ++i) {
+          const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, g.k[i] + j));
+          for (int h = 0; h < NH; ++h) acc[h * NK + i] = dpwssd(acc[h * NK + i], qv[h], kv);
+        }
+      }
+      __m512 bits[Vec::size()];
+      for (int i = 0; i < Vec::size(); ++i) bits[i] = _mm512_castsi512_ps(acc[i]);
+      dots = _mm512_castps_si512(transpose_sum16(bits, [](__m512 x, __m512 y) {
+        return _mm512_castsi512_ps(
+            _mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+      }));
+    }
+    const Vec r = Vec(_mm512_cvtepi32_ps(dots)) * lane_scales;
     for (int h = 0; h < NH; ++h) store_lanes<NK>(s + h * kChunk + t, r, h, cnt);
   }
 }
 
-// acc_h[0, Dv) += sum_t p[h * kChunk + t] * v_t over int8 codes v (len <= kChunk keys) for NH
-// heads: p as int16 codes per head and chunk (see above), two keys per vpdpwssd (their rows'
-// elements interleaved in 16-bit pairs), column tiles of kPvWidth = 64 codes; pf as chunk_pv.
+// P of NH heads (p[h * kChunk + t], len <= kChunk keys, p >= 0) as int16 codes
+// rint(p * 32767 / max p) in codes[h * kChunk + t], the value of one code in pscale[h].
 template <int NH>
-void chunk_pv_int8_vnni(const float* p, const int8_t* v, int64_t v_stride, int64_t len,
-                        int64_t Dv, float* acc, int64_t ld_acc, const char* pf, int64_t pf_stride,
-                        int64_t pf_bytes, int64_t pf_len) {
-  static_assert(kPvWidth == 64 && kChunk % 2 == 0);
-  // codes[h][t]: the pair (t, t + 1) is one 32-bit word; an odd len's last pair ends in 0
-  alignas(64) int16_t codes[NH][kChunk];
-  float pscale[NH];
+void p_codes(const float* p, int64_t len, int16_t* codes, float* pscale) {
   for (int h = 0; h < NH; ++h) {
     const float* ph = p + h * kChunk;
     // p >= 0, so the masked lanes' zeros leave the max alone; a NaN propagates to pscale (and
@@ -523,10 +564,64 @@ void chunk_pv_int8_vnni(const float* p, const int8_t* v, int64_t v_stride, int64
       const int64_t n = std::min<int64_t>(Vec::size(), len - t);
       const __mmask16 m = _cvtu32_mask16((1u << n) - 1);
       const __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, ph + t), inv);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes[h] + t),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + h * kChunk + t),
                           _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(x)));
     }
   }
+}
+
+// One online-softmax step of a head over the chunk's len (1 .. kChunk) scores s (+ off), all
+// finite, fused with p_codes: m, l and acc (ldacc floats) updated as the fp32 step does, and P
+// written as int16 codes rint(p * 32767 / max p) with pscale the value of one code. The scores
+// stay in registers from the max to the codes.
+OPENNPU_VEC_INLINE void softmax_codes(const float* s, int64_t len, float off, float& m, float& l,
+                                      float* acc, int64_t ldacc, int16_t* codes, float& pscale) {
+  constexpr int kVecs = kChunk / 16;
+  __m512 x[kVecs];
+  __mmask16 live[kVecs];
+  __m512 vmax = _mm512_set1_ps(kNegInf);
+  const __m512 voff = _mm512_set1_ps(off);
+  for (int i = 0; i < kVecs; ++i) {
+    const int64_t n = std::clamp<int64_t>(len - 16 * i, 0, 16);
+    live[i] = _cvtu32_mask16((1u << n) - 1);
+    x[i] = _mm512_add_ps(_mm512_maskz_loadu_ps(live[i], s + 16 * i), voff);
+    vmax = _mm512_mask_max_ps(vmax, live[i], vmax, x[i]);
+  }
+  const float m_new = std::max(m, _mm512_reduce_max_ps(vmax));
+  const float alpha = m == m_new ? 1.0f : (m == kNegInf ? 0.0f : std::exp(m - m_new));
+  const __m512 vm = _mm512_set1_ps(m_new);
+  __m512 vsum = _mm512_setzero_ps(), pmax = _mm512_setzero_ps();
+  for (int i = 0; i < kVecs; ++i) {  // the lanes past len are 0
+    x[i] = _mm512_maskz_mov_ps(live[i], exp_fast(Vec(_mm512_sub_ps(x[i], vm))));
+    vsum = _mm512_add_ps(vsum, x[i]);
+    pmax = _mm512_max_ps(pmax, x[i]);
+  }
+  if (alpha != 1.0f) {
+    for (int64_t j = 0; j < ldacc; j += Vec::size()) {
+      (Vec::loadu(acc + j) * Vec(alpha)).store(acc + j);
+    }
+  }
+  l = l * alpha + _mm512_reduce_add_ps(vsum);
+  m = m_new;
+  const float top = _mm512_reduce_max_ps(pmax);
+  pscale = top / 32767.0f;
+  const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+  for (int i = 0; i < kVecs; ++i) {  // round to nearest even, saturated
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + 16 * i),
+                        _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(x[i], inv))));
+  }
+}
+
+// acc_h[0, Dv) += pscale[h] * sum_t codes[h * kChunk + t] * v_t over int8 codes v (len <=
+// kChunk keys) for NH heads: P as int16 codes (p_codes, or softmax_codes), two keys per
+// vpdpwssd (their rows' elements interleaved in 16-bit pairs), column tiles of kPvWidth = 64
+// codes; pf as chunk_pv.
+template <int NH>
+void chunk_pv_int8_codes(const int16_t* codes_, const float* pscale, const int8_t* v,
+                         int64_t v_stride, int64_t len, int64_t Dv, float* acc, int64_t ld_acc,
+                         const char* pf, int64_t pf_stride, int64_t pf_bytes, int64_t pf_len) {
+  static_assert(kPvWidth == 64 && kChunk % 2 == 0);
+  const auto codes = [&](int h) { return codes_ + h * kChunk; };
   // dword lane 4L + r of unpack{lo,hi}_epi16 of two 32-element rows holds element 8L + r
   // (+ 4 for hi): these indices put lanes back in element order (qwords of lo, then of hi)
   const __m512i first16 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
@@ -556,9 +651,9 @@ void chunk_pv_int8_vnni(const float* p, const int8_t* v, int64_t v_stride, int64
       for (int h = 0; h < NH; ++h) {
         int32_t w2;
         if (pair) {
-          std::memcpy(&w2, codes[h] + t, 4);
+          std::memcpy(&w2, codes(h) + t, 4);
         } else {
-          w2 = static_cast<uint16_t>(codes[h][t]);
+          w2 = static_cast<uint16_t>(codes(h)[t]);
         }
         const __m512i w = _mm512_set1_epi32(w2);
         for (int u = 0; u < 4; ++u) a[h][u] = dpwssd(a[h][u], b[u], w);
@@ -578,6 +673,18 @@ void chunk_pv_int8_vnni(const float* p, const int8_t* v, int64_t v_stride, int64
       }
     }
   }
+}
+
+// chunk_pv_int8_codes for P as fp32 values p[h * kChunk + t] (codes made by p_codes).
+template <int NH>
+void chunk_pv_int8_vnni(const float* p, const int8_t* v, int64_t v_stride, int64_t len,
+                        int64_t Dv, float* acc, int64_t ld_acc, const char* pf, int64_t pf_stride,
+                        int64_t pf_bytes, int64_t pf_len) {
+  alignas(64) int16_t codes[NH * kChunk];
+  float pscale[NH];
+  p_codes<NH>(p, len, codes, pscale);
+  chunk_pv_int8_codes<NH>(codes, pscale, v, v_stride, len, Dv, acc, ld_acc, pf, pf_stride,
+                          pf_bytes, pf_len);
 }
 #endif
 
@@ -601,6 +708,8 @@ struct Scratch {
   std::vector<float> qoff;  // per head: sum_d q'_d * key offset_d (fused int8, see fused_int8_)
   std::vector<int16_t> q16;  // q' of the group as int16 codes (vnni_int8_)
   std::vector<float> qscale;  // per head: the value of one q16 code
+  std::vector<int16_t> pcodes;  // P of a step's heads as int16 codes (softmax_codes)
+  std::vector<float> pscale;  // per head: the value of one P code
 };
 
 // Offset of the token factor of row t0 of (b, h) in a KvQuant::Kind::kToken table.
@@ -692,6 +801,8 @@ struct DecodeKernel {
       if (vnni_int8_) {
         w.q16.assign(nkv * g * ldq16, 0);
         w.qscale.assign(nkv * g, 0.0f);
+        w.pcodes.assign(g * kChunk, 0);
+        w.pscale.assign(g, 0.0f);
       }
     }
     if (native_bf16_) {
@@ -908,6 +1019,30 @@ struct DecodeKernel {
                                                   h0 == 0 ? pf_s : nullptr, pf_s_pitch,
                                                   pf_s_bytes, pf_s_len);
     });
+#if defined(CPU_CAPABILITY_AVX512)
+    if constexpr (kInt8) {
+      // Every score finite (q' and its offsets' share are: the codes are integers) and no mask:
+      // the softmax and P's codes in one pass per head, then P V from the codes.
+      bool finite = vnni_int8_ && mask == nullptr;
+      for (int64_t h = 0; finite && h < g; ++h) {
+        finite = std::isfinite(w.qscale[slot * g + h]) && std::isfinite(w.qoff[slot * g + h]);
+      }
+      if (finite) {
+        for (int64_t h = 0; h < g; ++h) {
+          const float off = d.cache.kq.offset != nullptr ? w.qoff[slot * g + h] : 0.0f;
+          softmax_codes(w.s.data() + h * kChunk, len, off, ms[h], ls[h], accs + h * ldacc,
+                        ldacc, w.pcodes.data() + h * kChunk, w.pscale[h]);
+        }
+        for_head_tiles(g, [&](auto nh, int64_t h0) {
+          chunk_pv_int8_codes<decltype(nh)::value>(
+              w.pcodes.data() + h0 * kChunk, w.pscale.data() + h0, v_raw, V.stride_s, len, Dv,
+              accs + h0 * ldacc, ldacc, h0 == 0 ? pf_pv : nullptr, pf_pv_pitch, pf_pv_bytes,
+              pf_pv_len);
+        });
+        return;
+      }
+    }
+#endif
     if (fused_int8_ && d.cache.kq.offset != nullptr) {
       for (int64_t h = 0; h < g; ++h) {
         float* sh = w.s.data() + h * kChunk;
