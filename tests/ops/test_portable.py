@@ -9,6 +9,8 @@ without a GPU they are skipped (written and collected, not yet run).
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 from dataclasses import dataclass, field
 from typing import Callable
@@ -886,6 +888,41 @@ def test_grouped_matmul_unimplemented_quantised_paths_are_refused():
     (x, w), kw = _gmm(F32)
     with portable.force(), pytest.raises(NotImplementedError, match="offset"):
         npu.npu_grouped_matmul.List(x, w, offset=[torch.ones(8)], **kw)
+
+
+def test_grouped_matmul_pairs_and_act_type_errors_follow_the_kernel():
+    """Bad (group, rows) pairs and act_type uses raise on the portable path as on the kernel."""
+    (x, w), _ = _gmm(F32)
+    xq, wq = torch.randint(-128, 128, (6, 16), dtype=torch.int8), \
+        torch.randint(-128, 128, (3, 16, 8), dtype=torch.int8)
+    pairs = dict(split_item=2, group_type=0, group_list_type=2)
+    bad = [
+        (([x[0]], [w[0]]), dict(pairs, group_list=torch.tensor([[3, 4]])),
+         r"'group_list' must hold group indices in \[0, 3\) .* entry 0 has 3"),
+        (([x[0]], [w[0]]), dict(pairs, group_list=torch.tensor([[0, -1]])),
+         r"'group_list' must hold non-negative group sizes .* entry 0 has -1 after 0"),
+        (([x[0]], [w[0]]), dict(pairs, group_list=torch.tensor([[0, 5], [1, 19]])),
+         r"'group_list' must hold non-negative group sizes .* entry 1 has 19 after 5"),
+        (([x[0]], [w[0]]), dict(pairs, group_list=torch.tensor([0, 5])),
+         r"'group_list' must be \[E, 2\] .* but got shape \[2\]"),
+        (([x[0]], [w[0]]), dict(pairs, group_list=torch.tensor([[0, 5]]), split_item=0),
+         r"'split_item' must be 2 or 3"),
+        (([x[0]], [w[0]]), dict(group_list=torch.tensor([5, 10, 23]), split_item=3,
+                                 group_type=0, act_type=1), r"'act_type' applies only"),
+        (([xq], [wq]), dict(scale=[torch.rand(3, 8)], per_token_scale=[torch.rand(6)],
+                            group_list=torch.tensor([2, 4, 6]), split_item=3, group_type=0,
+                            act_type=3, output_dtype=torch.bfloat16), r"'act_type' must be 0"),
+        (([xq], [wq]), dict(scale=[torch.rand(3, 8)], per_token_scale=[torch.rand(6)],
+                            group_list=torch.tensor([2, 4, 6]), split_item=3, group_type=0,
+                            act_type=1), r"'output_dtype' must be torch.float16"),
+    ]
+    for (xs, ws), kw, pattern in bad:
+        for forced in (False, True):
+            with contextlib.ExitStack() as stack:
+                if forced:
+                    stack.enter_context(portable.force())
+                with pytest.raises(RuntimeError, match=pattern):
+                    npu.npu_grouped_matmul(xs, ws, **kw)
 
 
 # ----------------------------------------------------------------------------- gradients

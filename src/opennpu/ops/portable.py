@@ -1453,23 +1453,27 @@ _GMM_ACTIVATIONS = {0: None, 1: torch.relu,
 
 def _gmm_pairs(group_list, groups, m, split_item):
     """group_list_type 2: the [E, 2] (group index, rows) pairs as the weight index and row count
-    of each consecutive range of x's rows, with the C++ entry's checks."""
+    of each consecutive range of x's rows, with the C++ entry's checks and words."""
     if not isinstance(group_list, torch.Tensor) or group_list.dim() != 2 or \
             group_list.shape[-1] != 2:
-        shape = tuple(group_list.shape) if isinstance(group_list, torch.Tensor) else "an int list"
-        raise RuntimeError("npu_grouped_matmul: argument 'group_list' must be an [E, 2] tensor "
-                           f"of (group index, rows) pairs with group_list_type 2, but got {shape}")
+        shape = list(group_list.shape) if isinstance(group_list, torch.Tensor) else "an int list"
+        raise RuntimeError("npu_grouped_matmul: argument 'group_list' must be [E, 2] (group "
+                           "index, group size) pairs with group_list_type 2, but got shape "
+                           f"{shape}")
     if (split_item or 0) < 2:
-        raise RuntimeError("npu_grouped_matmul: argument 'split_item' must be 2 or 3 (one output "
-                           f"in x's row order) with group_list_type 2, but got {split_item}")
+        raise RuntimeError("npu_grouped_matmul: argument 'split_item' must be 2 or 3 (one output) "
+                           f"with group_list_type 2, but got {split_item or 0}")
     pairs = [(int(g), int(n)) for g, n in group_list.tolist()]
-    for g, n in pairs:
-        if not 0 <= g < groups or n < 0:
-            raise RuntimeError("npu_grouped_matmul: argument 'group_list' must hold (group index "
-                               f"in [0, {groups}), rows >= 0) pairs, but got ({g}, {n})")
-    if sum(n for _, n in pairs) > m:
-        raise RuntimeError(f"npu_grouped_matmul: argument 'group_list' must cover at most the {m} "
-                           f"rows of x[0], but its pairs hold {sum(n for _, n in pairs)}")
+    total = 0
+    for i, (g, n) in enumerate(pairs):
+        if not 0 <= g < groups:
+            raise RuntimeError("npu_grouped_matmul: argument 'group_list' must hold group indices "
+                               f"in [0, {groups}) in its first column, but entry {i} has {g}")
+        if n < 0 or n > m - total:
+            raise RuntimeError("npu_grouped_matmul: argument 'group_list' must hold non-negative "
+                               "group sizes in its second column that sum to x's "
+                               f"{m} rows, but entry {i} has {n} after {total}")
+        total += n
     return [g for g, _ in pairs], [n for _, n in pairs]
 
 
