@@ -640,12 +640,22 @@ void chunk_pv_int8_codes(const int16_t* codes_, const float* pscale, const int8_
       if (t < pft.rows) prefetch_bytes(pf + t * pf_stride, pft.off, pft.cnt);
       if (pair && t + 1 < pft.rows) prefetch_bytes(pf + (t + 1) * pf_stride, pft.off, pft.cnt);
       const int8_t* r0 = v + t * v_stride + j;
-      const __m512i x = _mm512_maskz_loadu_epi8(m, r0);
-      const __m512i y = pair ? _mm512_maskz_loadu_epi8(m, r0 + v_stride) : x;  // weight 0
-      const __m512i x0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(x));
-      const __m512i x1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(x, 1));
-      const __m512i y0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(y));
-      const __m512i y1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(y, 1));
+      __m512i x0, x1, y0, y1;
+      if (n == kPvWidth) {
+        // whole tile: each half widened straight from memory (the load folds into vpmovsxbw)
+        const int8_t* r1 = pair ? r0 + v_stride : r0;  // weight 0
+        x0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
+        x1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 32)));
+        y0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)));
+        y1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + 32)));
+      } else {
+        const __m512i x = _mm512_maskz_loadu_epi8(m, r0);
+        const __m512i y = pair ? _mm512_maskz_loadu_epi8(m, r0 + v_stride) : x;  // weight 0
+        x0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(x));
+        x1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(x, 1));
+        y0 = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(y));
+        y1 = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(y, 1));
+      }
       const __m512i b[4] = {_mm512_unpacklo_epi16(x0, y0), _mm512_unpackhi_epi16(x0, y0),
                             _mm512_unpacklo_epi16(x1, y1), _mm512_unpackhi_epi16(x1, y1)};
       for (int h = 0; h < NH; ++h) {
