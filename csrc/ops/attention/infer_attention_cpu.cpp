@@ -446,6 +446,15 @@ OPENNPU_VEC_INLINE __m512i dpwssd(__m512i acc, __m512i a, __m512i b) {
 
 constexpr int64_t kVnniStep = 32;  // int16 lanes of a register: q16 rows are padded to this
 
+// n (<= kVnniStep) int8 key codes at k as int16 lanes (zeros past n): a whole step widened
+// straight from memory (the load folds into vpmovsxbw), a short one through a masked load m.
+OPENNPU_VEC_INLINE __m512i key_step(const int8_t* k, int64_t n, __mmask32 m) {
+  if (n == kVnniStep) {
+    return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k)));
+  }
+  return _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, k));
+}
+
 // s[h * kChunk + t] = qscale[h] * (q16_h . k_t) for NH heads over len keys of D int8 codes;
 // q16 rows (stride ldq, zero-padded to kVnniStep) hold q' as codes (see above). Keys NK =
 // 16 / NH at a time as in chunk_scores (a short last group repeats its last key); pf as there.
@@ -502,7 +511,7 @@ void chunk_scores_int8_vnni(
         const int64_t n = std::min<int64_t>(kVnniStep, D - j);
         const __mmask32 m = n == kVnniStep ? ~__mmask32{0} : _cvtu32_mask32((1u << n) - 1);
         for (int i = 0; i < 4; ++i) {
-          const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, g.k[i] + j));
+          const __m512i kv = key_step(g.k[i] + j, n, m);
           for (int r = 0; r < 4; ++r) acc[4 * r + i] = dpwssd(acc[4 * r + i], qrot[4 * st + r], kv);
         }
       }
@@ -527,7 +536,7 @@ void chunk_scores_int8_vnni(
         for (int h = 0; h < NH; ++h) qv[h] = _mm512_loadu_si512(q + h * ldq + j);
         const __mmask32 m = n == kVnniStep ? ~__mmask32{0} : _cvtu32_mask32((1u << n) - 1);
         for (int i = 0; i < NK; ++i) {
-          const __m512i kv = _mm512_cvtepi8_epi16(_mm256_maskz_loadu_epi8(m, g.k[i] + j));
+          const __m512i kv = key_step(g.k[i] + j, n, m);
           for (int h = 0; h < NH; ++h) acc[h * NK + i] = dpwssd(acc[h * NK + i], qv[h], kv);
         }
       }
