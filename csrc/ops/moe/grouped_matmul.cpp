@@ -23,11 +23,11 @@
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/gelu.h>
 #include <ATen/ops/relu.h>
-#include <ATen/ops/sigmoid.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/mm.h>
 #include <ATen/ops/ones.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -411,13 +411,16 @@ struct ChannelScales {
   std::vector<at::Tensor> scale, offset;
 };
 
-// act_type's activation of float32 values y (in place): 1 relu, 2 gelu with the tanh
-// approximation, 4 fast_gelu (x * sigmoid(1.702 x), torch_npu's npu_fast_gelu), 5 silu.
+// act_type's activation of float32 values y: 1 relu, 2 gelu with the tanh approximation,
+// 4 fast_gelu (the npu_fast_gelu op), 5 silu (in place where ATen has the in-place form).
 at::Tensor activation(at::Tensor y, int64_t act) {
+  static const auto fast_gelu = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("npu::npu_fast_gelu", "")
+                                    .typed<at::Tensor(const at::Tensor&)>();
   switch (act) {
     case 1: return y.relu_();
     case 2: return at::gelu_(y, "tanh");
-    case 4: return y.mul_(at::sigmoid(y.mul(1.702)));
+    case 4: return fast_gelu.call(y);
     case 5: return at::silu_(y);
     default: return y;
   }

@@ -1448,7 +1448,7 @@ def _grouped_matmul(x, weight, bias, group_list, split_item, group_list_type, kw
 # act_type -> the activation npu_grouped_matmul applies to the per-token path's float32 values
 _GMM_ACTIVATIONS = {0: None, 1: torch.relu,
                     2: lambda y: torch.nn.functional.gelu(y, approximate="tanh"),
-                    4: lambda y: y * torch.sigmoid(1.702 * y), 5: torch.nn.functional.silu}
+                    4: _fast_gelu, 5: torch.nn.functional.silu}
 
 
 def _gmm_pairs(group_list, groups, m, split_item):
