@@ -185,14 +185,36 @@ struct RowPair<int8_t> {
   using type = Int8Pair;
 };
 
+// The rows to prefetch beside a dot-product loop of `n` elements in steps of kStep, spread over
+// the steps: each step asks for the next `per_step` bytes (whole lines) of each row, the last
+// steps for what is left (nothing once a row is covered). No division per step: on AVX2 (16
+// elements a step) two divisions per step and key cost more than the step's FMAs.
+template <int64_t kStep>
+struct StepPrefetch {
+  int64_t bytes, per_step;
+  StepPrefetch(int64_t pf_bytes, int64_t n)
+      : bytes(pf_bytes),
+        per_step(n > 0 ? round_up((pf_bytes * kStep + n - 1) / n, 64) : pf_bytes) {}
+  // asks for step j's share (j a multiple of kStep) of the NK rows pf[i] (null: none)
+  template <int NK>
+  OPENNPU_VEC_INLINE void at(int64_t j, const char* const* pf) const {
+    const int64_t lo = j / kStep * per_step;
+    if (lo >= bytes) return;
+    const int64_t cnt = std::min(per_step, bytes - lo);
+    for (int i = 0; i < NK; ++i) {
+      if (pf[i] != nullptr) prefetch_bytes(pf[i], lo, cnt);
+    }
+  }
+};
+
 // acc[h * NK + i] += q_h * k_i lane by lane (summed later by transpose_sum) for NH heads and
 // NK = Vec::size() / NH keys, over n elements: one register of partial dot products per (head,
 // key), each key row converted once for the NH heads and each q vector loaded once for the NK
 // keys. q rows (fp32, stride ldq) are zero-padded to a multiple of kStep; k's lanes past n load
 // as 0.
 //
-// pf (when set): NK rows of pf_bytes to prefetch, spread over the steps (the share of step j is
-// bytes [j, j + kStep) * pf_bytes / n of each row): asked for all at once, the lines of a chunk
+// pf (when set): NK rows of pf_bytes to prefetch, spread over the steps (StepPrefetch): asked
+// for all at once, the lines of a chunk
 // filled the core's miss buffers and the prefetch instructions stalled the FMAs behind them.
 template <int NH, typename In>
 OPENNPU_VEC_INLINE void dots_block(const float* q, int64_t ldq, const In* const* k, int64_t n,
@@ -200,14 +222,9 @@ OPENNPU_VEC_INLINE void dots_block(const float* q, int64_t ldq, const In* const*
                                    int64_t pf_bytes = 0) {
   using Pair = typename RowPair<In>::type;
   constexpr int NK = Vec::size() / NH;
+  const StepPrefetch<Pair::kStep> share(pf_bytes, n);
   const auto step = [&](int64_t j, int64_t cnt) OPENNPU_VEC_INLINE_LAMBDA {
-    if (pf != nullptr) {
-      const int64_t lo = j * pf_bytes / n / 64 * 64;
-      const int64_t hi = j + cnt >= n ? pf_bytes : (j + cnt) * pf_bytes / n;
-      for (int i = 0; i < NK; ++i) {
-        if (pf[i] != nullptr) prefetch_bytes(pf[i], lo, hi - lo);
-      }
-    }
+    if (pf != nullptr) share.template at<NK>(j, pf);
     Vec qa[NH], qb[NH];
     for (int h = 0; h < NH; ++h) {
       qa[h] = Vec::loadu(q + h * ldq + j);
@@ -239,6 +256,30 @@ OPENNPU_VEC_INLINE void store_lanes(float* dst, const Vec& r, int h, int64_t cnt
   // outside the mask are neither written nor read.
   const __mmask16 m = static_cast<__mmask16>(((1u << cnt) - 1) << (h * NK));
   _mm512_mask_storeu_ps(dst - h * NK, m, r);
+#elif defined(CPU_CAPABILITY_AVX2)
+  // whole groups straight from the register's 128-bit half (h is a constant once the caller's
+  // head loop is unrolled); through memory, the narrow reloads of a wide store stalled
+  if (cnt == NK) {
+    const __m128 half = h * NK >= 4 ? _mm256_extractf128_ps(r, 1) : _mm256_castps256_ps128(r);
+    if constexpr (NK == 8) {
+      _mm256_storeu_ps(dst, r);
+    } else if constexpr (NK == 4) {
+      _mm_storeu_ps(dst, half);
+    } else if constexpr (NK == 2) {
+      if (h % 2 == 0) {
+        _mm_storel_pi(reinterpret_cast<__m64*>(dst), half);
+      } else {
+        _mm_storeh_pi(reinterpret_cast<__m64*>(dst), half);
+      }
+    } else {
+      static_assert(NK == 1);
+      _mm_store_ss(dst, _mm_permutevar_ps(half, _mm_set1_epi32(h % 4)));
+    }
+    return;
+  }
+  float tmp[Vec::size()];
+  r.store(tmp);
+  for (int64_t i = 0; i < cnt; ++i) dst[i] = tmp[h * NK + i];
 #else
   float tmp[Vec::size()];
   r.store(tmp);
@@ -305,15 +346,10 @@ OPENNPU_AVX512_BF16_TARGET inline void dots_bf16(const at::BFloat16* q, int64_t 
                                                  int64_t pf_bytes) {
   constexpr int NK = Vec::size() / NH;
   constexpr int64_t kStep = 32;
+  const StepPrefetch<kStep> share(pf_bytes, n);
   for (int64_t j = 0; j < n; j += kStep) {
     const int64_t cnt = std::min<int64_t>(kStep, n - j);
-    if (pf != nullptr) {
-      const int64_t lo = j * pf_bytes / n / 64 * 64;
-      const int64_t hi = j + cnt >= n ? pf_bytes : (j + cnt) * pf_bytes / n;
-      for (int i = 0; i < NK; ++i) {
-        if (pf[i] != nullptr) prefetch_bytes(pf[i], lo, hi - lo);
-      }
-    }
+    if (pf != nullptr) share.at<NK>(j, pf);
     __m512bh qv[NH];
     for (int h = 0; h < NH; ++h) qv[h] = (__m512bh)_mm512_loadu_si512(q + h * ldq + j);
     const __mmask32 m = cnt == kStep ? ~__mmask32{0} : _cvtu32_mask32((1u << cnt) - 1);
