@@ -188,7 +188,7 @@ struct RowPair<int8_t> {
 // The rows to prefetch beside a dot-product loop of `n` elements in steps of kStep, spread over
 // the steps: each step asks for the next `per_step` bytes (whole lines) of each row, the last
 // steps for what is left (nothing once a row is covered). No division per step: on AVX2 (16
-// elements a step) two divisions per step and key cost more than the step's FMAs.
+// elements a step) the two divisions per step and key stood out in the profile.
 template <int64_t kStep>
 struct StepPrefetch {
   int64_t bytes, per_step;
@@ -214,8 +214,8 @@ struct StepPrefetch {
 // as 0.
 //
 // pf (when set): NK rows of pf_bytes to prefetch, spread over the steps (StepPrefetch): asked
-// for all at once, the lines of a chunk
-// filled the core's miss buffers and the prefetch instructions stalled the FMAs behind them.
+// for all at once, the lines of a chunk filled the core's miss buffers and the prefetch
+// instructions stalled the FMAs behind them.
 template <int NH, typename In>
 OPENNPU_VEC_INLINE void dots_block(const float* q, int64_t ldq, const In* const* k, int64_t n,
                                    Vec* acc, const char* const* pf = nullptr,
@@ -277,10 +277,8 @@ OPENNPU_VEC_INLINE void store_lanes(float* dst, const Vec& r, int h, int64_t cnt
     }
     return;
   }
-  float tmp[Vec::size()];
-  r.store(tmp);
-  for (int64_t i = 0; i < cnt; ++i) dst[i] = tmp[h * NK + i];
-#else
+#endif
+#if !defined(CPU_CAPABILITY_AVX512)
   float tmp[Vec::size()];
   r.store(tmp);
   for (int64_t i = 0; i < cnt; ++i) dst[i] = tmp[h * NK + i];
