@@ -684,6 +684,109 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// The AVX2 build's lane form of the common MX unit: a contiguous block of 32 elements (post ==
+// 1), float8 or fp4 with "rint", in fp32 lanes, 8 a register; the other units take the scalar
+// loops. The values are the scalar path's bit for bit: the block maximum is the unsigned maximum
+// of the magnitudes' bit patterns (as the scalar reduction), the shared exponent is the scalar
+// function's, x * 2^-e is the same IEEE product, and the codes are RintEncoder's arithmetic on
+// the bits of min(|t|, max_norm) with t's sign (as RintLanes on AVX-512: clamping before rounding
+// saturates as the scalar clamp does, and a block holding a NaN or an inf has the NaN exponent,
+// so every quotient encoded here is finite).
+
+// 8 elements of src_t as fp32 lanes (exact: bf16 shifted up, fp16 widened by vcvtph2ps).
+template <typename src_t>
+OPENNPU_VEC_INLINE __m256 load8(const src_t* p) {
+  if constexpr (std::is_same_v<src_t, float>) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if constexpr (std::is_same_v<src_t, at::BFloat16>) {
+      return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm256_cvtph_ps(h);
+    }
+  }
+}
+
+struct RintLanes8 {
+  __m128i shift;
+  __m256i max_bits, round_less_rebias, min_normal_bits, sign_bit;
+  __m256 units, two23;
+  int sign_shift;
+
+  explicit RintLanes8(const MxFormat& f) : RintLanes8(RintEncoder(f), f.max_norm, f.fp4 ? 28 : 24) {}
+  RintLanes8(const RintEncoder& e, float max_norm, int sign_shift_)
+      : shift(_mm_cvtsi32_si128(static_cast<int>(e.shift))),
+        max_bits(_mm256_set1_epi32(static_cast<int>(std::bit_cast<uint32_t>(max_norm)))),
+        round_less_rebias(
+            _mm256_set1_epi32(static_cast<int>(e.half_less_one - (e.rebias << e.shift)))),
+        min_normal_bits(_mm256_set1_epi32(static_cast<int>(e.min_normal_bits))),
+        sign_bit(_mm256_set1_epi32(static_cast<int>(0x80000000u >> sign_shift_))),
+        units(_mm256_set1_ps(e.units)),
+        two23(_mm256_set1_ps(RintEncoder::kTwo23)),
+        sign_shift(sign_shift_) {}
+
+  // The codes of 8 finite quotients t, one per 32-bit lane (sign in bit 7, or bit 3 for fp4).
+  OPENNPU_VEC_INLINE __m256i operator()(__m256 t) const {
+    const __m256i bits = _mm256_castps_si256(t);
+    const __m256i mag =
+        _mm256_min_epu32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFFFF)), max_bits);
+    const __m256i lsb = _mm256_and_si256(_mm256_srl_epi32(mag, shift), _mm256_set1_epi32(1));
+    const __m256i normal = _mm256_srl_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(mag, round_less_rebias), lsb), shift);
+    const __m256i subnormal = _mm256_sub_epi32(
+        _mm256_castps_si256(_mm256_fmadd_ps(_mm256_castsi256_ps(mag), units, two23)),
+        _mm256_castps_si256(two23));
+    // both sides below 2^31: the signed comparison orders them as the unsigned one would
+    const __m256i small = _mm256_cmpgt_epi32(min_normal_bits, mag);
+    const __m256i code = _mm256_blendv_epi8(normal, subnormal, small);
+    return _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(bits, sign_shift), sign_bit), code);
+  }
+};
+
+// One block of 32 contiguous elements x[0, 32): its e8m0 scale at *scale and its codes at out
+// (float8: 32 bytes; fp4: 16, element 2j in the low nibble of byte j).
+template <typename scalar_t>
+OPENNPU_VEC_INLINE void quantise_block32_avx2(const scalar_t* x, uint8_t* out, uint8_t* scale,
+                                              const MxFormat& fmt, int64_t scale_alg,
+                                              float low_bound, const RintLanes8& encode) {
+  __m256 v[4];
+  for (int k = 0; k < 4; ++k) v[k] = load8(x + 8 * k);
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  const auto mag = [&](int k) { return _mm256_and_si256(_mm256_castps_si256(v[k]), magnitude); };
+  const __m256i m8 = _mm256_max_epu32(_mm256_max_epu32(mag(0), mag(1)),
+                                      _mm256_max_epu32(mag(2), mag(3)));
+  __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4E));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xB1));
+  const uint32_t top = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
+  const int e = shared_exponent(std::bit_cast<float>(top), fmt, scale_alg, low_bound);
+  *scale = e == kNanExp ? uint8_t{0xFF} : static_cast<uint8_t>(e + 127);
+  if (e == kNanExp) {
+    std::fill(out, out + (fmt.fp4 ? 16 : 32), uint8_t{0});
+    return;
+  }
+  const __m256 inv = _mm256_set1_ps(pow2(-e));
+  __m256i c[4];
+  for (int k = 0; k < 4; ++k) c[k] = encode(_mm256_mul_ps(v[k], inv));
+  // codes <= 0xFF: the saturating packs keep them; per 128-bit half the 4-byte groups come out
+  // as c0 c1 c2 c3 (elements 0-3, 8-11, ... low half; 4-7, 12-15, ... high half)
+  const __m256i packed = _mm256_permutevar8x32_epi32(
+      _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
+      _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (!fmt.fp4) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
+    return;
+  }
+  // fp4 (codes <= 0xF): byte j of the result = code 2j | code 2j + 1 << 4
+  const __m256i pairs = _mm256_and_si256(_mm256_or_si256(packed, _mm256_srli_epi16(packed, 4)),
+                                         _mm256_set1_epi16(0xFF));
+  const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
+}
+#endif
+
 void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, int64_t bs,
                      const MxFormat& fmt, MxRound round, int64_t scale_alg, float max_low_bound,
                      uint8_t* codes, uint8_t* scales) {
@@ -702,6 +805,10 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
       std::vector<float> amax(post);
       std::vector<int> exps(post);
       const RintEncoder rint_encoder(fmt);
+#if defined(CPU_CAPABILITY_AVX2)
+      const bool lanes = post == 1 && round == MxRound::kRint;
+      const RintLanes8 rint_lanes(fmt);
+#endif
       // The code of flat element k: fp4 codes two a byte, element 2j in the low nibble. A unit's
       // elements are visited in order and each byte's pair lies in one unit (the last dim is even
       // for fp4, block starts are multiples of 32), so a byte's low nibble is written first.
@@ -718,6 +825,14 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
       for (int64_t unit = begin, p = begin / blocks, b = begin % blocks; unit < end;
            ++unit, b = b + 1 == blocks ? 0 : b + 1, p += b == 0) {
         const int64_t i0 = b * bs, i1 = std::min(d, i0 + bs);
+#if defined(CPU_CAPABILITY_AVX2)
+        if (lanes && i1 - i0 == 32) {
+          quantise_block32_avx2(px + p * d + i0, codes + (fmt.fp4 ? (p * d + i0) / 2 : p * d + i0),
+                                scales + p * pairs * 2 + b, fmt, scale_alg, max_low_bound,
+                                rint_lanes);
+          continue;
+        }
+#endif
         if (post == 1) {
           // A contiguous block: the max of the magnitudes' bit patterns, which order as the
           // magnitudes do, with NaN's above inf's (so a NaN still makes the block's amax NaN);
