@@ -3,8 +3,9 @@
 // all `post` columns are found first, then every element is scaled and rounded in fp32. The
 // AVX-512 build does the MX units in registers (quantise_units: sixteen contiguous blocks at a
 // time, or sixteen columns at a time for blocks along another axis) with lane forms of the same
-// numerics (fp32 lanes; bf16 / fp16 "rint" in the elements' own 16-bit lanes); other
-// ISAs run the scalar loops of mx_quant_kernel. All give the same codes.
+// numerics (fp32 lanes; bf16 / fp16 "rint" in the elements' own 16-bit lanes); the AVX2 build
+// does contiguous 32-element "rint" blocks in fp32 lanes (quantise_block32_avx2) and the rest in
+// the scalar loops of mx_quant_kernel, as other ISAs do. All give the same codes.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
