@@ -746,37 +746,20 @@ struct RintLanes8 {
   }
 };
 
-// One block of 32 contiguous elements x[0, 32): its e8m0 scale at *scale and its codes at out
-// (float8: 32 bytes; fp4: 16, element 2j in the low nibble of byte j).
+// The codes of a block of 32 contiguous elements x[0, 32) of shared exponent e (inv = 2^-e, not
+// the NaN exponent), stored at out (float8: 32 bytes; fp4: 16, element 2j in the low nibble of
+// byte j).
 template <typename scalar_t>
-OPENNPU_VEC_INLINE void quantise_block32_avx2(const scalar_t* x, uint8_t* out, uint8_t* scale,
-                                              const MxFormat& fmt, int64_t scale_alg,
-                                              float low_bound, const RintLanes8& encode) {
-  __m256 v[4];
-  for (int k = 0; k < 4; ++k) v[k] = load8(x + 8 * k);
-  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
-  const auto mag = [&](int k) { return _mm256_and_si256(_mm256_castps_si256(v[k]), magnitude); };
-  const __m256i m8 = _mm256_max_epu32(_mm256_max_epu32(mag(0), mag(1)),
-                                      _mm256_max_epu32(mag(2), mag(3)));
-  __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
-  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4E));
-  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xB1));
-  const uint32_t top = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
-  const int e = shared_exponent(std::bit_cast<float>(top), fmt, scale_alg, low_bound);
-  *scale = e == kNanExp ? uint8_t{0xFF} : static_cast<uint8_t>(e + 127);
-  if (e == kNanExp) {
-    std::fill(out, out + (fmt.fp4 ? 16 : 32), uint8_t{0});
-    return;
-  }
-  const __m256 inv = _mm256_set1_ps(pow2(-e));
+OPENNPU_VEC_INLINE void encode_block32_avx2(const scalar_t* x, __m256 inv, bool fp4,
+                                            const RintLanes8& encode, uint8_t* out) {
   __m256i c[4];
-  for (int k = 0; k < 4; ++k) c[k] = encode(_mm256_mul_ps(v[k], inv));
+  for (int k = 0; k < 4; ++k) c[k] = encode(_mm256_mul_ps(load8(x + 8 * k), inv));
   // codes <= 0xFF: the saturating packs keep them; per 128-bit half the 4-byte groups come out
   // as c0 c1 c2 c3 (elements 0-3, 8-11, ... low half; 4-7, 12-15, ... high half)
   const __m256i packed = _mm256_permutevar8x32_epi32(
       _mm256_packus_epi16(_mm256_packus_epi32(c[0], c[1]), _mm256_packus_epi32(c[2], c[3])),
       _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-  if (!fmt.fp4) {
+  if (!fp4) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), packed);
     return;
   }
@@ -785,6 +768,90 @@ OPENNPU_VEC_INLINE void quantise_block32_avx2(const scalar_t* x, uint8_t* out, u
                                          _mm256_set1_epi16(0xFF));
   const __m256i bytes = _mm256_permute4x64_epi64(_mm256_packus_epi16(pairs, pairs), 0x08);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
+}
+
+// The magnitudes' bits of x[0, 32) reduced to 8 lanes by unsigned maxima (their order is the
+// values', a NaN's above inf's, as the scalar reduction).
+template <typename scalar_t>
+OPENNPU_VEC_INLINE __m256i block32_maxima(const scalar_t* x) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+  const auto mag = [&](int k) {
+    return _mm256_and_si256(_mm256_castps_si256(load8(x + 8 * k)), magnitude);
+  };
+  return _mm256_max_epu32(_mm256_max_epu32(mag(0), mag(1)), _mm256_max_epu32(mag(2), mag(3)));
+}
+
+// The e8m0 scale of a block of shared exponent e (the NaN exponent: 0xFF) at *scale, and its codes
+// at out (a NaN block's all 0, as the scalar path's).
+template <typename scalar_t>
+OPENNPU_VEC_INLINE void finish_block32_avx2(const scalar_t* x, int e, const MxFormat& fmt,
+                                            const RintLanes8& encode, uint8_t* out,
+                                            uint8_t* scale) {
+  *scale = e == kNanExp ? uint8_t{0xFF} : static_cast<uint8_t>(e + 127);
+  if (e == kNanExp) {
+    std::fill(out, out + (fmt.fp4 ? 16 : 32), uint8_t{0});
+    return;
+  }
+  encode_block32_avx2(x, _mm256_set1_ps(pow2(-e)), fmt.fp4, encode, out);
+}
+
+// One block of 32 contiguous elements x[0, 32): its scale at *scale, its codes at out.
+template <typename scalar_t>
+OPENNPU_VEC_INLINE void quantise_block32_avx2(const scalar_t* x, uint8_t* out, uint8_t* scale,
+                                              const MxFormat& fmt, int64_t scale_alg,
+                                              float low_bound, const RintLanes8& encode) {
+  const __m256i m8 = block32_maxima(x);
+  __m128i m4 = _mm_max_epu32(_mm256_castsi256_si128(m8), _mm256_extracti128_si256(m8, 1));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0x4E));
+  m4 = _mm_max_epu32(m4, _mm_shuffle_epi32(m4, 0xB1));
+  const uint32_t top = static_cast<uint32_t>(_mm_cvtsi128_si32(m4));
+  const int e = shared_exponent(std::bit_cast<float>(top), fmt, scale_alg, low_bound);
+  finish_block32_avx2(x, e, fmt, encode, out, scale);
+}
+
+// Eight consecutive blocks of 32 contiguous elements (x, out and scale at the first), scale_alg 0:
+// the blocks' maxima by one transposing tree of pairwise maxima (21 operations where eight
+// horizontal reductions take 56), their shared exponents in lanes (shared_exponent's scale_alg 0
+// arithmetic: NaN or inf -> the NaN exponent; floor(log2 amax) from the exponent field, or, for a
+// subnormal maximum, from the exact int -> float conversion of its bits; minus emax, at least
+// -127, which a zero maximum gets too), then each block scaled and encoded.
+template <typename scalar_t>
+OPENNPU_VEC_INLINE void quantise_8_blocks_avx2(const scalar_t* x, uint8_t* out, uint8_t* scale,
+                                               const MxFormat& fmt, const RintLanes8& encode) {
+  __m256i m[8];
+  for (int k = 0; k < 8; ++k) m[k] = block32_maxima(x + 32 * k);
+  // per 128-bit half: pairs of blocks interleaved, then quadruples, then the halves: lane k
+  // ends with block k's maximum
+  __m256i t[4];
+  for (int k = 0; k < 4; ++k) {
+    t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(m[2 * k], m[2 * k + 1]),
+                            _mm256_unpackhi_epi32(m[2 * k], m[2 * k + 1]));
+  }
+  __m256i u[2];
+  for (int k = 0; k < 2; ++k) {
+    u[k] = _mm256_max_epu32(_mm256_unpacklo_epi64(t[2 * k], t[2 * k + 1]),
+                            _mm256_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
+  }
+  const __m256i top = _mm256_max_epu32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
+                                       _mm256_permute2x128_si256(u[0], u[1], 0x31));
+  // top <= 0x7FFFFFFF: signed comparisons order the bits as the magnitudes
+  const __m256i special = _mm256_cmpgt_epi32(top, _mm256_set1_epi32(0x7F7FFFFF));
+  const __m256i biased = _mm256_srli_epi32(top, 23);
+  const __m256i subnormal_log2 = _mm256_sub_epi32(
+      _mm256_srli_epi32(_mm256_castps_si256(_mm256_cvtepi32_ps(top)), 23),
+      _mm256_set1_epi32(127 + 149));  // top < 2^23 there: the conversion is exact
+  const __m256i log2 = _mm256_blendv_epi8(_mm256_sub_epi32(biased, _mm256_set1_epi32(127)),
+                                          subnormal_log2,
+                                          _mm256_cmpeq_epi32(biased, _mm256_setzero_si256()));
+  const __m256i e = _mm256_blendv_epi8(
+      _mm256_max_epi32(_mm256_sub_epi32(log2, _mm256_set1_epi32(fmt.emax)),
+                       _mm256_set1_epi32(-127)),
+      _mm256_set1_epi32(kNanExp), special);
+  alignas(32) int32_t es[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(es), e);
+  for (int k = 0; k < 8; ++k) {
+    finish_block32_avx2(x + 32 * k, es[k], fmt, encode, out + (fmt.fp4 ? 16 : 32) * k, scale + k);
+  }
 }
 #endif
 
@@ -828,9 +895,16 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
         const int64_t i0 = b * bs, i1 = std::min(d, i0 + bs);
 #if defined(CPU_CAPABILITY_AVX2)
         if (lanes && i1 - i0 == 32) {
-          quantise_block32_avx2(px + p * d + i0, codes + (fmt.fp4 ? (p * d + i0) / 2 : p * d + i0),
-                                scales + p * pairs * 2 + b, fmt, scale_alg, max_low_bound,
-                                rint_lanes);
+          const scalar_t* xb = px + p * d + i0;
+          uint8_t* out = codes + (fmt.fp4 ? (p * d + i0) / 2 : p * d + i0);
+          uint8_t* scale = scales + p * pairs * 2 + b;
+          if (scale_alg == 0 && bs == 32 && i0 + 8 * 32 <= d && unit + 8 <= end) {
+            quantise_8_blocks_avx2(xb, out, scale, fmt, rint_lanes);
+            unit += 7;  // and the loop's step: 8 blocks of this row (b + 8 <= blocks)
+            b += 7;
+            continue;
+          }
+          quantise_block32_avx2(xb, out, scale, fmt, scale_alg, max_low_bound, rint_lanes);
           continue;
         }
 #endif
