@@ -4,8 +4,9 @@
 // AVX-512 build does the MX units in registers (quantise_units: sixteen contiguous blocks at a
 // time, or sixteen columns at a time for blocks along another axis) with lane forms of the same
 // numerics (fp32 lanes; bf16 / fp16 "rint" in the elements' own 16-bit lanes); the AVX2 build
-// does contiguous 32-element "rint" blocks in fp32 lanes (quantise_block32_avx2) and the rest in
-// the scalar loops of mx_quant_kernel, as other ISAs do. All give the same codes.
+// does contiguous 32-element "rint" blocks in fp32 lanes (quantise_8_blocks_avx2,
+// quantise_block32_avx2) and the rest in the scalar loops of mx_quant_kernel, as other ISAs do.
+// All give the same codes.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
@@ -690,10 +691,11 @@ void quantise_units(const scalar_t* px, int64_t begin, int64_t end, int64_t d, i
 // 1), float8 or fp4 with "rint", in fp32 lanes, 8 a register; the other units take the scalar
 // loops. The values are the scalar path's bit for bit: the block maximum is the unsigned maximum
 // of the magnitudes' bit patterns (as the scalar reduction), the shared exponent is the scalar
-// function's, x * 2^-e is the same IEEE product, and the codes are RintEncoder's arithmetic on
-// the bits of min(|t|, max_norm) with t's sign (as RintLanes on AVX-512: clamping before rounding
-// saturates as the scalar clamp does, and a block holding a NaN or an inf has the NaN exponent,
-// so every quotient encoded here is finite).
+// function's (or, eight blocks at a time, its scale_alg 0 arithmetic in lanes), x * 2^-e is the
+// same IEEE product, and the codes are RintEncoder's arithmetic on the bits of min(|t|, max_norm)
+// with t's sign (as RintLanes on AVX-512: clamping before rounding saturates as the scalar clamp
+// does, and a block holding a NaN or an inf has the NaN exponent, so every quotient encoded here
+// is finite).
 
 // 8 elements of src_t as fp32 lanes (exact: bf16 shifted up, fp16 widened by vcvtph2ps).
 template <typename src_t>
