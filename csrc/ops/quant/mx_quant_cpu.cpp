@@ -111,6 +111,11 @@ struct RintEncoder {
         min_normal_bits(static_cast<uint32_t>(127 + f.min_exp) << 23),
         units(pow2(f.mbits - f.min_exp)) {}
 
+  // half_less_one with the rebias taken off before the shift, for lane forms that shift once:
+  // (mag + round_less_rebias() + lsb) >> shift is magnitude_code's normal value for every
+  // magnitude at or above the smallest normal (rebias << shift is a multiple of 2^shift).
+  uint32_t round_less_rebias() const { return half_less_one - (rebias << shift); }
+
   // The magnitude's code (the sign bit is the caller's).
   uint32_t magnitude_code(uint32_t mag) const {
     const uint32_t normal = ((mag + half_less_one + ((mag >> shift) & 1u)) >> shift) - rebias;
@@ -177,8 +182,7 @@ struct RintLanes {
   RintLanes(const RintEncoder& e, float max_norm, int sign_shift_)
       : shift(_mm_cvtsi32_si128(static_cast<int>(e.shift))),
         max_bits(_mm512_set1_epi32(static_cast<int>(std::bit_cast<uint32_t>(max_norm)))),
-        round_less_rebias(
-            _mm512_set1_epi32(static_cast<int>(e.half_less_one - (e.rebias << e.shift)))),
+        round_less_rebias(_mm512_set1_epi32(static_cast<int>(e.round_less_rebias()))),
         min_normal_bits(_mm512_set1_epi32(static_cast<int>(e.min_normal_bits))),
         sign_bit(_mm512_set1_epi32(static_cast<int>(0x80000000u >> sign_shift_))),
         units(_mm512_set1_ps(e.units)),
@@ -722,8 +726,7 @@ struct RintLanes8 {
   RintLanes8(const RintEncoder& e, float max_norm, int sign_shift_)
       : shift(_mm_cvtsi32_si128(static_cast<int>(e.shift))),
         max_bits(_mm256_set1_epi32(static_cast<int>(std::bit_cast<uint32_t>(max_norm)))),
-        round_less_rebias(
-            _mm256_set1_epi32(static_cast<int>(e.half_less_one - (e.rebias << e.shift)))),
+        round_less_rebias(_mm256_set1_epi32(static_cast<int>(e.round_less_rebias()))),
         min_normal_bits(_mm256_set1_epi32(static_cast<int>(e.min_normal_bits))),
         sign_bit(_mm256_set1_epi32(static_cast<int>(0x80000000u >> sign_shift_))),
         units(_mm256_set1_ps(e.units)),
