@@ -79,6 +79,36 @@ def test_the_planned_window_shows_exactly_the_modes_keys(cuda_capable, sq, skv, 
         assert min(naive) < -1 or not torch.equal(flash_visible(*naive), want)
 
 
+@pytest.mark.parametrize("sq,skv", [(8, 8), (5, 12), (12, 5), (1, 9), (9, 1), (3, 3), (7, 2)])
+@pytest.mark.parametrize("left,right", [(-1, -1), (-1, 0), (2, 1), (0, 0), (-1, 3), (3, -1), (1, 6)])
+def test_rows_that_see_no_key_are_foreseen(sq, skv, left, right):
+    """_may_see_no_key (which lets the statistics skip their +inf test) is True exactly where
+    flash's band leaves a row without keys."""
+    i, j, shift = torch.arange(sq)[:, None], torch.arange(skv), skv - sq
+    visible = torch.ones(sq, skv, dtype=torch.bool)
+    if left >= 0:
+        visible &= j >= i + shift - left
+    if right >= 0:
+        visible &= j <= i + shift + right
+    assert flash_route._may_see_no_key(right, [(sq, skv)]) == bool((~visible.any(1)).any())
+    assert flash_route._may_see_no_key(right, [(sq, skv), (sq, sq + 8)]) == bool(
+        (~visible.any(1)).any())
+
+
+@pytest.mark.parametrize("see_no_key", [True, False])
+def test_statistics_are_the_log_sum_exp_and_one(see_no_key):
+    lse = torch.randn(2, 3, 5).transpose(1, 2)  # any strides
+    if see_no_key:
+        lse[0, 1, 2] = lse[1, 4, 0] = float("inf")  # rows without keys, as the kernels write them
+    smax, ssum = flash_route._statistics(lse, see_no_key)
+    assert smax.shape == ssum.shape == (2, 5, 3, 8) and smax.is_contiguous() and ssum.is_contiguous()
+    dead = torch.isinf(lse)[..., None].expand(2, 5, 3, 8)
+    want_max = lse[..., None].expand(2, 5, 3, 8).masked_fill(dead, float("-inf"))
+    assert torch.equal(smax, want_max) and torch.equal(ssum, (~dead).float())
+    one, = flash_route._statistics(lse, see_no_key, width=1)[:1]
+    assert torch.equal(one, want_max[..., :1])
+
+
 def test_top_left_causal_fits_only_where_it_is_bottom_right(cuda_capable):
     q, k, v = _qkv("BSND", sq=8, skv=8)
     assert (_plan(q, k, v, "BSND", atten_mask=MASK, sparse_mode=2).right) == 0

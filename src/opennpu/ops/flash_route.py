@@ -162,10 +162,10 @@ def plan(query, key, value, head_num, input_layout, *, pse=None, atten_mask=None
 
 def _bsnd(t, call: FlashCall, heads: int):
     """A BSND view of a BSH / SBH / BSND / BNSD tensor (no copy); TND stays [T, N, D]."""
-    if call.layout == "BSH":
-        return t.unflatten(2, (heads, call.head_dim))
+    if call.layout == "BSH":  # view: splitting one dim always is (and costs less than unflatten)
+        return t.view(t.shape[0], t.shape[1], heads, call.head_dim)
     if call.layout == "SBH":
-        return t.unflatten(2, (heads, call.head_dim)).transpose(0, 1)
+        return t.view(t.shape[0], t.shape[1], heads, call.head_dim).transpose(0, 1)
     if call.layout == "BNSD":
         return t.transpose(1, 2)
     return t
@@ -196,25 +196,36 @@ def _lengths(call: FlashCall, q, k):
 def _prefers_cudnn(call: FlashCall, q, k, v, scale, training: bool) -> bool:
     """Whether SDPA would run cuDNN's attention for these BSND operands (dense calls only), asked
     for a forward (`training` False) or for the backward of one."""
+    return _dense_cudnn_candidate(call, q, k) and _cudnn_chosen(
+        call, *(t.transpose(1, 2) for t in (q, k, v)), scale, training)
+
+
+def _dense_cudnn_candidate(call: FlashCall, q, k) -> bool:
+    """A dense call (BSND q, k) whose band cuDNN's is_causal can express, on real tensors."""
     if call.cum_q is not None or call.left != -1 or call.right not in (-1, 0):
         return False
-    if torch._subclasses.fake_tensor.is_fake(q) or not torch.backends.cuda.cudnn_sdp_enabled():
+    if call.right == 0 and q.shape[1] != k.shape[1]:  # SDPA's is_causal is top-left: equal only if square
         return False
-    causal = call.right == 0
-    if causal and q.shape[1] != k.shape[1]:  # SDPA's is_causal is top-left: equal only if square
-        return False
-    operands = [t.transpose(1, 2).detach().requires_grad_(training) for t in (q, k, v)]
-    choice = torch.ops.aten._fused_sdp_choice(*operands, None, 0.0, causal, scale=scale,
+    return torch.backends.cuda.cudnn_sdp_enabled() and not torch._subclasses.fake_tensor.is_fake(q)
+
+
+def _cudnn_chosen(call: FlashCall, qb, kb, vb, scale, training: bool) -> bool:
+    """aten::_fused_sdp_choice for BNSD views, with requires_grad as a forward (`training`
+    False) or a backward sees it."""
+    operands = (qb, kb, vb)
+    if training or any(t.requires_grad for t in operands):
+        operands = [t.detach().requires_grad_(training) for t in operands]
+    choice = torch.ops.aten._fused_sdp_choice(*operands, None, 0.0, call.right == 0, scale=scale,
                                               enable_gqa=call.kv_heads != call.heads)
     return choice == _CUDNN
 
 
-def _cudnn_forward(call, q, k, v, scale):
-    """(out BSND, lse [B, N, Sq]) from cuDNN, or None where cuDNN finds no plan for the call."""
+def _cudnn_forward(call, qb, kb, vb, scale):
+    """(out BSND, lse [B, N, Sq]) from cuDNN for BNSD views, or None where cuDNN finds no plan
+    for the call."""
     try:
         out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0,
-            call.right == 0, False, scale=scale)[:2]
+            qb, kb, vb, None, True, 0.0, call.right == 0, False, scale=scale)[:2]
     except RuntimeError:  # cuDNN frontend: no execution plan for this shape; flash computes it
         return None
     return out.transpose(1, 2), lse[..., 0]
@@ -232,20 +243,16 @@ def _cudnn_backward(call, g, q, k, v, o, lse, scale):
     return [t.transpose(1, 2) for t in grads]
 
 
-def _stats8(stat):
-    return stat.unsqueeze(-1).expand(*stat.shape, 8).contiguous()
-
-
 def _attend(call: FlashCall, q, k, v, scale, seqused_k=None):
     """(out BSND, lse [B, N, Sq] or varlen [N, T]) of BSND (or varlen [T, N, D]) operands, by the
     kernel SDPA prefers (cuDNN only for dense calls without per-batch key lengths)."""
     global last_kernel
-    done = None
-    if seqused_k is None and _prefers_cudnn(call, q, k, v, scale, training=False):
-        done = _cudnn_forward(call, q, k, v, scale)
-    if done is not None:
-        last_kernel = "cudnn"
-        return done
+    if seqused_k is None and _dense_cudnn_candidate(call, q, k):
+        bnsd = [t.transpose(1, 2) for t in (q, k, v)]
+        done = _cudnn_forward(call, *bnsd, scale) if _cudnn_chosen(call, *bnsd, scale, False) else None
+        if done is not None:
+            last_kernel = "cudnn"
+            return done
     cq, ck, max_q, max_k = _lengths(call, q, k)
     out, lse, _, _, _ = torch.ops.aten._flash_attention_forward(
         q, k, v, cq, ck, max_q, max_k, 0.0, False, False, scale=scale,
@@ -254,11 +261,24 @@ def _attend(call: FlashCall, q, k, v, scale, seqused_k=None):
     return out, lse
 
 
-def _max_and_sum(lse):
-    """The route's (softmax_max, softmax_sum): the log-sum-exp and 1, or the CPU kernel's (-inf, 0)
-    for a row that sees no key (the kernels write +inf there)."""
-    dead = ~torch.isfinite(lse)
-    return lse.masked_fill(dead, float("-inf")), (~dead).to(lse.dtype)
+def _may_see_no_key(right: int, lengths) -> bool:
+    """Whether a row of some (Sq, Skv) sequence in `lengths` can see no key. Row i's band ends at
+    key i + Skv - Sq + right (its start is never past the last key), so with a bounded right side
+    the first rows are empty exactly when Sq > Skv + right; an unbounded side sees every key."""
+    return right >= 0 and any(sq > skv + right for sq, skv in lengths)
+
+
+def _statistics(lse, see_no_key: bool, width: int = 8):
+    """The route's (softmax_max, softmax_sum), each lse's shape with a last dim of `width`
+    (copies of the row's value, as the CPU kernel writes them): (L, 1), or the CPU kernel's
+    (-inf, 0) for a row that sees no key (the kernels write L = +inf there). `see_no_key` False
+    (no such row can exist: _may_see_no_key) spares the test, two kernels instead of four."""
+    wide = lse.unsqueeze(-1).expand(*lse.shape, width)
+    if not see_no_key:
+        return wide.contiguous(), torch.ones(wide.shape, dtype=lse.dtype, device=lse.device)
+    dead = wide == float("inf")
+    return (torch.where(dead, float("-inf"), wide).contiguous(),
+            dead.logical_not().to(lse.dtype).contiguous())
 
 
 def forward(call: FlashCall, query, key, value, scale, softmax_layout=""):
@@ -266,14 +286,20 @@ def forward(call: FlashCall, query, key, value, scale, softmax_layout=""):
     q, k, v = _bsnd(query, call, call.heads), _bsnd(key, call, call.kv_heads), _bsnd(
         value, call, call.kv_heads)
     out, lse = _attend(call, q, k, v, scale)
-    smax, ssum = _max_and_sum(lse)
     if call.layout == "TND":  # lse is [N, T]
-        t, n = query.shape[0], call.heads
+        lengths = zip(_spans_of(call.cum_q), _spans_of(call.cum_kv))
         if softmax_layout == "":  # [N, T, 8] storage viewed as [T, N, 8], as the CPU kernel
-            smax, ssum = smax.reshape(t, n), ssum.reshape(t, n)
+            lse = lse.reshape(query.shape[0], call.heads)
         else:
-            smax, ssum = smax.t(), ssum.t()
-    return _from_bsnd(out, call), _stats8(smax), _stats8(ssum)
+            lse = lse.t()
+    else:
+        lengths = [(q.shape[1], k.shape[1])]
+    smax, ssum = _statistics(lse, _may_see_no_key(call.right, lengths))
+    return _from_bsnd(out, call), smax, ssum
+
+
+def _spans_of(ends):
+    return (b - a for a, b in zip([0] + ends, ends))
 
 
 _INFER_LAYOUTS = ("BSH", "BSND", "BNSD")
@@ -331,7 +357,8 @@ def infer(query, key, value, *, num_heads, num_key_value_heads, lin, lout, scale
     out = _from_bsnd(out, FlashCall(lout, call.heads, kvn, call.head_dim, -1, -1))
     if not lse_flag:
         return out, query.new_zeros(1, dtype=torch.float32)
-    return out, _max_and_sum(lse)[0].unsqueeze(-1)
+    lengths = [(sq, skv)] if seq_kv is None else [(sq, int(s_)) for s_ in seq_kv]
+    return out, _statistics(lse, _may_see_no_key(call.right, lengths), width=1)[0]
 
 
 def _lse_of(call: FlashCall, softmax_max, softmax_sum, query, softmax_layout):

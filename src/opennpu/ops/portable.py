@@ -1748,6 +1748,13 @@ def _attention_backward_core(q, k, v, dy, pse, masked, scale, sink, keep=None, k
     return dq, dk, dv, scale * dlogit, dsink
 
 
+def _batch_and_seq(t, layout):
+    """(batch, sequence length) of a BSH / SBH / BSND / BNSD tensor."""
+    if layout == "SBH":
+        return t.shape[1], t.shape[0]
+    return t.shape[0], t.shape[2 if layout == "BNSD" else 1]
+
+
 def _layout_dims(query, key, value, head_num, layout):
     """(head size, key/value head count, value head size) of a BSH/SBH/BSND/BNSD call."""
     if layout in ("BSH", "SBH"):
@@ -1881,10 +1888,8 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                 seed, offset, numels)
     if flash is not None:
         out, smax, ssum = flash_route.forward(flash, query, key, value, scale)
-        d, _, _ = _layout_dims(query, key, value, head_num, layout)
-        q = _to_bnsd(query, layout, head_num, d)
-        k = _to_bnsd(key, layout, flash.kv_heads, d)
-        numels = q.shape[0] * head_num * q.shape[2] * k.shape[2]
+        batch, sq = _batch_and_seq(query, layout)
+        numels = batch * head_num * sq * _batch_and_seq(key, layout)[1]
         return out, smax, ssum, query.new_empty([0]), seed, offset, numels
     q, k, v = _fa_bnsd_operands(query, key, value, head_num, layout)
     b, _, sq, _ = q.shape
