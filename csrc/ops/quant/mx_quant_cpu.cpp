@@ -824,6 +824,127 @@ OPENNPU_VEC_INLINE void quantise_block32_avx2(const scalar_t* x, uint8_t* out, u
   finish_block32_avx2(x, e, fmt, encode, out, scale);
 }
 
+// bf16 / fp16 blocks in their own 16-bit lanes, 16 a register (the AVX-512 build's Rint16
+// arithmetic, Fp4Rint16 and Bf16Fp8Rint: the reasoning, the exactness of t = x * 2^-e taken off
+// the exponent field with a saturating subtraction, and the exponent bound min_exp_16 are
+// theirs, see there): fp4 "rint" from bf16 or fp16, and float8 from bf16, for blocks of shared
+// exponent e >= min_exp_16; every other block (and format, and fp16 to float8) takes the fp32
+// lanes. kind is kNone where this dtype and format have no 16-bit form.
+template <typename scalar_t>
+struct Half16Lanes {
+  enum Kind { kNone, kFp4, kFp8 };
+  static constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
+  static constexpr int kMantissaBits = kBf16 ? 7 : 10;
+  Kind kind = kNone;
+  int min_exp_16 = 0;
+  __m256i above[7];  // fp4: |t|'s code is at least k + 1 iff its bits > above[k] (signed)
+  __m256i max_bits, round_less_rebias, min_normal_bits, half_spacing_bits;  // float8
+  int shift = 0;
+
+  // The 16-bit pattern of v (exact in scalar_t).
+  static int16_t bits16(float v) {
+    if constexpr (kBf16) {
+      return static_cast<int16_t>(std::bit_cast<uint32_t>(v) >> 16);
+    } else {
+      return static_cast<int16_t>(c10::Half(v).x);
+    }
+  }
+
+  explicit Half16Lanes(const MxFormat& f) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      return;
+    } else if (f.fp4) {
+      kind = kFp4;
+      min_exp_16 = kBf16 ? -120 : -11;
+      const auto value = [&](int c) {  // the format's value of magnitude code c
+        const int m = 1 << f.mbits;
+        return c < m ? std::ldexp(static_cast<float>(c), f.min_exp - f.mbits)
+                     : std::ldexp(1.f + static_cast<float>(c % m) / static_cast<float>(m),
+                                  c / m - 1 + f.min_exp);
+      };
+      for (int k = 0; k < 7; ++k) {  // the midpoints, a tie rounding to the even code
+        const int bits = bits16((value(k) + value(k + 1)) / 2.f);
+        above[k] = _mm256_set1_epi16(static_cast<int16_t>((k + 1) % 2 == 0 ? bits - 1 : bits));
+      }
+    } else if constexpr (kBf16) {
+      kind = kFp8;
+      min_exp_16 = -(126 + f.min_exp);
+      max_bits = _mm256_set1_epi16(bits16(f.max_norm));
+      round_less_rebias = _mm256_set1_epi16(
+          static_cast<int16_t>(((1 << (6 - f.mbits)) - 1) - ((126 + f.min_exp) << 7)));
+      min_normal_bits = _mm256_set1_epi16(bits16(std::ldexp(1.f, f.min_exp)));
+      half_spacing_bits = _mm256_set1_epi16(bits16(std::ldexp(1.f, f.min_exp - f.mbits - 1)));
+      shift = 7 - f.mbits;
+    }
+  }
+
+  // |x| * 2^-e as 16-bit patterns (signed), x's bits in w
+  static OPENNPU_VEC_INLINE __m256i scaled_magnitude(__m256i w, int e) {
+    return _mm256_subs_epi16(_mm256_and_si256(w, _mm256_set1_epi16(0x7FFF)),
+                             _mm256_set1_epi16(static_cast<int16_t>(e * (1 << kMantissaBits))));
+  }
+
+  // The codes of the block x[0, 32) of shared exponent e (not the NaN exponent) at out, or false
+  // (nothing stored) where the fp32 lanes must encode it.
+  OPENNPU_VEC_INLINE bool store32(const scalar_t* x, int e, uint8_t* out) const {
+    if (e < min_exp_16) return false;  // (kind != kNone: the caller's test)
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 16));
+    if (kind == kFp4) {
+      store_fp4(w0, w1, e, out);
+      return true;
+    }
+    return store_fp8(w0, w1, e, out);
+  }
+
+ private:
+  // fp4: the number of rounding thresholds below |t|, the sign (bit 15 of x) as bit 3; byte j of
+  // the 16 stored = code 2j | code 2j + 1 << 4
+  OPENNPU_VEC_INLINE void store_fp4(__m256i w0, __m256i w1, int e, uint8_t* out) const {
+    const auto codes = [&](__m256i w) {
+      const __m256i t = scaled_magnitude(w, e);
+      __m256i c = _mm256_and_si256(_mm256_srli_epi16(w, 12), _mm256_set1_epi16(0x8));
+      for (int k = 0; k < 7; ++k) c = _mm256_sub_epi16(c, _mm256_cmpgt_epi16(t, above[k]));
+      // each 32-bit lane's two codes into its low byte
+      return _mm256_and_si256(_mm256_or_si256(c, _mm256_srli_epi32(c, 12)),
+                              _mm256_set1_epi32(0xFF));
+    };
+    // per 128-bit half the packs give pairs 0-3 and 8-11 (low half), 4-7 and 12-15 (high)
+    const __m256i words = _mm256_packus_epi32(codes(w0), codes(w1));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packus_epi16(words, words),
+                                                      _mm256_setr_epi32(0, 4, 1, 5, 0, 4, 1, 5));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(bytes));
+  }
+
+  // float8 from bf16: RintEncoder's normal-range arithmetic on the bits of min(|t|, max_norm);
+  // |t| below the smallest normal is code 0 up to half the subnormal spacing, and a block with a
+  // magnitude in [half the spacing, smallest normal) is left to the fp32 lanes (false)
+  OPENNPU_VEC_INLINE bool store_fp8(__m256i w0, __m256i w1, int e, uint8_t* out) const {
+    const __m256i t0 = _mm256_min_epi16(scaled_magnitude(w0, e), max_bits);
+    const __m256i t1 = _mm256_min_epi16(scaled_magnitude(w1, e), max_bits);
+    const __m256i small0 = _mm256_cmpgt_epi16(min_normal_bits, t0);
+    const __m256i small1 = _mm256_cmpgt_epi16(min_normal_bits, t1);
+    const __m256i subnormal =
+        _mm256_or_si256(_mm256_and_si256(small0, _mm256_cmpgt_epi16(t0, half_spacing_bits)),
+                        _mm256_and_si256(small1, _mm256_cmpgt_epi16(t1, half_spacing_bits)));
+    if (!_mm256_testz_si256(subnormal, subnormal)) return false;
+    const auto normal = [&](__m256i t, __m256i small) {
+      const __m256i lsb = _mm256_and_si256(_mm256_srli_epi16(t, shift), _mm256_set1_epi16(1));
+      return _mm256_andnot_si256(
+          small, _mm256_srli_epi16(_mm256_add_epi16(_mm256_add_epi16(t, round_less_rebias), lsb),
+                                   shift));
+    };
+    // codes <= 0x7F and x's sign as bit 7, both by saturating packs (per 128-bit half: elements
+    // 0-7, 16-23 low, 8-15, 24-31 high; the qword permute restores the order)
+    const __m256i codes = _mm256_packus_epi16(normal(t0, small0), normal(t1, small1));
+    const __m256i signs = _mm256_and_si256(_mm256_packs_epi16(w0, w1),
+                                           _mm256_set1_epi8(static_cast<char>(0x80)));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                        _mm256_permute4x64_epi64(_mm256_or_si256(codes, signs), 0xD8));
+    return true;
+  }
+};
+
 // Lane k: the magnitude bits (as fp32) of the maximum of block k of eight consecutive blocks of
 // 32 contiguous elements, by a transposing tree of pairwise maxima (21 operations where eight
 // horizontal reductions take 56). bf16 / fp16 reduce in their own 16-bit lanes (16 elements a
@@ -887,7 +1008,8 @@ OPENNPU_VEC_INLINE __m256i eight_block_maxima(const scalar_t* x) {
 // emax, at least -127, which a zero maximum gets too), then each block scaled and encoded.
 template <typename scalar_t>
 OPENNPU_VEC_INLINE void quantise_8_blocks_avx2(const scalar_t* x, uint8_t* out, uint8_t* scale,
-                                               const MxFormat& fmt, const RintLanes8& encode) {
+                                               const MxFormat& fmt, const RintLanes8& encode,
+                                               const Half16Lanes<scalar_t>& half16) {
   // the group 2 KiB ahead asked for now: the stream is sequential, yet in-cache (L3) timings
   // on a Zen 4 VM gained 7-13% (one thread, 1M elements, every dtype and format), the
   // hardware prefetchers alone leaving the loads waiting
@@ -911,8 +1033,20 @@ OPENNPU_VEC_INLINE void quantise_8_blocks_avx2(const scalar_t* x, uint8_t* out, 
       _mm256_set1_epi32(kNanExp), special);
   alignas(32) int32_t es[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(es), e);
+  const int64_t out_block = fmt.fp4 ? 16 : 32;
+  if (half16.kind == Half16Lanes<scalar_t>::kNone) {
+    for (int k = 0; k < 8; ++k) {
+      finish_block32_avx2(x + 32 * k, es[k], fmt, encode, out + out_block * k, scale + k);
+    }
+    return;
+  }
   for (int k = 0; k < 8; ++k) {
-    finish_block32_avx2(x + 32 * k, es[k], fmt, encode, out + (fmt.fp4 ? 16 : 32) * k, scale + k);
+    uint8_t* o = out + out_block * k;
+    if (es[k] != kNanExp && half16.store32(x + 32 * k, es[k], o)) {
+      scale[k] = static_cast<uint8_t>(es[k] + 127);
+      continue;
+    }
+    finish_block32_avx2(x + 32 * k, es[k], fmt, encode, o, scale + k);
   }
 }
 #endif
@@ -938,6 +1072,7 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
 #if defined(CPU_CAPABILITY_AVX2)
       const bool lanes = post == 1 && round == MxRound::kRint;
       const RintLanes8 rint_lanes(fmt);
+      const Half16Lanes<scalar_t> half16_lanes(fmt);
 #endif
       // The code of flat element k: fp4 codes two a byte, element 2j in the low nibble. A unit's
       // elements are visited in order and each byte's pair lies in one unit (the last dim is even
@@ -961,7 +1096,7 @@ void mx_quant_kernel(const at::Tensor& x, int64_t pre, int64_t d, int64_t post, 
           uint8_t* out = codes + (fmt.fp4 ? (p * d + i0) / 2 : p * d + i0);
           uint8_t* scale = scales + p * pairs * 2 + b;
           if (scale_alg == 0 && bs == 32 && i0 + 8 * 32 <= d && unit + 8 <= end) {
-            quantise_8_blocks_avx2(xb, out, scale, fmt, rint_lanes);
+            quantise_8_blocks_avx2(xb, out, scale, fmt, rint_lanes, half16_lanes);
             unit += 7;  // and the loop's step: 8 blocks of this row (b + 8 <= blocks)
             b += 7;
             continue;
