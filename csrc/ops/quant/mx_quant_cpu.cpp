@@ -977,9 +977,9 @@ OPENNPU_VEC_INLINE __m256i eight_block_maxima(const scalar_t* x) {
     };
     __m256i m[8];
     for (int k = 0; k < 8; ++k) m[k] = _mm256_max_epu16(half(k, 0), half(k, 1));
-    // 16-bit lanes interleaved pairwise, then by 32 and 64 bits: per 128-bit half, word k of
-    // the low 64 bits and word k of the high ones hold block k's (k < 4) or k + 4's partial
-    // maxima (quadwords 0 and 1 of u from t[0..1] and t[2..3])
+    // 16-bit lanes interleaved pairwise, then by 32 bits: word k of each quadword of u[0]
+    // (u[1]) holds a partial maximum of block k (k + 4); w puts blocks 0-3 in quadword 0 and
+    // 4-7 in quadword 1 of each 128-bit half, whose maximum is words 0-7 = blocks 0-7
     __m256i t[4];
     for (int k = 0; k < 4; ++k) {
       t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(m[2 * k], m[2 * k + 1]),

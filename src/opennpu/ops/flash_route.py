@@ -162,7 +162,8 @@ def plan(query, key, value, head_num, input_layout, *, pse=None, atten_mask=None
 
 def _bsnd(t, call: FlashCall, heads: int):
     """A BSND view of a BSH / SBH / BSND / BNSD tensor (no copy); TND stays [T, N, D]."""
-    if call.layout == "BSH":  # view: splitting one dim always is (and costs less than unflatten)
+    # .view, not .unflatten: splitting one dim is always a view, and .view costs less host time
+    if call.layout == "BSH":
         return t.view(t.shape[0], t.shape[1], heads, call.head_dim)
     if call.layout == "SBH":
         return t.view(t.shape[0], t.shape[1], heads, call.head_dim).transpose(0, 1)
@@ -204,8 +205,8 @@ def _dense_cudnn_candidate(call: FlashCall, q, k) -> bool:
     """A dense call (BSND q, k) whose band cuDNN's is_causal can express, on real tensors."""
     if call.cum_q is not None or call.left != -1 or call.right not in (-1, 0):
         return False
-    if call.right == 0 and q.shape[1] != k.shape[1]:  # SDPA's is_causal is top-left: equal only if square
-        return False
+    if call.right == 0 and q.shape[1] != k.shape[1]:
+        return False  # SDPA's is_causal is top-left: the same band only if square
     return torch.backends.cuda.cudnn_sdp_enabled() and not torch._subclasses.fake_tensor.is_fake(q)
 
 
@@ -249,7 +250,8 @@ def _attend(call: FlashCall, q, k, v, scale, seqused_k=None):
     global last_kernel
     if seqused_k is None and _dense_cudnn_candidate(call, q, k):
         bnsd = [t.transpose(1, 2) for t in (q, k, v)]
-        done = _cudnn_forward(call, *bnsd, scale) if _cudnn_chosen(call, *bnsd, scale, False) else None
+        chosen = _cudnn_chosen(call, *bnsd, scale, training=False)
+        done = _cudnn_forward(call, *bnsd, scale) if chosen else None
         if done is not None:
             last_kernel = "cudnn"
             return done
@@ -269,7 +271,7 @@ def _may_see_no_key(right: int, lengths) -> bool:
 
 
 def _statistics(lse, see_no_key: bool, width: int = 8):
-    """The route's (softmax_max, softmax_sum), each lse's shape with a last dim of `width`
+    """The route's (softmax_max, softmax_sum), each of lse's shape and a last dim of `width`
     (copies of the row's value, as the CPU kernel writes them): (L, 1), or the CPU kernel's
     (-inf, 0) for a row that sees no key (the kernels write L = +inf there). `see_no_key` False
     (no such row can exist: _may_see_no_key) spares the test, two kernels instead of four."""
