@@ -4,8 +4,9 @@
 // AVX-512 build does the MX units in registers (quantise_units: sixteen contiguous blocks at a
 // time, or sixteen columns at a time for blocks along another axis) with lane forms of the same
 // numerics (fp32 lanes; bf16 / fp16 "rint" in the elements' own 16-bit lanes); the AVX2 build
-// does contiguous 32-element "rint" blocks in fp32 lanes (quantise_8_blocks_avx2,
-// quantise_block32_avx2) and the rest in the scalar loops of mx_quant_kernel, as other ISAs do.
+// does contiguous 32-element "rint" blocks in lanes too (quantise_8_blocks_avx2, with bf16 /
+// fp16 in 16-bit lanes where the AVX-512 build uses them, and quantise_block32_avx2) and the rest
+// in the scalar loops of mx_quant_kernel, as other ISAs do.
 // All give the same codes.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -13,6 +14,7 @@
 #include <c10/util/Float8_e5m2.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <type_traits>
@@ -129,6 +131,60 @@ struct RintEncoder {
     const uint32_t bits = std::bit_cast<uint32_t>(c);
     return static_cast<uint8_t>(((bits >> 24) & 0x80u) | magnitude_code(bits & 0x7FFFFFFFu));
   }
+};
+
+// The scalar constants of the encoders that work in bf16 / fp16's own 16-bit lanes (the AVX-512
+// Rint16 family and AVX2's Half16Lanes, whose comments give the arithmetic): the patterns are
+// signed 16-bit, compared with a block's scaled magnitudes.
+template <typename half_t>
+struct Half16Format {
+  static constexpr bool kBf16 = std::is_same_v<half_t, at::BFloat16>;
+  static constexpr int kMantissaBits = kBf16 ? 7 : 10;
+  // fp4: the smallest shared exponent whose blocks the 16-bit lanes take
+  static constexpr int kFp4MinExp = kBf16 ? -120 : -11;
+
+  // The 16-bit pattern of v (exact in half_t).
+  static int16_t bits16(float v) {
+    if constexpr (kBf16) {
+      return static_cast<int16_t>(std::bit_cast<uint32_t>(v) >> 16);
+    } else {
+      return static_cast<int16_t>(c10::Half(v).x);
+    }
+  }
+
+  // fp4: |t|'s code is at least k + 1 iff its bits > above[k]: the midpoints between
+  // neighbouring values (exact in bf16 and fp16: at most mbits + 2 significant bits), a midpoint
+  // itself rounding to the even code (ties to even, as rint); the last saturates everything above.
+  static std::array<int16_t, 7> fp4_above(const MxFormat& f) {
+    const auto value = [&](int c) {  // the format's value of magnitude code c
+      const int m = 1 << f.mbits;
+      return c < m ? std::ldexp(static_cast<float>(c), f.min_exp - f.mbits)
+                   : std::ldexp(1.f + static_cast<float>(c % m) / static_cast<float>(m),
+                                c / m - 1 + f.min_exp);
+    };
+    std::array<int16_t, 7> above{};
+    for (int k = 0; k < 7; ++k) {
+      const int bits = bits16((value(k) + value(k + 1)) / 2.f);
+      above[k] = static_cast<int16_t>((k + 1) % 2 == 0 ? bits - 1 : bits);
+    }
+    return above;
+  }
+};
+
+// float8 from bf16 in 16-bit lanes: RintEncoder's normal-range arithmetic on bf16 bits, the
+// smallest normal, half the subnormal spacing, and the smallest shared exponent taken there.
+struct Bf16Fp8Format {
+  int16_t max_bits, round_less_rebias, min_normal_bits, half_spacing_bits;
+  int shift, min_exp_16;
+  explicit Bf16Fp8Format(const MxFormat& f)
+      : max_bits(Half16Format<at::BFloat16>::bits16(f.max_norm)),
+        round_less_rebias(
+            static_cast<int16_t>(((1 << (6 - f.mbits)) - 1) - ((126 + f.min_exp) << 7))),
+        min_normal_bits(Half16Format<at::BFloat16>::bits16(std::ldexp(1.f, f.min_exp))),
+        half_spacing_bits(
+            Half16Format<at::BFloat16>::bits16(std::ldexp(1.f, f.min_exp - f.mbits - 1))),
+        shift(7 - f.mbits),
+        min_exp_16(-(126 + f.min_exp)) {}
 };
 
 // The code of an element value r (exactly representable in the format).
@@ -270,18 +326,9 @@ struct Fp4Lanes {
 template <typename half_t>
 struct Rint16 : RintLanes {
   using half_type = half_t;
-  static constexpr int kMantissaBits = std::is_same_v<half_t, at::BFloat16> ? 7 : 10;
+  static constexpr int kMantissaBits = Half16Format<half_t>::kMantissaBits;
   int min_exp_16;
   Rint16(const MxFormat& f, int min_exp) : RintLanes(f), min_exp_16(min_exp) {}
-
-  // The 16-bit pattern of v (exact in half_t).
-  static int16_t bits16(float v) {
-    if constexpr (std::is_same_v<half_t, at::BFloat16>) {
-      return static_cast<int16_t>(std::bit_cast<uint32_t>(v) >> 16);
-    } else {
-      return static_cast<int16_t>(c10::Half(v).x);
-    }
-  }
 
   // |x| * 2^-e as 16-bit patterns (signed; see above), x's bits in w
   OPENNPU_VEC_INLINE static __m512i scaled_magnitude(__m512i w, int e) {
@@ -298,19 +345,9 @@ template <typename half_t>
 struct Fp4Rint16 : Rint16<half_t> {
   __m512i above[7];  // |t|'s code is at least k + 1 iff its bits > above[k] (signed 16-bit)
 
-  explicit Fp4Rint16(const MxFormat& f)
-      : Rint16<half_t>(f, std::is_same_v<half_t, at::BFloat16> ? -120 : -11) {
-    const auto value = [&](int c) {  // the format's value of magnitude code c
-      const int m = 1 << f.mbits;
-      return c < m ? std::ldexp(static_cast<float>(c), f.min_exp - f.mbits)
-                   : std::ldexp(1.f + static_cast<float>(c % m) / static_cast<float>(m),
-                                c / m - 1 + f.min_exp);
-    };
-    for (int k = 0; k < 7; ++k) {
-      // the midpoint is exact in bf16 and fp16 (at most mbits + 2 significant bits)
-      const int bits = Rint16<half_t>::bits16((value(k) + value(k + 1)) / 2.f);
-      above[k] = _mm512_set1_epi16(static_cast<int16_t>((k + 1) % 2 == 0 ? bits - 1 : bits));
-    }
+  explicit Fp4Rint16(const MxFormat& f) : Rint16<half_t>(f, Half16Format<half_t>::kFp4MinExp) {
+    const std::array<int16_t, 7> bits = Half16Format<half_t>::fp4_above(f);
+    for (int k = 0; k < 7; ++k) above[k] = _mm512_set1_epi16(bits[k]);
   }
 
   // The codes of x[0, 32), element 2j's in the low nibble of out[j]. Always done (true).
@@ -339,14 +376,14 @@ struct Bf16Fp8Rint : Rint16<at::BFloat16> {
   __m512i max_bits, round_less_rebias, min_normal_bits, half_spacing_bits;
   int shift;
 
-  explicit Bf16Fp8Rint(const MxFormat& f)
-      : Rint16<at::BFloat16>(f, -(126 + f.min_exp)),
-        max_bits(_mm512_set1_epi16(bits16(f.max_norm))),
-        round_less_rebias(_mm512_set1_epi16(static_cast<int16_t>(
-            ((1 << (6 - f.mbits)) - 1) - ((126 + f.min_exp) << 7)))),
-        min_normal_bits(_mm512_set1_epi16(bits16(std::ldexp(1.f, f.min_exp)))),
-        half_spacing_bits(_mm512_set1_epi16(bits16(std::ldexp(1.f, f.min_exp - f.mbits - 1)))),
-        shift(7 - f.mbits) {}
+  explicit Bf16Fp8Rint(const MxFormat& f) : Bf16Fp8Rint(f, Bf16Fp8Format(f)) {}
+  Bf16Fp8Rint(const MxFormat& f, const Bf16Fp8Format& c)
+      : Rint16<at::BFloat16>(f, c.min_exp_16),
+        max_bits(_mm512_set1_epi16(c.max_bits)),
+        round_less_rebias(_mm512_set1_epi16(c.round_less_rebias)),
+        min_normal_bits(_mm512_set1_epi16(c.min_normal_bits)),
+        half_spacing_bits(_mm512_set1_epi16(c.half_spacing_bits)),
+        shift(c.shift) {}
 
   // The codes of x[0, 32), one byte each, or false (nothing stored) for the fp32 lanes.
   OPENNPU_VEC_INLINE bool store32(const at::BFloat16* x, int e, uint8_t* out) const {
@@ -833,48 +870,30 @@ OPENNPU_VEC_INLINE void quantise_block32_avx2(const scalar_t* x, uint8_t* out, u
 template <typename scalar_t>
 struct Half16Lanes {
   enum Kind { kNone, kFp4, kFp8 };
-  static constexpr bool kBf16 = std::is_same_v<scalar_t, at::BFloat16>;
-  static constexpr int kMantissaBits = kBf16 ? 7 : 10;
+  static constexpr int kMantissaBits = Half16Format<scalar_t>::kMantissaBits;
   Kind kind = kNone;
   int min_exp_16 = 0;
   __m256i above[7];  // fp4: |t|'s code is at least k + 1 iff its bits > above[k] (signed)
   __m256i max_bits, round_less_rebias, min_normal_bits, half_spacing_bits;  // float8
   int shift = 0;
 
-  // The 16-bit pattern of v (exact in scalar_t).
-  static int16_t bits16(float v) {
-    if constexpr (kBf16) {
-      return static_cast<int16_t>(std::bit_cast<uint32_t>(v) >> 16);
-    } else {
-      return static_cast<int16_t>(c10::Half(v).x);
-    }
-  }
-
   explicit Half16Lanes(const MxFormat& f) {
     if constexpr (std::is_same_v<scalar_t, float>) {
       return;
     } else if (f.fp4) {
       kind = kFp4;
-      min_exp_16 = kBf16 ? -120 : -11;
-      const auto value = [&](int c) {  // the format's value of magnitude code c
-        const int m = 1 << f.mbits;
-        return c < m ? std::ldexp(static_cast<float>(c), f.min_exp - f.mbits)
-                     : std::ldexp(1.f + static_cast<float>(c % m) / static_cast<float>(m),
-                                  c / m - 1 + f.min_exp);
-      };
-      for (int k = 0; k < 7; ++k) {  // the midpoints, a tie rounding to the even code
-        const int bits = bits16((value(k) + value(k + 1)) / 2.f);
-        above[k] = _mm256_set1_epi16(static_cast<int16_t>((k + 1) % 2 == 0 ? bits - 1 : bits));
-      }
-    } else if constexpr (kBf16) {
+      min_exp_16 = Half16Format<scalar_t>::kFp4MinExp;
+      const std::array<int16_t, 7> bits = Half16Format<scalar_t>::fp4_above(f);
+      for (int k = 0; k < 7; ++k) above[k] = _mm256_set1_epi16(bits[k]);
+    } else if constexpr (Half16Format<scalar_t>::kBf16) {
+      const Bf16Fp8Format c(f);
       kind = kFp8;
-      min_exp_16 = -(126 + f.min_exp);
-      max_bits = _mm256_set1_epi16(bits16(f.max_norm));
-      round_less_rebias = _mm256_set1_epi16(
-          static_cast<int16_t>(((1 << (6 - f.mbits)) - 1) - ((126 + f.min_exp) << 7)));
-      min_normal_bits = _mm256_set1_epi16(bits16(std::ldexp(1.f, f.min_exp)));
-      half_spacing_bits = _mm256_set1_epi16(bits16(std::ldexp(1.f, f.min_exp - f.mbits - 1)));
-      shift = 7 - f.mbits;
+      min_exp_16 = c.min_exp_16;
+      max_bits = _mm256_set1_epi16(c.max_bits);
+      round_less_rebias = _mm256_set1_epi16(c.round_less_rebias);
+      min_normal_bits = _mm256_set1_epi16(c.min_normal_bits);
+      half_spacing_bits = _mm256_set1_epi16(c.half_spacing_bits);
+      shift = c.shift;
     }
   }
 
@@ -945,6 +964,25 @@ struct Half16Lanes {
   }
 };
 
+// One level of a transposing tree of unsigned maxima (kLane-bit lanes): out[k] = the maximum of
+// in[2k] and in[2k + 1] interleaved in kBits-bit pieces (unpacklo against unpackhi), k < n / 2.
+template <int kLane, int kBits>
+OPENNPU_VEC_INLINE void interleaved_maxima(const __m256i* in, int n, __m256i* out) {
+  for (int k = 0; k < n / 2; ++k) {
+    const __m256i a = in[2 * k], b = in[2 * k + 1];
+    __m256i lo, hi;
+    if constexpr (kBits == 16) {
+      lo = _mm256_unpacklo_epi16(a, b), hi = _mm256_unpackhi_epi16(a, b);
+    } else if constexpr (kBits == 32) {
+      lo = _mm256_unpacklo_epi32(a, b), hi = _mm256_unpackhi_epi32(a, b);
+    } else {
+      static_assert(kBits == 64);
+      lo = _mm256_unpacklo_epi64(a, b), hi = _mm256_unpackhi_epi64(a, b);
+    }
+    out[k] = kLane == 16 ? _mm256_max_epu16(lo, hi) : _mm256_max_epu32(lo, hi);
+  }
+}
+
 // Lane k: the magnitude bits (as fp32) of the maximum of block k of eight consecutive blocks of
 // 32 contiguous elements, by a transposing tree of pairwise maxima (21 operations where eight
 // horizontal reductions take 56). bf16 / fp16 reduce in their own 16-bit lanes (16 elements a
@@ -952,21 +990,13 @@ struct Half16Lanes {
 // eight maxima are widened (exactly) to fp32 bits: the same maxima as the fp32 lanes give.
 template <typename scalar_t>
 OPENNPU_VEC_INLINE __m256i eight_block_maxima(const scalar_t* x) {
+  __m256i m[8], t[4], u[2];
   if constexpr (std::is_same_v<scalar_t, float>) {
-    __m256i m[8];
     for (int k = 0; k < 8; ++k) m[k] = block32_maxima(x + 32 * k);
     // per 128-bit half: pairs of blocks interleaved, then quadruples, then the halves: lane k
     // ends with block k's maximum
-    __m256i t[4];
-    for (int k = 0; k < 4; ++k) {
-      t[k] = _mm256_max_epu32(_mm256_unpacklo_epi32(m[2 * k], m[2 * k + 1]),
-                              _mm256_unpackhi_epi32(m[2 * k], m[2 * k + 1]));
-    }
-    __m256i u[2];
-    for (int k = 0; k < 2; ++k) {
-      u[k] = _mm256_max_epu32(_mm256_unpacklo_epi64(t[2 * k], t[2 * k + 1]),
-                              _mm256_unpackhi_epi64(t[2 * k], t[2 * k + 1]));
-    }
+    interleaved_maxima<32, 32>(m, 8, t);
+    interleaved_maxima<32, 64>(t, 4, u);
     return _mm256_max_epu32(_mm256_permute2x128_si256(u[0], u[1], 0x20),
                             _mm256_permute2x128_si256(u[0], u[1], 0x31));
   } else {
@@ -975,23 +1005,14 @@ OPENNPU_VEC_INLINE __m256i eight_block_maxima(const scalar_t* x) {
       return _mm256_and_si256(
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * k + 16 * i)), magnitude);
     };
-    __m256i m[8];
     for (int k = 0; k < 8; ++k) m[k] = _mm256_max_epu16(half(k, 0), half(k, 1));
     // 16-bit lanes interleaved pairwise, then by 32 bits: word k of each quadword of u[0]
     // (u[1]) holds a partial maximum of block k (k + 4); w puts blocks 0-3 in quadword 0 and
     // 4-7 in quadword 1 of each 128-bit half, whose maximum is words 0-7 = blocks 0-7
-    __m256i t[4];
-    for (int k = 0; k < 4; ++k) {
-      t[k] = _mm256_max_epu16(_mm256_unpacklo_epi16(m[2 * k], m[2 * k + 1]),
-                              _mm256_unpackhi_epi16(m[2 * k], m[2 * k + 1]));
-    }
-    __m256i u[2];
-    for (int k = 0; k < 2; ++k) {
-      u[k] = _mm256_max_epu16(_mm256_unpacklo_epi32(t[2 * k], t[2 * k + 1]),
-                              _mm256_unpackhi_epi32(t[2 * k], t[2 * k + 1]));
-    }
-    const __m256i w = _mm256_max_epu16(_mm256_unpacklo_epi64(u[0], u[1]),
-                                       _mm256_unpackhi_epi64(u[0], u[1]));
+    interleaved_maxima<16, 16>(m, 8, t);
+    interleaved_maxima<16, 32>(t, 4, u);
+    __m256i w;
+    interleaved_maxima<16, 64>(u, 2, &w);
     const __m128i top16 = _mm_max_epu16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       return _mm256_slli_epi32(_mm256_cvtepu16_epi32(top16), 16);
