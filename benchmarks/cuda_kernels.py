@@ -8,13 +8,15 @@ the start of the run, and the speedup over each peer: the native PyTorch composi
 mode, torch.compile of it (Inductor's fused Triton kernel), the portable path (opennpu's ATen
 composition, what a CUDA tensor got before these kernels), F.rms_norm for rms_norm,
 Liger-Kernel's Triton kernel where Liger has the op and is importable, and
-F.scaled_dot_product_attention for attention (which runs through the same flash kernels). Method: shared/PERFORMANCE.md.
+F.scaled_dot_product_attention for attention (which runs through the same flash kernels; for
+decode on the same cache, gathered first when it is paged). Method: shared/PERFORMANCE.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import torch
@@ -191,10 +193,32 @@ def attention_cases(b, n, nkv, s, d, dtype):
     return [("attention", "fwd", size, fwd), ("attention", "bwd", 2 * size, bwd)]
 
 
+def _decode_composition(q, k, v, scale):
+    """softmax(q k^T * scale) v in plain PyTorch for BNSD q [B, N, 1, D] and k / v [B, KVN, S, D]
+    (GQA by repeating the kv heads), fp32 softmax: the native composition of a decode step."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    p = (q @ k.transpose(-1, -2)).float().mul(scale).softmax(-1)
+    return (p.to(v.dtype) @ v)
+
+
+def _composition_route(fn):
+    """fn with OPENNPU_FIA_DECODE=0: the portable composition that ran a decode call on CUDA before
+    the decode kernel (flash / cuDNN where the call fits, else ATen ops)."""
+    def run():
+        os.environ["OPENNPU_FIA_DECODE"] = "0"
+        try:
+            return fn()
+        finally:
+            del os.environ["OPENNPU_FIA_DECODE"]
+    return run
+
+
 def decode_attention_cases(b, n, nkv, skv, d, dtype):
     """npu_fused_infer_attention_score decoding one token per sequence (BSH, GQA) over a dense
-    cache, against the portable composition and F.scaled_dot_product_attention. Bytes: the K/V
-    cache read once (memory-bound)."""
+    cache, against the native composition (eager and compiled), the portable route and
+    F.scaled_dot_product_attention on the same cache. Bytes: the K/V cache read once
+    (memory-bound)."""
     q = rand(b, 1, n * d, dtype=dtype)
     k, v = rand(b, skv, nkv * d, dtype=dtype), rand(b, skv, nkv * d, dtype=dtype)
     scale = d ** -0.5
@@ -205,8 +229,45 @@ def decode_attention_cases(b, n, nkv, skv, d, dtype):
 
     qb, kb, vb = q.unflatten(2, (n, d)).transpose(1, 2), k.unflatten(2, (nkv, d)).transpose(1, 2), \
         v.unflatten(2, (nkv, d)).transpose(1, 2)
-    fwd = {"ours": ours, "portable": _no_flash(ours),
+    fwd = {"ours": ours, "eager": lambda: _decode_composition(qb, kb, vb, scale),
+           "compile": compiled(_decode_composition, qb, kb, vb, scale),
+           "portable": _composition_route(ours),
            "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=nkv != n)}
+    return [("infer_attention", "fwd", 2 * k.numel() * k.element_size(), fwd)]
+
+
+def paged_decode_attention_cases(b, n, nkv, skv, d, block_size, dtype):
+    """The same decode step over a paged cache ([blocks, block_size, KVN * D], blocks in shuffled
+    order, as vllm-ascend keeps it): ours reads the blocks in place; the peers gather each
+    sequence's blocks into a dense cache first (index_select), then run the native composition
+    (eager, compiled) or SDPA; the portable route is skipped (a host loop over the batch)."""
+    cols = skv // block_size
+    blocks = b * cols
+    q = rand(b, 1, n * d, dtype=dtype)
+    k, v = rand(blocks, block_size, nkv * d, dtype=dtype), rand(blocks, block_size, nkv * d, dtype=dtype)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, cols)
+    lens = [skv] * b
+    scale = d ** -0.5
+
+    def ours():
+        return npu.npu_fused_infer_attention_score(
+            q, k, v, num_heads=n, num_key_value_heads=nkv, input_layout="BSH", scale=scale,
+            block_table=table, block_size=block_size, actual_seq_lengths_kv=lens)
+
+    def gathered(cache, table):  # [B, KVN, S, D]
+        rows = cache.index_select(0, table.flatten().long()).view(b, cols * block_size, nkv, d)
+        return rows.transpose(1, 2)
+
+    def composition(q, k, v, table):
+        return _decode_composition(q.view(b, 1, n, d).transpose(1, 2), gathered(k, table),
+                                   gathered(v, table), scale)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q.view(b, 1, n, d).transpose(1, 2), gathered(k, table),
+                                              gathered(v, table), scale=scale, enable_gqa=nkv != n)
+
+    fwd = {"ours": ours, "eager": lambda: composition(q, k, v, table),
+           "compile": compiled(composition, q, k, v, table), "sdpa": sdpa}
     return [("infer_attention", "fwd", 2 * k.numel() * k.element_size(), fwd)]
 
 
@@ -239,9 +300,11 @@ def all_cases(quick):
     for b, n, nkv, s in [(4, 32, 8, 2048)] if quick else [(4, 32, 8, 2048), (1, 32, 32, 8192)]:
         yield "attention", f"B={b} N={n}/{nkv} S={s} D=128", lambda b=b, n=n, nkv=nkv, s=s: (
             attention_cases(b, n, nkv, s, 128, dtype))
-    for b, skv in [(16, 8192)] if quick else [(16, 8192), (64, 4096)]:
+    for b, skv in [(16, 8192)] if quick else [(16, 8192), (64, 4096), (8, 32768)]:
         yield "infer_attention", f"B={b} N=32/8 Skv={skv} D=128", lambda b=b, skv=skv: (
             decode_attention_cases(b, 32, 8, skv, 128, dtype))
+        yield "infer_attention", f"paged B={b} Skv={skv} bs=128", lambda b=b, skv=skv: (
+            paged_decode_attention_cases(b, 32, 8, skv, 128, 128, dtype))
 
 
 def main(argv=None):

@@ -11,6 +11,46 @@
 #include "common/stream_store.h"
 #include "common/random.h"
 
+// The argument lists of npu_fused_infer_attention_score (v1) and _v2, shared by the op, its
+// workspace query and opennpu's CUDA routing ops (_fia_decode / _fia_portable: the same
+// arguments, so a call's boxed stack passes to either unchanged; ops/attention).
+#define OPENNPU_FIA_V1_ARGS \
+  "(Tensor query, Tensor key, Tensor value, *, Tensor? pse_shift=None, " \
+  "Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, " \
+  "SymInt[]? actual_seq_lengths_kv=None, Tensor? dequant_scale1=None, " \
+  "Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, " \
+  "Tensor? quant_offset2=None, Tensor? antiquant_scale=None, " \
+  "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, " \
+  "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, " \
+  "Tensor? value_antiquant_offset=None, Tensor? block_table=None, " \
+  "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, " \
+  "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, " \
+  "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, " \
+  "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, " \
+  "float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, " \
+  "str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, " \
+  "int inner_precise=0, int block_size=0, int antiquant_mode=0, " \
+  "int key_antiquant_mode=0, int value_antiquant_mode=0, bool softmax_lse_flag=False)"
+#define OPENNPU_FIA_V2_ARGS \
+  "(Tensor query, Tensor key, Tensor value, *, Tensor? query_rope=None, " \
+  "Tensor? key_rope=None, Tensor? pse_shift=None, Tensor? atten_mask=None, " \
+  "SymInt[]? actual_seq_qlen=None, SymInt[]? actual_seq_kvlen=None, " \
+  "Tensor? block_table=None, Tensor? dequant_scale_query=None, " \
+  "Tensor? dequant_scale_key=None, Tensor? dequant_offset_key=None, " \
+  "Tensor? dequant_scale_value=None, Tensor? dequant_offset_value=None, " \
+  "Tensor? dequant_scale_key_rope=None, Tensor? quant_scale_out=None, " \
+  "Tensor? quant_offset_out=None, Tensor? quant_scale_p=None, " \
+  "Tensor? learnable_sink=None, int num_query_heads=1, int num_key_value_heads=0, " \
+  "float softmax_scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, " \
+  "str input_layout=\"BSH\", int sparse_mode=0, int block_size=0, " \
+  "int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, " \
+  "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, " \
+  "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, " \
+  "int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, " \
+  "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, " \
+  "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, " \
+  "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None)"
+
 TORCH_LIBRARY(npu, m) {
   // RMSNorm: returns (y, rstd); rstd is float32 with the normalised dims kept as size 1.
   m.def("npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)");
@@ -206,22 +246,7 @@ TORCH_LIBRARY(npu, m) {
   // Inference attention (PromptFlashAttention / IncreFlashAttention): softmax(scale * q k^T + pse + mask) v
   // over BSH/BSND/BNSD/TND/NTD/NSD, GQA, paged KV cache (block_table), MLA rope parts; returns
   // (attention_out, softmax_lse). Quantised and prefix/padding variants are rejected.
-  m.def("npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, "
-        "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
-        "SymInt[]? actual_seq_lengths_kv=None, Tensor? dequant_scale1=None, "
-        "Tensor? quant_scale1=None, Tensor? dequant_scale2=None, Tensor? quant_scale2=None, "
-        "Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
-        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, "
-        "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
-        "Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
-        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, "
-        "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
-        "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
-        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, "
-        "float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
-        "str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
-        "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
-        "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> (Tensor, Tensor)");
+  m.def("npu_fused_infer_attention_score" OPENNPU_FIA_V1_ARGS " -> (Tensor, Tensor)");
   // The same into attention_out / softmax_lse (workspace unused).
   m.def("npu_fused_infer_attention_score.out(Tensor query, Tensor key, Tensor value, *, "
         "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_lengths=None, "
@@ -241,46 +266,14 @@ TORCH_LIBRARY(npu, m) {
         "int value_antiquant_mode=0, bool softmax_lse_flag=False, Tensor? workspace=None, "
         "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))");
   // Workspace of npu_fused_infer_attention_score: empty uint8 (the CPU kernels need none).
-  m.def("_npu_fused_infer_attention_score_get_max_workspace(Tensor query, Tensor key, "
-        "Tensor value, *, Tensor? pse_shift=None, Tensor? atten_mask=None, "
-        "SymInt[]? actual_seq_lengths=None, SymInt[]? actual_seq_lengths_kv=None, "
-        "Tensor? dequant_scale1=None, Tensor? quant_scale1=None, Tensor? dequant_scale2=None, "
-        "Tensor? quant_scale2=None, Tensor? quant_offset2=None, Tensor? antiquant_scale=None, "
-        "Tensor? antiquant_offset=None, Tensor? key_antiquant_scale=None, "
-        "Tensor? key_antiquant_offset=None, Tensor? value_antiquant_scale=None, "
-        "Tensor? value_antiquant_offset=None, Tensor? block_table=None, "
-        "Tensor? query_padding_size=None, Tensor? kv_padding_size=None, "
-        "Tensor? key_shared_prefix=None, Tensor? value_shared_prefix=None, "
-        "SymInt[]? actual_shared_prefix_len=None, Tensor? query_rope=None, "
-        "Tensor? key_rope=None, Tensor? key_rope_antiquant_scale=None, int num_heads=1, "
-        "float scale=1.0, int pre_tokens=2147483647, int next_tokens=2147483647, "
-        "str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
-        "int inner_precise=0, int block_size=0, int antiquant_mode=0, int key_antiquant_mode=0, "
-        "int value_antiquant_mode=0, bool softmax_lse_flag=False) -> Tensor");
+  m.def("_npu_fused_infer_attention_score_get_max_workspace" OPENNPU_FIA_V1_ARGS " -> Tensor");
   // Empty outputs of npu_fused_infer_attention_score with their shapes and dtypes.
   m.def("_npu_fused_infer_attention_score_infer_output(Tensor query, Tensor value, *, "
         "str input_layout=\"BSH\", Tensor? quant_scale2=None, Tensor? block_table=None, "
         "int num_heads=1, int num_key_value_heads=0, bool softmax_lse_flag=False, "
         "Tensor? query_rope=None) -> (Tensor, Tensor)");
   // npu_fused_infer_attention_score with v2 names (actual_seq_qlen, softmax_scale, ...) and learnable_sink.
-  m.def("npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, "
-        "Tensor? query_rope=None, Tensor? key_rope=None, Tensor? pse_shift=None, "
-        "Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
-        "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, "
-        "Tensor? dequant_scale_query=None, Tensor? dequant_scale_key=None, "
-        "Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
-        "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, "
-        "Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, "
-        "Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
-        "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, "
-        "int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
-        "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
-        "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
-        "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, "
-        "int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
-        "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
-        "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
-        "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> (Tensor, Tensor)");
+  m.def("npu_fused_infer_attention_score_v2" OPENNPU_FIA_V2_ARGS " -> (Tensor, Tensor)");
   // The same into attention_out / softmax_lse (workspace unused).
   m.def("npu_fused_infer_attention_score_v2.out(Tensor query, Tensor key, Tensor value, "
         "*, Tensor? query_rope=None, Tensor? key_rope=None, Tensor? pse_shift=None, "
@@ -302,24 +295,7 @@ TORCH_LIBRARY(npu, m) {
         "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None, Tensor? workspace=None, "
         "Tensor(a!) attention_out, Tensor(b!) softmax_lse) -> (Tensor(a!), Tensor(b!))");
   // Workspace of npu_fused_infer_attention_score_v2: empty uint8 (the CPU kernels need none).
-  m.def("_npu_fused_infer_attention_score_v2_get_max_workspace(Tensor query, Tensor key, "
-        "Tensor value, *, Tensor? query_rope=None, Tensor? key_rope=None, "
-        "Tensor? pse_shift=None, Tensor? atten_mask=None, SymInt[]? actual_seq_qlen=None, "
-        "SymInt[]? actual_seq_kvlen=None, Tensor? block_table=None, "
-        "Tensor? dequant_scale_query=None, Tensor? dequant_scale_key=None, "
-        "Tensor? dequant_offset_key=None, Tensor? dequant_scale_value=None, "
-        "Tensor? dequant_offset_value=None, Tensor? dequant_scale_key_rope=None, "
-        "Tensor? quant_scale_out=None, Tensor? quant_offset_out=None, "
-        "Tensor? quant_scale_p=None, Tensor? learnable_sink=None, int num_query_heads=1, "
-        "int num_key_value_heads=0, float softmax_scale=1.0, int pre_tokens=2147483647, "
-        "int next_tokens=2147483647, str input_layout=\"BSH\", int sparse_mode=0, "
-        "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
-        "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
-        "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, "
-        "int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
-        "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
-        "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
-        "int? dequant_scale_key_rope_dtype=None, int? out_dtype=None) -> Tensor");
+  m.def("_npu_fused_infer_attention_score_v2_get_max_workspace" OPENNPU_FIA_V2_ARGS " -> Tensor");
   // Empty outputs of npu_fused_infer_attention_score_v2 with their shapes and dtypes.
   m.def("_npu_fused_infer_attention_score_v2_infer_output(Tensor query, Tensor value, *, "
         "int? query_dtype=None, int? value_dtype=None, str input_layout=\"BSH\", "
@@ -547,6 +523,16 @@ TORCH_LIBRARY(opennpu, m) {
   // dst <- src byte for byte with non-temporal stores (contiguous, same shape and dtype): the
   // benchmark harness's streaming-copy memory roof (ops/transpose).
   m.def("_stream_copy_(Tensor(a!) self, Tensor src) -> Tensor(a!)");
+
+  // The CUDA routing of npu_fused_infer_attention_score and _v2 (ops/attention/
+  // infer_attention_cuda.cu): a decode call runs the C++ entry point with the CUDA decode kernel
+  // (_fia_decode / _fia_v2_decode), every other call the portable composition (_fia_portable /
+  // _fia_v2_portable, src/opennpu/ops/portable.py). Internal: the npu op's CUDA kernel passes
+  // them its call's arguments, with the query's device current.
+  m.def("_fia_decode" OPENNPU_FIA_V1_ARGS " -> (Tensor, Tensor)");
+  m.def("_fia_portable" OPENNPU_FIA_V1_ARGS " -> (Tensor, Tensor)");
+  m.def("_fia_v2_decode" OPENNPU_FIA_V2_ARGS " -> (Tensor, Tensor)");
+  m.def("_fia_v2_portable" OPENNPU_FIA_V2_ARGS " -> (Tensor, Tensor)");
   // The streaming-store policy (common/stream_store.h): the last-level cache size found, and the
   // output size from which kernels stream (setting < 0 restores the default; returns the old one).
   m.def("_last_level_cache_bytes() -> int", []() { return opennpu::last_level_cache_bytes(); });

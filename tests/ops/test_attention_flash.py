@@ -420,7 +420,10 @@ FIA_CASES = [  # (layout, sq, skv, sparse_mode, actual_seq_lengths_kv)
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", FIA_CASES, ids=lambda c: "-".join(map(str, c[:4])))
-def test_infer_attention_matches_the_cpu_kernel(case, dtype):
+def test_infer_attention_matches_the_cpu_kernel(case, dtype, monkeypatch):
+    # decode calls (sq = 1) run the CUDA decode kernel (test_infer_attention_cuda.py); with it
+    # switched off they take the route tested here
+    monkeypatch.setenv("OPENNPU_FIA_DECODE", "0")
     layout, sq, skv, mode, seq_kv = case
     lin = layout.split("_")[0]
     q, k, v = _fia_args(lin, sq=sq, skv=skv, dtype=dtype)

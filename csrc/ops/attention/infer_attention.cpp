@@ -567,6 +567,10 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
   if (paged) {
     OPENNPU_CHECK_ARG(table.size(0) >= batch, op, "block_table", "must have a row per batch (",
                       batch, "), but got shape ", shape_str(table.sizes()));
+  }
+  // Block ids are checked here where the table is host memory; the CUDA decode kernel checks
+  // each id it reads (a device-side assertion, as ATen's CUDA indexing).
+  if (paged && !table.is_cuda()) {
     const int32_t* t = table.const_data_ptr<int32_t>();
     const int64_t blocks = kc.size(0);
     for (int64_t b = 0; b < batch; ++b) {
@@ -762,6 +766,7 @@ std::tuple<at::Tensor, at::Tensor> run(const char* op, const Args& a) {
       d.cache.block_table = table.const_data_ptr<int32_t>();
       d.cache.table_stride = table_cols;
       d.cache.block_size = a.block_size;
+      d.cache.num_blocks = kc.size(0);
     }
     d.visible.resize(batch);
     for (int64_t b = 0; b < batch; ++b) {
@@ -1696,5 +1701,14 @@ TORCH_LIBRARY_IMPL(npu, CPU, m) {
   m.impl("_npu_fused_infer_attention_score_v2_get_max_workspace", &fia_v2_workspace);
   m.impl("_npu_fused_infer_attention_score_v2_infer_output", &fia_v2_infer_output);
 }
+
+#ifdef OPENNPU_WITH_CUDA
+// The entry points for the decode calls the CUDA router (infer_attention_cuda.cu) sends here:
+// their kernel is infer_decode's CUDA slot.
+TORCH_LIBRARY_IMPL(opennpu, CUDA, m) {
+  m.impl("_fia_decode", &fia_v1);
+  m.impl("_fia_v2_decode", &fia_v2);
+}
+#endif
 
 }  // namespace opennpu::attention

@@ -55,6 +55,7 @@ struct KvCache {
   const int32_t* block_table = nullptr;  // null: contiguous
   int64_t table_stride = 0;
   int64_t block_size = 0;
+  int64_t num_blocks = 0;  // blocks of a paged cache (the CUDA kernel checks the ids it reads)
 };
 
 // One query row per sequence (q_len[b] is 0 or 1). The AttentionProblem gives q / out views,

@@ -2652,6 +2652,14 @@ def npu_fused_infer_attention_score_v2(
     return (out.to(out_dtype), lse) if int8_query else (out, lse)
 
 
+# On CUDA the C++ router of npu_fused_infer_attention_score and _v2 (csrc/ops/attention/
+# infer_attention_cuda.cu) runs decode calls on its kernel and sends the others here, under
+# opennpu's names (the same schemas). Called eagerly from that kernel, never traced.
+_portable("opennpu::_fia_portable")(npu_fused_infer_attention_score)
+_portable("opennpu::_fia_v2_portable")(npu_fused_infer_attention_score_v2)
+NOT_DECOMPOSED.update({"opennpu::_fia_portable", "opennpu::_fia_v2_portable"})
+
+
 # ----------------------------------------------------------------------------- sampling
 
 

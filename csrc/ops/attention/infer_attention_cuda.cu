@@ -1,0 +1,815 @@
+// CUDA decode kernel of npu_fused_infer_attention_score (infer_decode's CUDA slot, see
+// infer_attention.h) and the CUDA registration of npu_fused_infer_attention_score and _v2.
+//
+// Routing: the npu ops' CUDA kernel looks at a call's arguments (no device data) and sends a
+// decode call (one query row per sequence) that the decode kernel covers to the C++ entry point
+// (opennpu::_fia_decode / _fia_v2_decode: infer_attention.cpp's validation, layouts, paged cache,
+// masks, antiquant factors, then this kernel), every other call (prefill, pse_shift, full int8
+// quantisation, int8 MLA, padding and prefix arguments, float64) to the portable composition
+// (opennpu::_fia_portable / _fia_v2_portable, src/opennpu/ops/portable.py: flash / cuDNN where
+// they fit). Both take the call's stack as it is: they share the op's schema.
+//
+// Flash-decoding in two launches:
+// 1. Split pass. A block (kWarps warps) serves one (batch, kv head, context split, tile of up to
+//    G query heads of the kv head's group), so a K/V row is read once for the G heads; tiles of
+//    one split are adjacent block indices and share the rows through L2. Each warp walks chunks
+//    of kChunk keys (chunk w, w + kWarps, ... of the split). Per chunk:
+//    - lane j finds key j's row (block table or contiguous rows; block ids checked on device);
+//    - scores: a key row is spread over lpk lanes, kVec elements a lane per vector load (K then
+//      the rope part of K, as one concatenated row), each lane holding q's matching elements in
+//      registers (scaled by `scale` in fp32); the lpk partial dot products are summed by shuffles;
+//    - softmax: lane j takes key j of every head: user mask, per-token key factors, the chunk's
+//      max (NaN-propagating, as the CPU kernel), one online-softmax step in fp32;
+//    - P V: value rows spread over lanes the same way, acc[head][element] += p * v in fp32.
+//    The warps' (max, sum, acc) are merged by log-sum-exp through shared memory and written as
+//    the split's partial. An int8 cache is read as codes: per-channel key factors are folded
+//    into q (q'_d = q_d s_d, plus q' . offset added to every score), per-channel value factors
+//    applied to the partial's acc once (s_d (acc_d + o_d l), linear in acc and l, so exact under
+//    the later merge); per-token factors scale the score (s_t (q . x + o_t sum q)) and P
+//    (p'_t = p_t s_t, with sum_t p'_t o_t carried beside acc).
+// 2. Merge: per (batch, query head) the splits' partials (and the learnable sink, as a partial of
+//    max = sink, sum = 1, acc = 0) by log-sum-exp; out = acc * (1 / l) rounded once to the
+//    output dtype, lse = max + log(sum) (-inf where nothing was seen; out 0 there).
+// Numerics as infer_decode_cpu: fp32 throughout, one rounding of the output. The summation order
+// differs, so results agree to a few fp32 ulps before that rounding, not bit for bit.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "common/cuda_rows.cuh"
+#include "ops/attention/infer_attention.h"
+
+namespace opennpu::attention {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr int kChunk = 32;   // keys per warp step: one per lane in the softmax
+constexpr int kUnroll = 4;   // key rows a lane loads before it uses them
+constexpr int kPerBatch = 6;  // per-batch table columns, see Batch
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Columns of the per-batch table: visible keys [lo, hi] (empty when hi < lo), whether the batch
+// has a query row, its first query row (TND), its first key row (contiguous TND) and the index
+// of its head 0's lse value.
+enum Batch { kLo = 0, kHi, kActive, kQStart, kKvStart, kLseBase };
+
+// Elements a lane loads at once: 16 bytes of fp16 / bf16 / fp32, 8 of int8 (8 codes).
+template <typename T>
+constexpr int vec_of() {
+  return sizeof(T) == 4 ? 4 : 8;
+}
+
+struct Rows {  // element strides; row t of kv head h at base + blk * blk_s + pos * s + h * n
+  const void* base = nullptr;
+  int64_t blk = 0, s = 0, n = 0;
+};
+
+struct TokenFactors {  // KvQuant kToken: factor of row (i, j), kv head h
+  const float* scale = nullptr;  // null: no per-token factors on this side
+  const float* offset = nullptr;
+  int64_t blk = 0, s = 0, n = 0;
+  bool paged = false;  // (i, j) = (cache block, slot), else (batch, key)
+};
+
+struct SplitArgs {
+  const void* q = nullptr;
+  const void* q_rope = nullptr;
+  int q_dtype = 0;  // 0 fp32, 1 fp16, 2 bf16
+  int64_t q_b = 0, q_s = 0, q_n = 0, qr_b = 0, qr_s = 0, qr_n = 0;
+  Rows k, v, kr;
+  const int32_t* table = nullptr;  // null: contiguous rows (blk = b, pos = kv_start + t)
+  int64_t table_stride = 0, block_size = 1, num_blocks = 0;
+  const int64_t* batch = nullptr;  // [B, kPerBatch]
+  const uint8_t* mask = nullptr;
+  int64_t mask_b = 0, mask_n = 0;
+  // int8 cache: per-channel factors ([KVN, D] / [KVN, Dv]) or per-token ones
+  const float* k_chan_scale = nullptr;
+  const float* k_chan_offset = nullptr;
+  const float* v_chan_scale = nullptr;
+  const float* v_chan_offset = nullptr;
+  TokenFactors k_tok, v_tok;
+  int heads_kv = 0, group = 0, tile_heads = 0, tiles = 0;
+  int d = 0, dr = 0, dv = 0;
+  int nv_main = 0, nv_k = 0, lpk = 0, nv_v = 0, lpk_v = 0;  // vectors per row, lanes per row
+  bool packed_k = false, packed_v = false;  // vector loads allowed (alignment, widths)
+  float scale = 1.0f;
+  int splits = 1;
+  float* part = nullptr;  // [B * N, splits, 2 + dv]: max, sum, acc
+};
+
+__device__ __forceinline__ float nan_max(float a, float b) { return cuda::NanMaxOp()(a, b); }
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__device__ __forceinline__ float load_q_element(const void* base, int dtype, int64_t i) {
+  switch (dtype) {
+    case 1: return static_cast<float>(static_cast<const at::Half*>(base)[i]);
+    case 2: return static_cast<float>(static_cast<const at::BFloat16*>(base)[i]);
+    default: return static_cast<const float*>(base)[i];
+  }
+}
+
+// x[0..V) = elements [e0, e0 + V) of `row` as float, 0 past `width` (packed: one vector load;
+// the caller guarantees alignment and width % V == 0 then).
+template <typename T, int V>
+__device__ __forceinline__ void load_elements(const T* row, int e0, int width, bool packed,
+                                              float (&x)[V]) {
+  if (packed && e0 < width) {
+    const auto p = *reinterpret_cast<const cuda::Pack<T, V>*>(row + e0);
+#pragma unroll
+    for (int i = 0; i < V; ++i) x[i] = static_cast<float>(p.v[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < V; ++i) x[i] = e0 + i < width ? static_cast<float>(row[e0 + i]) : 0.0f;
+  }
+}
+
+// Asks L2 for the `width` elements at p (a hint: nothing is loaded into registers).
+template <typename T>
+__device__ __forceinline__ void prefetch_row(const T* p, int width) {
+  const char* c = reinterpret_cast<const char*>(p);
+  for (int64_t o = 0; o < int64_t(width) * int64_t(sizeof(T)); o += 128) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
+  }
+}
+
+template <typename T, int G, int VPL>
+__global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs a) {
+  constexpr int V = vec_of<T>();
+  extern __shared__ float smem[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int64_t index = blockIdx.x;
+  const int tile = static_cast<int>(index % a.tiles);
+  index /= a.tiles;
+  const int sp = static_cast<int>(index % a.splits);
+  index /= a.splits;
+  const int kvh = static_cast<int>(index % a.heads_kv);
+  const int64_t b = index / a.heads_kv;
+  const int64_t* pb = a.batch + b * kPerBatch;
+  if (pb[kActive] == 0) return;
+  const int h0 = tile * a.tile_heads;
+  const int nh = min(G, a.group - h0);
+  const int n_heads = a.heads_kv * a.group;
+
+  const int64_t lo = pb[kLo];
+  const int64_t n_keys = ::max(pb[kHi] + 1 - lo, int64_t(0));
+  const int64_t per = (n_keys + a.splits - 1) / a.splits;
+  const int64_t per_r = (per + kChunk - 1) / kChunk * kChunk;
+  const int64_t t0 = lo + ::min(n_keys, sp * per_r), t1 = lo + ::min(n_keys, (sp + 1) * per_r);
+
+  // Key side: lane = kk * lpk + vi, vector vi + w * lpk of the concatenated (K, K rope) row.
+  const int kk = lane / a.lpk, vi = lane % a.lpk, kps = 32 / a.lpk;
+  const int kk_v = lane / a.lpk_v, vi_v = lane % a.lpk_v, kps_v = 32 / a.lpk_v;
+
+  float q[G][VPL][V];
+  float q_off[G], q_sum[G];  // per-channel offsets' share of a score; sum of q (token offsets)
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    q_off[h] = 0.0f;
+    q_sum[h] = 0.0f;
+    const int n = kvh * a.group + h0 + min(h, nh - 1);
+    const int64_t qrow = b * a.q_b + pb[kQStart] * a.q_s + n * a.q_n;
+    const int64_t qrrow = b * a.qr_b + pb[kQStart] * a.qr_s + n * a.qr_n;
+#pragma unroll
+    for (int w = 0; w < VPL; ++w) {
+      const int v = vi + w * a.lpk;
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        float x = 0.0f;
+        if (v < a.nv_main) {
+          const int e = v * V + i;
+          if (e < a.d) {
+            x = load_q_element(a.q, a.q_dtype, qrow + e) * a.scale;
+            q_sum[h] += x;
+            if (a.k_chan_scale != nullptr) {
+              x *= a.k_chan_scale[kvh * a.d + e];
+              if (a.k_chan_offset != nullptr) q_off[h] += x * a.k_chan_offset[kvh * a.d + e];
+            }
+          }
+        } else if (v < a.nv_k) {
+          const int e = (v - a.nv_main) * V + i;
+          if (e < a.dr) x = load_q_element(a.q_rope, a.q_dtype, qrrow + e) * a.scale;
+        }
+        q[h][w][i] = x;
+      }
+    }
+    // every lane of a key group holds one share of the row: sum the shares over the group
+    for (int o = 1; o < a.lpk; o *= 2) {
+      q_off[h] += __shfl_xor_sync(0xffffffffu, q_off[h], o);
+      q_sum[h] += __shfl_xor_sync(0xffffffffu, q_sum[h], o);
+    }
+  }
+
+  float m[G], l[G], c[G], acc[G][VPL][V];
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    m[h] = kNegInf;
+    l[h] = 0.0f;
+    c[h] = 0.0f;
+#pragma unroll
+    for (int w = 0; w < VPL; ++w) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) acc[h][w][i] = 0.0f;
+    }
+  }
+  float* s = smem + warp * G * kChunk;  // this warp's scores / probabilities [G][kChunk]
+  const T* kbase = static_cast<const T*>(a.k.base);
+  const T* vbase = static_cast<const T*>(a.v.base);
+  const T* krbase = static_cast<const T*>(a.kr.base);
+
+  for (int64_t c0 = t0 + int64_t(warp) * kChunk; c0 < t1; c0 += int64_t(kWarps) * kChunk) {
+    const int cnt = static_cast<int>(::min(int64_t(kChunk), t1 - c0));
+    // Lane j: where key c0 + j lives, and its per-token factors.
+    int32_t my_blk = 0, my_pos = 0;
+    float ks = 1.0f, ko = 0.0f, vs = 1.0f, vo = 0.0f;
+    if (lane < cnt) {
+      const int64_t t = c0 + lane;
+      if (a.table != nullptr) {
+        int64_t id = a.table[b * a.table_stride + t / a.block_size];
+        CUDA_KERNEL_ASSERT_MSG(id >= 0 && id < a.num_blocks,
+                               "npu_fused_infer_attention_score: block_table holds a block id "
+                               "outside the cache");
+        if (id < 0 || id >= a.num_blocks) id = 0;  // where assertions are compiled out
+        my_blk = static_cast<int32_t>(id);
+        my_pos = static_cast<int32_t>(t % a.block_size);
+      } else {
+        my_blk = static_cast<int32_t>(b);
+        my_pos = static_cast<int32_t>(pb[kKvStart] + t);
+      }
+      const auto factor_at = [&](const TokenFactors& f) {
+        return (f.paged ? my_blk : b) * f.blk + (f.paged ? my_pos : t) * f.s + kvh * f.n;
+      };
+      if (a.k_tok.scale != nullptr) {
+        const int64_t at = factor_at(a.k_tok);
+        ks = a.k_tok.scale[at];
+        if (a.k_tok.offset != nullptr) ko = a.k_tok.offset[at];
+      }
+      if (a.v_tok.scale != nullptr) {
+        const int64_t at = factor_at(a.v_tok);
+        vs = a.v_tok.scale[at];
+        if (a.v_tok.offset != nullptr) vo = a.v_tok.offset[at];
+      }
+      // The value rows are read after the scores: ask for them now.
+      prefetch_row(vbase + my_blk * a.v.blk + my_pos * a.v.s + kvh * a.v.n, a.dv);
+    }
+    // The key rows of this warp's next chunk, read after this one: ask for them now.
+    if (c0 + kWarps * kChunk + lane < t1) {
+      const int64_t t = c0 + kWarps * kChunk + lane;
+      int64_t blk = b, pos = pb[kKvStart] + t;
+      if (a.table != nullptr) {
+        blk = a.table[b * a.table_stride + t / a.block_size];
+        pos = t % a.block_size;
+      }
+      if (blk >= 0 && (a.table == nullptr || blk < a.num_blocks)) {
+        prefetch_row(kbase + blk * a.k.blk + pos * a.k.s + kvh * a.k.n, a.d);
+      }
+    }
+
+    // Scores of this chunk's keys for the tile's heads -> s[h][j].
+    for (int j0 = 0; j0 < cnt; j0 += kps * kUnroll) {
+      float x[kUnroll][VPL][V];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * kps + kk;
+        const int64_t blk = __shfl_sync(0xffffffffu, my_blk, j & 31);
+        const int64_t pos = __shfl_sync(0xffffffffu, my_pos, j & 31);
+        const T* krow = kbase + blk * a.k.blk + pos * a.k.s + kvh * a.k.n;
+        const T* rrow = krbase == nullptr ? nullptr : krbase + blk * a.kr.blk + pos * a.kr.s + kvh * a.kr.n;
+#pragma unroll
+        for (int w = 0; w < VPL; ++w) {
+          const int v = vi + w * a.lpk;
+          if (j >= cnt || v >= a.nv_k) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) x[u][w][i] = 0.0f;
+          } else if (v < a.nv_main) {
+            load_elements<T, V>(krow, v * V, a.d, a.packed_k, x[u][w]);
+          } else {
+            load_elements<T, V>(rrow, (v - a.nv_main) * V, a.dr, a.packed_k, x[u][w]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * kps + kk;
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          float dot = 0.0f;
+#pragma unroll
+          for (int w = 0; w < VPL; ++w) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) dot = fmaf(q[h][w][i], x[u][w][i], dot);
+          }
+          for (int o = 1; o < a.lpk; o *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+          if (vi == 0 && j < cnt && h < nh) s[h * kChunk + j] = dot;
+        }
+      }
+    }
+    __syncwarp();
+
+    // Online softmax step: lane j takes key j of every head.
+    float alpha[G];
+    const int64_t t = c0 + lane;
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      alpha[h] = 1.0f;
+      if (h >= nh) continue;
+      float x = kNegInf;
+      if (lane < cnt) {
+        x = s[h * kChunk + lane];
+        x = a.k_tok.scale != nullptr ? ks * (x + ko * q_sum[h]) : x + q_off[h];
+        const int n = kvh * a.group + h0 + h;
+        if (a.mask != nullptr && a.mask[b * a.mask_b + n * a.mask_n + t] != 0) x = kNegInf;
+      }
+      const float m_new = nan_max(m[h], warp_max(x));
+      float p = 0.0f;
+      if (m_new != kNegInf) {  // else nothing visible yet: p = 0, acc stays 0
+        alpha[h] = m[h] == kNegInf ? 0.0f : expf(m[h] - m_new);
+        p = lane < cnt ? expf(x - m_new) : 0.0f;
+      }
+      l[h] = l[h] * alpha[h] + warp_sum(p);
+      m[h] = m_new;
+      if (a.v_tok.scale != nullptr) {
+        p *= vs;
+        c[h] = c[h] * alpha[h] + warp_sum(p * vo);
+      }
+      s[h * kChunk + lane] = p;
+    }
+    __syncwarp();
+
+    // acc = acc * alpha + P V over the chunk.
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+#pragma unroll
+      for (int w = 0; w < VPL; ++w) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) acc[h][w][i] *= alpha[h];
+      }
+    }
+    for (int j0 = 0; j0 < cnt; j0 += kps_v * kUnroll) {
+      float x[kUnroll][VPL][V];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = j0 + u * kps_v + kk_v;
+        const int64_t blk = __shfl_sync(0xffffffffu, my_blk, j & 31);
+        const int64_t pos = __shfl_sync(0xffffffffu, my_pos, j & 31);
+        const T* vrow = vbase + blk * a.v.blk + pos * a.v.s + kvh * a.v.n;
+#pragma unroll
+        for (int w = 0; w < VPL; ++w) {
+          const int v = vi_v + w * a.lpk_v;
+          if (j >= cnt || v >= a.nv_v) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) x[u][w][i] = 0.0f;
+          } else {
+            load_elements<T, V>(vrow, v * V, a.dv, a.packed_v, x[u][w]);
+          }
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int j = min(j0 + u * kps_v + kk_v, kChunk - 1);  // j >= cnt: x is 0, p is 0
+#pragma unroll
+        for (int h = 0; h < G; ++h) {
+          const float p = s[h * kChunk + j];
+#pragma unroll
+          for (int w = 0; w < VPL; ++w) {
+#pragma unroll
+            for (int i = 0; i < V; ++i) acc[h][w][i] = fmaf(p, x[u][w][i], acc[h][w][i]);
+          }
+        }
+      }
+    }
+    __syncwarp();
+  }
+
+  // Sum acc over the warp's key groups: lanes vi_v of every group hold the same elements.
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+#pragma unroll
+    for (int w = 0; w < VPL; ++w) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) {
+        for (int o = a.lpk_v; o < 32; o *= 2) acc[h][w][i] += __shfl_xor_sync(0xffffffffu, acc[h][w][i], o);
+      }
+    }
+  }
+
+  // Merge the warps through shared memory: per warp and head [m, l, c, acc[dv]].
+  const int rec = 3 + a.dv;
+  float* merge = smem + kWarps * G * kChunk;
+  float* mine = merge + warp * G * rec;
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (h >= nh) continue;
+    if (lane == 0) {
+      mine[h * rec] = m[h];
+      mine[h * rec + 1] = l[h];
+      mine[h * rec + 2] = c[h];
+    }
+    if (kk_v == 0) {
+#pragma unroll
+      for (int w = 0; w < VPL; ++w) {
+#pragma unroll
+        for (int i = 0; i < V; ++i) {
+          const int e = (vi_v + w * a.lpk_v) * V + i;
+          if (e < a.dv) mine[h * rec + 3 + e] = acc[h][w][i];
+        }
+      }
+    }
+  }
+  __syncthreads();
+  for (int h = 0; h < nh; ++h) {
+    float mx = kNegInf;
+    for (int w = 0; w < kWarps; ++w) mx = nan_max(mx, merge[(w * G + h) * rec]);
+    float weight[kWarps];
+    float sum = 0.0f, tok = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = merge[(w * G + h) * rec];
+      weight[w] = mw == kNegInf ? 0.0f : expf(mw - mx);
+      sum += merge[(w * G + h) * rec + 1] * weight[w];
+      tok += merge[(w * G + h) * rec + 2] * weight[w];
+    }
+    const int n = kvh * a.group + h0 + h;
+    float* dst = a.part + ((b * n_heads + n) * a.splits + sp) * (2 + a.dv);
+    if (threadIdx.x == 0) {
+      dst[0] = mx;
+      dst[1] = sum;
+    }
+    for (int e = threadIdx.x; e < a.dv; e += kThreads) {
+      float r = 0.0f;
+      for (int w = 0; w < kWarps; ++w) r += merge[(w * G + h) * rec + 3 + e] * weight[w];
+      if (a.v_chan_scale != nullptr) {
+        const float off = a.v_chan_offset != nullptr ? a.v_chan_offset[kvh * a.dv + e] * sum : 0.0f;
+        r = (r + off) * a.v_chan_scale[kvh * a.dv + e];
+      } else if (a.v_tok.scale != nullptr) {
+        r += tok;
+      }
+      dst[2 + e] = r;
+    }
+  }
+}
+
+struct MergeArgs {
+  const float* part = nullptr;
+  const int64_t* batch = nullptr;
+  const float* sink = nullptr;  // [N] or null
+  void* out = nullptr;
+  int64_t o_b = 0, o_s = 0, o_n = 0;
+  float* lse = nullptr;  // null: not asked for
+  int64_t lse_step = 0;
+  int n_heads = 0, splits = 1, dv = 0;
+};
+
+template <typename O>
+__global__ void __launch_bounds__(kThreads) decode_merge_kernel(const MergeArgs a) {
+  extern __shared__ float weight[];  // [splits]
+  __shared__ float row[2];           // max, 1 / sum
+  const int64_t b = blockIdx.x / a.n_heads;
+  const int n = static_cast<int>(blockIdx.x % a.n_heads);
+  const int64_t* pb = a.batch + b * kPerBatch;
+  if (pb[kActive] == 0) return;
+  const int rec = 2 + a.dv;
+  const float* src = a.part + (b * a.n_heads + n) * a.splits * rec;
+  if (threadIdx.x == 0) {
+    const float sink = a.sink != nullptr ? a.sink[n] : kNegInf;
+    float mx = sink;
+    for (int sp = 0; sp < a.splits; ++sp) mx = nan_max(mx, src[sp * rec]);
+    float sum = sink == kNegInf ? 0.0f : expf(sink - mx);
+    for (int sp = 0; sp < a.splits; ++sp) {
+      const float ms = src[sp * rec];
+      weight[sp] = ms == kNegInf ? 0.0f : expf(ms - mx);
+      sum += src[sp * rec + 1] * weight[sp];
+    }
+    row[0] = mx;
+    row[1] = sum == 0.0f ? 0.0f : 1.0f / sum;
+    if (a.lse != nullptr) a.lse[pb[kLseBase] + n * a.lse_step] = sum == 0.0f ? kNegInf : mx + logf(sum);
+  }
+  __syncthreads();
+  O* out = static_cast<O*>(a.out) + b * a.o_b + pb[kQStart] * a.o_s + n * a.o_n;
+  for (int e = threadIdx.x; e < a.dv; e += kThreads) {
+    float r = 0.0f;
+    for (int sp = 0; sp < a.splits; ++sp) r += src[sp * rec + 2 + e] * weight[sp];
+    out[e] = static_cast<O>(r * row[1]);
+  }
+}
+
+int64_t pow2_at_least(int64_t x) {
+  int64_t p = 1;
+  while (p < x) p *= 2;
+  return p;
+}
+
+template <typename T>
+struct Launch {
+  // Heads per tile for VPL vectors a lane: at most 8 vectors of q and of acc a lane in registers.
+  static void run(const SplitArgs& a, int vpl, int g_tile, int64_t blocks, size_t smem) {
+    const auto stream = at::cuda::getCurrentCUDAStream();
+#define OPENNPU_DECODE_CASE(G, VPL)                                                          \
+  if (g_tile == G && vpl == VPL) {                                                           \
+    decode_split_kernel<T, G, VPL><<<static_cast<unsigned>(blocks), kThreads, smem, stream>>>(a); \
+    C10_CUDA_KERNEL_LAUNCH_CHECK();                                                          \
+    return;                                                                                  \
+  }
+    OPENNPU_DECODE_CASE(1, 1)
+    OPENNPU_DECODE_CASE(4, 1)
+    OPENNPU_DECODE_CASE(8, 1)
+    OPENNPU_DECODE_CASE(1, 2)
+    OPENNPU_DECODE_CASE(4, 2)
+    OPENNPU_DECODE_CASE(1, 4)
+    OPENNPU_DECODE_CASE(2, 4)
+#undef OPENNPU_DECODE_CASE
+    TORCH_CHECK(false, "npu_fused_infer_attention_score: no CUDA decode kernel for ", g_tile,
+                " heads of ", vpl, " vectors");
+  }
+};
+
+// (vectors a lane, heads a tile) for a group of g query heads: the compiled shapes (Launch),
+// which keep at most 8 vectors of q and 8 of acc a lane in registers.
+std::pair<int, int> tile_shape(int vpl_needed, int64_t g) {
+  const int vpl = vpl_needed <= 1 ? 1 : vpl_needed <= 2 ? 2 : 4;
+  static constexpr int kTiles[3][3] = {{1, 4, 8}, {1, 4, 4}, {1, 2, 2}};
+  const int* options = kTiles[vpl == 1 ? 0 : vpl == 2 ? 1 : 2];
+  for (int i = 0; i < 3; ++i) {
+    if (options[i] >= g) return {vpl, options[i]};
+  }
+  return {vpl, options[2]};
+}
+
+bool rows_packed(const KvRows& r, int64_t width, int64_t elem, int64_t vec_bytes) {
+  return r.base == nullptr ||
+         (cuda::aligned_to(r.base, vec_bytes) && (r.stride_blk * elem) % vec_bytes == 0 &&
+          (r.stride_s * elem) % vec_bytes == 0 && (r.stride_n * elem) % vec_bytes == 0 &&
+          (width * elem) % vec_bytes == 0);
+}
+
+template <typename T>
+void decode_typed(const DecodeProblem& d, at::ScalarType dtype, void* out) {
+  const AttentionProblem& p = *d.p;
+  const int64_t B = p.batch, KVN = p.heads_kv, g = p.group(), N = p.heads_q;
+  constexpr int V = vec_of<T>();
+  constexpr int64_t vec_bytes = V * sizeof(T);
+  const c10::Device device(c10::DeviceType::CUDA, c10::cuda::current_device());
+
+  // Per-batch table, uploaded from pinned memory (no synchronisation).
+  at::Tensor host = at::empty({B, kPerBatch}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  int64_t* hb = host.data_ptr<int64_t>();
+  int64_t max_keys = 0;
+  const int64_t lse_step = N > 1 ? p.stat_index(0, 1, 0) - p.stat_index(0, 0, 0) : 0;
+  for (int64_t b = 0; b < B; ++b) {
+    int64_t* r = hb + b * kPerBatch;
+    const bool active = p.q_len[b] > 0;
+    r[kLo] = d.visible[b].lo;
+    r[kHi] = active ? d.visible[b].hi : d.visible[b].lo - 1;
+    r[kActive] = active;
+    r[kQStart] = p.q_start[b];
+    r[kKvStart] = p.kv_start[b];
+    r[kLseBase] = p.stat_index(b, 0, 0);
+    max_keys = std::max(max_keys, r[kHi] + 1 - r[kLo]);
+  }
+  const at::Tensor batch = host.to(at::TensorOptions().device(device), /*non_blocking=*/true);
+
+  SplitArgs a;
+  a.q = d.q;
+  a.q_rope = d.q_rope;
+  a.q_dtype = dtype == at::kHalf ? 1 : dtype == at::kBFloat16 ? 2 : 0;
+  a.q_b = p.q.stride_b;
+  a.q_s = p.q.stride_s;
+  a.q_n = p.q.stride_n;
+  a.qr_b = d.q_rope_view.stride_b;
+  a.qr_s = d.q_rope_view.stride_s;
+  a.qr_n = d.q_rope_view.stride_n;
+  const auto rows = [](const KvRows& r) { return Rows{r.base, r.stride_blk, r.stride_s, r.stride_n}; };
+  a.k = rows(d.cache.k);
+  a.v = rows(d.cache.v);
+  a.kr = rows(d.cache.k_rope);
+  a.table = d.cache.block_table;
+  a.table_stride = d.cache.table_stride;
+  a.block_size = std::max<int64_t>(d.cache.block_size, 1);
+  a.num_blocks = d.cache.num_blocks;
+  a.batch = batch.const_data_ptr<int64_t>();
+  a.mask = p.user_mask;
+  a.mask_b = p.mask_stride_b;
+  a.mask_n = p.mask_stride_n;
+  const auto token = [](const KvQuant& q) {
+    TokenFactors f;
+    if (q.kind != KvQuant::Kind::kToken) return f;
+    f.scale = q.scale;
+    f.offset = q.offset;
+    f.blk = q.stride_blk;
+    f.s = q.stride_s;
+    f.n = q.stride_n;
+    f.paged = q.paged;
+    return f;
+  };
+  if (d.cache.kq.kind == KvQuant::Kind::kChannel) {
+    a.k_chan_scale = d.cache.kq.scale;
+    a.k_chan_offset = d.cache.kq.offset;
+  }
+  if (d.cache.vq.kind == KvQuant::Kind::kChannel) {
+    a.v_chan_scale = d.cache.vq.scale;
+    a.v_chan_offset = d.cache.vq.offset;
+  }
+  a.k_tok = token(d.cache.kq);
+  a.v_tok = token(d.cache.vq);
+  a.heads_kv = static_cast<int>(KVN);
+  a.group = static_cast<int>(g);
+  a.d = static_cast<int>(p.head_dim);
+  a.dr = static_cast<int>(d.rope_dim);
+  a.dv = static_cast<int>(p.head_dim_v);
+  a.nv_main = (a.d + V - 1) / V;
+  a.nv_k = a.nv_main + (a.dr + V - 1) / V;
+  a.lpk = static_cast<int>(std::min<int64_t>(32, pow2_at_least(a.nv_k)));
+  a.nv_v = (a.dv + V - 1) / V;
+  a.lpk_v = static_cast<int>(std::min<int64_t>(32, pow2_at_least(a.nv_v)));
+  const int vpl_needed = std::max((a.nv_k + a.lpk - 1) / a.lpk, (a.nv_v + a.lpk_v - 1) / a.lpk_v);
+  TORCH_CHECK(vpl_needed <= 4, "npu_fused_infer_attention_score: head sizes ", a.d, " + ", a.dr,
+              " / ", a.dv, " exceed the CUDA decode kernel's ", 4 * 32 * V, " elements");
+  const auto [vpl, g_tile] = tile_shape(vpl_needed, a.group);
+  a.tile_heads = g_tile;
+  a.tiles = static_cast<int>((g + g_tile - 1) / g_tile);
+  const int64_t elem = sizeof(T);
+  a.packed_k = a.d % V == 0 && a.dr % V == 0 && rows_packed(d.cache.k, a.d, elem, vec_bytes) &&
+               rows_packed(d.cache.k_rope, a.dr, elem, vec_bytes);
+  a.packed_v = a.dv % V == 0 && rows_packed(d.cache.v, a.dv, elem, vec_bytes);
+  a.scale = static_cast<float>(p.scale);
+
+  // Context splits: enough blocks to fill the GPU (4 a multiprocessor), each split at least one
+  // chunk per warp.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t units = B * KVN * a.tiles;
+  const int64_t want = (4 * sms + units - 1) / units;
+  const int64_t most = std::max<int64_t>(1, (max_keys + kWarps * kChunk - 1) / (kWarps * kChunk));
+  a.splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 256)));
+  const at::Tensor part = at::empty({B * N * a.splits * (2 + a.dv)},
+                                    at::TensorOptions().dtype(at::kFloat).device(device));
+  a.part = part.mutable_data_ptr<float>();
+
+  const size_t smem = sizeof(float) * kWarps * g_tile * (kChunk + 3 + a.dv);
+  const int64_t blocks = units * a.splits;
+  Launch<T>::run(a, vpl, g_tile, blocks, smem);
+
+  MergeArgs mg;
+  mg.part = a.part;
+  mg.batch = a.batch;
+  mg.sink = p.sink;
+  mg.out = out;
+  mg.o_b = p.out.stride_b;
+  mg.o_s = p.out.stride_s;
+  mg.o_n = p.out.stride_n;
+  mg.lse = d.lse;
+  mg.lse_step = lse_step;
+  mg.n_heads = static_cast<int>(N);
+  mg.splits = a.splits;
+  mg.dv = a.dv;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const size_t msmem = sizeof(float) * a.splits;
+  const auto merge = [&](auto* tag) {
+    using O = std::remove_pointer_t<decltype(tag)>;
+    decode_merge_kernel<O><<<static_cast<unsigned>(B * N), kThreads, msmem, stream>>>(mg);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  if (d.out_float || dtype == at::kFloat) {
+    merge(static_cast<float*>(nullptr));
+  } else if (dtype == at::kHalf) {
+    merge(static_cast<at::Half*>(nullptr));
+  } else {
+    merge(static_cast<at::BFloat16*>(nullptr));
+  }
+}
+
+void infer_decode_cuda(const DecodeProblem& d, at::ScalarType dtype, void* out) {
+  if (d.p->batch == 0 || d.p->heads_q == 0) return;
+  if (d.cache.int8) return decode_typed<int8_t>(d, dtype, out);
+  switch (dtype) {
+    case at::kBFloat16: return decode_typed<at::BFloat16>(d, dtype, out);
+    case at::kHalf: return decode_typed<at::Half>(d, dtype, out);
+    default: return decode_typed<float>(d, dtype, out);
+  }
+}
+
+// ---- routing -----------------------------------------------------------------------------
+
+// Where the router finds the arguments it decides on, by name in the op's schema.
+struct RouteArgs {
+  bool v2 = false;
+  int pse_shift = -1, seq_q = -1, query_rope = -1, layout = -1, num_heads = -1;
+  std::vector<int> must_be_none;  // padding / prefix (v1), quant_scale_p (v2)
+  int query_quant_mode = -1;      // v2: 3 is the int8 MLA prefill kernel's
+};
+
+RouteArgs route_args(const c10::FunctionSchema& schema, bool v2) {
+  const auto at = [&](const char* name) {
+    const auto i = schema.argumentIndexWithName(name);
+    TORCH_INTERNAL_ASSERT(i.has_value(), "npu_fused_infer_attention_score: no argument ", name);
+    return static_cast<int>(*i);
+  };
+  RouteArgs r;
+  r.v2 = v2;
+  r.pse_shift = at("pse_shift");
+  r.seq_q = at(v2 ? "actual_seq_qlen" : "actual_seq_lengths");
+  r.query_rope = at("query_rope");
+  r.layout = at("input_layout");
+  r.num_heads = at(v2 ? "num_query_heads" : "num_heads");
+  if (v2) {
+    r.must_be_none = {at("quant_scale_p")};
+    r.query_quant_mode = at("query_quant_mode");
+  } else {
+    r.must_be_none = {at("query_padding_size"), at("kv_padding_size"), at("key_shared_prefix"),
+                      at("value_shared_prefix"), at("actual_shared_prefix_len")};
+  }
+  return r;
+}
+
+int64_t int_of(const c10::IValue& v) {
+  return v.isInt() ? v.toInt() : v.toSymInt().guard_int(__FILE__, __LINE__);
+}
+
+// Whether the C++ entry point would run this call on the decode kernel (its test in
+// infer_attention.cpp: one query row per sequence, no pse_shift, fp32 / fp16 / bf16 query, no
+// int8 cache with rope parts), with head sizes the kernel holds. Shapes the entry point rejects
+// go there too: its messages name the argument.
+bool decode_call(const c10::IValue* s, const RouteArgs& r) {
+  const char* env = std::getenv("OPENNPU_FIA_DECODE");
+  if (env != nullptr && std::string(env) == "0") return false;
+  const at::Tensor& q = s[0].toTensor();
+  const at::Tensor& k = s[1].toTensor();
+  const at::ScalarType dt = q.scalar_type();
+  if (dt != at::kFloat && dt != at::kHalf && dt != at::kBFloat16) return false;
+  if (!s[r.pse_shift].isNone()) return false;
+  for (int i : r.must_be_none) {
+    if (!s[i].isNone()) return false;
+  }
+  if (r.v2 && s[r.query_quant_mode].toInt() == 3) return false;
+  const bool rope = !s[r.query_rope].isNone();
+  if (rope && k.scalar_type() == at::kChar) return false;
+  std::string layout(s[r.layout].toStringRef());
+  for (char& ch : layout) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  layout = layout.substr(0, layout.find('_'));
+  const int64_t heads = s[r.num_heads].toInt();
+  int64_t width = 0;  // query head size, rope part included
+  if (layout == "TND" || layout == "NTD") {
+    if (s[r.seq_q].isNone()) return true;  // the entry point's error
+    int64_t prev = 0;
+    for (const c10::IValue& e : s[r.seq_q].toListRef()) {
+      const int64_t end = int_of(e);
+      if (end - prev > 1) return false;
+      prev = end;
+    }
+  } else {
+    const int64_t seq_dim = layout == "BNSD" ? 2 : 1;
+    if (q.dim() <= seq_dim) return true;
+    if (q.size(seq_dim) != 1) return false;
+  }
+  if (q.dim() >= 1) {
+    width = layout == "BSH" && heads > 0 ? q.size(-1) / heads : q.size(-1);
+  }
+  if (rope) {
+    const at::Tensor& qr = s[r.query_rope].toTensor();
+    if (qr.dim() >= 1) width += layout == "BSH" && heads > 0 ? qr.size(-1) / heads : qr.size(-1);
+  }
+  return width <= (dt == at::kFloat ? 512 : 1024);
+}
+
+template <bool kV2>
+void route(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  static const RouteArgs args = route_args(op.schema(), kV2);
+  static const c10::OperatorHandle decode = c10::Dispatcher::singleton().findSchemaOrThrow(
+      kV2 ? "opennpu::_fia_v2_decode" : "opennpu::_fia_decode", "");
+  static const c10::OperatorHandle portable = c10::Dispatcher::singleton().findSchemaOrThrow(
+      kV2 ? "opennpu::_fia_v2_portable" : "opennpu::_fia_portable", "");
+  const c10::IValue* s = stack->data() + stack->size() - op.schema().arguments().size();
+  const c10::cuda::CUDAGuard guard(s[0].toTensor().device());
+  (decode_call(s, args) ? decode : portable).callBoxed(stack);
+}
+
+}  // namespace
+
+OPENNPU_REGISTER_CUDA_SLOT(infer_decode, &infer_decode_cuda);
+
+TORCH_LIBRARY_IMPL(npu, CUDA, m) {
+  m.impl("npu_fused_infer_attention_score", torch::CppFunction::makeFromBoxedFunction<&route<false>>());
+  m.impl("npu_fused_infer_attention_score_v2", torch::CppFunction::makeFromBoxedFunction<&route<true>>());
+}
+
+}  // namespace opennpu::attention
