@@ -202,11 +202,11 @@ def _decode_composition(q, k, v, scale):
     return (p.to(v.dtype) @ v)
 
 
-def _composition_route(fn):
-    """fn with OPENNPU_FIA_DECODE=0: the portable composition that ran a decode call on CUDA before
-    the decode kernel (flash / cuDNN where the call fits, else ATen ops)."""
+def _with_decode_switch(fn, value):
+    """fn with OPENNPU_FIA_DECODE=value: "0" the portable route for every decode call (flash /
+    cuDNN where the call fits, else ATen ops), "1" the decode kernel for every one it covers."""
     def run():
-        os.environ["OPENNPU_FIA_DECODE"] = "0"
+        os.environ["OPENNPU_FIA_DECODE"] = value
         try:
             return fn()
         finally:
@@ -229,18 +229,24 @@ def decode_attention_cases(b, n, nkv, skv, d, dtype):
 
     qb, kb, vb = q.unflatten(2, (n, d)).transpose(1, 2), k.unflatten(2, (nkv, d)).transpose(1, 2), \
         v.unflatten(2, (nkv, d)).transpose(1, 2)
+    def sdpa():
+        return F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=nkv != n)
+
     fwd = {"ours": ours, "eager": lambda: _decode_composition(qb, kb, vb, scale),
            "compile": compiled(_decode_composition, qb, kb, vb, scale),
-           "portable": _composition_route(ours),
-           "sdpa": lambda: F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=nkv != n)}
-    return [("infer_attention", "fwd", 2 * k.numel() * k.element_size(), fwd)]
+           "portable": _with_decode_switch(ours, "0"), "sdpa": sdpa}
+    # the decode kernel on the same dense cache (by default flash takes these calls)
+    kernel = {"ours": _with_decode_switch(ours, "1"), "portable": _with_decode_switch(ours, "0"),
+              "sdpa": sdpa}
+    nbytes = 2 * k.numel() * k.element_size()
+    return [("infer_attention", "fwd", nbytes, fwd), ("fia_kernel", "fwd", nbytes, kernel)]
 
 
 def paged_decode_attention_cases(b, n, nkv, skv, d, block_size, dtype):
     """The same decode step over a paged cache ([blocks, block_size, KVN * D], blocks in shuffled
     order, as vllm-ascend keeps it): ours reads the blocks in place; the peers gather each
     sequence's blocks into a dense cache first (index_select), then run the native composition
-    (eager, compiled) or SDPA; the portable route is skipped (a host loop over the batch)."""
+    (eager, compiled) or SDPA, and the portable route (OPENNPU_FIA_DECODE=0)."""
     cols = skv // block_size
     blocks = b * cols
     q = rand(b, 1, n * d, dtype=dtype)
@@ -267,7 +273,8 @@ def paged_decode_attention_cases(b, n, nkv, skv, d, block_size, dtype):
                                               gathered(v, table), scale=scale, enable_gqa=nkv != n)
 
     fwd = {"ours": ours, "eager": lambda: composition(q, k, v, table),
-           "compile": compiled(composition, q, k, v, table), "sdpa": sdpa}
+           "compile": compiled(composition, q, k, v, table),
+           "portable": _with_decode_switch(ours, "0"), "sdpa": sdpa}
     return [("infer_attention", "fwd", 2 * k.numel() * k.element_size(), fwd)]
 
 

@@ -32,6 +32,7 @@
 //    output dtype, lse = max + log(sum) (-inf where nothing was seen; out 0 there).
 // Numerics as infer_decode_cpu: fp32 throughout, one rounding of the output. The summation order
 // differs, so results agree to a few fp32 ulps before that rounding, not bit for bit.
+#include <ATen/Context.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -103,6 +104,7 @@ struct SplitArgs {
   int heads_kv = 0, group = 0, tile_heads = 0, tiles = 0;
   int d = 0, dr = 0, dv = 0;
   int nv_main = 0, nv_k = 0, lpk = 0, nv_v = 0, lpk_v = 0;  // vectors per row, lanes per row
+  int key_stride = 0, red_floats = 0;  // the split kernel's partial dot products (see red)
   bool packed_k = false, packed_v = false;  // vector loads allowed (alignment, widths)
   float scale = 1.0f;
   int splits = 1;
@@ -234,7 +236,11 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
       for (int i = 0; i < V; ++i) acc[h][w][i] = 0.0f;
     }
   }
-  float* s = smem + warp * G * kChunk;  // this warp's scores / probabilities [G][kChunk]
+  // This warp's scores / probabilities [G][kChunk] and its partial dot products: row i of an
+  // iteration's keys at red + i * key_stride, lpk shares a head (key_stride = lpk mod 32: the
+  // key groups' stores fall in different banks).
+  float* s = smem + warp * (G * kChunk + a.red_floats);
+  float* red = s + G * kChunk;
   const T* kbase = static_cast<const T*>(a.k.base);
   const T* vbase = static_cast<const T*>(a.v.base);
   const T* krbase = static_cast<const T*>(a.kr.base);
@@ -247,13 +253,13 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
     if (lane < cnt) {
       const int64_t t = c0 + lane;
       if (a.table != nullptr) {
-        int64_t id = a.table[b * a.table_stride + t / a.block_size];
+        int64_t id = a.table[b * a.table_stride + int32_t(t) / int32_t(a.block_size)];
         CUDA_KERNEL_ASSERT_MSG(id >= 0 && id < a.num_blocks,
                                "npu_fused_infer_attention_score: block_table holds a block id "
                                "outside the cache");
         if (id < 0 || id >= a.num_blocks) id = 0;  // where assertions are compiled out
         my_blk = static_cast<int32_t>(id);
-        my_pos = static_cast<int32_t>(t % a.block_size);
+        my_pos = int32_t(t) % int32_t(a.block_size);
       } else {
         my_blk = static_cast<int32_t>(b);
         my_pos = static_cast<int32_t>(pb[kKvStart] + t);
@@ -279,8 +285,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
       const int64_t t = c0 + kWarps * kChunk + lane;
       int64_t blk = b, pos = pb[kKvStart] + t;
       if (a.table != nullptr) {
-        blk = a.table[b * a.table_stride + t / a.block_size];
-        pos = t % a.block_size;
+        blk = a.table[b * a.table_stride + int32_t(t) / int32_t(a.block_size)];
+        pos = int32_t(t) % int32_t(a.block_size);
       }
       if (blk >= 0 && (a.table == nullptr || blk < a.num_blocks)) {
         prefetch_row(kbase + blk * a.k.blk + pos * a.k.s + kvh * a.k.n, a.d);
@@ -310,9 +316,10 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
           }
         }
       }
+      // Partial dot products (this lane's share of each row) -> red, then lane i sums the lpk
+      // shares of (key, head) pair i: independent loads and adds, no chain of shuffles per key.
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int j = j0 + u * kps + kk;
 #pragma unroll
         for (int h = 0; h < G; ++h) {
           float dot = 0.0f;
@@ -321,10 +328,24 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
 #pragma unroll
             for (int i = 0; i < V; ++i) dot = fmaf(q[h][w][i], x[u][w][i], dot);
           }
-          for (int o = 1; o < a.lpk; o *= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-          if (vi == 0 && j < cnt && h < nh) s[h * kChunk + j] = dot;
+          red[(u * kps + kk) * a.key_stride + h * a.lpk + vi] = dot;
         }
       }
+      __syncwarp();
+      for (int pair = lane; pair < kps * kUnroll * G; pair += 32) {
+        const int i = pair / G, h = pair % G, j = j0 + i;
+        const float4* r = reinterpret_cast<const float4*>(red + i * a.key_stride + h * a.lpk);
+        float4 sum = r[0];
+        for (int e = 1; e < a.lpk / 4; ++e) {
+          const float4 more = r[e];
+          sum.x += more.x;
+          sum.y += more.y;
+          sum.z += more.z;
+          sum.w += more.w;
+        }
+        if (j < cnt && h < nh) s[h * kChunk + j] = (sum.x + sum.y) + (sum.z + sum.w);
+      }
+      __syncwarp();
     }
     __syncwarp();
 
@@ -415,10 +436,12 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
     }
   }
 
-  // Merge the warps through shared memory: per warp and head [m, l, c, acc[dv]].
+  // Merge the warps through shared memory (over the loop's scratch, once every warp is done):
+  // per warp and head [m, l, c, acc[dv]].
   const int rec = 3 + a.dv;
-  float* merge = smem + kWarps * G * kChunk;
+  float* merge = smem;
   float* mine = merge + warp * G * rec;
+  __syncthreads();
 #pragma unroll
   for (int h = 0; h < G; ++h) {
     if (h >= nh) continue;
@@ -639,7 +662,8 @@ void decode_typed(const DecodeProblem& d, at::ScalarType dtype, void* out) {
   a.dv = static_cast<int>(p.head_dim_v);
   a.nv_main = (a.d + V - 1) / V;
   a.nv_k = a.nv_main + (a.dr + V - 1) / V;
-  a.lpk = static_cast<int>(std::min<int64_t>(32, pow2_at_least(a.nv_k)));
+  // at least 4 lanes a key row (idle lanes hold zeros): the sums read the shares as float4
+  a.lpk = static_cast<int>(std::clamp<int64_t>(pow2_at_least(a.nv_k), 4, 32));
   a.nv_v = (a.dv + V - 1) / V;
   a.lpk_v = static_cast<int>(std::min<int64_t>(32, pow2_at_least(a.nv_v)));
   const int vpl_needed = std::max((a.nv_k + a.lpk - 1) / a.lpk, (a.nv_v + a.lpk_v - 1) / a.lpk_v);
@@ -665,7 +689,10 @@ void decode_typed(const DecodeProblem& d, at::ScalarType dtype, void* out) {
                                     at::TensorOptions().dtype(at::kFloat).device(device));
   a.part = part.mutable_data_ptr<float>();
 
-  const size_t smem = sizeof(float) * kWarps * g_tile * (kChunk + 3 + a.dv);
+  a.key_stride = (g_tile * a.lpk + 31) / 32 * 32 + a.lpk;
+  a.red_floats = (32 / a.lpk) * kUnroll * a.key_stride;
+  const size_t smem = sizeof(float) * kWarps *
+                      std::max<int64_t>(g_tile * kChunk + a.red_floats, g_tile * (3 + a.dv));
   const int64_t blocks = units * a.splits;
   Launch<T>::run(a, vpl, g_tile, blocks, smem);
 
@@ -714,6 +741,8 @@ void infer_decode_cuda(const DecodeProblem& d, at::ScalarType dtype, void* out) 
 struct RouteArgs {
   bool v2 = false;
   int pse_shift = -1, seq_q = -1, query_rope = -1, layout = -1, num_heads = -1;
+  int block_table = -1, atten_mask = -1;
+  std::vector<int> dense_none;  // with these None (and no mask, table, rope) flash may take it
   std::vector<int> must_be_none;  // padding / prefix (v1), quant_scale_p (v2)
   int query_quant_mode = -1;      // v2: 3 is the int8 MLA prefill kernel's
 };
@@ -731,10 +760,14 @@ RouteArgs route_args(const c10::FunctionSchema& schema, bool v2) {
   r.query_rope = at("query_rope");
   r.layout = at("input_layout");
   r.num_heads = at(v2 ? "num_query_heads" : "num_heads");
+  r.block_table = at("block_table");
+  r.atten_mask = at("atten_mask");
   if (v2) {
     r.must_be_none = {at("quant_scale_p")};
     r.query_quant_mode = at("query_quant_mode");
+    r.dense_none = {at("learnable_sink"), at("dequant_scale_key"), at("dequant_scale_value")};
   } else {
+    r.dense_none = {at("antiquant_scale"), at("key_antiquant_scale"), at("value_antiquant_scale")};
     r.must_be_none = {at("query_padding_size"), at("kv_padding_size"), at("key_shared_prefix"),
                       at("value_shared_prefix"), at("actual_shared_prefix_len")};
   }
@@ -745,13 +778,39 @@ int64_t int_of(const c10::IValue& v) {
   return v.isInt() ? v.toInt() : v.toSymInt().guard_int(__FILE__, __LINE__);
 }
 
+// Whether a decode call over a dense fp16 / bf16 cache that flash attention takes (no block
+// table, int8 cache, rope part, mask or sink; BSH / BSND / BNSD): the portable route runs it on
+// flash's split-KV kernel (flash_route.py), which reads the cache faster than this kernel.
+bool flash_takes(const c10::IValue* s, const RouteArgs& r, const std::string& layout,
+                 int64_t head_dim) {
+  const at::ScalarType dt = s[0].toTensor().scalar_type();
+  if ((dt != at::kHalf && dt != at::kBFloat16) || !at::globalContext().userEnabledFlashSDP()) {
+    return false;
+  }
+  if (head_dim % 8 != 0 || head_dim > 256) return false;
+  const auto dense = [](const std::string& l) { return l == "BSH" || l == "BSND" || l == "BNSD"; };
+  const size_t cut = layout.find('_');
+  if (!dense(layout.substr(0, cut)) || (cut != std::string::npos && !dense(layout.substr(cut + 1)))) {
+    return false;
+  }
+  if (!s[r.block_table].isNone() || !s[r.atten_mask].isNone() || !s[r.query_rope].isNone()) {
+    return false;
+  }
+  for (int i : r.dense_none) {
+    if (!s[i].isNone()) return false;
+  }
+  return s[1].toTensor().scalar_type() == dt;
+}
+
 // Whether the C++ entry point would run this call on the decode kernel (its test in
 // infer_attention.cpp: one query row per sequence, no pse_shift, fp32 / fp16 / bf16 query, no
-// int8 cache with rope parts), with head sizes the kernel holds. Shapes the entry point rejects
-// go there too: its messages name the argument.
+// int8 cache with rope parts), with head sizes the kernel holds, and whether it should (not a
+// call flash_takes; OPENNPU_FIA_DECODE=1 takes those too, =0 none). Shapes the entry point
+// rejects go there too: its messages name the argument.
 bool decode_call(const c10::IValue* s, const RouteArgs& r) {
   const char* env = std::getenv("OPENNPU_FIA_DECODE");
-  if (env != nullptr && std::string(env) == "0") return false;
+  const std::string mode = env == nullptr ? "" : env;
+  if (mode == "0") return false;
   const at::Tensor& q = s[0].toTensor();
   const at::Tensor& k = s[1].toTensor();
   const at::ScalarType dt = q.scalar_type();
@@ -763,9 +822,9 @@ bool decode_call(const c10::IValue* s, const RouteArgs& r) {
   if (r.v2 && s[r.query_quant_mode].toInt() == 3) return false;
   const bool rope = !s[r.query_rope].isNone();
   if (rope && k.scalar_type() == at::kChar) return false;
-  std::string layout(s[r.layout].toStringRef());
-  for (char& ch : layout) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
-  layout = layout.substr(0, layout.find('_'));
+  std::string full(s[r.layout].toStringRef());
+  for (char& ch : full) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  const std::string layout = full.substr(0, full.find('_'));
   const int64_t heads = s[r.num_heads].toInt();
   int64_t width = 0;  // query head size, rope part included
   if (layout == "TND" || layout == "NTD") {
@@ -788,7 +847,8 @@ bool decode_call(const c10::IValue* s, const RouteArgs& r) {
     const at::Tensor& qr = s[r.query_rope].toTensor();
     if (qr.dim() >= 1) width += layout == "BSH" && heads > 0 ? qr.size(-1) / heads : qr.size(-1);
   }
-  return width <= (dt == at::kFloat ? 512 : 1024);
+  if (width > (dt == at::kFloat ? 512 : 1024)) return false;
+  return mode == "1" || !flash_takes(s, r, full, width);
 }
 
 template <bool kV2>

@@ -2248,6 +2248,9 @@ def _fia(query, key, value, pse_shift, atten_mask, seq, seq_kv, block_table, que
     from .infer_attention import LAYOUTS, output_shapes
 
     lin, lout = LAYOUTS[input_layout.upper()]
+    if num_key_value_heads and num_heads % num_key_value_heads:
+        raise RuntimeError(f"{op}: argument 'num_key_value_heads' must divide num_heads "
+                           f"{num_heads} (grouped-query attention), but got {num_key_value_heads}")
     routed = flash_route.infer(
         query, key, value, num_heads=num_heads, num_key_value_heads=num_key_value_heads, lin=lin,
         lout=lout, scale=scale, atten_mask=atten_mask, sparse_mode=sparse_mode,
