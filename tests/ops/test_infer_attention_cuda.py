@@ -28,10 +28,14 @@ LSE_TOL = dict(atol=1e-4, rtol=1e-5)
 INT8_LSE_TOL = dict(atol=1e-3, rtol=1e-4)
 
 
-@pytest.fixture
-def kernel(monkeypatch):
-    """Every decode call on the decode kernel, dense fp16 / bf16 caches included."""
+@pytest.fixture(params=["tensor_cores", "cuda_cores"])
+def kernel(request, monkeypatch):
+    """Every decode call on the decode kernel, dense fp16 / bf16 caches included; fp16 / bf16
+    caches of head size 64 or 128 on its tensor-core pass, or (OPENNPU_FIA_CUDA_MMA=0) on the
+    CUDA-core pass that takes every other call."""
     monkeypatch.setenv("OPENNPU_FIA_DECODE", "1")
+    if request.param == "cuda_cores":
+        monkeypatch.setenv("OPENNPU_FIA_CUDA_MMA", "0")
 
 
 def _cuda(x):
@@ -83,7 +87,7 @@ def test_routes(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["BSH", "BSND", "BNSD"])
 @pytest.mark.parametrize("kvn", [8, 2, 1])
-@pytest.mark.parametrize("D", [40, 128])  # 40: element loads (not a whole 16-byte vector)
+@pytest.mark.parametrize("D", [40, 64, 128])  # 40: element loads (not a whole 16-byte vector)
 def test_decode_contiguous(layout, kvn, D, dtype, kernel):
     torch.manual_seed(0)
     q, k, v = make(layout, 3, 8, kvn, 1, 77, D, dtype)

@@ -41,12 +41,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "common/cuda_rows.cuh"
 #include "ops/attention/infer_attention.h"
@@ -157,29 +159,104 @@ __device__ __forceinline__ void prefetch_row(const T* p, int width) {
   }
 }
 
+// The split's partial of heads h0 .. h0 + nh of kv head kvh: the kWarps warps' states in
+// `merge` (per warp and tile row: max, sum, per-token value offsets' share c, acc[dv]; rows
+// tile_rows apart), merged by log-sum-exp, the int8 value factors applied (linear in acc and the
+// sum), written to a.part. Every thread of the block takes part.
+__device__ void write_partial(const SplitArgs& a, const float* merge, int tile_rows, int nh,
+                              int64_t b, int kvh, int h0, int sp) {
+  const int rec = 3 + a.dv;
+  const int n_heads = a.heads_kv * a.group;
+  for (int h = 0; h < nh; ++h) {
+    float mx = kNegInf;
+    for (int w = 0; w < kWarps; ++w) mx = nan_max(mx, merge[(w * tile_rows + h) * rec]);
+    float weight[kWarps];
+    float sum = 0.0f, tok = 0.0f;
+    for (int w = 0; w < kWarps; ++w) {
+      const float mw = merge[(w * tile_rows + h) * rec];
+      weight[w] = mw == kNegInf ? 0.0f : expf(mw - mx);
+      sum += merge[(w * tile_rows + h) * rec + 1] * weight[w];
+      tok += merge[(w * tile_rows + h) * rec + 2] * weight[w];
+    }
+    const int n = kvh * a.group + h0 + h;
+    float* dst = a.part + ((b * n_heads + n) * a.splits + sp) * (2 + a.dv);
+    if (threadIdx.x == 0) {
+      dst[0] = mx;
+      dst[1] = sum;
+    }
+    for (int e = threadIdx.x; e < a.dv; e += kThreads) {
+      float r = 0.0f;
+      for (int w = 0; w < kWarps; ++w) r += merge[(w * tile_rows + h) * rec + 3 + e] * weight[w];
+      if (a.v_chan_scale != nullptr) {
+        const float off = a.v_chan_offset != nullptr ? a.v_chan_offset[kvh * a.dv + e] * sum : 0.0f;
+        r = (r + off) * a.v_chan_scale[kvh * a.dv + e];
+      } else if (a.v_tok.scale != nullptr) {
+        r += tok;
+      }
+      dst[2 + e] = r;
+    }
+  }
+}
+
+// A split block's place: (batch, kv head, split, head tile) of blockIdx.x, its key range
+// [t0, t1) and the heads h0 .. h0 + nh of its tile. active false: the batch has no query row.
+struct BlockPlace {
+  int64_t b, t0, t1;
+  int kvh, sp, h0, nh;
+  const int64_t* pb;
+  bool active;
+};
+
+__device__ __forceinline__ BlockPlace place_of(const SplitArgs& a, int tile_heads) {
+  BlockPlace w;
+  int64_t index = blockIdx.x;
+  const int tile = static_cast<int>(index % a.tiles);
+  index /= a.tiles;
+  w.sp = static_cast<int>(index % a.splits);
+  index /= a.splits;
+  w.kvh = static_cast<int>(index % a.heads_kv);
+  w.b = index / a.heads_kv;
+  w.pb = a.batch + w.b * kPerBatch;
+  w.active = w.pb[kActive] != 0;
+  w.h0 = tile * tile_heads;
+  w.nh = ::min(tile_heads, a.group - w.h0);
+  const int64_t lo = w.pb[kLo];
+  const int64_t n_keys = ::max(w.pb[kHi] + 1 - lo, int64_t(0));
+  const int64_t per = (n_keys + a.splits - 1) / a.splits;
+  const int64_t per_r = (per + kChunk - 1) / kChunk * kChunk;
+  w.t0 = lo + ::min(n_keys, w.sp * per_r);
+  w.t1 = lo + ::min(n_keys, (w.sp + 1) * per_r);
+  return w;
+}
+
+// Where key t of batch b lives: (cache block, row in block), or (b, kv_start + t) for contiguous
+// rows. Block ids are checked (a device-side assertion; id 0 where assertions are compiled out).
+__device__ __forceinline__ void key_row(const SplitArgs& a, int64_t b, const int64_t* pb, int64_t t,
+                                        int32_t& blk, int32_t& pos) {
+  if (a.table != nullptr) {
+    int64_t id = a.table[b * a.table_stride + int32_t(t) / int32_t(a.block_size)];
+    CUDA_KERNEL_ASSERT_MSG(id >= 0 && id < a.num_blocks,
+                           "npu_fused_infer_attention_score: block_table holds a block id "
+                           "outside the cache");
+    if (id < 0 || id >= a.num_blocks) id = 0;
+    blk = static_cast<int32_t>(id);
+    pos = int32_t(t) % int32_t(a.block_size);
+  } else {
+    blk = static_cast<int32_t>(b);
+    pos = static_cast<int32_t>(pb[kKvStart] + t);
+  }
+}
+
 template <typename T, int G, int VPL>
 __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs a) {
   constexpr int V = vec_of<T>();
   extern __shared__ float smem[];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  int64_t index = blockIdx.x;
-  const int tile = static_cast<int>(index % a.tiles);
-  index /= a.tiles;
-  const int sp = static_cast<int>(index % a.splits);
-  index /= a.splits;
-  const int kvh = static_cast<int>(index % a.heads_kv);
-  const int64_t b = index / a.heads_kv;
-  const int64_t* pb = a.batch + b * kPerBatch;
-  if (pb[kActive] == 0) return;
-  const int h0 = tile * a.tile_heads;
-  const int nh = min(G, a.group - h0);
-  const int n_heads = a.heads_kv * a.group;
-
-  const int64_t lo = pb[kLo];
-  const int64_t n_keys = ::max(pb[kHi] + 1 - lo, int64_t(0));
-  const int64_t per = (n_keys + a.splits - 1) / a.splits;
-  const int64_t per_r = (per + kChunk - 1) / kChunk * kChunk;
-  const int64_t t0 = lo + ::min(n_keys, sp * per_r), t1 = lo + ::min(n_keys, (sp + 1) * per_r);
+  const BlockPlace place = place_of(a, a.tile_heads);
+  if (!place.active) return;
+  const int64_t b = place.b, t0 = place.t0, t1 = place.t1;
+  const int kvh = place.kvh, sp = place.sp, h0 = place.h0, nh = place.nh;
+  const int64_t* pb = place.pb;
 
   // Key side: lane = kk * lpk + vi, vector vi + w * lpk of the concatenated (K, K rope) row.
   const int kk = lane / a.lpk, vi = lane % a.lpk, kps = 32 / a.lpk;
@@ -252,18 +329,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
     float ks = 1.0f, ko = 0.0f, vs = 1.0f, vo = 0.0f;
     if (lane < cnt) {
       const int64_t t = c0 + lane;
-      if (a.table != nullptr) {
-        int64_t id = a.table[b * a.table_stride + int32_t(t) / int32_t(a.block_size)];
-        CUDA_KERNEL_ASSERT_MSG(id >= 0 && id < a.num_blocks,
-                               "npu_fused_infer_attention_score: block_table holds a block id "
-                               "outside the cache");
-        if (id < 0 || id >= a.num_blocks) id = 0;  // where assertions are compiled out
-        my_blk = static_cast<int32_t>(id);
-        my_pos = int32_t(t) % int32_t(a.block_size);
-      } else {
-        my_blk = static_cast<int32_t>(b);
-        my_pos = static_cast<int32_t>(pb[kKvStart] + t);
-      }
+      key_row(a, b, pb, t, my_blk, my_pos);
       const auto factor_at = [&](const TokenFactors& f) {
         return (f.paged ? my_blk : b) * f.blk + (f.paged ? my_pos : t) * f.s + kvh * f.n;
       };
@@ -462,35 +528,236 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
     }
   }
   __syncthreads();
-  for (int h = 0; h < nh; ++h) {
-    float mx = kNegInf;
-    for (int w = 0; w < kWarps; ++w) mx = nan_max(mx, merge[(w * G + h) * rec]);
-    float weight[kWarps];
-    float sum = 0.0f, tok = 0.0f;
-    for (int w = 0; w < kWarps; ++w) {
-      const float mw = merge[(w * G + h) * rec];
-      weight[w] = mw == kNegInf ? 0.0f : expf(mw - mx);
-      sum += merge[(w * G + h) * rec + 1] * weight[w];
-      tok += merge[(w * G + h) * rec + 2] * weight[w];
-    }
-    const int n = kvh * a.group + h0 + h;
-    float* dst = a.part + ((b * n_heads + n) * a.splits + sp) * (2 + a.dv);
-    if (threadIdx.x == 0) {
-      dst[0] = mx;
-      dst[1] = sum;
-    }
-    for (int e = threadIdx.x; e < a.dv; e += kThreads) {
-      float r = 0.0f;
-      for (int w = 0; w < kWarps; ++w) r += merge[(w * G + h) * rec + 3 + e] * weight[w];
-      if (a.v_chan_scale != nullptr) {
-        const float off = a.v_chan_offset != nullptr ? a.v_chan_offset[kvh * a.dv + e] * sum : 0.0f;
-        r = (r + off) * a.v_chan_scale[kvh * a.dv + e];
-      } else if (a.v_tok.scale != nullptr) {
-        r += tok;
-      }
-      dst[2 + e] = r;
+  write_partial(a, merge, G, nh, b, kvh, h0, sp);
+}
+
+// ---- tensor-core split pass (fp16 / bf16 caches, head size 64 or 128, no rope, no int8) ----
+//
+// The same partials as decode_split_kernel, with the two products on mma.sync m16n8k16: a warp
+// takes 16-key tiles (tile w, w + kWarps, ... of the split), copied into shared memory with
+// cp.async two tiles ahead of... one tile ahead of their use (double buffer, rows padded by 16
+// bytes so that ldmatrix reads conflict-free); the tile's 16 query heads (rows past the group's
+// are zero) are the MMA's rows: S = Q K^T (B fragments by ldmatrix from the K rows), scaled and
+// masked in fp32, one online-softmax step per row in registers (a row's 16 scores sit in the 4
+// lanes of a quad), then O += P V with P rounded to the cache's dtype (as flash attention does)
+// and V's fragments by ldmatrix.trans. Accumulation in fp32.
+
+constexpr int kTileKeys = 16;
+constexpr int kTileRows = 16;  // query heads of an MMA tile
+
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes from global to shared without registers; valid false writes zeros (reads nothing).
+__device__ __forceinline__ void copy_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(shared_address(p)));
+}
+
+// d += a b for a 16 x 16 A (row-major fragments) and a 16 x 8 B (column-major), fp32 d.
+template <typename T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                            uint32_t b1) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two values rounded to T, the first in the low half (the lower column of a fragment pair).
+template <typename T>
+__device__ __forceinline__ uint32_t pack_pair(float x, float y) {
+  const T lo(x), hi(y);
+  return static_cast<uint32_t>(lo.x) | (static_cast<uint32_t>(hi.x) << 16);
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) decode_mma_kernel(const SplitArgs a) {
+  constexpr int kPitch = D + 8;                    // elements a shared row (16 bytes of padding)
+  constexpr int kTile = kTileKeys * kPitch;        // elements of one K or V tile
+  constexpr int kPieces = kTileKeys * D / 8 / 32;  // 16-byte copies a lane per tile
+  extern __shared__ __align__(16) unsigned char shared_raw[];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane >> 2, quad_lane = lane & 3;
+  const BlockPlace place = place_of(a, kTileRows);
+  if (!place.active) return;
+  const int64_t b = place.b, t1 = place.t1;
+  const int kvh = place.kvh, h0 = place.h0, nh = place.nh;
+  const int64_t* pb = place.pb;
+  T* tiles = reinterpret_cast<T*>(shared_raw) + warp * 2 * 2 * kTile;  // [stage][K, V][key][pitch]
+  const T* kbase = static_cast<const T*>(a.k.base);
+  const T* vbase = static_cast<const T*>(a.v.base);
+
+  // Q as A fragments: rows group and group + 8 of the tile, k-step ks, columns quad_lane * 2 (+ 8).
+  uint32_t qf[D / 16][4];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = group + 8 * half;
+    const T* q = static_cast<const T*>(a.q) + b * a.q_b + pb[kQStart] * a.q_s +
+                 (kvh * a.group + h0 + ::min(row, nh - 1)) * a.q_n;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      const int c = ks * 16 + quad_lane * 2;
+      qf[ks][half] = row < nh ? (static_cast<uint32_t>(q[c].x) | (static_cast<uint32_t>(q[c + 1].x) << 16)) : 0u;
+      qf[ks][2 + half] = row < nh ? (static_cast<uint32_t>(q[c + 8].x) | (static_cast<uint32_t>(q[c + 9].x) << 16)) : 0u;
     }
   }
+
+  // Copies of the K and V rows of the tile at key tile0 into `stage`.
+  const auto issue = [&](int64_t tile0, int stage) {
+    int32_t blk = 0, pos = 0;
+    const bool mine = lane < kTileKeys && tile0 + lane < t1;
+    if (mine) key_row(a, b, pb, tile0 + lane, blk, pos);
+    T* kt = tiles + stage * 2 * kTile;
+    T* vt = kt + kTile;
+#pragma unroll
+    for (int i = 0; i < kPieces; ++i) {
+      const int piece = lane + 32 * i, row = piece / (D / 8), col = piece % (D / 8) * 8;
+      const int64_t rb = __shfl_sync(0xffffffffu, blk, row), rp = __shfl_sync(0xffffffffu, pos, row);
+      const bool valid = __shfl_sync(0xffffffffu, mine, row);
+      copy_async16(kt + row * kPitch + col, kbase + rb * a.k.blk + rp * a.k.s + kvh * a.k.n + col, valid);
+      copy_async16(vt + row * kPitch + col, vbase + rb * a.v.blk + rp * a.v.s + kvh * a.v.n + col, valid);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  };
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.0f, 0.0f};
+  const int n_row[2] = {kvh * a.group + h0 + group, kvh * a.group + h0 + group + 8};
+
+  int64_t tile0 = place.t0 + int64_t(warp) * kTileKeys;
+  if (tile0 < t1) issue(tile0, 0);
+  for (int stage = 0; tile0 < t1; tile0 += kWarps * kTileKeys, stage ^= 1) {
+    const int64_t next = tile0 + kWarps * kTileKeys;
+    if (next < t1) {
+      issue(next, stage ^ 1);
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    } else {
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    }
+    __syncwarp();
+    const T* kt = tiles + stage * 2 * kTile;
+    const T* vt = kt + kTile;
+
+    // S = Q K^T: n-tile 0 keys 0-7, n-tile 1 keys 8-15.
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    const int krow = ((lane >> 4) & 1) * 8 + (lane & 7), kcol = ((lane >> 3) & 1) * 8;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks) {
+      uint32_t kb[4];
+      ldmatrix_x4(kb, kt + krow * kPitch + ks * 16 + kcol);
+      mma_16x8x16<T>(s[0], qf[ks], kb[0], kb[1]);
+      mma_16x8x16<T>(s[1], qf[ks], kb[2], kb[3]);
+    }
+
+    // Online softmax: s[nt][e] is row group + 8 (e >> 1), key tile0 + nt * 8 + quad_lane * 2 + (e & 1).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = kNegInf;
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 2 * half; e < 2 * half + 2; ++e) {
+          const int64_t t = tile0 + nt * 8 + quad_lane * 2 + (e & 1);
+          float x = s[nt][e] * a.scale;
+          if (t >= t1 || (a.mask != nullptr && group + 8 * half < nh &&
+                          a.mask[b * a.mask_b + n_row[half] * a.mask_n + t] != 0)) {
+            x = kNegInf;
+          }
+          s[nt][e] = x;
+          mx = nan_max(mx, x);
+        }
+      }
+      mx = nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = nan_max(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_new = nan_max(m[half], mx);
+      float alpha = 1.0f, sum = 0.0f;
+      if (m_new != kNegInf) {
+        alpha = m[half] == kNegInf ? 0.0f : expf(m[half] - m_new);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s[nt][e] = expf(s[nt][e] - m_new);
+            sum += s[nt][e];
+          }
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) s[nt][2 * half] = s[nt][2 * half + 1] = 0.0f;
+      }
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      l[half] = l[half] * alpha + sum;
+      m[half] = m_new;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        o[j][2 * half] *= alpha;
+        o[j][2 * half + 1] *= alpha;
+      }
+    }
+
+    // O += P V: P's A fragments are the score accumulators (keys 0-7 from n-tile 0, 8-15 from 1).
+    const uint32_t pa[4] = {pack_pair<T>(s[0][0], s[0][1]), pack_pair<T>(s[0][2], s[0][3]),
+                            pack_pair<T>(s[1][0], s[1][1]), pack_pair<T>(s[1][2], s[1][3])};
+    const int vrow = ((lane >> 3) & 1) * 8 + (lane & 7), vcol = ((lane >> 4) & 1) * 8;
+#pragma unroll
+    for (int j2 = 0; j2 < D / 16; ++j2) {
+      uint32_t vb[4];
+      ldmatrix_x4_trans(vb, vt + vrow * kPitch + j2 * 16 + vcol);
+      mma_16x8x16<T>(o[2 * j2], pa, vb[0], vb[1]);
+      mma_16x8x16<T>(o[2 * j2 + 1], pa, vb[2], vb[3]);
+    }
+    __syncwarp();
+  }
+
+  // The warps' states through shared memory (over the tiles, once every warp is done).
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  __syncthreads();
+  const int rec = 3 + a.dv;
+  float* merge = reinterpret_cast<float*>(shared_raw);
+  float* mine = merge + warp * kTileRows * rec;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = group + 8 * half;
+    if (row >= nh) continue;
+    if (quad_lane == 0) {
+      mine[row * rec] = m[half];
+      mine[row * rec + 1] = l[half];
+      mine[row * rec + 2] = 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      mine[row * rec + 3 + j * 8 + quad_lane * 2] = o[j][2 * half];
+      mine[row * rec + 3 + j * 8 + quad_lane * 2 + 1] = o[j][2 * half + 1];
+    }
+  }
+  __syncthreads();
+  write_partial(a, merge, kTileRows, nh, b, kvh, h0, place.sp);
 }
 
 struct MergeArgs {
@@ -586,6 +853,76 @@ bool rows_packed(const KvRows& r, int64_t width, int64_t elem, int64_t vec_bytes
           (width * elem) % vec_bytes == 0);
 }
 
+// Shared memory of decode_mma_kernel<T, D>: its tiles, or the warps' merge records if larger.
+template <typename T>
+size_t smem_for_mma(int d) {
+  const size_t tiles = size_t(kWarps) * 2 * 2 * kTileKeys * (d + 8) * sizeof(T);
+  const size_t merge = size_t(kWarps) * kTileRows * (3 + d) * sizeof(float);
+  return std::max(tiles, merge);
+}
+
+constexpr int kMaxDevices = 64;  // devices whose launch settings are kept (others: CUDA cores)
+
+struct MmaLaunch {
+  void (*fn)(SplitArgs) = nullptr;  // null: the CUDA-core pass runs the call
+  size_t smem = 0;
+  int blocks_per_sm = 1;
+};
+
+// The tensor-core pass for this call, if it applies: an fp16 / bf16 cache (T) with head size 64
+// or 128 for K and V, no rope part, rows whose 16-byte pieces are aligned, a GPU of compute
+// capability 8.0 or newer; OPENNPU_FIA_CUDA_MMA=0 turns it off (to compare the two passes).
+template <typename T>
+MmaLaunch mma_launch(const SplitArgs& a, int major, size_t smem) {
+  MmaLaunch r;
+  if constexpr (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>) {
+    const char* env = std::getenv("OPENNPU_FIA_CUDA_MMA");
+    if ((env != nullptr && std::string(env) == "0") || major < 8 || a.dr != 0 || a.d != a.dv ||
+        (a.d != 64 && a.d != 128) || !a.packed_k || !a.packed_v) {
+      return r;
+    }
+    const int device = c10::cuda::current_device();
+    if (device >= kMaxDevices) return r;
+    const auto pick = [&](void (*kernel)(SplitArgs), std::atomic<int>& cached) {
+      int per_sm = cached.load();
+      if (per_sm == 0) {  // once per kernel and device: allow its shared memory, ask how many fit
+        C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(smem)));
+        C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, smem));
+        per_sm = std::max(per_sm, 1);
+        cached.store(per_sm);
+      }
+      r.fn = kernel;
+      r.smem = smem;
+      r.blocks_per_sm = per_sm;
+    };
+    static std::atomic<int> per_sm_64[kMaxDevices], per_sm_128[kMaxDevices];
+    if (a.d == 64) {
+      pick(decode_mma_kernel<T, 64>, per_sm_64[device]);
+    } else {
+      pick(decode_mma_kernel<T, 128>, per_sm_128[device]);
+    }
+  }
+  return r;
+}
+
+// Splits (1 .. most) for `units` block groups on `slots` resident blocks: the first whose blocks
+// fill their last wave to 90% or more, else the one that fills it best.
+int64_t whole_waves(int64_t units, int64_t slots, int64_t most) {
+  int64_t best = 1;
+  double best_fill = 0.0;
+  for (int64_t s = 1; s <= most; ++s) {
+    const int64_t blocks = units * s;
+    const double fill = double(blocks) / double((blocks + slots - 1) / slots * slots);
+    if (fill >= 0.9) return s;
+    if (fill > best_fill + 1e-9) {
+      best = s;
+      best_fill = fill;
+    }
+  }
+  return best;
+}
+
 template <typename T>
 void decode_typed(const DecodeProblem& d, at::ScalarType dtype, void* out) {
   const AttentionProblem& p = *d.p;
@@ -678,23 +1015,38 @@ void decode_typed(const DecodeProblem& d, at::ScalarType dtype, void* out) {
   a.packed_v = a.dv % V == 0 && rows_packed(d.cache.v, a.dv, elem, vec_bytes);
   a.scale = static_cast<float>(p.scale);
 
-  // Context splits: enough blocks to fill the GPU (4 a multiprocessor), each split at least one
-  // chunk per warp.
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  a.key_stride = (g_tile * a.lpk + 31) / 32 * 32 + a.lpk;
+  a.red_floats = (32 / a.lpk) * kUnroll * a.key_stride;
+  // The tensor-core pass where it applies (decode_mma_kernel), else the CUDA-core one.
+  const auto* props = at::cuda::getCurrentDeviceProperties();
+  const MmaLaunch mma = mma_launch<T>(a, props->major, smem_for_mma<T>(a.d));
+  if (mma.fn != nullptr) {
+    a.tile_heads = kTileRows;
+    a.tiles = static_cast<int>((g + kTileRows - 1) / kTileRows);
+  }
+  const size_t smem = mma.fn != nullptr ? mma.smem
+                      : sizeof(float) * kWarps *
+                            std::max<int64_t>(g_tile * kChunk + a.red_floats, g_tile * (3 + a.dv));
+
+  // Context splits: the blocks fill the GPU's resident slots (the tensor-core pass: in waves as
+  // whole as the split count allows), each split at least one chunk per warp.
+  const int64_t sms = props->multiProcessorCount;
   const int64_t units = B * KVN * a.tiles;
-  const int64_t want = (4 * sms + units - 1) / units;
-  const int64_t most = std::max<int64_t>(1, (max_keys + kWarps * kChunk - 1) / (kWarps * kChunk));
-  a.splits = static_cast<int>(std::clamp<int64_t>(want, 1, std::min<int64_t>(most, 256)));
+  const int64_t most = std::min<int64_t>(
+      256, std::max<int64_t>(1, (max_keys + kWarps * kChunk - 1) / (kWarps * kChunk)));
+  a.splits = static_cast<int>(
+      mma.fn != nullptr ? whole_waves(units, mma.blocks_per_sm * sms, most)
+                        : std::clamp<int64_t>((4 * sms + units - 1) / units, 1, most));
   const at::Tensor part = at::empty({B * N * a.splits * (2 + a.dv)},
                                     at::TensorOptions().dtype(at::kFloat).device(device));
   a.part = part.mutable_data_ptr<float>();
-
-  a.key_stride = (g_tile * a.lpk + 31) / 32 * 32 + a.lpk;
-  a.red_floats = (32 / a.lpk) * kUnroll * a.key_stride;
-  const size_t smem = sizeof(float) * kWarps *
-                      std::max<int64_t>(g_tile * kChunk + a.red_floats, g_tile * (3 + a.dv));
   const int64_t blocks = units * a.splits;
-  Launch<T>::run(a, vpl, g_tile, blocks, smem);
+  if (mma.fn != nullptr) {
+    mma.fn<<<static_cast<unsigned>(blocks), kThreads, mma.smem, at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  } else {
+    Launch<T>::run(a, vpl, g_tile, blocks, smem);
+  }
 
   MergeArgs mg;
   mg.part = a.part;
