@@ -203,8 +203,8 @@ def _decode_composition(q, k, v, scale):
 
 
 def _with_decode_switch(fn, value):
-    """fn with OPENNPU_FIA_DECODE=value: "0" the portable route for every decode call (flash /
-    cuDNN where the call fits, else ATen ops), "1" the decode kernel for every one it covers."""
+    """fn with OPENNPU_FIA_DECODE=value ("0": the portable route for every decode call, flash /
+    cuDNN where the call fits, else ATen ops: what a CUDA decode call ran before the kernel)."""
     def run():
         os.environ["OPENNPU_FIA_DECODE"] = value
         try:
@@ -235,11 +235,7 @@ def decode_attention_cases(b, n, nkv, skv, d, dtype):
     fwd = {"ours": ours, "eager": lambda: _decode_composition(qb, kb, vb, scale),
            "compile": compiled(_decode_composition, qb, kb, vb, scale),
            "portable": _with_decode_switch(ours, "0"), "sdpa": sdpa}
-    # the decode kernel on the same dense cache (by default flash takes these calls)
-    kernel = {"ours": _with_decode_switch(ours, "1"), "portable": _with_decode_switch(ours, "0"),
-              "sdpa": sdpa}
-    nbytes = 2 * k.numel() * k.element_size()
-    return [("infer_attention", "fwd", nbytes, fwd), ("fia_kernel", "fwd", nbytes, kernel)]
+    return [("infer_attention", "fwd", 2 * k.numel() * k.element_size(), fwd)]
 
 
 def paged_decode_attention_cases(b, n, nkv, skv, d, block_size, dtype):

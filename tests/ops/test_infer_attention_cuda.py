@@ -1,9 +1,8 @@
 """npu_fused_infer_attention_score (and _v2) on CUDA tensors: decode calls run the CUDA decode
-kernel (csrc/ops/attention/infer_attention_cuda.cu) unless flash attention takes them (a dense
-fp16 / bf16 cache), every other call the portable composition. The kernel's cases run with
-OPENNPU_FIA_DECODE=1 (every decode call on the kernel), the same call on CUDA copies and on the
-CPU (whose kernels test_infer_attention*.py check against a float64 oracle), comparing outputs
-and softmax_lse. Skipped without a GPU."""
+kernel (csrc/ops/attention/infer_attention_cuda.cu), every other call the portable composition.
+The kernel's cases run on both its split passes (tensor cores where they apply, and CUDA cores),
+the same call on CUDA copies and on the CPU (whose kernels test_infer_attention*.py check against
+a float64 oracle), comparing outputs and softmax_lse. Skipped without a GPU."""
 from __future__ import annotations
 
 import math
@@ -30,10 +29,8 @@ INT8_LSE_TOL = dict(atol=1e-3, rtol=1e-4)
 
 @pytest.fixture(params=["tensor_cores", "cuda_cores"])
 def kernel(request, monkeypatch):
-    """Every decode call on the decode kernel, dense fp16 / bf16 caches included; fp16 / bf16
-    caches of head size 64 or 128 on its tensor-core pass, or (OPENNPU_FIA_CUDA_MMA=0) on the
-    CUDA-core pass that takes every other call."""
-    monkeypatch.setenv("OPENNPU_FIA_DECODE", "1")
+    """fp16 / bf16 caches of head size 64 or 128 on the tensor-core pass, or
+    (OPENNPU_FIA_CUDA_MMA=0) on the CUDA-core pass that takes every other call."""
     if request.param == "cuda_cores":
         monkeypatch.setenv("OPENNPU_FIA_CUDA_MMA", "0")
 
@@ -71,14 +68,12 @@ def test_routes(monkeypatch):
     def ran(q, k, v, **extra):
         return _ops_run(lambda: npu.npu_fused_infer_attention_score(q, k, v, **kw, **extra))
 
-    # a paged cache: the decode kernel; a dense fp16 one: flash (the portable route)
     assert "opennpu::_fia_decode" in ran(q, k, v, **paged)
-    assert "opennpu::_fia_portable" in ran(q, k, v)
-    assert "opennpu::_fia_decode" in ran(q.float(), k.float(), v.float())  # flash has no fp32
+    assert "opennpu::_fia_decode" in ran(q, k, v)
     q3 = torch.randn(2, 3, 64, dtype=torch.float16, device="cuda")  # three query rows: prefill
     assert "opennpu::_fia_portable" in ran(q3, k, v, **paged)
-    monkeypatch.setenv("OPENNPU_FIA_DECODE", "1")
-    assert "opennpu::_fia_decode" in ran(q, k, v)
+    assert "opennpu::_fia_portable" in ran(q, k, v, pse_shift=torch.zeros(1, 4, 1, 32, device="cuda",
+                                                                        dtype=torch.float16))
     monkeypatch.setenv("OPENNPU_FIA_DECODE", "0")
     names = ran(q, k, v, **paged)
     assert "opennpu::_fia_portable" in names and "opennpu::_fia_decode" not in names
@@ -243,5 +238,5 @@ def test_empty_batch_and_bad_inputs():
         npu.npu_fused_infer_attention_score(q, k, v, num_heads=4, num_key_value_heads=3)
     with pytest.raises(RuntimeError, match="npu_fused_infer_attention_score.*block_table.*row per batch"):
         npu.npu_fused_infer_attention_score(  # the cache [2 blocks, 8, 32] of a batch of two
-            q, k, v, num_heads=4, num_key_value_heads=2, block_size=8,
+            q, k, v, num_heads=4, num_key_value_heads=2, block_size=8, actual_seq_lengths_kv=[8, 8],
             block_table=torch.zeros(1, 1, dtype=torch.int32, device="cuda"))

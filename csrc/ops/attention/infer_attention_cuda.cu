@@ -10,29 +10,32 @@
 // they fit). Both take the call's stack as it is: they share the op's schema.
 //
 // Flash-decoding in two launches:
-// 1. Split pass. A block (kWarps warps) serves one (batch, kv head, context split, tile of up to
-//    G query heads of the kv head's group), so a K/V row is read once for the G heads; tiles of
-//    one split are adjacent block indices and share the rows through L2. Each warp walks chunks
-//    of kChunk keys (chunk w, w + kWarps, ... of the split). Per chunk:
-//    - lane j finds key j's row (block table or contiguous rows; block ids checked on device);
-//    - scores: a key row is spread over lpk lanes, kVec elements a lane per vector load (K then
-//      the rope part of K, as one concatenated row), each lane holding q's matching elements in
-//      registers (scaled by `scale` in fp32); the lpk partial dot products are summed by shuffles;
-//    - softmax: lane j takes key j of every head: user mask, per-token key factors, the chunk's
-//      max (NaN-propagating, as the CPU kernel), one online-softmax step in fp32;
-//    - P V: value rows spread over lanes the same way, acc[head][element] += p * v in fp32.
-//    The warps' (max, sum, acc) are merged by log-sum-exp through shared memory and written as
-//    the split's partial. An int8 cache is read as codes: per-channel key factors are folded
-//    into q (q'_d = q_d s_d, plus q' . offset added to every score), per-channel value factors
-//    applied to the partial's acc once (s_d (acc_d + o_d l), linear in acc and l, so exact under
-//    the later merge); per-token factors scale the score (s_t (q . x + o_t sum q)) and P
-//    (p'_t = p_t s_t, with sum_t p'_t o_t carried beside acc).
+// 1. Split pass: a block (kWarps warps) serves one (batch, kv head, context split, tile of query
+//    heads of the kv head's group), so a K/V row is read once for the tile's heads; tiles of one
+//    split are adjacent block indices and share the rows through L2. Block ids are checked on
+//    device. Two implementations write the same partials (max, sum, acc per head and split):
+//    - decode_mma_kernel (fp16 / bf16 caches, head size 64 or 128, no rope part): 16-key tiles
+//      copied to shared memory ahead of use, both products on tensor cores (see its comment);
+//    - decode_split_kernel (everything else: fp32, int8 codes, MLA rope parts, other head sizes):
+//      each warp walks chunks of kChunk keys (chunk w, w + kWarps, ... of the split). Per chunk,
+//      lane j finds key j's row; a key row is spread over lpk lanes, kVec elements a lane per
+//      vector load (K then the rope part of K, as one concatenated row), each lane holding q's
+//      matching elements in registers (scaled in fp32), the lpk partial dot products summed
+//      through shared memory; lane j then takes key j of every head (user mask, per-token key
+//      factors, the chunk's max, NaN-propagating as the CPU kernel, one online-softmax step in
+//      fp32), and acc[head][element] += p * v in fp32 with the value rows spread the same way.
+//      An int8 cache is read as codes: per-channel key factors are folded into q
+//      (q'_d = q_d s_d, plus q' . offset added to every score), per-channel value factors applied
+//      to the partial's acc once (s_d (acc_d + o_d l), linear in acc and l, so exact under the
+//      later merge); per-token factors scale the score (s_t (q . x + o_t sum q)) and P
+//      (p'_t = p_t s_t, with sum_t p'_t o_t carried beside acc).
+//    The warps' states are merged by log-sum-exp through shared memory (write_partial).
 // 2. Merge: per (batch, query head) the splits' partials (and the learnable sink, as a partial of
 //    max = sink, sum = 1, acc = 0) by log-sum-exp; out = acc * (1 / l) rounded once to the
 //    output dtype, lse = max + log(sum) (-inf where nothing was seen; out 0 there).
-// Numerics as infer_decode_cpu: fp32 throughout, one rounding of the output. The summation order
-// differs, so results agree to a few fp32 ulps before that rounding, not bit for bit.
-#include <ATen/Context.h>
+// Numerics as infer_decode_cpu: fp32 accumulation and softmax, one rounding of the output (the
+// tensor-core pass also rounds P to the cache's dtype before P V, as flash attention does). The
+// summation order differs, so results agree to a few fp32 ulps before that rounding.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -1093,8 +1096,6 @@ void infer_decode_cuda(const DecodeProblem& d, at::ScalarType dtype, void* out) 
 struct RouteArgs {
   bool v2 = false;
   int pse_shift = -1, seq_q = -1, query_rope = -1, layout = -1, num_heads = -1;
-  int block_table = -1, atten_mask = -1;
-  std::vector<int> dense_none;  // with these None (and no mask, table, rope) flash may take it
   std::vector<int> must_be_none;  // padding / prefix (v1), quant_scale_p (v2)
   int query_quant_mode = -1;      // v2: 3 is the int8 MLA prefill kernel's
 };
@@ -1112,14 +1113,10 @@ RouteArgs route_args(const c10::FunctionSchema& schema, bool v2) {
   r.query_rope = at("query_rope");
   r.layout = at("input_layout");
   r.num_heads = at(v2 ? "num_query_heads" : "num_heads");
-  r.block_table = at("block_table");
-  r.atten_mask = at("atten_mask");
   if (v2) {
     r.must_be_none = {at("quant_scale_p")};
     r.query_quant_mode = at("query_quant_mode");
-    r.dense_none = {at("learnable_sink"), at("dequant_scale_key"), at("dequant_scale_value")};
   } else {
-    r.dense_none = {at("antiquant_scale"), at("key_antiquant_scale"), at("value_antiquant_scale")};
     r.must_be_none = {at("query_padding_size"), at("kv_padding_size"), at("key_shared_prefix"),
                       at("value_shared_prefix"), at("actual_shared_prefix_len")};
   }
@@ -1130,39 +1127,14 @@ int64_t int_of(const c10::IValue& v) {
   return v.isInt() ? v.toInt() : v.toSymInt().guard_int(__FILE__, __LINE__);
 }
 
-// Whether a decode call over a dense fp16 / bf16 cache that flash attention takes (no block
-// table, int8 cache, rope part, mask or sink; BSH / BSND / BNSD): the portable route runs it on
-// flash's split-KV kernel (flash_route.py), which reads the cache faster than this kernel.
-bool flash_takes(const c10::IValue* s, const RouteArgs& r, const std::string& layout,
-                 int64_t head_dim) {
-  const at::ScalarType dt = s[0].toTensor().scalar_type();
-  if ((dt != at::kHalf && dt != at::kBFloat16) || !at::globalContext().userEnabledFlashSDP()) {
-    return false;
-  }
-  if (head_dim % 8 != 0 || head_dim > 256) return false;
-  const auto dense = [](const std::string& l) { return l == "BSH" || l == "BSND" || l == "BNSD"; };
-  const size_t cut = layout.find('_');
-  if (!dense(layout.substr(0, cut)) || (cut != std::string::npos && !dense(layout.substr(cut + 1)))) {
-    return false;
-  }
-  if (!s[r.block_table].isNone() || !s[r.atten_mask].isNone() || !s[r.query_rope].isNone()) {
-    return false;
-  }
-  for (int i : r.dense_none) {
-    if (!s[i].isNone()) return false;
-  }
-  return s[1].toTensor().scalar_type() == dt;
-}
-
 // Whether the C++ entry point would run this call on the decode kernel (its test in
 // infer_attention.cpp: one query row per sequence, no pse_shift, fp32 / fp16 / bf16 query, no
-// int8 cache with rope parts), with head sizes the kernel holds, and whether it should (not a
-// call flash_takes; OPENNPU_FIA_DECODE=1 takes those too, =0 none). Shapes the entry point
-// rejects go there too: its messages name the argument.
+// int8 cache with rope parts), with head sizes the kernel holds; OPENNPU_FIA_DECODE=0 sends
+// every call to the portable route (as it sends the CPU's to the prefill kernels). Shapes the
+// entry point rejects go there too: its messages name the argument.
 bool decode_call(const c10::IValue* s, const RouteArgs& r) {
   const char* env = std::getenv("OPENNPU_FIA_DECODE");
-  const std::string mode = env == nullptr ? "" : env;
-  if (mode == "0") return false;
+  if (env != nullptr && std::string(env) == "0") return false;
   const at::Tensor& q = s[0].toTensor();
   const at::Tensor& k = s[1].toTensor();
   const at::ScalarType dt = q.scalar_type();
@@ -1174,9 +1146,9 @@ bool decode_call(const c10::IValue* s, const RouteArgs& r) {
   if (r.v2 && s[r.query_quant_mode].toInt() == 3) return false;
   const bool rope = !s[r.query_rope].isNone();
   if (rope && k.scalar_type() == at::kChar) return false;
-  std::string full(s[r.layout].toStringRef());
-  for (char& ch : full) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
-  const std::string layout = full.substr(0, full.find('_'));
+  std::string layout(s[r.layout].toStringRef());
+  for (char& ch : layout) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  layout = layout.substr(0, layout.find('_'));
   const int64_t heads = s[r.num_heads].toInt();
   int64_t width = 0;  // query head size, rope part included
   if (layout == "TND" || layout == "NTD") {
@@ -1199,8 +1171,7 @@ bool decode_call(const c10::IValue* s, const RouteArgs& r) {
     const at::Tensor& qr = s[r.query_rope].toTensor();
     if (qr.dim() >= 1) width += layout == "BSH" && heads > 0 ? qr.size(-1) / heads : qr.size(-1);
   }
-  if (width > (dt == at::kFloat ? 512 : 1024)) return false;
-  return mode == "1" || !flash_takes(s, r, full, width);
+  return width <= (dt == at::kFloat ? 512 : 1024);
 }
 
 template <bool kV2>
