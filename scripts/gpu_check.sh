@@ -12,7 +12,8 @@ export PYTHONUNBUFFERED=1
 nvidia-smi -L
 python3 -c "import torch, opennpu; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
 status=0
-python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_cuda_kernels.py tests/ops/test_attention_flash.py tests/ops/test_llm_decode_e2e.py \
+python3 -m pytest -q -p no:cacheprovider -n 8 tests/ops/test_cuda_kernels.py tests/ops/test_infer_attention_cuda.py \
+  tests/ops/test_attention_flash.py tests/ops/test_llm_decode_e2e.py \
   tests/device/test_registration.py::test_beside_a_gpu_torch_npu_needs_the_switch_which_warns_about_cuda_autograd \
   tests/optim/test_optim_portable.py::test_optimizers_on_cuda_match_cpu \
   tests/compile/test_rules_devices.py::test_cuda_fuses_only_ops_with_cuda_kernels \
