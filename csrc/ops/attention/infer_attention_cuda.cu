@@ -118,6 +118,12 @@ struct SplitArgs {
 
 __device__ __forceinline__ float nan_max(float a, float b) { return cuda::NanMaxOp()(a, b); }
 
+// Row (blk, pos) of kv head kvh in `r`, as T elements.
+template <typename T>
+__device__ __forceinline__ const T* row_at(const Rows& r, int64_t blk, int64_t pos, int kvh) {
+  return static_cast<const T*>(r.base) + blk * r.blk + pos * r.s + kvh * r.n;
+}
+
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) x = nan_max(x, __shfl_xor_sync(0xffffffffu, x, o));
@@ -321,9 +327,6 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
   // key groups' stores fall in different banks).
   float* s = smem + warp * (G * kChunk + a.red_floats);
   float* red = s + G * kChunk;
-  const T* kbase = static_cast<const T*>(a.k.base);
-  const T* vbase = static_cast<const T*>(a.v.base);
-  const T* krbase = static_cast<const T*>(a.kr.base);
 
   for (int64_t c0 = t0 + int64_t(warp) * kChunk; c0 < t1; c0 += int64_t(kWarps) * kChunk) {
     const int cnt = static_cast<int>(::min(int64_t(kChunk), t1 - c0));
@@ -347,7 +350,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
         if (a.v_tok.offset != nullptr) vo = a.v_tok.offset[at];
       }
       // The value rows are read after the scores: ask for them now.
-      prefetch_row(vbase + my_blk * a.v.blk + my_pos * a.v.s + kvh * a.v.n, a.dv);
+      prefetch_row(row_at<T>(a.v, my_blk, my_pos, kvh), a.dv);
     }
     // The key rows of this warp's next chunk, read after this one: ask for them now.
     if (c0 + kWarps * kChunk + lane < t1) {
@@ -358,7 +361,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
         pos = int32_t(t) % int32_t(a.block_size);
       }
       if (blk >= 0 && (a.table == nullptr || blk < a.num_blocks)) {
-        prefetch_row(kbase + blk * a.k.blk + pos * a.k.s + kvh * a.k.n, a.d);
+        prefetch_row(row_at<T>(a.k, blk, pos, kvh), a.d);
       }
     }
 
@@ -370,8 +373,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
         const int j = j0 + u * kps + kk;
         const int64_t blk = __shfl_sync(0xffffffffu, my_blk, j & 31);
         const int64_t pos = __shfl_sync(0xffffffffu, my_pos, j & 31);
-        const T* krow = kbase + blk * a.k.blk + pos * a.k.s + kvh * a.k.n;
-        const T* rrow = krbase == nullptr ? nullptr : krbase + blk * a.kr.blk + pos * a.kr.s + kvh * a.kr.n;
+        const T* krow = row_at<T>(a.k, blk, pos, kvh);
+        const T* rrow = a.kr.base == nullptr ? nullptr : row_at<T>(a.kr, blk, pos, kvh);
 #pragma unroll
         for (int w = 0; w < VPL; ++w) {
           const int v = vi + w * a.lpk;
@@ -464,7 +467,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
         const int j = j0 + u * kps_v + kk_v;
         const int64_t blk = __shfl_sync(0xffffffffu, my_blk, j & 31);
         const int64_t pos = __shfl_sync(0xffffffffu, my_pos, j & 31);
-        const T* vrow = vbase + blk * a.v.blk + pos * a.v.s + kvh * a.v.n;
+        const T* vrow = row_at<T>(a.v, blk, pos, kvh);
 #pragma unroll
         for (int w = 0; w < VPL; ++w) {
           const int v = vi_v + w * a.lpk_v;
@@ -610,8 +613,6 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const SplitArgs a)
   const int kvh = place.kvh, h0 = place.h0, nh = place.nh;
   const int64_t* pb = place.pb;
   T* tiles = reinterpret_cast<T*>(shared_raw) + warp * 2 * 2 * kTile;  // [stage][K, V][key][pitch]
-  const T* kbase = static_cast<const T*>(a.k.base);
-  const T* vbase = static_cast<const T*>(a.v.base);
 
   // Q as A fragments: rows group and group + 8 of the tile, k-step ks, columns quad_lane * 2 (+ 8).
   uint32_t qf[D / 16][4];
@@ -640,8 +641,8 @@ __global__ void __launch_bounds__(kThreads) decode_mma_kernel(const SplitArgs a)
       const int piece = lane + 32 * i, row = piece / (D / 8), col = piece % (D / 8) * 8;
       const int64_t rb = __shfl_sync(0xffffffffu, blk, row), rp = __shfl_sync(0xffffffffu, pos, row);
       const bool valid = __shfl_sync(0xffffffffu, mine, row);
-      copy_async16(kt + row * kPitch + col, kbase + rb * a.k.blk + rp * a.k.s + kvh * a.k.n + col, valid);
-      copy_async16(vt + row * kPitch + col, vbase + rb * a.v.blk + rp * a.v.s + kvh * a.v.n + col, valid);
+      copy_async16(kt + row * kPitch + col, row_at<T>(a.k, rb, rp, kvh) + col, valid);
+      copy_async16(vt + row * kPitch + col, row_at<T>(a.v, rb, rp, kvh) + col, valid);
     }
     asm volatile("cp.async.commit_group;\n" ::);
   };
