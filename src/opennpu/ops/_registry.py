@@ -144,13 +144,6 @@ def mark_not_differentiable(name: str, reason: str, namespace: str = "npu") -> N
     giving no gradient. Ops outside torch.ops.npu (`namespace`, e.g. "atb") are recorded in
     DIFFERENTIABILITY as "<namespace>::<name>"."""
     message = f"{name}: not differentiable ({reason})"
-
-    def backward(ctx, *grads):
-        raise RuntimeError(message)
-
-    def setup_context(ctx, inputs, output):
-        pass
-
     packet = getattr(getattr(torch.ops, namespace), name)
     for overload_name in packet.overloads():
         overload = getattr(packet, overload_name)
@@ -159,50 +152,10 @@ def mark_not_differentiable(name: str, reason: str, namespace: str = "npu") -> N
             qualname = f"{qualname}.{overload_name}"
         if not torch._library.utils.is_functional_schema(overload._schema):
             _register_mutable_overload_kernel(qualname, overload, message)
-        elif torch._library.utils.has_kwarg_only_tensors(overload._schema):
-            _register_raising_overload_kernel(qualname, overload, message)
-        else:
-            torch.library.register_autograd(qualname, backward, setup_context=setup_context)
+        else:  # a C++ kernel (csrc/common/not_differentiable.cpp): no Python frame per call
+            torch.ops.opennpu._mark_not_differentiable(qualname, message)
     key = name if namespace == "npu" else f"{namespace}::{name}"
     DIFFERENTIABILITY[key] = f"not differentiable: {reason}"
-
-
-def _register_raising_overload_kernel(qualname: str, overload, message: str) -> None:
-    """An Autograd kernel for ops register_autograd refuses (keyword-only tensor arguments):
-    runs the op below autograd and ties its floating outputs to a node whose backward raises.
-    Tensor-list arguments and outputs are handled."""
-
-    class _NotDifferentiable(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, n_inputs, *tensors):
-            return tuple(t.detach() for t in tensors[n_inputs:])
-
-        @staticmethod
-        def backward(ctx, *grads):
-            raise RuntimeError(message)
-
-    def tensors_in(values):
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                yield v
-            elif isinstance(v, (list, tuple)):
-                yield from (t for t in v if isinstance(t, torch.Tensor))
-
-    @torch.library.impl(qualname, "Autograd")
-    def _autograd_kernel(*args, **kwargs):
-        with torch._C._AutoDispatchBelowAutograd():
-            result = overload(*args, **kwargs)
-        needs_grad = [t for t in tensors_in((*args, *kwargs.values())) if t.requires_grad]
-        if not (torch.is_grad_enabled() and needs_grad):
-            return result
-        outs = [result] if isinstance(result, torch.Tensor) else list(result)
-        floating = [i for i, o in enumerate(outs) if o.is_floating_point()]
-        tied = _NotDifferentiable.apply(len(needs_grad), *needs_grad, *(outs[i] for i in floating))
-        for i, t in zip(floating, tied):
-            outs[i] = t
-        if isinstance(result, torch.Tensor):
-            return outs[0]
-        return tuple(outs) if isinstance(result, tuple) else outs
 
 
 def _register_mutable_overload_kernel(qualname: str, overload, message: str) -> None:
