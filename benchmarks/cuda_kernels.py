@@ -229,6 +229,7 @@ def decode_attention_cases(b, n, nkv, skv, d, dtype):
 
     qb, kb, vb = q.unflatten(2, (n, d)).transpose(1, 2), k.unflatten(2, (nkv, d)).transpose(1, 2), \
         v.unflatten(2, (nkv, d)).transpose(1, 2)
+
     def sdpa():
         return F.scaled_dot_product_attention(qb, kb, vb, scale=scale, enable_gqa=nkv != n)
 
