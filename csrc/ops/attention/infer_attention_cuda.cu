@@ -77,35 +77,18 @@ constexpr int vec_of() {
   return sizeof(T) == 4 ? 4 : 8;
 }
 
-struct Rows {  // element strides; row t of kv head h at base + blk * blk_s + pos * s + h * n
-  const void* base = nullptr;
-  int64_t blk = 0, s = 0, n = 0;
-};
-
-struct TokenFactors {  // KvQuant kToken: factor of row (i, j), kv head h
-  const float* scale = nullptr;  // null: no per-token factors on this side
-  const float* offset = nullptr;
-  int64_t blk = 0, s = 0, n = 0;
-  bool paged = false;  // (i, j) = (cache block, slot), else (batch, key)
-};
-
 struct SplitArgs {
   const void* q = nullptr;
   const void* q_rope = nullptr;
   int q_dtype = 0;  // 0 fp32, 1 fp16, 2 bf16
   int64_t q_b = 0, q_s = 0, q_n = 0, qr_b = 0, qr_s = 0, qr_n = 0;
-  Rows k, v, kr;
+  KvRows k, v, kr;  // (blk, pos) below: (cache block, row in it) or (batch, kv_start + key)
   const int32_t* table = nullptr;  // null: contiguous rows (blk = b, pos = kv_start + t)
   int64_t table_stride = 0, block_size = 1, num_blocks = 0;
   const int64_t* batch = nullptr;  // [B, kPerBatch]
   const uint8_t* mask = nullptr;
   int64_t mask_b = 0, mask_n = 0;
-  // int8 cache: per-channel factors ([KVN, D] / [KVN, Dv]) or per-token ones
-  const float* k_chan_scale = nullptr;
-  const float* k_chan_offset = nullptr;
-  const float* v_chan_scale = nullptr;
-  const float* v_chan_offset = nullptr;
-  TokenFactors k_tok, v_tok;
+  KvQuant kq, vq;  // an int8 cache's factors (kNone otherwise)
   int heads_kv = 0, group = 0, tile_heads = 0, tiles = 0;
   int d = 0, dr = 0, dv = 0;
   int nv_main = 0, nv_k = 0, lpk = 0, nv_v = 0, lpk_v = 0;  // vectors per row, lanes per row
@@ -120,9 +103,14 @@ __device__ __forceinline__ float nan_max(float a, float b) { return cuda::NanMax
 
 // Row (blk, pos) of kv head kvh in `r`, as T elements.
 template <typename T>
-__device__ __forceinline__ const T* row_at(const Rows& r, int64_t blk, int64_t pos, int kvh) {
-  return static_cast<const T*>(r.base) + blk * r.blk + pos * r.s + kvh * r.n;
+__device__ __forceinline__ const T* row_at(const KvRows& r, int64_t blk, int64_t pos, int kvh) {
+  return static_cast<const T*>(r.base) + blk * r.stride_blk + pos * r.stride_s + kvh * r.stride_n;
 }
+
+__device__ __forceinline__ bool per_channel(const KvQuant& q) {
+  return q.kind == KvQuant::Kind::kChannel;
+}
+__device__ __forceinline__ bool per_token(const KvQuant& q) { return q.kind == KvQuant::Kind::kToken; }
 
 __device__ __forceinline__ float warp_max(float x) {
 #pragma unroll
@@ -156,6 +144,28 @@ __device__ __forceinline__ void load_elements(const T* row, int e0, int width, b
   } else {
 #pragma unroll
     for (int i = 0; i < V; ++i) x[i] = e0 + i < width ? static_cast<float>(row[e0 + i]) : 0.0f;
+  }
+}
+
+// This lane's VPL vectors of one key's row: vectors first + w * lanes of the concatenated row
+// (n_main vectors of `row`, `width` wide, then those of `rope`, `rope_width` wide; n_all in
+// all), zeros past it or where the key is past the chunk (valid false).
+template <typename T, int V, int VPL>
+__device__ __forceinline__ void load_row_vectors(float (&x)[VPL][V], bool valid, const T* row,
+                                                 const T* rope, int first, int lanes, int n_main,
+                                                 int n_all, int width, int rope_width,
+                                                 bool packed) {
+#pragma unroll
+  for (int w = 0; w < VPL; ++w) {
+    const int v = first + w * lanes;
+    if (!valid || v >= n_all) {
+#pragma unroll
+      for (int i = 0; i < V; ++i) x[w][i] = 0.0f;
+    } else if (v < n_main) {
+      load_elements<T, V>(row, v * V, width, packed, x[w]);
+    } else {
+      load_elements<T, V>(rope, (v - n_main) * V, rope_width, packed, x[w]);
+    }
   }
 }
 
@@ -196,10 +206,10 @@ __device__ void write_partial(const SplitArgs& a, const float* merge, int tile_r
     for (int e = threadIdx.x; e < a.dv; e += kThreads) {
       float r = 0.0f;
       for (int w = 0; w < kWarps; ++w) r += merge[(w * tile_rows + h) * rec + 3 + e] * weight[w];
-      if (a.v_chan_scale != nullptr) {
-        const float off = a.v_chan_offset != nullptr ? a.v_chan_offset[kvh * a.dv + e] * sum : 0.0f;
-        r = (r + off) * a.v_chan_scale[kvh * a.dv + e];
-      } else if (a.v_tok.scale != nullptr) {
+      if (per_channel(a.vq)) {
+        const float off = a.vq.offset != nullptr ? a.vq.offset[kvh * a.dv + e] * sum : 0.0f;
+        r = (r + off) * a.vq.scale[kvh * a.dv + e];
+      } else if (per_token(a.vq)) {
         r += tok;
       }
       dst[2 + e] = r;
@@ -239,21 +249,28 @@ __device__ __forceinline__ BlockPlace place_of(const SplitArgs& a, int tile_head
 }
 
 // Where key t of batch b lives: (cache block, row in block), or (b, kv_start + t) for contiguous
-// rows. Block ids are checked (a device-side assertion; id 0 where assertions are compiled out).
-__device__ __forceinline__ void key_row(const SplitArgs& a, int64_t b, const int64_t* pb, int64_t t,
-                                        int32_t& blk, int32_t& pos) {
-  if (a.table != nullptr) {
-    int64_t id = a.table[b * a.table_stride + int32_t(t) / int32_t(a.block_size)];
-    CUDA_KERNEL_ASSERT_MSG(id >= 0 && id < a.num_blocks,
-                           "npu_fused_infer_attention_score: block_table holds a block id "
-                           "outside the cache");
-    if (id < 0 || id >= a.num_blocks) id = 0;
-    blk = static_cast<int32_t>(id);
-    pos = int32_t(t) % int32_t(a.block_size);
-  } else {
+// rows; false (and (0, 0)) where the block table holds an id outside the cache.
+__device__ __forceinline__ bool locate_key(const SplitArgs& a, int64_t b, const int64_t* pb,
+                                           int64_t t, int32_t& blk, int32_t& pos) {
+  if (a.table == nullptr) {
     blk = static_cast<int32_t>(b);
     pos = static_cast<int32_t>(pb[kKvStart] + t);
+    return true;
   }
+  const int64_t id = a.table[b * a.table_stride + int32_t(t) / int32_t(a.block_size)];
+  const bool inside = id >= 0 && id < a.num_blocks;
+  blk = inside ? static_cast<int32_t>(id) : 0;
+  pos = inside ? int32_t(t) % int32_t(a.block_size) : 0;
+  return inside;
+}
+
+// locate_key for a key the kernel reads: an id outside the cache is a device-side assertion
+// (block 0 is read where assertions are compiled out).
+__device__ __forceinline__ void key_row(const SplitArgs& a, int64_t b, const int64_t* pb, int64_t t,
+                                        int32_t& blk, int32_t& pos) {
+  const bool inside = locate_key(a, b, pb, t, blk, pos);
+  CUDA_KERNEL_ASSERT_MSG(inside, "npu_fused_infer_attention_score: block_table holds a block id "
+                                 "outside the cache");
 }
 
 template <typename T, int G, int VPL>
@@ -291,9 +308,9 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
           if (e < a.d) {
             x = load_q_element(a.q, a.q_dtype, qrow + e) * a.scale;
             q_sum[h] += x;
-            if (a.k_chan_scale != nullptr) {
-              x *= a.k_chan_scale[kvh * a.d + e];
-              if (a.k_chan_offset != nullptr) q_off[h] += x * a.k_chan_offset[kvh * a.d + e];
+            if (per_channel(a.kq)) {
+              x *= a.kq.scale[kvh * a.d + e];
+              if (a.kq.offset != nullptr) q_off[h] += x * a.kq.offset[kvh * a.d + e];
             }
           }
         } else if (v < a.nv_k) {
@@ -336,33 +353,28 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
     if (lane < cnt) {
       const int64_t t = c0 + lane;
       key_row(a, b, pb, t, my_blk, my_pos);
-      const auto factor_at = [&](const TokenFactors& f) {
-        return (f.paged ? my_blk : b) * f.blk + (f.paged ? my_pos : t) * f.s + kvh * f.n;
+      const auto factor_at = [&](const KvQuant& f) {  // (i, j): (block, slot) or (batch, key)
+        return (f.paged ? my_blk : b) * f.stride_blk + (f.paged ? my_pos : t) * f.stride_s +
+               kvh * f.stride_n;
       };
-      if (a.k_tok.scale != nullptr) {
-        const int64_t at = factor_at(a.k_tok);
-        ks = a.k_tok.scale[at];
-        if (a.k_tok.offset != nullptr) ko = a.k_tok.offset[at];
+      if (per_token(a.kq)) {
+        const int64_t at = factor_at(a.kq);
+        ks = a.kq.scale[at];
+        if (a.kq.offset != nullptr) ko = a.kq.offset[at];
       }
-      if (a.v_tok.scale != nullptr) {
-        const int64_t at = factor_at(a.v_tok);
-        vs = a.v_tok.scale[at];
-        if (a.v_tok.offset != nullptr) vo = a.v_tok.offset[at];
+      if (per_token(a.vq)) {
+        const int64_t at = factor_at(a.vq);
+        vs = a.vq.scale[at];
+        if (a.vq.offset != nullptr) vo = a.vq.offset[at];
       }
       // The value rows are read after the scores: ask for them now.
       prefetch_row(row_at<T>(a.v, my_blk, my_pos, kvh), a.dv);
     }
     // The key rows of this warp's next chunk, read after this one: ask for them now.
-    if (c0 + kWarps * kChunk + lane < t1) {
-      const int64_t t = c0 + kWarps * kChunk + lane;
-      int64_t blk = b, pos = pb[kKvStart] + t;
-      if (a.table != nullptr) {
-        blk = a.table[b * a.table_stride + int32_t(t) / int32_t(a.block_size)];
-        pos = int32_t(t) % int32_t(a.block_size);
-      }
-      if (blk >= 0 && (a.table == nullptr || blk < a.num_blocks)) {
-        prefetch_row(row_at<T>(a.k, blk, pos, kvh), a.d);
-      }
+    int32_t next_blk, next_pos;
+    if (c0 + kWarps * kChunk + lane < t1 &&
+        locate_key(a, b, pb, c0 + kWarps * kChunk + lane, next_blk, next_pos)) {
+      prefetch_row(row_at<T>(a.k, next_blk, next_pos, kvh), a.d);
     }
 
     // Scores of this chunk's keys for the tile's heads -> s[h][j].
@@ -373,20 +385,9 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
         const int j = j0 + u * kps + kk;
         const int64_t blk = __shfl_sync(0xffffffffu, my_blk, j & 31);
         const int64_t pos = __shfl_sync(0xffffffffu, my_pos, j & 31);
-        const T* krow = row_at<T>(a.k, blk, pos, kvh);
         const T* rrow = a.kr.base == nullptr ? nullptr : row_at<T>(a.kr, blk, pos, kvh);
-#pragma unroll
-        for (int w = 0; w < VPL; ++w) {
-          const int v = vi + w * a.lpk;
-          if (j >= cnt || v >= a.nv_k) {
-#pragma unroll
-            for (int i = 0; i < V; ++i) x[u][w][i] = 0.0f;
-          } else if (v < a.nv_main) {
-            load_elements<T, V>(krow, v * V, a.d, a.packed_k, x[u][w]);
-          } else {
-            load_elements<T, V>(rrow, (v - a.nv_main) * V, a.dr, a.packed_k, x[u][w]);
-          }
-        }
+        load_row_vectors<T, V, VPL>(x[u], j < cnt, row_at<T>(a.k, blk, pos, kvh), rrow, vi, a.lpk,
+                                    a.nv_main, a.nv_k, a.d, a.dr, a.packed_k);
       }
       // Partial dot products (this lane's share of each row) -> red, then lane i sums the lpk
       // shares of (key, head) pair i: independent loads and adds, no chain of shuffles per key.
@@ -431,7 +432,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
       float x = kNegInf;
       if (lane < cnt) {
         x = s[h * kChunk + lane];
-        x = a.k_tok.scale != nullptr ? ks * (x + ko * q_sum[h]) : x + q_off[h];
+        x = per_token(a.kq) ? ks * (x + ko * q_sum[h]) : x + q_off[h];
         const int n = kvh * a.group + h0 + h;
         if (a.mask != nullptr && a.mask[b * a.mask_b + n * a.mask_n + t] != 0) x = kNegInf;
       }
@@ -443,7 +444,7 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
       }
       l[h] = l[h] * alpha[h] + warp_sum(p);
       m[h] = m_new;
-      if (a.v_tok.scale != nullptr) {
+      if (per_token(a.vq)) {
         p *= vs;
         c[h] = c[h] * alpha[h] + warp_sum(p * vo);
       }
@@ -467,17 +468,8 @@ __global__ void __launch_bounds__(kThreads) decode_split_kernel(const SplitArgs 
         const int j = j0 + u * kps_v + kk_v;
         const int64_t blk = __shfl_sync(0xffffffffu, my_blk, j & 31);
         const int64_t pos = __shfl_sync(0xffffffffu, my_pos, j & 31);
-        const T* vrow = row_at<T>(a.v, blk, pos, kvh);
-#pragma unroll
-        for (int w = 0; w < VPL; ++w) {
-          const int v = vi_v + w * a.lpk_v;
-          if (j >= cnt || v >= a.nv_v) {
-#pragma unroll
-            for (int i = 0; i < V; ++i) x[u][w][i] = 0.0f;
-          } else {
-            load_elements<T, V>(vrow, v * V, a.dv, a.packed_v, x[u][w]);
-          }
-        }
+        load_row_vectors<T, V, VPL>(x[u], j < cnt, row_at<T>(a.v, blk, pos, kvh), nullptr, vi_v,
+                                    a.lpk_v, a.nv_v, a.nv_v, a.dv, 0, a.packed_v);
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -963,10 +955,9 @@ void decode_typed(const DecodeProblem& d, at::ScalarType dtype, void* out) {
   a.qr_b = d.q_rope_view.stride_b;
   a.qr_s = d.q_rope_view.stride_s;
   a.qr_n = d.q_rope_view.stride_n;
-  const auto rows = [](const KvRows& r) { return Rows{r.base, r.stride_blk, r.stride_s, r.stride_n}; };
-  a.k = rows(d.cache.k);
-  a.v = rows(d.cache.v);
-  a.kr = rows(d.cache.k_rope);
+  a.k = d.cache.k;
+  a.v = d.cache.v;
+  a.kr = d.cache.k_rope;
   a.table = d.cache.block_table;
   a.table_stride = d.cache.table_stride;
   a.block_size = std::max<int64_t>(d.cache.block_size, 1);
@@ -975,27 +966,8 @@ void decode_typed(const DecodeProblem& d, at::ScalarType dtype, void* out) {
   a.mask = p.user_mask;
   a.mask_b = p.mask_stride_b;
   a.mask_n = p.mask_stride_n;
-  const auto token = [](const KvQuant& q) {
-    TokenFactors f;
-    if (q.kind != KvQuant::Kind::kToken) return f;
-    f.scale = q.scale;
-    f.offset = q.offset;
-    f.blk = q.stride_blk;
-    f.s = q.stride_s;
-    f.n = q.stride_n;
-    f.paged = q.paged;
-    return f;
-  };
-  if (d.cache.kq.kind == KvQuant::Kind::kChannel) {
-    a.k_chan_scale = d.cache.kq.scale;
-    a.k_chan_offset = d.cache.kq.offset;
-  }
-  if (d.cache.vq.kind == KvQuant::Kind::kChannel) {
-    a.v_chan_scale = d.cache.vq.scale;
-    a.v_chan_offset = d.cache.vq.offset;
-  }
-  a.k_tok = token(d.cache.kq);
-  a.v_tok = token(d.cache.vq);
+  a.kq = d.cache.kq;
+  a.vq = d.cache.vq;
   a.heads_kv = static_cast<int>(KVN);
   a.group = static_cast<int>(g);
   a.d = static_cast<int>(p.head_dim);
